@@ -1,0 +1,1 @@
+"""gridlm: the SPMD application (`python -m app DECK`)."""

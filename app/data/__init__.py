@@ -1,0 +1,48 @@
+"""Data: byte tokenizer, synthetic and memmapped token datasets, and the global batch sampler.
+
+A dataset has `vocab_size`, `seq_len`, `num_samples` (None if infinite) and
+`sample(index) -> int64 array (seq_len + 1,)`, a pure function of the index and seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.data.memmap import MemmapTokens
+from app.data.sampler import GlobalBatchSampler
+from app.data.synthetic import SyntheticTokens
+from app.data.tokenizer import ByteTokenizer
+from app.errors import DataError
+
+__all__ = [
+    "ByteTokenizer",
+    "GlobalBatchSampler",
+    "MemmapTokens",
+    "SyntheticTokens",
+    "build_dataset",
+    "get_batch",
+]
+
+
+def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> SyntheticTokens | MemmapTokens:
+    """The dataset named by the deck's data section (kind: synthetic | memmap)."""
+    if data_cfg.kind == "synthetic":
+        return SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_len, seed, data_cfg.noise)
+    if data_cfg.kind == "memmap":
+        if data_cfg.path is None:
+            raise DataError(
+                "data.kind is memmap but data.path is not set; fix: set data.path "
+                "to the PREFIX written by `python -m app.data.prepare TEXT... "
+                "--out PREFIX`"
+            )
+        return MemmapTokens(data_cfg.path, model_cfg.seq_len, model_cfg.vocab_size, seed)
+    raise DataError(f"data.kind = {data_cfg.kind!r}: use synthetic or memmap")
+
+
+def get_batch(dataset: SyntheticTokens | MemmapTokens, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples -> (inputs, targets), each int64 CPU tensors of shape (B, seq_len)."""
+    tokens = torch.from_numpy(np.stack([dataset.sample(i) for i in indices]).astype(np.int64))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,0 +1,315 @@
+"""The input deck: typed, frozen sections with defaults, validation and `--set` overrides.
+
+A deck is YAML with the sections `model`, `parallel`, `train`, `optim`, `data`, `run`.
+Every key has a type, a default and (where it matters) a range or a set of choices,
+declared once in the dataclasses below; `load_deck` checks unknown keys, types and values
+and raises `DeckError` naming the key, the bad value and what is accepted.
+`resolve_for_world` then checks what depends on the world size (tp x pp x dp, batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from app.errors import DeckError
+
+GRID_AXES = ("tp", "pp", "dp")
+
+
+def _key(default: Any, help: str, **rules: Any) -> Any:
+    """A deck key: default, one-line help (the README reference) and validation rules."""
+    return field(default=default, metadata={"help": help, **rules})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = _key(512, "vocabulary size (byte-level data needs >= 257)", min=2)
+    seq_len: int = _key(128, "tokens per sample (also the number of learned positions)", min=1)
+    layers: int = _key(4, "transformer blocks", min=1)
+    hidden: int = _key(256, "model width h", min=1)
+    heads: int = _key(4, "attention heads; must divide hidden", min=1)
+    ffn_hidden: Optional[int] = _key(None, "MLP width; null means 4 x hidden", min=1)
+    dropout: float = _key(0.0, "dropout probability (0 keeps runs grid-independent)", min=0.0, max=0.99)
+    layernorm_eps: float = _key(1e-5, "LayerNorm epsilon", min=0.0)
+    init_std: float = _key(
+        0.02, "std of the normal init (GPT-2); residual projections scaled by 1/sqrt(2 layers)", min=0.0
+    )
+    tie_embeddings: bool = _key(True, "share the token embedding with the output head")
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = _key(1, "tensor-parallel degree", min=1)
+    pp: int = _key(1, "pipeline-parallel degree (stages)", min=1)
+    dp: Union[int, str] = _key("auto", "data-parallel degree; auto = world size / (tp x pp)", min=1, words=("auto",))
+    order: str = _key("tp-dp-pp", "grid axes from innermost (neighbouring ranks) to outermost")
+    backend: str = _key(
+        "auto", "torch.distributed backend; auto = nccl on GPUs, gloo on CPUs", choices=("auto", "gloo", "nccl")
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _key(100, "optimizer steps", min=1)
+    global_batch: int = _key(32, "samples per optimizer step = micro_batch x accumulation x dp", min=1)
+    micro_batch: int = _key(4, "samples per forward/backward pass on one rank", min=1)
+    seed: int = _key(1234, "seed of parameter init and data; results do not depend on the grid", min=0)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = _key("adamw", "optimizer", choices=("adamw",))
+    lr: float = _key(3e-4, "peak learning rate", min=0.0)
+    min_lr: float = _key(3e-5, "learning rate at the end of the decay", min=0.0)
+    warmup_steps: int = _key(0, "linear warm-up steps", min=0)
+    schedule: str = _key("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
+    weight_decay: float = _key(0.1, "decoupled weight decay (not applied to biases and LayerNorm)", min=0.0)
+    beta1: float = _key(0.9, "Adam beta1", min=0.0, max=0.999999)
+    beta2: float = _key(0.95, "Adam beta2", min=0.0, max=0.999999)
+    eps: float = _key(1e-8, "Adam epsilon", min=0.0)
+    grad_clip: float = _key(1.0, "clip the global gradient norm to this; 0 disables", min=0.0)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = _key(
+        "synthetic", "synthetic (learnable, deterministic) or memmap (token files)", choices=("synthetic", "memmap")
+    )
+    path: Optional[str] = _key(None, "memmap: PREFIX of PREFIX.bin/.json/.idx.npy from app.data.prepare")
+    noise: float = _key(0.05, "synthetic: probability that a token is random", min=0.0, max=1.0)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: Optional[str] = _key(None, "run directory; null means runs/<deck file stem>")
+    log_every: int = _key(10, "log a metrics line every N steps (and the last step)", min=1)
+    device: str = _key("auto", "auto = a GPU per rank when present, else CPU", choices=("auto", "cpu", "cuda"))
+    peak_tflops: Optional[float] = _key(
+        None, "peak TFLOP/s per rank for MFU when the device is not in the peak table (e.g. a CPU)", min=0.0
+    )
+    timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0)
+    threads: Optional[int] = _key(None, "torch threads per rank; null means cores per node / ranks per node", min=1)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass(frozen=True)
+class Deck:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree; only valid after `resolve_for_world`."""
+        if not isinstance(self.parallel.dp, int):
+            raise RuntimeError("deck not resolved for a world size yet")
+        return self.parallel.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Gradient-accumulation steps per optimizer step on each dp rank."""
+        return self.train.global_batch // (self.train.micro_batch * self.dp)
+
+
+def deck_reference() -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, help) for every deck key, in order: the README reference."""
+    rows = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            rows.append((f"{section}.{f.name}", _type_name(hints[f.name]), f.default, f.metadata["help"]))
+    return rows
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if not args:
+        return tp.__name__
+    name = " | ".join(a.__name__ for a in args)
+    return name + " | null" if type(None) in typing.get_args(tp) else name
+
+
+def _check_value(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
+    """Return `value` converted to the key's type, or raise DeckError."""
+    args = typing.get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise DeckError(key, value, f"a value is required ({_type_name(tp)})")
+    if isinstance(value, str) and value in meta.get("words", ()):
+        return value
+    base = [a for a in args if a is not type(None)] or [tp]
+    for want in base:
+        if want is bool and isinstance(value, bool):
+            converted: Any = value
+        elif want is int and isinstance(value, int) and not isinstance(value, bool):
+            converted = value
+        elif want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            converted = float(value)
+        elif want is float and isinstance(value, str):
+            # PyYAML reads `3e-4` (no dot) as a string; accept what float() accepts.
+            try:
+                converted = float(value)
+            except ValueError:
+                continue
+        elif want is str and isinstance(value, str):
+            converted = value
+        else:
+            continue
+        break
+    else:
+        words = " or ".join(repr(w) for w in meta.get("words", ()))
+        accepted = _type_name(tp).replace(" | str", "") + (f" or {words}" if words else "")
+        raise DeckError(key, value, f"expected {accepted}")
+    if "choices" in meta and converted not in meta["choices"]:
+        raise DeckError(key, value, "accepted: " + ", ".join(meta["choices"]))
+    numeric = isinstance(converted, (int, float)) and not isinstance(converted, bool)
+    if numeric and "min" in meta and converted < meta["min"]:
+        raise DeckError(key, value, f"must be >= {meta['min']}")
+    if numeric and "max" in meta and converted > meta["max"]:
+        raise DeckError(key, value, f"must be <= {meta['max']}")
+    return converted
+
+
+def _build_section(section: str, raw: Any) -> Any:
+    cls = SECTIONS[section]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise DeckError(section, raw, "expected a mapping of keys to values")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in raw.items():
+        if name not in fields:
+            raise DeckError(f"{section}.{name}", value, "unknown key; accepted keys: " + ", ".join(fields))
+        values[name] = _check_value(f"{section}.{name}", value, hints[name], fields[name].metadata)
+    return cls(**values)
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `--set section.key=value` to the raw deck mapping (value parsed as YAML)."""
+    if "=" not in assignment:
+        raise DeckError("--set", assignment, "expected section.key=value, e.g. train.steps=50")
+    dotted, text = assignment.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or parts[0] not in SECTIONS:
+        raise DeckError(dotted, text, "expected section.key with section one of: " + ", ".join(SECTIONS))
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    section = raw.setdefault(parts[0], {})
+    if section is None:
+        section = raw[parts[0]] = {}
+    if not isinstance(section, dict):
+        raise DeckError(parts[0], section, "expected a mapping of keys to values")
+    section[parts[1]] = value
+
+
+def load_deck(path: Union[str, Path, None], overrides: tuple[str, ...] = ()) -> Deck:
+    """Read, override and validate a deck (everything that does not depend on the world size)."""
+    raw: Any = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except FileNotFoundError:
+            raise DeckError(
+                "DECK", str(path), "file not found; pass the path of a YAML deck, e.g. inputs/gpt_tiny.yaml"
+            ) from None
+        except (OSError, yaml.YAMLError) as err:
+            raise DeckError("DECK", str(path), f"not readable YAML ({err})") from None
+    if not isinstance(raw, dict):
+        raise DeckError("DECK", str(path), "expected a YAML mapping with sections " + ", ".join(SECTIONS))
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    for section in raw:
+        if section not in SECTIONS:
+            raise DeckError(str(section), raw[section], "unknown section; accepted: " + ", ".join(SECTIONS))
+    deck = Deck(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
+    if deck.run.dir is None:
+        stem = Path(path).stem if path is not None else "default"
+        deck = dataclasses.replace(deck, run=dataclasses.replace(deck.run, dir=f"runs/{stem}"))
+    _validate(deck)
+    return deck
+
+
+def _validate(deck: Deck) -> None:
+    m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
+    if m.hidden % m.heads:
+        raise DeckError("model.heads", m.heads, f"must divide model.hidden = {m.hidden}")
+    if (m.hidden // m.heads) % 2:
+        raise DeckError("model.heads", m.heads, f"hidden / heads = {m.hidden // m.heads} must be even")
+    axes = par.order.split("-")
+    if sorted(axes) != sorted(GRID_AXES):
+        raise DeckError(
+            "parallel.order", par.order, "a permutation of tp, pp, dp joined by '-', innermost first, e.g. tp-dp-pp"
+        )
+    if tr.global_batch % tr.micro_batch:
+        raise DeckError(
+            "train.global_batch", tr.global_batch, f"must be a multiple of train.micro_batch = {tr.micro_batch}"
+        )
+    if opt.min_lr > opt.lr:
+        raise DeckError("optim.min_lr", opt.min_lr, f"must be <= optim.lr = {opt.lr}")
+    if deck.data.kind == "memmap" and not deck.data.path:
+        raise DeckError(
+            "data.path", deck.data.path, "data.kind = memmap needs the PREFIX written by `python -m app.data.prepare`"
+        )
+    if deck.data.kind == "synthetic" and deck.data.path:
+        raise DeckError("data.path", deck.data.path, "only used with data.kind = memmap")
+
+
+def resolve_for_world(deck: Deck, world_size: int) -> Deck:
+    """Fill in dp = world / (tp x pp) and check everything that depends on the world size."""
+    par, tr = deck.parallel, deck.train
+    if par.tp > 1 or par.pp > 1:
+        # The grid supports all three axes; the model is data-parallel only for now.
+        key, value = ("parallel.tp", par.tp) if par.tp > 1 else ("parallel.pp", par.pp)
+        raise DeckError(key, value, "tensor and pipeline parallelism are not available in this version; accepted: 1")
+    model_ranks = par.tp * par.pp
+    if par.dp == "auto":
+        if world_size % model_ranks:
+            raise DeckError("parallel.tp", par.tp, f"tp x pp = {model_ranks} must divide the world size {world_size}")
+        dp = world_size // model_ranks
+    else:
+        dp = int(par.dp)
+        if par.tp * par.pp * dp != world_size:
+            raise DeckError(
+                "parallel.dp",
+                dp,
+                f"tp x pp x dp = {par.tp} x {par.pp} x {dp} = {model_ranks * dp} must equal the world size "
+                f"{world_size}; use dp: auto or launch {model_ranks * dp} ranks",
+            )
+    if tr.global_batch % (tr.micro_batch * dp):
+        raise DeckError(
+            "train.global_batch",
+            tr.global_batch,
+            f"must be a multiple of micro_batch x dp = {tr.micro_batch} x {dp} = {tr.micro_batch * dp}",
+        )
+    return dataclasses.replace(deck, parallel=dataclasses.replace(par, dp=dp))

@@ -1,0 +1,25 @@
+"""User-facing errors: each names the cause (key, file, value) and the fix.
+
+`__main__` turns any `GridlmError` into one message on rank 0 and exit status 2 on every
+rank, with no traceback; anything else is a bug and aborts the MPI job with a traceback.
+"""
+
+
+class GridlmError(Exception):
+    """A mistake the user can fix (deck, data, launch); never a bug in gridlm."""
+
+
+class DeckError(GridlmError):
+    """A deck key is unknown, has the wrong type, or an impossible value."""
+
+    def __init__(self, key: str, value: object, accepted: str) -> None:
+        self.key, self.value, self.accepted = key, value, accepted
+        super().__init__(f"deck error: {key} = {value!r}: {accepted}")
+
+
+class DataError(GridlmError):
+    """A token file is missing, truncated or inconsistent with the deck."""
+
+
+class LaunchError(GridlmError):
+    """The job was launched in a way gridlm cannot run (world size, devices, MPI)."""

@@ -1,0 +1,1 @@
+"""Metrics: FLOP formulas, the device peak table, timers and run reports."""

@@ -1,0 +1,35 @@
+"""Model FLOPs of one training step of a GPT.
+
+Source: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", SC21, Appendix (eq. 3). Counting 2 FLOPs per multiply-add, forward
+= 1 and backward = 2 units of GEMM work, with no activation recomputation, a step over a
+global batch of B sequences of length s through l layers of width h with vocabulary V is
+
+    F = 72 * B * s * l * h^2 * (1 + s / (6 h) + V / (12 l h))
+
+(96 * ... * (1 + s/(6h) + V/(16 l h)) with full recomputation: reported later as
+hardware FLOPs). It assumes an MLP width of 4h and counts the full (not causally halved)
+attention score and context GEMMs, like the paper; LayerNorm, softmax, GELU and the
+embedding lookups are ignored. `gpt_step_flops` gives the same count for any MLP width.
+"""
+
+from __future__ import annotations
+
+
+def megatron_step_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int) -> float:
+    """The SC21 formula above, exactly as published (MLP width 4h, no recompute)."""
+    b, s, n, h, v = global_batch, seq_len, layers, hidden, vocab  # n: the formula's l
+    return 72.0 * b * s * n * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * n * h))
+
+
+def gpt_step_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int) -> float:
+    """Model FLOPs per step term by term (forward x 3 for forward + backward).
+
+    Per layer and token, forward: QKV 2*3h^2, output projection 2h^2, MLP 2*2*h*ffn,
+    attention scores and context 2*2*s*h. Output head: 2*h*V per token.
+    Equals `megatron_step_flops` when ffn == 4h.
+    """
+    b, s, n, h, v = global_batch, seq_len, layers, hidden, vocab
+    per_token_layer = 8.0 * h * h + 4.0 * h * ffn + 4.0 * s * h
+    forward = b * s * (n * per_token_layer + 2.0 * h * v)
+    return 3.0 * forward

@@ -1,0 +1,79 @@
+"""Run reports: the per-step log line, `metrics.jsonl` and `summary.json` (rank 0 writes).
+
+Output contract (later tools read these):
+  metrics.jsonl — one object per logged step: step, loss, lr, step_time_s, tokens_per_s,
+                  tflops_per_rank, mfu (null when the device peak is unknown), grad_norm.
+  summary.json  — deck, world_size, nodes, ranks_per_node, grid, parameters, steps,
+                  step_time_s, tokens_per_s, tflops_per_rank, aggregate_tflops, mfu,
+                  final_loss, versions, and more (see docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+
+class MetricsWriter:
+    """Appends one JSON line per logged step; only the rank that owns it writes."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        if enabled:
+            self.path.write_text("")  # a run starts a fresh log
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def format_line(r: dict[str, Any], steps: int) -> str:
+    mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    return (
+        f"step {r['step']:>{len(str(steps))}}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+        f"{r['step_time_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "
+        f"{r['tflops_per_rank']:.3f} TFLOP/s/rank | mfu {mfu} | gnorm {r['grad_norm']:.3f}"
+    )
+
+
+def mean_step_time(step_times: list[float], warmup: int) -> tuple[float, float]:
+    """(mean, stdev) of step times excluding the first `warmup` steps (all steps if too few)."""
+    kept = step_times[warmup:] if len(step_times) > warmup else step_times
+    return statistics.fmean(kept), (statistics.stdev(kept) if len(kept) > 1 else 0.0)
+
+
+def versions(comm: Any) -> dict[str, Optional[str]]:
+    """Software versions of the stack, for the report."""
+    import h5py
+    import mpi4py
+    import numpy
+    import torch
+    from mpi4py import MPI
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "numpy": numpy.__version__,
+        "mpi4py": mpi4py.__version__,
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+        "hdf5_parallel": bool(h5py.get_config().mpi),
+    }
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Write summary.json atomically (temp file + rename): a reader never sees half of it."""
+    path = run_dir / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path

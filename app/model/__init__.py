@@ -1,0 +1,1 @@
+"""The model: parallel layers, GPT, deterministic sharded init."""

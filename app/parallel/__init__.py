@@ -1,0 +1,1 @@
+"""Parallelism over the grid: data-parallel gradient sync (pipeline and overlap later)."""

@@ -1,0 +1,1 @@
+"""Runtime: MPI start-up, the process grid, communication primitives."""

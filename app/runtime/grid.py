@@ -1,0 +1,151 @@
+"""The tensor x pipeline x data process grid.
+
+Two layers:
+
+* `GridLayout` is pure: a function of (world size, shape, order, ranks per node) that maps
+  every rank to its (tp, pp, dp) coordinates and lists the rank groups of each axis. It is
+  what the 32,768-rank tests exercise, without launching anything.
+* `ProcessGrid` binds a layout to a running job: an MPI sub-communicator and a
+  torch.distributed group per axis.
+
+Order: `order` lists the axes from innermost to outermost, so with the default `tp-dp-pp`
+tp neighbours are adjacent ranks (inside a node when tp divides the ranks per node) and
+pp stages are furthest apart. Layout positions are numbered node by node; `ProcessGrid`
+renumbers the job's ranks by (node, local rank) so that this holds whatever order the
+launcher gave them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from app.errors import LaunchError
+
+if TYPE_CHECKING:
+    from app.runtime.mpi import Runtime
+
+AXES = ("tp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """Pure position <-> (tp, pp, dp) mapping.
+
+    Positions are node-major: position r lives on node r // ranks_per_node.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    order: tuple[str, ...] = ("tp", "dp", "pp")
+    ranks_per_node: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if sorted(self.order) != sorted(AXES):
+            raise ValueError(f"order {self.order} must be a permutation of {AXES}")
+        if min(self.tp, self.pp, self.dp) < 1:
+            raise ValueError(f"grid degrees must be >= 1, got tp={self.tp} pp={self.pp} dp={self.dp}")
+
+    @classmethod
+    def from_order_string(
+        cls, tp: int, pp: int, dp: int, order: str = "tp-dp-pp", ranks_per_node: Optional[int] = None
+    ) -> GridLayout:
+        return cls(tp, pp, dp, tuple(order.split("-")), ranks_per_node)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    def stride(self, axis: str) -> int:
+        """Distance between neighbours along `axis` (product of the inner axes' sizes)."""
+        stride = 1
+        for inner in self.order[: self.order.index(axis)]:
+            stride *= self.size(inner)
+        return stride
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The (tp, pp, dp) coordinates of `rank`."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        return {axis: (rank // self.stride(axis)) % self.size(axis) for axis in AXES}
+
+    def rank(self, tp: int, pp: int, dp: int) -> int:
+        """The rank at coordinates (tp, pp, dp)."""
+        return tp * self.stride("tp") + pp * self.stride("pp") + dp * self.stride("dp")
+
+    def group_of(self, rank: int, axis: str) -> list[int]:
+        """The ranks sharing every coordinate of `rank` but `axis`, ordered along `axis`."""
+        base = rank - self.coords(rank)[axis] * self.stride(axis)
+        return [base + i * self.stride(axis) for i in range(self.size(axis))]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """All groups along `axis`; together they partition the world."""
+        stride, n = self.stride(axis), self.size(axis)
+        return [self.group_of(base, axis) for base in range(self.world_size) if (base // stride) % n == 0]
+
+    def node_of(self, rank: int) -> int:
+        return 0 if self.ranks_per_node is None else rank // self.ranks_per_node
+
+    def axis_within_node(self, axis: str) -> bool:
+        """Whether every group along `axis` lies inside one node."""
+        if self.ranks_per_node is None or self.size(axis) == 1:
+            return True
+        return all(self.node_of(g[0]) == self.node_of(g[-1]) for g in self.groups(axis))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "order": "-".join(self.order),
+            "within_node": {axis: self.axis_within_node(axis) for axis in AXES},
+        }
+
+
+class ProcessGrid:
+    """A `GridLayout` bound to a running job: per-axis MPI communicators and torch groups.
+
+    Attributes: `layout`; `rank` (this process's layout position); `coords`;
+    `mpi[axis]` (mpi4py communicator), `group[axis]` (torch ProcessGroup) and `ranks[axis]`
+    (torch ranks of this process's group along `axis`). The runtime's communicator may be
+    a sub-communicator of the job, so several grids can live in one process.
+    """
+
+    def __init__(self, runtime: Runtime, tp: int, pp: int, dp: int, order: str = "tp-dp-pp") -> None:
+        import torch.distributed as dist
+
+        if tp * pp * dp != runtime.world_size:
+            raise LaunchError(
+                f"grid tp={tp} x pp={pp} x dp={dp} does not match the {runtime.world_size} ranks launched"
+            )
+        uniform = len(set(runtime.ranks_per_node_list)) == 1
+        self.layout = GridLayout.from_order_string(tp, pp, dp, order, runtime.ranks_per_node if uniform else None)
+        node_major = sorted(range(runtime.world_size), key=lambda r: runtime.placement[r])
+        self.rank = node_major.index(runtime.rank)
+        self.coords = self.layout.coords(self.rank)
+        self.mpi: dict[str, Any] = {}
+        self.group: dict[str, Any] = {}
+        self.ranks: dict[str, list[int]] = {}
+        for axis in AXES:
+            mine = self.layout.group_of(self.rank, axis)
+            self.mpi[axis] = runtime.comm.Split(color=mine[0], key=self.coords[axis])
+            self.ranks[axis] = [runtime.global_ranks[node_major[r]] for r in mine]
+            # Local synchronisation: only a group's members create it, so set-up costs O(group)
+            # per rank instead of a world-wide barrier per group (32k ranks, thousands of groups).
+            self.group[axis] = dist.new_group(self.ranks[axis], use_local_synchronization=True)
+
+    def size(self, axis: str) -> int:
+        return self.layout.size(axis)
+
+    def describe(self) -> dict[str, Any]:
+        return self.layout.describe()
+
+    def free(self) -> None:
+        """Release the MPI communicators (torch groups go with the process group)."""
+        for comm in self.mpi.values():
+            comm.Free()
+        self.mpi.clear()

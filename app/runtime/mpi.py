@@ -1,0 +1,184 @@
+"""MPI start-up: world, node discovery, device binding, torch.distributed bootstrap.
+
+MPI is the launcher and control plane (srun / mpirun / mpiexec, no torchrun); torch
+collectives run over gloo (CPU) or nccl (GPU) groups bootstrapped from MPI: rank 0
+opens a TCPStore on a free port and broadcasts its address and port over MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+
+from app.errors import GridlmError, LaunchError
+
+T = TypeVar("T")
+
+
+@dataclass
+class Runtime:
+    """What one rank knows about the job. Built by `init_runtime`, passed explicitly.
+
+    `comm` is the job's communicator (COMM_WORLD, or a sub-communicator such as COMM_SELF
+    for a 1-rank reference run inside a bigger job); `rank`/`world_size` refer to it.
+    `placement[r]` is (node index, local rank) of rank r; nodes are numbered by the lowest
+    rank they hold. `global_ranks[r]` is the torch.distributed rank of rank r (torch ranks
+    are COMM_WORLD ranks).
+    """
+
+    comm: Any
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    node: int
+    nodes: int
+    hostname: str
+    placement: list[tuple[int, int]]
+    ranks_per_node_list: list[int]
+    global_ranks: list[int]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "gloo"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(self.ranks_per_node_list)
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def log(self, *args: Any) -> None:
+        """Print on rank 0 only, flushed so job logs follow progress."""
+        if self.rank == 0:
+            print(*args, flush=True)
+
+
+def init_mpi(comm: Any = None) -> Runtime:
+    """Discover rank, size and the node layout with `Split_type(COMM_TYPE_SHARED)`."""
+    from mpi4py import MPI
+
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+    # A node is named by the lowest world rank it holds; everyone learns everyone's placement.
+    node_first = node_comm.allreduce(rank, op=MPI.MIN)
+    node_comm.Free()
+    everyone = comm.allgather((node_first, local_rank))
+    node_ids = {r0: i for i, r0 in enumerate(sorted({first for first, _ in everyone}))}
+    placement = [(node_ids[first], local) for first, local in everyone]
+    per_node = [0] * len(node_ids)
+    for node, _ in placement:
+        per_node[node] += 1
+    return Runtime(
+        comm=comm,
+        rank=rank,
+        world_size=size,
+        local_rank=local_rank,
+        local_size=local_size,
+        node=placement[rank][0],
+        nodes=len(node_ids),
+        hostname=socket.gethostname(),
+        placement=placement,
+        ranks_per_node_list=per_node,
+        global_ranks=comm.allgather(MPI.COMM_WORLD.Get_rank()),
+    )
+
+
+def bind_device(runtime: Runtime, want: str = "auto") -> None:
+    """Pick this rank's device: one GPU per rank on the node when GPUs are visible.
+
+    Works both when the launcher gives each rank one GPU (`--gpus-per-task=1`, so a rank
+    sees device 0) and when every rank sees all of the node's GPUs (local rank picks one).
+    """
+    has_cuda = torch.cuda.is_available()
+    if want == "cuda" and not has_cuda:
+        raise LaunchError("run.device = cuda but no CUDA device is visible to this rank; use run.device: cpu or auto")
+    if want == "cpu" or not has_cuda:
+        runtime.device, runtime.backend = torch.device("cpu"), "gloo"
+        return
+    count = torch.cuda.device_count()
+    if count > 1 and runtime.local_size > count:
+        raise LaunchError(
+            f"{runtime.local_size} ranks on node {runtime.hostname} share {count} GPUs; launch one rank per GPU"
+        )
+    index = runtime.local_rank % count
+    torch.cuda.set_device(index)
+    runtime.device, runtime.backend = torch.device("cuda", index), "nccl"
+
+
+def set_threads(runtime: Runtime, threads: Optional[int]) -> int:
+    """Torch intra-op threads per rank: the deck's value, else cores per node / ranks per node."""
+    if threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        # Under mpirun the affinity mask may already be one core; never oversubscribe a node.
+        threads = max(1, min(cores, (os.cpu_count() or 1) // max(1, runtime.local_size)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def init_torch_distributed(runtime: Runtime, backend: str = "auto", timeout_s: float = 600.0) -> None:
+    """Bootstrap torch.distributed from MPI: rank 0 hosts the TCPStore, MPI carries its address."""
+    import torch.distributed as dist
+
+    if backend != "auto":
+        if backend == "nccl" and runtime.device.type != "cuda":
+            raise LaunchError("parallel.backend = nccl needs GPUs; use parallel.backend: auto or gloo")
+        runtime.backend = backend
+    timeout = timedelta(seconds=timeout_s)
+    if runtime.rank == 0:
+        # A single node talks over loopback; across nodes ranks reach rank 0 by hostname
+        # (GRIDLM_MASTER_ADDR overrides when the hostname resolves to the wrong interface).
+        host = os.environ.get("GRIDLM_MASTER_ADDR") or ("127.0.0.1" if runtime.nodes == 1 else runtime.hostname)
+        store = dist.TCPStore(host, 0, runtime.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        address = (host, store.port)
+    else:
+        address = None
+    host, port = runtime.comm.bcast(address, root=0)
+    if runtime.rank != 0:
+        store = dist.TCPStore(host, port, runtime.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        runtime.backend, store=store, rank=runtime.rank, world_size=runtime.world_size, timeout=timeout
+    )
+
+
+def shutdown(runtime: Runtime) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort(runtime: Optional[Runtime], code: int) -> None:
+    """End every rank now (a failure on one rank must not leave the others in a collective)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if runtime is not None and runtime.world_size > 1:
+        runtime.comm.Abort(code)
+    sys.exit(code)
+
+
+def agree(runtime: Runtime, fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; if it raises a user error on any rank, every rank raises it.
+
+    Rank-local problems (a file one node cannot see, a missing GPU) thus end the job on all
+    ranks with the same message instead of leaving the healthy ranks in a collective.
+    """
+    error: Optional[str] = None
+    result = None
+    try:
+        result = fn()
+    except GridlmError as err:
+        error = f"{err} (rank {runtime.rank} on {runtime.hostname})" if runtime.world_size > 1 else str(err)
+    errors = runtime.comm.allgather(error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise GridlmError(first)
+    return result  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""Launch helpers: setup, local runner, job scripts."""

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run a deck on this machine: setup if needed, then `mpirun -n RANKS python -m app DECK`.
+#   launch/local.sh inputs/gpt_tiny.yaml [--set section.key=value ...]
+#   RANKS=1 launch/local.sh inputs/gpt_tiny.yaml      (default RANKS=4)
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [ $# -lt 1 ]; then
+  echo "usage: launch/local.sh DECK [--set section.key=value ...]   (RANKS=N to change the rank count, default 4)" >&2
+  exit 2
+fi
+"$here/setup.sh"
+source "$here/env.sh"
+cd "$repo"
+exec mpirun -n "${RANKS:-4}" python -m app "$@"

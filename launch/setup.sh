@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# gridlm setup: MPI + parallel HDF5 (apt, when none is on PATH), a .venv with torch,
+# mpi4py, h5py built against parallel HDF5, the test tools, and the app (editable).
+# Idempotent and prompt-free; a second run with everything present takes seconds.
+#
+# Environment knobs:
+#   GRIDLM_VENV        where the venv lives            (default: <repo>/.venv)
+#   GRIDLM_PYTHON      interpreter that creates it      (default: python3)
+#   GRIDLM_TORCH_SPEC  pip requirement for torch        (default: torch==2.13.0)
+#   GRIDLM_FORCE_SETUP=1  redo every step even if the stamp says it is done
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${GRIDLM_VENV:-$repo/.venv}"
+python="${GRIDLM_PYTHON:-python3}"
+torch_spec="${GRIDLM_TORCH_SPEC:-torch==2.13.0}"
+stamp="$venv/.gridlm-setup-stamp"
+
+say() { echo "[setup] $*"; }
+die() { echo "[setup] ERROR: $*" >&2; exit 1; }
+
+# The stamp records the inputs of this script; any change to them redoes the setup.
+want_stamp="$(cat "$repo/launch/setup.sh" "$repo/setup.py" | sha256sum | cut -c1-16) $torch_spec"
+
+venv_ok() {
+  [ -x "$venv/bin/python" ] && command -v mpirun >/dev/null 2>&1 &&
+    "$venv/bin/python" - <<'PY' >/dev/null 2>&1
+import h5py, mpi4py, numpy, pytest, torch, yaml, app  # noqa: F401
+assert h5py.get_config().mpi
+PY
+}
+
+if [ "${GRIDLM_FORCE_SETUP:-0}" != 1 ] && [ -f "$stamp" ] &&
+  [ "$(cat "$stamp")" = "$want_stamp" ] && venv_ok; then
+  say "everything present ($venv)"
+  exit 0
+fi
+
+# --- 1. MPI and parallel HDF5 ------------------------------------------------------
+if command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1; then
+  say "using MPI on PATH: $(command -v mpirun)"
+else
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    die "no mpicc/mpirun on PATH and cannot apt-get (need root on Debian/Ubuntu).
+  Fix: load your machine's MPI and parallel-HDF5 modules (e.g. 'module load openmpi hdf5-parallel')
+  or, as root, run: apt-get install openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config"
+  fi
+  say "installing OpenMPI and parallel HDF5 with apt-get"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends \
+    openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config >/dev/null
+fi
+command -v mpicc >/dev/null 2>&1 || die "mpicc still missing after install"
+
+# --- 2. the virtual environment ------------------------------------------------------
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating $venv"
+  "$python" -m venv "$venv" || die "'$python -m venv' failed (on Debian: apt-get install python3-venv)"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
+  say "installing $torch_spec"
+  "${pip[@]}" install "$torch_spec"
+fi
+say "installing numpy, pyyaml, mpi4py, pytest tools and h5py build tools"
+"${pip[@]}" install numpy pyyaml mpi4py pytest pytest-mpi pytest-timeout ruff \
+  "Cython>=3,<4" pkgconfig "setuptools>=77" wheel
+
+# --- 3. h5py against parallel HDF5 -----------------------------------------------------
+if ! "$venv/bin/python" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' >/dev/null 2>&1; then
+  "${pip[@]}" uninstall -y h5py >/dev/null 2>&1 || true
+  h5env=(CC=mpicc HDF5_MPI=ON H5PY_SETUP_REQUIRES=0)
+  if [ -n "${HDF5_DIR:-}" ]; then
+    say "building h5py against HDF5_DIR=$HDF5_DIR"
+  elif pkg-config --exists hdf5-openmpi 2>/dev/null; then
+    h5env+=(HDF5_PKGCONFIG_NAME=hdf5-openmpi)
+  elif pkg-config --exists hdf5-mpich 2>/dev/null; then
+    h5env+=(HDF5_PKGCONFIG_NAME=hdf5-mpich)
+  fi
+  # Parallel C build of the extension modules; the cfg path must be absolute.
+  cfg="$(mktemp --suffix=.cfg)"
+  printf '[build_ext]\nparallel = %s\n' "$(nproc)" >"$cfg"
+  say "building h5py against parallel HDF5 (about 2 minutes the first time)"
+  # Without --no-build-isolation pip compiles an old mpi4py from source: >20 min, >20 GB.
+  env "${h5env[@]}" DIST_EXTRA_CONFIG="$cfg" \
+    "${pip[@]}" install --no-build-isolation --no-binary=h5py --no-deps h5py
+  rm -f "$cfg"
+fi
+"$venv/bin/python" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' ||
+  die "h5py is not built against parallel HDF5 (h5py.get_config().mpi is False).
+  Fix: make sure mpicc and a parallel HDF5 (libhdf5-openmpi-dev, or HDF5_DIR) are visible, then
+  GRIDLM_FORCE_SETUP=1 launch/setup.sh"
+
+# --- 4. the app itself ---------------------------------------------------------------
+say "installing gridlm (editable)"
+"${pip[@]}" install --no-build-isolation --no-deps -e "$repo"
+
+venv_ok || die "the environment does not import (torch, h5py, mpi4py, yaml, pytest, app); see messages above"
+echo "$want_stamp" >"$stamp"
+say "done: $("$venv/bin/python" -c 'import torch, h5py, mpi4py; print("torch", torch.__version__, "| h5py", h5py.__version__, "(mpi) | mpi4py", mpi4py.__version__)')"

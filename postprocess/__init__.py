@@ -1,0 +1,1 @@
+"""Post-processing of run reports into tables and plots."""
