@@ -177,7 +177,7 @@ def _check_value(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
                 converted = float(value)
             except ValueError:
                 continue
-        elif want is str and isinstance(value, str):
+        elif want is str and isinstance(value, str) and "words" not in meta:
             converted = value
         else:
             continue

@@ -2,7 +2,8 @@
 
 Output contract (later tools read these):
   metrics.jsonl — one object per logged step: step, loss, lr, step_time_s, tokens_per_s,
-                  tflops_per_rank, mfu (null when the device peak is unknown), grad_norm.
+                  tflops_per_rank, mfu (null when the device peak is unknown), grad_norm,
+                  consumed_samples.
   summary.json  — deck, world_size, nodes, ranks_per_node, grid, parameters, steps,
                   step_time_s, tokens_per_s, tflops_per_rank, aggregate_tflops, mfu,
                   final_loss, versions, and more (see docs/ARCHITECTURE.md).

@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 @dataclass
 class Runtime:
-    """What one rank knows about the job. Built by `init_runtime`, passed explicitly.
+    """What one rank knows about the job. Built by `init_mpi`, passed explicitly.
 
     `comm` is the job's communicator (COMM_WORLD, or a sub-communicator such as COMM_SELF
     for a 1-rank reference run inside a bigger job); `rank`/`world_size` refer to it.

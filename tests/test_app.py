@@ -1,0 +1,84 @@
+"""`python -m app` as users launch it: mpirun -n 4 vs -n 1, and bad input on every rank.
+
+These tests start real MPI jobs (subprocesses), so they run in the serial group.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, run_app
+
+TINY = "inputs/gpt_tiny.yaml"
+FAST = (
+    "--set", "model.layers=2", "--set", "model.hidden=64", "--set", "model.seq_len=32",
+    "--set", "train.steps=6", "--set", "train.global_batch=8", "--set", "train.micro_batch=2",
+    "--set", "run.log_every=1", "--set", "optim.warmup_steps=2",
+)  # fmt: skip
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_four_ranks_and_one_rank_give_the_same_losses(tmp_path):
+    # 4 ranks: dp=4, 1 micro-batch each; 1 rank: 4 micro-batches accumulated. Same global batch.
+    # Tolerance 1e-5 relative: fp32, only the summation order differs (see tests/test_train.py).
+    runs = {}
+    for ranks in (4, 1):
+        out = run_app(ranks, TINY, *FAST, "--set", f"run.dir={tmp_path / str(ranks)}")
+        assert out.returncode == 0, out.stdout + out.stderr
+        runs[ranks] = _records(tmp_path / str(ranks))
+        assert out.stdout.count("gridlm: done") == 1  # rank 0 alone reports
+    losses4, losses1 = [r["loss"] for r in runs[4]], [r["loss"] for r in runs[1]]
+    assert len(losses4) == 6
+    assert losses4 == pytest.approx(losses1, rel=1e-5)
+    assert losses4[-1] < losses4[0]
+    summary = json.loads((tmp_path / "4" / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["nodes"] == 1 and summary["ranks_per_node"] == 4
+    assert summary["grid"] == {"tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp",
+                               "within_node": {"tp": True, "pp": True, "dp": True}}  # fmt: skip
+    assert summary["deck"]["train"]["steps"] == 6 and summary["steps"] == 6
+    assert summary["final_loss"] == runs[4][-1]["loss"]
+    assert summary["aggregate_tflops"] == pytest.approx(4 * summary["tflops_per_rank"])
+    assert summary["versions"]["mpi_library"].startswith(("Open MPI", "MPICH", "Intel"))
+
+
+BAD = [
+    (("--set", "train.steps=0"), "deck error: train.steps = 0: must be >= 1"),
+    (("--set", "model.heads=5"), "deck error: model.heads = 5: must divide model.hidden = 256"),
+    (("--set", "parallel.dp=4"), "must equal the world size 2"),
+    (("--set", "parallel.tp=2"), "deck error: parallel.tp = 2"),
+    (("--set", "train.global_batch=6", "--set", "train.micro_batch=2"), "micro_batch x dp = 2 x 2 = 4"),
+    (("--set", "data.kind=memmap", "--set", "data.path=/nonexistent/corpus"), "/nonexistent/corpus"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_input_gives_one_message_and_status_2_on_every_rank(tmp_path, args, message):
+    out = run_app(2, TINY, "--set", "train.steps=2", "--set", f"run.dir={tmp_path}", *args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.count("gridlm:") == 1, out.stderr
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_every_rank_exits_with_status_2(tmp_path):
+    # Look at each rank's own exit status, not only mpirun's summary of them.
+    import subprocess
+    import sys
+
+    from conftest import app_env
+
+    script = f"{sys.executable} -m app {TINY} --set train.steps=-3; echo rank-status=$?"
+    out = subprocess.run(["mpirun", "-n", "2", "sh", "-c", script], cwd=REPO, env=app_env(),
+                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert out.stdout.count("rank-status=2") == 2, out.stdout + out.stderr
+
+
+def test_missing_deck_file_is_a_clear_error(tmp_path):
+    out = run_app(1, str(tmp_path / "missing.yaml"))
+    assert out.returncode == 2
+    assert "file not found" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,98 @@
+"""The process grid: the pure rank mapping (up to 32,768 ranks) and, under MPI, the real
+communicators and torch groups of every grid that fits the launched ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from app.runtime.grid import AXES, GridLayout
+
+ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
+SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 2, 3), (8, 4, 2), (3, 5, 7)]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mapping_is_a_bijection_and_groups_partition_the_world(shape, order):
+    layout = GridLayout.from_order_string(*shape, order)
+    n = layout.world_size
+    coords = [layout.coords(r) for r in range(n)]
+    assert len({tuple(c.values()) for c in coords}) == n
+    assert all(layout.rank(**c) == r for r, c in enumerate(coords))
+    for axis in AXES:
+        groups = layout.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(n))
+        for g in groups:
+            assert [coords[r][axis] for r in g] == list(range(layout.size(axis)))
+            others = [a for a in AXES if a != axis]
+            assert len({tuple(coords[r][a] for a in others) for r in g}) == 1
+            assert all(layout.group_of(r, axis) == g for r in g)
+
+
+def test_innermost_axis_is_contiguous_and_outermost_is_strided():
+    layout = GridLayout.from_order_string(tp=4, pp=2, dp=3, order="tp-dp-pp")
+    assert layout.groups("tp")[0] == [0, 1, 2, 3]
+    assert layout.group_of(0, "dp") == [0, 4, 8]
+    assert layout.group_of(0, "pp") == [0, 12]
+    other = GridLayout.from_order_string(tp=4, pp=2, dp=3, order="dp-pp-tp")
+    assert other.group_of(0, "dp") == [0, 1, 2] and other.group_of(0, "tp") == [0, 6, 12, 18]
+
+
+def test_32768_rank_layout_keeps_every_tp_group_inside_a_node():
+    # Frontier-sized: 4,096 nodes x 8 GCDs; tp = 8 innermost, pp = 16, dp = 256.
+    layout = GridLayout.from_order_string(tp=8, pp=16, dp=256, order="tp-dp-pp", ranks_per_node=8)
+    assert layout.world_size == 32768
+    tp_groups = layout.groups("tp")
+    assert len(tp_groups) == 4096
+    assert all(len({layout.node_of(r) for r in g}) == 1 for g in tp_groups)
+    assert layout.axis_within_node("tp")
+    assert not layout.axis_within_node("dp") and not layout.axis_within_node("pp")
+    seen = sorted(r for g in layout.groups("pp") for r in g)
+    assert seen == list(range(32768))
+
+
+def test_tp_wider_than_a_node_is_reported_as_spanning_nodes():
+    layout = GridLayout.from_order_string(tp=16, pp=1, dp=4, order="tp-dp-pp", ranks_per_node=8)
+    assert not layout.axis_within_node("tp")
+    assert layout.describe()["within_node"] == {"tp": False, "pp": True, "dp": False}
+    # tp outermost scatters every tp group over nodes even when it would fit in one.
+    assert not GridLayout.from_order_string(tp=2, pp=1, dp=8, order="dp-pp-tp", ranks_per_node=8).axis_within_node("tp")
+
+
+def test_bad_layouts_are_rejected():
+    with pytest.raises(ValueError):
+        GridLayout(2, 2, 2, ("tp", "dp"))
+    with pytest.raises(ValueError):
+        GridLayout(0, 1, 1)
+    with pytest.raises(ValueError):
+        GridLayout(2, 1, 1).coords(2)
+
+
+def _shapes_for(world: int):
+    return [(tp, pp, world // (tp * pp)) for tp in (1, 2, 4) for pp in (1, 2, 4) if world % (tp * pp) == 0]
+
+
+@pytest.mark.mpi
+def test_process_grid_groups_and_communicators_match_the_layout(runtime):
+    import torch
+    import torch.distributed as dist
+
+    from app.runtime.grid import ProcessGrid
+
+    for tp, pp, dp in _shapes_for(runtime.world_size):
+        for order in ("tp-dp-pp", "pp-dp-tp"):
+            grid = ProcessGrid(runtime, tp, pp, dp, order)
+            assert grid.coords == grid.layout.coords(grid.rank)
+            for axis in AXES:
+                # MPI: the sub-communicator holds this rank at its coordinate.
+                assert grid.mpi[axis].Get_size() == grid.size(axis)
+                assert grid.mpi[axis].Get_rank() == grid.coords[axis]
+                assert grid.mpi[axis].allgather(runtime.rank) == grid.ranks[axis]
+                # torch: summing one-hot coordinates over the group gives all ones.
+                onehot = torch.zeros(grid.size(axis))
+                onehot[grid.coords[axis]] = 1.0
+                dist.all_reduce(onehot, group=grid.group[axis])
+                assert onehot.tolist() == [1.0] * grid.size(axis)
+            grid.free()

@@ -1,0 +1,117 @@
+"""The GPT, its deterministic shard-local initialisation, the FLOP formula, the LR schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from app.deck import ModelConfig, OptimConfig
+from app.metrics.flops import gpt_step_flops, megatron_step_flops
+from app.metrics.peaks import peak_tflops
+from app.model.gpt import GPT
+from app.model.init import ParamMeta, counter_normal
+from app.optim.optimizer import learning_rate
+
+CFG = ModelConfig(vocab_size=97, seq_len=16, layers=2, hidden=32, heads=4)
+CPU = torch.device("cpu")
+
+
+def test_init_is_a_function_of_seed_and_name_only():
+    a, b = GPT(CFG, seed=7), GPT(CFG, seed=7)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    c = GPT(CFG, seed=8)
+    assert not torch.equal(a.wte, c.wte)
+    # Two same-shaped parameters with different names get different values.
+    assert not torch.equal(a.blocks[0].attn.qkv.weight, a.blocks[1].attn.qkv.weight)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_shard_initialises_to_the_same_slice_of_the_full_tensor(dim):
+    # What tensor parallelism will rely on: rank k materialises only its slice.
+    meta = ParamMeta((12, 10), std=0.02)
+    full = counter_normal(3, "blocks.0.mlp.fc.weight", meta, (12, 10), CPU)
+    parts = 2 if dim == 0 else 5
+    size = full.shape[dim] // parts
+    for k in range(parts):
+        offset = (k * size, 0) if dim == 0 else (0, k * size)
+        local = (size, 10) if dim == 0 else (12, size)
+        shard = counter_normal(3, "blocks.0.mlp.fc.weight", dataclasses.replace(meta, offset=offset), local, CPU)
+        assert torch.equal(shard, full.narrow(dim, k * size, size))
+
+
+def test_counter_normal_has_the_requested_moments():
+    values = counter_normal(1, "w", ParamMeta((400, 500), std=0.02), (400, 500), CPU)
+    # 200k samples: the standard error of the std estimate is ~0.02 / sqrt(4e5) ~ 3e-5.
+    assert abs(values.mean().item()) < 2e-4
+    assert values.std().item() == pytest.approx(0.02, rel=5e-3)
+
+
+def test_layout_and_special_inits():
+    model = GPT(CFG, seed=1)
+    block = model.blocks[0]
+    assert torch.equal(block.ln1.weight, torch.ones(32)) and torch.equal(block.attn.qkv.bias, torch.zeros(96))
+    residual_std = block.attn.proj.weight.std().item()
+    assert residual_std == pytest.approx(0.02 / math.sqrt(2 * CFG.layers), rel=0.15)
+    assert not block.ln1.weight.meta.decay and block.mlp.fc.weight.meta.decay
+
+
+def test_forward_shapes_causality_and_initial_loss():
+    model = GPT(CFG, seed=1)
+    tokens = torch.randint(0, CFG.vocab_size, (3, CFG.seq_len), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert logits.shape == (3, CFG.seq_len, CFG.vocab_size)
+    # Changing a later token must not change earlier logits (causal attention).
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % CFG.vocab_size
+    assert torch.allclose(model(changed)[:, :-1], logits[:, :-1], atol=1e-6)
+    # Small init: predictions near uniform, loss near log(V).
+    # (Random targets: with tied embeddings the input token itself is slightly favoured.)
+    targets = torch.randint(0, CFG.vocab_size, tokens.shape, generator=torch.Generator().manual_seed(1))
+    assert model.loss(tokens, targets).item() == pytest.approx(math.log(CFG.vocab_size), abs=0.1)
+
+
+def test_parameter_count_matches_the_gpt2_formula():
+    h, v, s, n = CFG.hidden, CFG.vocab_size, CFG.seq_len, CFG.layers
+    per_layer = 12 * h * h + 13 * h  # qkv, proj, fc, proj weights + their biases + 2 LayerNorms
+    assert GPT(CFG, seed=1).num_parameters() == v * h + s * h + n * per_layer + 2 * h
+    untied = dataclasses.replace(CFG, tie_embeddings=False)
+    assert GPT(untied, seed=1).num_parameters() == GPT(CFG, seed=1).num_parameters() + v * h
+
+
+def test_megatron_flops_formula_against_a_hand_computed_value():
+    # B=8, s=1024, l=24, h=2048, V=50304:
+    # 72*8*1024*24*2048^2 = 59,373,627,899,904 ; 1 + 1024/12288 + 50304/589824 = 1.16861979...
+    expected = 59_373_627_899_904 * (1 + 1024 / 12288 + 50304 / 589824)
+    assert megatron_step_flops(8, 1024, 24, 2048, 50304) == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(6.9385e13, rel=1e-4)
+
+
+def test_term_by_term_flops_equal_megatron_when_ffn_is_4h():
+    assert gpt_step_flops(8, 1024, 24, 2048, 50304, 4 * 2048) == pytest.approx(
+        megatron_step_flops(8, 1024, 24, 2048, 50304), rel=1e-12
+    )
+    assert gpt_step_flops(8, 1024, 24, 2048, 50304, 2048) < megatron_step_flops(8, 1024, 24, 2048, 50304)
+
+
+def test_peak_table_knows_gpus_and_never_guesses_a_cpu():
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4)
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops("AMD Instinct MI250X", "bf16") == 191.5
+    assert peak_tflops("cpu") is None
+    assert peak_tflops("cpu", override=1.5) == 1.5
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, schedule="cosine")
+    lrs = [learning_rate(cfg, s, 20) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert lrs[-1] == pytest.approx(0.1)
+    linear = dataclasses.replace(cfg, schedule="linear")
+    assert learning_rate(linear, 12, 20) == pytest.approx(0.1 + 0.9 * (1 - 8 / 15))
+    assert learning_rate(dataclasses.replace(cfg, schedule="constant"), 15, 20) == 1.0

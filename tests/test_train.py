@@ -1,0 +1,107 @@
+"""Data-parallel training inside one MPI job: the N-rank run equals a 1-rank run.
+
+The 1-rank reference runs in the same process on a grid over MPI.COMM_SELF, so every rank
+of `mpirun -n N` compares the world's losses and parameters with its own 1-rank run.
+
+Tolerance: fp32. The runs differ only in summation order (N partial gradients all-reduced
+vs. N micro-batches accumulated on one rank), ~1e-7 relative per step; Adam's
+normalisation can amplify that for tiny second moments, so after 5 steps we allow
+1e-5 relative on the loss and 1e-5 absolute on parameters (typical size 2e-2).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.deck import load_deck, resolve_for_world
+from app.parallel.data import allreduce_gradients
+from app.runtime.grid import ProcessGrid
+from app.train import Trainer
+from conftest import REPO
+
+SMALL = (
+    "model.vocab_size=101", "model.seq_len=16", "model.layers=2", "model.hidden=32", "model.heads=4",
+    "train.steps=5", "train.global_batch=8", "train.micro_batch=2", "run.log_every=1",
+    "optim.lr=3.0e-3", "optim.warmup_steps=2", "data.noise=0.1",
+)  # fmt: skip
+
+
+def _solo(runtime):
+    from mpi4py import MPI
+
+    from app.runtime.mpi import bind_device, init_mpi
+
+    solo = init_mpi(MPI.COMM_SELF)
+    bind_device(solo, "cpu")
+    return solo
+
+
+def _losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dp_training_matches_single_rank_loss_and_parameters(runtime, shared_tmp, tmp_path):
+    world_deck = resolve_for_world(
+        load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, f"run.dir={shared_tmp / 'world'}")), runtime.world_size
+    )
+    world = Trainer(world_deck, runtime, ProcessGrid(runtime, 1, 1, runtime.world_size))
+    world_summary = world.run()
+    runtime.comm.Barrier()  # rank 0 has written metrics.jsonl
+
+    solo_rt = _solo(runtime)
+    solo_deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, f"run.dir={tmp_path / 'solo'}")), 1)
+    solo = Trainer(solo_deck, solo_rt, ProcessGrid(solo_rt, 1, 1, 1))
+    solo_summary = solo.run()
+
+    assert world_deck.num_micro_batches * runtime.world_size == solo_deck.num_micro_batches
+    world_losses, solo_losses = _losses(shared_tmp / "world"), _losses(tmp_path / "solo")
+    assert len(world_losses) == len(solo_losses) == 5
+    assert world_losses == pytest.approx(solo_losses, rel=1e-5)
+    assert world_losses[-1] < world_losses[0]  # it learns
+    assert world_summary["final_loss"] == pytest.approx(solo_summary["final_loss"], rel=1e-5)
+    for (name, p), (_, q) in zip(world.model.named_parameters(), solo.model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+    # Replicas stay identical across dp ranks (bitwise: same all-reduced gradient, same update).
+    digest = float(sum(p.detach().double().sum() for p in world.model.parameters()))
+    assert len(set(runtime.comm.allgather(digest))) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_gradients_averages_over_dp(runtime):
+    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    model = torch.nn.Linear(3, 2)
+    for p in model.parameters():
+        p.meta = None
+        p.grad = torch.full_like(p, float(runtime.rank))
+    allreduce_gradients(model, grid)
+    mean = sum(range(runtime.world_size)) / runtime.world_size
+    for p in model.parameters():
+        assert torch.allclose(p.grad, torch.full_like(p, mean))
+    grid.free()
+
+
+@pytest.mark.mpi
+def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
+    deck = resolve_for_world(
+        load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, "train.steps=3", f"run.dir={shared_tmp}")), runtime.world_size
+    )
+    summary = Trainer(deck, runtime, ProcessGrid(runtime, 1, 1, runtime.world_size)).run()
+    runtime.comm.Barrier()
+    for key in ("deck", "world_size", "nodes", "ranks_per_node", "grid", "parameters", "steps", "step_time_s",
+                "tokens_per_s", "tflops_per_rank", "aggregate_tflops", "mfu", "final_loss", "versions"):  # fmt: skip
+        assert key in summary, key
+    assert summary["world_size"] == runtime.world_size and summary["grid"]["dp"] == runtime.world_size
+    assert summary["mfu"] is None  # CPU: no peak in the table, none in the deck
+    assert summary["versions"]["hdf5_parallel"] is True
+    on_disk = json.loads((shared_tmp / "summary.json").read_text())
+    assert on_disk["final_loss"] == summary["final_loss"]
+    records = [json.loads(line) for line in (shared_tmp / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert {"step", "loss", "lr", "step_time_s", "tokens_per_s", "tflops_per_rank", "mfu"} <= set(r)
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] is None
+    assert (shared_tmp / "deck.yaml").exists()
