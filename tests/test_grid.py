@@ -85,6 +85,8 @@ def test_process_grid_groups_and_communicators_match_the_layout(runtime):
         for order in ("tp-dp-pp", "pp-dp-tp"):
             grid = ProcessGrid(runtime, tp, pp, dp, order)
             assert grid.coords == grid.layout.coords(grid.rank)
+            if runtime.nodes == 1:
+                assert grid.describe()["within_node"] == {"tp": True, "pp": True, "dp": True}
             for axis in AXES:
                 # MPI: the sub-communicator holds this rank at its coordinate.
                 assert grid.mpi[axis].Get_size() == grid.size(axis)

@@ -110,8 +110,9 @@ class ProcessGrid:
     """A `GridLayout` bound to a running job: per-axis MPI communicators and torch groups.
 
     Attributes: `layout`; `rank` (this process's layout position); `coords`;
-    `mpi[axis]` (mpi4py communicator), `group[axis]` (torch ProcessGroup) and `ranks[axis]`
-    (torch ranks of this process's group along `axis`). The runtime's communicator may be
+    `mpi[axis]` (mpi4py communicator), `group[axis]` (torch ProcessGroup), `ranks[axis]`
+    (torch ranks of this process's group along `axis`) and `within_node[axis]` (whether
+    every group along `axis` lies inside one node, measured over the real placement). The runtime's communicator may be
     a sub-communicator of the job, so several grids can live in one process.
     """
 
@@ -137,12 +138,19 @@ class ProcessGrid:
             # Local synchronisation: only a group's members create it, so set-up costs O(group)
             # per rank instead of a world-wide barrier per group (32k ranks, thousands of groups).
             self.group[axis] = dist.new_group(self.ranks[axis], use_local_synchronization=True)
+        # Measured, not inferred: do all members of every group of an axis share a node?
+        from mpi4py import MPI
+
+        self.within_node = {
+            axis: bool(runtime.comm.allreduce(len(set(self.mpi[axis].allgather(runtime.node))) == 1, op=MPI.LAND))
+            for axis in AXES
+        }
 
     def size(self, axis: str) -> int:
         return self.layout.size(axis)
 
     def describe(self) -> dict[str, Any]:
-        return self.layout.describe()
+        return {**self.layout.describe(), "within_node": dict(self.within_node)}
 
     def free(self) -> None:
         """Release the MPI communicators (torch groups go with the process group)."""

@@ -176,9 +176,12 @@ def agree(runtime: Runtime, fn: Callable[[], T]) -> T:
     try:
         result = fn()
     except GridlmError as err:
-        error = f"{err} (rank {runtime.rank} on {runtime.hostname})" if runtime.world_size > 1 else str(err)
-    errors = runtime.comm.allgather(error)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise GridlmError(first)
+        error = str(err)
+    errors = runtime.comm.allgather((error, runtime.rank, runtime.hostname))
+    failed = [(e, r, host) for e, r, host in errors if e is not None]
+    if failed:
+        message, rank, host = failed[0]
+        if len(failed) < len(errors):  # rank-local: say where, the other ranks were fine
+            message += f" (rank {rank} on {host})"
+        raise GridlmError(message)
     return result  # type: ignore[return-value]
