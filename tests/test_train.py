@@ -105,3 +105,21 @@ def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
         assert {"step", "loss", "lr", "step_time_s", "tokens_per_s", "tflops_per_rank", "mfu"} <= set(r)
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] is None
     assert (shared_tmp / "deck.yaml").exists()
+
+
+@pytest.mark.mpi
+def test_training_on_prepared_text_files_learns(runtime, shared_tmp):
+    from app.data.prepare import prepare
+
+    prefix = shared_tmp / "corpus"
+    if runtime.rank == 0:
+        text = shared_tmp / "text.txt"
+        text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+        prepare([str(text)], str(prefix))
+    runtime.comm.Barrier()
+    overrides = (*SMALL, "model.vocab_size=257", "train.steps=6", "data.kind=memmap", f"data.path={prefix}",
+                 f"run.dir={shared_tmp / 'run'}")  # fmt: skip
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", overrides), runtime.world_size)
+    summary = Trainer(deck, runtime, ProcessGrid(runtime, 1, 1, runtime.world_size)).run()
+    assert summary["final_loss"] < summary["initial_loss"] - 0.5  # a repeated sentence is easy
+    assert summary["consumed_samples"] == 6 * deck.train.global_batch
