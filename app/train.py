@@ -167,7 +167,7 @@ class Trainer:
 
     def _summary(self, records: list[dict[str, Any]], step_times: list[float]) -> dict[str, Any]:
         deck, rt, tr = self.deck, self.runtime, self.deck.train
-        mean_time, std_time = mean_step_time(step_times, deck.run.timing_warmup)
+        mean_time, std_time, skipped = mean_step_time(step_times, deck.run.timing_warmup)
         tflops_per_rank = self.flops_per_step / mean_time / rt.world_size / 1e12
         return {
             "deck": deck.to_dict(),
@@ -182,7 +182,7 @@ class Trainer:
             "tokens_per_step": self.tokens_per_step,
             "step_time_s": mean_time,
             "step_time_std_s": std_time,
-            "timing_warmup_steps": min(deck.run.timing_warmup, max(0, len(step_times) - 1)),
+            "timing_warmup_steps": skipped,
             "tokens_per_s": self.tokens_per_step / mean_time,
             "flops_per_step": self.flops_per_step,
             "flops_kind": "model FLOPs, Megatron SC21 count (no recompute, full attention)",
@@ -195,7 +195,7 @@ class Trainer:
             "final_loss": records[-1]["loss"],
             "consumed_samples": self.sampler.consumed_samples,
             "torch_threads": torch.get_num_threads(),
-            "versions": versions(rt.comm),
+            "versions": versions(),
         }
 
 

@@ -115,3 +115,10 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     linear = dataclasses.replace(cfg, schedule="linear")
     assert learning_rate(linear, 12, 20) == pytest.approx(0.1 + 0.9 * (1 - 8 / 15))
     assert learning_rate(dataclasses.replace(cfg, schedule="constant"), 15, 20) == 1.0
+
+
+def test_mean_step_time_leaves_out_warmup_only_when_steps_remain():
+    from app.metrics.report import mean_step_time
+
+    assert mean_step_time([9.0, 9.0, 1.0, 3.0], 2) == (2.0, pytest.approx(2**0.5), 2)
+    assert mean_step_time([4.0, 2.0], 2) == (3.0, pytest.approx(2**0.5), 0)

@@ -43,13 +43,15 @@ def format_line(r: dict[str, Any], steps: int) -> str:
     )
 
 
-def mean_step_time(step_times: list[float], warmup: int) -> tuple[float, float]:
-    """(mean, stdev) of step times excluding the first `warmup` steps (all steps if too few)."""
-    kept = step_times[warmup:] if len(step_times) > warmup else step_times
-    return statistics.fmean(kept), (statistics.stdev(kept) if len(kept) > 1 else 0.0)
+def mean_step_time(step_times: list[float], warmup: int) -> tuple[float, float, int]:
+    """(mean, stdev, steps left out) of the step times, leaving out the first `warmup`
+    steps when enough steps remain (otherwise none)."""
+    skipped = warmup if len(step_times) > warmup else 0
+    kept = step_times[skipped:]
+    return statistics.fmean(kept), (statistics.stdev(kept) if len(kept) > 1 else 0.0), skipped
 
 
-def versions(comm: Any) -> dict[str, Optional[str]]:
+def versions() -> dict[str, Optional[str]]:
     """Software versions of the stack, for the report."""
     import h5py
     import mpi4py

@@ -112,8 +112,9 @@ class ProcessGrid:
     Attributes: `layout`; `rank` (this process's layout position); `coords`;
     `mpi[axis]` (mpi4py communicator), `group[axis]` (torch ProcessGroup), `ranks[axis]`
     (torch ranks of this process's group along `axis`) and `within_node[axis]` (whether
-    every group along `axis` lies inside one node, measured over the real placement). The runtime's communicator may be
-    a sub-communicator of the job, so several grids can live in one process.
+    every group along `axis` lies inside one node, measured on the real placement).
+    The runtime's communicator may be a sub-communicator of the job, so several grids can
+    live in one process.
     """
 
     def __init__(self, runtime: Runtime, tp: int, pp: int, dp: int, order: str = "tp-dp-pp") -> None:
