@@ -3,6 +3,7 @@ the MPI tests share one initialised runtime (MPI + torch.distributed) per proces
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,7 +73,17 @@ def app_env() -> dict[str, str]:
     return env
 
 
+def run_mpi(ranks: int, *command: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`mpirun -n ranks command...` from the repository root; output captured."""
+    cmd = ["mpirun", "-n", str(ranks), *command]
+    return subprocess.run(cmd, cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+
 def run_app(ranks: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`mpirun -n ranks python -m app args...` from the repository root; output captured."""
-    cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app", *args]
-    return subprocess.run(cmd, cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    return run_mpi(ranks, sys.executable, "-m", "app", *args, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

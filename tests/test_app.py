@@ -6,10 +6,11 @@ These tests start real MPI jobs (subprocesses), so they run in the serial group.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from conftest import REPO, run_app
+from conftest import read_metrics, run_app, run_mpi
 
 TINY = "inputs/gpt_tiny.yaml"
 FAST = (
@@ -19,10 +20,6 @@ FAST = (
 )  # fmt: skip
 
 
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_four_ranks_and_one_rank_give_the_same_losses(tmp_path):
     # 4 ranks: dp=4, 1 micro-batch each; 1 rank: 4 micro-batches accumulated. Same global batch.
     # Tolerance 1e-5 relative: fp32, only the summation order differs (see tests/test_train.py).
@@ -30,7 +27,7 @@ def test_four_ranks_and_one_rank_give_the_same_losses(tmp_path):
     for ranks in (4, 1):
         out = run_app(ranks, TINY, *FAST, "--set", f"run.dir={tmp_path / str(ranks)}")
         assert out.returncode == 0, out.stdout + out.stderr
-        runs[ranks] = _records(tmp_path / str(ranks))
+        runs[ranks] = read_metrics(tmp_path / str(ranks))
         assert out.stdout.count("gridlm: done") == 1  # rank 0 alone reports
     losses4, losses1 = [r["loss"] for r in runs[4]], [r["loss"] for r in runs[1]]
     assert len(losses4) == 6
@@ -67,14 +64,8 @@ def test_bad_input_gives_one_message_and_status_2_on_every_rank(tmp_path, args, 
 
 def test_every_rank_exits_with_status_2(tmp_path):
     # Look at each rank's own exit status, not only mpirun's summary of them.
-    import subprocess
-    import sys
-
-    from conftest import app_env
-
     script = f"{sys.executable} -m app {TINY} --set train.steps=-3; echo rank-status=$?"
-    out = subprocess.run(["mpirun", "-n", "2", "sh", "-c", script], cwd=REPO, env=app_env(),
-                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    out = run_mpi(2, "sh", "-c", script, timeout=120)
     assert out.stdout.count("rank-status=2") == 2, out.stdout + out.stderr
 
 

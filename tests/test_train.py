@@ -20,7 +20,7 @@ from app.deck import load_deck, resolve_for_world
 from app.parallel.data import allreduce_gradients
 from app.runtime.grid import ProcessGrid
 from app.train import Trainer
-from conftest import REPO
+from conftest import REPO, read_metrics
 
 SMALL = (
     "model.vocab_size=101", "model.seq_len=16", "model.layers=2", "model.hidden=32", "model.heads=4",
@@ -40,7 +40,7 @@ def _solo(runtime):
 
 
 def _losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in read_metrics(run_dir)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -99,7 +99,7 @@ def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
     assert summary["versions"]["hdf5_parallel"] is True
     on_disk = json.loads((shared_tmp / "summary.json").read_text())
     assert on_disk["final_loss"] == summary["final_loss"]
-    records = [json.loads(line) for line in (shared_tmp / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(shared_tmp)
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert {"step", "loss", "lr", "step_time_s", "tokens_per_s", "tflops_per_rank", "mfu"} <= set(r)
