@@ -53,6 +53,16 @@ class ParallelConfig:
     pp: int = _key(1, "pipeline-parallel degree (stages)", min=1)
     dp: Union[int, str] = _key("auto", "data-parallel degree; auto = world size / (tp x pp)", min=1, words=("auto",))
     order: str = _key("tp-dp-pp", "grid axes from innermost (neighbouring ranks) to outermost")
+    sequence_parallel: bool = _key(
+        False, "shard LayerNorm/dropout regions along the sequence over tp (all-gather/reduce-scatter)"
+    )
+    virtual_stages: int = _key(1, "model chunks per pipeline stage; > 1 selects the interleaved 1F1B schedule", min=1)
+    stage_layers: Optional[list[int]] = _key(
+        None, "layers per model chunk, pp x virtual_stages entries in pipeline order; null = balanced", min=1
+    )
+    gpus_per_node: Optional[int] = _key(
+        None, "node shape for planning; a real run uses the placement MPI reports and warns if it differs", min=1
+    )
     backend: str = _key(
         "auto", "torch.distributed backend; auto = nccl on GPUs, gloo on CPUs", choices=("auto", "gloo", "nccl")
     )
@@ -98,6 +108,9 @@ class RunConfig:
         None, "peak TFLOP/s per rank for MFU when the device is not in the peak table (e.g. a CPU)", min=0.0
     )
     timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0)
+    comm_timers: bool = _key(
+        False, "time tp/pp/dp communication per step (synchronises a GPU around each call: leave off for speed)"
+    )
     threads: Optional[int] = _key(None, "torch threads per rank; null means cores per node / ranks per node", min=1)
 
 
@@ -147,10 +160,12 @@ def deck_reference() -> list[tuple[str, str, Any, str]]:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is list:
+        return "list of " + typing.get_args(tp)[0].__name__
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if not args:
         return tp.__name__
-    name = " | ".join(a.__name__ for a in args)
+    name = " | ".join(_type_name(a) for a in args)
     return name + " | null" if type(None) in typing.get_args(tp) else name
 
 
@@ -179,6 +194,9 @@ def _check_value(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
                 continue
         elif want is str and isinstance(value, str) and "words" not in meta:
             converted = value
+        elif typing.get_origin(want) is list and isinstance(value, list):
+            items = [_check_value(f"{key}[{i}]", v, typing.get_args(want)[0], meta) for i, v in enumerate(value)]
+            return items
         else:
             continue
         break
@@ -271,6 +289,7 @@ def _validate(deck: Deck) -> None:
         raise DeckError(
             "parallel.order", par.order, "a permutation of tp, pp, dp joined by '-', innermost first, e.g. tp-dp-pp"
         )
+    _validate_model_split(m, par)
     if tr.global_batch % tr.micro_batch:
         raise DeckError(
             "train.global_batch", tr.global_batch, f"must be a multiple of train.micro_batch = {tr.micro_batch}"
@@ -285,13 +304,46 @@ def _validate(deck: Deck) -> None:
         raise DeckError("data.path", deck.data.path, "only used with data.kind = memmap")
 
 
+def _validate_model_split(m: ModelConfig, par: ParallelConfig) -> None:
+    """tp must split heads, MLP and vocabulary evenly; pp x virtual_stages chunks need layers."""
+    tp = par.tp
+    for key, value, what in (
+        ("model.heads", m.heads, "attention heads"),
+        ("model.ffn_hidden", m.ffn, "MLP columns"),
+        ("model.vocab_size", m.vocab_size, "vocabulary rows"),
+    ):
+        if value % tp:
+            raise DeckError(
+                key, value, f"parallel.tp = {tp} splits the {what}, so it must be a multiple of {tp} "
+                f"(e.g. {value + tp - value % tp}), or choose a tp that divides {value}"
+            )  # fmt: skip
+    if par.sequence_parallel and m.seq_len % tp:
+        raise DeckError(
+            "model.seq_len", m.seq_len, f"parallel.sequence_parallel shards the sequence over tp = {tp}: "
+            f"use a multiple of {tp} or set parallel.sequence_parallel: false"
+        )  # fmt: skip
+    if par.virtual_stages > 1 and par.pp == 1:
+        raise DeckError(
+            "parallel.virtual_stages", par.virtual_stages, "interleaving needs pipeline stages: set parallel.pp > 1 "
+            "or parallel.virtual_stages: 1"
+        )  # fmt: skip
+    chunks = par.pp * par.virtual_stages
+    if par.stage_layers is not None:
+        if len(par.stage_layers) != chunks or sum(par.stage_layers) != m.layers:
+            raise DeckError(
+                "parallel.stage_layers", par.stage_layers, f"needs pp x virtual_stages = {chunks} entries "
+                f"summing to model.layers = {m.layers}, or null for a balanced split"
+            )  # fmt: skip
+    elif m.layers < chunks:
+        raise DeckError(
+            "model.layers", m.layers, f"pp x virtual_stages = {par.pp} x {par.virtual_stages} = {chunks} model "
+            f"chunks need at least {chunks} layers; lower parallel.pp or parallel.virtual_stages"
+        )  # fmt: skip
+
+
 def resolve_for_world(deck: Deck, world_size: int) -> Deck:
     """Fill in dp = world / (tp x pp) and check everything that depends on the world size."""
     par, tr = deck.parallel, deck.train
-    if par.tp > 1 or par.pp > 1:
-        # The grid supports all three axes; the model is data-parallel only for now.
-        key, value = ("parallel.tp", par.tp) if par.tp > 1 else ("parallel.pp", par.pp)
-        raise DeckError(key, value, "tensor and pipeline parallelism are not available in this version; accepted: 1")
     model_ranks = par.tp * par.pp
     if par.dp == "auto":
         if world_size % model_ranks:
@@ -312,4 +364,13 @@ def resolve_for_world(deck: Deck, world_size: int) -> Deck:
             tr.global_batch,
             f"must be a multiple of micro_batch x dp = {tr.micro_batch} x {dp} = {tr.micro_batch * dp}",
         )
+    micro = tr.global_batch // (tr.micro_batch * dp)
+    if par.virtual_stages > 1 and micro % par.pp:
+        # Interleaving walks the chunks in groups of pp micro-batches.
+        good = tr.micro_batch * dp * par.pp * max(1, round(micro / par.pp))
+        raise DeckError(
+            "train.global_batch", tr.global_batch, f"the interleaved schedule needs the micro-batches per dp rank "
+            f"(global_batch / (micro_batch x dp) = {micro}) to be a multiple of pp = {par.pp}: "
+            f"e.g. global_batch = {good}, or parallel.virtual_stages: 1"
+        )  # fmt: skip
     return dataclasses.replace(deck, parallel=dataclasses.replace(par, dp=dp))

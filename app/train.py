@@ -1,9 +1,13 @@
 """The training loop: build -> step -> log -> report.
 
-One optimizer step: for each of this dp rank's micro-batches, forward + backward of
-(mean loss / micro-batches); average gradients over dp; clip; AdamW step. The logged loss
-is the mean over the whole global batch (all-reduced over dp), so it is the same number
-on 1 rank and on N.
+Build: the grid gives this rank its tp shard (tensor-parallel layers), its pipeline
+chunks (stage layers) and its dp share of each global batch; the model holds only that.
+One optimizer step: the pipeline schedule runs forward + backward of (mean loss /
+micro-batches) for each of this dp rank's micro-batches; gradients are synchronised as
+their `ParamMeta` says (sequence-parallel partial sums over tp, the tied embedding between
+first and last stage, the mean over dp); the global norm is clipped; AdamW steps. The
+logged loss is the mean over the whole global batch, so it is the same number on 1 rank
+and on any grid.
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ from app.errors import GridlmError
 from app.metrics.flops import gpt_step_flops
 from app.metrics.peaks import peak_tflops
 from app.metrics.report import MetricsWriter, format_line, mean_step_time, versions, write_summary
+from app.metrics.timers import CommTimers
 from app.model.gpt import GPT
 from app.optim.optimizer import build_optimizer, clip_gradients, learning_rate
 from app.parallel.data import allreduce_gradients
-from app.runtime.grid import ProcessGrid
+from app.parallel.pipeline import Pipeline
+from app.parallel.schedule import partition_layers
+from app.parallel.tensor import allreduce_sequence_parallel_gradients
+from app.runtime.collectives import TensorParallel
+from app.runtime.grid import AXES, ProcessGrid
 from app.runtime.mpi import Runtime, agree
 
 
@@ -53,11 +62,12 @@ def _make_run_dir(runtime: Runtime, deck: Deck) -> Path:
     return run_dir
 
 
-def _global_mean(value: torch.Tensor, grid: ProcessGrid) -> float:
-    """Mean of a per-dp-rank scalar over the dp group."""
-    value = value.detach().clone()
-    if grid.size("dp") > 1:
-        dist.all_reduce(value, group=grid.group["dp"])
+def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid) -> float:
+    """The global-batch mean loss: held by the last stage (summed over pp), averaged over dp."""
+    value = loss_sum.detach().clone()
+    for axis in ("pp", "dp"):
+        if grid.size(axis) > 1:
+            dist.all_reduce(value, group=grid.group[axis])
     return float(value) / grid.size("dp")
 
 
@@ -76,7 +86,14 @@ class Trainer:
         self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
         self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, grid.coords["dp"], grid.size("dp"))
         torch.manual_seed(tr.seed + 1_000_003 * runtime.rank)  # dropout masks differ per rank
-        self.model = GPT(m, tr.seed, self.device)
+        par = deck.parallel
+        self.timers = CommTimers(self.device, deck.run.comm_timers)
+        self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers)
+        self.chunks = partition_layers(m.layers, par.pp * par.virtual_stages, par.stage_layers)
+        seq = m.seq_len // grid.size("tp") if par.sequence_parallel else m.seq_len
+        self.pipeline = Pipeline(grid, self.chunks, (tr.micro_batch, seq, m.hidden), self.timers)
+        pipe = self.pipeline
+        self.model = GPT(m, tr.seed, self.device, self.tp, pipe.layers, pipe.first, pipe.last)
         self.optimizer = build_optimizer(self.model, deck.optim)
         self.steps_done = 0
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -85,21 +102,23 @@ class Trainer:
         self.tokens_per_step = tr.global_batch * m.seq_len
 
     def step(self) -> tuple[torch.Tensor, float, float]:
-        """One optimizer step over the global batch: (this dp rank's mean loss, lr, grad norm)."""
+        """One optimizer step over the global batch: (this dp rank's mean loss on the last stage, 0 on
+        the others; lr; global grad norm)."""
         lr = learning_rate(self.deck.optim, self.steps_done, self.deck.train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        n_micro = self.sampler.num_micro_batches
-        loss_sum = torch.zeros((), device=self.device)
+        micro_batches = []
         for indices in self.sampler.next_step():
             tokens, targets = get_batch(self.dataset, indices)
-            tokens, targets = tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            # Mean over micro-batches here, mean over dp in the all-reduce: the global-batch mean.
-            loss = self.model.loss(tokens, targets) / n_micro
-            loss.backward()
-            loss_sum += loss.detach()
-        allreduce_gradients(self.model, self.grid)
+            micro_batches.append(
+                (tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
+            )
+        # Mean over micro-batches in the pipeline, mean over dp in the all-reduce: the global-batch mean.
+        loss_sum = self.pipeline.run(self.model, micro_batches)
+        allreduce_sequence_parallel_gradients(self.model, self.grid, self.timers)
+        self.pipeline.sync_tied_embedding(self.model)
+        allreduce_gradients(self.model, self.grid, self.timers)
         grad_norm = clip_gradients(self.model, self.grid, self.deck.optim.grad_clip)
         self.optimizer.step()
         self.steps_done += 1
@@ -117,6 +136,24 @@ class Trainer:
             f"{self.sampler.num_micro_batches} accumulation x dp {grid.size('dp')} | seq {deck.model.seq_len} | "
             f"{tr.steps} steps | data {deck.data.kind} | run dir {self.run_dir}"
         )
+        par = deck.parallel
+        schedule = "interleaved 1F1B" if par.virtual_stages > 1 else "1F1B"
+        counts = [len(c) for c in self.chunks]
+        rt.log(
+            f"gridlm: pipeline {schedule}, {grid.size('pp')} stage(s) x {par.virtual_stages} chunk(s), "
+            f"layers per chunk {counts} | sequence parallel {'on' if par.sequence_parallel else 'off'} | "
+            f"groups inside a node: " + ", ".join(f"{a} {'yes' if grid.within_node[a] else 'no'}" for a in AXES)
+        )
+        if not grid.within_node["tp"]:
+            rt.log(
+                "gridlm: warning: tensor-parallel groups span nodes; tp communicates every layer and is slow "
+                "over the network. Use a tp that divides the ranks per node, or put tp innermost in parallel.order"
+            )
+        if par.gpus_per_node is not None and par.gpus_per_node != rt.ranks_per_node:
+            rt.log(
+                f"gridlm: warning: parallel.gpus_per_node = {par.gpus_per_node} but MPI placed "
+                f"{rt.ranks_per_node} ranks per node; the grid follows the real placement"
+            )
         if self.peak is None:
             rt.log(f"gridlm: no peak FLOP/s known for device {self.device_name!r}: MFU is null (set run.peak_tflops)")
 
@@ -128,6 +165,7 @@ class Trainer:
         self._banner()
         records: list[dict[str, Any]] = []
         step_times: list[float] = []
+        comm_times: list[dict[str, float]] = []
         self.model.train()
         while self.steps_done < steps:
             _sync(self.device)
@@ -136,12 +174,13 @@ class Trainer:
             _sync(self.device)
             step_time = time.perf_counter() - t0
             step_times.append(step_time)
+            comm_times.append(self.timers.pop())
             step = self.steps_done
             if step % deck.run.log_every == 0 or step == steps or step == 1:
                 tflops = self.flops_per_step / step_time / rt.world_size / 1e12
                 record = {
                     "step": step,
-                    "loss": _global_mean(loss_sum, self.grid),
+                    "loss": global_loss(loss_sum, self.grid),
                     "lr": lr,
                     "step_time_s": step_time,
                     "tokens_per_s": self.tokens_per_step / step_time,
@@ -150,10 +189,12 @@ class Trainer:
                     "grad_norm": grad_norm,
                     "consumed_samples": self.sampler.consumed_samples,
                 }
+                if deck.run.comm_timers:
+                    record["comm_s"] = comm_times[-1]  # rank 0's seconds in tp / pp / dp communication
                 records.append(record)
                 writer.write(record)
                 rt.log(format_line(record, steps))
-        summary = self._summary(records, step_times)
+        summary = self._summary(records, step_times, comm_times)
         if rt.is_root:
             path = write_summary(self.run_dir, summary)
             mfu = "n/a" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
@@ -165,9 +206,13 @@ class Trainer:
             )
         return summary
 
-    def _summary(self, records: list[dict[str, Any]], step_times: list[float]) -> dict[str, Any]:
-        deck, rt, tr = self.deck, self.runtime, self.deck.train
+    def _summary(
+        self, records: list[dict[str, Any]], step_times: list[float], comm_times: list[dict[str, float]]
+    ) -> dict[str, Any]:
+        deck, rt, tr, par = self.deck, self.runtime, self.deck.train, self.deck.parallel
         mean_time, std_time, skipped = mean_step_time(step_times, deck.run.timing_warmup)
+        timed = comm_times[skipped:]
+        comm = {a: sum(c[a] for c in timed) / len(timed) for a in AXES} if deck.run.comm_timers else None
         tflops_per_rank = self.flops_per_step / mean_time / rt.world_size / 1e12
         return {
             "deck": deck.to_dict(),
@@ -177,12 +222,21 @@ class Trainer:
             "ranks_per_node_list": rt.ranks_per_node_list,
             "grid": self.grid.describe(),
             "parameters": self.model.num_parameters(),
+            "parameters_rank0": sum(p.numel() for p in self.model.parameters()),
+            "pipeline": {
+                "schedule": "interleaved-1f1b" if par.virtual_stages > 1 else "1f1b",
+                "virtual_stages": par.virtual_stages,
+                "layers_per_chunk": [len(c) for c in self.chunks],
+                "micro_batches": self.sampler.num_micro_batches,
+            },
+            "sequence_parallel": par.sequence_parallel,
             "steps": tr.steps,
             "global_batch": tr.global_batch,
             "tokens_per_step": self.tokens_per_step,
             "step_time_s": mean_time,
             "step_time_std_s": std_time,
             "timing_warmup_steps": skipped,
+            "comm_s_per_step": comm,
             "tokens_per_s": self.tokens_per_step / mean_time,
             "flops_per_step": self.flops_per_step,
             "flops_kind": "model FLOPs, Megatron SC21 count (no recompute, full attention)",

@@ -132,12 +132,54 @@ def test_global_batch_must_divide_by_micro_batch_times_dp():
     assert err.value.key == "train.global_batch"
 
 
-@pytest.mark.parametrize("key", ["parallel.tp", "parallel.pp"])
-def test_tensor_and_pipeline_parallel_training_are_refused_for_now(key):
-    deck = load_deck(TINY, (f"{key}=2",))
-    with pytest.raises(DeckError, match="not available in this version") as err:
-        resolve_for_world(deck, 8)
+def test_a_3d_grid_resolves_dp_from_the_world_size():
+    deck = load_deck(TINY, ("parallel.tp=2", "parallel.pp=2", "train.global_batch=16"))
+    resolved = resolve_for_world(deck, 8)
+    assert (resolved.parallel.tp, resolved.parallel.pp, resolved.dp, resolved.num_micro_batches) == (2, 2, 2, 2)
+    with pytest.raises(DeckError, match=r"tp x pp = 4 must divide the world size 6"):
+        resolve_for_world(deck, 6)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, message",
+    [
+        (("parallel.tp=3",), "model.heads", "multiple of 3"),
+        (("parallel.tp=16",), "model.heads", "choose a tp that divides 8"),
+        (("parallel.tp=2", "model.ffn_hidden=1001"), "model.ffn_hidden", "MLP columns"),
+        (("parallel.tp=2", "model.vocab_size=257"), "model.vocab_size", "e.g. 258"),
+        (("parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=63"), "model.seq_len", "multiple of 2"),
+        (("parallel.virtual_stages=2",), "parallel.virtual_stages", "set parallel.pp > 1"),
+        (("parallel.pp=8",), "model.layers", "8 model chunks need at least 8 layers"),
+        (
+            ("parallel.pp=2", "parallel.virtual_stages=4"),
+            "model.layers",
+            "lower parallel.pp or parallel.virtual_stages",
+        ),
+        (("parallel.pp=2", "parallel.stage_layers=[1, 2]"), "parallel.stage_layers", "summing to model.layers = 4"),
+        (("parallel.pp=2", "parallel.stage_layers=[4]"), "parallel.stage_layers", "needs pp x virtual_stages = 2"),
+        (("parallel.stage_layers=[0, 4]", "parallel.pp=2"), "parallel.stage_layers[0]", "must be >= 1"),
+        (("parallel.stage_layers=3",), "parallel.stage_layers", "expected list of int"),
+    ],
+)
+def test_the_model_must_split_evenly_over_the_grid(overrides, key, message):
+    with pytest.raises(DeckError, match=message) as err:
+        load_deck(TINY, overrides)
     assert err.value.key == key
+
+
+def test_stage_layers_and_virtual_stages_are_accepted():
+    deck = load_deck(TINY, ("parallel.pp=2", "parallel.virtual_stages=2", "parallel.stage_layers=[1, 1, 1, 1]"))
+    assert deck.parallel.stage_layers == [1, 1, 1, 1] and deck.parallel.virtual_stages == 2
+
+
+def test_interleaving_needs_micro_batches_divisible_by_pp():
+    deck = load_deck(
+        TINY, ("parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch=12", "train.micro_batch=2")
+    )
+    assert resolve_for_world(deck, 2).num_micro_batches == 6  # dp = 1: 6 micro-batches, a multiple of pp
+    with pytest.raises(DeckError, match=r"= 3\) to be a multiple of pp = 2: e.g. global_batch = 16") as err:
+        resolve_for_world(deck, 4)  # dp = 2: 3 micro-batches per dp rank
+    assert err.value.key == "train.global_batch"
 
 
 def test_readme_documents_every_deck_key():

@@ -24,9 +24,9 @@ def test_init_is_a_function_of_seed_and_name_only():
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
     c = GPT(CFG, seed=8)
-    assert not torch.equal(a.wte, c.wte)
+    assert not torch.equal(a.wte.weight, c.wte.weight)
     # Two same-shaped parameters with different names get different values.
-    assert not torch.equal(a.blocks[0].attn.qkv.weight, a.blocks[1].attn.qkv.weight)
+    assert not torch.equal(a.blocks["0"].attn.qkv.weight, a.blocks["1"].attn.qkv.weight)
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -52,7 +52,7 @@ def test_counter_normal_has_the_requested_moments():
 
 def test_layout_and_special_inits():
     model = GPT(CFG, seed=1)
-    block = model.blocks[0]
+    block = model.blocks["0"]
     assert torch.equal(block.ln1.weight, torch.ones(32)) and torch.equal(block.attn.qkv.bias, torch.zeros(96))
     residual_std = block.attn.proj.weight.std().item()
     assert residual_std == pytest.approx(0.02 / math.sqrt(2 * CFG.layers), rel=0.15)

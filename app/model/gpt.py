@@ -1,14 +1,22 @@
 """A GPT-2-style decoder (learned positions, pre-LayerNorm, GELU MLP, tied embeddings).
 
-Shapes: tokens (B, S) int64 -> logits (B, S, V). Every parameter is tagged with a
-`ParamMeta` and initialised from (seed, name) only, see `app/model/init.py`.
+Shapes: tokens (B, S) int64 -> per-position logits (B, S, V / tp) -> mean loss. Built from
+the tensor-parallel layers in `app/model/layers.py`: attention heads and MLP columns are
+split over tp, the vocabulary too. A `GPT` object holds the part of the model one rank
+runs: the layers of its pipeline chunks (`layers`, global indices), the embedding if it
+runs the first chunk, the final LayerNorm and head if it runs the last. Parameter names
+are those of the 1-rank model (`blocks.7.attn.qkv.weight` on whichever stage runs layer
+7), and every parameter is initialised from (seed, name) only (`app/model/init.py`), so
+any shard on any grid equals the same slice of the 1-rank model.
 The fused QKV weight is laid out as (heads, 3, head_dim) rows, so a contiguous split of
 its rows over tensor-parallel ranks hands each rank whole heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -16,66 +24,57 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.deck import ModelConfig
-from app.model.init import ParamMeta, init_parameters, new_param
+from app.model.init import ParamMeta, init_parameters
+from app.model.layers import (
+    ColumnParallelLinear,
+    LayerNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    replicated_param,
+    tp_param,
+    vocab_parallel_cross_entropy,
+)
+from app.runtime.collectives import TensorParallel, enter_tp_region
 
-
-class LayerNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, device: Optional[torch.device]) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = new_param(ParamMeta((hidden,), init="ones", decay=False), device=device)
-        self.bias = new_param(ParamMeta((hidden,), init="zeros", decay=False), device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-
-
-class Linear(nn.Module):
-    """y = x W^T + b with W of shape (out, in)."""
-
-    def __init__(self, n_in: int, n_out: int, std: float, device: Optional[torch.device]) -> None:
-        super().__init__()
-        self.weight = new_param(ParamMeta((n_out, n_in), std=std), device=device)
-        self.bias = new_param(ParamMeta((n_out,), init="zeros", decay=False), device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+SINGLE = TensorParallel()
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: Optional[torch.device]) -> None:
+    """Causal self-attention; this tp rank runs heads / tp of the heads."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.dropout = cfg.heads, cfg.hidden // cfg.heads, cfg.dropout
+        self.heads, self.head_dim, self.dropout = cfg.heads // tp.size, cfg.hidden // cfg.heads, cfg.dropout
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
-        self.qkv = Linear(cfg.hidden, 3 * cfg.hidden, cfg.init_std, device)
-        self.proj = Linear(cfg.hidden, cfg.hidden, out_std, device)
+        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.init_std, tp, device)
+        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, out_std, tp, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each (B, heads, S, head_dim)
+        qkv = self.qkv(x)  # (B, S, heads/tp x 3 x head_dim): full sequence even under SP
+        b, s, _ = qkv.shape
+        q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, self.heads, 3, self.head_dim).unbind(dim=3))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: Optional[torch.device]) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
         super().__init__()
-        self.fc = Linear(cfg.hidden, cfg.ffn, cfg.init_std, device)
-        self.proj = Linear(cfg.ffn, cfg.hidden, cfg.init_std / math.sqrt(2 * cfg.layers), device)
+        self.fc = ColumnParallelLinear(cfg.hidden, cfg.ffn, cfg.init_std, tp, device)
+        self.proj = RowParallelLinear(cfg.ffn, cfg.hidden, cfg.init_std / math.sqrt(2 * cfg.layers), tp, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: Optional[torch.device]) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
         super().__init__()
-        self.ln1 = LayerNorm(cfg.hidden, cfg.layernorm_eps, device)
-        self.attn = Attention(cfg, device)
-        self.ln2 = LayerNorm(cfg.hidden, cfg.layernorm_eps, device)
-        self.mlp = MLP(cfg, device)
+        self.ln1 = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
+        self.attn = Attention(cfg, tp, device)
+        self.ln2 = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
+        self.mlp = MLP(cfg, tp, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,32 +83,102 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, seed: int, device: Optional[torch.device] = None) -> None:
+    """The part of the GPT this rank runs (the whole model by default: 1 rank, no pipeline).
+
+    `layers`: global indices of the transformer blocks held here; `first`: holds the
+    embedding (runs the first pipeline chunk); `last`: holds the final LayerNorm and the
+    head (runs the last chunk). With tied embeddings and first != last, the last stage
+    keeps its own copy of the embedding (`ParamMeta.tied`), kept equal by summing the two
+    gradients (see `app/parallel/pipeline.py`).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int,
+        device: Optional[torch.device] = None,
+        tp: TensorParallel = SINGLE,
+        layers: Optional[Iterable[int]] = None,
+        first: bool = True,
+        last: bool = True,
+    ) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.wte = new_param(ParamMeta((cfg.vocab_size, cfg.hidden), std=cfg.init_std), device=device)
-        self.wpe = new_param(ParamMeta((cfg.seq_len, cfg.hidden), std=cfg.init_std), device=device)
+        self.cfg, self.tp, self.first, self.last = cfg, tp, first, last
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, device) for _ in range(cfg.layers))
-        self.ln_f = LayerNorm(cfg.hidden, cfg.layernorm_eps, device)
-        self.head = None
-        if not cfg.tie_embeddings:
-            self.head = new_param(ParamMeta((cfg.vocab_size, cfg.hidden), std=cfg.init_std), device=device)
+        if first or (last and cfg.tie_embeddings):
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, cfg.init_std, tp, device)
+            if not first:
+                self.wte.weight.meta = dataclasses.replace(self.wte.weight.meta, tied=True)
+        if first:
+            # Positions are added to the sequence shard under SP: a partial gradient per tp rank.
+            self.wpe = replicated_param(ParamMeta((cfg.seq_len, cfg.hidden), std=cfg.init_std), tp, device, True)
+        ids = range(cfg.layers) if layers is None else layers
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device) for i in ids})
+        if last:
+            self.ln_f = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
+            if not cfg.tie_embeddings:
+                self.head = tp_param(ParamMeta((cfg.vocab_size, cfg.hidden), std=cfg.init_std), tp, 0, device)
         init_parameters(self, seed)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, S) -> logits (B, S, V)."""
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, S) -> hidden states (B, S, H), or (B, S / tp, H) under SP."""
+        x = self.wte(tokens)
         s = tokens.shape[1]
-        x = self.drop(F.embedding(tokens, self.wte) + self.wpe[:s])
-        for block in self.blocks:
-            x = block(x)
-        return F.linear(self.ln_f(x), self.wte if self.head is None else self.head)
+        if self.tp.sequence_parallel and self.tp.size > 1:
+            s //= self.tp.size
+            positions = self.wpe[self.tp.rank * s : (self.tp.rank + 1) * s]
+        else:
+            positions = self.wpe[:s]
+        return self.drop(x + positions)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final LayerNorm, vocab-parallel head and mean cross-entropy over the (B, S) positions."""
+        return vocab_parallel_cross_entropy(self._logits(x), targets, self.tp)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        h = enter_tp_region(self.ln_f(x), self.tp)
+        return F.linear(h, self.wte.weight if self.cfg.tie_embeddings else self.head)
+
+    def forward_chunk(
+        self,
+        x: torch.Tensor,
+        layers: Iterable[int],
+        first: bool,
+        last: bool,
+        targets: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Run one pipeline chunk: [embedding] -> blocks `layers` -> [head and loss]."""
+        if first:
+            x = self.embed(x)
+        for i in layers:
+            x = self.blocks[str(i)](x)
+        return self.head_loss(x, targets) if last else x
+
+    def _check_whole(self) -> None:
+        if not (self.first and self.last and len(self.blocks) == self.cfg.layers):
+            raise RuntimeError("this needs the whole model on one pipeline stage; use a pipeline schedule")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, S) -> logits (B, S, V / tp) of this tp rank's vocabulary rows (pp = 1 only)."""
+        self._check_whole()
+        x = self.embed(tokens)
+        for i in range(self.cfg.layers):
+            x = self.blocks[str(i)](x)
+        return self._logits(x)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over the B x S positions of this micro-batch."""
-        logits = self.forward(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        """Mean next-token cross-entropy over the B x S positions (the whole model is here)."""
+        self._check_whole()
+        return self.forward_chunk(tokens, range(self.cfg.layers), True, True, targets)
 
     def num_parameters(self) -> int:
-        """Global parameter count (the tied embedding counted once)."""
-        return sum(math.prod(p.meta.global_shape) for p in self.parameters())
+        """Global parameter count of the whole model (the tied embedding counted once)."""
+        return gpt_num_parameters(self.cfg)
+
+
+def gpt_num_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the 1-rank model, from the shapes above."""
+    h, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
+    per_block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h)
+    head = 0 if cfg.tie_embeddings else v * h
+    return v * h + cfg.seq_len * h + cfg.layers * per_block + 2 * h + head

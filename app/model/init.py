@@ -32,8 +32,13 @@ class ParamMeta:
     """Where a local parameter sits in its global tensor.
 
     `global_shape`: the 1-rank shape; `offset`: start of this shard along each dim;
-    `split`: grid axis -> dim it is split along (empty: replicated on every rank);
-    `init`: 'normal' | 'zeros' | 'ones'; `std`: for 'normal'; `decay`: weight decay applies.
+    `split`: grid axis -> dim it is split along; along every other axis of tp and dp the
+    parameter is replicated (pp is different: each parameter lives on the stage that runs
+    its layer). `init`: 'normal' | 'zeros' | 'ones'; `std`: for 'normal'; `decay`: weight
+    decay applies. `sequence_parallel`: replicated over tp, but it acts on a sequence
+    shard, so each tp rank holds a partial gradient that must be summed over tp.
+    `tied`: the last pipeline stage's copy of the tied embedding; its gradient is summed
+    with the first stage's, and it is counted once (there) in norms and checkpoints.
     """
 
     global_shape: tuple[int, ...]
@@ -42,6 +47,12 @@ class ParamMeta:
     decay: bool = True
     offset: tuple[int, ...] = ()
     split: dict[str, int] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    tied: bool = False
+
+    def replicated_over(self, axis: str) -> bool:
+        """Whether every rank along `axis` holds this same tensor (tp and dp only)."""
+        return axis not in self.split
 
 
 def new_param(

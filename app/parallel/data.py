@@ -8,29 +8,44 @@ averaging over dp gives the gradient of the mean over the whole global batch.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any, Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.metrics.timers import CommTimers
 from app.runtime.grid import ProcessGrid
 
 
 @torch.no_grad()
-def allreduce_gradients(model: nn.Module, grid: ProcessGrid) -> None:
+def allreduce_flat(
+    tensors: list[torch.Tensor], group: Any, timers: Optional[CommTimers], axis: str, divide: int = 1
+) -> None:
+    """In place: each tensor <- (sum over `group` of it) / divide, packed into one buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        if divide != 1:
+            flat.div_(divide)  # divide first: the sum of averages cannot overflow in low precision
+        with timers.region(axis) if timers is not None else nullcontext():
+            dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+@torch.no_grad()
+def allreduce_gradients(model: nn.Module, grid: ProcessGrid, timers: Optional[CommTimers] = None) -> None:
     """grad <- mean over dp ranks of grad, for every parameter of `model`."""
     dp = grid.size("dp")
     if dp == 1:
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)  # every rank must contribute the same buffer layout
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(dp)  # divide first: the sum of averages cannot overflow in low precision
-        dist.all_reduce(flat, group=grid.group["dp"])
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    allreduce_flat([p.grad for p in model.parameters()], grid.group["dp"], timers, "dp", divide=dp)

@@ -154,7 +154,12 @@ class ProcessGrid:
         return {**self.layout.describe(), "within_node": dict(self.within_node)}
 
     def free(self) -> None:
-        """Release the MPI communicators (torch groups go with the process group)."""
+        """Release the MPI communicators.
+
+        The torch groups stay until the process group is destroyed: torch names a locally
+        synchronised group after its ranks and the number of groups the process holds, so
+        destroying one lets a later group reuse its name, and its stale rendezvous keys.
+        """
         for comm in self.mpi.values():
             comm.Free()
         self.mpi.clear()

@@ -1,0 +1,157 @@
+"""Tensor-parallel building blocks (Megatron-style 1D, Shoeybi et al. 2019).
+
+Every layer materialises only this tp rank's shard, tagged with a `ParamMeta` that says
+where the shard sits in the global tensor; `init_parameters` fills it with the same
+values as that slice of the 1-rank model.
+
+    ColumnParallelLinear   W (out, in) split by rows (out/tp, in): input replicated
+                           (or sequence-sharded and all-gathered, with SP), output split
+    RowParallelLinear      W split by columns (out, in/tp): input split, output partial
+                           sums -> all-reduce (or reduce-scatter along the sequence, SP)
+    VocabParallelEmbedding rows of the (vocab, hidden) table split over tp
+    vocab_parallel_cross_entropy  loss from vocab-split logits; never gathers them
+
+Shapes: activations (batch, sequence, hidden); under sequence parallelism the sequence
+dimension of LayerNorm/residual regions is seq_len / tp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from app.model.init import ParamMeta, new_param
+from app.runtime.collectives import TensorParallel, enter_tp_region, leave_tp_region
+
+
+def tp_shard(meta: ParamMeta, tp: TensorParallel, dim: int) -> tuple[ParamMeta, tuple[int, ...]]:
+    """(meta with offset and split set, local shape) of this tp rank's shard along `dim`."""
+    shape = list(meta.global_shape)
+    offset = [0] * len(shape)
+    if tp.size > 1:
+        shape[dim] //= tp.size
+        offset[dim] = tp.rank * shape[dim]
+    split = {"tp": dim} if tp.size > 1 else {}
+    return dataclasses.replace(meta, offset=tuple(offset), split=split), tuple(shape)
+
+
+def tp_param(meta: ParamMeta, tp: TensorParallel, dim: int, device: Optional[torch.device]) -> nn.Parameter:
+    """This tp rank's shard of the parameter described by `meta`, split along `dim`."""
+    meta, shape = tp_shard(meta, tp, dim)
+    return new_param(meta, shape, device)
+
+
+def replicated_param(
+    meta: ParamMeta, tp: TensorParallel, device: Optional[torch.device], sequence_sharded_input: bool = False
+) -> nn.Parameter:
+    """A parameter every tp rank holds in full. If it acts on sequence-sharded activations
+    (sequence parallelism), its gradient is a partial sum over tp."""
+    partial = sequence_sharded_input and tp.sequence_parallel and tp.size > 1
+    return new_param(dataclasses.replace(meta, sequence_parallel=partial), device=device)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over hidden; replicated over tp (sequence-sharded input under SP)."""
+
+    def __init__(self, hidden: int, eps: float, tp: TensorParallel, device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = replicated_param(ParamMeta((hidden,), init="ones", decay=False), tp, device, True)
+        self.bias = replicated_param(ParamMeta((hidden,), init="zeros", decay=False), tp, device, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T + b_local: this rank's n_out / tp output features."""
+
+    def __init__(self, n_in: int, n_out: int, std: float, tp: TensorParallel, device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = tp_param(ParamMeta((n_out, n_in), std=std), tp, 0, device)
+        self.bias = tp_param(ParamMeta((n_out,), init="zeros", decay=False), tp, 0, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(enter_tp_region(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tp of x_local W_local^T, + b (added once, after the reduction)."""
+
+    def __init__(self, n_in: int, n_out: int, std: float, tp: TensorParallel, device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = tp_param(ParamMeta((n_out, n_in), std=std), tp, 1, device)
+        self.bias = replicated_param(ParamMeta((n_out,), init="zeros", decay=False), tp, device, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return leave_tp_region(F.linear(x, self.weight), self.tp) + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary rows split over tp.
+
+    Each rank looks up the tokens in its row range (zeros elsewhere); the sum over tp
+    (all-reduce, or reduce-scatter along the sequence under SP) is the full embedding.
+    """
+
+    def __init__(self, vocab: int, hidden: int, std: float, tp: TensorParallel, device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = tp_param(ParamMeta((vocab, hidden), std=std), tp, 0, device)
+        self.start = self.weight.meta.offset[0]
+        self.end = self.start + self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.weight)
+        outside = (tokens < self.start) | (tokens >= self.end)
+        local = (tokens - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_tp_region(out, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token -log softmax(logits)[target] with logits split over tp along the vocabulary.
+
+    Three small all-reduces of (batch, sequence) tensors — max, sum of exp, target logit —
+    instead of gathering (batch, sequence, vocab) logits.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        logits = logits.float()
+        vocab_local = logits.shape[-1]
+        start = tp.rank * vocab_local
+        global_max = tp.all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
+        shifted = logits - global_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = tp.all_reduce(exp.sum(dim=-1))
+        outside = (targets < start) | (targets >= start + vocab_local)
+        local_target = (targets - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = tp.all_reduce(picked)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, local_target, outside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        # d loss / d logit = softmax - one_hot(target); the one-hot lives on one tp rank.
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(softmax.dtype).unsqueeze(-1))
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Mean cross-entropy over all positions; `logits` (B, S, V / tp) hold this rank's vocab rows."""
+    if tp.size == 1:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp).mean()

@@ -1,0 +1,148 @@
+"""Pipeline parallelism: run a schedule of forward/backward passes over the pp axis.
+
+Each stage runs the actions of `app/parallel/schedule.py` in order. A forward pass of
+chunk c receives its input activation from the stage of chunk c - 1 (the first chunk
+embeds tokens), runs the chunk, and sends its output to the stage of chunk c + 1 (the
+last chunk computes the loss instead). A backward pass receives the output gradient from
+chunk c + 1 (the last chunk starts from its loss), back-propagates, and sends the input
+gradient to chunk c - 1. Sends are non-blocking (waited for at the end of the step);
+receives are posted non-blocking and waited for when the pass needs them.
+
+Activations and gradients travel on two separate groups over the pp ranks, so that each
+(source, destination, group) stream is matched first-in first-out, as NCCL and Gloo do;
+`schedule.simulate` checks that every schedule keeps those orders consistent.
+
+Tied embeddings: the first stage's embedding and the last stage's head copy get the sum of
+their gradients (`sync_tied_embedding`), so the two copies stay equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from app.metrics.timers import CommTimers
+from app.model.gpt import GPT
+from app.parallel.data import allreduce_flat
+from app.parallel.schedule import build_schedule
+from app.runtime.grid import ProcessGrid
+
+
+class Pipeline:
+    """This stage's view of the pipeline: its chunks, its p2p groups, its schedule runner.
+
+    `chunks[c]` are the global layers of model chunk c (all pp x virtual chunks); this
+    stage runs chunks stage, stage + pp, stage + 2 pp, ...
+    """
+
+    def __init__(
+        self,
+        grid: ProcessGrid,
+        chunks: Sequence[range],
+        activation_shape: tuple[int, ...],
+        timers: Optional[CommTimers] = None,
+    ) -> None:
+        self.pp, self.stage = grid.size("pp"), grid.coords["pp"]
+        self.virtual = len(chunks) // self.pp
+        self.chunks, self.activation_shape, self.timers = list(chunks), activation_shape, timers
+        self.ranks = grid.ranks["pp"]
+        self.fwd_group = self.bwd_group = self.tied_group = None
+        if self.pp > 1:
+            # Separate communicators for activations and gradients: one FIFO stream per direction.
+            self.fwd_group = self._new_group(self.ranks)
+            self.bwd_group = self._new_group(self.ranks)
+            # torch names a locally synchronised group after its ranks and the number of groups the
+            # process already has, so every rank must create as many groups as its peers: the middle
+            # stages create a group of their own instead of the first-last (tied embedding) group.
+            ends = self.stage in (0, self.pp - 1)
+            tied = self._new_group([self.ranks[0], self.ranks[-1]] if ends else [self.ranks[self.stage]])
+            self.tied_group = tied if ends else None
+
+    def _new_group(self, ranks: list[int]) -> Any:
+        return dist.new_group(ranks, use_local_synchronization=True)
+
+    @property
+    def my_chunks(self) -> list[int]:
+        return [v * self.pp + self.stage for v in range(self.virtual)]
+
+    @property
+    def layers(self) -> list[int]:
+        """Global indices of the layers this stage holds."""
+        return [i for c in self.my_chunks for i in self.chunks[c]]
+
+    @property
+    def first(self) -> bool:
+        """Whether this stage runs the first chunk (embedding)."""
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether this stage runs the last chunk (head and loss)."""
+        return self.stage == self.pp - 1
+
+    def _region(self) -> Any:
+        return self.timers.region("pp") if self.timers is not None else nullcontext()
+
+    def _recv(self, src_stage: int, group: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = torch.empty(self.activation_shape, dtype=dtype, device=device)
+        with self._region():
+            dist.irecv(buffer, self.ranks[src_stage], group=group).wait()
+        return buffer
+
+    def run(self, model: GPT, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of every micro-batch through this stage's chunks.
+
+        Gradients accumulate in the parameters' .grad, for the loss averaged over the
+        micro-batches. Returns the sum of the micro-batch losses / n on the last stage
+        (the mean loss of this dp rank's share), zero elsewhere.
+        """
+        n = len(micro_batches)
+        last_chunk = self.pp * self.virtual - 1
+        dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+        loss_sum = torch.zeros((), device=device)
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        sends: list[tuple[Any, torch.Tensor]] = []
+        nxt, prev = (self.stage + 1) % self.pp, (self.stage - 1) % self.pp
+        for action in build_schedule(self.pp, self.stage, n, self.virtual):
+            chunk = action.virtual * self.pp + self.stage
+            first, last = chunk == 0, chunk == last_chunk
+            tokens, targets = micro_batches[action.micro]
+            if action.kind == "F":
+                x = tokens if first else self._recv(prev, self.fwd_group, dtype, device).requires_grad_()
+                out = model.forward_chunk(x, self.chunks[chunk], first, last, targets if last else None)
+                if last:
+                    out = out / n
+                    loss_sum += out.detach()
+                else:
+                    with self._region():
+                        payload = out.detach().contiguous()
+                        sends.append((dist.isend(payload, self.ranks[nxt], group=self.fwd_group), payload))
+                saved[(action.micro, chunk)] = (x, out)
+            else:
+                x, out = saved.pop((action.micro, chunk))
+                if last:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, self._recv(nxt, self.bwd_group, dtype, device))
+                if not first:
+                    with self._region():
+                        payload = x.grad.contiguous()
+                        sends.append((dist.isend(payload, self.ranks[prev], group=self.bwd_group), payload))
+        with self._region():
+            for work, _ in sends:
+                work.wait()
+        return loss_sum
+
+    @torch.no_grad()
+    def sync_tied_embedding(self, model: GPT) -> None:
+        """Sum the gradients of the embedding (first stage) and its head copy (last stage)."""
+        if self.tied_group is None or not model.cfg.tie_embeddings:
+            return
+        weight = model.wte.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        allreduce_flat([weight.grad], self.tied_group, self.timers, "pp")

@@ -1,0 +1,168 @@
+"""Tensor- and sequence-parallel communication, one autograd.Function per step.
+
+Each mapping is a pair (forward, backward) of collectives over the tp group, side by side
+(Megatron-LM's mappings.py, Shoeybi et al. 2019; Korthikanti et al. 2022 for the
+sequence-parallel ones):
+
+    copy_to_tp              identity            | all-reduce        enter a column-parallel region
+    reduce_from_tp          all-reduce          | identity          leave a row-parallel region
+    scatter_to_sequence     split (own chunk)   | all-gather
+    gather_from_sequence    all-gather          | reduce-scatter    enter a column-parallel region (SP)
+    reduce_scatter_to_seq   reduce-scatter      | all-gather        leave a row-parallel region (SP)
+
+Activations are (batch, sequence, hidden); sequence chunks are along `SEQ_DIM`. With
+tp = 1 every mapping is the identity and issues no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from app.metrics.timers import CommTimers
+    from app.runtime.grid import ProcessGrid
+
+SEQ_DIM = 1
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a tensor-parallel layer needs to know: its tp group, its place in it, and SP.
+
+    `group` is None when tp = 1. `timers` (optional) is charged with the time of every
+    tp collective.
+    """
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+    sequence_parallel: bool = False
+    timers: Optional[CommTimers] = None
+
+    @classmethod
+    def from_grid(
+        cls, grid: ProcessGrid, sequence_parallel: bool = False, timers: Optional[CommTimers] = None
+    ) -> TensorParallel:
+        size = grid.size("tp")
+        return cls(size, grid.coords["tp"], grid.group["tp"] if size > 1 else None, sequence_parallel, timers)
+
+    def _region(self) -> Any:
+        from contextlib import nullcontext
+
+        return self.timers.region("tp") if self.timers is not None else nullcontext()
+
+    def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """A new tensor: x summed (or max-ed) over the tp group."""
+        x = x.contiguous().clone()
+        with self._region():
+            dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate the tp ranks' x along `dim`, in tp-rank order."""
+        x0 = x.movedim(dim, 0).contiguous()
+        out = torch.empty((self.size * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
+        with self._region():
+            dist.all_gather_single(out, x0, group=self.group)
+        return out.movedim(0, dim).contiguous()
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum x over the tp group and keep this rank's chunk along `dim`."""
+        x0 = x.movedim(dim, 0).contiguous()
+        out = torch.empty((x0.shape[0] // self.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
+        with self._region():
+            dist.reduce_scatter_single(out, x0, group=self.group)
+        return out.movedim(0, dim).contiguous()
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's chunk of x along `dim` (no communication)."""
+        return x.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.all_reduce(grad), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        return tp.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.split(x, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.all_gather(grad, SEQ_DIM), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.all_gather(x, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # The consumer is tp-parallel compute: each rank holds a partial gradient; sum and split.
+        return ctx.tp.reduce_scatter(grad, SEQ_DIM), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.reduce_scatter(x, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.all_gather(grad, SEQ_DIM), None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+
+
+def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x if tp.size == 1 else _ScatterToSequence.apply(x, tp)
+
+
+def gather_from_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp)
+
+
+def enter_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Input of a column-parallel layer: full sequence, replicated over tp."""
+    return gather_from_sequence(x, tp) if tp.sequence_parallel else copy_to_tp(x, tp)
+
+
+def leave_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Output of a row-parallel layer (partial sums): summed, and sequence-sharded under SP."""
+    return reduce_scatter_to_sequence(x, tp) if tp.sequence_parallel else reduce_from_tp(x, tp)
