@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite: setup if needed, then the serial tests and the MPI tests under
-# mpirun -n 1, 2 and 4. Extra arguments go to every pytest call (e.g. -k grid, -x).
+# mpirun -n 1, 2, 4 and 8 (the 8-rank group also runs the grid-equivalence tests).
+# Extra arguments go to every pytest call (e.g. -k grid, -x).
 #   launch/test.sh
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,7 +29,7 @@ run_group() {  # name, command...
 
 # Serial: everything not marked mpi (the mpi-marked tests are skipped without --with-mpi).
 run_group serial python -m pytest "${pytest_args[@]}" -m "not mpi" tests/
-for n in 1 2 4; do
+for n in 1 2 4 8; do
   run_group "mpi-$n" mpirun -n "$n" python -m pytest "${pytest_args[@]}" --with-mpi -m mpi tests/
 done
 
@@ -36,4 +37,4 @@ if [ ${#failed[@]} -gt 0 ]; then
   echo "=== FAILED: ${failed[*]}"
   exit 1
 fi
-echo "=== all test groups passed (serial, mpi-1, mpi-2, mpi-4)"
+echo "=== all test groups passed (serial, mpi-1, mpi-2, mpi-4, mpi-8)"

@@ -1,4 +1,4 @@
-"""`python -m app` as users launch it: mpirun -n 4 vs -n 1, and bad input on every rank.
+"""`python -m app` as users launch it: -n 1 vs -n 4 vs an -n 8 3D grid, and bad input on every rank.
 
 These tests start real MPI jobs (subprocesses), so they run in the serial group.
 """
@@ -20,34 +20,60 @@ FAST = (
 )  # fmt: skip
 
 
-def test_four_ranks_and_one_rank_give_the_same_losses(tmp_path):
-    # 4 ranks: dp=4, 1 micro-batch each; 1 rank: 4 micro-batches accumulated. Same global batch.
-    # Tolerance 1e-5 relative: fp32, only the summation order differs (see tests/test_train.py).
+def test_one_rank_four_ranks_and_an_eight_rank_3d_grid_give_the_same_losses(tmp_path):
+    # 1 rank: 4 micro-batches accumulated; 4 ranks: dp=4, 1 micro-batch each; 8 ranks: the
+    # issue's `--set parallel.tp=2 --set parallel.pp=2` (dp=2, 1F1B over 2 stages). Same global
+    # batch. Tolerance 1e-5 relative: fp32, only the summation order differs (see
+    # tests/test_parallel_equivalence.py for the reasoning and the measured errors).
     runs = {}
-    for ranks in (4, 1):
-        out = run_app(ranks, TINY, *FAST, "--set", f"run.dir={tmp_path / str(ranks)}")
+    for name, ranks, grid in (
+        ("1", 1, ()),
+        ("4", 4, ()),
+        ("8", 8, ("--set", "parallel.tp=2", "--set", "parallel.pp=2")),
+    ):
+        out = run_app(ranks, TINY, *FAST, *grid, "--set", f"run.dir={tmp_path / name}")
         assert out.returncode == 0, out.stdout + out.stderr
-        runs[ranks] = read_metrics(tmp_path / str(ranks))
+        runs[name] = read_metrics(tmp_path / name)
         assert out.stdout.count("gridlm: done") == 1  # rank 0 alone reports
-    losses4, losses1 = [r["loss"] for r in runs[4]], [r["loss"] for r in runs[1]]
-    assert len(losses4) == 6
-    assert losses4 == pytest.approx(losses1, rel=1e-5)
-    assert losses4[-1] < losses4[0]
+    losses = {name: [r["loss"] for r in records] for name, records in runs.items()}
+    assert len(losses["1"]) == 6
+    assert losses["4"] == pytest.approx(losses["1"], rel=1e-5)
+    assert losses["8"] == pytest.approx(losses["1"], rel=1e-5)
+    assert losses["1"][-1] < losses["1"][0]
     summary = json.loads((tmp_path / "4" / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["nodes"] == 1 and summary["ranks_per_node"] == 4
     assert summary["grid"] == {"tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp",
                                "within_node": {"tp": True, "pp": True, "dp": True}}  # fmt: skip
     assert summary["deck"]["train"]["steps"] == 6 and summary["steps"] == 6
-    assert summary["final_loss"] == runs[4][-1]["loss"]
+    assert summary["final_loss"] == runs["4"][-1]["loss"]
     assert summary["aggregate_tflops"] == pytest.approx(4 * summary["tflops_per_rank"])
     assert summary["versions"]["mpi_library"].startswith(("Open MPI", "MPICH", "Intel"))
+    grid = json.loads((tmp_path / "8" / "summary.json").read_text())
+    assert grid["grid"] == {"tp": 2, "pp": 2, "dp": 2, "order": "tp-dp-pp",
+                            "within_node": {"tp": True, "pp": True, "dp": True}}  # fmt: skip
+    assert grid["pipeline"] == {"schedule": "1f1b", "virtual_stages": 1, "layers_per_chunk": [1, 1], "micro_batches": 2}
+    # Rank 0 holds a quarter of the blocks' weights and half the embedding: far less than the model.
+    assert grid["parameters_rank0"] < grid["parameters"] / 2
 
 
 BAD = [
     (("--set", "train.steps=0"), "deck error: train.steps = 0: must be >= 1"),
     (("--set", "model.heads=5"), "deck error: model.heads = 5: must divide model.hidden = 256"),
     (("--set", "parallel.dp=4"), "must equal the world size 2"),
-    (("--set", "parallel.tp=2"), "deck error: parallel.tp = 2"),
+    (("--set", "parallel.tp=3"), "deck error: model.heads = 8: parallel.tp = 3 splits the attention heads"),
+    (
+        (
+            "--set",
+            "parallel.pp=2",
+            "--set",
+            "parallel.virtual_stages=2",
+            "--set",
+            "train.global_batch=4",
+            "--set",
+            "train.micro_batch=2",
+        ),
+        "to be a multiple of pp = 2",
+    ),
     (("--set", "train.global_batch=6", "--set", "train.micro_batch=2"), "micro_batch x dp = 2 x 2 = 4"),
     (("--set", "data.kind=memmap", "--set", "data.path=/nonexistent/corpus"), "/nonexistent/corpus"),
 ]

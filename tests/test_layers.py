@@ -1,0 +1,122 @@
+"""Tensor-parallel collectives and layers over a tp group of all the job's ranks.
+
+Each mapping's forward and backward is checked against what it must compute; the
+vocab-parallel cross-entropy and the parallel linears against their 1-rank forms.
+Tolerance: fp32 sums in a different order, ~1e-6 on values of order 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.model.init import ParamMeta, counter_normal
+from app.model.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from app.runtime import collectives as c
+from app.runtime.grid import ProcessGrid
+
+ATOL = 1e-5
+
+
+@pytest.fixture
+def tp(runtime):
+    grid = ProcessGrid(runtime, runtime.world_size, 1, 1)
+    yield c.TensorParallel.from_grid(grid)
+    grid.free()
+
+
+def _same_on_every_rank(shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _rank_tensor(shape, rank):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(100 + rank))
+
+
+@pytest.mark.mpi
+def test_copy_and_reduce_are_each_others_transpose(runtime, tp):
+    x = _rank_tensor((2, 4, 3), runtime.rank).requires_grad_()
+    total = sum(_rank_tensor((2, 4, 3), r) for r in range(tp.size))
+    y = c.reduce_from_tp(x, tp)
+    torch.testing.assert_close(y, total, atol=ATOL, rtol=0)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, torch.ones_like(x))  # backward of an all-reduce: identity
+    x.grad = None
+    z = c.copy_to_tp(x, tp)
+    assert torch.equal(z, x)
+    z.backward(torch.full_like(z, float(runtime.rank)))
+    torch.testing.assert_close(x.grad, torch.full_like(x, float(sum(range(tp.size)))))
+
+
+@pytest.mark.mpi
+def test_sequence_mappings_gather_scatter_and_reduce_scatter_along_the_sequence(runtime, tp):
+    seq = 2 * tp.size
+    full = _same_on_every_rank((3, seq, 5)).requires_grad_()
+    mine = c.scatter_to_sequence(full, tp)
+    assert torch.equal(mine, full[:, 2 * tp.rank : 2 * tp.rank + 2])
+    gathered = c.gather_from_sequence(mine, tp)
+    torch.testing.assert_close(gathered, full)
+    # gather's backward reduce-scatters (the consumers are tp-parallel), scatter's all-gathers.
+    gathered.backward(torch.ones_like(gathered))
+    torch.testing.assert_close(full.grad, torch.full_like(full, float(tp.size)))
+
+    partial = _rank_tensor((3, seq, 5), runtime.rank).requires_grad_()
+    total = sum(_rank_tensor((3, seq, 5), r) for r in range(tp.size))
+    shard = c.reduce_scatter_to_sequence(partial, tp)
+    torch.testing.assert_close(shard, total[:, 2 * tp.rank : 2 * tp.rank + 2], atol=ATOL, rtol=0)
+    shard.backward(torch.ones_like(shard))
+    torch.testing.assert_close(partial.grad, torch.ones_like(partial))
+
+
+@pytest.mark.mpi
+def test_vocab_parallel_cross_entropy_equals_the_full_one(runtime, tp):
+    vocab = 6 * tp.size
+    logits = _same_on_every_rank((2, 5, vocab)) * 3
+    targets = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(1))
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full.reshape(-1, vocab), targets.reshape(-1))
+    want.backward()
+    local = logits[..., 6 * tp.rank : 6 * (tp.rank + 1)].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(local, targets, tp)
+    got.backward()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(local.grad, full.grad[..., 6 * tp.rank : 6 * (tp.rank + 1)], atol=ATOL, rtol=0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_column_then_row_parallel_linear_equals_the_dense_mlp(runtime, tp, sequence_parallel):
+    import dataclasses
+
+    tp = dataclasses.replace(tp, sequence_parallel=sequence_parallel)
+    n, hidden, seq = 4 * tp.size, 6, 2 * tp.size
+    cpu = torch.device("cpu")
+    fc, proj = ColumnParallelLinear(hidden, n, 0.5, tp, cpu), RowParallelLinear(n, hidden, 0.5, tp, cpu)
+    for name, p in (("fc.weight", fc.weight), ("proj.weight", proj.weight)):
+        p.data = counter_normal(7, name, p.meta, tuple(p.shape), cpu)
+    w1 = counter_normal(7, "fc.weight", ParamMeta((n, hidden), std=0.5), (n, hidden), cpu)
+    w2 = counter_normal(7, "proj.weight", ParamMeta((hidden, n), std=0.5), (hidden, n), cpu)
+    for p in (fc.bias, proj.bias):
+        p.data.zero_()
+    x = _same_on_every_rank((2, seq, hidden))
+    want = F.linear(torch.tanh(F.linear(x, w1)), w2)
+    inp = c.scatter_to_sequence(x, tp) if sequence_parallel else x
+    got = proj(torch.tanh(fc(inp)))
+    expected = want[:, 2 * tp.rank : 2 * tp.rank + 2] if sequence_parallel else want
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.mpi
+def test_vocab_parallel_embedding_equals_the_full_lookup(runtime, tp):
+    cpu = torch.device("cpu")
+    emb = VocabParallelEmbedding(4 * tp.size, 3, 1.0, tp, cpu)
+    emb.weight.data = counter_normal(1, "wte.weight", emb.weight.meta, tuple(emb.weight.shape), cpu)
+    table = counter_normal(1, "wte.weight", ParamMeta((4 * tp.size, 3), std=1.0), (4 * tp.size, 3), cpu)
+    tokens = torch.arange(4 * tp.size).reshape(tp.size, 4)
+    torch.testing.assert_close(emb(tokens), F.embedding(tokens, table), atol=ATOL, rtol=0)
