@@ -56,27 +56,20 @@ def test_one_rank_four_ranks_and_an_eight_rank_3d_grid_give_the_same_losses(tmp_
     assert grid["parameters_rank0"] < grid["parameters"] / 2
 
 
+def _sets(*assignments: str) -> tuple[str, ...]:
+    return tuple(arg for a in assignments for arg in ("--set", a))
+
+
 BAD = [
-    (("--set", "train.steps=0"), "deck error: train.steps = 0: must be >= 1"),
-    (("--set", "model.heads=5"), "deck error: model.heads = 5: must divide model.hidden = 256"),
-    (("--set", "parallel.dp=4"), "must equal the world size 2"),
-    (("--set", "parallel.tp=3"), "deck error: model.heads = 8: parallel.tp = 3 splits the attention heads"),
-    (
-        (
-            "--set",
-            "parallel.pp=2",
-            "--set",
-            "parallel.virtual_stages=2",
-            "--set",
-            "train.global_batch=4",
-            "--set",
-            "train.micro_batch=2",
-        ),
-        "to be a multiple of pp = 2",
-    ),
-    (("--set", "train.global_batch=6", "--set", "train.micro_batch=2"), "micro_batch x dp = 2 x 2 = 4"),
-    (("--set", "data.kind=memmap", "--set", "data.path=/nonexistent/corpus"), "/nonexistent/corpus"),
-]
+    (_sets("train.steps=0"), "deck error: train.steps = 0: must be >= 1"),
+    (_sets("model.heads=5"), "deck error: model.heads = 5: must divide model.hidden = 256"),
+    (_sets("parallel.dp=4"), "must equal the world size 2"),
+    (_sets("parallel.tp=3"), "deck error: model.heads = 8: parallel.tp = 3 splits the attention heads"),
+    (_sets("parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch=6", "train.micro_batch=2"),
+     "to be a multiple of pp = 2"),
+    (_sets("train.global_batch=6", "train.micro_batch=2"), "micro_batch x dp = 2 x 2 = 4"),
+    (_sets("data.kind=memmap", "data.path=/nonexistent/corpus"), "/nonexistent/corpus"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("args, message", BAD, ids=[b[1][:40] for b in BAD])
