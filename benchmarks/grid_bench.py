@@ -1,0 +1,129 @@
+"""Benchmark one deck over a list of grids on this machine: step time, tokens/s, communication.
+
+    .venv/bin/python benchmarks/grid_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 20]
+        [--grids 1x1x4 2x1x2 1x2x2 2x2x1 4x1x1 1x4x1 2x2x1+sp 1x2x2+v2] [--out runs/grid_bench]
+        [--set section.key=value ...]
+
+A grid is TPxPPxDP, optionally followed by +sp (sequence parallelism) and +vN (N virtual
+stages, interleaved 1F1B). Each grid runs `mpirun -n TP*PP*DP python -m app DECK` with
+run.comm_timers on, and the table (Markdown on stdout, plus table.md and table.csv in
+--out) reports from its summary.json: the mean step time after the warm-up steps (and
+its standard deviation), tokens/s, and the seconds per step rank 0 spent in tp, pp and dp
+communication. Rank 0 is tp rank 0 of the first pipeline stage: its pp time includes
+waiting for the pipeline to fill and drain (the bubble), not only transfer time.
+The timers synchronise a GPU around each call, so GPU step times are slightly pessimistic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+)*)$")
+COLUMNS = ["grid", "ranks", "step_ms", "step_std_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms",
+           "final_loss"]  # fmt: skip
+
+
+def parse_grid(spec: str) -> tuple[int, int, int, bool, int]:
+    """'2x2x1+sp+v2' -> (tp, pp, dp, sequence_parallel, virtual_stages)."""
+    match = GRID.match(spec)
+    if match is None:
+        raise SystemExit(f"grid_bench: bad grid {spec!r}; expected TPxPPxDP[+sp][+vN], e.g. 2x2x1+sp")
+    tp, pp, dp = (int(match.group(i)) for i in (1, 2, 3))
+    flags = match.group(4)
+    virtual = re.search(r"\+v(\d+)", flags)
+    return tp, pp, dp, "+sp" in flags, int(virtual.group(1)) if virtual else 1
+
+
+def mpi_env() -> dict[str, str]:
+    """Open MPI settings for a one-node run as any user (see launch/env.sh)."""
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_grid(spec: str, args: argparse.Namespace) -> dict:
+    tp, pp, dp, sp, virtual = parse_grid(spec)
+    ranks = tp * pp * dp
+    run_dir = Path(args.out) / spec.replace("+", "_")
+    sets = [
+        f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.sequence_parallel={str(sp).lower()}",
+        f"parallel.virtual_stages={virtual}", f"train.steps={args.steps}", "run.comm_timers=true",
+        f"run.log_every={args.steps}", f"run.dir={run_dir}", *args.set,
+    ]  # fmt: skip
+    cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app", args.deck]
+    cmd += [arg for s in sets for arg in ("--set", s)]
+    print(f"grid_bench: {spec}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
+        return {"grid": spec, "ranks": ranks, "error": f"exit {out.returncode}"}
+    summary = json.loads((REPO / run_dir / "summary.json").read_text())
+    comm = summary["comm_s_per_step"]
+    return {
+        "grid": spec,
+        "ranks": ranks,
+        "step_ms": 1e3 * summary["step_time_s"],
+        "step_std_ms": 1e3 * summary["step_time_std_s"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "tp_comm_ms": 1e3 * comm["tp"],
+        "pp_comm_ms": 1e3 * comm["pp"],
+        "dp_comm_ms": 1e3 * comm["dp"],
+        "final_loss": summary["final_loss"],
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| grid (tp x pp x dp) | ranks | step ms (± std) | tokens/s | tp comm ms | pp comm ms | dp comm ms | final loss |"
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['grid']} | {r['ranks']} | failed ({r['error']}) | | | | | |")
+            continue
+        lines.append(
+            f"| {r['grid']} | {r['ranks']} | {r['step_ms']:.1f} ± {r['step_std_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tp_comm_ms']:.1f} | {r['pp_comm_ms']:.1f} | {r['dp_comm_ms']:.1f} | {r['final_loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deck", default="inputs/gpt_tiny.yaml")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="optimizer steps per grid (first run.timing_warmup skipped)"
+    )
+    parser.add_argument(
+        "--grids", nargs="+", default=["1x1x4", "2x1x2", "1x2x2", "2x2x1", "4x1x1", "1x4x1", "2x2x1+sp", "1x2x2+v2"]
+    )
+    parser.add_argument("--out", default="runs/grid_bench")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="extra deck override")
+    args = parser.parse_args(argv)
+    for spec in args.grids:
+        parse_grid(spec)  # fail before running anything
+    rows = [run_grid(spec, args) for spec in args.grids]
+    out = REPO / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows)
+    (out / "table.md").write_text(table + "\n")
+    with open(out / "table.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, "error"], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    print(table)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
