@@ -34,7 +34,7 @@ from app.parallel.pipeline import Pipeline
 from app.parallel.schedule import partition_layers
 from app.parallel.tensor import allreduce_sequence_parallel_gradients
 from app.runtime.collectives import TensorParallel
-from app.runtime.grid import AXES, ProcessGrid
+from app.runtime.grid import AXES, ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, agree
 
 
@@ -144,16 +144,8 @@ class Trainer:
             f"layers per chunk {counts} | sequence parallel {'on' if par.sequence_parallel else 'off'} | "
             f"groups inside a node: " + ", ".join(f"{a} {'yes' if grid.within_node[a] else 'no'}" for a in AXES)
         )
-        if not grid.within_node["tp"]:
-            rt.log(
-                "gridlm: warning: tensor-parallel groups span nodes; tp communicates every layer and is slow "
-                "over the network. Use a tp that divides the ranks per node, or put tp innermost in parallel.order"
-            )
-        if par.gpus_per_node is not None and par.gpus_per_node != rt.ranks_per_node:
-            rt.log(
-                f"gridlm: warning: parallel.gpus_per_node = {par.gpus_per_node} but MPI placed "
-                f"{rt.ranks_per_node} ranks per node; the grid follows the real placement"
-            )
+        for warning in placement_warnings(grid.within_node, rt.ranks_per_node, par.gpus_per_node):
+            rt.log(f"gridlm: warning: {warning}")
         if self.peak is None:
             rt.log(f"gridlm: no peak FLOP/s known for device {self.device_name!r}: MFU is null (set run.peak_tflops)")
 

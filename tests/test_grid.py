@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from app.runtime.grid import AXES, GridLayout
+from app.runtime.grid import AXES, GridLayout, placement_warnings
 
 ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 2, 3), (8, 4, 2), (3, 5, 7)]
@@ -59,6 +59,19 @@ def test_tp_wider_than_a_node_is_reported_as_spanning_nodes():
     assert layout.describe()["within_node"] == {"tp": False, "pp": True, "dp": False}
     # tp outermost scatters every tp group over nodes even when it would fit in one.
     assert not GridLayout.from_order_string(tp=2, pp=1, dp=8, order="dp-pp-tp", ranks_per_node=8).axis_within_node("tp")
+
+
+def test_rank_0_warns_when_tp_spans_nodes_or_the_node_shape_differs_from_the_deck():
+    # Frontier-like: 8 GCDs per node. tp = 8 fits a node; tp = 16 does not; order dp-tp-pp strides tp.
+    fits = GridLayout.from_order_string(8, 4, 2, "tp-dp-pp", ranks_per_node=8).describe()["within_node"]
+    assert placement_warnings(fits, 8, gpus_per_node=8) == []
+    wide = GridLayout.from_order_string(16, 2, 2, "tp-dp-pp", ranks_per_node=8).describe()["within_node"]
+    strided = GridLayout.from_order_string(8, 1, 2, "dp-tp-pp", ranks_per_node=8).describe()["within_node"]
+    for within_node in (wide, strided):
+        (warning,) = placement_warnings(within_node, 8)
+        assert "tensor-parallel groups span nodes" in warning
+    (warning,) = placement_warnings(fits, 4, gpus_per_node=8)
+    assert "parallel.gpus_per_node = 8 but MPI placed 4 ranks per node" in warning
 
 
 def test_bad_layouts_are_rejected():

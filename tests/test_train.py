@@ -24,7 +24,7 @@ from conftest import REPO, read_metrics
 
 SMALL = (
     "model.vocab_size=101", "model.seq_len=16", "model.layers=2", "model.hidden=32", "model.heads=4",
-    "train.steps=5", "train.global_batch=8", "train.micro_batch=2", "run.log_every=1",
+    "train.steps=5", "train.global_batch=16", "train.micro_batch=2", "run.log_every=1",
     "optim.lr=3.0e-3", "optim.warmup_steps=2", "data.noise=0.1",
 )  # fmt: skip
 

@@ -8,9 +8,13 @@ chunk c + 1 (the last chunk starts from its loss), back-propagates, and sends th
 gradient to chunk c - 1. Sends are non-blocking (waited for at the end of the step);
 receives are posted non-blocking and waited for when the pass needs them.
 
-Activations and gradients travel on two separate groups over the pp ranks, so that each
-(source, destination, group) stream is matched first-in first-out, as NCCL and Gloo do;
-`schedule.simulate` checks that every schedule keeps those orders consistent.
+p2p messages are matched first-in first-out per (source, destination, group), on NCCL as
+on Gloo (NCCL ignores tags); `schedule.simulate` checks that every schedule receives each
+stream in the order it sends it. Activations and gradients travel on separate groups, and
+the wrap-around messages of the interleaved schedule (last stage -> first stage forward,
+first -> last backward) on two more, so that within each group messages only flow one way
+along the stages: on NCCL, where a group's operations queue on one stream and a large
+send waits for its receive, that leaves no cycle of sends waiting on each other.
 
 Tied embeddings: the first stage's embedding and the last stage's head copy get the sum of
 their gradients (`sync_tied_embedding`), so the two copies stay equal.
@@ -50,11 +54,14 @@ class Pipeline:
         self.virtual = len(chunks) // self.pp
         self.chunks, self.activation_shape, self.timers = list(chunks), activation_shape, timers
         self.ranks = grid.ranks["pp"]
-        self.fwd_group = self.bwd_group = self.tied_group = None
+        self.groups: dict[tuple[str, bool], Any] = {}  # (F | B, wrap-around) -> torch group
+        self.tied_group = None
         if self.pp > 1:
-            # Separate communicators for activations and gradients: one FIFO stream per direction.
-            self.fwd_group = self._new_group(self.ranks)
-            self.bwd_group = self._new_group(self.ranks)
+            # One communicator per message stream (see the module docstring); the wrap-around
+            # streams exist only in the interleaved schedule.
+            wraps = (False, True) if self.virtual > 1 else (False,)
+            for key in [(kind, wrap) for wrap in wraps for kind in "FB"]:
+                self.groups[key] = self._new_group(self.ranks)
             # torch names a locally synchronised group after its ranks and the number of groups the
             # process already has, so every rank must create as many groups as its peers: the middle
             # stages create a group of their own instead of the first-last (tied embedding) group.
@@ -87,11 +94,22 @@ class Pipeline:
     def _region(self) -> Any:
         return self.timers.region("pp") if self.timers is not None else nullcontext()
 
-    def _recv(self, src_stage: int, group: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _group(self, kind: str, src_stage: int) -> Any:
+        """The group carrying `kind` ('F' activations, 'B' gradients) sent by `src_stage`."""
+        wrap = src_stage == (self.pp - 1 if kind == "F" else 0)
+        return self.groups[(kind, wrap)]
+
+    def _recv(self, kind: str, src_stage: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buffer = torch.empty(self.activation_shape, dtype=dtype, device=device)
         with self._region():
-            dist.irecv(buffer, self.ranks[src_stage], group=group).wait()
+            dist.irecv(buffer, self.ranks[src_stage], group=self._group(kind, src_stage)).wait()
         return buffer
+
+    def _send(self, kind: str, tensor: torch.Tensor, dst_stage: int, sends: list) -> None:
+        payload = tensor.detach().contiguous()  # kept alive in `sends` until the send completes
+        with self._region():
+            work = dist.isend(payload, self.ranks[dst_stage], group=self._group(kind, self.stage))
+        sends.append((work, payload))
 
     def run(self, model: GPT, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward of every micro-batch through this stage's chunks.
@@ -112,26 +130,22 @@ class Pipeline:
             first, last = chunk == 0, chunk == last_chunk
             tokens, targets = micro_batches[action.micro]
             if action.kind == "F":
-                x = tokens if first else self._recv(prev, self.fwd_group, dtype, device).requires_grad_()
+                x = tokens if first else self._recv("F", prev, dtype, device).requires_grad_()
                 out = model.forward_chunk(x, self.chunks[chunk], first, last, targets if last else None)
                 if last:
                     out = out / n
                     loss_sum += out.detach()
                 else:
-                    with self._region():
-                        payload = out.detach().contiguous()
-                        sends.append((dist.isend(payload, self.ranks[nxt], group=self.fwd_group), payload))
+                    self._send("F", out, nxt, sends)
                 saved[(action.micro, chunk)] = (x, out)
             else:
                 x, out = saved.pop((action.micro, chunk))
                 if last:
                     out.backward()
                 else:
-                    torch.autograd.backward(out, self._recv(nxt, self.bwd_group, dtype, device))
+                    torch.autograd.backward(out, self._recv("B", nxt, dtype, device))
                 if not first:
-                    with self._region():
-                        payload = x.grad.contiguous()
-                        sends.append((dist.isend(payload, self.ranks[prev], group=self.bwd_group), payload))
+                    self._send("B", x.grad, prev, sends)
         with self._region():
             for work, _ in sends:
                 work.wait()

@@ -106,6 +106,25 @@ class GridLayout:
         }
 
 
+def placement_warnings(
+    within_node: dict[str, bool], ranks_per_node: int, gpus_per_node: Optional[int] = None
+) -> list[str]:
+    """What rank 0 should warn about in a placement: a tp group spanning nodes, or a node
+    shape different from the one the deck planned for (`parallel.gpus_per_node`)."""
+    warnings = []
+    if not within_node["tp"]:
+        warnings.append(
+            "tensor-parallel groups span nodes; tp communicates in every layer and is slow over the "
+            "network. Use a tp that divides the ranks per node and keep tp innermost in parallel.order"
+        )
+    if gpus_per_node is not None and gpus_per_node != ranks_per_node:
+        warnings.append(
+            f"parallel.gpus_per_node = {gpus_per_node} but MPI placed {ranks_per_node} ranks per node; "
+            "the grid follows the real placement"
+        )
+    return warnings
+
+
 class ProcessGrid:
     """A `GridLayout` bound to a running job: per-axis MPI communicators and torch groups.
 
