@@ -74,6 +74,11 @@ def test_forward_shapes_causality_and_initial_loss():
     assert model.loss(tokens, targets).item() == pytest.approx(math.log(CFG.vocab_size), abs=0.1)
 
 
+def test_parameter_count_is_the_sum_over_the_1_rank_model():
+    for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=False, ffn_hidden=48)):
+        assert GPT(cfg, seed=1).num_parameters() == sum(p.numel() for p in GPT(cfg, seed=1).parameters())
+
+
 def test_parameter_count_matches_the_gpt2_formula():
     h, v, s, n = CFG.hidden, CFG.vocab_size, CFG.seq_len, CFG.layers
     per_layer = 12 * h * h + 13 * h  # qkv, proj, fc, proj weights + their biases + 2 LayerNorms
