@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Optional
 
 import torch
 
@@ -47,3 +48,8 @@ class CommTimers:
         """The seconds per axis since the last pop, and reset."""
         totals, self.totals = self.totals, dict.fromkeys(AXES, 0.0)
         return totals
+
+
+def comm_region(timers: Optional[CommTimers], axis: str) -> AbstractContextManager:
+    """`timers.region(axis)`, or a no-op where no timers were passed."""
+    return timers.region(axis) if timers is not None else nullcontext()

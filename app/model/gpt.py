@@ -122,14 +122,10 @@ class GPT(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) -> hidden states (B, S, H), or (B, S / tp, H) under SP."""
-        x = self.wte(tokens)
-        s = tokens.shape[1]
-        if self.tp.sequence_parallel and self.tp.size > 1:
-            s //= self.tp.size
-            positions = self.wpe[self.tp.rank * s : (self.tp.rank + 1) * s]
-        else:
-            positions = self.wpe[:s]
-        return self.drop(x + positions)
+        positions = self.wpe[: tokens.shape[1]]
+        if self.tp.sequence_parallel:
+            positions = self.tp.split(positions, 0)  # this rank's sequence chunk, like the embedding's
+        return self.drop(self.wte(tokens) + positions)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final LayerNorm, vocab-parallel head and mean cross-entropy over the (B, S) positions."""
@@ -161,10 +157,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, V / tp) of this tp rank's vocabulary rows (pp = 1 only)."""
         self._check_whole()
-        x = self.embed(tokens)
-        for i in range(self.cfg.layers):
-            x = self.blocks[str(i)](x)
-        return self._logits(x)
+        return self._logits(self.forward_chunk(tokens, range(self.cfg.layers), True, False))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over the B x S positions (the whole model is here)."""

@@ -54,6 +54,13 @@ class ParamMeta:
         """Whether every rank along `axis` holds this same tensor (tp and dp only)."""
         return axis not in self.split
 
+    def owned_by(self, tp_rank: int) -> bool:
+        """Whether this copy stands for its elements when each logical element must count
+        once (norms, gathering): tp shards are disjoint and all count; a tensor replicated
+        over tp counts on tp rank 0; the tied head copy never (the first stage's counts).
+        dp replicas are for the caller to skip."""
+        return not self.tied and (not self.replicated_over("tp") or tp_rank == 0)
+
 
 def new_param(
     meta: ParamMeta, local_shape: Optional[tuple[int, ...]] = None, device: torch.device | None = None

@@ -9,7 +9,6 @@ import torch.distributed as dist
 from torch import nn
 
 from app.deck import OptimConfig
-from app.model.init import ParamMeta
 from app.runtime.grid import ProcessGrid
 
 
@@ -36,26 +35,18 @@ def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
 
 
-def counts_in_norm(meta: ParamMeta, tp_rank: int) -> bool:
-    """Whether this rank's copy of a parameter adds its squares to the global norm.
-
-    Shards split over tp are disjoint: all count. A tensor replicated over tp counts on tp
-    rank 0 only; the tied head copy on the last stage not at all (the first stage counts
-    the embedding). dp replicas are never summed: the norm is reduced over tp and pp only.
-    """
-    return not meta.tied and (not meta.replicated_over("tp") or tp_rank == 0)
-
-
 @torch.no_grad()
 def grad_norm(model: nn.Module, grid: ProcessGrid) -> float:
     """Global L2 norm of the gradient of the 1-rank model, computed from the shards.
 
     Call after the gradients are synchronised (sequence-parallel sums, tied embedding, dp).
+    Each logical element counts once (`ParamMeta.owned_by`); dp replicas are equal, so
+    the sum is reduced over tp and pp only.
     """
     params = list(model.parameters())
     local = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for p in params:
-        if p.grad is not None and counts_in_norm(p.meta, grid.coords["tp"]):
+        if p.grad is not None and p.meta.owned_by(grid.coords["tp"]):
             local += p.grad.detach().double().pow(2).sum()
     for axis in ("tp", "pp"):
         if grid.size(axis) > 1:

@@ -8,15 +8,23 @@ averaging over dp gives the gradient of the mean over the whole global batch.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.metrics.timers import CommTimers
+from app.metrics.timers import CommTimers, comm_region
 from app.runtime.grid import ProcessGrid
+
+
+def filled_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of `params`, a missing one zero-filled: every rank of a reduction must
+    contribute the same buffer layout, whether or not a parameter took part in its backward."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
 
 
 @torch.no_grad()
@@ -31,7 +39,7 @@ def allreduce_flat(
         flat = torch.cat([t.reshape(-1) for t in same])
         if divide != 1:
             flat.div_(divide)  # divide first: the sum of averages cannot overflow in low precision
-        with timers.region(axis) if timers is not None else nullcontext():
+        with comm_region(timers, axis):
             dist.all_reduce(flat, group=group)
         offset = 0
         for t in same:
@@ -45,7 +53,4 @@ def allreduce_gradients(model: nn.Module, grid: ProcessGrid, timers: Optional[Co
     dp = grid.size("dp")
     if dp == 1:
         return
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)  # every rank must contribute the same buffer layout
-    allreduce_flat([p.grad for p in model.parameters()], grid.group["dp"], timers, "dp", divide=dp)
+    allreduce_flat(filled_grads(list(model.parameters())), grid.group["dp"], timers, "dp", divide=dp)

@@ -24,7 +24,7 @@ def owned_shards(model: nn.Module, grid: ProcessGrid) -> dict[str, tuple[tuple[i
     shards = {}
     for name, p in model.named_parameters():
         meta = p.meta
-        if meta.tied or (meta.replicated_over("tp") and grid.coords["tp"] != 0):
+        if not meta.owned_by(grid.coords["tp"]):
             continue
         offset = meta.offset or (0,) * p.dim()
         shards[name] = (meta.global_shape, offset, p.detach().cpu().numpy())

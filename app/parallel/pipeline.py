@@ -23,15 +23,14 @@ their gradients (`sync_tied_embedding`), so the two copies stay equal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from app.metrics.timers import CommTimers
+from app.metrics.timers import CommTimers, comm_region
 from app.model.gpt import GPT
-from app.parallel.data import allreduce_flat
+from app.parallel.data import allreduce_flat, filled_grads
 from app.parallel.schedule import build_schedule
 from app.runtime.grid import ProcessGrid
 
@@ -91,9 +90,6 @@ class Pipeline:
         """Whether this stage runs the last chunk (head and loss)."""
         return self.stage == self.pp - 1
 
-    def _region(self) -> Any:
-        return self.timers.region("pp") if self.timers is not None else nullcontext()
-
     def _group(self, kind: str, src_stage: int) -> Any:
         """The group carrying `kind` ('F' activations, 'B' gradients) sent by `src_stage`."""
         wrap = src_stage == (self.pp - 1 if kind == "F" else 0)
@@ -101,13 +97,13 @@ class Pipeline:
 
     def _recv(self, kind: str, src_stage: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buffer = torch.empty(self.activation_shape, dtype=dtype, device=device)
-        with self._region():
+        with comm_region(self.timers, "pp"):
             dist.irecv(buffer, self.ranks[src_stage], group=self._group(kind, src_stage)).wait()
         return buffer
 
     def _send(self, kind: str, tensor: torch.Tensor, dst_stage: int, sends: list) -> None:
         payload = tensor.detach().contiguous()  # kept alive in `sends` until the send completes
-        with self._region():
+        with comm_region(self.timers, "pp"):
             work = dist.isend(payload, self.ranks[dst_stage], group=self._group(kind, self.stage))
         sends.append((work, payload))
 
@@ -146,7 +142,7 @@ class Pipeline:
                     torch.autograd.backward(out, self._recv("B", nxt, dtype, device))
                 if not first:
                     self._send("B", x.grad, prev, sends)
-        with self._region():
+        with comm_region(self.timers, "pp"):
             for work, _ in sends:
                 work.wait()
         return loss_sum
@@ -156,7 +152,4 @@ class Pipeline:
         """Sum the gradients of the embedding (first stage) and its head copy (last stage)."""
         if self.tied_group is None or not model.cfg.tie_embeddings:
             return
-        weight = model.wte.weight
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        allreduce_flat([weight.grad], self.tied_group, self.timers, "pp")
+        allreduce_flat(filled_grads([model.wte.weight]), self.tied_group, self.timers, "pp")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from app.metrics.timers import CommTimers
-from app.parallel.data import allreduce_flat
+from app.parallel.data import allreduce_flat, filled_grads
 from app.runtime.grid import ProcessGrid
 
 
@@ -26,7 +26,4 @@ def allreduce_sequence_parallel_gradients(
     params = [p for p in model.parameters() if p.meta.sequence_parallel]
     if grid.size("tp") == 1 or not params:
         return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    allreduce_flat([p.grad for p in params], grid.group["tp"], timers, "tp")
+    allreduce_flat(filled_grads(params), grid.group["tp"], timers, "tp")

@@ -16,6 +16,7 @@ tp = 1 every mapping is the identity and issues no communication.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -51,8 +52,7 @@ class TensorParallel:
         return cls(size, grid.coords["tp"], grid.group["tp"] if size > 1 else None, sequence_parallel, timers)
 
     def _region(self) -> Any:
-        from contextlib import nullcontext
-
+        # Not metrics.timers.comm_region: the runtime layer does not import from metrics.
         return self.timers.region("tp") if self.timers is not None else nullcontext()
 
     def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
