@@ -66,6 +66,19 @@ class ParallelConfig:
     backend: str = _key(
         "auto", "torch.distributed backend; auto = nccl on GPUs, gloo on CPUs", choices=("auto", "gloo", "nccl")
     )
+    dp_bucket_mb: float = _key(
+        25.0, "MB of gradients per data-parallel bucket (one all-reduce or reduce-scatter each)", min=0.001
+    )
+    overlap_grad_reduce: bool = _key(
+        True, "launch each dp bucket's reduction from backward as soon as its gradients are ready"
+    )
+    overlap_param_gather: bool = _key(
+        True, "ZeRO-1: all-gather updated parameters bucket by bucket during the next forward, not after the step"
+    )
+    overlap_tp_comm: bool = _key(
+        True, "overlap the tp backward all-reduce (reduce-scatter under SP) with the weight-gradient GEMM"
+    )
+    overlap_pp_comm: bool = _key(True, "post the next pipeline receive before the current micro-batch's compute")
 
 
 @dataclass(frozen=True)
@@ -74,11 +87,29 @@ class TrainConfig:
     global_batch: int = _key(32, "samples per optimizer step = micro_batch x accumulation x dp", min=1)
     micro_batch: int = _key(4, "samples per forward/backward pass on one rank", min=1)
     seed: int = _key(1234, "seed of parameter init and data; results do not depend on the grid", min=0)
+    precision: str = _key(
+        "fp32",
+        "compute dtype; bf16/fp16 keep fp32 master weights and optimizer state",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    grad_reduce_dtype: str = _key(
+        "fp32", "dtype gradients are accumulated and reduced in: fp32, or compute (= train.precision)",
+        choices=("fp32", "compute"),
+    )  # fmt: skip
+    loss_scale: float = _key(65536.0, "fp16: initial dynamic loss scale", min=1.0)
+    loss_scale_window: int = _key(1000, "fp16: double the loss scale after this many steps without overflow", min=1)
+    recompute: str = _key(
+        "none", "activation recomputation: none, full (every block), selective (attention core)",
+        choices=("none", "full", "selective"),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = _key("adamw", "optimizer", choices=("adamw",))
+    name: str = _key(
+        "adamw", "adamw, or lamb (layer-wise trust ratio on the full parameter)", choices=("adamw", "lamb")
+    )
+    zero: int = _key(0, "1: shard fp32 master weights and optimizer moments over dp (ZeRO-1)", min=0, max=1)
     lr: float = _key(3e-4, "peak learning rate", min=0.0)
     min_lr: float = _key(3e-5, "learning rate at the end of the decay", min=0.0)
     warmup_steps: int = _key(0, "linear warm-up steps", min=0)
@@ -108,9 +139,7 @@ class RunConfig:
         None, "peak TFLOP/s per rank for MFU when the device is not in the peak table (e.g. a CPU)", min=0.0
     )
     timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0)
-    comm_timers: bool = _key(
-        False, "time tp/pp/dp communication per step (synchronises a GPU around each call: leave off for speed)"
-    )
+    timers: bool = _key(True, "time forward, backward, optimizer and (exposed) communication per axis, every step")
     threads: Optional[int] = _key(None, "torch threads per rank; null means cores per node / ranks per node", min=1)
 
 

@@ -12,6 +12,7 @@ and on any grid.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -23,19 +24,20 @@ import yaml
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.deck import Deck
 from app.errors import GridlmError
-from app.metrics.flops import gpt_step_flops
+from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.metrics.peaks import peak_tflops
 from app.metrics.report import MetricsWriter, format_line, mean_step_time, versions, write_summary
-from app.metrics.timers import CommTimers
+from app.metrics.timers import PHASES, StepTimers
 from app.model.gpt import GPT
-from app.optim.optimizer import build_optimizer, clip_gradients, learning_rate
-from app.parallel.data import allreduce_gradients
+from app.optim.optimizer import LossScaler, ShardedOptimizer, any_rank, clip_coefficient, grad_norm, learning_rate
+from app.parallel.data import DataParallel
 from app.parallel.pipeline import Pipeline
 from app.parallel.schedule import partition_layers
-from app.parallel.tensor import allreduce_sequence_parallel_gradients
 from app.runtime.collectives import TensorParallel
 from app.runtime.grid import AXES, ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, agree
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _sync(device: torch.device) -> None:
@@ -60,6 +62,17 @@ def _make_run_dir(runtime: Runtime, deck: Deck) -> Path:
 
     agree(runtime, create)
     return run_dir
+
+
+OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "overlap_pp_comm")
+
+
+def mean_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-step means of the `StepTimers.pop()` records (numbers and per-axis dicts)."""
+    out: dict[str, Any] = {f"{p}_s": sum(t[f"{p}_s"] for t in timings) / len(timings) for p in PHASES}
+    for key in ("comm_s", "exposed_comm_s"):
+        out[key] = {a: sum(t[key][a] for t in timings) / len(timings) for a in AXES}
+    return out
 
 
 def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid) -> float:
@@ -87,42 +100,77 @@ class Trainer:
         self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, grid.coords["dp"], grid.size("dp"))
         torch.manual_seed(tr.seed + 1_000_003 * runtime.rank)  # dropout masks differ per rank
         par = deck.parallel
-        self.timers = CommTimers(self.device, deck.run.comm_timers)
-        self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers)
+        self.timers = StepTimers(self.device, deck.run.timers)
+        self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers, overlap=par.overlap_tp_comm)
         self.chunks = partition_layers(m.layers, par.pp * par.virtual_stages, par.stage_layers)
         seq = m.seq_len // grid.size("tp") if par.sequence_parallel else m.seq_len
-        self.pipeline = Pipeline(grid, self.chunks, (tr.micro_batch, seq, m.hidden), self.timers)
+        self.pipeline = Pipeline(
+            grid, self.chunks, (tr.micro_batch, seq, m.hidden), self.timers, prefetch=par.overlap_pp_comm
+        )
         pipe = self.pipeline
-        self.model = GPT(m, tr.seed, self.device, self.tp, pipe.layers, pipe.first, pipe.last)
-        self.optimizer = build_optimizer(self.model, deck.optim)
+        self.model = GPT(m, tr.seed, self.device, self.tp, pipe.layers, pipe.first, pipe.last, recompute=tr.recompute)
+        compute = DTYPES[tr.precision]
+        tied = (self.model.wte.weight, pipe.tied_group) if pipe.tied_group is not None and m.tie_embeddings else None
+        self.dp = DataParallel(
+            self.model,
+            grid,
+            compute_dtype=compute,
+            reduce_dtype=compute if tr.grad_reduce_dtype == "compute" else torch.float32,
+            bucket_mb=par.dp_bucket_mb,
+            zero=deck.optim.zero == 1,
+            overlap_grad_reduce=par.overlap_grad_reduce,
+            overlap_param_gather=par.overlap_param_gather,
+            tied=tied,
+            timers=self.timers,
+        )
+        self.dp.prefetch_hooks(self.model.first_uses())
+        self.sp_group = grid.group["tp"] if par.sequence_parallel and grid.size("tp") > 1 else None
+        self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid)
+        self.scaler = LossScaler(tr.loss_scale, tr.loss_scale_window) if tr.precision == "fp16" else None
         self.steps_done = 0
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak = peak_tflops(self.device_name, "fp32", deck.run.peak_tflops)
+        self.peak = peak_tflops(self.device_name, tr.precision, deck.run.peak_tflops)
         self.flops_per_step = gpt_step_flops(tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
+        self.hardware_flops_per_step = gpt_hardware_step_flops(
+            tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn, tr.recompute
+        )
         self.tokens_per_step = tr.global_batch * m.seq_len
 
     def step(self) -> tuple[torch.Tensor, float, float]:
         """One optimizer step over the global batch: (this dp rank's mean loss on the last stage, 0 on
-        the others; lr; global grad norm)."""
+        the others; lr; global grad norm, inf when fp16 overflowed and the step was skipped)."""
         lr = learning_rate(self.deck.optim, self.steps_done, self.deck.train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = self.forward_backward()
+        norm = self.update(lr)
+        return loss_sum, lr, norm
+
+    def forward_backward(self) -> torch.Tensor:
+        """The pipeline over this dp rank's micro-batches; gradients land in the dp buckets."""
         micro_batches = []
         for indices in self.sampler.next_step():
             tokens, targets = get_batch(self.dataset, indices)
             micro_batches.append(
                 (tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
             )
-        # Mean over micro-batches in the pipeline, mean over dp in the all-reduce: the global-batch mean.
-        loss_sum = self.pipeline.run(self.model, micro_batches)
-        allreduce_sequence_parallel_gradients(self.model, self.grid, self.timers)
-        self.pipeline.sync_tied_embedding(self.model)
-        allreduce_gradients(self.model, self.grid, self.timers)
-        grad_norm = clip_gradients(self.model, self.grid, self.deck.optim.grad_clip)
-        self.optimizer.step()
-        self.steps_done += 1
-        return loss_sum, lr, grad_norm
+        self.dp.start_step(len(micro_batches))
+        # Mean over micro-batches in the pipeline, mean over dp in the reduction: the global-batch mean.
+        return self.pipeline.run(self.model, micro_batches, self.scaler.scale if self.scaler else 1.0)
+
+    def update(self, lr: float) -> float:
+        """Finish the gradient reductions, clip, step (unless fp16 overflowed); the global grad norm."""
+        with self.timers.phase("optimizer"):
+            self.dp.finish_grad_reduce(self.sp_group)
+            norm = grad_norm(self.dp, self.grid)
+            scale = self.scaler.scale if self.scaler else 1.0
+            self.steps_done += 1
+            if self.scaler is not None:
+                overflow = any_rank(not math.isfinite(norm), self.grid, self.device)
+                self.scaler.update(overflow)
+                if overflow:
+                    return math.inf  # every rank skips: the parameters stay as they are
+            norm /= scale
+            self.optimizer.step(lr, clip_coefficient(norm, self.deck.optim.grad_clip) / scale)
+        return norm
 
     def _banner(self) -> None:
         deck, rt, grid, tr = self.deck, self.runtime, self.grid, self.deck.train
@@ -144,6 +192,15 @@ class Trainer:
             f"layers per chunk {counts} | sequence parallel {'on' if par.sequence_parallel else 'off'} | "
             f"groups inside a node: " + ", ".join(f"{a} {'yes' if grid.within_node[a] else 'no'}" for a in AXES)
         )
+        opt = deck.optim
+        overlaps = ", ".join(f"{k.removeprefix('overlap_').replace('_', '-')} {'on' if getattr(par, k) else 'off'}"
+                             for k in OVERLAP_KEYS)  # fmt: skip
+        rt.log(
+            f"gridlm: precision {tr.precision} (gradients reduced in "
+            f"{tr.precision if tr.grad_reduce_dtype == 'compute' else 'fp32'}) | optimizer {opt.name}"
+            f"{' ZeRO-1' if opt.zero else ''} | recompute {tr.recompute} | {len(self.dp.buckets)} dp bucket(s) "
+            f"of <= {par.dp_bucket_mb:g} MB | overlap: {overlaps}"
+        )
         for warning in placement_warnings(grid.within_node, rt.ranks_per_node, par.gpus_per_node):
             rt.log(f"gridlm: warning: {warning}")
         if self.peak is None:
@@ -157,7 +214,7 @@ class Trainer:
         self._banner()
         records: list[dict[str, Any]] = []
         step_times: list[float] = []
-        comm_times: list[dict[str, float]] = []
+        timings: list[dict[str, Any]] = []
         self.model.train()
         while self.steps_done < steps:
             _sync(self.device)
@@ -166,7 +223,7 @@ class Trainer:
             _sync(self.device)
             step_time = time.perf_counter() - t0
             step_times.append(step_time)
-            comm_times.append(self.timers.pop())
+            timings.append(self.timers.pop())
             step = self.steps_done
             if step % deck.run.log_every == 0 or step == steps or step == 1:
                 tflops = self.flops_per_step / step_time / rt.world_size / 1e12
@@ -181,12 +238,16 @@ class Trainer:
                     "grad_norm": grad_norm,
                     "consumed_samples": self.sampler.consumed_samples,
                 }
-                if deck.run.comm_timers:
-                    record["comm_s"] = comm_times[-1]  # rank 0's seconds in tp / pp / dp communication
+                if self.scaler is not None:
+                    record["loss_scale"] = self.scaler.scale
+                    record["skipped_steps"] = self.scaler.skipped
+                if deck.run.timers:
+                    record.update(timings[-1])  # rank 0's phase and communication seconds this step
                 records.append(record)
                 writer.write(record)
                 rt.log(format_line(record, steps))
-        summary = self._summary(records, step_times, comm_times)
+        self.dp.wait_params()  # no all-gather left in flight: the parameters are complete
+        summary = self._summary(records, step_times, timings)
         if rt.is_root:
             path = write_summary(self.run_dir, summary)
             mfu = "n/a" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
@@ -196,16 +257,29 @@ class Trainer:
                 f"{summary['tokens_per_s']:,.0f} tok/s | {summary['tflops_per_rank']:.3f} TFLOP/s/rank | "
                 f"{summary['aggregate_tflops']:.3f} TFLOP/s total | mfu {mfu} | {path}"
             )
+            if summary["timers"] is not None:
+                t = summary["timers"]
+                rt.log(
+                    f"gridlm: rank 0 per step: forward {t['forward_s'] * 1e3:.1f} ms, backward "
+                    f"{t['backward_s'] * 1e3:.1f} ms, optimizer {t['optimizer_s'] * 1e3:.1f} ms | communication "
+                    + ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}" for a in AXES)
+                    + " ms, exposed "
+                    + ", ".join(f"{a} {t['exposed_comm_s'][a] * 1e3:.1f}" for a in AXES)
+                    + f" ms ({100 * summary['exposed_comm_fraction']:.1f}% of the step)"
+                )
         return summary
 
     def _summary(
-        self, records: list[dict[str, Any]], step_times: list[float], comm_times: list[dict[str, float]]
+        self, records: list[dict[str, Any]], step_times: list[float], timings: list[dict[str, Any]]
     ) -> dict[str, Any]:
         deck, rt, tr, par = self.deck, self.runtime, self.deck.train, self.deck.parallel
         mean_time, std_time, skipped = mean_step_time(step_times, deck.run.timing_warmup)
-        timed = comm_times[skipped:]
-        comm = {a: sum(c[a] for c in timed) / len(timed) for a in AXES} if deck.run.comm_timers else None
+        timers = mean_timings(timings[skipped:]) if deck.run.timers else None
+        exposed = sum(timers["exposed_comm_s"].values()) / mean_time if timers else None
         tflops_per_rank = self.flops_per_step / mean_time / rt.world_size / 1e12
+        hw_tflops_per_rank = self.hardware_flops_per_step / mean_time / rt.world_size / 1e12
+        memory = self.dp.buffer_bytes()
+        memory["optimizer_state"] = self.optimizer.state_bytes()
         return {
             "deck": deck.to_dict(),
             "world_size": rt.world_size,
@@ -222,21 +296,34 @@ class Trainer:
                 "micro_batches": self.sampler.num_micro_batches,
             },
             "sequence_parallel": par.sequence_parallel,
+            "precision": tr.precision,
+            "optimizer": deck.optim.name,
+            "zero": deck.optim.zero,
+            "recompute": tr.recompute,
+            "overlap": {k: getattr(par, k) for k in OVERLAP_KEYS},
+            "dp_buckets": len(self.dp.buckets),
+            "memory_bytes_rank0": memory,
+            "skipped_steps": self.scaler.skipped if self.scaler else 0,
             "steps": tr.steps,
             "global_batch": tr.global_batch,
             "tokens_per_step": self.tokens_per_step,
             "step_time_s": mean_time,
             "step_time_std_s": std_time,
             "timing_warmup_steps": skipped,
-            "comm_s_per_step": comm,
+            "timers": timers,
+            "exposed_comm_fraction": exposed,
             "tokens_per_s": self.tokens_per_step / mean_time,
             "flops_per_step": self.flops_per_step,
-            "flops_kind": "model FLOPs, Megatron SC21 count (no recompute, full attention)",
+            "hardware_flops_per_step": self.hardware_flops_per_step,
+            "flops_kind": "model FLOPs (tflops_per_rank, mfu): Megatron SC21 count, full (not causally halved) "
+            "attention; hardware FLOPs (hw_tflops_per_rank, hfu) add what train.recompute re-executes",
             "tflops_per_rank": tflops_per_rank,
+            "hw_tflops_per_rank": hw_tflops_per_rank,
             "aggregate_tflops": tflops_per_rank * rt.world_size,
             "device": self.device_name,
             "peak_tflops_per_rank": self.peak,
             "mfu": None if self.peak is None else tflops_per_rank / self.peak,
+            "hfu": None if self.peak is None else hw_tflops_per_rank / self.peak,
             "initial_loss": records[0]["loss"],
             "final_loss": records[-1]["loss"],
             "consumed_samples": self.sampler.consumed_samples,

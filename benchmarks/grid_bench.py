@@ -6,12 +6,12 @@
 
 A grid is TPxPPxDP, optionally followed by +sp (sequence parallelism) and +vN (N virtual
 stages, interleaved 1F1B). Each grid runs `mpirun -n TP*PP*DP python -m app DECK` with
-run.comm_timers on, and the table (Markdown on stdout, plus table.md and table.csv in
+run.timers on, and the table (Markdown on stdout, plus table.md and table.csv in
 --out) reports from its summary.json: the mean step time after the warm-up steps (and
-its standard deviation), tokens/s, and the seconds per step rank 0 spent in tp, pp and dp
-communication. Rank 0 is tp rank 0 of the first pipeline stage: its pp time includes
-waiting for the pipeline to fill and drain (the bubble), not only transfer time.
-The timers synchronise a GPU around each call, so GPU step times are slightly pessimistic.
+its standard deviation), tokens/s, and the milliseconds per step rank 0 was blocked on
+tp, pp and dp communication (exposed; see app/metrics/timers.py). Rank 0 is tp rank 0 of
+the first pipeline stage: its pp time includes waiting for the pipeline to fill and
+drain (the bubble), not only transfer time.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
     run_dir = Path(args.out) / spec.replace("+", "_")
     sets = [
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.sequence_parallel={str(sp).lower()}",
-        f"parallel.virtual_stages={virtual}", f"train.steps={args.steps}", "run.comm_timers=true",
+        f"parallel.virtual_stages={virtual}", f"train.steps={args.steps}", "run.timers=true",
         f"run.log_every={args.steps}", f"run.dir={run_dir}", *args.set,
     ]  # fmt: skip
     cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app", args.deck]
@@ -70,7 +70,7 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
         print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
         return {"grid": spec, "ranks": ranks, "error": f"exit {out.returncode}"}
     summary = json.loads((REPO / run_dir / "summary.json").read_text())
-    comm = summary["comm_s_per_step"]
+    comm = summary["timers"]["exposed_comm_s"]
     return {
         "grid": spec,
         "ranks": ranks,
@@ -85,7 +85,10 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| grid (tp x pp x dp) | ranks | step ms (± std) | tokens/s | tp comm ms | pp comm ms | dp comm ms | final loss |"
+    head = (
+        "| grid (tp x pp x dp) | ranks | step ms (± std) | tokens/s | exposed tp comm ms | exposed pp comm ms "
+        "| exposed dp comm ms | final loss |"
+    )
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         if "error" in r:

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from app.deck import ModelConfig, OptimConfig
-from app.metrics.flops import gpt_step_flops, megatron_step_flops
+from app.metrics.flops import (
+    gpt_hardware_step_flops,
+    gpt_step_flops,
+    megatron_recompute_step_flops,
+    megatron_step_flops,
+)
 from app.metrics.peaks import peak_tflops
 from app.model.gpt import GPT
 from app.model.init import ParamMeta, counter_normal
@@ -100,6 +105,70 @@ def test_term_by_term_flops_equal_megatron_when_ffn_is_4h():
         megatron_step_flops(8, 1024, 24, 2048, 50304), rel=1e-12
     )
     assert gpt_step_flops(8, 1024, 24, 2048, 50304, 2048) < megatron_step_flops(8, 1024, 24, 2048, 50304)
+
+
+def test_hardware_flops_add_what_recomputation_runs_again():
+    args = (8, 1024, 24, 2048, 50304, 4 * 2048)
+    assert gpt_hardware_step_flops(*args, "none") == gpt_step_flops(*args)
+    # Full: one more forward of every layer = the SC21 96 * B s l h^2 (...) formula.
+    assert gpt_hardware_step_flops(*args, "full") == pytest.approx(
+        megatron_recompute_step_flops(8, 1024, 24, 2048, 50304), rel=1e-12
+    )
+    # Selective, by hand for B=2, s=8, l=3, h=16: the attention core's forward once more,
+    # 4 s h per token and layer = 4 * B * s^2 * h * l = 4 * 2 * 64 * 16 * 3.
+    small = (2, 8, 3, 16, 50, 40)
+    assert gpt_hardware_step_flops(*small, "selective") - gpt_step_flops(*small) == 24_576
+    with pytest.raises(ValueError, match="recompute='some'"):
+        gpt_hardware_step_flops(*small, "some")
+
+
+def _loss_and_grads(recompute: str, cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = GPT(cfg, seed=3, recompute=recompute)
+    model.train()
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(11)  # dropout masks
+    loss = model.loss(tokens, targets)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recomputation_leaves_loss_and_gradients_bitwise_unchanged(recompute, dropout):
+    # The recomputed forward runs the same ops on the same values, with the RNG state
+    # restored for dropout, so nothing may differ, not even in the last bit.
+    cfg = dataclasses.replace(CFG, dropout=dropout)
+    want_loss, want_grads = _loss_and_grads("none", cfg)
+    loss, grads = _loss_and_grads(recompute, cfg)
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
+
+
+@pytest.mark.parametrize(("recompute", "calls"), [("none", 2), ("full", 4), ("selective", 4)])
+def test_recomputation_runs_the_attention_core_again_in_backward(monkeypatch, recompute, calls):
+    import app.model.gpt as gpt
+
+    count, core = [0], gpt._attention_core
+
+    def counted(*args):
+        count[0] += 1
+        return core(*args)
+
+    monkeypatch.setattr(gpt, "_attention_core", counted)
+    _loss_and_grads(recompute, CFG)
+    assert count[0] == calls  # 2 layers: once per layer in forward, once more in backward
+
+
+def test_recomputation_is_off_outside_training_and_unknown_modes_are_refused():
+    model = GPT(CFG, seed=3, recompute="full").eval()
+    tokens = torch.zeros((1, CFG.seq_len), dtype=torch.long)
+    with torch.no_grad():
+        assert torch.equal(model(tokens), GPT(CFG, seed=3).eval()(tokens))
+    with pytest.raises(ValueError, match="recompute='attention'"):
+        GPT(CFG, seed=3, recompute="attention")
 
 
 def test_peak_table_knows_gpus_and_never_guesses_a_cpu():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from app.deck import load_deck, resolve_for_world
-from app.parallel.data import allreduce_gradients
+from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
 from app.train import Trainer
 from conftest import REPO, read_metrics
@@ -71,16 +71,55 @@ def test_dp_training_matches_single_rank_loss_and_parameters(runtime, shared_tmp
 
 
 @pytest.mark.mpi(min_size=2)
-def test_allreduce_gradients_averages_over_dp(runtime):
+@pytest.mark.parametrize("zero", [False, True], ids=["allreduce", "zero1"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["after-backward", "overlapped"])
+def test_bucketed_dp_reduction_gives_the_mean_gradient(runtime, zero, overlap):
+    """Buckets (two here: 0.0002 MB = 50 fp32 elements or more each) reduced from the backward
+    hooks, or after it, hold the dp mean of the gradients, accumulated over 2 micro-batches;
+    under ZeRO-1 each rank holds a disjoint 1/dp slice and the slices tile every parameter.
+    Exact comparison up to 1e-6: the reference sums the same fp32 values in another order."""
+    from app.model.init import ParamMeta
+
     grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
-    model = torch.nn.Linear(3, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
     for p in model.parameters():
-        p.meta = None
-        p.grad = torch.full_like(p, float(runtime.rank))
-    allreduce_gradients(model, grid)
-    mean = sum(range(runtime.world_size)) / runtime.world_size
-    for p in model.parameters():
-        assert torch.allclose(p.grad, torch.full_like(p, mean))
+        p.meta = ParamMeta(tuple(p.shape))
+    inputs = [
+        torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * r + m))
+        for r in range(runtime.world_size)
+        for m in range(2)
+    ]
+    # Reference: the plain autograd gradient of the mean over all ranks' micro-batches.
+    ref = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    ref.load_state_dict(model.state_dict())
+    for x in inputs:
+        (ref(x).square().sum() / len(inputs)).backward()
+    dp = DataParallel(model, grid, bucket_mb=0.0002, zero=zero, overlap_grad_reduce=overlap)
+    assert len(dp.buckets) > 1
+    dp.start_step(2)
+    for m in range(2):
+        (model(inputs[2 * runtime.rank + m]).square().sum() / 2).backward()
+    assert all(p.grad is None for p in model.parameters())  # moved into the flat buffer
+    dp.finish_grad_reduce()
+    covered = {id(p): torch.zeros(p.numel()) for p in model.parameters()}
+    ref_grads = {id(p): q.grad.reshape(-1) for p, q in zip(model.parameters(), ref.parameters())}
+    for seg, p, g in dp.held_grads():
+        expected = ref_grads[id(p)][seg.param_lo : seg.param_lo + seg.hi - seg.lo]
+        torch.testing.assert_close(g, expected, rtol=0, atol=1e-6)
+        covered[id(p)][seg.param_lo : seg.param_lo + seg.hi - seg.lo] += 1
+    # Every element is held by exactly one dp rank (ZeRO-1) or by all of them.
+    for c in covered.values():
+        total = torch.from_numpy(runtime.comm.allreduce(c.numpy()))
+        assert torch.equal(total, torch.full_like(total, 1.0 if zero else runtime.world_size))
+    # The update path: each rank writes its master shard; after publishing every rank sees all of them.
+    for master in dp.master:
+        master.fill_(float(runtime.rank + 1) if zero else 1.0)
+    dp.publish_params()
+    dp.wait_params()
+    values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    digests = runtime.comm.allgather(float(values.double().sum()))
+    assert len(set(digests)) == 1 and values.min() >= 1.0
     grid.free()
 
 

@@ -1,4 +1,4 @@
-"""Model FLOPs of one training step of a GPT.
+"""FLOPs of one training step of a GPT: model FLOPs, and hardware FLOPs with recomputation.
 
 Source: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM", SC21, Appendix (eq. 3). Counting 2 FLOPs per multiply-add, forward
@@ -7,10 +7,18 @@ global batch of B sequences of length s through l layers of width h with vocabul
 
     F = 72 * B * s * l * h^2 * (1 + s / (6 h) + V / (12 l h))
 
-(96 * ... * (1 + s/(6h) + V/(16 l h)) with full recomputation: reported later as
-hardware FLOPs). It assumes an MLP width of 4h and counts the full (not causally halved)
+These *model* FLOPs (MFU) do not depend on how the step is run. *Hardware* FLOPs (HFU)
+add what activation recomputation executes again: with full recomputation one more
+forward of every transformer layer (not the head),
+
+    96 * B * s * l * h^2 * (1 + s / (6 h) + V / (16 l h))
+
+(same paper), and with selective recomputation (Korthikanti et al. 2022) one more
+forward of the attention core only, the score and context GEMMs: 4 * s * h per token and
+layer. The formulas assume an MLP width of 4h and count the full (not causally halved)
 attention score and context GEMMs, like the paper; LayerNorm, softmax, GELU and the
-embedding lookups are ignored. `gpt_step_flops` gives the same count for any MLP width.
+embedding lookups are ignored. `gpt_step_flops` and `gpt_hardware_step_flops` give the
+same counts for any MLP width.
 """
 
 from __future__ import annotations
@@ -20,6 +28,12 @@ def megatron_step_flops(global_batch: int, seq_len: int, layers: int, hidden: in
     """The SC21 formula above, exactly as published (MLP width 4h, no recompute)."""
     b, s, n, h, v = global_batch, seq_len, layers, hidden, vocab  # n: the formula's l
     return 72.0 * b * s * n * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * n * h))
+
+
+def megatron_recompute_step_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int) -> float:
+    """The SC21 hardware-FLOPs formula with full recomputation, as published (MLP width 4h)."""
+    b, s, n, h, v = global_batch, seq_len, layers, hidden, vocab
+    return 96.0 * b * s * n * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * n * h))
 
 
 def gpt_step_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int) -> float:
@@ -33,3 +47,20 @@ def gpt_step_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vo
     per_token_layer = 8.0 * h * h + 4.0 * h * ffn + 4.0 * s * h
     forward = b * s * (n * per_token_layer + 2.0 * h * v)
     return 3.0 * forward
+
+
+def gpt_hardware_step_flops(
+    global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int, recompute: str
+) -> float:
+    """FLOPs executed per step: `gpt_step_flops` plus the forward work recomputation repeats.
+
+    recompute: "none" (= model FLOPs), "full" (every layer's forward again; equals
+    `megatron_recompute_step_flops` when ffn == 4h) or "selective" (the attention core's).
+    """
+    h = hidden
+    core = 4.0 * seq_len * h  # per token and layer: scores q k^T and context p v, 2 s h each
+    again = {"none": 0.0, "full": 8.0 * h * h + 4.0 * h * ffn + core, "selective": core}
+    if recompute not in again:
+        raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(again)}")
+    tokens = global_batch * seq_len
+    return gpt_step_flops(global_batch, seq_len, layers, hidden, vocab, ffn) + tokens * layers * again[recompute]

@@ -1,10 +1,24 @@
-"""Communication timers: seconds spent in tp / pp / dp communication, per step.
+"""Step timers: time in forward, backward and the optimizer, and communication per grid
+axis, split into its total and its *exposed* part (the time compute waited for it).
 
-On CPU (gloo) collectives block, so the wall time of a call is its cost, waiting for the
-slowest peer included. On a GPU calls are asynchronous: when enabled, the timer
-synchronises the device around each call, which makes the number honest and the run
-slower (hence the `run.comm_timers` switch). Finer timers (forward, backward, optimizer,
-exposed communication) build on this one.
+Definitions (per optimizer step, this rank):
+  forward_s / backward_s   wall time of the pipeline's forward / backward passes, the
+                           communication they wait for included.
+  optimizer_s              from the end of the last backward to the end of the update:
+                           waiting for the last gradient buckets, the grid-wide norm,
+                           the update and (without overlap) the parameter all-gather.
+  comm_s[axis]             time collectives on that axis took: a blocking call's wall
+                           time; an asynchronous one's time from launch to completion
+                           (measured on CPU by a completion callback; gloo's p2p
+                           sends/receives have none, so for them, and on GPU, only the
+                           exposed part is counted: a lower bound).
+  exposed_comm_s[axis]     time this rank was blocked on that axis's communication:
+                           blocking calls plus waits on asynchronous ones. Overlap shows
+                           as comm_s > exposed_comm_s.
+
+CPU: wall clock. GPU: CUDA events on the current (compute) stream, read once per step in
+`pop()`, so timing never synchronises the device mid-step; on the compute stream a wait
+on a collective is exactly the time that stream stalled.
 """
 
 from __future__ import annotations
@@ -12,44 +26,124 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 AXES = ("tp", "pp", "dp")
+PHASES = ("forward", "backward", "optimizer")
 
 
-class CommTimers:
-    """Accumulates communication seconds per grid axis until `pop()`."""
+class Pending:
+    """An asynchronous collective in flight: its work handle and when it was launched."""
+
+    def __init__(self, axis: str, work: Any, t0: Optional[float]) -> None:
+        self.axis, self.work, self.t0 = axis, work, t0
+        self.done_at: list[float] = []
+        self.keep: Any = None  # a buffer the collective reads, kept alive until it completes
+
+
+class StepTimers:
+    """Accumulates phase and communication times until `pop()`; a no-op when disabled."""
 
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.device, self.enabled = device, enabled
-        self.totals = dict.fromkeys(AXES, 0.0)
+        self.cuda = device.type == "cuda"
+        self._reset()
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _reset(self) -> None:
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.comm = dict.fromkeys(AXES, 0.0)
+        self.exposed = dict.fromkeys(AXES, 0.0)
+        # GPU: (bucket dict, key, start event, end event), summed in pop().
+        self._events: list[tuple[dict[str, float], str, Any, Any]] = []
 
     @contextmanager
-    def region(self, axis: str) -> Iterator[None]:
-        """Time the communication inside the `with` block and charge it to `axis`."""
+    def _timed(self, *targets: tuple[dict[str, float], str]) -> Iterator[None]:
         if not self.enabled:
             yield
             return
-        self._sync()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events += [(bucket, key, start, end) for bucket, key in targets]
+            return
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
-            self.totals[axis] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            for bucket, key in targets:
+                bucket[key] += dt
 
-    def pop(self) -> dict[str, float]:
-        """The seconds per axis since the last pop, and reset."""
-        totals, self.totals = self.totals, dict.fromkeys(AXES, 0.0)
-        return totals
+    def phase(self, name: str) -> AbstractContextManager:
+        """Time a forward / backward / optimizer phase."""
+        return self._timed((self.phases, name))
+
+    def region(self, axis: str) -> AbstractContextManager:
+        """Time a blocking collective: all of it is exposed."""
+        return self._timed((self.comm, axis), (self.exposed, axis))
+
+    def launched(self, axis: str, work: Any) -> Pending:
+        """Register an asynchronous collective just launched; pass the result to `wait`."""
+        pending = Pending(axis, work, time.perf_counter())
+        if self.enabled and not self.cuda and work is not None:
+            # gloo completes the future on its own thread: that instant ends the transfer.
+            try:
+                work.get_future().then(lambda _: pending.done_at.append(time.perf_counter()))
+            except RuntimeError:  # gloo p2p work has no future: only the wait is measured
+                pending.t0 = None
+        return pending
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for an asynchronous collective; the time blocked is exposed communication."""
+        if pending.work is None:
+            return
+        if not self.enabled:
+            pending.work.wait()
+            return
+        with self._timed((self.exposed, pending.axis)) if self.cuda else nullcontext():
+            t_wait = time.perf_counter()
+            pending.work.wait()
+        if self.cuda:
+            return  # its duration on the NCCL stream is not visible here; the exposed part is counted
+        now = time.perf_counter()
+        self.exposed[pending.axis] += now - t_wait
+        end = pending.done_at[0] if pending.done_at else now
+        self.comm[pending.axis] += max(0.0, end - (t_wait if pending.t0 is None else pending.t0))
+
+    def pop(self) -> dict[str, Any]:
+        """This step's times (seconds) since the last pop, and reset; call after the step ends."""
+        if self.cuda and self._events:
+            torch.cuda.synchronize(self.device)
+            for bucket, key, start, end in self._events:
+                bucket[key] += start.elapsed_time(end) / 1e3
+        if self.cuda:
+            for axis in AXES:  # overlapped durations are not measured on GPU: at least the exposed part
+                self.comm[axis] = max(self.comm[axis], self.exposed[axis])
+        out = {f"{p}_s": self.phases[p] for p in PHASES}
+        out["comm_s"], out["exposed_comm_s"] = dict(self.comm), dict(self.exposed)
+        self._reset()
+        return out
 
 
-def comm_region(timers: Optional[CommTimers], axis: str) -> AbstractContextManager:
+def comm_region(timers: Optional[StepTimers], axis: str) -> AbstractContextManager:
     """`timers.region(axis)`, or a no-op where no timers were passed."""
     return timers.region(axis) if timers is not None else nullcontext()
+
+
+def launch(timers: Optional[StepTimers], axis: str, work: Any) -> Pending:
+    """Track an asynchronous collective's work handle (timers optional)."""
+    return timers.launched(axis, work) if timers is not None else Pending(axis, work, 0.0)
+
+
+def wait(timers: Optional[StepTimers], pending: Pending) -> None:
+    """Wait for a collective registered with `launch` (timers optional)."""
+    if timers is not None:
+        timers.wait(pending)
+    elif pending.work is not None:
+        pending.work.wait()

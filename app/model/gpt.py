@@ -10,6 +10,11 @@ are those of the 1-rank model (`blocks.7.attn.qkv.weight` on whichever stage run
 any shard on any grid equals the same slice of the 1-rank model.
 The fused QKV weight is laid out as (heads, 3, head_dim) rows, so a contiguous split of
 its rows over tensor-parallel ranks hands each rank whole heads.
+
+Activation recomputation (`recompute`, Korthikanti et al. 2022): "full" keeps only each
+block's input and re-runs the block in backward; "selective" re-runs only the attention
+core (q, k, v -> context), whose activations grow with the sequence length squared. Both
+restore the RNG state, so dropout masks and results equal those without recomputation.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from app.deck import ModelConfig
 from app.model.init import ParamMeta, init_parameters
@@ -30,21 +36,31 @@ from app.model.layers import (
     LayerNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_parallel_linear,
     replicated_param,
     tp_param,
     vocab_parallel_cross_entropy,
 )
-from app.runtime.collectives import TensorParallel, enter_tp_region
+from app.runtime.collectives import TensorParallel
 
 SINGLE = TensorParallel()
+RECOMPUTE = ("none", "full", "selective")
+
+
+def _recomputing(module: nn.Module) -> bool:
+    # Eval and no-grad passes keep no activations: nothing to save by recomputing.
+    return module.training and torch.is_grad_enabled()
 
 
 class Attention(nn.Module):
     """Causal self-attention; this tp rank runs heads / tp of the heads."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device], recompute_core: bool = False
+    ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.dropout = cfg.heads // tp.size, cfg.hidden // cfg.heads, cfg.dropout
+        self.recompute_core = recompute_core
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.init_std, tp, device)
         self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, out_std, tp, device)
@@ -54,8 +70,16 @@ class Attention(nn.Module):
         b, s, _ = qkv.shape
         q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, self.heads, 3, self.head_dim).unbind(dim=3))
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        if self.recompute_core and _recomputing(self):
+            y = checkpoint(_attention_core, q, k, v, dropout, use_reentrant=False)
+        else:
+            y = _attention_core(q, k, v, dropout)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d)) v: (B, heads, S, head_dim) each -> the same shape."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -69,15 +93,23 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device], recompute: str = "none"
+    ) -> None:
         super().__init__()
+        self.recompute = recompute
         self.ln1 = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
-        self.attn = Attention(cfg, tp, device)
+        self.attn = Attention(cfg, tp, device, recompute_core=recompute == "selective")
         self.ln2 = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
         self.mlp = MLP(cfg, tp, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full" and _recomputing(self):
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.ln1(x)))
         return x + self.dropout(self.mlp(self.ln2(x)))
 
@@ -89,7 +121,8 @@ class GPT(nn.Module):
     embedding (runs the first pipeline chunk); `last`: holds the final LayerNorm and the
     head (runs the last chunk). With tied embeddings and first != last, the last stage
     keeps its own copy of the embedding (`ParamMeta.tied`), kept equal by summing the two
-    gradients (see `app/parallel/pipeline.py`).
+    gradients (see `app/parallel/pipeline.py`). `recompute`: "none", "full" or
+    "selective" activation recomputation in training (module docstring).
     """
 
     def __init__(
@@ -101,9 +134,12 @@ class GPT(nn.Module):
         layers: Optional[Iterable[int]] = None,
         first: bool = True,
         last: bool = True,
+        recompute: str = "none",
     ) -> None:
         super().__init__()
-        self.cfg, self.tp, self.first, self.last = cfg, tp, first, last
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+        self.cfg, self.tp, self.first, self.last, self.recompute = cfg, tp, first, last, recompute
         self.drop = nn.Dropout(cfg.dropout)
         if first or (last and cfg.tie_embeddings):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, cfg.init_std, tp, device)
@@ -113,7 +149,7 @@ class GPT(nn.Module):
             # Positions are added to the sequence shard under SP: a partial gradient per tp rank.
             self.wpe = replicated_param(ParamMeta((cfg.seq_len, cfg.hidden), std=cfg.init_std), tp, device, True)
         ids = range(cfg.layers) if layers is None else layers
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device) for i in ids})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device, recompute) for i in ids})
         if last:
             self.ln_f = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
             if not cfg.tie_embeddings:
@@ -132,8 +168,8 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(self._logits(x), targets, self.tp)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        h = enter_tp_region(self.ln_f(x), self.tp)
-        return F.linear(h, self.wte.weight if self.cfg.tie_embeddings else self.head)
+        weight = self.wte.weight if self.cfg.tie_embeddings else self.head
+        return column_parallel_linear(self.ln_f(x), weight, None, self.tp)
 
     def forward_chunk(
         self,
@@ -163,6 +199,18 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy over the B x S positions (the whole model is here)."""
         self._check_whole()
         return self.forward_chunk(tokens, range(self.cfg.layers), True, True, targets)
+
+    def first_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+        """(module, parameters) pairs: calling `module` is the first use of those parameters in a
+        forward pass — where a sharded optimizer waits for their all-gather."""
+        uses: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        if self.first:
+            uses.append((self.wte, [self.wte.weight, self.wpe]))
+        uses += [(block, list(block.parameters())) for block in self.blocks.values()]
+        if self.last:
+            head = self.wte.weight if self.cfg.tie_embeddings else self.head
+            uses.append((self.ln_f, [*self.ln_f.parameters(), head]))
+        return uses
 
     def num_parameters(self) -> int:
         """Global parameter count of the whole model (the tied embedding counted once)."""

@@ -5,7 +5,9 @@ where the shard sits in the global tensor; `init_parameters` fills it with the s
 values as that slice of the 1-rank model.
 
     ColumnParallelLinear   W (out, in) split by rows (out/tp, in): input replicated
-                           (or sequence-sharded and all-gathered, with SP), output split
+                           (or sequence-sharded and all-gathered, with SP), output split;
+                           `column_parallel_linear` is its function (also the LM head),
+                           backward collective overlapped with the weight gradient
     RowParallelLinear      W split by columns (out, in/tp): input split, output partial
                            sums -> all-reduce (or reduce-scatter along the sequence, SP)
     VocabParallelEmbedding rows of the (vocab, hidden) table split over tp
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.model.init import ParamMeta, new_param
-from app.runtime.collectives import TensorParallel, enter_tp_region, leave_tp_region
+from app.runtime.collectives import SEQ_DIM, TensorParallel, leave_tp_region
 
 
 def tp_shard(meta: ParamMeta, tp: TensorParallel, dim: int) -> tuple[ParamMeta, tuple[int, ...]]:
@@ -68,6 +70,67 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
+class _ColumnParallelLinear(torch.autograd.Function):
+    """y = F.linear(enter_tp_region(x), W, b) as one step, so that backward can overlap the
+    input gradient's tp collective with the weight-gradient GEMM (AxoNN's overlapped
+    all-reduce; Megatron's async grad all-reduce). Both orders do the same arithmetic:
+    results are bitwise equal with `tp.overlap` on or off.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], tp: TensorParallel
+    ) -> torch.Tensor:
+        total = tp.all_gather(x, SEQ_DIM) if tp.sequence_parallel else x
+        # Saves the gathered input under SP (tp x the shard): simpler than Megatron, which
+        # saves the shard and all-gathers it again in backward.
+        ctx.save_for_backward(total, weight)
+        ctx.tp, ctx.x_dtype = tp, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        total, weight = ctx.saved_tensors
+        tp: TensorParallel = ctx.tp
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = handle = None
+        if need_x:
+            # Each rank holds the gradient through its output columns only: sum over tp.
+            grad_total = grad_out.matmul(weight.to(grad_out.dtype))
+            if tp.sequence_parallel:
+                grad_x, handle = tp.reduce_scatter_async(grad_total, SEQ_DIM)
+            else:
+                grad_x, handle = tp.all_reduce_async(grad_total)
+            if not tp.overlap:
+                tp.wait(handle)
+                handle = None
+        grad_w = grad_b = None
+        if need_w:
+            flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+            flat_total = total.reshape(-1, total.shape[-1]).to(grad_out.dtype)
+            grad_w = flat_grad.t().matmul(flat_total).to(weight.dtype)
+        if need_b:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(dim=0).to(ctx.bias_dtype)
+        if handle is not None:
+            tp.wait(handle)
+        if grad_x is not None:
+            grad_x = grad_x.contiguous().to(ctx.x_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], tp: TensorParallel
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) on the column-parallel shard `weight` (out / tp, in).
+
+    x: (B, S, in), or (B, S / tp, in) under SP (all-gathered here). Returns (B, S, out / tp).
+    """
+    if tp.size == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinear.apply(x, weight, bias, tp)
+
+
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local: this rank's n_out / tp output features."""
 
@@ -78,7 +141,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = tp_param(ParamMeta((n_out,), init="zeros", decay=False), tp, 0, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(enter_tp_region(x, self.tp), self.weight, self.bias)
+        return column_parallel_linear(x, self.weight, self.bias, self.tp)
 
 
 class RowParallelLinear(nn.Module):

@@ -1,4 +1,16 @@
-"""AdamW with decoupled weight decay on matrices only, an LR schedule and global-norm clipping."""
+"""AdamW and LAMB on (ZeRO-1 sharded) fp32 master weights, the LR schedule, grid-wide
+gradient-norm clipping and the fp16 dynamic loss scaler.
+
+The optimizer updates what `DataParallel` says this rank holds: for every bucket, a flat
+fp32 master shard and its reduced gradient. Updates are element-wise, so a shard's update
+is the same arithmetic as the unsharded one — except LAMB's layer-wise trust ratio, which
+needs the norms of the whole logical parameter: partial sums over this rank's parts,
+reduced over dp (ZeRO-1 shards) and tp (tp shards; a tensor replicated over tp counts
+once), as in You et al., "Large Batch Optimization for Deep Learning", ICLR 2020.
+
+AdamW is torch.optim.AdamW's single-tensor arithmetic (decoupled weight decay, bias
+correction); weight decay applies to matrices only (`ParamMeta.decay`).
+"""
 
 from __future__ import annotations
 
@@ -6,22 +18,10 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from app.deck import OptimConfig
+from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
-
-
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; biases, LayerNorm parameters (ParamMeta.decay False) get no weight decay."""
-    decay = [p for p in model.parameters() if p.meta.decay]
-    no_decay = [p for p in model.parameters() if not p.meta.decay]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # foreach=False: the per-tensor loop is the same arithmetic on every grid.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
 
 def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -36,31 +36,130 @@ def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
 
 
 @torch.no_grad()
-def grad_norm(model: nn.Module, grid: ProcessGrid) -> float:
-    """Global L2 norm of the gradient of the 1-rank model, computed from the shards.
+def grad_norm(dp: DataParallel, grid: ProcessGrid) -> float:
+    """Global L2 norm of the gradient of the 1-rank model, from the reduced shards.
 
-    Call after the gradients are synchronised (sequence-parallel sums, tied embedding, dp).
-    Each logical element counts once (`ParamMeta.owned_by`); dp replicas are equal, so
-    the sum is reduced over tp and pp only.
+    Call after `dp.finish_grad_reduce()`. Each logical element counts once
+    (`ParamMeta.owned_by`); the sum is reduced over tp and pp, and over dp when ZeRO-1
+    shards the gradients (otherwise dp replicas hold the same values). inf/nan propagate.
     """
-    params = list(model.parameters())
-    local = torch.zeros((), dtype=torch.float64, device=params[0].device)
-    for p in params:
-        if p.grad is not None and p.meta.owned_by(grid.coords["tp"]):
-            local += p.grad.detach().double().pow(2).sum()
-    for axis in ("tp", "pp"):
+    local = torch.zeros((), dtype=torch.float64, device=dp.grad_buffer.device)
+    tp_rank = grid.coords["tp"]
+    for _, p, g in dp.held_grads():
+        if p.meta.owned_by(tp_rank):
+            local += g.double().pow(2).sum()
+    for axis in ("tp", "pp") + (("dp",) if dp.zero else ()):
         if grid.size(axis) > 1:
             dist.all_reduce(local, group=grid.group[axis])
     return float(local.sqrt())
 
 
-@torch.no_grad()
-def clip_gradients(model: nn.Module, grid: ProcessGrid, max_norm: float) -> float:
-    """Scale gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm."""
-    norm = grad_norm(model, grid)
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
+def any_rank(flag: bool, grid: ProcessGrid, device: torch.device) -> bool:
+    """True on every rank of the grid if `flag` is true on any."""
+    t = torch.tensor(float(flag), device=device)
+    for axis in ("tp", "pp", "dp"):
+        if grid.size(axis) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=grid.group[axis])
+    return bool(t.item() > 0)
+
+
+class LossScaler:
+    """fp16 dynamic loss scaling (Micikevicius et al. 2018): on an overflow anywhere in the
+    grid the step is skipped and the scale halved; after `window` clean steps it doubles."""
+
+    def __init__(self, scale: float, window: int) -> None:
+        self.scale, self.window, self.clean = scale, window, 0
+        self.skipped = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.clean = max(1.0, self.scale / 2), 0
+            self.skipped += 1
+            return
+        self.clean += 1
+        if self.clean == self.window:
+            self.scale, self.clean = self.scale * 2, 0
+
+
+class ShardedOptimizer:
+    """AdamW or LAMB over the master shards of a `DataParallel`."""
+
+    def __init__(self, dp: DataParallel, cfg: OptimConfig, grid: ProcessGrid) -> None:
+        self.dp, self.cfg, self.grid = dp, cfg, grid
+        self.exp_avg = [torch.zeros_like(m) for m in dp.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in dp.master]
+        self.steps = 0
+        # Runs of elements with weight decay, per bucket shard (adjacent parameters merged).
+        self.decay_runs: list[list[tuple[int, int]]] = []
+        for b in dp.buckets:
+            runs: list[tuple[int, int]] = []
+            for s in b.segments:
+                if dp.params[s.param].meta.decay:
+                    if runs and runs[-1][1] == s.lo:
+                        runs[-1] = (runs[-1][0], s.hi)
+                    else:
+                        runs.append((s.lo, s.hi))
+            self.decay_runs.append(runs)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: the moments and any separate fp32 master copy."""
+        moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+        return moments + self.dp.master_bytes()
+
+    def _grad(self, b: int, grad_scale: float) -> torch.Tensor:
+        g = self.dp.grads(b)
+        g = g.float() if g.dtype != torch.float32 else g
+        return g * grad_scale if grad_scale != 1.0 else g
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One update with gradients multiplied by `grad_scale` (clipping and loss unscaling)."""
+        self.steps += 1
+        cfg = self.cfg
+        bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
+        updates = []
+        for b, (p, m, v) in enumerate(zip(self.dp.master, self.exp_avg, self.exp_avg_sq)):
+            g = self._grad(b, grad_scale)
+            m.lerp_(g, 1 - cfg.beta1)
+            v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+            denom = (v.sqrt() / math.sqrt(bc2)).add_(cfg.eps)
+            if cfg.name == "adamw":
+                for lo, hi in self.decay_runs[b]:
+                    p[lo:hi].mul_(1 - lr * cfg.weight_decay)
+                p.addcdiv_(m, denom, value=-lr / bc1)
+            else:
+                update = (m / bc1).div_(denom)
+                for lo, hi in self.decay_runs[b]:
+                    update[lo:hi].add_(p[lo:hi], alpha=cfg.weight_decay)
+                updates.append(update)
+        if cfg.name == "lamb":
+            self._lamb_apply(lr, updates)
+        self.dp.publish_params()
+
+    def _lamb_apply(self, lr: float, updates: list[torch.Tensor]) -> None:
+        """w <- w - lr * (||w|| / ||u||) * u, the norms over each whole logical parameter."""
+        dp, grid = self.dp, self.grid
+        tp_rank = grid.coords["tp"]
+        sums = torch.zeros(len(dp.params), 2, dtype=torch.float64, device=dp.grad_buffer.device)
+        for b, bucket in enumerate(dp.buckets):
+            for s in bucket.segments:
+                meta = dp.params[s.param].meta
+                if meta.replicated_over("tp") and tp_rank != 0:
+                    continue  # the tp replicas hold the same values: count them once
+                sums[s.param, 0] += dp.master[b][s.lo : s.hi].double().pow(2).sum()
+                sums[s.param, 1] += updates[b][s.lo : s.hi].double().pow(2).sum()
+        for axis in ("tp",) + (("dp",) if dp.zero else ()):
+            if grid.size(axis) > 1:
+                dist.all_reduce(sums, group=grid.group[axis])
+        norms = sums.sqrt()
+        w_norm, u_norm = norms[:, 0], norms[:, 1]
+        ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-300), torch.ones_like(w_norm))
+        ratio = ratio.float().tolist()
+        for b, bucket in enumerate(dp.buckets):
+            for s in bucket.segments:
+                dp.master[b][s.lo : s.hi].add_(updates[b][s.lo : s.hi], alpha=-lr * ratio[s.param])
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor that brings the gradient norm down to `max_norm` (1 when within it or 0 = off)."""
+    return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0

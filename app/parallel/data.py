@@ -1,20 +1,45 @@
-"""Data parallelism: average gradients over the dp group.
+"""Data parallelism: flat parameter/gradient buffers, bucketed and overlapped reductions,
+and ZeRO-1 sharding of the fp32 master weights.
 
-A first, correct version: all gradients are packed into one flat buffer per dtype and
-all-reduced once after the last micro-batch (bucketing and overlap with backward come
-later). Each dp rank computes gradients of the mean loss over its own micro-batches;
-averaging over dp gives the gradient of the mean over the whole global batch.
+Layout. All parameters of this rank's model live in one flat parameter buffer (the
+compute dtype: fp32, bf16 or fp16) and accumulate their gradients in one flat gradient
+buffer (fp32 by default: `train.grad_reduce_dtype`), both in reverse registration order,
+which is roughly the order backward produces gradients. The buffers are cut into buckets
+of whole parameters of about `parallel.dp_bucket_mb`, each padded to a multiple of dp.
+The parameter layout depends only on the local shapes, so it is the same on every tp rank
+of a stage (and every dp replica); the tied embedding gets a bucket of its own, so its
+shards line up between the first and the last pipeline stage.
+
+Overlap. A hook on each parameter adds its gradient into the buffer after every backward
+(gradient accumulation over micro-batches happens there, in the reduce dtype). When every
+parameter of a bucket has received its gradient from the last micro-batch, the bucket's
+reduction is launched asynchronously — an all-reduce, or a reduce-scatter under ZeRO-1 —
+and only `finish_grad_reduce` (before the optimizer step) waits for them. With
+`parallel.overlap_grad_reduce: false` the same reductions run after backward, one by one.
+
+Shards. Each rank updates a shard of every bucket: the whole bucket without ZeRO, its
+1/dp slice with ZeRO-1 (`optim.zero: 1`). Its fp32 master weights (`master`) and the
+optimizer moments cover only that shard, so their memory drops ~dp x. After the update
+each bucket's shards are all-gathered into the parameter buffer: asynchronously, with
+each bucket waited for by a forward pre-hook of the first module that uses it in the next
+step (`parallel.overlap_param_gather`), or at once.
+
+Gradient sums over other axes commute with the dp mean, so they run on the reduced shard:
+sequence-parallel partial gradients summed over tp (the shard ranges agree across tp
+ranks), and the tied embedding summed between the first and last stage.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.metrics.timers import CommTimers, comm_region
+from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
 from app.runtime.grid import ProcessGrid
 
 
@@ -29,7 +54,7 @@ def filled_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def allreduce_flat(
-    tensors: list[torch.Tensor], group: Any, timers: Optional[CommTimers], axis: str, divide: int = 1
+    tensors: Sequence[torch.Tensor], group: Any, timers: Optional[StepTimers], axis: str, divide: int = 1
 ) -> None:
     """In place: each tensor <- (sum over `group` of it) / divide, packed into one buffer per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -47,10 +72,249 @@ def allreduce_flat(
             offset += t.numel()
 
 
-@torch.no_grad()
-def allreduce_gradients(model: nn.Module, grid: ProcessGrid, timers: Optional[CommTimers] = None) -> None:
-    """grad <- mean over dp ranks of grad, for every parameter of `model`."""
-    dp = grid.size("dp")
-    if dp == 1:
-        return
-    allreduce_flat(filled_grads(list(model.parameters())), grid.group["dp"], timers, "dp", divide=dp)
+@dataclass
+class Segment:
+    """The part of parameter `param` (index into DataParallel.params) inside a bucket's shard:
+    shard elements [lo, hi) are the parameter's flat elements [param_lo, param_lo + hi - lo)."""
+
+    param: int
+    lo: int
+    hi: int
+    param_lo: int
+
+
+@dataclass
+class Bucket:
+    start: int  # [start, end) in the flat buffers; end - start is a multiple of dp
+    end: int
+    params: list[int]
+    shard_lo: int  # the slice of the bucket this rank updates (buffer offsets)
+    shard_hi: int
+    segments: list[Segment] = field(default_factory=list)
+    ready: int = 0  # gradients received this step
+    reduce: Optional[Pending] = None
+    gather: Optional[Pending] = None
+    launched: bool = False
+    grad_shard: Optional[torch.Tensor] = None  # ZeRO: the reduce-scatter output
+
+
+class DataParallel:
+    """Flat buffers, bucketed dp reductions and the (sharded) fp32 master weights of one rank.
+
+    `params`: the model's parameters in buffer order. `master[b]`: fp32 master weights of
+    this rank's shard of bucket b (a view of the parameter buffer when the compute dtype is
+    fp32; its own tensor otherwise). `grads(b)`: the reduced gradient of the
+    same shard, once `finish_grad_reduce` returned.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        grid: ProcessGrid,
+        *,
+        compute_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
+        bucket_mb: float = 25.0,
+        zero: bool = False,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = True,
+        tied: Optional[tuple[torch.Tensor, Any]] = None,
+        timers: Optional[StepTimers] = None,
+    ) -> None:
+        self.grid, self.timers = grid, timers
+        self.dp, self.dp_rank = grid.size("dp"), grid.coords["dp"]
+        self.group = grid.group["dp"] if self.dp > 1 else None
+        self.zero = zero and self.dp > 1
+        self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        self.tied_param, self.tied_group = tied if tied is not None else (None, None)
+        self.params: list[nn.Parameter] = list(reversed(list(model.parameters())))
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        device = self.params[0].device
+        element = torch.empty((), dtype=reduce_dtype).element_size()
+        self.offsets, self.buckets = self._layout(bucket_mb * 1e6 / element)
+        self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b.params}
+        total = self.buckets[-1].end
+        # fp32 master weights of the shards, taken from the fp32 initial values.
+        # fp32 compute: the master shard is the parameter buffer's own slice (no second copy).
+        fp32_alias = compute_dtype == torch.float32
+        self.param_buffer = torch.zeros(total, dtype=compute_dtype, device=device)
+        self.grad_buffer = torch.zeros(total, dtype=reduce_dtype, device=device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                self.param_buffer[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        master_source = torch.zeros(total, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                master_source[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        self.master_is_param = fp32_alias
+        self.master = [
+            self.param_buffer[b.shard_lo : b.shard_hi] if fp32_alias else master_source[b.shard_lo : b.shard_hi].clone()
+            for b in self.buckets
+        ]
+        del master_source
+        for b in self.buckets:
+            if self.zero:
+                b.grad_shard = torch.zeros(b.shard_hi - b.shard_lo, dtype=reduce_dtype, device=device)
+        # The model's parameters and their gradient accumulators become views of the buffers.
+        for p, off in zip(self.params, self.offsets):
+            p.data = self.param_buffer[off : off + p.numel()].view(p.shape)
+            p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.micro_batches, self.reduced = 1, False
+
+    def _layout(self, bucket_elements: float) -> tuple[list[int], list[Bucket]]:
+        """Offsets of the parameters and the buckets (whole parameters, padded to dp)."""
+        offsets, buckets = [], []
+        current: list[int] = []
+        start = size = 0
+
+        def close() -> None:
+            nonlocal start, size, current
+            if not current:
+                return
+            end = start + -(-size // self.dp) * self.dp
+            shard = (end - start) // self.dp
+            lo, hi = (start + self.dp_rank * shard, start + (self.dp_rank + 1) * shard) if self.zero else (start, end)
+            buckets.append(Bucket(start, end, current, lo, hi))
+            start, size, current = end, 0, []
+
+        for i, p in enumerate(self.params):
+            alone = p is self.tied_param
+            if alone:
+                close()
+            offsets.append(start + size)
+            current.append(i)
+            size += p.numel()
+            if alone or size >= bucket_elements:
+                close()
+        close()
+        for b in buckets:
+            for i in b.params:
+                lo, hi = max(offsets[i], b.shard_lo), min(offsets[i] + self.params[i].numel(), b.shard_hi)
+                if lo < hi:
+                    b.segments.append(Segment(i, lo - b.shard_lo, hi - b.shard_lo, lo - offsets[i]))
+        return offsets, buckets
+
+    # ---- gradients -------------------------------------------------------------------
+
+    def start_step(self, micro_batches: int) -> None:
+        """Zero the gradient buffer; the buckets wait for `micro_batches` gradients per parameter."""
+        if any(b.reduce is not None for b in self.buckets):
+            raise RuntimeError("start_step before finish_grad_reduce: a reduction is still in flight")
+        self.micro_batches, self.reduced = micro_batches, False
+        self.grad_buffer.zero_()
+        for b in self.buckets:
+            b.ready, b.launched = 0, False
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+        p.grad = None
+        bucket = self.buckets[self.bucket_of[self.index[id(p)]]]
+        bucket.ready += 1
+        if self.overlap_grad_reduce and bucket.ready == len(bucket.params) * self.micro_batches:
+            self._launch_reduce(bucket)
+
+    def _launch_reduce(self, b: Bucket) -> None:
+        b.launched = True
+        if self.dp == 1:
+            return
+        grads = self.grad_buffer[b.start : b.end]
+        grads.div_(self.dp)  # the mean; dividing first keeps low-precision sums in range
+        if self.zero:
+            work = dist.reduce_scatter_single(b.grad_shard, grads, group=self.group, async_op=True)
+        else:
+            work = dist.all_reduce(grads, group=self.group, async_op=True)
+        b.reduce = launch(self.timers, "dp", work)
+
+    @torch.no_grad()
+    def finish_grad_reduce(self, sp_group: Any = None) -> None:
+        """Launch what backward did not, wait for every bucket, then sum the sequence-parallel
+        partial gradients over tp (`sp_group`) and the tied embedding over its group. Once per step."""
+        if self.reduced:
+            return
+        self.reduced = True
+        for b in self.buckets:
+            if not b.launched:
+                self._launch_reduce(b)
+                if not self.overlap_grad_reduce and b.reduce is not None:
+                    wait(self.timers, b.reduce)
+                    b.reduce = None
+        for b in self.buckets:
+            if b.reduce is not None:
+                wait(self.timers, b.reduce)
+                b.reduce = None
+        if sp_group is not None:
+            views = [v for _, p, v in self.held_grads() if p.meta.sequence_parallel]
+            if views:
+                allreduce_flat(views, sp_group, self.timers, "tp")
+        if self.tied_group is not None:
+            views = [v for _, p, v in self.held_grads() if p is self.tied_param]
+            if views:
+                allreduce_flat(views, self.tied_group, self.timers, "pp")
+
+    def grads(self, b: int) -> torch.Tensor:
+        """The reduced gradient of this rank's shard of bucket b (reduce dtype)."""
+        bucket = self.buckets[b]
+        return bucket.grad_shard if self.zero else self.grad_buffer[bucket.shard_lo : bucket.shard_hi]
+
+    def held_grads(self) -> Iterator[tuple[Segment, nn.Parameter, torch.Tensor]]:
+        """(segment, parameter, reduced-gradient view) for every parameter part this rank updates."""
+        for k, b in enumerate(self.buckets):
+            g = self.grads(k)
+            for s in b.segments:
+                yield s, self.params[s.param], g[s.lo : s.hi]
+
+    # ---- parameters ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """Copy the updated master shards into the parameter buffer and all-gather them over dp."""
+        if not self.zero:
+            if not self.master_is_param:
+                for b, master in zip(self.buckets, self.master):
+                    self.param_buffer[b.shard_lo : b.shard_hi].copy_(master)
+            return
+        for b, master in zip(self.buckets, self.master):
+            if b.gather is not None:
+                raise RuntimeError("publish_params before the previous gather was waited for")
+            send = master.to(self.param_buffer.dtype, copy=True)  # never gather from the output itself
+            work = dist.all_gather_single(self.param_buffer[b.start : b.end], send, group=self.group, async_op=True)
+            b.gather = launch(self.timers, "dp", work)
+            b.gather.keep = send  # alive until the gather completes
+            if not self.overlap_param_gather:
+                self._wait_gather(b)
+
+    def _wait_gather(self, b: Bucket) -> None:
+        if b.gather is not None:
+            wait(self.timers, b.gather)
+            b.gather = None
+
+    def wait_params(self, params: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Wait for the all-gathers of the buckets holding `params` (all buckets by default)."""
+        if params is None:
+            for b in self.buckets:
+                self._wait_gather(b)
+            return
+        for k in sorted({self.bucket_of[self.index[id(p)]] for p in params}):
+            self._wait_gather(self.buckets[k])
+
+    def prefetch_hooks(self, first_uses: Sequence[tuple[nn.Module, Sequence[torch.Tensor]]]) -> None:
+        """Forward pre-hooks: before `module` runs, wait for the buckets of the parameters it is
+        the first to use (the overlapped ZeRO-1 all-gather)."""
+        if not (self.zero and self.overlap_param_gather):
+            return
+        for module, params in first_uses:
+            module.register_forward_pre_hook(lambda _m, _a, ps=tuple(params): self.wait_params(ps))
+
+    # ---- reports ---------------------------------------------------------------------
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master weights held apart from the parameter buffer."""
+        return 0 if self.master_is_param else sum(m.numel() * m.element_size() for m in self.master)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return {
+            "parameters": self.param_buffer.numel() * self.param_buffer.element_size(),
+            "gradients": self.grad_buffer.numel() * self.grad_buffer.element_size(),
+        }

@@ -6,7 +6,9 @@ embeds tokens), runs the chunk, and sends its output to the stage of chunk c + 1
 last chunk computes the loss instead). A backward pass receives the output gradient from
 chunk c + 1 (the last chunk starts from its loss), back-propagates, and sends the input
 gradient to chunk c - 1. Sends are non-blocking (waited for at the end of the step);
-receives are posted non-blocking and waited for when the pass needs them.
+receives are posted non-blocking and waited for when the pass needs them — with
+`parallel.overlap_pp_comm`, the next action's receive is posted before the current
+action computes, so the transfer overlaps that compute.
 
 p2p messages are matched first-in first-out per (source, destination, group), on NCCL as
 on Gloo (NCCL ignores tags); `schedule.simulate` checks that every schedule receives each
@@ -17,21 +19,22 @@ along the stages: on NCCL, where a group's operations queue on one stream and a 
 send waits for its receive, that leaves no cycle of sends waiting on each other.
 
 Tied embeddings: the first stage's embedding and the last stage's head copy get the sum of
-their gradients (`sync_tied_embedding`), so the two copies stay equal.
+their gradients over `tied_group` (done by `DataParallel` after the dp reduction), so the
+two copies stay equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from app.metrics.timers import CommTimers, comm_region
+from app.metrics.timers import StepTimers, comm_region, launch, wait
 from app.model.gpt import GPT
-from app.parallel.data import allreduce_flat, filled_grads
-from app.parallel.schedule import build_schedule
+from app.parallel.schedule import Action, build_schedule
 from app.runtime.grid import ProcessGrid
 
 
@@ -47,11 +50,13 @@ class Pipeline:
         grid: ProcessGrid,
         chunks: Sequence[range],
         activation_shape: tuple[int, ...],
-        timers: Optional[CommTimers] = None,
+        timers: Optional[StepTimers] = None,
+        prefetch: bool = True,
     ) -> None:
         self.pp, self.stage = grid.size("pp"), grid.coords["pp"]
         self.virtual = len(chunks) // self.pp
         self.chunks, self.activation_shape, self.timers = list(chunks), activation_shape, timers
+        self.prefetch = prefetch
         self.ranks = grid.ranks["pp"]
         self.groups: dict[tuple[str, bool], Any] = {}  # (F | B, wrap-around) -> torch group
         self.tied_group = None
@@ -95,11 +100,10 @@ class Pipeline:
         wrap = src_stage == (self.pp - 1 if kind == "F" else 0)
         return self.groups[(kind, wrap)]
 
-    def _recv(self, kind: str, src_stage: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _post_recv(self, kind: str, src_stage: int, dtype: torch.dtype, device: torch.device) -> tuple:
         buffer = torch.empty(self.activation_shape, dtype=dtype, device=device)
-        with comm_region(self.timers, "pp"):
-            dist.irecv(buffer, self.ranks[src_stage], group=self._group(kind, src_stage)).wait()
-        return buffer
+        work = dist.irecv(buffer, self.ranks[src_stage], group=self._group(kind, src_stage))
+        return launch(self.timers, "pp", work), buffer
 
     def _send(self, kind: str, tensor: torch.Tensor, dst_stage: int, sends: list) -> None:
         payload = tensor.detach().contiguous()  # kept alive in `sends` until the send completes
@@ -107,12 +111,28 @@ class Pipeline:
             work = dist.isend(payload, self.ranks[dst_stage], group=self._group(kind, self.stage))
         sends.append((work, payload))
 
-    def run(self, model: GPT, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _recv_of(self, action: Action) -> Optional[tuple[str, int]]:
+        """(kind, source stage) of the message `action` must receive, if any."""
+        chunk = action.virtual * self.pp + self.stage
+        if action.kind == "F":
+            return None if chunk == 0 else ("F", (self.stage - 1) % self.pp)
+        return None if chunk == self.pp * self.virtual - 1 else ("B", (self.stage + 1) % self.pp)
+
+    def _send_group_of(self, action: Action) -> Any:
+        """The group `action` sends its result on (None: it sends nothing)."""
+        chunk = action.virtual * self.pp + self.stage
+        if action.kind == "F":
+            return None if chunk == self.pp * self.virtual - 1 else self._group("F", self.stage)
+        return None if chunk == 0 else self._group("B", self.stage)
+
+    def run(
+        self, model: GPT, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float = 1.0
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch through this stage's chunks.
 
-        Gradients accumulate in the parameters' .grad, for the loss averaged over the
-        micro-batches. Returns the sum of the micro-batch losses / n on the last stage
-        (the mean loss of this dp rank's share), zero elsewhere.
+        Gradients of (mean loss over the micro-batches) x `loss_scale` reach the parameters'
+        gradient hooks. Returns the sum of the micro-batch losses / n on the last stage (the
+        mean loss of this dp rank's share, unscaled), zero elsewhere.
         """
         n = len(micro_batches)
         last_chunk = self.pp * self.virtual - 1
@@ -120,14 +140,36 @@ class Pipeline:
         loss_sum = torch.zeros((), device=device)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list[tuple[Any, torch.Tensor]] = []
-        nxt, prev = (self.stage + 1) % self.pp, (self.stage - 1) % self.pp
-        for action in build_schedule(self.pp, self.stage, n, self.virtual):
+        nxt = (self.stage + 1) % self.pp
+        actions = build_schedule(self.pp, self.stage, n, self.virtual)
+        posted: dict[int, tuple] = {}  # action index -> (pending receive, buffer)
+
+        def post(i: int) -> None:
+            need = self._recv_of(actions[i]) if i < len(actions) and i not in posted else None
+            if need is not None:
+                posted[i] = self._post_recv(*need, dtype, device)
+
+        def received(i: int) -> torch.Tensor:
+            pending, buffer = posted.pop(i)
+            wait(self.timers, pending)
+            return buffer
+
+        for i, action in enumerate(actions):
+            post(i)
+            # Prefetch: post the next action's receive before computing this one — unless it
+            # would queue on the group this action sends on (on NCCL a group's operations run
+            # in order, and a receive queued ahead of a send could wait on it in a cycle).
+            if self.prefetch and i + 1 < len(actions):
+                need = self._recv_of(actions[i + 1])
+                if need is not None and self._group(*need) is not self._send_group_of(action):
+                    post(i + 1)
             chunk = action.virtual * self.pp + self.stage
             first, last = chunk == 0, chunk == last_chunk
             tokens, targets = micro_batches[action.micro]
             if action.kind == "F":
-                x = tokens if first else self._recv("F", prev, dtype, device).requires_grad_()
-                out = model.forward_chunk(x, self.chunks[chunk], first, last, targets if last else None)
+                with self._phase("forward"):
+                    x = tokens if first else received(i).requires_grad_()
+                    out = model.forward_chunk(x, self.chunks[chunk], first, last, targets if last else None)
                 if last:
                     out = out / n
                     loss_sum += out.detach()
@@ -136,20 +178,17 @@ class Pipeline:
                 saved[(action.micro, chunk)] = (x, out)
             else:
                 x, out = saved.pop((action.micro, chunk))
-                if last:
-                    out.backward()
-                else:
-                    torch.autograd.backward(out, self._recv("B", nxt, dtype, device))
+                with self._phase("backward"):
+                    if last:
+                        (out * loss_scale if loss_scale != 1.0 else out).backward()
+                    else:
+                        torch.autograd.backward(out, received(i))
                 if not first:
-                    self._send("B", x.grad, prev, sends)
+                    self._send("B", x.grad, (self.stage - 1) % self.pp, sends)
         with comm_region(self.timers, "pp"):
             for work, _ in sends:
                 work.wait()
         return loss_sum
 
-    @torch.no_grad()
-    def sync_tied_embedding(self, model: GPT) -> None:
-        """Sum the gradients of the embedding (first stage) and its head copy (last stage)."""
-        if self.tied_group is None or not model.cfg.tie_embeddings:
-            return
-        allreduce_flat(filled_grads([model.wte.weight]), self.tied_group, self.timers, "pp")
+    def _phase(self, name: str) -> Any:
+        return self.timers.phase(name) if self.timers is not None else nullcontext()

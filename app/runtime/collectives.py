@@ -12,6 +12,11 @@ sequence-parallel ones):
 
 Activations are (batch, sequence, hidden); sequence chunks are along `SEQ_DIM`. With
 tp = 1 every mapping is the identity and issues no communication.
+
+The column-parallel linears do not use `enter_tp_region`: `app/model/layers.py` fuses
+that entry mapping with the matmul, so that the backward all-reduce (reduce-scatter under
+SP) can run while the weight gradient is computed (`TensorParallel.overlap`). It uses the
+asynchronous `all_reduce_async` / `reduce_scatter_async` and `wait` below.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from app.metrics.timers import CommTimers
+    from app.metrics.timers import StepTimers
     from app.runtime.grid import ProcessGrid
 
 SEQ_DIM = 1
@@ -35,21 +40,28 @@ class TensorParallel:
     """What a tensor-parallel layer needs to know: its tp group, its place in it, and SP.
 
     `group` is None when tp = 1. `timers` (optional) is charged with the time of every
-    tp collective.
+    tp collective. `overlap`: the column-parallel linears' backward collective runs during
+    their weight-gradient GEMM instead of before it (same arithmetic, same results).
     """
 
     size: int = 1
     rank: int = 0
     group: Any = None
     sequence_parallel: bool = False
-    timers: Optional[CommTimers] = None
+    timers: Optional[StepTimers] = None
+    overlap: bool = False
 
     @classmethod
     def from_grid(
-        cls, grid: ProcessGrid, sequence_parallel: bool = False, timers: Optional[CommTimers] = None
+        cls,
+        grid: ProcessGrid,
+        sequence_parallel: bool = False,
+        timers: Optional[StepTimers] = None,
+        overlap: bool = False,
     ) -> TensorParallel:
         size = grid.size("tp")
-        return cls(size, grid.coords["tp"], grid.group["tp"] if size > 1 else None, sequence_parallel, timers)
+        group = grid.group["tp"] if size > 1 else None
+        return cls(size, grid.coords["tp"], group, sequence_parallel, timers, overlap)
 
     def _region(self) -> Any:
         # Not metrics.timers.comm_region: the runtime layer does not import from metrics.
@@ -77,6 +89,33 @@ class TensorParallel:
         with self._region():
             dist.reduce_scatter_single(out, x0, group=self.group)
         return out.movedim(0, dim).contiguous()
+
+    def all_reduce_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start summing x over the tp group, in place when x is contiguous (pass a buffer
+        nobody else reads, e.g. a gradient just computed). Returns (out, handle): out holds
+        the sum after `wait(handle)`."""
+        out = x.contiguous()
+        work = dist.all_reduce(out, group=self.group, async_op=True)
+        return out, self._launched(work)
+
+    def reduce_scatter_async(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Any]:
+        """Start `reduce_scatter(x, dim)`. Returns (out, handle): out, this rank's chunk
+        along `dim` (not contiguous unless dim = 0), holds the sum after `wait(handle)`."""
+        x0 = x.movedim(dim, 0).contiguous()
+        out = torch.empty((x0.shape[0] // self.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
+        work = dist.reduce_scatter_single(out, x0, group=self.group, async_op=True)
+        return out.movedim(0, dim), self._launched(work)
+
+    def _launched(self, work: Any) -> Any:
+        # Duck-typed StepTimers.launched: the runtime layer does not import from metrics.
+        return self.timers.launched("tp", work) if self.timers is not None else work
+
+    def wait(self, handle: Any) -> None:
+        """Block until an `*_async` collective has finished (charged to the timers' tp axis)."""
+        if self.timers is not None:
+            self.timers.wait(handle)
+        else:
+            handle.wait()
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's chunk of x along `dim` (no communication)."""
