@@ -198,7 +198,7 @@ class Trainer:
         rt.log(
             f"gridlm: precision {tr.precision} (gradients reduced in "
             f"{tr.precision if tr.grad_reduce_dtype == 'compute' else 'fp32'}) | optimizer {opt.name}"
-            f"{' ZeRO-1' if opt.zero else ''} | recompute {tr.recompute} | {len(self.dp.buckets)} dp bucket(s) "
+            f"{(' ZeRO-1' if self.dp.zero else ' (ZeRO-1 has no effect at dp = 1)') if opt.zero else ''} | recompute {tr.recompute} | {len(self.dp.buckets)} dp bucket(s) "
             f"of <= {par.dp_bucket_mb:g} MB | overlap: {overlaps}"
         )
         for warning in placement_warnings(grid.within_node, rt.ranks_per_node, par.gpus_per_node):

@@ -130,6 +130,10 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runtime, shared_
     grid = ProcessGrid(runtime, tp, 1, runtime.world_size // tp)
     trainer = Trainer(deck, runtime, grid)
     trainer.model.train()
+    # ZeRO-1 memory: fp32 moments (2 x 4 bytes) and fp32 master (4 bytes) for 1/dp of the buffer.
+    dp = grid.size("dp")
+    assert trainer.optimizer.state_bytes() == 12 * trainer.dp.param_buffer.numel() // dp
+    assert trainer.dp.param_buffer.dtype == torch.float16
     _, _, norm = trainer.step()
     assert math.isfinite(norm) and trainer.scaler.scale == 1024
     trainer.dp.wait_params()

@@ -143,7 +143,21 @@ def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
     for r in records:
         assert {"step", "loss", "lr", "step_time_s", "tokens_per_s", "tflops_per_rank", "mfu"} <= set(r)
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] is None
+        # Timers (run.timers defaults to on): phases inside the step, exposed <= total per axis.
+        assert 0 < r["forward_s"] < r["step_time_s"] and 0 < r["backward_s"] < r["step_time_s"]
+        assert 0 < r["optimizer_s"] < r["step_time_s"]
+        for axis in ("tp", "pp", "dp"):
+            assert 0 <= r["exposed_comm_s"][axis] <= r["comm_s"][axis] + 1e-6
+        assert (r["comm_s"]["dp"] > 0) == (runtime.world_size > 1)
+        assert r["comm_s"]["tp"] == r["comm_s"]["pp"] == 0  # no tp, no pp on this grid
     assert (shared_tmp / "deck.yaml").exists()
+    t = summary["timers"]
+    assert t["forward_s"] + t["backward_s"] + t["optimizer_s"] <= summary["step_time_s"] * 1.01
+    assert 0 <= summary["exposed_comm_fraction"] < 1
+    memory = summary["memory_bytes_rank0"]
+    assert memory["parameters"] >= 4 * summary["parameters_rank0"]  # fp32 buffer (+ bucket padding)
+    assert memory["optimizer_state"] == 2 * memory["parameters"]  # Adam moments; fp32: no separate master
+    assert summary["hardware_flops_per_step"] == summary["flops_per_step"]  # no recomputation
 
 
 @pytest.mark.mpi

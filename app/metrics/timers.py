@@ -7,8 +7,9 @@ Definitions (per optimizer step, this rank):
   optimizer_s              from the end of the last backward to the end of the update:
                            waiting for the last gradient buckets, the grid-wide norm,
                            the update and (without overlap) the parameter all-gather.
-  comm_s[axis]             time collectives on that axis took: a blocking call's wall
-                           time; an asynchronous one's time from launch to completion
+  comm_s[axis]             wall time during which a collective on that axis was in
+                           flight (the union of their intervals): a blocking call's
+                           duration; an asynchronous one's from launch to completion
                            (measured on CPU by a completion callback; gloo's p2p
                            sends/receives have none, so for them, and on GPU, only the
                            exposed part is counted: a lower bound).
@@ -57,6 +58,8 @@ class StepTimers:
         self.exposed = dict.fromkeys(AXES, 0.0)
         # GPU: (bucket dict, key, start event, end event), summed in pop().
         self._events: list[tuple[dict[str, float], str, Any, Any]] = []
+        # CPU: (start, end) of every collective per axis; comm_s is the length of their union.
+        self._spans: dict[str, list[tuple[float, float]]] = {a: [] for a in AXES}
 
     @contextmanager
     def _timed(self, *targets: tuple[dict[str, float], str]) -> Iterator[None]:
@@ -84,9 +87,20 @@ class StepTimers:
         """Time a forward / backward / optimizer phase."""
         return self._timed((self.phases, name))
 
-    def region(self, axis: str) -> AbstractContextManager:
+    @contextmanager
+    def region(self, axis: str) -> Iterator[None]:
         """Time a blocking collective: all of it is exposed."""
-        return self._timed((self.comm, axis), (self.exposed, axis))
+        if not self.enabled or self.cuda:
+            with self._timed((self.comm, axis), (self.exposed, axis)):
+                yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            self.exposed[axis] += t1 - t0
+            self._spans[axis].append((t0, t1))
 
     def launched(self, axis: str, work: Any) -> Pending:
         """Register an asynchronous collective just launched; pass the result to `wait`."""
@@ -114,7 +128,7 @@ class StepTimers:
         now = time.perf_counter()
         self.exposed[pending.axis] += now - t_wait
         end = pending.done_at[0] if pending.done_at else now
-        self.comm[pending.axis] += max(0.0, end - (t_wait if pending.t0 is None else pending.t0))
+        self._spans[pending.axis].append((t_wait if pending.t0 is None else pending.t0, end))
 
     def pop(self) -> dict[str, Any]:
         """This step's times (seconds) since the last pop, and reset; call after the step ends."""
@@ -122,13 +136,26 @@ class StepTimers:
             torch.cuda.synchronize(self.device)
             for bucket, key, start, end in self._events:
                 bucket[key] += start.elapsed_time(end) / 1e3
-        if self.cuda:
-            for axis in AXES:  # overlapped durations are not measured on GPU: at least the exposed part
+        for axis in AXES:
+            if self.cuda:  # overlapped durations are not measured on GPU: at least the exposed part
                 self.comm[axis] = max(self.comm[axis], self.exposed[axis])
+            else:
+                self.comm[axis] = union_length(self._spans[axis])
         out = {f"{p}_s": self.phases[p] for p in PHASES}
         out["comm_s"], out["exposed_comm_s"] = dict(self.comm), dict(self.exposed)
         self._reset()
         return out
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the (start, end) intervals: collectives in flight at once,
+    queued on the same group, count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def comm_region(timers: Optional[StepTimers], axis: str) -> AbstractContextManager:

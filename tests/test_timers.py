@@ -1,0 +1,39 @@
+"""Step timers on CPU: phases, blocking communication, and the union of overlapping spans."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from app.metrics.timers import StepTimers, union_length
+
+
+def test_union_length_counts_overlapping_spans_once():
+    assert union_length([]) == 0.0
+    assert union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
+    assert union_length([(1.0, 4.0), (2.0, 3.0)]) == 3.0  # nested
+    assert union_length([(3.0, 4.0), (0.0, 1.0)]) == 2.0  # any order
+
+
+def test_blocking_regions_are_exposed_and_pop_resets():
+    timers = StepTimers(torch.device("cpu"))
+    with timers.phase("forward"):
+        with timers.region("tp"):
+            time.sleep(0.02)
+        with timers.region("tp"):
+            time.sleep(0.01)
+    out = timers.pop()
+    assert out["comm_s"]["tp"] >= 0.03
+    assert abs(out["exposed_comm_s"]["tp"] - out["comm_s"]["tp"]) < 1e-3  # blocking: all exposed
+    assert out["forward_s"] >= out["comm_s"]["tp"] and out["backward_s"] == 0
+    assert out["comm_s"]["dp"] == out["exposed_comm_s"]["pp"] == 0
+    assert timers.pop()["comm_s"]["tp"] == 0  # reset
+
+
+def test_disabled_timers_measure_nothing():
+    timers = StepTimers(torch.device("cpu"), enabled=False)
+    with timers.phase("optimizer"), timers.region("dp"):
+        time.sleep(0.005)
+    out = timers.pop()
+    assert out["optimizer_s"] == 0 and out["comm_s"]["dp"] == 0
