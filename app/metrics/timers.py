@@ -127,7 +127,9 @@ class StepTimers:
             return  # its duration on the NCCL stream is not visible here; the exposed part is counted
         now = time.perf_counter()
         self.exposed[pending.axis] += now - t_wait
-        end = pending.done_at[0] if pending.done_at else now
+        # Done before the wait began: the transfer ended then. Otherwise it ended, for this
+        # rank, when the wait returned (so the exposed part lies inside the span).
+        end = pending.done_at[0] if pending.done_at and pending.done_at[0] <= t_wait else now
         self._spans[pending.axis].append((t_wait if pending.t0 is None else pending.t0, end))
 
     def pop(self) -> dict[str, Any]:

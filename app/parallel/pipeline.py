@@ -185,7 +185,7 @@ class Pipeline:
                         torch.autograd.backward(out, received(i))
                 if not first:
                     self._send("B", x.grad, (self.stage - 1) % self.pp, sends)
-        with comm_region(self.timers, "pp"):
+        with comm_region(self.timers, "pp") if sends else nullcontext():
             for work, _ in sends:
                 work.wait()
         return loss_sum
