@@ -116,12 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.grids:
         parse_grid(spec)  # fail before running anything
     rows = [run_grid(spec, args) for spec in args.grids]
-    out = REPO / args.out
+    return write_tables(REPO / args.out, rows, COLUMNS, markdown(rows))
+
+
+def write_tables(out: Path, rows: list[dict], columns: list[str], table: str) -> int:
+    """Write table.md and table.csv into `out`, print the Markdown; exit status 1 if a run failed."""
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows)
     (out / "table.md").write_text(table + "\n")
     with open(out / "table.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, "error"], extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=[*columns, "error"], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     print(table)

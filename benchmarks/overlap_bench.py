@@ -21,13 +21,12 @@ that 1 and 2 ranks use the same compute per rank). From each summary.json the ta
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from grid_bench import mpi_env
+from grid_bench import mpi_env, write_tables
 
 REPO = Path(__file__).resolve().parent.parent
 OVERLAPS = ("grad_reduce", "param_gather", "tp_comm", "pp_comm")
@@ -117,16 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if "error" not in r:
             r["vs_dp1"] = r["step_ms"] / base if base else float("nan")
-    out = REPO / args.out
-    out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows)
-    (out / "table.md").write_text(table + "\n")
-    with open(out / "table.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, "error"], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    print(table)
-    return 1 if any("error" in r for r in rows) else 0
+    return write_tables(REPO / args.out, rows, COLUMNS, markdown(rows))
 
 
 if __name__ == "__main__":
