@@ -1,13 +1,16 @@
 """The training loop: build -> step -> log -> report.
 
 Build: the grid gives this rank its tp shard (tensor-parallel layers), its pipeline
-chunks (stage layers) and its dp share of each global batch; the model holds only that.
+chunks (stage layers) and its dp share of each global batch; the model holds only that,
+in the flat buffers of `DataParallel` (compute dtype), with fp32 master weights (sharded
+over dp under ZeRO-1) updated by `ShardedOptimizer` (AdamW or LAMB).
 One optimizer step: the pipeline schedule runs forward + backward of (mean loss /
-micro-batches) for each of this dp rank's micro-batches; gradients are synchronised as
-their `ParamMeta` says (sequence-parallel partial sums over tp, the tied embedding between
-first and last stage, the mean over dp); the global norm is clipped; AdamW steps. The
-logged loss is the mean over the whole global batch, so it is the same number on 1 rank
-and on any grid.
+micro-batches) x loss scale for each of this dp rank's micro-batches, while gradient
+hooks launch each dp bucket's reduction as soon as it is complete; `update` waits for
+them, adds the sequence-parallel and tied-embedding sums, takes the grid-wide norm
+(fp16: an overflow anywhere skips the step everywhere), clips and steps. The logged loss
+is the mean over the whole global batch, so it is the same number on 1 rank and on any
+grid.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class GPT(nn.Module):
     embedding (runs the first pipeline chunk); `last`: holds the final LayerNorm and the
     head (runs the last chunk). With tied embeddings and first != last, the last stage
     keeps its own copy of the embedding (`ParamMeta.tied`), kept equal by summing the two
-    gradients (see `app/parallel/pipeline.py`). `recompute`: "none", "full" or
+    gradients (see `app/parallel/data.py`). `recompute`: "none", "full" or
     "selective" activation recomputation in training (module docstring).
     """
 
