@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 
 from app.data import GlobalBatchSampler, build_dataset, get_batch
@@ -81,9 +80,7 @@ def mean_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
 def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid) -> float:
     """The global-batch mean loss: held by the last stage (summed over pp), averaged over dp."""
     value = loss_sum.detach().clone()
-    for axis in ("pp", "dp"):
-        if grid.size(axis) > 1:
-            dist.all_reduce(value, group=grid.group[axis])
+    grid.all_reduce(value, ("pp", "dp"))
     return float(value) / grid.size("dp")
 
 

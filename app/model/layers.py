@@ -71,9 +71,9 @@ class LayerNorm(nn.Module):
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
-    """y = F.linear(enter_tp_region(x), W, b) as one step, so that backward can overlap the
-    input gradient's tp collective with the weight-gradient GEMM (AxoNN's overlapped
-    all-reduce; Megatron's async grad all-reduce). Both orders do the same arithmetic:
+    """y = F.linear(copy_to_tp(x), W, b) — gather_from_sequence(x) under SP — as one step,
+    so that backward can overlap the input gradient's tp collective with the
+    weight-gradient GEMM (AxoNN's overlapped all-reduce; Megatron's async grad all-reduce). Both orders do the same arithmetic:
     results are bitwise equal with `tp.overlap` on or off.
     """
 

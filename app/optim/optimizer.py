@@ -48,18 +48,14 @@ def grad_norm(dp: DataParallel, grid: ProcessGrid) -> float:
     for _, p, g in dp.held_grads():
         if p.meta.owned_by(tp_rank):
             local += g.double().pow(2).sum()
-    for axis in ("tp", "pp") + (("dp",) if dp.zero else ()):
-        if grid.size(axis) > 1:
-            dist.all_reduce(local, group=grid.group[axis])
+    grid.all_reduce(local, ("tp", "pp", "dp") if dp.zero else ("tp", "pp"))
     return float(local.sqrt())
 
 
 def any_rank(flag: bool, grid: ProcessGrid, device: torch.device) -> bool:
     """True on every rank of the grid if `flag` is true on any."""
     t = torch.tensor(float(flag), device=device)
-    for axis in ("tp", "pp", "dp"):
-        if grid.size(axis) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=grid.group[axis])
+    grid.all_reduce(t, ("tp", "pp", "dp"), dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
 
@@ -148,9 +144,7 @@ class ShardedOptimizer:
                     continue  # the tp replicas hold the same values: count them once
                 sums[s.param, 0] += dp.master[b][s.lo : s.hi].double().pow(2).sum()
                 sums[s.param, 1] += updates[b][s.lo : s.hi].double().pow(2).sum()
-        for axis in ("tp",) + (("dp",) if dp.zero else ()):
-            if grid.size(axis) > 1:
-                dist.all_reduce(sums, group=grid.group[axis])
+        grid.all_reduce(sums, ("tp", "dp") if dp.zero else ("tp",))
         norms = sums.sqrt()
         w_norm, u_norm = norms[:, 0], norms[:, 1]
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-300), torch.ones_like(w_norm))

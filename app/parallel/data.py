@@ -43,15 +43,6 @@ from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
 from app.runtime.grid import ProcessGrid
 
 
-def filled_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradients of `params`, a missing one zero-filled: every rank of a reduction must
-    contribute the same buffer layout, whether or not a parameter took part in its backward."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return [p.grad for p in params]
-
-
 @torch.no_grad()
 def allreduce_flat(
     tensors: Sequence[torch.Tensor], group: Any, timers: Optional[StepTimers], axis: str, divide: int = 1
@@ -121,39 +112,32 @@ class DataParallel:
         tied: Optional[tuple[torch.Tensor, Any]] = None,
         timers: Optional[StepTimers] = None,
     ) -> None:
-        self.grid, self.timers = grid, timers
+        self.timers = timers
         self.dp, self.dp_rank = grid.size("dp"), grid.coords["dp"]
         self.group = grid.group["dp"] if self.dp > 1 else None
         self.zero = zero and self.dp > 1
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.tied_param, self.tied_group = tied if tied is not None else (None, None)
         self.params: list[nn.Parameter] = list(reversed(list(model.parameters())))
-        self.index = {id(p): i for i, p in enumerate(self.params)}
         device = self.params[0].device
         element = torch.empty((), dtype=reduce_dtype).element_size()
         self.offsets, self.buckets = self._layout(bucket_mb * 1e6 / element)
-        self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b.params}
-        total = self.buckets[-1].end
-        # fp32 master weights of the shards, taken from the fp32 initial values.
+        self.bucket_of = {id(self.params[i]): k for k, b in enumerate(self.buckets) for i in b.params}
+        # The fp32 initial values, flat: the master weights come from them, not from a rounded copy.
+        fp32 = torch.zeros(self.buckets[-1].end, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                fp32[off : off + p.numel()].copy_(p.detach().reshape(-1))
         # fp32 compute: the master shard is the parameter buffer's own slice (no second copy).
-        fp32_alias = compute_dtype == torch.float32
-        self.param_buffer = torch.zeros(total, dtype=compute_dtype, device=device)
-        self.grad_buffer = torch.zeros(total, dtype=reduce_dtype, device=device)
-        with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
-                self.param_buffer[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        master_source = torch.zeros(total, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
-                master_source[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        self.master_is_param = fp32_alias
-        self.master = [
-            self.param_buffer[b.shard_lo : b.shard_hi] if fp32_alias else master_source[b.shard_lo : b.shard_hi].clone()
-            for b in self.buckets
-        ]
-        del master_source
-        for b in self.buckets:
-            if self.zero:
+        self.master_is_param = compute_dtype == torch.float32
+        self.param_buffer = fp32 if self.master_is_param else fp32.to(compute_dtype)
+        self.master = [fp32[b.shard_lo : b.shard_hi] for b in self.buckets]
+        if not self.master_is_param:
+            self.master = [m.clone() for m in self.master]  # only the shards outlive `fp32`
+        del fp32
+        self.grad_buffer = torch.zeros_like(self.param_buffer, dtype=reduce_dtype)
+        if self.zero:
+            for b in self.buckets:
                 b.grad_shard = torch.zeros(b.shard_hi - b.shard_lo, dtype=reduce_dtype, device=device)
         # The model's parameters and their gradient accumulators become views of the buffers.
         for p, off in zip(self.params, self.offsets):
@@ -210,7 +194,7 @@ class DataParallel:
     def _on_grad(self, p: torch.Tensor) -> None:
         p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
         p.grad = None
-        bucket = self.buckets[self.bucket_of[self.index[id(p)]]]
+        bucket = self.buckets[self.bucket_of[id(p)]]
         bucket.ready += 1
         if self.overlap_grad_reduce and bucket.ready == len(bucket.params) * self.micro_batches:
             self._launch_reduce(bucket)
@@ -296,7 +280,7 @@ class DataParallel:
             for b in self.buckets:
                 self._wait_gather(b)
             return
-        for k in sorted({self.bucket_of[self.index[id(p)]] for p in params}):
+        for k in sorted({self.bucket_of[id(p)] for p in params}):
             self._wait_gather(self.buckets[k])
 
     def prefetch_hooks(self, first_uses: Sequence[tuple[nn.Module, Sequence[torch.Tensor]]]) -> None:

@@ -111,16 +111,20 @@ class Pipeline:
             work = dist.isend(payload, self.ranks[dst_stage], group=self._group(kind, self.stage))
         sends.append((work, payload))
 
+    def _chunk(self, action: Action) -> int:
+        """The model chunk `action` runs on this stage."""
+        return action.virtual * self.pp + self.stage
+
     def _recv_of(self, action: Action) -> Optional[tuple[str, int]]:
         """(kind, source stage) of the message `action` must receive, if any."""
-        chunk = action.virtual * self.pp + self.stage
+        chunk = self._chunk(action)
         if action.kind == "F":
             return None if chunk == 0 else ("F", (self.stage - 1) % self.pp)
         return None if chunk == self.pp * self.virtual - 1 else ("B", (self.stage + 1) % self.pp)
 
     def _send_group_of(self, action: Action) -> Any:
         """The group `action` sends its result on (None: it sends nothing)."""
-        chunk = action.virtual * self.pp + self.stage
+        chunk = self._chunk(action)
         if action.kind == "F":
             return None if chunk == self.pp * self.virtual - 1 else self._group("F", self.stage)
         return None if chunk == 0 else self._group("B", self.stage)
@@ -163,7 +167,7 @@ class Pipeline:
                 need = self._recv_of(actions[i + 1])
                 if need is not None and self._group(*need) is not self._send_group_of(action):
                     post(i + 1)
-            chunk = action.virtual * self.pp + self.stage
+            chunk = self._chunk(action)
             first, last = chunk == 0, chunk == last_chunk
             tokens, targets = micro_batches[action.micro]
             if action.kind == "F":

@@ -13,10 +13,11 @@ sequence-parallel ones):
 Activations are (batch, sequence, hidden); sequence chunks are along `SEQ_DIM`. With
 tp = 1 every mapping is the identity and issues no communication.
 
-The column-parallel linears do not use `enter_tp_region`: `app/model/layers.py` fuses
-that entry mapping with the matmul, so that the backward all-reduce (reduce-scatter under
-SP) can run while the weight gradient is computed (`TensorParallel.overlap`). It uses the
-asynchronous `all_reduce_async` / `reduce_scatter_async` and `wait` below.
+The entry of a column-parallel region (copy_to_tp, or gather_from_sequence under SP) is
+fused with the matmul in `app/model/layers.py`, so that the backward all-reduce
+(reduce-scatter under SP) can run while the weight gradient is computed
+(`TensorParallel.overlap`); it uses `all_reduce_async` / `reduce_scatter_async` and
+`wait` below. `leave_tp_region` picks the exit mapping of a row-parallel region.
 """
 
 from __future__ import annotations
@@ -195,11 +196,6 @@ def gather_from_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp)
-
-
-def enter_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Input of a column-parallel layer: full sequence, replicated over tp."""
-    return gather_from_sequence(x, tp) if tp.sequence_parallel else copy_to_tp(x, tp)
 
 
 def leave_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -17,6 +17,7 @@ launcher gave them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -168,6 +169,15 @@ class ProcessGrid:
 
     def size(self, axis: str) -> int:
         return self.layout.size(axis)
+
+    def all_reduce(self, tensor: Any, axes: Sequence[str], op: Any = None) -> None:
+        """In place: reduce `tensor` (sum by default) over each of `axes` in turn (a reduction
+        over several axes = over their product group); axes of size 1 cost nothing."""
+        import torch.distributed as dist
+
+        for axis in axes:
+            if self.size(axis) > 1:
+                dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=self.group[axis])
 
     def describe(self) -> dict[str, Any]:
         return {**self.layout.describe(), "within_node": dict(self.within_node)}
