@@ -1,6 +1,7 @@
 """The input deck: typed, frozen sections with defaults, validation and `--set` overrides.
 
-A deck is YAML with the sections `model`, `parallel`, `train`, `optim`, `data`, `run`.
+A deck is YAML with the sections `model`, `parallel`, `train`, `optim`, `data`, `run`,
+`checkpoint`.
 Every key has a type, a default and (where it matters) a range or a set of choices,
 declared once in the dataclasses below; `load_deck` checks unknown keys, types and values
 and raises `DeckError` naming the key, the bad value and what is accepted.
@@ -141,6 +142,28 @@ class RunConfig:
     timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0)
     timers: bool = _key(True, "time forward, backward, optimizer and (exposed) communication per axis, every step")
     threads: Optional[int] = _key(None, "torch threads per rank; null means cores per node / ranks per node", min=1)
+    resume: str = _key(
+        "auto", "auto = continue from the latest checkpoint if there is one; none = start fresh; or a checkpoint "
+        "file (.h5) or directory",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: Optional[str] = _key(None, "where checkpoints go; null means <run.dir>/checkpoints")
+    every: int = _key(0, "write a checkpoint every N steps; 0 = only at exit and on SIGTERM/SIGUSR1", min=0)
+    at_exit: bool = _key(True, "write a checkpoint when training ends (unless the last step just wrote one)")
+    keep: int = _key(2, "keep the newest N checkpoints (never the one `latest` names); 0 keeps all", min=0)
+    io: str = _key(
+        "collective", "MPI-IO mode of the tensor writes and reads: collective (two-phase) or independent",
+        choices=("collective", "independent"),
+    )  # fmt: skip
+    alignment_threshold: int = _key(
+        1048576, "HDF5: datasets of at least this many bytes start at a multiple of alignment_interval", min=1
+    )
+    alignment_interval: int = _key(
+        1048576, "HDF5: alignment in bytes (match the file system's stripe or block size)", min=1
+    )
 
 
 SECTIONS: dict[str, type] = {
@@ -150,6 +173,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "data": DataConfig,
     "run": RunConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -161,6 +185,7 @@ class Deck:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

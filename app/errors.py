@@ -23,3 +23,7 @@ class DataError(GridlmError):
 
 class LaunchError(GridlmError):
     """The job was launched in a way gridlm cannot run (world size, devices, MPI)."""
+
+
+class CheckpointError(GridlmError):
+    """A checkpoint is missing, incomplete, corrupt (checksum) or does not fit the deck's model."""

@@ -18,11 +18,14 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import yaml
 
+from app.checkpoint.io import load as load_checkpoint
+from app.checkpoint.io import save as save_checkpoint
+from app.checkpoint.store import checkpoint_dir, resolve_resume
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.deck import Deck
 from app.errors import GridlmError
@@ -37,7 +40,8 @@ from app.parallel.pipeline import Pipeline
 from app.parallel.schedule import partition_layers
 from app.runtime.collectives import TensorParallel
 from app.runtime.grid import AXES, ProcessGrid, placement_warnings
-from app.runtime.mpi import Runtime, agree
+from app.runtime.mpi import Runtime, agree, on_root
+from app.runtime.signals import StopSignals, signal_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -128,6 +132,8 @@ class Trainer:
         self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid)
         self.scaler = LossScaler(tr.loss_scale, tr.loss_scale_window) if tr.precision == "fp16" else None
         self.steps_done = 0
+        self.resumed: Optional[dict[str, Any]] = None  # what `resume` loaded
+        self.checkpoints: list[dict[str, Any]] = []  # what `save` wrote
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak = peak_tflops(self.device_name, tr.precision, deck.run.peak_tflops)
         self.flops_per_step = gpt_step_flops(tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
@@ -172,6 +178,36 @@ class Trainer:
             self.optimizer.step(lr, clip_coefficient(norm, self.deck.optim.grad_clip) / scale)
         return norm
 
+    def resume(self) -> Optional[dict[str, Any]]:
+        """Load the checkpoint run.resume names, if any (auto: `latest`, when there is one)."""
+        path = on_root(self.runtime, lambda: resolve_resume(self.deck))
+        if path is None:
+            if self.deck.run.resume == "auto":
+                self.runtime.log(f"gridlm: no checkpoint in {checkpoint_dir(self.deck)}: starting at step 0")
+            return None
+        info = load_checkpoint(self, path)
+        self.resumed = info
+        g = info["grid"]
+        self.runtime.log(
+            f"gridlm: resumed from {path} at step {info['step']} ({info['seconds']:.2f} s) | written on "
+            f"tp={g['tp']} pp={g['pp']} dp={g['dp']} zero={g['zero']} {info['precision']}"
+            + (" | resharded to this grid" if info["resharded"] else "")
+            + ("" if info["rng_restored"] else " | RNG states not restored (other grid): dropout masks differ")
+        )
+        return info
+
+    def save(self, reason: str) -> dict[str, Any]:
+        """Write a checkpoint of the current step (all ranks); logs and returns its record."""
+        saved = save_checkpoint(self, checkpoint_dir(self.deck))
+        record = {"step": saved.step, "path": str(saved.path), "bytes": saved.bytes, "seconds": saved.seconds,
+                  "reason": reason}  # fmt: skip
+        self.checkpoints.append(record)
+        self.runtime.log(
+            f"gridlm: checkpoint step {saved.step} ({reason}) -> {saved.path} | {saved.bytes / 1e6:.1f} MB in "
+            f"{saved.seconds:.2f} s ({saved.bytes / max(saved.seconds, 1e-9) / 1e9:.2f} GB/s)"
+        )
+        return record
+
     def _banner(self) -> None:
         deck, rt, grid, tr = self.deck, self.runtime, self.grid, self.deck.train
         rt.log(
@@ -210,44 +246,48 @@ class Trainer:
         """Train to deck.train.steps, logging every run.log_every steps; returns the summary."""
         deck, rt = self.deck, self.runtime
         steps = deck.train.steps
-        writer = MetricsWriter(self.run_dir, enabled=rt.is_root)
         self._banner()
+        self.resume()
+        start = self.steps_done
+        if start >= steps:
+            rt.log(
+                f"gridlm: the checkpoint is at step {start} >= train.steps = {steps}: nothing to train (raise "
+                f"train.steps to continue, or set run.resume: none to start over)"
+            )
+            return {"steps": steps, "start_step": start, "resumed_from": self.resumed}
+        writer = MetricsWriter(self.run_dir, enabled=rt.is_root, resumed_step=start if self.resumed else None)
         records: list[dict[str, Any]] = []
         step_times: list[float] = []
         timings: list[dict[str, Any]] = []
+        interrupted = None
+        every = deck.checkpoint.every
         self.model.train()
-        while self.steps_done < steps:
-            _sync(self.device)
-            t0 = time.perf_counter()
-            loss_sum, lr, grad_norm = self.step()
-            _sync(self.device)
-            step_time = time.perf_counter() - t0
-            step_times.append(step_time)
-            timings.append(self.timers.pop())
-            step = self.steps_done
-            if step % deck.run.log_every == 0 or step == steps or step == 1:
-                tflops = self.flops_per_step / step_time / rt.world_size / 1e12
-                record = {
-                    "step": step,
-                    "loss": global_loss(loss_sum, self.grid),
-                    "lr": lr,
-                    "step_time_s": step_time,
-                    "tokens_per_s": self.tokens_per_step / step_time,
-                    "tflops_per_rank": tflops,
-                    "mfu": None if self.peak is None else tflops / self.peak,
-                    "grad_norm": grad_norm,
-                    "consumed_samples": self.sampler.consumed_samples,
-                }
-                if self.scaler is not None:
-                    record["loss_scale"] = self.scaler.scale
-                    record["skipped_steps"] = self.scaler.skipped
-                if deck.run.timers:
-                    record.update(timings[-1])  # rank 0's phase and communication seconds this step
-                records.append(record)
-                writer.write(record)
-                rt.log(format_line(record, steps))
+        with StopSignals() as signals:
+            while self.steps_done < steps:
+                record = self._train_step(writer, start, step_times, timings)
+                if record is not None:
+                    records.append(record)
+                step = self.steps_done
+                saved_now = bool(every) and step % every == 0
+                if saved_now:
+                    self.save(f"every {every} steps")
+                received = signals.agreed(rt.comm)
+                if received:
+                    interrupted = signal_name(received)
+                    if not saved_now:
+                        self.save(interrupted)
+                    rt.log(
+                        f"gridlm: {interrupted} received: stopped after step {step} of {steps} with a checkpoint; "
+                        f"resubmit the job to continue (run.resume: auto)"
+                    )
+                    break
+            else:
+                if deck.checkpoint.at_exit and not saved_now:
+                    self.save("end of training")
         self.dp.wait_params()  # no all-gather left in flight: the parameters are complete
         summary = self._summary(records, step_times, timings)
+        summary.update(start_step=start, resumed_from=self.resumed, interrupted=interrupted,
+                       checkpoints=self.checkpoints)  # fmt: skip
         if rt.is_root:
             path = write_summary(self.run_dir, summary)
             mfu = "n/a" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
@@ -268,6 +308,42 @@ class Trainer:
                     + f" ms ({100 * summary['exposed_comm_fraction']:.1f}% of the step)"
                 )
         return summary
+
+    def _train_step(
+        self, writer: MetricsWriter, start: int, step_times: list[float], timings: list[dict[str, Any]]
+    ) -> Optional[dict[str, Any]]:
+        """One timed step; its metrics record when this step is logged (else None)."""
+        deck, rt, steps = self.deck, self.runtime, self.deck.train.steps
+        _sync(self.device)
+        t0 = time.perf_counter()
+        loss_sum, lr, grad_norm = self.step()
+        _sync(self.device)
+        step_time = time.perf_counter() - t0
+        step_times.append(step_time)
+        timings.append(self.timers.pop())
+        step = self.steps_done
+        if not (step % deck.run.log_every == 0 or step == steps or step == start + 1):
+            return None
+        tflops = self.flops_per_step / step_time / rt.world_size / 1e12
+        record = {
+            "step": step,
+            "loss": global_loss(loss_sum, self.grid),
+            "lr": lr,
+            "step_time_s": step_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "tflops_per_rank": tflops,
+            "mfu": None if self.peak is None else tflops / self.peak,
+            "grad_norm": grad_norm,
+            "consumed_samples": self.sampler.consumed_samples,
+        }
+        if self.scaler is not None:
+            record["loss_scale"] = self.scaler.scale
+            record["skipped_steps"] = self.scaler.skipped
+        if deck.run.timers:
+            record.update(timings[-1])  # rank 0's phase and communication seconds this step
+        writer.write(record)
+        rt.log(format_line(record, steps))
+        return record
 
     def _summary(
         self, records: list[dict[str, Any]], step_times: list[float], timings: list[dict[str, Any]]

@@ -22,11 +22,22 @@ from typing import Any, Optional
 class MetricsWriter:
     """Appends one JSON line per logged step; only the rank that owns it writes."""
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, resumed_step: Optional[int] = None) -> None:
+        """A fresh log, or on resume from step k the old log's records up to step k (a run that
+        died after its last checkpoint logged steps that are now trained again)."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
-        if enabled:
-            self.path.write_text("")  # a run starts a fresh log
+        if not enabled:
+            return
+        kept = []
+        if resumed_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resumed_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    break  # a torn last line of a killed run
+        self.path.write_text("".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:

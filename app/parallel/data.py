@@ -291,6 +291,13 @@ class DataParallel:
         for module, params in first_uses:
             module.register_forward_pre_hook(lambda _m, _a, ps=tuple(params): self.wait_params(ps))
 
+    def dp_slice(self, b: int) -> tuple[int, int]:
+        """This dp rank's 1/dp slice of bucket b (buffer offsets): the ZeRO-1 shard, held or not.
+        Checkpoints split their I/O of replicated state over dp ranks this way."""
+        bucket = self.buckets[b]
+        shard = (bucket.end - bucket.start) // self.dp
+        return bucket.start + self.dp_rank * shard, bucket.start + (self.dp_rank + 1) * shard
+
     # ---- reports ---------------------------------------------------------------------
 
     def master_bytes(self) -> int:

@@ -185,3 +185,22 @@ def agree(runtime: Runtime, fn: Callable[[], T]) -> T:
             message += f" (rank {rank} on {host})"
         raise GridlmError(message)
     return result  # type: ignore[return-value]
+
+
+def on_root(runtime: Runtime, fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 only (file-system checks: one rank, not thousands) and broadcast its
+    result; a user error there is raised on every rank."""
+    result, error, kind = None, None, GridlmError
+    if runtime.rank == 0:
+        try:
+            result = fn()
+        except GridlmError as err:
+            error, kind = str(err), type(err)
+    result, error, kind = runtime.comm.bcast((result, error, kind), root=0)
+    if error is not None:
+        # The message is what matters; subclasses with richer constructors come back as GridlmError.
+        try:
+            raise kind(error)
+        except TypeError:
+            raise GridlmError(error) from None
+    return result  # type: ignore[return-value]

@@ -1,0 +1,447 @@
+"""Save and load the whole training state as one parallel-HDF5 file (h5py, driver="mpio").
+
+Datasets (global shapes, one per logical tensor, named as in the 1-rank model):
+
+    /model/<name>                   the parameters in the compute dtype (train.precision)
+    /optimizer/master/<name>        fp32 master weights (bf16 / fp16 runs only; in fp32 runs
+                                    /model holds them)
+    /optimizer/exp_avg/<name>       Adam/LAMB first moment (fp32)
+    /optimizer/exp_avg_sq/<name>    second moment (fp32)
+    /rng/torch_cpu, /rng/torch_cuda one row per rank: torch generator states
+
+Who writes what: the ranks that own a tensor's elements (`ParamMeta.owned_by`: every tp
+shard, tp rank 0 of a replicated tensor, never the tied head copy) split each dp bucket
+into dp slices — the ZeRO-1 shards, whether or not the optimizer shards — and write the
+part of every parameter in their slice: one collective H5Dwrite per rank and dataset,
+with the union of its boxes as the selection (`app/checkpoint/slabs.py`), empty on the
+ranks that hold nothing of the tensor. Each dataset carries `dtype` (the logical dtype;
+bf16 is stored as uint16) and `checksum` (computed in parallel from the same slices).
+
+Loading reads, on each rank, the boxes of the shards the *current* grid gives it: the
+full local shard of each parameter (from /optimizer/master when present, so the fp32
+values come back exactly), and the held shard of each moment. Nothing depends on the grid
+that wrote the file, so any grid (tp, pp, dp, virtual stages, ZeRO-1, precision) loads
+any checkpoint of the same model. Before any tensor of the model changes, every read
+slab is verified against the checksums (split the same way over the new grid).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+import torch
+import yaml
+from torch import nn
+
+from app.checkpoint.slabs import checksum, global_boxes, read_boxes, transfer_plist, write_boxes
+from app.checkpoint.store import commit, retain, step_file
+from app.deck import Deck
+from app.errors import CheckpointError
+from app.runtime.grid import ProcessGrid
+from app.runtime.mpi import Runtime, agree, on_root
+
+FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 1
+MODEL, MASTER = "model", "optimizer/master"
+EXP_AVG, EXP_AVG_SQ = "optimizer/exp_avg", "optimizer/exp_avg_sq"
+MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+# The model keys a checkpoint's tensors depend on (ffn_hidden compared resolved).
+SHAPE_KEYS = ("vocab_size", "seq_len", "layers", "hidden", "heads", "ffn", "tie_embeddings")
+CHECKSUM_DOC = "sum over row-major element index i of (2i+1) * (element bits as unsigned int), mod 2^32"
+STORED = {torch.float32: ("float32", np.float32), torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16)}  # fmt: skip
+
+
+class TrainingState(Protocol):
+    """What a checkpoint saves and restores (a `Trainer` is one)."""
+
+    deck: Deck
+    runtime: Runtime
+    grid: ProcessGrid
+    model: nn.Module
+    dp: Any  # DataParallel
+    optimizer: Any  # ShardedOptimizer
+    scaler: Any  # LossScaler or None
+    sampler: Any  # GlobalBatchSampler
+    steps_done: int
+
+
+@dataclass
+class Part:
+    """This rank's share of one parameter; ranges are local flat element ranges [lo, hi)."""
+
+    param: nn.Parameter
+    bucket: int
+    offset: int  # of the parameter in the flat buffers
+    owner: bool  # writes (and verifies) its slice; tp replicas and the tied copy do not
+    slice: tuple[int, int]  # the dp slice of the bucket: what it writes / verifies
+    held: tuple[int, int]  # the optimizer shard it holds (moments, masters)
+
+    @property
+    def writes(self) -> bool:
+        return self.owner and self.slice[0] < self.slice[1]
+
+    def boxes(self, lo: int, hi: int) -> list:
+        meta = self.param.meta  # type: ignore[attr-defined]
+        return global_boxes(tuple(self.param.shape), meta.offset, lo, hi)
+
+
+def _clip(span: tuple[int, int], offset: int, numel: int) -> tuple[int, int]:
+    """Buffer range `span` intersected with a parameter at `offset`, in its local flat indices."""
+    lo, hi = max(span[0], offset) - offset, min(span[1], offset + numel) - offset
+    return (lo, hi) if lo < hi else (0, 0)
+
+
+def plan(state: TrainingState) -> dict[str, Part]:
+    """name -> this rank's Part, for every parameter of its model."""
+    dp, tp_rank = state.dp, state.grid.coords["tp"]
+    index = {id(p): i for i, p in enumerate(dp.params)}
+    parts = {}
+    for name, p in state.model.named_parameters():
+        b = dp.bucket_of[id(p)]
+        off, n = dp.offsets[index[id(p)]], p.numel()
+
+        bucket = dp.buckets[b]
+        parts[name] = Part(
+            p, b, off, p.meta.owned_by(tp_rank),
+            _clip(dp.dp_slice(b), off, n), _clip((bucket.shard_lo, bucket.shard_hi), off, n),
+        )  # fmt: skip
+    return parts
+
+
+def _global_names(runtime: Runtime, parts: dict[str, Part]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of every parameter of the whole model, in the same order on every rank."""
+    everyone = runtime.comm.allgather({name: tuple(part.param.meta.global_shape) for name, part in parts.items()})
+    return sorted({item for shapes in everyone for item in shapes.items()})
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.cpu().numpy()
+
+
+def decode(values: np.ndarray, logical: str) -> torch.Tensor:
+    """Stored values -> a float32 tensor (bf16 is stored as uint16 bit patterns)."""
+    if logical == "bfloat16":
+        return torch.from_numpy(values.view(np.int16).copy()).view(torch.bfloat16).float()
+    return torch.from_numpy(np.asarray(values, dtype=np.float32))
+
+
+def _state_slice(state: TrainingState, kind: str, part: Part, lo: int, hi: int) -> torch.Tensor:
+    """Local flat elements [lo, hi) of one parameter's `kind` state ([lo, hi) inside part.held
+    for optimizer state)."""
+    dp = state.dp
+    if kind == MODEL:
+        return dp.param_buffer[part.offset + lo : part.offset + hi]
+    base = part.offset - dp.buckets[part.bucket].shard_lo
+    tensors = {MASTER: dp.master, EXP_AVG: state.optimizer.exp_avg, EXP_AVG_SQ: state.optimizer.exp_avg_sq}[kind]
+    return tensors[part.bucket][base + lo : base + hi]
+
+
+def grid_signature(state: TrainingState) -> dict[str, Any]:
+    par = state.deck.parallel
+    g = state.grid
+    return {
+        "tp": g.size("tp"), "pp": g.size("pp"), "dp": g.size("dp"), "order": par.order,
+        "virtual_stages": par.virtual_stages, "sequence_parallel": par.sequence_parallel,
+        "zero": int(state.dp.zero), "world_size": state.runtime.world_size,
+    }  # fmt: skip
+
+
+def _header(state: TrainingState) -> dict[str, Any]:
+    from app.metrics.report import versions
+
+    scaler = state.scaler
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": state.steps_done,
+        "consumed_samples": state.sampler.consumed_samples,
+        "sampler": json.dumps(state.sampler.state_dict()),
+        "optimizer_steps": state.optimizer.steps,
+        "precision": state.deck.train.precision,
+        "loss_scaler": json.dumps(
+            None if scaler is None else {"scale": scaler.scale, "clean": scaler.clean, "skipped": scaler.skipped}
+        ),
+        "deck": yaml.safe_dump(state.deck.to_dict(), sort_keys=False),
+        "grid": json.dumps(grid_signature(state)),
+        "versions": json.dumps(versions()),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checksum_algorithm": CHECKSUM_DOC,
+    }
+
+
+@dataclass
+class Saved:
+    path: Path
+    step: int
+    bytes: int  # tensor bytes written
+    seconds: float
+
+
+def save(state: TrainingState, directory: Path, *, before_commit: Optional[Callable[[], None]] = None) -> Saved:
+    """Write the training state to directory/step_NNNNNNN.h5 (all ranks), commit it, apply
+    retention. `before_commit` runs on rank 0 between the flushed write and the rename (tests)."""
+    import h5py
+    from mpi4py import MPI
+
+    rt, dp, cfg = state.runtime, state.dp, state.deck.checkpoint
+    dp.wait_params()  # no all-gather in flight: the parameter buffer is complete
+    if state.runtime.device.type == "cuda":
+        torch.cuda.synchronize(state.runtime.device)
+    final = step_file(directory, state.steps_done)
+    tmp = final.with_name(final.name + ".tmp")
+
+    def prepare() -> None:
+        if rt.rank == 0:
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise CheckpointError(
+                    f"cannot create checkpoint directory {directory}: {err.strerror}; set checkpoint.dir to a "
+                    f"writable path"
+                ) from None
+
+    agree(rt, prepare)
+    t0 = time.perf_counter()
+    parts = plan(state)
+    names = _global_names(rt, parts)
+    kinds = [MODEL] + ([] if dp.master_is_param else [MASTER]) + list(MOMENTS)
+    header = rt.comm.bcast(_header(state) if rt.rank == 0 else None, root=0)
+    dxpl = transfer_plist(cfg.io == "collective")
+    sums = np.zeros(len(kinds) * len(names), dtype=np.uint32)
+    nbytes = 0
+    try:
+        f = h5py.File(
+            tmp, "w", driver="mpio", comm=rt.comm,
+            alignment_threshold=cfg.alignment_threshold, alignment_interval=cfg.alignment_interval,
+        )  # fmt: skip
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot create checkpoint file {tmp}: {err}; set checkpoint.dir to a writable path"
+        ) from None
+    with f:
+        f.attrs.update(header)
+        datasets = []
+        for kind in kinds:
+            group = f.require_group(kind)
+            dtype = dp.param_buffer.dtype if kind == MODEL else torch.float32
+            logical, stored = STORED[dtype]
+            for name, shape in names:
+                dset = group.create_dataset(name, shape, stored, fill_time="never")
+                dset.attrs["dtype"] = logical
+                nbytes += dset.size * dset.dtype.itemsize
+                part = parts.get(name)
+                boxes, values = [], np.empty(0, dtype=stored)
+                if part is not None and part.writes:
+                    boxes = part.boxes(*part.slice)
+                    values = _numpy(_state_slice(state, kind, part, *part.slice))
+                    sums[len(datasets)] = checksum(values, boxes, shape)
+                write_boxes(dset.id, boxes, values, dxpl)
+                datasets.append(dset)
+        _write_rng(f, state, dxpl)
+        rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        for dset, value in zip(datasets, sums):
+            dset.attrs["checksum"] = value
+        f.attrs["committed"] = True  # last: a copy of a half-written file lacks it
+        f.flush()  # MPI_File_sync on every rank: the data is on the file system, not in client caches
+
+    def finish() -> None:
+        if rt.rank != 0:
+            return
+        try:
+            if before_commit is not None:
+                before_commit()
+            commit(tmp, final)
+            retain(directory, cfg.keep)
+        except OSError as err:
+            raise CheckpointError(
+                f"cannot commit checkpoint {final}: {err}; the previous checkpoint is intact"
+            ) from None
+
+    agree(rt, finish)
+    return Saved(final, state.steps_done, nbytes, time.perf_counter() - t0)
+
+
+def _write_rng(f: Any, state: TrainingState, dxpl: Any) -> None:
+    """One row per rank of each torch generator state (dropout masks differ per rank)."""
+    rt = state.runtime
+    states = {"torch_cpu": torch.get_rng_state()}
+    if rt.device.type == "cuda":
+        states["torch_cuda"] = torch.cuda.get_rng_state(rt.device)
+    for key, value in states.items():
+        row = value.numpy()
+        dset = f.require_group("rng").create_dataset(key, (rt.world_size, row.size), np.uint8, fill_time="never")
+        write_boxes(dset.id, [((rt.rank, 0), (1, row.size))], row, dxpl)
+
+
+# ---- load ------------------------------------------------------------------------------
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """Root attributes and the dataset catalogue of a committed checkpoint (serial h5py).
+    Raises CheckpointError for anything but a complete gridlm checkpoint."""
+    import h5py
+
+    catalogue: dict[str, dict[str, Any]] = {}
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+            if attrs.get("format") != FORMAT:
+                raise CheckpointError(f"{path} is not a gridlm checkpoint (no format = {FORMAT!r} attribute)")
+            if not attrs.get("committed"):
+                raise CheckpointError(
+                    f"{path} is incomplete (no 'committed' attribute: copied or renamed during a write); "
+                    f"resume from an older checkpoint"
+                )
+            if int(attrs["format_version"]) > FORMAT_VERSION:
+                raise CheckpointError(
+                    f"{path} has format version {attrs['format_version']}; this gridlm reads up to {FORMAT_VERSION}: "
+                    f"update gridlm"
+                )
+
+            def visit(name: str, obj: Any) -> None:
+                if isinstance(obj, h5py.Dataset) and not name.startswith("rng/"):
+                    catalogue[name] = {
+                        "shape": tuple(obj.shape),
+                        "stored": obj.dtype.str,
+                        "dtype": obj.attrs.get("dtype", obj.dtype.name),
+                        "checksum": int(obj.attrs["checksum"]) if "checksum" in obj.attrs else None,
+                    }
+
+            f.visititems(visit)
+            rng = {k: tuple(d.shape) for k, d in f["rng"].items()} if "rng" in f else {}
+    except OSError as err:
+        raise CheckpointError(
+            f"{path} is not a readable HDF5 file ({err}); it may be truncated or corrupt: resume from an older "
+            f"checkpoint (run.resume: <file>) or start over (run.resume: none)"
+        ) from None
+    return {**attrs, "datasets": catalogue, "rng": rng}
+
+
+def check_model(header: dict[str, Any], deck: Deck, path: Path) -> None:
+    """The checkpoint's model shape must be the deck's."""
+    saved = yaml.safe_load(header["deck"])["model"]
+    saved["ffn"] = saved.get("ffn_hidden") or 4 * saved["hidden"]
+    for key in SHAPE_KEYS:
+        want = getattr(deck.model, key)
+        if saved.get(key) != want:
+            shown = "ffn_hidden" if key == "ffn" else key
+            raise CheckpointError(
+                f"{path} holds a model with model.{shown} = {saved.get(key)!r}, the deck has {want!r}: a checkpoint "
+                f"loads only into the same model shape (any grid); use its model keys (h5dump -a deck) or "
+                f"run.resume: none"
+            )
+
+
+def load(state: TrainingState, path: Path) -> dict[str, Any]:
+    """Restore `state` from checkpoint `path` (all ranks), whatever grid wrote it. Everything is
+    read and verified before the model, optimizer or sampler change; returns what was loaded."""
+    import h5py
+    from mpi4py import MPI
+
+    rt, deck = state.runtime, state.deck
+    t0 = time.perf_counter()
+
+    def validate() -> dict[str, Any]:
+        header = read_header(path)
+        check_model(header, deck, path)
+        return header
+
+    header = on_root(rt, validate)
+    catalogue = header["datasets"]
+    parts = plan(state)
+    names = _global_names(rt, parts)
+    has_master = all(f"{MASTER}/{n}" in catalogue for n, _ in names)
+    source = MASTER if has_master else MODEL
+    for kind in (source, *MOMENTS):  # the same checks on every rank: all raise or none does
+        for name, shape in names:
+            entry = catalogue.get(f"{kind}/{name}")
+            if entry is None:
+                raise CheckpointError(f"{path} has no dataset /{kind}/{name}: not a complete checkpoint of this model")
+            if entry["shape"] != shape:
+                raise CheckpointError(
+                    f"{path}: dataset /{kind}/{name} has shape {entry['shape']}, the model needs {shape}"
+                )
+
+    read: dict[tuple[str, str], torch.Tensor] = {}
+    keys = [f"{kind}/{name}" for kind in (source, *MOMENTS) for name, _ in names]
+    sums = np.zeros(len(keys), dtype=np.uint32)
+    dxpl = transfer_plist(deck.checkpoint.io == "collective")
+    with h5py.File(path, "r", driver="mpio", comm=rt.comm) as f:
+        k = 0
+        for kind in (source, *MOMENTS):
+            for name, shape in names:
+                dset = f[f"{kind}/{name}"]
+                part = parts.get(name)
+                # Parameters: the whole local shard; moments: the held shard.
+                lo, hi = (0, 0) if part is None else (0, part.param.numel()) if kind == source else part.held
+                raw = read_boxes(dset.id, part.boxes(lo, hi) if part is not None else [], dset.dtype, dxpl)
+                if part is not None and part.writes:  # verify the slice this rank would write
+                    s0, s1 = part.slice
+                    sums[k] = checksum(raw[s0 - lo : s1 - lo], part.boxes(s0, s1), shape)
+                if part is not None:
+                    read[(kind, name)] = decode(raw, catalogue[f"{kind}/{name}"]["dtype"])
+                k += 1
+        rng = None
+        if "torch_cpu" in header["rng"] and json.loads(header["grid"]) == grid_signature(state):
+            rng = {key: read_boxes(f[f"rng/{key}"].id, [((rt.rank, 0), (1, shape[1]))], np.uint8, dxpl)
+                   for key, shape in header["rng"].items()}  # fmt: skip
+    rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    bad = ["/" + key for key, value in zip(keys, sums) if catalogue[key]["checksum"] not in (None, int(value))]
+    if bad:
+        raise CheckpointError(
+            f"{path}: checksum mismatch in dataset {bad[0]}"
+            + (
+                f" and {len(bad) - 1} more ({', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})"
+                if len(bad) > 1
+                else ""
+            )
+            + ": the file is corrupt; resume from an older checkpoint (run.resume: <file>) or run.resume: none"
+        )
+
+    _apply(state, parts, read, source)
+    scaler = json.loads(header["loss_scaler"])
+    if state.scaler is not None and scaler is not None:
+        state.scaler.scale, state.scaler.clean, state.scaler.skipped = (
+            scaler["scale"],
+            scaler["clean"],
+            scaler["skipped"],
+        )
+    state.sampler.load_state_dict(json.loads(header["sampler"]))
+    state.optimizer.steps = int(header["optimizer_steps"])
+    state.steps_done = int(header["step"])
+    if rng is not None:
+        torch.set_rng_state(torch.from_numpy(rng["torch_cpu"].copy()))
+        if "torch_cuda" in rng and rt.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.from_numpy(rng["torch_cuda"].copy()), rt.device)
+    saved_grid = json.loads(header["grid"])
+    return {
+        "path": str(path),
+        "step": state.steps_done,
+        "grid": saved_grid,
+        "resharded": saved_grid != grid_signature(state),
+        "rng_restored": rng is not None,
+        "precision": header["precision"],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+@torch.no_grad()
+def _apply(state: TrainingState, parts: dict[str, Part], read: dict, source: str) -> None:
+    dp = state.dp
+    for name, part in parts.items():
+        values = read[(source, name)].to(dp.param_buffer.device)
+        dp.param_buffer[part.offset : part.offset + values.numel()].copy_(values)
+        h0, h1 = part.held
+        if h0 == h1:
+            continue
+        if not dp.master_is_param:
+            _state_slice(state, MASTER, part, h0, h1).copy_(values[h0:h1])
+        for kind in MOMENTS:
+            _state_slice(state, kind, part, h0, h1).copy_(read[(kind, name)])

@@ -1,0 +1,49 @@
+"""Stop requests from the scheduler: SIGTERM and SIGUSR1 end training cleanly.
+
+Slurm sends SIGTERM at the time limit (SIGKILL follows after KillWait) and, with
+`#SBATCH --signal=USR1@120`, SIGUSR1 two minutes before it; preemption sends SIGTERM.
+The handler only records the signal; after each step the ranks agree (an MPI MAX over
+the job) on whether any of them got one, so all of them stop after the same step, write
+a checkpoint and exit 0 — a resubmitted job continues from it (run.resume: auto).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any, Optional
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """Context manager: records STOP_SIGNALS while active, restores the old handlers after."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _record(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.received = signum
+
+    def agreed(self, comm: Any) -> int:
+        """The signal any rank of `comm` received (0 for none); collective."""
+        from mpi4py import MPI
+
+        return int(comm.allreduce(self.received, op=MPI.MAX))
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
