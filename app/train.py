@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import yaml
 
+from app.checkpoint.io import Saved
 from app.checkpoint.io import load as load_checkpoint
 from app.checkpoint.io import save as save_checkpoint
 from app.checkpoint.store import checkpoint_dir, resolve_resume
@@ -102,7 +103,9 @@ class Trainer:
         self.run_dir = _make_run_dir(runtime, deck)
         self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
         self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, grid.coords["dp"], grid.size("dp"))
-        torch.manual_seed(tr.seed + 1_000_003 * runtime.rank)  # dropout masks differ per rank
+        # Dropout masks differ between dp replicas and stages, but not between the tp ranks of a
+        # stage: their replicated activations (and so their replicated parameters) must stay equal.
+        torch.manual_seed(tr.seed + 1_000_003 * (grid.coords["dp"] * grid.size("pp") + grid.coords["pp"]))
         par = deck.parallel
         self.timers = StepTimers(self.device, deck.run.timers)
         self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers, overlap=par.overlap_tp_comm)
@@ -196,8 +199,8 @@ class Trainer:
         )
         return info
 
-    def save(self, reason: str) -> dict[str, Any]:
-        """Write a checkpoint of the current step (all ranks); logs and returns its record."""
+    def save(self, reason: str) -> Saved:
+        """Write a checkpoint of the current step (all ranks); logs it and notes it for the summary."""
         saved = save_checkpoint(self, checkpoint_dir(self.deck))
         record = {"step": saved.step, "path": str(saved.path), "bytes": saved.bytes, "seconds": saved.seconds,
                   "reason": reason}  # fmt: skip
@@ -206,7 +209,7 @@ class Trainer:
             f"gridlm: checkpoint step {saved.step} ({reason}) -> {saved.path} | {saved.bytes / 1e6:.1f} MB in "
             f"{saved.seconds:.2f} s ({saved.bytes / max(saved.seconds, 1e-9) / 1e9:.2f} GB/s)"
         )
-        return record
+        return saved
 
     def _banner(self) -> None:
         deck, rt, grid, tr = self.deck, self.runtime, self.grid, self.deck.train

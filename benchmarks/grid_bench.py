@@ -53,6 +53,10 @@ def mpi_env() -> dict[str, str]:
     return env
 
 
+# Every run trains from step 0 and writes no checkpoint (a rerun into the same --out would resume).
+FRESH = ("run.resume=none", "checkpoint.at_exit=false")
+
+
 def run_grid(spec: str, args: argparse.Namespace) -> dict:
     tp, pp, dp, sp, virtual = parse_grid(spec)
     ranks = tp * pp * dp
@@ -60,7 +64,7 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
     sets = [
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.sequence_parallel={str(sp).lower()}",
         f"parallel.virtual_stages={virtual}", f"train.steps={args.steps}", "run.timers=true",
-        f"run.log_every={args.steps}", f"run.dir={run_dir}", *args.set,
+        f"run.log_every={args.steps}", f"run.dir={run_dir}", *FRESH, *args.set,
     ]  # fmt: skip
     cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app", args.deck]
     cmd += [arg for s in sets for arg in ("--set", s)]

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grid_bench import mpi_env, write_tables
+from grid_bench import FRESH, mpi_env, write_tables
 
 REPO = Path(__file__).resolve().parent.parent
 OVERLAPS = ("grad_reduce", "param_gather", "tp_comm", "pp_comm")
@@ -59,7 +59,7 @@ def run_config(name: str, dp: int, zero: int, overlap: bool, args: argparse.Name
         *args.set, f"parallel.dp={dp}", f"optim.zero={zero}", f"train.global_batch={global_batch}",
         *(f"parallel.overlap_{k}={str(overlap).lower()}" for k in OVERLAPS),
         f"train.steps={args.steps}", "run.timers=true", "run.threads=1", f"run.log_every={args.steps}",
-        f"run.dir={run_dir}",
+        f"run.dir={run_dir}", *FRESH,
     ]  # fmt: skip
     cmd = ["mpirun", "-n", str(dp), sys.executable, "-m", "app", args.deck]
     cmd += [arg for s in sets for arg in ("--set", s)]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# gridlm setup: MPI + parallel HDF5 (apt, when none is on PATH), a .venv with torch,
-# mpi4py, h5py built against parallel HDF5, the test tools, and the app (editable).
+# gridlm setup: MPI + parallel HDF5 (apt, when none is on PATH), the HDF5 command-line
+# tools (h5ls, h5dump), a .venv with torch, mpi4py, h5py built against parallel HDF5,
+# safetensors + transformers (checkpoint export), the test tools, and the app (editable).
 # Idempotent and prompt-free; a second run with everything present takes seconds.
 #
 # Environment knobs:
@@ -25,8 +26,9 @@ want_stamp="$(cat "$repo/launch/setup.sh" "$repo/setup.py" | sha256sum | cut -c1
 venv_ok() {
   [ -x "$venv/bin/python" ] && command -v mpirun >/dev/null 2>&1 &&
     "$venv/bin/python" - <<'PY' >/dev/null 2>&1
-import h5py, mpi4py, numpy, pytest, torch, yaml, app  # noqa: F401
-assert h5py.get_config().mpi
+import importlib.util
+import h5py, mpi4py, numpy, pytest, safetensors, torch, yaml, app  # noqa: F401
+assert h5py.get_config().mpi and importlib.util.find_spec("transformers")
 PY
 }
 
@@ -52,6 +54,17 @@ else
     openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config >/dev/null
 fi
 command -v mpicc >/dev/null 2>&1 || die "mpicc still missing after install"
+# h5ls / h5dump: users read checkpoints with them (the tests list a checkpoint with h5ls -r).
+if ! command -v h5ls >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing the HDF5 command-line tools (hdf5-tools)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends hdf5-tools >/dev/null ||
+      { apt-get update -qq && apt-get install -y -qq --no-install-recommends hdf5-tools >/dev/null; }
+  else
+    say "warning: no h5ls on PATH and cannot apt-get: install the HDF5 tools (e.g. 'module load hdf5') to inspect checkpoints with h5ls/h5dump"
+  fi
+fi
 
 # --- 2. the virtual environment ------------------------------------------------------
 if [ ! -x "$venv/bin/python" ]; then
@@ -64,8 +77,8 @@ if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
   say "installing $torch_spec"
   "${pip[@]}" install "$torch_spec"
 fi
-say "installing numpy, pyyaml, mpi4py, pytest tools and h5py build tools"
-"${pip[@]}" install numpy pyyaml mpi4py pytest pytest-mpi pytest-timeout ruff \
+say "installing numpy, pyyaml, mpi4py, safetensors, transformers, pytest tools and h5py build tools"
+"${pip[@]}" install numpy pyyaml mpi4py safetensors transformers pytest pytest-mpi pytest-timeout ruff \
   "Cython>=3,<4" pkgconfig "setuptools>=77" wheel
 
 # --- 3. h5py against parallel HDF5 -----------------------------------------------------

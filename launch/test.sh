@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the whole test suite: setup if needed, then the serial tests and the MPI tests under
-# mpirun -n 1, 2 and 4, and the grid-equivalence tests under mpirun -n 8.
+# mpirun -n 1, 2 and 4, and the grid-equivalence and checkpoint-reshard tests under mpirun -n 8.
 # Extra arguments go to every pytest call (e.g. -k grid, -x).
 #   launch/test.sh
 set -euo pipefail
@@ -32,8 +32,10 @@ run_group serial python -m pytest "${pytest_args[@]}" -m "not mpi" tests/
 for n in 1 2 4; do
   run_group "mpi-$n" mpirun -n "$n" python -m pytest "${pytest_args[@]}" --with-mpi -m mpi tests/
 done
-# 8 ranks: the any-grid = one-rank matrix (its tests need 8 ranks; the rest already ran above).
-run_group mpi-8 mpirun -n 8 python -m pytest "${pytest_args[@]}" --with-mpi -m mpi tests/test_parallel_equivalence.py
+# 8 ranks: the any-grid = one-rank matrix and checkpoint resharding (their tests need 8 ranks;
+# the rest already ran above).
+run_group mpi-8 mpirun -n 8 python -m pytest "${pytest_args[@]}" --with-mpi -m mpi \
+  tests/test_parallel_equivalence.py tests/test_checkpoint_reshard.py
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "=== FAILED: ${failed[*]}"

@@ -244,7 +244,9 @@ def save(state: TrainingState, directory: Path, *, before_commit: Optional[Calla
                     sums[len(datasets)] = checksum(values, boxes, shape)
                 write_boxes(dset.id, boxes, values, dxpl)
                 datasets.append(dset)
-        _write_rng(f, state, dxpl)
+        rng = _write_rng(f, state, dxpl)
+        datasets += [dset for dset, _ in rng]
+        sums = np.concatenate([sums, np.array([value for _, value in rng], dtype=np.uint32)])
         rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         for dset, value in zip(datasets, sums):
             dset.attrs["checksum"] = value
@@ -268,16 +270,22 @@ def save(state: TrainingState, directory: Path, *, before_commit: Optional[Calla
     return Saved(final, state.steps_done, nbytes, time.perf_counter() - t0)
 
 
-def _write_rng(f: Any, state: TrainingState, dxpl: Any) -> None:
-    """One row per rank of each torch generator state (dropout masks differ per rank)."""
+def _write_rng(f: Any, state: TrainingState, dxpl: Any) -> list[tuple[Any, np.uint32]]:
+    """One row per rank of each torch generator state (dropout masks differ between ranks);
+    returns (dataset, this rank's checksum partial) pairs."""
     rt = state.runtime
     states = {"torch_cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
         states["torch_cuda"] = torch.cuda.get_rng_state(rt.device)
+    written = []
     for key, value in states.items():
         row = value.numpy()
-        dset = f.require_group("rng").create_dataset(key, (rt.world_size, row.size), np.uint8, fill_time="never")
-        write_boxes(dset.id, [((rt.rank, 0), (1, row.size))], row, dxpl)
+        shape = (rt.world_size, row.size)
+        dset = f.require_group("rng").create_dataset(key, shape, np.uint8, fill_time="never")
+        box = [((rt.rank, 0), (1, row.size))]
+        write_boxes(dset.id, box, row, dxpl)
+        written.append((dset, checksum(row, box, shape)))
+    return written
 
 
 # ---- load ------------------------------------------------------------------------------
@@ -299,14 +307,14 @@ def read_header(path: Path) -> dict[str, Any]:
                     f"{path} is incomplete (no 'committed' attribute: copied or renamed during a write); "
                     f"resume from an older checkpoint"
                 )
-            if int(attrs["format_version"]) > FORMAT_VERSION:
+            if int(attrs.get("format_version", FORMAT_VERSION + 1)) > FORMAT_VERSION:
                 raise CheckpointError(
-                    f"{path} has format version {attrs['format_version']}; this gridlm reads up to {FORMAT_VERSION}: "
-                    f"update gridlm"
+                    f"{path} has format version {attrs.get('format_version')}; this gridlm reads up to "
+                    f"{FORMAT_VERSION}: update gridlm"
                 )
 
             def visit(name: str, obj: Any) -> None:
-                if isinstance(obj, h5py.Dataset) and not name.startswith("rng/"):
+                if isinstance(obj, h5py.Dataset):
                     catalogue[name] = {
                         "shape": tuple(obj.shape),
                         "stored": obj.dtype.str,
@@ -315,12 +323,12 @@ def read_header(path: Path) -> dict[str, Any]:
                     }
 
             f.visititems(visit)
-            rng = {k: tuple(d.shape) for k, d in f["rng"].items()} if "rng" in f else {}
     except OSError as err:
         raise CheckpointError(
             f"{path} is not a readable HDF5 file ({err}); it may be truncated or corrupt: resume from an older "
             f"checkpoint (run.resume: <file>) or start over (run.resume: none)"
         ) from None
+    rng = {key.removeprefix("rng/"): entry["shape"] for key, entry in catalogue.items() if key.startswith("rng/")}
     return {**attrs, "datasets": catalogue, "rng": rng}
 
 
@@ -357,8 +365,8 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     catalogue = header["datasets"]
     parts = plan(state)
     names = _global_names(rt, parts)
-    has_master = all(f"{MASTER}/{n}" in catalogue for n, _ in names)
-    source = MASTER if has_master else MODEL
+    # fp32 checkpoints hold the masters in /model; the others must have them (never a rounded fallback).
+    source = MODEL if header["precision"] == "fp32" else MASTER
     for kind in (source, *MOMENTS):  # the same checks on every rank: all raise or none does
         for name, shape in names:
             entry = catalogue.get(f"{kind}/{name}")
@@ -390,8 +398,12 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 k += 1
         rng = None
         if "torch_cpu" in header["rng"] and json.loads(header["grid"]) == grid_signature(state):
-            rng = {key: read_boxes(f[f"rng/{key}"].id, [((rt.rank, 0), (1, shape[1]))], np.uint8, dxpl)
-                   for key, shape in header["rng"].items()}  # fmt: skip
+            rng = {}
+            for key, shape in header["rng"].items():
+                box = [((rt.rank, 0), (1, shape[1]))]
+                rng[key] = read_boxes(f[f"rng/{key}"].id, box, np.uint8, dxpl)
+                keys.append(f"rng/{key}")
+                sums = np.append(sums, checksum(rng[key], box, shape))
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     bad = ["/" + key for key, value in zip(keys, sums) if catalogue[key]["checksum"] not in (None, int(value))]
     if bad:

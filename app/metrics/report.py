@@ -76,7 +76,7 @@ def versions() -> dict[str, Optional[str]]:
         "cuda": torch.version.cuda,
         "numpy": numpy.__version__,
         "mpi4py": mpi4py.__version__,
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_library": MPI.Get_library_version().strip("\x00 \n").splitlines()[0],
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "h5py": h5py.__version__,
         "hdf5": h5py.version.hdf5_version,

@@ -172,19 +172,29 @@ def agree(runtime: Runtime, fn: Callable[[], T]) -> T:
     ranks with the same message instead of leaving the healthy ranks in a collective.
     """
     error: Optional[str] = None
+    kind: type = GridlmError
     result = None
     try:
         result = fn()
     except GridlmError as err:
-        error = str(err)
-    errors = runtime.comm.allgather((error, runtime.rank, runtime.hostname))
-    failed = [(e, r, host) for e, r, host in errors if e is not None]
+        error, kind = str(err), type(err)
+    errors = runtime.comm.allgather((error, kind, runtime.rank, runtime.hostname))
+    failed = [(e, k, r, host) for e, k, r, host in errors if e is not None]
     if failed:
-        message, rank, host = failed[0]
+        message, kind, rank, host = failed[0]
         if len(failed) < len(errors):  # rank-local: say where, the other ranks were fine
             message += f" (rank {rank} on {host})"
-        raise GridlmError(message)
+        _raise(kind, message)
     return result  # type: ignore[return-value]
+
+
+def _raise(kind: type, message: str) -> None:
+    """Raise `kind(message)`; error classes with richer constructors come back as GridlmError."""
+    try:
+        error = kind(message)
+    except TypeError:
+        error = GridlmError(message)
+    raise error
 
 
 def on_root(runtime: Runtime, fn: Callable[[], T]) -> T:
@@ -198,9 +208,5 @@ def on_root(runtime: Runtime, fn: Callable[[], T]) -> T:
             error, kind = str(err), type(err)
     result, error, kind = runtime.comm.bcast((result, error, kind), root=0)
     if error is not None:
-        # The message is what matters; subclasses with richer constructors come back as GridlmError.
-        try:
-            raise kind(error)
-        except TypeError:
-            raise GridlmError(error) from None
+        _raise(kind, error)
     return result  # type: ignore[return-value]

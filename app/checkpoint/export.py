@@ -1,0 +1,250 @@
+"""Export a gridlm checkpoint to a Hugging Face GPT-2 directory (`config.json` + `model.safetensors`).
+
+Serial and simple: one process opens the file with plain h5py, reads every parameter tensor
+whole into memory (from /optimizer/master, the fp32 masters, when the checkpoint has them;
+else /model), verifies each against its checksum, converts it to fp32 and writes the
+directory. Memory use is about twice the fp32 model size; nothing is written until every
+tensor has been read and verified.
+
+Tensor names and layouts (h = hidden, f = ffn_hidden or 4h, V = vocab_size, S = seq_len,
+n = heads, d = h / n; gridlm stores `nn.Linear` weights as (out, in), Hugging Face's GPT-2
+uses `Conv1D`, whose weight is (in, out)):
+
+| gridlm dataset (`/model/…` or `/optimizer/master/…`) | shape | Hugging Face GPT-2 tensor | shape | conversion |
+|---|---|---|---|---|
+| `wte.weight` | (V, h) | `transformer.wte.weight` | (V, h) | as is |
+| `wpe` | (S, h) | `transformer.wpe.weight` | (S, h) | as is (`n_positions` = S) |
+| `blocks.{i}.ln1.weight`, `.bias` | (h,) | `transformer.h.{i}.ln_1.weight`, `.bias` | (h,) | as is |
+| `blocks.{i}.attn.qkv.weight` | (3h, h), rows (n, 3, d) | `transformer.h.{i}.attn.c_attn.weight` | (h, 3h), columns (3, n, d) | rows permuted from (head, q/k/v, d) to (q/k/v, head, d), then transposed |
+| `blocks.{i}.attn.qkv.bias` | (3h,), (n, 3, d) | `transformer.h.{i}.attn.c_attn.bias` | (3h,), (3, n, d) | the same permutation |
+| `blocks.{i}.attn.proj.weight` | (h, h) | `transformer.h.{i}.attn.c_proj.weight` | (h, h) | transposed |
+| `blocks.{i}.attn.proj.bias` | (h,) | `transformer.h.{i}.attn.c_proj.bias` | (h,) | as is |
+| `blocks.{i}.ln2.weight`, `.bias` | (h,) | `transformer.h.{i}.ln_2.weight`, `.bias` | (h,) | as is |
+| `blocks.{i}.mlp.fc.weight` | (f, h) | `transformer.h.{i}.mlp.c_fc.weight` | (h, f) | transposed |
+| `blocks.{i}.mlp.fc.bias` | (f,) | `transformer.h.{i}.mlp.c_fc.bias` | (f,) | as is |
+| `blocks.{i}.mlp.proj.weight` | (h, f) | `transformer.h.{i}.mlp.c_proj.weight` | (f, h) | transposed |
+| `blocks.{i}.mlp.proj.bias` | (h,) | `transformer.h.{i}.mlp.c_proj.bias` | (h,) | as is |
+| `ln_f.weight`, `.bias` | (h,) | `transformer.ln_f.weight`, `.bias` | (h,) | as is |
+| `head` (only with `tie_embeddings: false`) | (V, h) | `lm_head.weight` | (V, h) | as is; with tied embeddings it is not written and Hugging Face ties `lm_head` to `transformer.wte` |
+
+`config.json` (a `GPT2Config`) from the checkpoint's deck: `vocab_size` = model.vocab_size,
+`n_positions` = model.seq_len, `n_embd` = model.hidden, `n_layer` = model.layers,
+`n_head` = model.heads, `n_inner` = f, `activation_function` = "gelu_new" (GELU, tanh
+approximation), `layer_norm_epsilon` = model.layernorm_eps, `resid_pdrop` = `embd_pdrop` =
+`attn_pdrop` = model.dropout, `initializer_range` = model.init_std, `tie_word_embeddings` =
+model.tie_embeddings, `torch_dtype` "float32"; `scale_attn_weights` true (1/sqrt(d), as
+gridlm), `bos_token_id` / `eos_token_id` null (gridlm has no special tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import yaml
+
+from app.errors import CheckpointError
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+
+
+def stored_checksum(values: np.ndarray) -> int:
+    """The checksum of a whole dataset read into memory (stored dtype), as the `checksum`
+    attribute holds it: the slabs.py sum, reduced mod 2^32 (the attribute is a uint32)."""
+    from app.checkpoint.slabs import checksum
+
+    shape = tuple(values.shape)
+    return int(checksum(values, [((0,) * len(shape), shape)], shape)) % 2**32
+
+
+def read_verified(f: Any, key: str, path: Path) -> np.ndarray:
+    """Dataset `key` of the open h5py file, whole, in its stored dtype; CheckpointError when
+    it cannot be read or its checksum (if it has one) does not match."""
+    dset = f[key]
+    try:
+        values = dset[()]
+    except OSError as err:
+        raise CheckpointError(
+            f"{path}: cannot read dataset /{key} ({err}): the file is truncated or corrupt; use an older checkpoint"
+        ) from None
+    want = dset.attrs.get("checksum")
+    if want is not None and values.size and stored_checksum(values) != int(want):
+        raise CheckpointError(
+            f"{path}: checksum mismatch in dataset /{key}: the file is corrupt; use an older checkpoint "
+            f"(`python -m app.checkpoint inspect {path}` lists every damaged dataset)"
+        )
+    return values
+
+
+def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The `model` section of the deck a checkpoint was written with, ffn resolved."""
+    try:
+        model = dict(yaml.safe_load(header["deck"])["model"])
+        model["ffn"] = model.get("ffn_hidden") or 4 * model["hidden"]
+        for key in ("vocab_size", "seq_len", "layers", "hidden", "heads"):
+            int(model[key])
+    except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
+        raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
+    return model
+
+
+def hf_config(model: dict[str, Any]) -> dict[str, Any]:
+    """GPT2Config fields (config.json) for a gridlm model section (see the module docstring)."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model["vocab_size"],
+        "n_positions": model["seq_len"],
+        "n_embd": model["hidden"],
+        "n_layer": model["layers"],
+        "n_head": model["heads"],
+        "n_inner": model["ffn"],
+        "activation_function": "gelu_new",  # GELU with the tanh approximation, as gridlm's MLP
+        "layer_norm_epsilon": model["layernorm_eps"],
+        "resid_pdrop": model["dropout"],
+        "embd_pdrop": model["dropout"],
+        "attn_pdrop": model["dropout"],
+        "initializer_range": model["init_std"],
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": bool(model["tie_embeddings"]),
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "torch_dtype": "float32",
+    }
+
+
+def _qkv_rows(x: np.ndarray, heads: int) -> np.ndarray:
+    """Fused QKV rows (head, q/k/v, d) -> (q/k/v, head, d), the order HF's c_attn splits."""
+    rest = x.shape[1:]
+    return x.reshape(heads, 3, -1, *rest).swapaxes(0, 1).reshape(x.shape)
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: str  # Hugging Face name
+    shape: tuple[int, ...]  # gridlm (global) shape
+    convert: Callable[[np.ndarray], np.ndarray]
+
+
+def mapping(model: dict[str, Any]) -> dict[str, Rule]:
+    """gridlm parameter name -> Rule, for every parameter of the model (the table above)."""
+    h, f, v, s, n = model["hidden"], model["ffn"], model["vocab_size"], model["seq_len"], model["heads"]
+    same = lambda x: x  # noqa: E731
+    t = lambda x: x.T  # noqa: E731
+    rules = {
+        "wte.weight": Rule("transformer.wte.weight", (v, h), same),
+        "wpe": Rule("transformer.wpe.weight", (s, h), same),
+        "ln_f.weight": Rule("transformer.ln_f.weight", (h,), same),
+        "ln_f.bias": Rule("transformer.ln_f.bias", (h,), same),
+    }
+    if not model["tie_embeddings"]:
+        rules["head"] = Rule("lm_head.weight", (v, h), same)
+    for i in range(model["layers"]):
+        ours, hf = f"blocks.{i}.", f"transformer.h.{i}."
+        rules.update({
+            ours + "ln1.weight": Rule(hf + "ln_1.weight", (h,), same),
+            ours + "ln1.bias": Rule(hf + "ln_1.bias", (h,), same),
+            ours + "attn.qkv.weight": Rule(hf + "attn.c_attn.weight", (3 * h, h), lambda x: _qkv_rows(x, n).T),
+            ours + "attn.qkv.bias": Rule(hf + "attn.c_attn.bias", (3 * h,), lambda x: _qkv_rows(x, n)),
+            ours + "attn.proj.weight": Rule(hf + "attn.c_proj.weight", (h, h), t),
+            ours + "attn.proj.bias": Rule(hf + "attn.c_proj.bias", (h,), same),
+            ours + "ln2.weight": Rule(hf + "ln_2.weight", (h,), same),
+            ours + "ln2.bias": Rule(hf + "ln_2.bias", (h,), same),
+            ours + "mlp.fc.weight": Rule(hf + "mlp.c_fc.weight", (f, h), t),
+            ours + "mlp.fc.bias": Rule(hf + "mlp.c_fc.bias", (f,), same),
+            ours + "mlp.proj.weight": Rule(hf + "mlp.c_proj.weight", (h, f), t),
+            ours + "mlp.proj.bias": Rule(hf + "mlp.c_proj.bias", (h,), same),
+        })  # fmt: skip
+    return rules
+
+
+@dataclass
+class Exported:
+    directory: Path
+    step: int
+    source: str  # the checkpoint group the values came from
+    parameters: int
+    bytes: int
+
+
+def check_target(directory: Path, force: bool) -> None:
+    """DIR may be new or empty; a non-empty one only with --force (its two files are replaced)."""
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"export target {directory} exists and is not a directory; choose another DIR")
+    if directory.is_dir() and any(directory.iterdir()) and not force:
+        raise CheckpointError(
+            f"export target {directory} exists and is not empty; choose a new or empty DIR, or pass --force to "
+            f"overwrite its {CONFIG} and {WEIGHTS}"
+        )
+
+
+def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
+    """Write checkpoint `path` as a Hugging Face GPT-2 directory (module docstring). Reads every
+    parameter tensor whole into memory on this one process."""
+    path, directory = Path(path), Path(directory)
+    check_target(directory, force)  # before the (possibly long) read, and before importing torch
+    import h5py
+
+    from app.checkpoint.io import MASTER, MODEL, decode, read_header
+
+    header = read_header(path)
+    model = model_section(header, path)
+    rules = mapping(model)
+    catalogue = header["datasets"]
+    # Like io.load: the fp32 masters when the checkpoint has them, else the parameters.
+    source = MASTER if all(f"{MASTER}/{name}" in catalogue for name in rules) else MODEL
+    unknown = sorted(key for key in catalogue if key.startswith(f"{MODEL}/") and key[len(MODEL) + 1 :] not in rules)
+    if unknown:
+        raise CheckpointError(
+            f"{path} has dataset /{unknown[0]}, which the GPT-2 export does not know: not a checkpoint of the "
+            f"model its deck describes"
+        )
+    for name, rule in rules.items():
+        entry = catalogue.get(f"{source}/{name}")
+        if entry is None:
+            raise CheckpointError(f"{path} has no dataset /{source}/{name}: not a complete checkpoint of this model")
+        if entry["shape"] != rule.shape:
+            raise CheckpointError(
+                f"{path}: dataset /{source}/{name} has shape {entry['shape']}, its deck's model needs {rule.shape}"
+            )
+
+    tensors: dict[str, np.ndarray] = {}
+    with h5py.File(path, "r") as f:
+        for name, rule in rules.items():
+            key = f"{source}/{name}"
+            values = decode(read_verified(f, key, path), catalogue[key]["dtype"]).numpy()
+            tensors[rule.hf] = np.ascontiguousarray(rule.convert(values), dtype=np.float32)
+
+    _write(directory, hf_config(model), tensors, {"format": "pt", "gridlm_checkpoint": str(path)})
+    return Exported(
+        directory,
+        int(header["step"]),
+        source,
+        sum(t.size for t in tensors.values()),
+        sum(t.nbytes for t in tensors.values()),
+    )
+
+
+def _write(directory: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """Each file written under a temporary name and renamed: never a half-written file under its name."""
+    from safetensors.numpy import save_file
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (WEIGHTS + ".tmp")
+        save_file(tensors, str(tmp), metadata=metadata)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # safetensors creates 0600; the model is meant to be shared like config.json
+        os.replace(tmp, directory / WEIGHTS)
+        tmp = directory / (CONFIG + ".tmp")
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, directory / CONFIG)
+    except OSError as err:
+        raise CheckpointError(f"cannot write to {directory}: {err.strerror or err}; choose a writable DIR") from None

@@ -1,0 +1,344 @@
+"""Checkpoints: hyperslab boxes, checksums, commit and retention (serial); save, load and
+exact resume, interrupted writes, corruption, empty slabs, h5ls and stop signals (MPI,
+any world size: the grid is chosen from it); a stop signal through mpirun (serial test
+that launches a job). Resharding across grids is tests/test_checkpoint_reshard.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from app.checkpoint.io import EXP_AVG, MASTER, load, read_header, save
+from app.checkpoint.slabs import checksum, flat_boxes, global_boxes, read_boxes, transfer_plist, write_boxes
+from app.checkpoint.store import commit, read_latest, resolve_resume, retain, step_file
+from app.deck import load_deck, resolve_for_world
+from app.errors import CheckpointError
+from app.metrics.report import MetricsWriter
+from app.runtime.grid import ProcessGrid
+from app.train import Trainer, global_loss
+from conftest import REPO, app_env, read_metrics
+
+SMALL = (
+    "model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
+    "train.steps=8", "train.global_batch=16", "train.micro_batch=2", "optim.lr=3.0e-3", "optim.warmup_steps=2",
+    "data.noise=0.1", "run.log_every=100", "parallel.dp_bucket_mb=0.02", "run.resume=none",
+    "checkpoint.at_exit=false",
+)  # fmt: skip
+# A grid per world size, with tp, pp and dp where they fit.
+GRIDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 1, 2)}
+
+
+# ---- serial: boxes, checksums, files ---------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4)])
+def test_flat_boxes_cover_every_range_in_row_major_order(shape):
+    values = np.arange(int(np.prod(shape))).reshape(shape)
+    for lo, hi in itertools.combinations(range(values.size + 1), 2):
+        boxes = flat_boxes(shape, lo, hi)
+        got = np.concatenate([values[tuple(slice(s, s + c) for s, c in zip(st, ct))].reshape(-1) for st, ct in boxes])
+        assert got.tolist() == list(range(lo, hi)), (lo, hi, boxes)
+        assert len(boxes) <= 2 * len(shape) - 1
+
+
+def test_checksum_is_the_same_however_the_tensor_is_split_and_sees_any_flipped_byte():
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((6, 10)).astype(np.float32)
+    whole = checksum(full, [((0, 0), (6, 10))], full.shape)
+    # A column split (tp on dim 1) cut at an arbitrary flat position (a dp slice), as ranks write.
+    parts = 0
+    for cols in (slice(0, 4), slice(4, 10)):
+        local = np.ascontiguousarray(full[:, cols]).reshape(-1)
+        for lo, hi in ((0, 7), (7, local.size)):
+            boxes = global_boxes(full[:, cols].shape, (0, cols.start), lo, hi)
+            parts = (parts + int(checksum(local[lo:hi], boxes, full.shape))) % 2**32  # as MPI SUM on uint32
+    assert parts == whole
+    raw = full.view(np.uint8).reshape(-1)
+    for position in (0, 1, 117, raw.size - 1):
+        flipped = raw.copy()
+        flipped[position] ^= 0x10
+        assert checksum(flipped.view(np.float32).reshape(6, 10), [((0, 0), (6, 10))], full.shape) != whole
+
+
+def test_bf16_bit_patterns_are_checksummed_as_uint16():
+    values = torch.randn(40).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    box = [((0,), (40,))]
+    assert checksum(values, box, (40,)) == checksum(values.copy(), box, (40,))
+    changed = values.copy()
+    changed[3] ^= 1
+    assert checksum(changed, box, (40,)) != checksum(values, box, (40,))
+
+
+def _fake_checkpoint(directory, step):
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = step_file(directory, step).with_suffix(".h5.tmp")
+    tmp.write_text(f"step {step}")
+    commit(tmp, step_file(directory, step))
+
+
+def test_commit_moves_latest_and_retention_keeps_the_newest_and_latest(tmp_path):
+    for step in (10, 20, 30):
+        _fake_checkpoint(tmp_path, step)
+    assert read_latest(tmp_path) == step_file(tmp_path, 30)
+    assert not list(tmp_path.glob("*.tmp"))
+    (tmp_path / "step_0000040.h5.tmp").write_text("an interrupted write")
+    deleted = retain(tmp_path, keep=2)
+    assert sorted(p.name for p in deleted) == ["step_0000010.h5", "step_0000040.h5.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000020.h5", "step_0000030.h5"]
+    # `latest` pointing at an older file (a resumed run rewrote it) is never deleted.
+    (tmp_path / "latest").write_text("step_0000020.h5\n")
+    retain(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000020.h5", "step_0000030.h5"]
+
+
+def test_resume_setting_resolves_and_refuses_bad_targets(tmp_path):
+    def deck(resume):
+        return load_deck(None, (f"run.dir={tmp_path}", f"run.resume={resume}"))
+
+    assert resolve_resume(deck("auto")) is None  # nothing yet: start fresh
+    assert resolve_resume(deck("none")) is None
+    _fake_checkpoint(tmp_path / "checkpoints", 5)
+    assert resolve_resume(deck("auto")) == step_file(tmp_path / "checkpoints", 5)
+    assert resolve_resume(deck(str(tmp_path / "checkpoints"))) == step_file(tmp_path / "checkpoints", 5)
+    with pytest.raises(CheckpointError, match="uncommitted"):
+        resolve_resume(deck(str(tmp_path / "checkpoints" / "step_0000006.h5.tmp")))
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        resolve_resume(deck(str(tmp_path / "missing.h5")))
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000009.h5\n")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_resume(deck("auto"))
+
+
+def test_metrics_log_keeps_the_records_up_to_the_resumed_step(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 10, 20, 30)) + '{"st')
+    MetricsWriter(tmp_path, enabled=True, resumed_step=20)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 10, 20]
+    MetricsWriter(tmp_path, enabled=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+# ---- MPI: the real thing ---------------------------------------------------------------
+
+
+def _trainer(runtime, run_dir, *extra: str) -> Trainer:
+    tp, pp, dp = GRIDS[runtime.world_size]
+    overrides = (*SMALL, f"parallel.tp={tp}", f"parallel.pp={pp}", f"run.dir={run_dir}", *extra)
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", overrides), runtime.world_size)
+    return Trainer(deck, runtime, ProcessGrid(runtime, tp, pp, dp, deck.parallel.order))
+
+
+def _train(trainer: Trainer, steps: int) -> list[float]:
+    trainer.model.train()
+    losses = [global_loss(trainer.step()[0], trainer.grid) for _ in range(steps)]
+    trainer.dp.wait_params()
+    return losses
+
+
+def _state(trainer: Trainer) -> list[torch.Tensor]:
+    """Everything a step depends on: parameters, masters, moments."""
+    opt = trainer.optimizer
+    return [trainer.dp.param_buffer.clone(), *(t.clone() for t in trainer.dp.master + opt.exp_avg + opt.exp_avg_sq)]
+
+
+def _all_ranks_ok(runtime, problems: list[str]) -> None:
+    """Assert on every rank after every rank got here (no rank left in a collective)."""
+    problems = sum(runtime.comm.allgather(problems), [])
+    assert not problems, "\n".join(problems)
+
+
+CASES = {
+    "fp32-dropout": ("model.dropout=0.1",),  # the per-rank RNG states come back too
+    "bf16-zero1": ("train.precision=bf16", "optim.zero=1"),
+    "fp16-lamb": ("train.precision=fp16", "train.loss_scale=1024", "optim.name=lamb"),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("extra", CASES.values(), ids=CASES.keys())
+def test_resume_on_the_same_grid_is_bitwise_exact(runtime, shared_tmp, extra):
+    straight = _trainer(runtime, shared_tmp / "straight", *extra)
+    expected = _train(straight, 5)
+    first = _trainer(runtime, shared_tmp / "first", *extra)
+    _train(first, 3)
+    saved = first.save("test")
+    resumed = _trainer(runtime, shared_tmp / "resumed", *extra)
+    info = load(resumed, saved.path)
+    assert info["step"] == resumed.steps_done == 3 and not info["resharded"] and info["rng_restored"]
+    assert resumed.sampler.consumed_samples == first.sampler.consumed_samples
+    got = _train(resumed, 2)
+    assert got == expected[3:]  # bitwise: the same floats
+    problems = [f"rank {runtime.rank}: state tensor {i} differs"
+                for i, (a, b) in enumerate(zip(_state(straight), _state(resumed))) if not torch.equal(a, b)]  # fmt: skip
+    if straight.scaler is not None:
+        assert (resumed.scaler.scale, resumed.scaler.skipped) == (straight.scaler.scale, straight.scaler.skipped)
+    _all_ranks_ok(runtime, problems)
+
+
+@pytest.mark.mpi
+def test_checkpoint_file_has_global_datasets_with_dtypes_and_h5ls_lists_them(runtime, shared_tmp):
+    trainer = _trainer(runtime, shared_tmp, "train.precision=bf16")
+    _train(trainer, 1)
+    path = trainer.save("test").path
+    if runtime.is_root:
+        header = read_header(path)
+        data = header["datasets"]
+        assert header["step"] == 1 and header["precision"] == "bf16"
+        assert data["model/wte.weight"]["shape"] == (64, 32)  # global, whatever the grid
+        assert data["model/wte.weight"]["dtype"] == "bfloat16" and data["model/wte.weight"]["stored"] == "<u2"
+        assert data[f"{MASTER}/blocks.3.mlp.fc.weight"]["shape"] == (128, 32)
+        assert data[f"{EXP_AVG}/blocks.0.attn.proj.weight"]["dtype"] == "float32"
+        assert len(data) == 4 * (4 + 4 * 12) + 1  # model, master, 2 moments x every parameter; the RNG rows
+        if shutil.which("h5ls") is None:
+            assert os.geteuid() != 0, "launch/setup.sh installs hdf5-tools when it runs as root"
+            pytest.skip("no h5ls on PATH (not root, so setup could not install hdf5-tools)")
+        listing = subprocess.run(["h5ls", "-r", str(path)], capture_output=True, text=True, check=True).stdout
+        assert "/model/wte.weight        Dataset {64, 32}" in listing
+        assert "/optimizer/exp_avg_sq/blocks.2.mlp.proj.weight Dataset {32, 128}" in listing
+
+
+@pytest.mark.mpi
+def test_a_write_interrupted_before_the_rename_leaves_latest_loadable(runtime, shared_tmp):
+    trainer = _trainer(runtime, shared_tmp)
+    _train(trainer, 2)
+    good = trainer.save("test").path
+    state_at_2 = _state(trainer)
+    _train(trainer, 2)
+
+    def crash() -> None:
+        raise CheckpointError("simulated crash between the data write and the rename")
+
+    with pytest.raises(CheckpointError, match="simulated crash"):
+        save(trainer, good.parent, before_commit=crash)
+    assert read_latest(good.parent) == good
+    assert (good.parent / "step_0000004.h5.tmp").exists() and not step_file(good.parent, 4).exists()
+    fresh = _trainer(runtime, shared_tmp / "fresh", f"run.resume={good.parent}")
+    assert fresh.resume()["step"] == 2
+    problems = [f"tensor {i}" for i, (a, b) in enumerate(zip(state_at_2, _state(fresh))) if not torch.equal(a, b)]
+    # The next checkpoint commits and clears the leftover .tmp.
+    assert trainer.save("test").path == step_file(good.parent, 4)
+    assert read_latest(good.parent) == step_file(good.parent, 4)
+    assert not list(good.parent.glob("*.tmp"))
+    _all_ranks_ok(runtime, problems)
+
+
+@pytest.mark.mpi
+def test_a_flipped_byte_is_named_and_nothing_is_loaded(runtime, shared_tmp):
+    import h5py
+
+    trainer = _trainer(runtime, shared_tmp)
+    _train(trainer, 2)
+    path = trainer.save("test").path
+    name = f"{EXP_AVG}/blocks.1.mlp.fc.weight"
+    if runtime.is_root:
+        with h5py.File(path, "r") as f:
+            offset = f[name].id.get_offset()
+        with open(path, "r+b") as f:
+            f.seek(offset + 1001)
+            byte = f.read(1)[0]
+            f.seek(offset + 1001)
+            f.write(bytes([byte ^ 0x01]))
+    runtime.comm.Barrier()
+    victim = _trainer(runtime, shared_tmp / "victim")
+    before = _state(victim)
+    with pytest.raises(CheckpointError, match=f"checksum mismatch in dataset /{name}:"):
+        load(victim, path)
+    assert victim.steps_done == 0
+    _all_ranks_ok(runtime, [f"tensor {i} changed" for i, (a, b) in enumerate(zip(before, _state(victim)))
+                            if not torch.equal(a, b)])  # fmt: skip
+
+
+@pytest.mark.mpi
+def test_bad_checkpoints_are_refused_with_the_cause(runtime, shared_tmp):
+    trainer = _trainer(runtime, shared_tmp)
+    path = trainer.save("test").path
+    other = _trainer(runtime, shared_tmp / "other", "model.hidden=64")
+    with pytest.raises(CheckpointError, match=r"model.hidden = 32, the deck has 64"):
+        load(other, path)
+    truncated = shared_tmp / "truncated.h5"
+    if runtime.is_root:
+        truncated.write_bytes(path.read_bytes()[:5000])
+    runtime.comm.Barrier()
+    with pytest.raises(CheckpointError, match="not a readable HDF5 file"):
+        load(trainer, truncated)
+
+
+@pytest.mark.mpi
+def test_ranks_with_empty_selections_take_part_without_hanging(runtime, shared_tmp):
+    """Rank 0 writes nothing to dataset `a`, only rank 0 writes `b`: every rank still makes
+    each collective call (a rank that skipped one would leave the others waiting)."""
+    import h5py
+
+    path = runtime.comm.bcast(str(shared_tmp / "slabs.h5"), root=0)
+    size, rank = runtime.world_size, runtime.rank
+    dxpl = transfer_plist(collective=True)
+    row = np.full(5, rank + 1, dtype=np.float32)
+    with h5py.File(path, "w", driver="mpio", comm=runtime.comm) as f:
+        a = f.create_dataset("a", (size, 5), np.float32, fill_time="never")
+        b = f.create_dataset("b", (3,), np.float32, fill_time="never")
+        write_boxes(a.id, [] if rank == 0 else [((rank, 0), (1, 5))], row if rank else row[:0], dxpl)
+        write_boxes(b.id, [((0,), (3,))] if rank == 0 else [], np.arange(3, dtype=np.float32)[: 3 if rank == 0 else 0], dxpl)  # fmt: skip
+        f.flush()
+    with h5py.File(path, "r", driver="mpio", comm=runtime.comm) as f:
+        mine = read_boxes(f["a"].id, [] if rank == 0 else [((rank, 0), (1, 5))], np.float32, dxpl)
+        assert mine.tolist() == ([] if rank == 0 else row.tolist())
+        assert read_boxes(f["b"].id, [((1,), (2,))], np.float32, dxpl).tolist() == [1.0, 2.0]
+
+
+@pytest.mark.mpi
+def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(runtime, shared_tmp):
+    trainer = _trainer(runtime, shared_tmp, "train.steps=20")
+    step = trainer.step
+
+    def step_then_signal():
+        out = step()
+        if trainer.steps_done == 2 and runtime.rank == runtime.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # as the scheduler would, on one rank only
+        return out
+
+    trainer.step = step_then_signal
+    summary = trainer.run()
+    assert trainer.steps_done == 2
+    assert summary["interrupted"] == "SIGTERM" and [c["step"] for c in summary["checkpoints"]] == [2]
+    assert read_latest(shared_tmp / "checkpoints") == step_file(shared_tmp / "checkpoints", 2)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after run()
+
+
+def test_sigusr1_through_mpirun_checkpoints_exits_0_and_the_next_job_resumes(tmp_path):
+    """What a Slurm job with `--signal=USR1@120` does, with mpirun forwarding the signal."""
+    run_dir = tmp_path / "run"
+
+    def command(steps: int) -> list[str]:
+        sets = [*SMALL, f"train.steps={steps}", "run.log_every=1", f"run.dir={run_dir}", "run.resume=auto"]
+        cmd = ["mpirun", "-n", "2", sys.executable, "-m", "app", "inputs/gpt_tiny.yaml"]
+        return cmd + [a for s in sets for a in ("--set", s)]
+
+    job = subprocess.Popen(
+        command(10000), cwd=REPO, env=app_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output = []
+    for line in job.stdout:  # wait for training to run
+        output.append(line)
+        if line.startswith("step"):
+            break
+    job.send_signal(signal.SIGUSR1)
+    rest, _ = job.communicate(timeout=120)
+    log = "".join(output) + rest
+    assert job.returncode == 0, log
+    assert "SIGUSR1 received: stopped after step" in log
+    stopped = read_latest(run_dir / "checkpoints")
+    step = int(stopped.stem.split("_")[1])
+    assert 1 <= step < 10000
+    again = subprocess.run(command(step + 2), cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {stopped} at step {step}" in again.stdout
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(1, step + 3))  # each step logged once, across both jobs

@@ -1,0 +1,274 @@
+"""`python -m app.checkpoint inspect|export` on real checkpoints written by `python -m app`.
+
+Serial tests (the app runs as an MPI subprocess; the tools are plain serial processes).
+Two small checkpoints, each made once per module: fp32 with tied embeddings, and bf16 with
+an untied head (fp32 masters next to the bf16 parameters).
+transformers and safetensors are imported inside the tests: the MPI test groups collect
+this module too and should not pay for the import.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from app.checkpoint.__main__ import run as checkpoint_cli
+from app.checkpoint.export import export_hf
+from app.checkpoint.io import decode, read_header
+from app.deck import load_deck
+from app.errors import CheckpointError
+from app.model.gpt import GPT
+from conftest import REPO, app_env, run_app
+
+TINY = "inputs/gpt_tiny.yaml"
+# A high learning rate without warm-up: after 3 Adam steps every parameter, biases and
+# LayerNorm gains included, is ~0.1 away from its initial value, so a misplaced tensor
+# (say a bias in the wrong permutation) changes the logits far beyond the tolerance.
+SMALL = tuple(arg for a in (
+    "model.hidden=64", "model.layers=2", "model.heads=4", "model.seq_len=32", "model.vocab_size=128",
+    "train.global_batch=4", "train.micro_batch=2", "train.steps=3", "run.resume=none",
+    "optim.lr=0.05", "optim.warmup_steps=0",
+) for arg in ("--set", a))  # fmt: skip
+
+
+def _checkpoint(tmp_path_factory: pytest.TempPathFactory, name: str, *overrides: str) -> Path:
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    sets = tuple(arg for a in overrides for arg in ("--set", a))
+    out = run_app(1, TINY, *SMALL, *sets, "--set", f"run.dir={run_dir}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    path = run_dir / "checkpoints" / "step_0000003.h5"  # checkpoint.at_exit
+    assert path.is_file(), sorted(p.name for p in run_dir.rglob("*"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fp32_ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "fp32")
+
+
+@pytest.fixture(scope="module")
+def bf16_untied_ckpt(tmp_path_factory):
+    # One app run serves both the untied-head and the bf16 tests (each app run costs seconds).
+    return _checkpoint(tmp_path_factory, "bf16-untied", "train.precision=bf16", "model.tie_embeddings=false")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m app.checkpoint args...` as a user runs it: a plain process, no mpirun."""
+    cmd = [sys.executable, "-m", "app.checkpoint", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120, check=False)
+
+
+def table(stdout: str) -> dict[str, str]:
+    """inspect's tree -> {"/group/name": status}: group lines end with "/", dataset lines are indented."""
+    rows, group = {}, None
+    for line in stdout.splitlines():
+        if line.startswith("/") and line.endswith("/"):
+            group = line
+        elif group and line.startswith("  "):
+            rows[group + line.split()[0]] = line.rsplit("  ", 1)[1].strip()
+        elif line.startswith("total:"):
+            group = None
+    return rows
+
+
+def all_datasets(path: Path) -> set[str]:
+    found: list[str] = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: found.append("/" + name) if isinstance(obj, h5py.Dataset) else None)
+    return set(found)
+
+
+def gridlm_model(path: Path, tmp_path: Path, source: str = "model") -> GPT:
+    """The 1-rank GPT of the checkpoint's deck, holding the checkpoint's `source` tensors."""
+    header = read_header(path)
+    deck_file = tmp_path / "saved_deck.yaml"
+    deck_file.write_text(header["deck"])
+    deck = load_deck(deck_file)
+    model = GPT(deck.model, seed=0)
+    with h5py.File(path, "r") as f, torch.no_grad():
+        for name, param in model.named_parameters():
+            dset = f[f"{source}/{name}"]
+            param.copy_(decode(dset[()], dset.attrs["dtype"]).view(param.shape))
+    return model.eval()
+
+
+def hf_model(directory: Path):
+    import transformers
+
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(directory, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def assert_same_logits(ours: GPT, hf, vocab: int, seq: int) -> None:
+    tokens = torch.randint(0, vocab, (3, seq), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        mine = ours(tokens)
+        theirs = hf(tokens).logits
+    assert theirs.shape == mine.shape == (3, seq, vocab)
+    assert mine.abs().max() > 1.0  # logits of a model trained away from its init, not ~0
+    # Same fp32 weights and math; only the op order differs (HF's Conv1D addmm vs F.linear, its
+    # attention vs SDPA): a few ulp per op through 2 blocks. Measured max |diff| 6e-7 on logits
+    # up to ~2; 1e-5 leaves margin. Misplacing one tensor kind (QKV rows unpermuted, the QKV bias
+    # unpermuted, a zeroed LayerNorm bias, a reversed MLP bias) moves the logits by 5e-2 to 1.
+    torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
+
+
+# ---- inspect --------------------------------------------------------------------------
+
+
+def test_inspect_lists_every_dataset_verified_ok_and_exits_0(fp32_ckpt, capsys):
+    out = cli("inspect", fp32_ckpt)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    assert "step        3 | optimizer steps 3 | consumed samples 12" in out.stdout
+    assert "precision   fp32" in out.stdout
+    assert "tp=1 pp=1 dp=1 (tp-dp-pp)" in out.stdout and "world size 1" in out.stdout
+    rows = table(out.stdout)
+    assert set(rows) == all_datasets(fp32_ckpt)
+    checksummed = {"/" + key for key in read_header(fp32_ckpt)["datasets"]}
+    # /model and the two moments (fp32: no masters), 28 tensors each, and the RNG rows.
+    assert len(checksummed) == 3 * 28 + 1
+    assert {rows[name] for name in checksummed} == {"ok"}
+    assert f"total: {len(rows)} datasets" in out.stdout and f"{len(checksummed)} ok" in out.stdout
+
+    # --json: the same facts as one object; --no-verify: nothing verified.
+    assert checkpoint_cli(["inspect", str(fp32_ckpt), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["step"] == 3 and report["precision"] == "fp32" and report["grid"]["world_size"] == 1
+    assert {d["name"]: d["status"] for d in report["datasets"]} == rows
+    assert report["total"]["ok"] == len(checksummed) and report["total"]["mismatch"] == 0
+    assert checkpoint_cli(["inspect", str(fp32_ckpt), "--no-verify"]) == 0
+    unverified = table(capsys.readouterr().out)
+    assert {unverified[name] for name in checksummed} == {"not verified"}
+
+
+def test_inspect_names_a_dataset_with_one_flipped_byte_and_exits_1(fp32_ckpt, tmp_path, capsys):
+    path = tmp_path / "corrupt.h5"
+    shutil.copy(fp32_ckpt, path)
+    victim = "model/blocks.1.mlp.fc.weight"
+    with h5py.File(path, "r") as f:
+        offset = f[victim].id.get_offset()
+        assert offset is not None  # contiguous: its bytes lie at [offset, offset + nbytes)
+    with open(path, "r+b") as raw:
+        raw.seek(offset + 4 * 1000 + 1)  # a middle byte of element 1000
+        byte = raw.read(1)
+        raw.seek(-1, 1)
+        raw.write(bytes([byte[0] ^ 0x10]))
+    # In-process (`run` returns the exit status): the subprocess path is covered by the other tests.
+    assert checkpoint_cli(["inspect", str(path)]) == 1
+    out = capsys.readouterr()
+    assert out.err.startswith("gridlm: ") and "/" + victim in out.err
+    rows = table(out.out)
+    assert rows["/" + victim] == "MISMATCH"
+    assert [name for name, status in rows.items() if status == "MISMATCH"] == ["/" + victim]
+    # export reads the same tensor: it refuses, names it, and writes nothing.
+    with pytest.raises(CheckpointError, match=f"checksum mismatch in dataset /{victim}"):
+        export_hf(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_user_mistakes_exit_2_with_one_gridlm_line_and_no_traceback(fp32_ckpt, tmp_path, capsys):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    for args, says in (
+        (("inspect", tmp_path / "missing.h5"), "no such file"),
+        (("inspect", text), "not a readable HDF5 file"),
+        (("export", fp32_ckpt, "--to", "onnx", tmp_path / "x"), "invalid choice"),
+    ):
+        out = cli(*args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr
+        message = out.stderr.splitlines()[-1]
+        assert message.startswith("gridlm: ") and says in message, (args, out.stderr)
+
+    incomplete = tmp_path / "incomplete.h5"
+    shutil.copy(fp32_ckpt, incomplete)
+    with h5py.File(incomplete, "r+") as f:
+        del f.attrs["committed"]  # as a copy taken during a write looks
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine\n")
+    for args, says in (
+        (["inspect", str(incomplete)], "is incomplete"),
+        (["export", str(fp32_ckpt), "--to", "hf", str(full)], "--force"),
+        (["inspect", str(tmp_path)], "is a directory"),
+    ):
+        assert checkpoint_cli(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("gridlm: ") and says in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in full.iterdir()) == ["keep.txt"]  # the refused export wrote nothing
+
+
+def test_help_answers_without_loading_mpi_torch_or_h5py():
+    # --help is read on login nodes: it must not start MPI or load torch (imported lazily).
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['x', 'export', '--help']\n"
+        "try:\n    runpy.run_module('app.checkpoint', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'mpi4py', 'h5py') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert "whole into memory on this one process" in " ".join(out.stdout.split())
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---- export -----------------------------------------------------------------------------
+
+
+def test_export_hf_loads_in_transformers_and_gives_our_logits(fp32_ckpt, tmp_path, capsys):
+    assert checkpoint_cli(["export", str(fp32_ckpt), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert "exported step 3" in capsys.readouterr().out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"]
+    assert (config["n_embd"], config["n_layer"], config["n_head"], config["n_inner"]) == (64, 2, 4, 256)
+    assert (config["vocab_size"], config["n_positions"], config["tie_word_embeddings"]) == (128, 32, True)
+    assert config["activation_function"] == "gelu_new"
+    hf = hf_model(tmp_path / "hf")
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied
+    assert_same_logits(gridlm_model(fp32_ckpt, tmp_path), hf, vocab=128, seq=32)
+
+
+def test_export_untied_writes_lm_head(bf16_untied_ckpt, tmp_path):
+    from safetensors.numpy import load_file
+
+    export_hf(bf16_untied_ckpt, tmp_path / "hf")
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    with h5py.File(bf16_untied_ckpt, "r") as f:
+        np.testing.assert_array_equal(saved["lm_head.weight"], f["optimizer/master/head"][()])
+        assert not np.array_equal(f["optimizer/master/head"][()], f["optimizer/master/wte.weight"][()])
+    hf = hf_model(tmp_path / "hf")
+    assert not hf.config.tie_word_embeddings
+    assert hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr()
+    assert_same_logits(gridlm_model(bf16_untied_ckpt, tmp_path, source="optimizer/master"), hf, vocab=128, seq=32)
+
+
+def test_export_of_a_bf16_checkpoint_writes_the_fp32_masters(bf16_untied_ckpt, tmp_path):
+    from safetensors.numpy import load_file
+
+    header = read_header(bf16_untied_ckpt)
+    assert header["precision"] == "bf16"
+    assert header["datasets"]["model/wte.weight"]["dtype"] == "bfloat16"
+    done = export_hf(bf16_untied_ckpt, tmp_path / "hf")
+    assert done.source == "optimizer/master" and done.step == 3
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {np.dtype(np.float32)}
+    with h5py.File(bf16_untied_ckpt, "r") as f:
+        for name, hf_name in (("wte.weight", "transformer.wte.weight"), ("ln_f.bias", "transformer.ln_f.bias")):
+            master = f[f"optimizer/master/{name}"][()]
+            rounded = decode(f[f"model/{name}"][()], "bfloat16").numpy()
+            np.testing.assert_array_equal(saved[hf_name], master)
+            # The bf16 parameters are the masters rounded: exporting them instead would differ.
+            np.testing.assert_array_equal(torch.from_numpy(master).bfloat16().float().numpy(), rounded)
+            assert not np.array_equal(master, rounded)
