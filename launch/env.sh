@@ -10,3 +10,6 @@ fi
 # More ranks than cores (4 ranks on a 2-core CI machine), and no CMA inside containers.
 export OMPI_MCA_rmaps_base_oversubscribe="${OMPI_MCA_rmaps_base_oversubscribe:-1}"
 export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_copy_mechanism:-none}"
+# OpenMPI's MPI-IO: ROMIO, not OMPIO. Measured with benchmarks/checkpoint_bench.py on this kind of
+# machine, OMPIO's collective writes of the many per-tensor checkpoint datasets ran 2-5x slower.
+export OMPI_MCA_io="${OMPI_MCA_io:-romio321}"

@@ -30,3 +30,22 @@ def test_the_benchmark_runs_grids_and_writes_a_table_with_communication_times(tm
     assert float(rows[1]["tp_comm_ms"]) > 0 and float(rows[1]["dp_comm_ms"]) == 0
     assert rows[0]["final_loss"][:6] == rows[1]["final_loss"][:6]  # same training, another grid
     assert "| 2x1x1+sp | 2 |" in capsys.readouterr().out
+
+
+def test_the_checkpoint_benchmark_compares_hdf5_torch_save_and_dd(tmp_path, capsys):
+    import checkpoint_bench
+
+    tiny = ["model.hidden=64", "model.layers=2", "model.heads=4", "model.vocab_size=128", "model.seq_len=32",
+            "parallel.tp=1"]  # fmt: skip
+    rc = checkpoint_bench.main(
+        ["--ranks", "2", "--repeats", "1", "--out", str(tmp_path), *(a for s in tiny for a in ("--set", s))]
+    )
+    assert rc == 0
+    rows = {r["method"]: r for r in csv.DictReader((tmp_path / "table.csv").read_text().splitlines())}
+    assert list(rows) == ["HDF5 collective", "HDF5 independent", "torch.save per rank", "dd conv=fsync"]
+    for r in rows.values():
+        assert float(r["save_GBps"]) > 0 and float(r["load_GBps"]) > 0, r
+    hdf5, torch_save = float(rows["HDF5 collective"]["GB"]), float(rows["torch.save per rank"]["GB"])
+    assert abs(torch_save / hdf5 - 1) < 0.05  # the same tensor bytes, one file per rank
+    assert not (tmp_path / "files").exists()  # every checkpoint and dd file removed
+    assert "| dd conv=fsync | 1 |" in capsys.readouterr().out
