@@ -155,7 +155,8 @@ class CheckpointConfig:
     at_exit: bool = _key(True, "write a checkpoint when training ends (unless the last step just wrote one)")
     keep: int = _key(2, "keep the newest N checkpoints (never the one `latest` names); 0 keeps all", min=0)
     io: str = _key(
-        "collective", "MPI-IO mode of the tensor writes and reads: collective (two-phase) or independent",
+        "independent", "MPI-IO mode of the tensor writes and reads: independent (each rank its own slabs; "
+        "measured faster here, docs/CHECKPOINT.md) or collective (two-phase I/O through aggregators)",
         choices=("collective", "independent"),
     )  # fmt: skip
     alignment_threshold: int = _key(

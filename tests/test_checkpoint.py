@@ -157,7 +157,7 @@ def _all_ranks_ok(runtime, problems: list[str]) -> None:
 
 CASES = {
     "fp32-dropout": ("model.dropout=0.1",),  # the per-rank RNG states come back too
-    "bf16-zero1": ("train.precision=bf16", "optim.zero=1"),
+    "bf16-zero1-collective": ("train.precision=bf16", "optim.zero=1", "checkpoint.io=collective"),
     "fp16-lamb": ("train.precision=fp16", "train.loss_scale=1024", "optim.name=lamb"),
 }
 

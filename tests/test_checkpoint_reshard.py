@@ -38,7 +38,8 @@ TINY = (
     "optim.warmup_steps=2", "data.noise=0.1", "run.log_every=100", "parallel.dp_bucket_mb=0.02",
     "run.resume=none", "checkpoint.at_exit=false",
 )  # fmt: skip
-SAVED_GRID = (2, 2, 2, ("parallel.sequence_parallel=true", "optim.zero=1"))
+# Written with collective MPI-IO, read with the default (independent).
+SAVED_GRID = (2, 2, 2, ("parallel.sequence_parallel=true", "optim.zero=1", "checkpoint.io=collective"))
 # (tp, pp, dp, extra): one rank; dp 4 with ZeRO-1; tp 4 with SP; pp 4; interleaved stages; ZeRO-1 off.
 LOADS = [
     (1, 1, 1, ()),

@@ -10,6 +10,7 @@ this module too and should not pay for the import.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -272,3 +273,23 @@ def test_export_of_a_bf16_checkpoint_writes_the_fp32_masters(bf16_untied_ckpt, t
             # The bf16 parameters are the masters rounded: exporting them instead would differ.
             np.testing.assert_array_equal(torch.from_numpy(master).bfloat16().float().numpy(), rounded)
             assert not np.array_equal(master, rounded)
+
+
+def _doc_snippets() -> list[str]:
+    text = (REPO / "docs" / "CHECKPOINT.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_the_five_line_reader_of_docs_checkpoint_md_reads_a_parameter(fp32_ckpt, bf16_untied_ckpt, which):
+    """The documented h5py snippet, run on a real checkpoint, gives the parameter (decoded from
+    bf16 bit patterns too), and the documented checksum check holds."""
+    path = fp32_ckpt if which == "fp32" else bf16_untied_ckpt
+    reader, checker = _doc_snippets()[:2]
+    scope: dict = {}
+    exec(reader.replace("runs/gpt_tiny/checkpoints/step_0000300.h5", str(path)), scope)  # noqa: S102
+    with h5py.File(path, "r") as f:
+        stored = f["model/blocks.0.attn.qkv.weight"]
+        expected = decode(stored[...], stored.attrs["dtype"]).numpy()
+        assert scope["w"].dtype == np.float32 and np.array_equal(scope["w"], expected)
+        exec(checker, {"f": f})  # noqa: S102 - raises AssertionError on a mismatch
