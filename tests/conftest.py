@@ -87,3 +87,24 @@ def run_app(ranks: int, *args: str, timeout: float = 240) -> subprocess.Complete
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of a run's metrics.jsonl, in order."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def grid_trainer(runtime, tp: int, pp: int, dp: int, overrides: tuple[str, ...]):
+    """A `Trainer` of inputs/gpt_tiny.yaml with `overrides` on a tp x pp x dp grid of `runtime`."""
+    from app.deck import load_deck, resolve_for_world
+    from app.runtime.grid import ProcessGrid
+    from app.train import Trainer
+
+    sets = (*overrides, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}")
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), runtime.world_size)
+    return Trainer(deck, runtime, ProcessGrid(runtime, tp, pp, dp, deck.parallel.order))
+
+
+def train_steps(trainer, steps: int) -> list[float]:
+    """Run `steps` optimizer steps; the global-batch losses. Leaves no ZeRO all-gather in flight."""
+    from app.train import global_loss
+
+    trainer.model.train()
+    losses = [global_loss(trainer.step()[0], trainer.grid) for _ in range(steps)]
+    trainer.dp.wait_params()
+    return losses

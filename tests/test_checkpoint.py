@@ -20,12 +20,11 @@ import torch
 from app.checkpoint.io import EXP_AVG, MASTER, load, read_header, save
 from app.checkpoint.slabs import checksum, flat_boxes, global_boxes, read_boxes, transfer_plist, write_boxes
 from app.checkpoint.store import commit, read_latest, resolve_resume, retain, step_file
-from app.deck import load_deck, resolve_for_world
+from app.deck import load_deck
 from app.errors import CheckpointError
 from app.metrics.report import MetricsWriter
-from app.runtime.grid import ProcessGrid
-from app.train import Trainer, global_loss
-from conftest import REPO, app_env, read_metrics
+from app.train import Trainer
+from conftest import REPO, app_env, grid_trainer, read_metrics, train_steps
 
 SMALL = (
     "model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
@@ -130,17 +129,10 @@ def test_metrics_log_keeps_the_records_up_to_the_resumed_step(tmp_path):
 
 
 def _trainer(runtime, run_dir, *extra: str) -> Trainer:
-    tp, pp, dp = GRIDS[runtime.world_size]
-    overrides = (*SMALL, f"parallel.tp={tp}", f"parallel.pp={pp}", f"run.dir={run_dir}", *extra)
-    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", overrides), runtime.world_size)
-    return Trainer(deck, runtime, ProcessGrid(runtime, tp, pp, dp, deck.parallel.order))
+    return grid_trainer(runtime, *GRIDS[runtime.world_size], (*SMALL, f"run.dir={run_dir}", *extra))
 
 
-def _train(trainer: Trainer, steps: int) -> list[float]:
-    trainer.model.train()
-    losses = [global_loss(trainer.step()[0], trainer.grid) for _ in range(steps)]
-    trainer.dp.wait_params()
-    return losses
+_train = train_steps
 
 
 def _state(trainer: Trainer) -> list[torch.Tensor]:

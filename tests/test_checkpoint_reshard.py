@@ -25,10 +25,8 @@ import pytest
 import torch
 
 from app.checkpoint.io import load
-from app.deck import load_deck, resolve_for_world
-from app.runtime.grid import ProcessGrid
-from app.train import Trainer, global_loss
-from conftest import REPO
+from app.train import Trainer
+from conftest import grid_trainer, train_steps
 
 STEPS, SAVE_AT = 5, 2
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -52,16 +50,10 @@ LOADS = [
 
 
 def _trainer(runtime, tp: int, pp: int, dp: int, extra: tuple[str, ...], run_dir: str) -> Trainer:
-    overrides = (*TINY, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", *extra, f"run.dir={run_dir}")
-    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", overrides), runtime.world_size)
-    return Trainer(deck, runtime, ProcessGrid(runtime, tp, pp, dp, deck.parallel.order))
+    return grid_trainer(runtime, tp, pp, dp, (*TINY, *extra, f"run.dir={run_dir}"))
 
 
-def _train(trainer: Trainer, steps: int) -> list[float]:
-    trainer.model.train()
-    losses = [global_loss(trainer.step()[0], trainer.grid) for _ in range(steps)]
-    trainer.dp.wait_params()
-    return losses
+_train = train_steps
 
 
 _CACHE: dict[str, object] = {}
