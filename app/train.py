@@ -11,6 +11,9 @@ them, adds the sequence-parallel and tied-embedding sums, takes the grid-wide no
 (fp16: an overflow anywhere skips the step everywhere), clips and steps. The logged loss
 is the mean over the whole global batch, so it is the same number on 1 rank and on any
 grid.
+A run starts from the checkpoint run.resume names (any grid's), writes checkpoints every
+checkpoint.every steps and at exit, and on SIGTERM / SIGUSR1 stops after the current step
+with a checkpoint (`app/checkpoint/`, docs/CHECKPOINT.md).
 """
 
 from __future__ import annotations
