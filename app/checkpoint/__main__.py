@@ -111,8 +111,8 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
     """The report `inspect` prints. With `verify`, reads every dataset whole (the whole file)."""
     import h5py
 
-    from app.checkpoint.export import model_section, stored_checksum
-    from app.checkpoint.io import read_header
+    from app.checkpoint.io import model_section, read_header
+    from app.checkpoint.slabs import dataset_checksum
 
     header = read_header(path)  # CheckpointError for anything but a committed gridlm checkpoint
     found: list[tuple[str, Any]] = []
@@ -125,7 +125,7 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
             if verify and want is not None:
                 try:
                     values = dset[()]
-                    status = "ok" if values.size == 0 or stored_checksum(values) == int(want) else "MISMATCH"
+                    status = "ok" if values.size == 0 or dataset_checksum(values) == int(want) else "MISMATCH"
                 except OSError:
                     status = "UNREADABLE"
             logical = dset.attrs.get("dtype", dset.dtype.name)

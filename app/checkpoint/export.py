@@ -45,20 +45,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import yaml
 
+from app.checkpoint.slabs import dataset_checksum
 from app.errors import CheckpointError
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
-
-
-def stored_checksum(values: np.ndarray) -> int:
-    """The checksum of a whole dataset read into memory (stored dtype), as the `checksum`
-    attribute holds it: the slabs.py sum, reduced mod 2^32 (the attribute is a uint32)."""
-    from app.checkpoint.slabs import checksum
-
-    shape = tuple(values.shape)
-    return int(checksum(values, [((0,) * len(shape), shape)], shape)) % 2**32
 
 
 def read_verified(f: Any, key: str, path: Path) -> np.ndarray:
@@ -72,24 +63,12 @@ def read_verified(f: Any, key: str, path: Path) -> np.ndarray:
             f"{path}: cannot read dataset /{key} ({err}): the file is truncated or corrupt; use an older checkpoint"
         ) from None
     want = dset.attrs.get("checksum")
-    if want is not None and values.size and stored_checksum(values) != int(want):
+    if want is not None and values.size and dataset_checksum(values) != int(want):
         raise CheckpointError(
             f"{path}: checksum mismatch in dataset /{key}: the file is corrupt; use an older checkpoint "
             f"(`python -m app.checkpoint inspect {path}` lists every damaged dataset)"
         )
     return values
-
-
-def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The `model` section of the deck a checkpoint was written with, ffn resolved."""
-    try:
-        model = dict(yaml.safe_load(header["deck"])["model"])
-        model["ffn"] = model.get("ffn_hidden") or 4 * model["hidden"]
-        for key in ("vocab_size", "seq_len", "layers", "hidden", "heads"):
-            int(model[key])
-    except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
-        raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
-    return model
 
 
 def hf_config(model: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +170,7 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
     check_target(directory, force)  # before the (possibly long) read, and before importing torch
     import h5py
 
-    from app.checkpoint.io import MASTER, MODEL, decode, read_header
+    from app.checkpoint.io import MASTER, MODEL, decode, model_section, read_header
 
     header = read_header(path)
     model = model_section(header, path)

@@ -332,10 +332,21 @@ def read_header(path: Path) -> dict[str, Any]:
     return {**attrs, "datasets": catalogue, "rng": rng}
 
 
+def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The `model` section of the deck a checkpoint was written with, ffn resolved."""
+    try:
+        model = dict(yaml.safe_load(header["deck"])["model"])
+        model["ffn"] = model.get("ffn_hidden") or 4 * model["hidden"]
+        for key in ("vocab_size", "seq_len", "layers", "hidden", "heads"):
+            int(model[key])
+    except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
+        raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
+    return model
+
+
 def check_model(header: dict[str, Any], deck: Deck, path: Path) -> None:
     """The checkpoint's model shape must be the deck's."""
-    saved = yaml.safe_load(header["deck"])["model"]
-    saved["ffn"] = saved.get("ffn_hidden") or 4 * saved["hidden"]
+    saved = model_section(header, path)
     for key in SHAPE_KEYS:
         want = getattr(deck.model, key)
         if saved.get(key) != want:
