@@ -29,11 +29,57 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="override one deck key (repeatable), e.g. --set train.steps=50 --set run.dir=runs/x",
     )
-    return parser.parse_args(argv)
+    plan = parser.add_argument_group("dry run (no MPI launch: grid, placement, memory and FLOPs of the deck)")
+    plan.add_argument("--dry-run", action="store_true", help="plan the deck and exit: 0 if it can run, 2 if not")
+    plan.add_argument("--world-size", type=int, metavar="N", help="ranks to plan for (default: tp x pp x dp)")
+    plan.add_argument("--nodes", type=int, metavar="N", help="nodes to plan for (ranks = N x devices per node)")
+    plan.add_argument(
+        "--machine", metavar="NAME", help="inputs/machines/NAME.yaml or a path (default: the deck's run.machine)"
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--all-ranks", action="store_true", help="list every rank's node and (tp, pp, dp)")
+    plan.add_argument(
+        "--max-imbalance", type=float, default=1.25, metavar="R",
+        help="largest accepted slowest-stage / mean-stage work ratio (default 1.25)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if not args.dry_run:
+        used = [f"--{k.replace('_', '-')}" for k in ("world_size", "nodes", "machine", "all_ranks") if getattr(args, k)]
+        if used or args.json:
+            parser.error(f"{', '.join(used + (['--json'] if args.json else []))} only go with --dry-run")
+    for key in ("world_size", "nodes"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1")
+    return args
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Plan the deck for a world size without MPI; print the report; 2 if it cannot run."""
+    from app.deck import load_deck
+    from app.errors import GridlmError
+    from app.plan.dryrun import dump_json, format_text, make_plan, world_for
+    from app.plan.machine import load_machine
+
+    try:
+        deck = load_deck(args.deck, tuple(args.overrides))
+        name = args.machine or deck.run.machine
+        machine = load_machine(name) if name else None
+        world, rpn = world_for(deck, args.world_size, args.nodes, machine)
+        plan = make_plan(deck, world, machine, rpn, args.max_imbalance)
+    except GridlmError as err:
+        print(f"gridlm: {err}", file=sys.stderr, flush=True)
+        return 2
+    print(dump_json(plan, args.all_ranks) if args.json else format_text(plan, args.deck, args.all_ranks), flush=True)
+    if plan.problems:
+        print(f"gridlm: dry run: {len(plan.problems)} problem(s), the run cannot work as planned", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     # Imported here so that `--help` answers without starting MPI or loading torch.
     from app.deck import load_deck, resolve_for_world
     from app.errors import GridlmError

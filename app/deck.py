@@ -142,6 +142,10 @@ class RunConfig:
     timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0)
     timers: bool = _key(True, "time forward, backward, optimizer and (exposed) communication per axis, every step")
     threads: Optional[int] = _key(None, "torch threads per rank; null means cores per node / ranks per node", min=1)
+    machine: Optional[str] = _key(
+        None, "machine the deck is planned for (inputs/machines/NAME.yaml or a path): the default of --dry-run's "
+        "and launch/submit.py's --machine",
+    )  # fmt: skip
     resume: str = _key(
         "auto", "auto = continue from the latest checkpoint if there is one; none = start fresh; or a checkpoint "
         "file (.h5) or directory",

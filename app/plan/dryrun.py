@@ -1,0 +1,459 @@
+"""The dry run: `python -m app DECK --dry-run [--world-size N | --nodes N --machine M] [--json]`.
+
+No MPI launch: the deck is resolved for the world size, the ranks are placed on nodes with
+the same pure mapping a real run uses (`GridLayout`), and every stage's parameters, memory
+per device and work are estimated (`app.plan.estimate`). The plan names what makes the run
+impossible — it does not fit in device memory, a tensor-parallel group spans nodes, the
+pipeline stages are unbalanced — each with its fix, and the CLI exits 2 when there is any.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from app.deck import Deck, resolve_for_world
+from app.errors import GridlmError
+from app.plan.estimate import StageEstimate, estimate_stages, stage_params, step_flops
+from app.plan.machine import Machine
+from app.runtime.grid import AXES, GridLayout
+
+GiB = 2.0**30
+USABLE_FRACTION = 0.9  # of device memory; the rest for the CUDA context, NCCL buffers, fragmentation
+MAX_IMBALANCE = 1.25  # slowest stage's work / mean stage work
+
+
+class PlanError(GridlmError):
+    """The dry run cannot be set up (no world size, no node shape)."""
+
+
+@dataclass
+class Plan:
+    deck: Deck
+    world_size: int
+    machine: Optional[Machine]
+    ranks_per_node: Optional[int]
+    layout: GridLayout
+    stages: list[StageEstimate]
+    flops: dict[str, float]
+    node_span: dict[str, Optional[int]]
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    alternatives: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def nodes(self) -> Optional[int]:
+        return None if self.ranks_per_node is None else math.ceil(self.world_size / self.ranks_per_node)
+
+    @property
+    def usable_bytes(self) -> Optional[float]:
+        return None if self.machine is None else self.machine.memory_per_device_bytes * USABLE_FRACTION
+
+    def peak_stage(self) -> StageEstimate:
+        zero, recompute = self.deck.optim.zero, self.deck.train.recompute
+        return max(self.stages, key=lambda s: s.total(zero, recompute))
+
+    def imbalance(self) -> float:
+        work = [s.flops_per_micro_batch for s in self.stages]
+        return max(work) / (sum(work) / len(work))
+
+    def bubble(self) -> float:
+        """Pipeline bubble as a fraction of the ideal step: (pp - 1) / (virtual x micro-batches)."""
+        par = self.deck.parallel
+        return (par.pp - 1) / (par.virtual_stages * self.deck.num_micro_batches)
+
+
+def world_for(
+    deck: Deck, world_size: Optional[int], nodes: Optional[int], machine: Optional[Machine]
+) -> tuple[int, Optional[int]]:
+    """(world size, ranks per node) from the command line, the machine and the deck."""
+    rpn = machine.devices_per_node if machine is not None else deck.parallel.gpus_per_node
+    if world_size is not None and nodes is not None:
+        raise PlanError("give either --world-size or --nodes, not both")
+    if nodes is not None:
+        if rpn is None:
+            raise PlanError(
+                "--nodes needs a node shape: pass --machine NAME (inputs/machines/) or set parallel.gpus_per_node"
+            )
+        return nodes * rpn, rpn
+    if world_size is not None:
+        return world_size, rpn
+    par = deck.parallel
+    if isinstance(par.dp, int):
+        return par.tp * par.pp * par.dp, rpn
+    raise PlanError(
+        f"no world size: parallel.dp is auto; pass --world-size N, or --nodes N with a machine, or set "
+        f"parallel.dp (tp x pp = {par.tp * par.pp})"
+    )
+
+
+def make_plan(
+    deck: Deck,
+    world_size: int,
+    machine: Optional[Machine] = None,
+    ranks_per_node: Optional[int] = None,
+    max_imbalance: float = MAX_IMBALANCE,
+) -> Plan:
+    """Resolve `deck` for `world_size` (a DeckError if impossible) and plan it."""
+    start = time.perf_counter()
+    deck = resolve_for_world(deck, world_size)
+    par = deck.parallel
+    rpn = ranks_per_node if ranks_per_node is not None else (machine.devices_per_node if machine else None)
+    layout = GridLayout.from_order_string(par.tp, par.pp, deck.dp, par.order, rpn)
+    plan = Plan(
+        deck=deck,
+        world_size=world_size,
+        machine=machine,
+        ranks_per_node=rpn,
+        layout=layout,
+        stages=estimate_stages(deck),
+        flops=step_flops(deck),
+        node_span={axis: _node_span(layout, axis) for axis in AXES},
+    )
+    _check_placement(plan)
+    _check_memory(plan)
+    _check_balance(plan, max_imbalance)
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _node_span(layout: GridLayout, axis: str) -> Optional[int]:
+    """The most nodes one group along `axis` spans (None without a node shape)."""
+    rpn = layout.ranks_per_node
+    if rpn is None:
+        return None
+    return max(len({r // rpn for r in g}) for g in _sample_groups(layout, axis))
+
+
+def _sample_groups(layout: GridLayout, axis: str) -> list[list[int]]:
+    """The groups whose first rank lies in the first lcm(ranks per node, stride x size) positions.
+
+    A group is base + i x stride; shifting its base by ranks_per_node shifts its nodes by one,
+    so its node count depends on base mod ranks_per_node only, and every residue occurs there.
+    """
+    stride, n, rpn = layout.stride(axis), layout.size(axis), layout.ranks_per_node or 1
+    period = math.lcm(rpn, stride * n)
+    bases = [b for b in range(min(period, layout.world_size)) if (b // stride) % n == 0]
+    return [layout.group_of(b, axis) for b in bases]
+
+
+def _check_placement(plan: Plan) -> None:
+    par, rpn = plan.deck.parallel, plan.ranks_per_node
+    if rpn is None:
+        plan.warnings.append("no node shape: placement not checked; pass --machine NAME or set parallel.gpus_per_node")
+        return
+    if plan.world_size % rpn:
+        plan.warnings.append(f"{plan.world_size} ranks do not fill nodes of {rpn}: the last node is partly empty")
+    if plan.node_span["tp"] and plan.node_span["tp"] > 1:
+        if par.tp > rpn or rpn % par.tp:
+            fix = f"use a tp that divides the {rpn} devices per node (e.g. {math.gcd(par.tp, rpn)}) and more pp"
+        else:
+            fix = "keep tp innermost: parallel.order: tp-dp-pp"
+        plan.problems.append(
+            f"tensor-parallel groups span {plan.node_span['tp']} nodes (parallel.tp = {par.tp}, {rpn} devices per "
+            f"node, order {par.order}); tp communicates in every layer and would run over the network: {fix}"
+        )
+
+
+def _check_memory(plan: Plan) -> None:
+    deck, usable = plan.deck, plan.usable_bytes
+    zero, recompute = deck.optim.zero, deck.train.recompute
+    peak = plan.peak_stage()
+    need = peak.total(zero, recompute)
+    # What the usual memory switches would give, on the stage that needs the most.
+    options = [("optim.zero=1", 1, recompute), ("train.recompute=full", zero, "full")]
+    if zero == 0 and recompute != "full":
+        options.append(("both", 1, "full"))
+    for key, z, r in options:
+        if (z, r) != (zero, recompute) and (z == zero or deck.dp > 1):
+            plan.alternatives[key] = max(s.total(z, r) for s in plan.stages)
+    if usable is None:
+        plan.warnings.append("no machine: device memory not checked; pass --machine NAME (inputs/machines/)")
+        return
+    if need <= usable:
+        return
+    assert plan.machine is not None
+    fixes = [f"--set {k} ({v / GiB:.1f} GiB)" for k, v in plan.alternatives.items() if v <= usable and k != "both"]
+    if not fixes and "both" in plan.alternatives and plan.alternatives["both"] <= usable:
+        fixes = [f"--set optim.zero=1 --set train.recompute=full ({plan.alternatives['both'] / GiB:.1f} GiB)"]
+    fixes.append("more pipeline stages or a larger tp (fewer parameters per device)")
+    if deck.train.micro_batch > 1:
+        fixes.append("a smaller train.micro_batch (fewer activations)")
+    plan.problems.append(
+        f"does not fit: stage {peak.stage} needs {need / GiB:.1f} GiB per device, {plan.machine.name} has "
+        f"{usable / GiB:.1f} GiB usable ({int(USABLE_FRACTION * 100)}% of {plan.machine.memory_per_device_gib:g} "
+        f"GiB); try " + "; or ".join(fixes)
+    )
+
+
+def _check_balance(plan: Plan, max_imbalance: float) -> None:
+    if len(plan.stages) == 1:
+        return
+    ratio = plan.imbalance()
+    if ratio <= max_imbalance:
+        return
+    slow = max(plan.stages, key=lambda s: s.flops_per_micro_batch)
+    plan.problems.append(
+        f"pipeline stages unbalanced: stage {slow.stage} does {ratio:.2f}x the mean stage's work (limit "
+        f"{max_imbalance:.2f}), so every other stage waits for it; set parallel.stage_layers (e.g. "
+        f"{balanced_layers(plan)}) or a pp that divides model.layers = {plan.deck.model.layers}"
+    )
+
+
+def balanced_layers(plan: Plan) -> list[int]:
+    """stage_layers that even out the work, counting the head as its weight in layers on the last chunk."""
+    deck = plan.deck
+    chunks = deck.parallel.pp * deck.parallel.virtual_stages
+    layers = deck.model.layers
+    last = plan.stages[-1]
+    per_layer = plan.stages[0].flops_per_micro_batch / max(1, sum(plan.stages[0].layers))
+    if plan.stages[0].first and per_layer == 0:
+        return []
+    head = (last.flops_per_micro_batch - sum(last.layers) * per_layer) / per_layer
+    target = (layers + head) / chunks
+    counts = [max(1, round(target))] * chunks
+    counts[-1] = max(1, round(target - head))
+    # Put the difference on the earliest chunks, one layer at a time.
+    i = 0
+    while sum(counts) != layers:
+        step = 1 if sum(counts) < layers else -1
+        if counts[i % (chunks - 1)] + step >= 1:
+            counts[i % (chunks - 1)] += step
+        i += 1
+    return counts
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def _gib(x: float) -> float:
+    return round(x / GiB, 3)
+
+
+def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
+    deck, m, par, tr = plan.deck, plan.deck.model, plan.deck.parallel, plan.deck.train
+    peak_tflops = plan.machine.peak(tr.precision) if plan.machine is not None else None
+    hw = plan.flops["hardware"]
+    ideal = hw / (plan.world_size * peak_tflops * 1e12) if peak_tflops else None
+    out: dict[str, Any] = {
+        "world_size": plan.world_size,
+        "machine": None if plan.machine is None else plan.machine.name,
+        "nodes": plan.nodes,
+        "ranks_per_node": plan.ranks_per_node,
+        "grid": {"tp": par.tp, "pp": par.pp, "dp": deck.dp, "order": par.order, "virtual_stages": par.virtual_stages},
+        "parameters": stage_params(m, 1, m.layers, True, True),
+        "micro_batches": deck.num_micro_batches,
+        "placement": {
+            "node_span": plan.node_span,
+            "within_node": {a: (None if s is None else s == 1) for a, s in plan.node_span.items()},
+            "first_node": _node_ranks(plan, 0),
+        },
+        "stages": [
+            {
+                "stage": s.stage,
+                "layers": s.layers,
+                "embedding": s.first,
+                "head": s.last,
+                "params_per_rank": s.params,
+                "memory_gib": {
+                    "weights": _gib(s.weights),
+                    "gradients": _gib(s.gradients),
+                    "optimizer": {k: _gib(v) for k, v in s.optimizer.items()},
+                    "activations": {k: _gib(v) for k, v in s.activations.items()},
+                    "total": _gib(s.total(deck.optim.zero, tr.recompute)),
+                },
+                "flops_per_micro_batch": s.flops_per_micro_batch,
+            }
+            for s in plan.stages
+        ],
+        "memory": {
+            "peak_gib": _gib(plan.peak_stage().total(deck.optim.zero, tr.recompute)),
+            "peak_stage": plan.peak_stage().stage,
+            "usable_gib": None if plan.usable_bytes is None else _gib(plan.usable_bytes),
+            "device_gib": None if plan.machine is None else plan.machine.memory_per_device_gib,
+            "alternatives_gib": {k: _gib(v) for k, v in plan.alternatives.items()},
+        },
+        "flops": {
+            "model_per_step": plan.flops["model"],
+            "hardware_per_step": hw,
+            "convention": "Megatron SC21 eq. 3 (2 FLOPs per multiply-add, backward = 2 x forward, full "
+            "(not causally halved) attention); hardware adds train.recompute's forward",
+            "peak_tflops_per_device": peak_tflops,
+            "ideal_step_s": ideal,
+            "bubble_fraction": plan.bubble(),
+            "ideal_step_with_bubble_s": None if ideal is None else ideal * (1 + plan.bubble()),
+        },
+        "imbalance": plan.imbalance(),
+        "problems": plan.problems,
+        "warnings": plan.warnings,
+        "seconds": plan.seconds,
+    }
+    if all_ranks:
+        out["ranks"] = [[r, *_where(plan, r)] for r in range(plan.world_size)]
+    return out
+
+
+def _where(plan: Plan, rank: int) -> tuple[Optional[int], int, int, int]:
+    c = plan.layout.coords(rank)
+    node = None if plan.ranks_per_node is None else rank // plan.ranks_per_node
+    return node, c["tp"], c["pp"], c["dp"]
+
+
+def _node_ranks(plan: Plan, node: int) -> list[dict[str, int]]:
+    rpn = plan.ranks_per_node or plan.world_size
+    ranks = range(node * rpn, min(plan.world_size, (node + 1) * rpn))
+    return [{"rank": r, **plan.layout.coords(r)} for r in ranks]
+
+
+def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
+    j = to_json(plan, all_ranks)
+    deck, m, par, tr = plan.deck, plan.deck.model, plan.deck.parallel, plan.deck.train
+    lines = []
+    where = f"on {plan.machine.name} ({plan.machine.description})" if plan.machine is not None else "(no machine given)"
+    shape = f"{plan.nodes} node(s) x {plan.ranks_per_node}" if plan.ranks_per_node else "ranks"
+    lines.append(f"gridlm dry run: {deck_path} {where}")
+    lines.append(f"  world      {plan.world_size:,} ranks = {shape}")
+    lines.append(
+        f"  model      {_count(j['parameters'])} parameters ({j['parameters']:,}): {m.layers} layers, hidden "
+        f"{m.hidden}, {m.heads} heads, MLP {m.ffn}, seq {m.seq_len}, vocab {m.vocab_size}, "
+        f"{'tied' if m.tie_embeddings else 'untied'} embeddings"
+    )
+    lines.append(
+        f"  grid       tp {par.tp} x pp {par.pp} x dp {deck.dp}, order {par.order} (innermost first); "
+        f"{deck.num_micro_batches} micro-batch(es) of {tr.micro_batch} per dp rank per step, global batch "
+        f"{tr.global_batch}"
+    )
+    lines.append(f"  placement  {_placement_line(plan)}")
+    for node in range(min(2, plan.nodes or 1)):
+        lines.append(f"             node {node}: {_describe_node(plan, node)}")
+    if plan.nodes and plan.nodes > 2:
+        lines.append(f"             ... node {plan.nodes - 1}: {_describe_node(plan, plan.nodes - 1)}")
+    schedule = "interleaved 1F1B" if par.virtual_stages > 1 else "1F1B"
+    lines.append(
+        f"  pipeline   {schedule}, {par.pp} stage(s) x {par.virtual_stages} chunk(s); bubble "
+        f"{100 * plan.bubble():.1f}% of the ideal step ((pp - 1) / (virtual x micro-batches)); stage work "
+        f"max/mean {plan.imbalance():.3f}"
+    )
+    lines.append(
+        f"  memory     per device, GiB (precision {tr.precision}, optim.zero {deck.optim.zero}, recompute "
+        f"{tr.recompute}, micro_batch {tr.micro_batch})"
+    )
+    lines.append(
+        f"    {'stage':<10} {'layers':<12} {'params/rank':>15} {'weights':>9} {'grads':>9} {'optimizer':>10} "
+        f"{'activations':>12} {'total':>9}"
+    )
+    runs = _stage_runs(plan.stages, deck)
+    if len(runs) > 8:  # deep pipelines: the first and last stages; --json lists every stage
+        hidden = runs[3:-2]
+        totals = [s.total(deck.optim.zero, tr.recompute) / GiB for s in plan.stages[hidden[0][0] : hidden[-1][1] + 1]]
+        skipped = (
+            f"    {f'{hidden[0][0]}-{hidden[-1][1]}':<10} ... totals {min(totals):.2f} to {max(totals):.2f} (--json)"
+        )
+        runs = runs[:3] + [None] + runs[-2:]
+    for run in runs:
+        if run is None:
+            lines.append(skipped)
+            continue
+        first, last, s = run
+        name = str(first) if first == last else f"{first}-{last}"
+        extra = ("+emb " if s.first else "") + ("+head" if s.last else "")
+        lines.append(
+            f"    {name:<10} {'+'.join(map(str, s.layers)) + ' ' + extra:<12} {s.params:>15,} "
+            f"{s.weights / GiB:>9.2f} {s.gradients / GiB:>9.2f} {s.optimizer[f'zero{deck.optim.zero}'] / GiB:>10.2f} "
+            f"{s.activations[tr.recompute] / GiB:>12.2f} {s.total(deck.optim.zero, tr.recompute) / GiB:>9.2f}"
+        )
+    mem = j["memory"]
+    fit = (
+        f"of {mem['usable_gib']:.1f} usable ({int(USABLE_FRACTION * 100)}% of {mem['device_gib']:g}): "
+        + ("fits" if mem["peak_gib"] <= mem["usable_gib"] else "DOES NOT FIT")
+        if mem["usable_gib"] is not None
+        else "(device memory not checked: no machine)"
+    )
+    lines.append(f"    peak {mem['peak_gib']:.2f} GiB on stage {mem['peak_stage']} {fit}")
+    if plan.alternatives:
+        alts = ", ".join(f"{k}: {v / GiB:.2f}" for k, v in plan.alternatives.items())
+        lines.append(f"    with {alts} GiB")
+    f = j["flops"]
+    lines.append(
+        f"  flops      model {f['model_per_step']:.3e} per step (MFU basis), hardware {f['hardware_per_step']:.3e} "
+        f"(recompute {tr.recompute}); {f['convention']}"
+    )
+    if f["ideal_step_s"] is not None:
+        lines.append(
+            f"             at peak ({f['peak_tflops_per_device']:g} TFLOP/s {tr.precision} per device) a step takes "
+            f">= {f['ideal_step_s']:.3f} s, {f['ideal_step_with_bubble_s']:.3f} s with the bubble"
+        )
+    else:
+        lines.append("             no peak for this device: no ideal step time (MFU would be null)")
+    if all_ranks:
+        lines.append("  ranks      rank node tp pp dp")
+        lines += [f"             {r} {n} {t} {p} {d}" for r, n, t, p, d in j["ranks"]]
+    for w in plan.warnings:
+        lines.append(f"  warning    {w}")
+    if plan.problems:
+        for p in plan.problems:
+            lines.append(f"  PROBLEM    {p}")
+    else:
+        lines.append(f"  ok         no problems found ({plan.seconds:.2f} s)")
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+
+
+def _stage_runs(stages: list[StageEstimate], deck: Deck) -> list[tuple[int, int, StageEstimate]]:
+    """Consecutive stages with identical figures, merged: (first stage, last stage, estimate)."""
+    runs: list[tuple[int, int, StageEstimate]] = []
+    for s in stages:
+        key = (s.layers, s.first, s.last, s.params, s.total(deck.optim.zero, deck.train.recompute))
+        if runs:
+            a, b, prev = runs[-1]
+            if key == (
+                prev.layers,
+                prev.first,
+                prev.last,
+                prev.params,
+                prev.total(deck.optim.zero, deck.train.recompute),
+            ):
+                runs[-1] = (a, s.stage, prev)
+                continue
+        runs.append((s.stage, s.stage, s))
+    return runs
+
+
+def _placement_line(plan: Plan) -> str:
+    if plan.ranks_per_node is None:
+        return "no node shape (pass --machine or set parallel.gpus_per_node)"
+    parts = []
+    for axis in AXES:
+        span, size = plan.node_span[axis], plan.layout.size(axis)
+        if size == 1:
+            continue
+        parts.append(f"{axis} groups ({size}) " + ("inside one node" if span == 1 else f"span {span} nodes"))
+    return f"{plan.ranks_per_node} ranks per node; " + ("; ".join(parts) if parts else "one rank per grid cell")
+
+
+def _describe_node(plan: Plan, node: int) -> str:
+    ranks = _node_ranks(plan, node)
+    axes = {a: sorted({r[a] for r in ranks}) for a in AXES}
+    desc = ", ".join(f"{a} {_span(v)}" for a, v in axes.items())
+    return f"ranks {ranks[0]['rank']}-{ranks[-1]['rank']}: {desc}"
+
+
+def _span(values: list[int]) -> str:
+    return (
+        str(values[0])
+        if len(values) == 1
+        else f"{values[0]}-{values[-1]}"
+        if values == list(range(values[0], values[-1] + 1))
+        else ",".join(map(str, values))
+    )
+
+
+def dump_json(plan: Plan, all_ranks: bool = False) -> str:
+    return json.dumps(to_json(plan, all_ranks), indent=1)

@@ -1,0 +1,164 @@
+"""Parameters, memory and FLOPs of a deck on a grid, per pipeline stage and per rank, without
+building anything.
+
+Parameters and the memory of weights, gradients and optimizer state are exact for gridlm's
+implementation (tests compare them with built models and a trainer's buffers):
+
+* per tp rank of a transformer block: (4h^2 + 2hf)/t + (3h + f)/t + 6h — the QKV, output,
+  MLP-in and MLP-out weights and the column-parallel biases are split over tp; the
+  LayerNorms and the row-parallel biases (6h) are replicated;
+* the first stage adds the embedding (V/t rows of h) and the positions (s x h), the last
+  stage the final LayerNorm (2h) and, when the first stage is elsewhere, its copy of the
+  tied embedding (or the untied head), V/t x h;
+* bytes per parameter: weights in the compute dtype; the gradient buffer in
+  `train.grad_reduce_dtype`; fp32 master weights only for bf16/fp16; two fp32 moments
+  (AdamW and LAMB). ZeRO-1 (`optim.zero: 1`) divides master weights and moments by dp and
+  adds a 1/dp gradient shard.
+
+Activations are an estimate, after Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models" (MLSys 2023), eq. 1-2, adapted to this implementation: per
+layer and micro-batch of b sequences of s tokens, with e bytes per activation element,
+
+    stored = s b h [ 2e + (2e + 2) / t_sp + (4e + 2e f / h) / t ]
+
+— the inputs of the QKV and MLP-in linears (full size: the column-parallel linear keeps
+its all-gathered input under sequence parallelism), the LayerNorm inputs and the two
+dropout masks (split over tp only with sequence parallelism, t_sp = t), and Q, K, V, the
+attention output, and the GELU input and output (split over tp). There is no s^2 term:
+torch's scaled_dot_product_attention (flash / memory-efficient kernels) keeps only its
+output and the log-sum-exp, so selective recomputation saves little here. Full
+recomputation keeps only each block's input (s b h e / t_sp) plus one block's working set
+during its backward. A stage holds the activations of the forward passes in flight in its
+pipeline schedule (counted from `app.parallel.schedule`: min(pp - stage, m) micro-batches
+for 1F1B); the last stage also holds the logits of one micro-batch in the compute dtype
+and fp32 (s b V / t x (e + 8)).
+
+Not counted: the CUDA context and NCCL buffers, allocator fragmentation and temporary
+buffers (the dry run keeps 10% of device memory free for them), and the transient fp32
+copy of a stage's parameters at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.deck import Deck, ModelConfig
+from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
+from app.parallel.schedule import build_schedule, partition_layers
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def block_params(m: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer block held by one tp rank."""
+    h, f = m.hidden, m.ffn
+    return (4 * h * h + 2 * h * f) // tp + (3 * h + f) // tp + 6 * h
+
+
+def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
+    """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head)."""
+    h, v = m.hidden, m.vocab_size
+    n = layers * block_params(m, tp)
+    if first:
+        n += v // tp * h + m.seq_len * h
+    if last:
+        n += 2 * h
+        if not m.tie_embeddings or not first:
+            n += v // tp * h  # the untied head, or the last stage's copy of the tied embedding
+    return n
+
+
+def layer_activation_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool, element: int) -> float:
+    """Activation bytes one block keeps for backward, per micro-batch (no recomputation)."""
+    sbh = m.seq_len * micro_batch * m.hidden
+    e, t, t_sp = element, tp, (tp if sp else 1)
+    return sbh * (2 * e + (2 * e + 2) / t_sp + (4 * e + 2 * e * m.ffn / m.hidden) / t)
+
+
+def in_flight(pp: int, stage: int, micro_batches: int, virtual: int, chunk_layers: list[int]) -> int:
+    """The most layer-activations (layers x micro-batches) `stage` holds at once in its schedule.
+
+    Chunk c of the stage is global chunk stage + c x pp; `chunk_layers` has every chunk's size.
+    """
+    live = peak = 0
+    for action in build_schedule(pp, stage, micro_batches, virtual):
+        layers = chunk_layers[stage + action.virtual * pp]
+        live += layers if action.kind == "F" else -layers
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One pipeline stage, per rank (every tp and dp rank of a stage holds the same amounts)."""
+
+    stage: int
+    layers: list[int]  # layers of each of the stage's chunks
+    first: bool
+    last: bool
+    params: int
+    weights: float
+    gradients: float
+    optimizer: dict[str, float]  # "zero0" / "zero1": master weights + moments (+ ZeRO gradient shard)
+    activations: dict[str, float]  # by train.recompute: "none", "selective", "full"
+    flops_per_micro_batch: float  # forward + backward model FLOPs of this stage's chunks, one micro-batch
+
+    def total(self, zero: int, recompute: str) -> float:
+        return self.weights + self.gradients + self.optimizer[f"zero{zero}"] + self.activations[recompute]
+
+
+def estimate_stages(deck: Deck) -> list[StageEstimate]:
+    """Per-stage estimates of a deck resolved for a world size (`resolve_for_world`)."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
+    chunks = partition_layers(m.layers, pp * v, par.stage_layers)
+    chunk_layers = [len(c) for c in chunks]
+    e, grad_bytes = BYTES[tr.precision], BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    master = 0 if tr.precision == "fp32" else 4
+    micro = deck.num_micro_batches
+    per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e)
+    t_sp = tp if par.sequence_parallel else 1
+    block_input = m.seq_len * tr.micro_batch * m.hidden * e / t_sp
+    logits = m.seq_len * tr.micro_batch * (m.vocab_size // tp) * (e + 8)
+    tokens = tr.micro_batch * m.seq_len
+    layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn) / tp
+    head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / tp
+    stages = []
+    for stage in range(pp):
+        mine = [chunk_layers[stage + c * pp] for c in range(v)]
+        first, last = stage == 0, stage == pp - 1
+        params = stage_params(m, tp, sum(mine), first, last)
+        held = in_flight(pp, stage, micro, v, chunk_layers)
+        head = logits if last else 0.0
+        activations = {
+            "none": held * per_layer + head,
+            "selective": held * per_layer + head,
+            # Kept block inputs, plus one block's activations while its backward recomputes it.
+            "full": held * block_input + per_layer + head,
+        }
+        optimizer = {
+            "zero0": params * (master + 8.0),
+            "zero1": params * (master + 8.0 + grad_bytes) / dp if dp > 1 else params * (master + 8.0),
+        }
+        stages.append(
+            StageEstimate(
+                stage=stage,
+                layers=mine,
+                first=first,
+                last=last,
+                params=params,
+                weights=params * float(e),
+                gradients=params * float(grad_bytes),
+                optimizer=optimizer,
+                activations=activations,
+                flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),
+            )
+        )
+    return stages
+
+
+def step_flops(deck: Deck) -> dict[str, float]:
+    """Model FLOPs (MFU) and hardware FLOPs (with the deck's recomputation) per optimizer step."""
+    m, tr = deck.model, deck.train
+    args = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
+    return {"model": gpt_step_flops(*args), "hardware": gpt_hardware_step_flops(*args, tr.recompute)}

@@ -1,0 +1,270 @@
+"""The dry run and its model: parameter counts against built models and published papers,
+memory against a real trainer's buffers, placement, the named problems, machine files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.deck import load_deck, resolve_for_world
+from app.metrics.peaks import peak_tflops
+from app.plan.dryrun import make_plan
+from app.plan.estimate import estimate_stages, stage_params
+from app.plan.machine import MachineError, load_machine, machine_names
+from app.runtime.grid import GridLayout
+from conftest import REPO, grid_trainer
+
+SMALL = ("model.vocab_size=128", "model.seq_len=16", "model.layers=5", "model.hidden=64", "model.heads=4")
+
+
+def dry_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def megatron_params(layers: int, hidden: int, vocab: int, seq: int) -> int:
+    """Megatron SC21's parameter count, eq. (2): 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)),
+    multiplied out so that it is exact in integers: 12 l h^2 + 13 l h + (V + s) h."""
+    return 12 * layers * hidden**2 + 13 * layers * hidden + (vocab + seq) * hidden
+
+
+# ---- parameter counts --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tp,pp,virtual", [(1, 1, 1), (2, 1, 1), (4, 2, 1), (2, 2, 2), (1, 5, 1)])
+def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual):
+    """Every stage's per-rank count equals the numel of the GPT shard a rank of that stage builds."""
+    import torch
+
+    from app.model.gpt import GPT, gpt_num_parameters
+    from app.parallel.schedule import partition_layers
+    from app.runtime.collectives import TensorParallel
+
+    if pp * virtual > 5:
+        pytest.skip("5 layers")
+    deck = load_deck(None, (*SMALL, f"model.tie_embeddings={tie}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                            f"parallel.virtual_stages={virtual}", "train.global_batch=16", "train.micro_batch=1"))  # fmt: skip
+    deck = resolve_for_world(deck, tp * pp * 2)
+    chunks = partition_layers(deck.model.layers, pp * virtual)
+    stages = estimate_stages(deck)
+    for stage in range(pp):
+        layers = [i for c in range(virtual) for i in chunks[stage + c * pp]]
+        for rank in range(tp):
+            model = GPT(
+                deck.model, 1, torch.device("cpu"), TensorParallel(tp, rank), layers, stage == 0, stage == pp - 1
+            )
+            assert stages[stage].params == sum(p.numel() for p in model.parameters()), (stage, rank)
+    whole = stage_params(deck.model, 1, deck.model.layers, True, True)
+    assert whole == gpt_num_parameters(deck.model)
+
+
+def published_decks() -> list[Path]:
+    return [REPO / "inputs/gpt_1t.yaml", *sorted((REPO / "inputs/megatron").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("path", published_decks(), ids=lambda p: p.stem)
+def test_megatron_decks_have_the_papers_parameter_counts(path):
+    """Megatron SC21 Table 1 gives parameters to 0.1 B (1008.0 for the 1T model); the deck file name
+    carries that figure. Our count is Megatron's eq. (2) plus the final LayerNorm (2h), exactly."""
+    deck = load_deck(path)
+    m = deck.model
+    ours = stage_params(m, 1, m.layers, True, True)
+    assert ours == megatron_params(m.layers, m.hidden, m.vocab_size, m.seq_len) + 2 * m.hidden
+    published = 1008.0 if path.stem == "gpt_1t" else float(path.stem.removeprefix("gpt_").removesuffix("b"))
+    assert round(ours / 1e9, 1) == published
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "inputs/axonn").glob("*.yaml")), ids=lambda p: p.stem)
+def test_axonn_decks_match_their_nominal_sizes(path):
+    """AxoNN names its GPTs by rounded sizes (5B ... 640B); the shapes it lists give counts within
+    5% of those names (e.g. 640B -> 619.4B with vocabulary 51200); eq. (2) holds exactly."""
+    m = load_deck(path).model
+    ours = stage_params(m, 1, m.layers, True, True)
+    assert ours == megatron_params(m.layers, m.hidden, m.vocab_size, m.seq_len) + 2 * m.hidden
+    nominal = float(path.stem.removeprefix("gpt_").removesuffix("b")) * 1e9
+    assert abs(ours - nominal) / nominal < 0.05
+
+
+@pytest.mark.parametrize("path", [*published_decks(), *sorted((REPO / "inputs/axonn").glob("*.yaml"))],
+                         ids=lambda p: p.stem)  # fmt: skip
+def test_published_decks_plan_without_problems(path):
+    deck = load_deck(path)
+    machine = load_machine(deck.run.machine)
+    plan = make_plan(deck, deck.parallel.tp * deck.parallel.pp * deck.parallel.dp, machine)
+    assert plan.problems == []
+    assert plan.node_span["tp"] == 1
+
+
+# ---- the 1T dry run ----------------------------------------------------------------------------
+
+
+def test_gpt_1t_dry_run_prints_the_3072_rank_plan():
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "3,072 ranks = 384 node(s) x 8" in out.stdout
+    assert "1,008.0B parameters" in out.stdout
+    assert "tp groups (8) inside one node" in out.stdout
+    assert "fits" in out.stdout and "no problems found" in out.stdout
+
+
+def test_gpt_1t_json_placement_equals_the_grid_layout():
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", "--json", "--all-ranks")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert (plan["world_size"], plan["nodes"], plan["ranks_per_node"]) == (3072, 384, 8)
+    assert plan["placement"]["node_span"] == {"tp": 1, "pp": 64, "dp": 6}
+    layout = GridLayout(8, 64, 6, ("tp", "dp", "pp"), 8)
+    seen = set()
+    for rank, node, tp, pp, dp in plan["ranks"]:
+        assert node == rank // 8 and layout.coords(rank) == {"tp": tp, "pp": pp, "dp": dp}
+        seen.add((tp, pp, dp))
+    assert len(seen) == 3072
+    assert len(plan["stages"]) == 64 and plan["stages"][0]["embedding"] and plan["stages"][-1]["head"]
+    # 1F1B: stage k holds min(pp - k, m) micro-batches, so activations fall along the pipeline.
+    acts = [s["memory_gib"]["activations"]["full"] for s in plan["stages"][:-1]]
+    assert acts == sorted(acts, reverse=True) and acts[0] > acts[-1]
+
+
+def test_32768_ranks_plan(tmp_path):
+    """AxoNN's 640B on 4096 Frontier nodes (32,768 GCDs); the run time is reported, not asserted."""
+    out = dry_run("inputs/axonn/gpt_640b.yaml", "--dry-run", "--json", "--all-ranks")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["world_size"] == 32768 and plan["nodes"] == 4096 and len(plan["ranks"]) == 32768
+    assert plan["placement"]["node_span"]["tp"] == 1
+
+
+# ---- problems: named, with the fix, exit status 2 ---------------------------------------------
+
+
+def test_does_not_fit_names_the_stage_and_the_fix():
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", "--set", "train.recompute=none")
+    assert out.returncode == 2
+    assert "does not fit: stage 0 needs" in out.stdout
+    assert "--set train.recompute=full" in out.stdout  # that alone fits (49.7 GiB)
+    assert "problem(s)" in out.stderr
+
+
+def test_tp_spanning_nodes_is_a_problem():
+    out = dry_run("inputs/axonn/gpt_5b.yaml", "--dry-run", "--machine", "perlmutter", "--nodes", "128")
+    assert out.returncode == 2
+    assert "tensor-parallel groups span 2 nodes" in out.stdout and "divides the 4 devices per node" in out.stdout
+
+
+def test_order_putting_tp_outside_the_node_is_a_problem():
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", "--set", "parallel.order=dp-tp-pp")
+    assert out.returncode == 2
+    assert "keep tp innermost" in out.stdout
+
+
+def test_unbalanced_stages_are_a_problem_with_a_balanced_suggestion():
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", "--set", "parallel.pp=4", "--set", "parallel.dp=96",
+                  "--set", "parallel.stage_layers=[20,20,20,68]", "--set", "train.global_batch=3072")  # fmt: skip
+    assert out.returncode == 2
+    assert "pipeline stages unbalanced: stage 3 does 2.13x" in out.stdout
+    assert "[32, 32, 32, 32]" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("inputs/gpt_tiny.yaml", "--dry-run"), "no world size: parallel.dp is auto"),
+        (("inputs/gpt_tiny.yaml", "--dry-run", "--machine", "nowhere", "--nodes", "1"), "known machines: alps"),
+        (("inputs/gpt_tiny.yaml", "--dry-run", "--nodes", "2"), "--nodes needs a node shape"),
+        (("inputs/gpt_1t.yaml", "--dry-run", "--world-size", "1000"), "must equal the world size 1000"),
+    ],
+)
+def test_dry_run_user_errors(args, message):
+    out = dry_run(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_dry_run_options_need_dry_run():
+    out = dry_run("inputs/gpt_tiny.yaml", "--world-size", "4")
+    assert out.returncode == 2 and "only go with --dry-run" in out.stderr
+
+
+def test_tiny_deck_on_the_local_machine():
+    out = dry_run("inputs/gpt_tiny.yaml", "--dry-run", "--machine", "local", "--nodes", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["grid"] == {"tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "virtual_stages": 1}
+    assert plan["flops"]["peak_tflops_per_device"] is None and plan["flops"]["ideal_step_s"] is None
+
+
+# ---- machine files -----------------------------------------------------------------------------
+
+
+def test_every_machine_loads_and_its_peak_matches_the_peak_table():
+    assert {"frontier", "perlmutter", "polaris", "alps", "dgx_h100", "local"} <= set(machine_names())
+    for name in machine_names():
+        m = load_machine(name)
+        assert m.sources and m.devices_per_node >= 1
+        for precision in ("bf16", "fp16", "fp32"):
+            assert m.peak(precision) == peak_tflops(m.device_name, precision), (name, precision)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("name: x\ncolour: red\n", "unknown key 'colour'"),
+        ("name: x\nscheduler: lsf\n", "missing key(s)"),
+        ("- a list\n", "expected a mapping"),
+    ],
+)
+def test_bad_machine_files_are_named(tmp_path, text, message):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(MachineError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        load_machine(path)
+    assert str(path) in str(err.value)
+
+
+def test_bad_machine_values_are_named(tmp_path):
+    good = (REPO / "inputs/machines/frontier.yaml").read_text()
+    for old, new, message in (
+        ("scheduler: slurm", "scheduler: lsf", "scheduler = 'lsf'"),
+        ("devices_per_node: 8", "devices_per_node: 0", "devices_per_node = 0: must be > 0"),
+        ("srun -N {nodes}", "srun -N {node}", "bad placeholder"),
+    ):
+        path = tmp_path / "frontier.yaml"
+        path.write_text(good.replace(old, new))
+        with pytest.raises(MachineError, match=message):
+            load_machine(path)
+
+
+# ---- memory against a real trainer -------------------------------------------------------------
+
+GRIDS = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)], 4: [(2, 2, 1), (1, 2, 2), (1, 1, 4)]}
+MEMORY_CASES = [
+    (),
+    ("train.precision=bf16", "optim.zero=1"),
+    ("train.precision=fp16", "train.grad_reduce_dtype=compute", "model.tie_embeddings=false"),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overrides", MEMORY_CASES, ids=["fp32", "bf16-zero1", "fp16-untied"])
+def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, overrides):
+    """The plan's weights, gradients and optimizer state per rank equal what `DataParallel` and
+    the optimizer allocate, up to the padding of each bucket to a multiple of dp (< dp elements
+    per bucket)."""
+    for tp, pp, dp in GRIDS.get(runtime.world_size, []):
+        trainer = grid_trainer(runtime, tp, pp, dp, (*overrides, "run.resume=none", "train.global_batch=16"))
+        deck = trainer.deck
+        stage = estimate_stages(deck)[trainer.grid.coords["pp"]]
+        buffers = trainer.dp.buffer_bytes()
+        slack = 4.0 * dp * len(trainer.dp.buckets)  # bytes of padding, at 4 bytes per element at most
+        assert abs(buffers["parameters"] - stage.weights) <= slack
+        assert abs(buffers["gradients"] - stage.gradients) <= slack
+        zero = deck.optim.zero
+        grad_shard = stage.gradients / dp if zero and dp > 1 else 0.0  # in the plan's optimizer line
+        assert abs(trainer.optimizer.state_bytes() - (stage.optimizer[f"zero{zero}"] - grad_shard)) <= 3 * slack
+        trainer.grid.free()
