@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the whole test suite: setup if needed, then the serial tests and the MPI tests under
-# mpirun -n 1, 2 and 4, and the grid-equivalence and checkpoint-reshard tests under mpirun -n 8.
-# Extra arguments go to every pytest call (e.g. -k grid, -x).
+# mpirun -n 1, 2 and 4, the grid-equivalence and checkpoint-reshard tests under mpirun -n 8, and
+# the Slurm tests (srun, sbatch) against a local one-node Slurm (launch/slurm_local.sh; the group
+# is skipped where none can be had: not root, no apt-get). Extra arguments go to every pytest
+# call (e.g. -k grid, -x).
 #   launch/test.sh
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -27,8 +29,8 @@ run_group() {  # name, command...
   esac
 }
 
-# Serial: everything not marked mpi (the mpi-marked tests are skipped without --with-mpi).
-run_group serial python -m pytest "${pytest_args[@]}" -m "not mpi" tests/
+# Serial: everything not marked mpi or slurm (those groups follow).
+run_group serial python -m pytest "${pytest_args[@]}" -m "not mpi and not slurm" tests/
 for n in 1 2 4; do
   run_group "mpi-$n" mpirun -n "$n" python -m pytest "${pytest_args[@]}" --with-mpi -m mpi tests/
 done
@@ -37,8 +39,45 @@ done
 run_group mpi-8 mpirun -n 8 python -m pytest "${pytest_args[@]}" --with-mpi -m mpi \
   tests/test_parallel_equivalence.py tests/test_checkpoint_reshard.py
 
+# Slurm: srun and sbatch --wait of real jobs. Stopped on every way out (trap) unless it was
+# already up before this run (then it is someone else's, e.g. a developer's).
+slurm_log="$(mktemp)"
+slurm_was_up=0
+"$here/slurm_local.sh" status >/dev/null 2>&1 && slurm_was_up=1
+stop_slurm() {
+  if [ "$slurm_was_up" = 0 ]; then
+    slurm_was_up=1  # once
+    "$here/slurm_local.sh" stop || echo "=== slurm: stopping the local Slurm failed (see launch/slurm_local.sh stop)"
+  fi
+  rm -f "$slurm_log"
+}
+trap stop_slurm EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+slurm_rc=0
+# stdout is the `export SLURM_CONF=...` line; the messages (stderr) are kept for a skip's reason.
+slurm_export="$("$here/slurm_local.sh" start 2>"$slurm_log")" || slurm_rc=$?
+cat "$slurm_log"
+slurm_done="slurm"
+case $slurm_rc in
+  0)
+    eval "$slurm_export"
+    run_group slurm python -m pytest "${pytest_args[@]}" --with-slurm -m slurm tests/test_slurm.py
+    stop_slurm
+    ;;
+  3)
+    reason="$(sed -n 's/.*cannot provide Slurm here: //p' "$slurm_log" | head -n 1)"
+    echo "=== slurm: skipped: ${reason:-launch/slurm_local.sh start exited 3}"
+    slurm_done="slurm skipped"
+    ;;
+  *)
+    echo "=== slurm: launch/slurm_local.sh start failed (exit $slurm_rc)"
+    failed+=("slurm (start, exit $slurm_rc)")
+    ;;
+esac
+
 if [ ${#failed[@]} -gt 0 ]; then
   echo "=== FAILED: ${failed[*]}"
   exit 1
 fi
-echo "=== all test groups passed (serial, mpi-1, mpi-2, mpi-4, mpi-8)"
+echo "=== all test groups passed (serial, mpi-1, mpi-2, mpi-4, mpi-8, $slurm_done)"

@@ -20,6 +20,24 @@ def _launcher_rank() -> str | None:
     return next((os.environ[v] for v in _RANK_VARS if v in os.environ), None)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--with-slurm",
+        action="store_true",
+        default=False,
+        help="run the tests marked slurm against a running Slurm (launch/slurm_local.sh start)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--with-slurm"):
+        return
+    skip = pytest.mark.skip(reason="needs --with-slurm (launch/test.sh starts a local Slurm)")
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(skip)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     rank = _launcher_rank()
     if rank is not None and config.option.basetemp is None:

@@ -111,3 +111,26 @@ def test_process_grid_groups_and_communicators_match_the_layout(runtime):
                 dist.all_reduce(onehot, group=grid.group[axis])
                 assert onehot.tolist() == [1.0] * grid.size(axis)
             grid.free()
+
+
+@pytest.mark.parametrize(
+    "local_rank,local_size,visible,want",
+    [
+        (0, 8, 1, 0),  # srun --gpus-per-task=1 --gpu-bind=closest (Frontier): each rank sees one GCD
+        (5, 8, 1, 0),
+        (3, 4, 4, 3),  # all visible (Perlmutter --gpus-per-node=4, Polaris mpiexec): local rank picks
+        (1, 2, 4, 1),  # fewer ranks than GPUs: the first ones
+    ],
+)
+def test_device_index_under_both_launch_styles(local_rank, local_size, visible, want):
+    from app.runtime.mpi import device_index
+
+    assert device_index(local_rank, local_size, visible) == want
+
+
+def test_more_ranks_than_visible_gpus_is_a_launch_error():
+    from app.errors import LaunchError
+    from app.runtime.mpi import device_index
+
+    with pytest.raises(LaunchError, match="8 ranks on node n0 share 4 visible GPUs"):
+        device_index(5, 8, 4, "n0")

@@ -104,14 +104,27 @@ def bind_device(runtime: Runtime, want: str = "auto") -> None:
     if want == "cpu" or not has_cuda:
         runtime.device, runtime.backend = torch.device("cpu"), "gloo"
         return
-    count = torch.cuda.device_count()
-    if count > 1 and runtime.local_size > count:
-        raise LaunchError(
-            f"{runtime.local_size} ranks on node {runtime.hostname} share {count} GPUs; launch one rank per GPU"
-        )
-    index = runtime.local_rank % count
+    index = device_index(runtime.local_rank, runtime.local_size, torch.cuda.device_count(), runtime.hostname)
     torch.cuda.set_device(index)
     runtime.device, runtime.backend = torch.device("cuda", index), "nccl"
+
+
+def device_index(local_rank: int, local_size: int, visible: int, hostname: str = "this node") -> int:
+    """The GPU a rank uses among the `visible` ones, under either launch style.
+
+    One device per rank (`srun --gpus-per-task=1`, `--gpu-bind=closest`): every rank sees one
+    device and uses it (index 0). All devices visible (`--gpus-per-node`, `mpiexec`): the rank's
+    local rank on the node (from MPI's shared-memory communicator) picks one. More ranks on a
+    node than visible devices would put two ranks on one GPU: a launch error.
+    """
+    if visible == 1:
+        return 0
+    if local_size > visible:
+        raise LaunchError(
+            f"{local_size} ranks on node {hostname} share {visible} visible GPUs; launch one rank per GPU "
+            "(e.g. srun --ntasks-per-node equal to the GPUs per node, or --gpus-per-task=1)"
+        )
+    return local_rank
 
 
 def set_threads(runtime: Runtime, threads: Optional[int]) -> int:

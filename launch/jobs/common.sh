@@ -1,0 +1,100 @@
+# Sourced by every gridlm job script (launch/jobs/<machine>.sh, rendered by launch/submit.py).
+#
+#   source "$repo/launch/jobs/common.sh"   # installs the USR1/TERM traps at once
+#   gridlm_start NODES RANKS               # job header; stop if the allocation has another node count
+#   gridlm_signal_before_end WALLTIME_S 120   # PBS only: SIGUSR1 to this script 120 s before the end
+#   gridlm_launch srun ... python -m app DECK ...   # returns the launcher's exit status
+#
+# Why: the scheduler signals the batch shell (Slurm `--signal=B:USR1@120`, or the PBS timer
+# below) and the shell must pass the signal on to the launcher, which forwards it to the ranks
+# (srun, mpirun and mpiexec all do); the app then finishes its step, writes a checkpoint and
+# exits 0. Safe under `set -euo pipefail`.
+
+_gridlm_pid=""        # the launcher, once started
+_gridlm_caught=0      # set by the trap: `wait` was interrupted, wait again
+_gridlm_timer_pid=""  # gridlm_signal_before_end's timer
+
+_gridlm_log() { printf 'gridlm-job: %s %s\n' "$(date '+%F %T')" "$*"; }
+
+_gridlm_on_signal() {  # SIG: forward to the launcher
+  _gridlm_caught=1
+  if [ -n "$_gridlm_pid" ]; then
+    _gridlm_log "SIG$1 -> launcher (pid $_gridlm_pid)" >&2
+    kill -s "$1" "$_gridlm_pid" 2>/dev/null || true
+  elif [ "$1" = TERM ]; then
+    _gridlm_log "SIGTERM before the launch: nothing to checkpoint, exiting" >&2
+    exit 143
+  else
+    # Forwarding now would kill ranks still importing torch; the time-limit SIGTERM still comes.
+    _gridlm_log "SIG$1 before the launch: ignored" >&2
+  fi
+}
+trap '_gridlm_on_signal USR1' USR1
+trap '_gridlm_on_signal TERM' TERM
+
+# gridlm_start NODES RANKS: print the job header, check the allocation's node count.
+gridlm_start() {
+  local want="$1" ranks="$2" have="" where="" job="${SLURM_JOB_ID:-${PBS_JOBID:-none}}" commit=""
+  if [ -n "${SLURM_JOB_NUM_NODES:-}" ]; then
+    have="$SLURM_JOB_NUM_NODES" where="${SLURM_JOB_NODELIST:-}"
+  elif [ -n "${PBS_NODEFILE:-}" ] && [ -r "$PBS_NODEFILE" ]; then
+    have="$(sort -u "$PBS_NODEFILE" | wc -l)" where="$(sort -u "$PBS_NODEFILE" | head -n 3 | tr '\n' ' ')..."
+  fi
+  if [ -n "${repo:-}" ] && command -v git >/dev/null 2>&1; then
+    commit="$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || true)"
+    if [ -n "$commit" ] && [ -n "$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null || true)" ]; then
+      commit="$commit (modified)"
+    fi
+  fi
+  _gridlm_log "job $job on $(hostname) | $want node(s) x $((ranks / want)) = $ranks ranks | nodes: ${where:-unknown}"
+  _gridlm_log "gridlm ${repo:-?} @ ${commit:-unknown commit} | working directory $(pwd)"
+  if [ -n "$have" ] && [ "$have" != "$want" ]; then
+    _gridlm_log "ERROR: this script was written for $want node(s) but the job has $have;" \
+      "write it again with launch/submit.py --nodes $have" >&2
+    exit 2
+  fi
+}
+
+# gridlm_signal_before_end WALLTIME_S LEAD_S: send SIGUSR1 to this script LEAD_S seconds before
+# the walltime ends (schedulers without Slurm's --signal, i.e. PBS; counted from now).
+gridlm_signal_before_end() {
+  local after=$(($1 - $2)) script_pid=$$
+  if [ "$after" -le 0 ]; then
+    _gridlm_log "walltime $1 s is not longer than $2 s: no checkpoint signal before the end" >&2
+    return 0
+  fi
+  (
+    trap 'kill "$sleeper" 2>/dev/null; exit 0' TERM
+    sleep "$after" &
+    sleeper=$!
+    wait "$sleeper" && kill -s USR1 "$script_pid"
+  ) &
+  _gridlm_timer_pid=$!
+  _gridlm_log "SIGUSR1 in $after s ($2 s before the walltime of $1 s)"
+}
+
+# gridlm_launch CMD...: run the launcher, forward USR1/TERM to it, return ITS exit status.
+gridlm_launch() {
+  _gridlm_log "launch: $*"
+  "$@" &
+  _gridlm_pid=$!
+  local rc=0 status
+  _gridlm_caught=0
+  wait "$_gridlm_pid" || rc=$?
+  # A trapped signal ends `wait` early with 128+n: wait again until the launcher itself has
+  # exited. (Waiting for a launcher already reported gives its status again, or 127 in older
+  # bash versions: then rc already holds it.)
+  while [ "$_gridlm_caught" = 1 ]; do
+    _gridlm_caught=0
+    status=0
+    wait "$_gridlm_pid" || status=$?
+    [ "$status" = 127 ] && break
+    rc=$status
+  done
+  if [ -n "$_gridlm_timer_pid" ]; then
+    kill "$_gridlm_timer_pid" 2>/dev/null || true
+  fi
+  _gridlm_pid=""
+  _gridlm_log "launcher exited with status $rc"
+  return "$rc"
+}

@@ -1,0 +1,298 @@
+"""Write (and optionally submit) a Slurm or PBS job script that runs a deck on a machine.
+
+    python launch/submit.py DECK --machine M --nodes N [--time HH:MM:SS] [--account A]
+        [--partition P] [--qos Q] [--constraint C] [--queue Q] [--filesystems F]
+        [--job-name NAME] [--out PATH] [--set section.key=value ...] [--submit] [--force]
+
+    python launch/submit.py inputs/gpt_tiny.yaml --machine frontier --nodes 4 --account abc123
+    python -m launch.submit inputs/gpt_tiny.yaml --machine local --nodes 1 --submit
+
+The machine (inputs/machines/M.yaml) gives the node shape, the launch line and the template
+(launch/jobs/<template>); the world size is nodes x devices_per_node, and the deck is checked
+against it before anything is written, so a deck that cannot run is refused here, not after
+hours in the queue. The script holds absolute paths (repository, deck, working directory = the
+directory submit.py ran in), so it runs from anywhere. Templates use `{{name}}` placeholders;
+an unknown or unfilled one is an error. A user mistake prints one line `submit: ...` and exits
+with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python launch/submit.py` puts launch/, not the repository, on sys.path
+    sys.path.insert(0, str(REPO))
+
+from app.deck import Deck, load_deck, resolve_for_world  # noqa: E402
+from app.errors import GridlmError  # noqa: E402
+from app.plan.dryrun import make_plan  # noqa: E402
+from app.plan.machine import MACHINES_DIR, Machine, load_machine, machine_names, machine_path  # noqa: E402
+
+JOBS_DIR = REPO / "launch" / "jobs"
+SIGNAL_LEAD_S = 120  # SIGUSR1 this long before the time limit (the templates' --signal=B:USR1@120)
+PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+# Values that go into #SBATCH/#PBS lines: no spaces, quotes or shell syntax that could end the line.
+DIRECTIVE_VALUE = re.compile(r"^[^\s'\"`\\$;]+$")
+JOB_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.+-]*$")
+# option -> (schedulers that have it, directive format)
+SCHEDULER_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "account": (("slurm", "pbs"), {"slurm": "#SBATCH --account={}", "pbs": "#PBS -A {}"}),
+    "partition": (("slurm",), {"slurm": "#SBATCH --partition={}"}),
+    "qos": (("slurm",), {"slurm": "#SBATCH --qos={}"}),
+    "constraint": (("slurm",), {"slurm": "#SBATCH --constraint={}"}),
+    "queue": (("pbs",), {"pbs": "#PBS -q {}"}),
+    "filesystems": (("pbs",), {"pbs": "#PBS -l filesystems={}"}),
+}
+DEFAULT_KEYS = ("time", *SCHEDULER_OPTIONS)
+SUBMIT_COMMAND = {"slurm": ["sbatch", "--parsable"], "pbs": ["qsub"]}
+
+
+class SubmitError(GridlmError):
+    """A submit.py option, template or submission is wrong; the message says which and the fix."""
+
+
+def check_plan(deck: Deck, world_size: int, machine: Machine) -> list[str]:
+    """The dry run's problems on `machine` (does not fit in device memory, a tp group spans
+    nodes, unbalanced stages), one sentence each with its fix; empty when the plan is sound.
+    A non-empty list stops submit.py unless --force."""
+    return make_plan(deck, world_size, machine).problems
+
+
+def parse_time(text: str, scheduler: str) -> int:
+    """Seconds in HH:MM:SS (any scheduler) or D-HH:MM:SS (Slurm); SubmitError otherwise."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)", text.strip())
+    forms = "HH:MM:SS or D-HH:MM:SS" if scheduler == "slurm" else "HH:MM:SS (hours may exceed 24)"
+    if not m:
+        raise SubmitError(f"--time {text!r}: expected {forms}, e.g. 02:00:00")
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    if m.group(1) is not None:
+        if scheduler != "slurm":
+            raise SubmitError(f"--time {text!r}: {scheduler} takes {forms}, e.g. {days * 24 + hours}:{m[3]}:{m[4]}")
+        if hours > 23:
+            raise SubmitError(f"--time {text!r}: with days, hours must be 00-23")
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total <= SIGNAL_LEAD_S:
+        raise SubmitError(
+            f"--time {text!r}: must be longer than {SIGNAL_LEAD_S} s, the checkpoint warning before the limit"
+        )
+    return total
+
+
+def render(template: str, values: dict[str, Optional[str]], name: str = "template") -> str:
+    """Fill `{{key}}` placeholders. A placeholder alone on its line whose value is empty removes the
+    line; an unknown or unfilled (None) placeholder, or a malformed `{{`, is a SubmitError."""
+    used = PLACEHOLDER.findall(template)
+    if template.count("{{") != len(used) or template.count("}}") != len(used):
+        raise SubmitError(f"{name}: a '{{{{' or '}}}}' that is not a {{{{name}}}} placeholder")
+    unknown = sorted({k for k in used if k not in values})
+    if unknown:
+        raise SubmitError(f"{name}: unknown placeholder(s) {', '.join(unknown)}; known: {', '.join(sorted(values))}")
+    unfilled = sorted({k for k in used if values[k] is None})
+    if unfilled:
+        raise SubmitError(f"{name}: no value for placeholder(s) {', '.join(unfilled)}")
+    lines = []
+    for line in template.splitlines(keepends=True):
+        only = PLACEHOLDER.fullmatch(line.strip())
+        if only and not values[only.group(1)]:
+            continue
+        lines.append(PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), line))
+    return "".join(lines)
+
+
+def scheduler_options(args: argparse.Namespace, machine: Machine) -> dict[str, str]:
+    """The scheduler options in effect: the command line over the machine's defaults, checked."""
+    unknown = sorted(set(machine.defaults) - set(DEFAULT_KEYS))
+    if unknown:
+        raise SubmitError(
+            f"machine file {machine.path}: defaults.{unknown[0]} is not a submit.py option; accepted: "
+            + ", ".join(DEFAULT_KEYS)
+        )
+    options: dict[str, str] = {}
+    for key, (schedulers, _) in SCHEDULER_OPTIONS.items():
+        given = getattr(args, key)
+        value = given if given is not None else machine.defaults.get(key)
+        if value is None or value == "":
+            continue
+        value = str(value)
+        where = f"--{key}" if given is not None else f"machine file {machine.path}: defaults.{key}"
+        if machine.scheduler not in schedulers:
+            hint = "--partition, --qos, --constraint" if machine.scheduler == "slurm" else "--queue, --filesystems"
+            raise SubmitError(f"{where}: not a {machine.scheduler} option (machine {machine.name}); use {hint}")
+        if not DIRECTIVE_VALUE.match(value):
+            raise SubmitError(f"{where} = {value!r}: no spaces, quotes, '$', ';' or backslashes")
+        options[key] = value
+    return options
+
+
+def default_job_name(deck_path: Path) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", deck_path.stem)
+    return name if JOB_NAME.match(name) else f"gridlm-{name}"
+
+
+def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, Machine]:
+    """Check everything and render the job script: (text, output path, launch line, machine)."""
+    deck_path = Path(os.path.abspath(cwd / args.deck))
+    deck = load_deck(deck_path, tuple(args.overrides))
+    name = args.machine or deck.run.machine
+    if not name:
+        raise SubmitError(
+            "no machine: pass --machine NAME or set run.machine in the deck; known machines: "
+            + ", ".join(machine_names())
+        )
+    machine = load_machine(name)
+    if args.nodes < 1:
+        raise SubmitError(f"--nodes {args.nodes}: must be >= 1")
+    world = args.nodes * machine.devices_per_node
+    deck = resolve_for_world(deck, world)
+    problems = check_plan(deck, world, machine)
+    if problems and not args.force:
+        raise SubmitError(
+            f"the plan for {world} ranks on {machine.name} has problems: "
+            + "; ".join(problems)
+            + " (--force writes it anyway)"
+        )
+    for problem in problems:
+        print(f"submit: warning: {problem}", file=sys.stderr)
+
+    time_text = args.time or machine.defaults.get("time")
+    if not time_text:
+        raise SubmitError(f"no --time and machine file {machine.path} has no defaults.time; e.g. --time 02:00:00")
+    seconds = parse_time(str(time_text), machine.scheduler)
+    job_name = args.job_name or default_job_name(deck_path)
+    if not JOB_NAME.match(job_name):
+        raise SubmitError(f"--job-name {job_name!r}: a letter, then letters, digits or _ . + -")
+    options = scheduler_options(args, machine)
+    directives = "\n".join(SCHEDULER_OPTIONS[k][1][machine.scheduler].format(v) for k, v in options.items())
+
+    run_dir = Path(os.path.abspath(cwd / str(deck.run.dir)))
+    if re.search(r"\s", str(run_dir)):
+        raise SubmitError(f"run.dir {str(run_dir)!r}: the job log goes there and #SBATCH/#PBS paths cannot hold spaces")
+    # Slurm expands %j in --output (a literal % is %%); PBS names the file itself in a directory ending in /.
+    output = f"{str(run_dir).replace('%', '%%')}/job-%j.out" if machine.scheduler == "slurm" else f"{run_dir}/"
+
+    # run.machine last so that the app plans for the machine the job runs on.
+    # A machine given as a path stays a path (absolute), so that the app finds the same file.
+    machine_ref = str(machine_path(name).resolve()) if machine_path(name).parent != MACHINES_DIR else machine.name
+    overrides = [*args.overrides, f"run.machine={machine_ref}"]
+    launch = machine.launch_line(args.nodes)
+    template_path = JOBS_DIR / machine.template
+    try:
+        template = template_path.read_text()
+    except OSError as err:
+        raise SubmitError(f"machine file {machine.path}: template = {machine.template!r}: {err}") from None
+    values: dict[str, Optional[str]] = {
+        "job_name": job_name,
+        "machine": machine.name,
+        "nodes": str(args.nodes),
+        "ranks": str(world),
+        "ranks_per_node": str(machine.devices_per_node),
+        "threads": str(max(1, machine.cpu_cores_per_node // machine.devices_per_node)),
+        "time": str(time_text),
+        "time_seconds": str(seconds),
+        "output": output,
+        "directives": directives,
+        "repo": shlex.quote(str(REPO)),
+        "workdir": shlex.quote(str(cwd)),
+        "deck": shlex.quote(str(deck_path)),
+        "overrides": " ".join(f"--set {shlex.quote(o)}" for o in overrides),
+        "launch": launch,
+    }
+    text = render(template, values, str(template_path))
+    run_dir.mkdir(parents=True, exist_ok=True)  # the scheduler opens the job log there before the script runs
+    out = Path(args.out) if args.out else Path("jobs") / f"{deck_path.stem}-{machine.name}-{args.nodes}n.sh"
+    line = f"{launch} python -m app {values['deck']} {values['overrides']}"
+    if deck.run.resume == "none":
+        print("submit: note: run.resume is none, so a resubmitted job starts over (auto continues)", file=sys.stderr)
+    return text, cwd / out, line, machine
+
+
+def submit(path: Path, machine: Machine) -> str:
+    """Run sbatch/qsub on the script; the job id."""
+    command = SUBMIT_COMMAND[machine.scheduler]
+    if shutil.which(command[0]) is None:
+        raise SubmitError(
+            f"{command[0]} not found on PATH: submit on a login node of {machine.name}, where "
+            f"'{command[0]} {path}' works (the script is written)"
+        )
+    result = subprocess.run([*command, str(path)], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SubmitError(f"{command[0]} {path} failed with status {result.returncode}: {result.stderr.strip()}")
+    return result.stdout.strip().split(";")[0]
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python launch/submit.py",
+        description="Write a Slurm/PBS job script that runs DECK on NODES nodes of MACHINE (one rank per "
+        "device), after checking the deck against that world size; optionally submit it.",
+        epilog="Example: python launch/submit.py inputs/gpt_tiny.yaml --machine perlmutter --nodes 2 "
+        "--account m1234_g --set train.global_batch=32 --submit",
+    )
+    p.add_argument("deck", help="YAML input deck; its absolute path goes into the script")
+    p.add_argument(
+        "--machine",
+        help="machine name (inputs/machines/NAME.yaml: " + ", ".join(machine_names()) + ") or the path "
+        "of a machine YAML; default: the deck's run.machine",
+    )
+    p.add_argument("--nodes", type=int, required=True, help="nodes to allocate; ranks = nodes x devices per node")
+    p.add_argument(
+        "--time",
+        help="time limit, HH:MM:SS (Slurm also D-HH:MM:SS); default: the machine's defaults.time. "
+        f"SIGUSR1 comes {SIGNAL_LEAD_S} s before it: the ranks checkpoint and exit 0",
+    )
+    p.add_argument("--account", help="account/project to charge (#SBATCH --account, #PBS -A)")
+    p.add_argument("--partition", help="Slurm partition (default: the machine's)")
+    p.add_argument("--qos", help="Slurm quality of service (default: the machine's)")
+    p.add_argument("--constraint", help="Slurm node constraint, e.g. gpu or 'gpu&hbm80g' (default: the machine's)")
+    p.add_argument("--queue", help="PBS queue (default: the machine's)")
+    p.add_argument("--filesystems", help="PBS -l filesystems=..., e.g. home:eagle (default: the machine's)")
+    p.add_argument("--job-name", help="scheduler job name (default: the deck's file stem)")
+    p.add_argument(
+        "--out",
+        help="where to write the script (default: jobs/<deck stem>-<machine>-<N>n.sh under the current directory)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a deck key (repeatable); checked now and passed to the app in the script",
+    )
+    p.add_argument("--submit", action="store_true", help="run sbatch (Slurm) or qsub (PBS) on the script")
+    p.add_argument("--force", action="store_true", help="write the script even if the plan check reports problems")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        text, path, line, machine = build_script(args, Path.cwd())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        print(f"submit: wrote {path}")
+        print(f"submit: launch: {line}")
+        if args.submit:
+            job = submit(path, machine)
+            print(f"submit: job {job} submitted")
+        else:
+            print(f"submit: submit with: {SUBMIT_COMMAND[machine.scheduler][0]} {path}")
+    except (GridlmError, OSError) as err:
+        print(f"submit: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

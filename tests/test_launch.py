@@ -1,0 +1,374 @@
+"""Job scripts: launch/submit.py renders launch/jobs/<machine>.sh, and launch/jobs/common.sh
+forwards the scheduler's checkpoint signal to the launcher. Serial: no MPI, no scheduler."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from app.plan.machine import load_machine, machine_names
+from conftest import REPO
+from launch import submit
+
+TINY = REPO / "inputs" / "gpt_tiny.yaml"
+COMMON = REPO / "launch" / "jobs" / "common.sh"
+MACHINES = machine_names()
+
+# The launch line of every machine at 4 nodes, written out: what a user of that machine expects.
+LAUNCH_4_NODES = {
+    "frontier": "srun -N 4 -n 32 -c 7 --gpus-per-task=1 --gpu-bind=closest",
+    "perlmutter": "srun -N 4 -n 16 --ntasks-per-node=4 -c 32 --cpu-bind=cores --gpus-per-node=4",
+    "polaris": "mpiexec -n 16 --ppn 4 --depth 8 --cpu-bind depth",
+    "alps": "srun -N 4 -n 16 --ntasks-per-node=4 -c 72 --cpu-bind=socket",
+    "dgx_h100": "srun -N 4 -n 32 --ntasks-per-node=8 -c 14 --cpu-bind=cores --gpus-per-node=8 --mpi=pmix",
+    "selene": "srun -N 4 -n 32 --ntasks-per-node=8 -c 16 --cpu-bind=cores --gpus-per-node=8 --mpi=pmix",
+    "local": "srun -N 4 -n 16 --mpi=pmix",
+}
+
+
+def run_submit(tmp_path: Path, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """submit.main(args) with tmp_path as the working directory: (status, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    status = submit.main([str(TINY), *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def write_script(tmp_path, monkeypatch, capsys, machine: str, nodes: int, *args: str) -> str:
+    # gpt_tiny's global batch (16) must be a multiple of micro_batch x dp = 4 x ranks.
+    batch = str(4 * nodes * load_machine(machine).devices_per_node)
+    out = tmp_path / f"{machine}-{nodes}.sh"
+    status, _, err = run_submit(
+        tmp_path, monkeypatch, capsys, "--machine", machine, "--nodes", str(nodes), "--out", str(out),
+        "--set", f"train.global_batch={batch}", *args,
+    )  # fmt: skip
+    assert status == 0, err
+    return out.read_text()
+
+
+def test_every_machine_file_names_a_template_that_exists():
+    assert set(MACHINES) == set(LAUNCH_4_NODES)
+    for name in MACHINES:
+        assert (REPO / "launch" / "jobs" / load_machine(name).template).is_file(), name
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+@pytest.mark.parametrize("machine", MACHINES)
+def test_script_is_valid_bash_with_the_launch_line_and_scheduler_header(tmp_path, monkeypatch, capsys, machine, nodes):
+    text = write_script(tmp_path, monkeypatch, capsys, machine, nodes)
+    path = tmp_path / f"{machine}-{nodes}.sh"
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stderr
+    assert path.stat().st_mode & stat.S_IXUSR
+    assert "{{" not in text and "}}" not in text
+    launch = load_machine(machine).launch_line(nodes)
+    expected = f"gridlm_launch {launch} python -m app {TINY} --set train.global_batch="
+    assert expected in text
+    assert text.rstrip().endswith("--set run.machine=" + machine)
+    if load_machine(machine).scheduler == "slurm":
+        assert f"#SBATCH --nodes={nodes}\n" in text
+        assert "#SBATCH --signal=B:USR1@120\n" in text
+        assert f"#SBATCH --output={tmp_path}/runs/gpt_tiny/job-%j.out\n" in text
+    else:
+        assert f"#PBS -l select={nodes}:system=polaris\n" in text
+        assert "#PBS -l walltime=01:00:00\n" in text
+        assert "gridlm_signal_before_end 3600 120\n" in text  # SIGUSR1 2 minutes before the walltime
+    assert f"gridlm_start {nodes} {nodes * load_machine(machine).devices_per_node}\n" in text
+    assert f"cd {tmp_path}\n" in text and f"repo={REPO}\n" in text
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_launch_lines_at_four_nodes_are_the_documented_ones(tmp_path, monkeypatch, capsys, machine):
+    text = write_script(tmp_path, monkeypatch, capsys, machine, 4)
+    assert f"gridlm_launch {LAUNCH_4_NODES[machine]} python -m app {TINY} " in text
+
+
+def test_frontier_environment_and_binding(tmp_path, monkeypatch, capsys):
+    text = write_script(tmp_path, monkeypatch, capsys, "frontier", 2, "--account", "abc123")
+    for line in ("#SBATCH --account=abc123", "#SBATCH --partition=batch", "#SBATCH --time=02:00:00",
+                 "export NCCL_SOCKET_IFNAME=hsn0", "export FI_CXI_ATS=0", "export OMP_NUM_THREADS=7"):  # fmt: skip
+        assert line in text
+    assert "--qos" not in text and "--constraint" not in text  # absent options leave no line
+
+
+def test_polaris_pbs_header(tmp_path, monkeypatch, capsys):
+    text = write_script(tmp_path, monkeypatch, capsys, "polaris", 2, "--account", "proj", "--queue", "debug")
+    for line in ("#PBS -A proj", "#PBS -q debug", "#PBS -l filesystems=home:eagle", "#PBS -l place=scatter",
+                 f"#PBS -o {tmp_path}/runs/gpt_tiny/", "export OMP_NUM_THREADS=8  # = mpiexec --depth: the cores of one rank"):  # fmt: skip
+        assert line + "\n" in text
+    assert "#SBATCH" not in text
+
+
+def test_local_script_is_the_one_the_slurm_test_runs(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "job.sh"
+    status, stdout, err = run_submit(
+        tmp_path, monkeypatch, capsys, "--machine", "local", "--nodes", "1", "--out", str(out),
+        "--set", f"run.dir={tmp_path}/run", "--set", "train.steps=6",
+    )  # fmt: skip
+    assert status == 0, err
+    text = out.read_text()
+    assert "#SBATCH --ntasks-per-node=4\n#SBATCH --time=00:30:00\n" in text
+    assert "#SBATCH --partition=debug\n" in text
+    assert f"#SBATCH --output={tmp_path}/run/job-%j.out\n" in text
+    assert (tmp_path / "run").is_dir()  # Slurm opens the job log there before the script runs
+    assert 'source "$repo/launch/env.sh"' in text
+    line = f"srun -N 1 -n 4 --mpi=pmix python -m app {TINY} --set run.dir={tmp_path}/run --set train.steps=6"
+    assert f"gridlm_launch {line} --set run.machine=local\n" in text
+    assert f"submit: wrote {out}\n" in stdout and f"submit: launch: {line}" in stdout
+
+
+def test_default_path_time_and_machine_from_the_deck(tmp_path, monkeypatch, capsys):
+    status, out, err = run_submit(tmp_path, monkeypatch, capsys, "--nodes", "1", "--set", "run.machine=perlmutter")
+    assert status == 0, err
+    path = tmp_path / "jobs" / "gpt_tiny-perlmutter-1n.sh"
+    text = path.read_text()
+    assert "#SBATCH --time=02:00:00\n#SBATCH --output=" in text
+    assert "#SBATCH --qos=regular\n#SBATCH --constraint=gpu\n" in text
+    assert "submit: submit with: sbatch " in out
+
+
+def test_overrides_reach_the_app_exactly_as_given(tmp_path, monkeypatch, capsys):
+    tricky = "checkpoint.dir=ck$pt dir/it's"
+    text = write_script(tmp_path, monkeypatch, capsys, "local", 1, "--set", tricky)
+    line = next(x for x in text.splitlines() if x.startswith("gridlm_launch "))
+    argv = shlex.split(line)
+    assert argv[argv.index("app") + 1] == str(TINY)
+    assert argv[-4:] == ["--set", tricky, "--set", "run.machine=local"]
+
+
+def test_a_machine_given_as_a_path_is_passed_on_as_an_absolute_path(tmp_path, monkeypatch, capsys):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((REPO / "inputs" / "machines" / "local.yaml").read_text().replace("name: local", "name: mine"))
+    status, _, err = run_submit(tmp_path, monkeypatch, capsys, "--machine", "mine.yaml", "--nodes", "1")
+    assert status == 0, err
+    assert f"--set run.machine={mine}\n" in (tmp_path / "jobs" / "gpt_tiny-mine-1n.sh").read_text()
+
+
+def expect_error(tmp_path, monkeypatch, capsys, *args: str) -> str:
+    status, out, err = run_submit(tmp_path, monkeypatch, capsys, *args)
+    assert status == 2, (out, err)
+    assert err.startswith("submit: ") and "Traceback" not in err
+    assert not (tmp_path / "jobs").exists()
+    return err
+
+
+def test_unknown_machine_lists_the_known_ones(tmp_path, monkeypatch, capsys):
+    err = expect_error(tmp_path, monkeypatch, capsys, "--machine", "summit", "--nodes", "1")
+    assert "summit" in err and all(name in err for name in MACHINES)
+
+
+def test_no_machine_anywhere_is_an_error(tmp_path, monkeypatch, capsys):
+    err = expect_error(tmp_path, monkeypatch, capsys, "--nodes", "1")
+    assert "--machine" in err and "run.machine" in err
+
+
+def test_deck_that_does_not_fit_the_world_writes_nothing(tmp_path, monkeypatch, capsys):
+    # tp = 8 splits gpt_tiny's heads, MLP and vocabulary, but 1 local node has only 4 ranks.
+    err = expect_error(tmp_path, monkeypatch, capsys, "--machine", "local", "--nodes", "1", "--set", "parallel.tp=8")
+    assert "submit: deck error: parallel.tp = 8" in err and "world size 4" in err
+    err = expect_error(tmp_path, monkeypatch, capsys, "--machine", "frontier", "--nodes", "1")
+    assert "train.global_batch = 16" in err and "micro_batch x dp = 4 x 8" in err
+
+
+@pytest.mark.parametrize(
+    "machine, time, message",
+    [
+        ("frontier", "2h", "expected HH:MM:SS or D-HH:MM:SS"),
+        ("frontier", "02:61:00", "expected HH:MM:SS"),
+        ("frontier", "1-25:00:00", "hours must be 00-23"),
+        ("frontier", "00:01:30", "longer than 120 s"),
+        ("polaris", "1-02:00:00", "pbs takes HH:MM:SS (hours may exceed 24), e.g. 26:00:00"),
+    ],
+)
+def test_bad_time_is_refused(tmp_path, monkeypatch, capsys, machine, time, message):
+    args = ("--machine", machine, "--nodes", "4", "--set", "train.global_batch=128", "--time", time)
+    err = expect_error(tmp_path, monkeypatch, capsys, *args)
+    assert f"--time {time!r}" in err and message in err
+
+
+def test_day_time_is_accepted_by_slurm(tmp_path, monkeypatch, capsys):
+    assert "#SBATCH --time=1-12:00:00\n" in write_script(
+        tmp_path, monkeypatch, capsys, "local", 1, "--time", "1-12:00:00"
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--machine", "frontier", "--queue", "debug"), "--queue: not a slurm option"),
+        (("--machine", "polaris", "--partition", "debug"), "--partition: not a pbs option"),
+        (("--machine", "local", "--account", "a b"), "--account = 'a b': no spaces"),
+        (("--machine", "local", "--job-name", "1st"), "--job-name '1st'"),
+        (("--machine", "local", "--nodes", "0"), "--nodes 0"),
+    ],
+)
+def test_bad_scheduler_options_are_refused(tmp_path, monkeypatch, capsys, args, message):
+    nodes = () if "--nodes" in args else ("--nodes", "1")
+    err = expect_error(tmp_path, monkeypatch, capsys, *nodes, *args, "--set", "train.global_batch=32")
+    assert message in err
+
+
+def test_plan_problems_refuse_the_script_unless_forced(tmp_path, monkeypatch, capsys):
+    """The dry run's problems (here: tp = 8 over two 4-rank nodes) stop submit.py before a job
+    waits in the queue; --force writes the script and repeats them as warnings."""
+    args = ("--machine", "local", "--nodes", "2", "--set", "parallel.tp=8")
+    err = expect_error(tmp_path, monkeypatch, capsys, *args)
+    assert "tensor-parallel groups span 2 nodes" in err and "--force" in err
+    status, _, err = run_submit(tmp_path, monkeypatch, capsys, *args, "--force")
+    assert status == 0 and "submit: warning: tensor-parallel groups span 2 nodes" in err
+    assert (tmp_path / "jobs" / "gpt_tiny-local-2n.sh").is_file()
+
+
+def test_check_plan_is_the_dry_run():
+    from app.deck import load_deck, resolve_for_world
+
+    assert submit.check_plan(resolve_for_world(load_deck(TINY), 4), 4, load_machine("local")) == []
+    big = load_deck(REPO / "inputs/gpt_1t.yaml", ("train.recompute=none",))
+    (problem,) = submit.check_plan(resolve_for_world(big, 3072), 3072, load_machine("selene"))
+    assert problem.startswith("does not fit: stage 0 needs")
+
+
+def test_submit_without_sbatch_on_path_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    status, _, err = run_submit(tmp_path, monkeypatch, capsys, "--machine", "local", "--nodes", "1", "--submit")
+    assert status == 2 and "submit: sbatch not found on PATH" in err
+    assert (tmp_path / "jobs" / "gpt_tiny-local-1n.sh").is_file()  # written; submit it by hand
+
+
+@pytest.mark.parametrize("machine, command, answer", [("local", "sbatch", "4242;cluster"), ("polaris", "qsub", "4242")])
+def test_submit_runs_the_scheduler_and_prints_the_job_id(tmp_path, monkeypatch, capsys, machine, command, answer):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / command
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\necho "{answer}"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    args = ("--machine", machine, "--nodes", "1", "--submit", "--set", "train.global_batch=16")
+    status, out, err = run_submit(tmp_path, monkeypatch, capsys, *args)
+    assert status == 0, err
+    assert "submit: job 4242 submitted" in out
+    assert (tmp_path / "args").read_text().split()[-1] == str(tmp_path / "jobs" / f"gpt_tiny-{machine}-1n.sh")
+
+
+@pytest.mark.parametrize("how", [["launch/submit.py"], ["-m", "launch.submit"]])
+def test_runs_by_path_and_as_a_module(tmp_path, how):
+    cwd = REPO if how[0] == "-m" else tmp_path
+    args = [sys.executable, *how, str(TINY), "--machine", "local", "--nodes", "1", "--out", str(tmp_path / "j.sh"),
+            "--set", f"run.dir={tmp_path}/run"]  # fmt: skip
+    if how[0] != "-m":
+        args[1] = str(REPO / how[0])
+    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, check=False, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "j.sh").is_file()
+
+
+def test_render_rejects_unknown_unfilled_and_malformed_placeholders():
+    assert submit.render("a\n{{x}}\nb {{ y }}\n", {"x": "", "y": "1"}) == "a\nb 1\n"
+    with pytest.raises(submit.SubmitError, match="unknown placeholder.*nope"):
+        submit.render("{{nope}}", {"x": "1"})
+    with pytest.raises(submit.SubmitError, match="no value for placeholder.*x"):
+        submit.render("{{x}}", {"x": None})
+    with pytest.raises(submit.SubmitError, match="not a"):
+        submit.render("{{x-y}}", {"x": "1"})
+    assert submit.render("${a} {b}\n", {}) == "${a} {b}\n"  # bash syntax is left alone
+
+
+# --- common.sh: signal forwarding, exit status, the PBS timer, the node-count check -----------
+
+CHILD = textwrap.dedent(
+    """
+    import pathlib, signal, sys, time
+    marker, ready, code = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
+    got = []
+    def on_signal(signum, frame):  # like the app: note it, finish the "step", exit 0
+        got.append(signal.Signals(signum).name)
+        marker.write_text(" ".join(got))
+    signal.signal(signal.SIGUSR1, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    ready.write_text("ready")
+    deadline = time.time() + 20
+    while time.time() < deadline and code < 0:
+        if len(got) >= -code:
+            time.sleep(0.3)
+            sys.exit(0)
+        time.sleep(0.05)
+    sys.exit(code if code >= 0 else 3)  # 3: no signal came
+    """
+)
+
+
+def job_script(tmp_path: Path, code: int, before: str = "") -> Path:
+    """A job script that launches CHILD through common.sh; CHILD exits `code`, or (code < 0)
+    waits for -code signals and exits 0 a moment after the last."""
+    (tmp_path / "child.py").write_text(CHILD)
+    script = tmp_path / "job.sh"
+    script.write_text(
+        f"set -euo pipefail\nsource {COMMON}\n{before}\n"
+        f"gridlm_launch {sys.executable} {tmp_path}/child.py {tmp_path}/marker {tmp_path}/ready {code}\n"
+    )
+    return script
+
+
+def start(script: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for(path: Path, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signals", [["SIGUSR1"], ["SIGTERM"], ["SIGUSR1", "SIGTERM"]])
+def test_signals_reach_the_launcher_and_its_exit_status_is_the_scripts(tmp_path, signals):
+    proc = start(job_script(tmp_path, code=-len(signals)))
+    wait_for(tmp_path / "ready")
+    for name in signals:
+        proc.send_signal(getattr(signal, name))
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, (out, err)  # the child's 0, not 128 + n from the interrupted wait
+    assert (tmp_path / "marker").read_text() == " ".join(signals)
+    for name in signals:
+        assert f"{name} -> launcher (pid " in err
+    assert out.splitlines()[-1].endswith("launcher exited with status 0")
+
+
+def test_the_launchers_failure_status_is_the_scripts(tmp_path):
+    proc = start(job_script(tmp_path, code=7))
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 7, (out, err)
+    assert out.splitlines()[-1].endswith("launcher exited with status 7")
+
+
+def test_pbs_timer_sends_usr1_before_the_walltime(tmp_path):
+    # walltime 123 s, lead 121 s: SIGUSR1 two seconds after the start.
+    proc = start(job_script(tmp_path, code=-1, before="gridlm_signal_before_end 123 121"))
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, (out, err)
+    assert (tmp_path / "marker").read_text() == "SIGUSR1"
+    assert "SIGUSR1 in 2 s" in out and "SIGUSR1 -> launcher" in err
+
+
+def test_job_header_and_a_wrong_node_count_stops_the_job(tmp_path):
+    env = {**os.environ, "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "nid[001-002]", "SLURM_JOB_ID": "77"}
+    proc = start(job_script(tmp_path, code=0, before=f"repo={REPO}\ngridlm_start 2 8"), env)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, (out, err)
+    assert "job 77 on " in out and "2 node(s) x 4 = 8 ranks | nodes: nid[001-002]" in out
+    assert f"gridlm {REPO} @ " in out
+    proc = start(job_script(tmp_path, code=0, before="gridlm_start 4 16"), env)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "written for 4 node(s) but the job has 2" in err
+    assert "launch/submit.py --nodes 2" in err and "launch:" not in out
