@@ -39,10 +39,7 @@ export OMP_NUM_THREADS={{threads}}  # = srun -c: the 72 Grace cores of one super
 
 # Python: the venv of launch/setup.sh if there is one (create it inside the uenv); otherwise the
 # uenv's or image's python, which must provide torch, mpi4py and h5py built against Cray MPICH.
-venv="${GRIDLM_VENV:-$repo/.venv}"
-if [ -x "$venv/bin/python" ]; then
-  export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
-fi
+gridlm_use_venv
 
 # all-visible binding: each rank sees the node's 4 GPUs (NCCL P2P over NVLink); local rank picks.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

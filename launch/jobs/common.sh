@@ -3,6 +3,7 @@
 #   source "$repo/launch/jobs/common.sh"   # installs the USR1/TERM traps at once
 #   gridlm_start NODES RANKS               # job header; stop if the allocation has another node count
 #   gridlm_signal_before_end WALLTIME_S 120   # PBS only: SIGUSR1 to this script 120 s before the end
+#   gridlm_use_venv                        # ${GRIDLM_VENV:-$repo/.venv} on PATH, if it exists
 #   gridlm_launch srun ... python -m app DECK ...   # returns the launcher's exit status
 #
 # Why: the scheduler signals the batch shell (Slurm `--signal=B:USR1@120`, or the PBS timer
@@ -52,6 +53,15 @@ gridlm_start() {
     _gridlm_log "ERROR: this script was written for $want node(s) but the job has $have;" \
       "write it again with launch/submit.py --nodes $have" >&2
     exit 2
+  fi
+}
+
+# gridlm_use_venv: put the venv of launch/setup.sh (GRIDLM_VENV, default $repo/.venv) on PATH
+# when it exists; otherwise the python of the site's modules, conda env or container runs.
+gridlm_use_venv() {
+  local venv="${GRIDLM_VENV:-${repo:?}/.venv}"
+  if [ -x "$venv/bin/python" ]; then
+    export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
   fi
 }
 

@@ -30,10 +30,7 @@ export OMP_NUM_THREADS={{threads}}  # = srun -c: the cores of one rank
 # Python: the venv of launch/setup.sh if there is one; otherwise the python of your modules,
 # conda env or container, which must provide torch (CUDA build), mpi4py and h5py built against
 # the MPI that srun --mpi=pmix starts (OpenMPI / HPC-X).
-venv="${GRIDLM_VENV:-$repo/.venv}"
-if [ -x "$venv/bin/python" ]; then
-  export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
-fi
+gridlm_use_venv
 
 # all-visible binding: each rank sees the node's GPUs (NCCL P2P over NVSwitch); local rank picks.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

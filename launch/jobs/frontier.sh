@@ -41,10 +41,7 @@ export OMP_NUM_THREADS={{threads}}  # = srun -c: the cores of one rank
 
 # Python: the venv of launch/setup.sh if there is one; otherwise the python of your modules or
 # conda env, which must provide torch (ROCm build), mpi4py and h5py built against Cray MPICH.
-venv="${GRIDLM_VENV:-$repo/.venv}"
-if [ -x "$venv/bin/python" ]; then
-  export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
-fi
+gridlm_use_venv
 
 # per-task binding: each rank sees the one GCD closest to its cores, as device 0.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

@@ -44,10 +44,7 @@ export OMP_NUM_THREADS={{threads}}  # physical cores per rank (srun -c counts 2 
 
 # Python: the venv of launch/setup.sh if there is one; otherwise the python of your modules or
 # conda env, which must provide torch (CUDA build), mpi4py and h5py built against Cray MPICH.
-venv="${GRIDLM_VENV:-$repo/.venv}"
-if [ -x "$venv/bin/python" ]; then
-  export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
-fi
+gridlm_use_venv
 
 # all-visible binding: each rank sees the node's 4 GPUs (NCCL P2P over NVLink); local rank picks.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

@@ -48,10 +48,7 @@ export OMP_NUM_THREADS={{threads}}  # = mpiexec --depth: the cores of one rank
 
 # Python: the venv of launch/setup.sh if there is one; otherwise the conda module's python, which
 # must provide torch (CUDA build), mpi4py and h5py built against Cray MPICH.
-venv="${GRIDLM_VENV:-$repo/.venv}"
-if [ -x "$venv/bin/python" ]; then
-  export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
-fi
+gridlm_use_venv
 
 # all-visible binding: mpiexec binds no GPUs; each rank sees 4 and its local rank picks one.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}
