@@ -242,7 +242,7 @@ def test_bad_machine_values_are_named(tmp_path):
 
 # ---- memory against a real trainer -------------------------------------------------------------
 
-GRIDS = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)], 4: [(2, 2, 1), (1, 2, 2), (1, 1, 4)]}
+GRIDS = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)], 4: [(2, 2, 1), (1, 1, 4)]}
 MEMORY_CASES = [
     (),
     ("train.precision=bf16", "optim.zero=1"),
