@@ -146,6 +146,16 @@ class RunConfig:
         None, "machine the deck is planned for (inputs/machines/NAME.yaml or a path): the default of --dry-run's "
         "and launch/submit.py's --machine",
     )  # fmt: skip
+    tensorboard: bool = _key(
+        False, "write TensorBoard scalars (loss, lr, step time, TFLOP/s, MFU, grad norm) to <run.dir>/tb"
+    )
+    study: Optional[str] = _key(None, "name of the scaling study this run is a point of (set by launch/study.py)")
+    study_kind: Optional[str] = _key(
+        None, "weak or strong: the kind of that study (set by launch/study.py)", choices=("weak", "strong")
+    )
+    study_point: Optional[int] = _key(
+        None, "the study point this run is: nodes, or ranks for --run-local (set by launch/study.py)", min=1
+    )
     resume: str = _key(
         "auto", "auto = continue from the latest checkpoint if there is one; none = start fresh; or a checkpoint "
         "file (.h5) or directory",

@@ -33,9 +33,17 @@ from app.checkpoint.store import checkpoint_dir, resolve_resume
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.deck import Deck
 from app.errors import GridlmError
-from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
+from app.metrics.flops import FLOPS_CONVENTION, gpt_hardware_step_flops, gpt_step_flops
 from app.metrics.peaks import peak_tflops
-from app.metrics.report import MetricsWriter, format_line, mean_step_time, versions, write_summary
+from app.metrics.report import (
+    MetricsWriter,
+    TensorBoardWriter,
+    format_line,
+    mean_step_time,
+    require_tensorboard,
+    versions,
+    write_summary,
+)
 from app.metrics.timers import PHASES, StepTimers
 from app.model.gpt import GPT
 from app.optim.optimizer import LossScaler, ShardedOptimizer, any_rank, clip_coefficient, grad_norm, learning_rate
@@ -246,7 +254,11 @@ class Trainer:
         for warning in placement_warnings(grid.within_node, rt.ranks_per_node, par.gpus_per_node):
             rt.log(f"gridlm: warning: {warning}")
         if self.peak is None:
-            rt.log(f"gridlm: no peak FLOP/s known for device {self.device_name!r}: MFU is null (set run.peak_tflops)")
+            rt.log(
+                f"gridlm: warning: no peak FLOP/s known for device {self.device_name!r} at {tr.precision}: MFU is null "
+                "(set run.peak_tflops to report it)"
+            )
+        rt.log(f"gridlm: FLOP/s are {FLOPS_CONVENTION}")
 
     def run(self) -> dict[str, Any]:
         """Train to deck.train.steps, logging every run.log_every steps; returns the summary."""
@@ -261,7 +273,11 @@ class Trainer:
                 f"train.steps to continue, or set run.resume: none to start over)"
             )
             return {"steps": steps, "start_step": start, "resumed_from": self.resumed}
-        writer = MetricsWriter(self.run_dir, enabled=rt.is_root, resumed_step=start if self.resumed else None)
+        resumed_step = start if self.resumed else None
+        writer = MetricsWriter(self.run_dir, enabled=rt.is_root, resumed_step=resumed_step)
+        if deck.run.tensorboard:
+            on_root(rt, require_tensorboard)
+        board = TensorBoardWriter(self.run_dir, rt.is_root and deck.run.tensorboard, resumed_step)
         records: list[dict[str, Any]] = []
         step_times: list[float] = []
         timings: list[dict[str, Any]] = []
@@ -273,6 +289,7 @@ class Trainer:
                 record = self._train_step(writer, start, step_times, timings)
                 if record is not None:
                     records.append(record)
+                    board.write(record)
                 step = self.steps_done
                 saved_now = bool(every) and step % every == 0
                 if saved_now:
@@ -290,6 +307,7 @@ class Trainer:
             else:
                 if deck.checkpoint.at_exit and not saved_now:
                     self.save("end of training")
+        board.close()
         self.dp.wait_params()  # no all-gather left in flight: the parameters are complete
         summary = self._summary(records, step_times, timings)
         summary.update(start_step=start, resumed_from=self.resumed, interrupted=interrupted,
@@ -331,6 +349,7 @@ class Trainer:
         if not (step % deck.run.log_every == 0 or step == steps or step == start + 1):
             return None
         tflops = self.flops_per_step / step_time / rt.world_size / 1e12
+        hw_tflops = self.hardware_flops_per_step / step_time / rt.world_size / 1e12
         record = {
             "step": step,
             "loss": global_loss(loss_sum, self.grid),
@@ -338,6 +357,7 @@ class Trainer:
             "step_time_s": step_time,
             "tokens_per_s": self.tokens_per_step / step_time,
             "tflops_per_rank": tflops,
+            "hw_tflops_per_rank": hw_tflops,
             "mfu": None if self.peak is None else tflops / self.peak,
             "grad_norm": grad_norm,
             "consumed_samples": self.sampler.consumed_samples,
@@ -397,11 +417,14 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step / mean_time,
             "flops_per_step": self.flops_per_step,
             "hardware_flops_per_step": self.hardware_flops_per_step,
-            "flops_kind": "model FLOPs (tflops_per_rank, mfu): Megatron SC21 count, full (not causally halved) "
-            "attention; hardware FLOPs (hw_tflops_per_rank, hfu) add what train.recompute re-executes",
+            "flops_kind": FLOPS_CONVENTION,
             "tflops_per_rank": tflops_per_rank,
             "hw_tflops_per_rank": hw_tflops_per_rank,
             "aggregate_tflops": tflops_per_rank * rt.world_size,
+            "aggregate_pflops": tflops_per_rank * rt.world_size / 1e3,
+            "study": None
+            if deck.run.study is None
+            else {"name": deck.run.study, "kind": deck.run.study_kind, "point": deck.run.study_point},
             "device": self.device_name,
             "peak_tflops_per_rank": self.peak,
             "mfu": None if self.peak is None else tflops_per_rank / self.peak,

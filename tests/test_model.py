@@ -100,6 +100,32 @@ def test_megatron_flops_formula_against_a_hand_computed_value():
     assert expected == pytest.approx(6.9385e13, rel=1e-4)
 
 
+@pytest.mark.parametrize(
+    "config,model,hardware",
+    [
+        # GPT-3 175B (l 96, h 12288, s 2048, V 51200 as in Megatron SC21), B = 1536:
+        # 72*1536*2048*96*12288^2 = 3,283,124,128,353,091,584; 1 + 2048/73728 + 51200/14155776 = 1.0313947
+        # -> 3.38620e18; recompute: x 96/72 and 1 + 2048/73728 + 51200/18874368 = 1.0304904 -> 4.51097e18.
+        ((1536, 2048, 96, 12288, 51200), 3.38620e18, 4.51097e18),
+        # Megatron's 1T (l 128, h 25600, s 2048, V 51200), B = 3072:
+        # 72*3072*2048*128*25600^2 = 3.79991e19; 1 + 2048/153600 + 51200/39321600 = 1.0146354 -> 3.85553e19;
+        # recompute: x 96/72 and 1 + 2048/153600 + 51200/52428800 = 1.0143099 -> 5.13905e19.
+        ((3072, 2048, 128, 25600, 51200), 3.85553e19, 5.13905e19),
+    ],
+    ids=["gpt3-175b", "megatron-1t"],
+)
+def test_flops_of_published_configs_against_hand_values(config, model, hardware):
+    b, s, n, h, v = config
+    # The hand values above carry 6 significant digits.
+    assert megatron_step_flops(*config) == pytest.approx(model, rel=2e-6)
+    assert gpt_step_flops(*config, 4 * h) == pytest.approx(model, rel=2e-6)
+    assert megatron_recompute_step_flops(*config) == pytest.approx(hardware, rel=2e-6)
+    assert gpt_hardware_step_flops(*config, 4 * h, "full") == pytest.approx(hardware, rel=2e-6)
+    # The causal convention halves the score and context GEMMs: 3 x 2 B s^2 h l fewer FLOPs.
+    halved = gpt_step_flops(*config, 4 * h) - gpt_step_flops(*config, 4 * h, causal=True)
+    assert halved == pytest.approx(6.0 * b * s * s * h * n, rel=1e-12)
+
+
 def test_term_by_term_flops_equal_megatron_when_ffn_is_4h():
     assert gpt_step_flops(8, 1024, 24, 2048, 50304, 4 * 2048) == pytest.approx(
         megatron_step_flops(8, 1024, 24, 2048, 50304), rel=1e-12
@@ -175,7 +201,12 @@ def test_peak_table_knows_gpus_and_never_guesses_a_cpu():
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4)
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
-    assert peak_tflops("AMD Instinct MI250X", "bf16") == 191.5
+    assert peak_tflops("AMD Instinct MI250X", "bf16") == 191.5  # per GCD: half of the 383 of a package
+    assert peak_tflops("NVIDIA H200", "bf16") == pytest.approx(989.4)
+    assert peak_tflops("NVIDIA GH200 120GB", "bf16") == 989.0  # not the H100 or H200 entry
+    assert peak_tflops("AMD Instinct MI300X", "fp16") == pytest.approx(1307.4)
+    assert peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5
+    assert peak_tflops("NVIDIA A100-SXM4-40GB", "fp8") is None  # a precision not in the table: no guess
     assert peak_tflops("cpu") is None
     assert peak_tflops("cpu", override=1.5) == 1.5
 

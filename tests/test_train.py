@@ -126,7 +126,19 @@ def test_bucketed_dp_reduction_gives_the_mean_gradient(runtime, zero, overlap):
 @pytest.mark.mpi
 def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
     deck = resolve_for_world(
-        load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, "train.steps=3", f"run.dir={shared_tmp}")), runtime.world_size
+        load_deck(
+            REPO / "inputs/gpt_tiny.yaml",
+            (
+                *SMALL,
+                "train.steps=3",
+                f"run.dir={shared_tmp}",
+                "run.tensorboard=true",
+                "run.study=demo",
+                "run.study_kind=weak",
+                f"run.study_point={runtime.world_size}",
+            ),
+        ),  # fmt: skip
+        runtime.world_size,
     )
     summary = Trainer(deck, runtime, ProcessGrid(runtime, 1, 1, runtime.world_size)).run()
     runtime.comm.Barrier()
@@ -158,6 +170,21 @@ def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
     assert memory["parameters"] >= 4 * summary["parameters_rank0"]  # fp32 buffer (+ bucket padding)
     assert memory["optimizer_state"] == 2 * memory["parameters"]  # Adam moments; fp32: no separate master
     assert summary["hardware_flops_per_step"] == summary["flops_per_step"]  # no recomputation
+    # Scaling studies group runs by this; FLOP/s say which count they are.
+    assert summary["study"] == {"name": "demo", "kind": "weak", "point": runtime.world_size}
+    assert summary["aggregate_pflops"] == pytest.approx(summary["tflops_per_rank"] * runtime.world_size / 1e3)
+    assert "not causally halved" in summary["flops_kind"]
+    if runtime.is_root:  # run.tensorboard: every logged step's scalars, with the FLOP count in the tag
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(shared_tmp / "tb"))
+        events.Reload()
+        tags = set(events.Tags()["scalars"])
+        assert {"train/loss", "train/lr", "train/grad_norm", "perf/step_time_s", "perf/model_tflops_per_gpu"} <= tags
+        assert "perf/mfu" not in tags  # null on a CPU: not written as a number
+        losses = events.Scalars("train/loss")
+        assert [e.step for e in losses] == [1, 2, 3]
+        assert [e.value for e in losses] == pytest.approx([r["loss"] for r in records], rel=1e-6)
 
 
 @pytest.mark.mpi

@@ -23,6 +23,12 @@ same counts for any MLP width.
 
 from __future__ import annotations
 
+# Said in every output that reports FLOP/s (log, summary.json, TensorBoard tags, dry run, postprocess).
+FLOPS_CONVENTION = (
+    "model FLOPs (TFLOP/s, MFU): Megatron SC21 count, 2 FLOPs per multiply-add, backward = 2 x forward, "
+    "full (not causally halved) attention; hardware FLOPs (HFU) add what train.recompute re-executes"
+)
+
 
 def megatron_step_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int) -> float:
     """The SC21 formula above, exactly as published (MLP width 4h, no recompute)."""
@@ -36,15 +42,20 @@ def megatron_recompute_step_flops(global_batch: int, seq_len: int, layers: int, 
     return 96.0 * b * s * n * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * n * h))
 
 
-def gpt_step_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int) -> float:
+def gpt_step_flops(
+    global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int, causal: bool = False
+) -> float:
     """Model FLOPs per step term by term (forward x 3 for forward + backward).
 
     Per layer and token, forward: QKV 2*3h^2, output projection 2h^2, MLP 2*2*h*ffn,
     attention scores and context 2*2*s*h. Output head: 2*h*V per token.
-    Equals `megatron_step_flops` when ffn == 4h.
+    Equals `megatron_step_flops` when ffn == 4h. `causal=True` halves the score and context
+    GEMMs (only the lower triangle is needed), the convention of e.g. FlashAttention's and
+    torchtitan's counts; gridlm reports the full count (`FLOPS_CONVENTION`), like Megatron.
     """
     b, s, n, h, v = global_batch, seq_len, layers, hidden, vocab
-    per_token_layer = 8.0 * h * h + 4.0 * h * ffn + 4.0 * s * h
+    attention = (2.0 if causal else 4.0) * s * h
+    per_token_layer = 8.0 * h * h + 4.0 * h * ffn + attention
     forward = b * s * (n * per_token_layer + 2.0 * h * v)
     return 3.0 * forward
 

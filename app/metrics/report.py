@@ -45,6 +45,57 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
 
 
+# metrics.jsonl key -> TensorBoard tag; FLOP/s tags say which count (see flops.FLOPS_CONVENTION).
+TB_SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "step_time_s": "perf/step_time_s",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tflops_per_rank": "perf/model_tflops_per_gpu",
+    "hw_tflops_per_rank": "perf/hardware_tflops_per_gpu",
+    "mfu": "perf/mfu",
+}
+
+
+def require_tensorboard() -> None:
+    """run.tensorboard needs the tensorboard package (launch/setup.sh installs it)."""
+    import importlib.util
+
+    from app.errors import DeckError
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise DeckError(
+            "run.tensorboard", True, "needs the tensorboard package: run launch/setup.sh (or pip install "
+            "tensorboard), or set run.tensorboard: false"
+        )  # fmt: skip
+
+
+class TensorBoardWriter:
+    """Scalars of every logged step under <run dir>/tb (rank 0 only). On resume from step k,
+    TensorBoard drops the events after k (`purge_step`), like metrics.jsonl."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resumed_step: Optional[int] = None) -> None:
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if resumed_step is None else resumed_step + 1
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for key, tag in TB_SCALARS.items():
+            if record.get(key) is not None:
+                self.writer.add_scalar(tag, record[key], record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 def format_line(r: dict[str, Any], steps: int) -> str:
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     return (
