@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gridlm setup: MPI + parallel HDF5 (apt, when none is on PATH), the HDF5 command-line
 # tools (h5ls, h5dump), a .venv with torch, mpi4py, h5py built against parallel HDF5,
-# safetensors + transformers (checkpoint export), the test tools, and the app (editable).
+# safetensors + transformers (checkpoint export), matplotlib (scaling plots), tensorboard, the test tools,
+# and the app (editable).
 # Idempotent and prompt-free; a second run with everything present takes seconds.
 #
 # Environment knobs:
@@ -27,8 +28,8 @@ venv_ok() {
   [ -x "$venv/bin/python" ] && command -v mpirun >/dev/null 2>&1 &&
     "$venv/bin/python" - <<'PY' >/dev/null 2>&1
 import importlib.util
-import h5py, mpi4py, numpy, pytest, safetensors, torch, yaml, app  # noqa: F401
-assert h5py.get_config().mpi and importlib.util.find_spec("transformers")
+import h5py, matplotlib, mpi4py, numpy, pytest, safetensors, torch, yaml, app  # noqa: F401
+assert h5py.get_config().mpi and importlib.util.find_spec("transformers") and importlib.util.find_spec("tensorboard")
 PY
 }
 
@@ -77,8 +78,8 @@ if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
   say "installing $torch_spec"
   "${pip[@]}" install "$torch_spec"
 fi
-say "installing numpy, pyyaml, mpi4py, safetensors, transformers, pytest tools and h5py build tools"
-"${pip[@]}" install numpy pyyaml mpi4py safetensors transformers pytest pytest-mpi pytest-timeout ruff \
+say "installing numpy, pyyaml, mpi4py, safetensors, transformers, matplotlib, tensorboard, pytest tools and h5py build tools"
+"${pip[@]}" install numpy pyyaml mpi4py safetensors transformers matplotlib tensorboard pytest pytest-mpi pytest-timeout ruff \
   "Cython>=3,<4" pkgconfig "setuptools>=77" wheel
 
 # --- 3. h5py against parallel HDF5 -----------------------------------------------------
@@ -110,6 +111,6 @@ fi
 say "installing gridlm (editable)"
 "${pip[@]}" install --no-build-isolation --no-deps -e "$repo"
 
-venv_ok || die "the environment does not import (torch, h5py, mpi4py, yaml, pytest, app); see messages above"
+venv_ok || die "the environment does not import (torch, h5py, matplotlib, mpi4py, yaml, pytest, app); see messages above"
 echo "$want_stamp" >"$stamp"
 say "done: $("$venv/bin/python" -c 'import torch, h5py, mpi4py; print("torch", torch.__version__, "| h5py", h5py.__version__, "(mpi) | mpi4py", mpi4py.__version__)')"

@@ -134,8 +134,27 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MailProg=/bin/true
-NodeName=$host NodeAddr=127.0.0.1 CPUs=8 RealMemory=8000 State=UNKNOWN
+# The one node also stands in for the GPU nodes of inputs/machines/, so that sbatch --test-only
+# accepts their job scripts (tests/test_study.py): 8 GPUs (gres.conf), the feature of Perlmutter's
+# --constraint=gpu, and the machines' default partitions (local: debug, frontier: batch, alps:
+# normal), all on this node.
+GresTypes=gpu
+NodeName=$host NodeAddr=127.0.0.1 CPUs=8 RealMemory=8000 Gres=gpu:8 Feature=gpu State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=batch Nodes=$host MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=normal Nodes=$host MaxTime=INFINITE State=UP OverSubscribe=YES
+EOF
+  # slurmd drops GPUs without a File= (a Count alone registers 0 and the node goes INVAL), and the
+  # files must be devices: 8 links to /dev/null. Nothing opens them (TaskPlugin=task/none binds and
+  # confines nothing); a job that asks for GPUs just gets CUDA_VISIBLE_DEVICES.
+  mkdir -p "$dir/dev"
+  local i
+  for i in 0 1 2 3 4 5 6 7; do
+    ln -sfn /dev/null "$dir/dev/gpu$i"
+  done
+  cat >"$dir/gres.conf" <<EOF
+# Written by launch/slurm_local.sh: the 8 GPUs of slurm.conf's node, stand-ins linked to /dev/null.
+Name=gpu File=$dir/dev/gpu[0-7]
 EOF
 }
 
@@ -179,7 +198,7 @@ start() {
   if ! srun --mpi=list 2>&1 | grep -qw pmix; then
     die "srun has no PMIx plugin (srun --mpi=list: $(srun --mpi=list 2>&1 | tr '\n' ' ')); install slurm-wlm-basic-plugins"
   fi
-  say "up in $((SECONDS - t0)) s: node $(hostname -s) $state, partition debug, 8 CPUs; logs in $dir/log"
+  say "up in $((SECONDS - t0)) s: node $(hostname -s) $state, partitions debug (default), batch, normal; 8 CPUs, gpu:8 (stand-ins); logs in $dir/log"
   print_export
 }
 

@@ -216,6 +216,13 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
     return text, cwd / out, line, machine
 
 
+def write_script(path: Path, text: str) -> None:
+    """Write a job script (creating its directory), executable like one written by hand."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
 def submit(path: Path, machine: Machine) -> str:
     """Run sbatch/qsub on the script; the job id."""
     command = SUBMIT_COMMAND[machine.scheduler]
@@ -278,9 +285,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     try:
         text, path, line, machine = build_script(args, Path.cwd())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        write_script(path, text)
         print(f"submit: wrote {path}")
         print(f"submit: launch: {line}")
         if args.submit:

@@ -62,7 +62,7 @@ slurm_done="slurm"
 case $slurm_rc in
   0)
     eval "$slurm_export"
-    run_group slurm python -m pytest "${pytest_args[@]}" --with-slurm -m slurm tests/test_slurm.py
+    run_group slurm python -m pytest "${pytest_args[@]}" --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
     stop_slurm
     ;;
   3)

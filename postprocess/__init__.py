@@ -1,1 +1,6 @@
-"""Post-processing of run reports into tables and plots."""
+"""Post-processing of run reports into tables and plots.
+
+scaling.py  weak- and strong-scaling tables (CSV, Markdown, JSON) and figures from the
+            summary.json / metrics.jsonl of many runs or a study manifest
+compare.py  a study next to published numbers (e.g. inputs/published/) on the same axes
+"""

@@ -1,0 +1,164 @@
+"""Put a scaling study next to published numbers on the same axes.
+
+    python -m postprocess.compare RESULTS... --published CSV [--label L] [--kind weak|strong] --out DIR
+
+RESULTS is a results directory of postprocess.scaling (its summary.json), or run
+directories / a manifest as postprocess.scaling takes them (one study). The published CSV
+has a header with `gpus` and any of `tflops_per_gpu`, `pflops` (aggregate), `efficiency`
+and `pct_peak` (percent), and optionally `label` (rows of one label form one series; the
+default series is the `source` column, else the file name), `params_b` and `source`; lines
+starting with # are comments. inputs/published/megatron_sc21_table1.csv is Megatron-LM SC21
+Table 1.
+
+Every metric both sides have gets one figure, ours against each published series on a log2
+GPU axis, as compare_<metric>.{png,pdf} (tflops_per_gpu, pflops, efficiency, pct_peak), and
+compare.csv holds both sides' points in the columns of COLUMNS (one row per point and side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from postprocess import scaling
+from postprocess.scaling import ScalingError
+
+# metric -> (column of the published CSV, y label, log y axis)
+METRICS = {
+    "tflops_per_gpu": ("tflops_per_gpu", "TFLOP/s per GPU", True),
+    "pflops": ("pflops", "Aggregate PFLOP/s", True),
+    "efficiency_pct": ("efficiency", "Scaling efficiency (%)", False),
+    "pct_peak": ("pct_peak", "% of peak (MFU)", False),
+}
+COLUMNS = ["series", "gpus", "params_b", *METRICS, "status", "source"]
+
+
+def number(value: str, where: str) -> Optional[float]:
+    if value is None or not value.strip():
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ScalingError(f"{where} = {value!r} is not a number") from None
+
+
+def read_published(path: Path) -> list[dict[str, Any]]:
+    """The published points as rows of COLUMNS (status 'published')."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ScalingError(f"cannot read the published CSV {path}: {err.strerror}") from None
+    reader = csv.DictReader(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    header = reader.fieldnames or []
+    metrics = [m for m, (col, *_) in METRICS.items() if col in header]
+    if "gpus" not in header or not metrics:
+        raise ScalingError(f"{path}: the header needs 'gpus' and any of tflops_per_gpu, pflops, efficiency, "
+                           f"pct_peak; it has {header}")  # fmt: skip
+    rows = []
+    for i, r in enumerate(reader, start=1):
+        where = f"{path}: data row {i}"
+        gpus = number(r["gpus"], f"{where}, gpus")
+        if gpus is None:
+            raise ScalingError(f"{where} has no gpus")
+        row: dict[str, Any] = dict.fromkeys(COLUMNS)
+        row.update(series=r.get("label") or r.get("source") or path.stem, gpus=int(gpus),
+                   params_b=number(r.get("params_b", ""), f"{where}, params_b"), status="published",
+                   source=r.get("source") or str(path))  # fmt: skip
+        row.update({m: number(r[METRICS[m][0]], f"{where}, {METRICS[m][0]}") for m in metrics})
+        rows.append(row)
+    if not rows:
+        raise ScalingError(f"{path} has a header but no rows")
+    return rows
+
+
+def from_scaling_rows(rows: list[dict[str, Any]], label: str, source: str) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        params = r.get("parameters")
+        out.append({"series": label, "gpus": r["gpus"], "params_b": None if params is None else params / 1e9,
+                    "tflops_per_gpu": r["tflops_per_gpu"], "pflops": r["aggregate_pflops"],
+                    "efficiency_pct": r["efficiency_pct"], "pct_peak": r["mfu_pct"], "status": r["status"],
+                    "source": source})  # fmt: skip
+    return out
+
+
+def our_rows(paths: list[str], kind: Optional[str], label: Optional[str]) -> list[dict[str, Any]]:
+    """Our points as rows of COLUMNS, from a scaling results directory or from runs."""
+    if len(paths) == 1 and (Path(paths[0]) / "summary.json").is_file():
+        results = scaling.read_json(Path(paths[0]) / "summary.json")
+        if isinstance(results, dict) and "rows" in results:
+            return from_scaling_rows(results["rows"], label or results.get("study") or "gridlm", paths[0])
+    studies = scaling.load_studies(paths, kind, need_kind=False)
+    if len(studies) > 1:
+        names = ", ".join(str(s.name) for s in studies)
+        raise ScalingError(f"the runs belong to {len(studies)} studies ({names}); compare one study at a time")
+    rows, _ = scaling.scaling_rows(studies[0].runs, studies[0].kind)
+    return from_scaling_rows(rows, label or studies[0].name or "gridlm", " ".join(paths))
+
+
+def shared_metrics(ours: list[dict[str, Any]], published: list[dict[str, Any]]) -> list[str]:
+    """Metrics with a value on both sides."""
+    return [m for m in METRICS if any(r[m] is not None for r in ours) and any(r[m] is not None for r in published)]
+
+
+def plot_metric(rows: list[dict[str, Any]], metric: str, title: str, out: Path) -> list[Path]:
+    import matplotlib
+
+    _, ylabel, log = METRICS[metric]
+    with matplotlib.rc_context(scaling.RC):
+        fig, ax = scaling.new_axes(title)
+        names = list(dict.fromkeys(r["series"] for r in rows))
+        for i, name in enumerate(names):
+            x, y = scaling.series([r for r in rows if r["series"] == name], metric)
+            ax.plot(x, y, marker="os^vD"[i % 5], linestyle="-" if i == 0 else "--", label=name)
+        if log:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(0, max(105, *(r[metric] * 1.05 for r in rows if r[metric] is not None)))
+        ax.set_ylabel(ylabel + (" (model FLOPs)" if "flops" in metric else ""))
+        scaling.gpu_axis(ax, [r["gpus"] for r in rows if r["gpus"] is not None])
+        gaps = [f"no result: {r['gpus']} GPUs, {r['status'].split(' (')[0]}" for r in rows
+                if r["status"] != "published" and not r["status"].startswith("ok")]  # fmt: skip
+        scaling.note_entries(ax, gaps)
+        return scaling.save(fig, out, f"compare_{METRICS[metric][0]}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m postprocess.compare", description=__doc__.split("\n")[0])
+    parser.add_argument("results", nargs="+", metavar="RESULTS", help="scaling results dir, or run dirs / manifest")
+    parser.add_argument("--published", required=True, help="CSV of published numbers (gpus, tflops_per_gpu, ...)")
+    parser.add_argument("--label", help="name of our series (default: the study name)")
+    parser.add_argument("--kind", choices=scaling.KINDS, help="weak or strong, for the efficiency of run dirs")
+    parser.add_argument("--title", help="figure title (default: ours vs the published series)")
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    try:
+        published = read_published(Path(args.published))
+        ours = our_rows(args.results, args.kind, args.label)
+        metrics = shared_metrics(ours, published)
+        if not metrics:
+            raise ScalingError(f"no metric with values on both sides (of {', '.join(METRICS)})")
+    except ScalingError as err:
+        print(f"compare: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = ours + published
+    title = args.title or f"{ours[0]['series']} vs {published[0]['series']}"
+    scaling.write_csv(out / "compare.csv", rows, COLUMNS)
+    files = [out / "compare.csv"]
+    for metric in metrics:
+        files += plot_metric(rows, metric, title, out)
+    print(" | ".join(["series", "gpus", *metrics, "status"]))
+    for r in rows:
+        cells = [r["series"], r["gpus"], *(("-" if r[m] is None else f"{r[m]:.4g}") for m in metrics), r["status"]]
+        print(" | ".join(str(c) for c in cells))
+    print("wrote " + ", ".join(str(p) for p in files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

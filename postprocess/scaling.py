@@ -1,0 +1,618 @@
+"""Weak- and strong-scaling tables and figures from the reports of many runs.
+
+    python -m postprocess.scaling RUN... --out results/NAME/ [--kind weak|strong] [--title T]
+
+A RUN is a run directory (summary.json, metrics.jsonl, deck.yaml), a study manifest
+(manifest.json, written by launch/study.py) or a directory holding one. A manifest brings
+in every point the study planned, so that points which failed or never ran show up as gaps
+instead of silently vanishing. Runs are grouped by study (summary.json's study.name, else
+the manifest's study, else deck.yaml's run.study): one study writes its files into --out,
+several write one set each into --out/<study>/. The kind comes from --kind, else the
+runs' study.kind, else the manifest; a study that mixes kinds is refused.
+
+Definitions (N = GPUs = MPI ranks = world_size; N0 = the baseline's):
+  weak efficiency   = per-GPU throughput at N / per-GPU throughput at N0, in tokens/s per
+                      GPU when every point trains the same model. When the model grows with N
+                      (FLOPs per token differ, as in Megatron SC21 Table 1) a token is more
+                      work at larger N, so the throughput is model FLOP/s per GPU instead.
+  strong speedup    = tokens/s at N / tokens/s at N0 (a fixed problem: the inverse step-time ratio)
+  strong efficiency = speedup / (N / N0)
+The baseline is the point with the fewest GPUs that has a result; when the smallest planned
+point has none, the table, the figures' data and summary.json say so.
+
+Step time: mean ± standard deviation after the warm-up steps (summary.json); spread: min-max
+of the step times logged after the warm-up (metrics.jsonl), p10-p90 from 10 logged steps on.
+FLOP/s are model FLOPs as summary.json's flops_kind says (Megatron SC21 count).
+
+Files written into the output directory:
+  scaling.csv   one row per point, the columns of COLUMNS (empty cell = no value)
+  scaling.md    the same as a Markdown table, with the FLOP convention and the definitions
+  summary.json  {study, kind, machine, title, flops_kind, definitions, efficiency_basis,
+                 baseline, columns, rows, notes, files}
+  weak_efficiency.{png,pdf} (weak) or strong_speedup.{png,pdf} (strong), and pflops.{png,pdf}
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+KINDS = ("weak", "strong")
+COLUMNS = ["point", "nodes", "gpus", "grid", "parameters", "step_time_s", "step_time_std_s", "step_time_lo_s", "step_time_hi_s",
+           "spread", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "aggregate_pflops",
+           "peak_tflops_per_gpu", "mfu_pct", "speedup", "efficiency_pct", "status", "run_dir"]  # fmt: skip
+SUMMARY_KEYS = ("world_size", "nodes", "grid", "tokens_per_step", "step_time_s", "step_time_std_s", "tokens_per_s",
+                "flops_per_step", "tflops_per_rank", "aggregate_tflops")  # fmt: skip
+DEFINITIONS = {
+    "weak": "weak-scaling efficiency = per-GPU throughput at N GPUs / per-GPU throughput at the baseline's N0 GPUs",
+    "strong": "strong-scaling efficiency = speedup / (N / N0), speedup = tokens/s at N GPUs / tokens/s at the "
+    "baseline's N0 GPUs (same problem, so the inverse step-time ratio)",
+    "baseline": "the point with the fewest GPUs that has a result",
+    "step_time": "mean ± standard deviation of the step time after the warm-up steps (summary.json)",
+    "spread": "min-max of the step times logged after the warm-up (metrics.jsonl); p10-p90 from 10 logged steps on",
+}
+# manifest statuses of points that never ran (launch/study.py), and how the table says so
+MISSING = {"not run": "missing (not run)", "written": "missing (script written, not run)",
+           "pending": "missing (pending: not run yet)"}  # fmt: skip
+PERCENTILE_FROM = 10  # logged steps from which the spread is p10-p90 instead of min-max
+
+
+class ScalingError(Exception):
+    """A problem with the inputs; the CLI prints it as one line and exits 2."""
+
+
+@dataclass
+class Run:
+    """One point of a study: what was planned and, when the run finished, its summary."""
+
+    run_dir: Path
+    status: str  # "ok", "failed (no summary.json)", "missing (not run)", ...
+    study: Optional[str] = None
+    kind: Optional[str] = None
+    point: Optional[int] = None
+    nodes: Optional[int] = None
+    gpus: Optional[int] = None
+    grid: str = "-"
+    summary: Optional[dict[str, Any]] = None
+    step_times: list[float] = field(default_factory=list)  # logged step times after the warm-up
+    machine: Optional[str] = None
+
+
+@dataclass
+class Study:
+    name: Optional[str]
+    runs: list[Run]
+    kind: Optional[str] = None
+
+
+# --- reading runs and manifests -------------------------------------------------------------
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ScalingError(f"{path} is not valid JSON ({err.msg}, line {err.lineno}); rerun or remove it") from None
+    except OSError as err:
+        raise ScalingError(f"cannot read {path}: {err.strerror}") from None
+
+
+def grid_label(grid: dict[str, Any]) -> str:
+    return f"tp{grid['tp']} x pp{grid['pp']} x dp{grid['dp']}"
+
+
+def read_deck(run_dir: Path) -> dict[str, Any]:
+    """The resolved deck a run wrote at its start ({} when absent or unreadable): what a run that
+    died before summary.json still tells about itself."""
+    try:
+        deck = yaml.safe_load((run_dir / "deck.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return deck if isinstance(deck, dict) else {}
+
+
+def logged_step_times(run_dir: Path, summary: dict[str, Any]) -> list[float]:
+    """Step times of metrics.jsonl after this run's warm-up (a resumed run's older records are
+    another process's and are left out, as summary.json's mean leaves them out)."""
+    first = (summary.get("start_step") or 0) + (summary.get("timing_warmup_steps") or 0)
+    times = []
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step, time = int(record["step"]), float(record["step_time_s"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line of a killed run
+        if step > first:
+            times.append(time)
+    return times
+
+
+def finished_run(run_dir: Path, summary_path: Path) -> Run:
+    s = read_json(summary_path)
+    missing = [k for k in SUMMARY_KEYS if not isinstance(s, dict) or k not in s]
+    if missing:
+        raise ScalingError(f"{summary_path} lacks {', '.join(missing)}: not a gridlm summary.json")
+    study = s.get("study") or {}
+    status = "ok" if not s.get("interrupted") else f"ok (stopped early by {s['interrupted']})"
+    return Run(run_dir, status, study.get("name"), study.get("kind"), study.get("point"), s["nodes"],
+               s["world_size"], grid_label(s["grid"]), s, logged_step_times(run_dir, s))  # fmt: skip
+
+
+def unfinished_run(run_dir: Path, planned: str) -> Run:
+    """A run without summary.json; `planned` is the manifest's status ("" when none listed it)."""
+    if planned in MISSING:
+        status = MISSING[planned]
+    else:
+        why = "no summary.json" if run_dir.is_dir() else "no run directory"
+        status = f"failed (interrupted, {why})" if planned == "interrupted" else f"failed ({why})"
+    deck = read_deck(run_dir)
+    run, par = deck.get("run") or {}, deck.get("parallel") or {}
+    out = Run(run_dir, status, run.get("study"), run.get("study_kind"), run.get("study_point"))
+    if all(isinstance(par.get(a), int) for a in ("tp", "pp", "dp")):
+        out.gpus, out.grid = par["tp"] * par["pp"] * par["dp"], grid_label(par)
+    return out
+
+
+def load_run(run_dir: Path, planned: str = "") -> Run:
+    summary = run_dir / "summary.json"
+    return finished_run(run_dir, summary) if summary.is_file() else unfinished_run(run_dir, planned)
+
+
+def manifest_run_dir(run_dir: Path, here: Path) -> Path:
+    """A manifest's run_dir as found: as written (relative: to the working directory), else next
+    to the manifest (a study directory copied off the machine)."""
+    for candidate in (run_dir, here / run_dir, here / run_dir.name):
+        if candidate.exists():
+            return candidate
+    return run_dir
+
+
+def manifest_runs(path: Path) -> list[Run]:
+    """The points of a study manifest, finished or not, with the manifest's facts filled in."""
+    m = read_json(path)
+    if not isinstance(m, dict) or not isinstance(m.get("points"), list):
+        raise ScalingError(f"{path} is not a study manifest: it needs a 'points' list (see launch/study.py)")
+    runs = []
+    for p in m["points"]:
+        if not isinstance(p, dict) or not p.get("run_dir"):
+            raise ScalingError(f"{path}: a point without run_dir: {p!r}")
+        run_dir = manifest_run_dir(Path(p["run_dir"]), path.parent)
+        run = load_run(run_dir, str(p.get("status") or ""))
+        run.study = run.study or m.get("study")
+        run.kind = run.kind or m.get("kind")
+        run.point = run.point if run.point is not None else p.get("point")
+        run.nodes = run.nodes if run.nodes is not None else p.get("nodes")
+        run.gpus = run.gpus if run.gpus is not None else p.get("ranks")
+        run.machine = m.get("machine")
+        runs.append(run)
+    return runs
+
+
+def collect(paths: list[str]) -> list[Run]:
+    """Expand the command line into runs (manifests into their points), each run dir once."""
+    runs: dict[Path, Run] = {}
+    for arg in paths:
+        path = Path(arg)
+        if path.is_dir() and (path / "manifest.json").is_file():
+            path = path / "manifest.json"
+        if not path.exists():
+            raise ScalingError(f"{arg}: no such run directory or manifest")
+        if path.is_file() and path.name == "summary.json":
+            found = [load_run(path.parent)]
+        elif path.is_file():
+            found = manifest_runs(path)
+        else:
+            found = [load_run(path)]
+        for run in found:
+            runs.setdefault(run.run_dir.resolve(), run)
+    return list(runs.values())
+
+
+def group_studies(runs: list[Run], kind: Optional[str], need_kind: bool = True) -> list[Study]:
+    """One Study per study name, each with its kind settled (see the module docstring); with
+    need_kind False a study whose kind nobody says gets kind None instead of an error."""
+    if not runs:
+        raise ScalingError("no summaries found: the manifest lists no points")
+    names: dict[Optional[str], list[Run]] = {}
+    for run in runs:
+        names.setdefault(run.study, []).append(run)
+    attach_strays(names)
+    studies = []
+    for name, members in names.items():
+        label = f"study {name!r}" if name else "the runs"
+        if not any(r.summary for r in members):
+            raise ScalingError(f"no summaries found: none of the {len(members)} run(s) of {label} has a summary.json")
+        kinds = {r.kind for r in members if r.kind}
+        if kind is None and len(kinds) > 1:
+            by_kind = "; ".join(
+                f"{k}: {', '.join(r.run_dir.name for r in members if r.kind == k)}" for k in sorted(kinds)
+            )
+            raise ScalingError(f"{label} mixes weak and strong runs ({by_kind}); give runs of one kind")
+        study_kind = kind or next(iter(kinds), None)
+        if study_kind is None and need_kind:
+            raise ScalingError(f"cannot tell whether {label} is weak or strong scaling: no summary.json has "
+                               "study.kind and no manifest says; pass --kind weak or --kind strong")  # fmt: skip
+        studies.append(Study(name, sorted(members, key=order_key), study_kind))
+    return studies
+
+
+def attach_strays(names: dict[Optional[str], list[Run]]) -> None:
+    """A run that died before writing deck.yaml does not know its study: it joins the only one
+    (with several, it is left out with a warning, as its study cannot be told)."""
+    strays = [r for r in names.get(None, []) if r.summary is None]
+    if not strays or len(names) == 1:
+        return
+    names[None] = [r for r in names[None] if r.summary is not None]
+    if not names[None]:
+        del names[None]
+    if len(names) == 1:
+        next(iter(names.values())).extend(strays)
+        return
+    for run in strays:
+        print(f"scaling: warning: {run.run_dir} has no summary.json and no deck.yaml: its study is unknown, "
+              "so it is in no table", file=sys.stderr)  # fmt: skip
+
+
+def order_key(run: Run) -> tuple[float, float, str]:
+    """By GPUs, then point; runs whose size is unknown go last."""
+    inf = math.inf
+    return (run.gpus if run.gpus is not None else inf, run.point if run.point is not None else inf, str(run.run_dir))
+
+
+# --- computation (pure) ------------------------------------------------------------------------
+
+
+def weak_efficiency(per_gpu: float, base_per_gpu: float) -> float:
+    return per_gpu / base_per_gpu
+
+
+def strong_speedup(tokens_per_s: float, base_tokens_per_s: float) -> float:
+    return tokens_per_s / base_tokens_per_s
+
+
+def strong_efficiency(speedup: float, gpus: int, base_gpus: int) -> float:
+    return speedup / (gpus / base_gpus)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated q-quantile (0 <= q <= 1), as numpy.percentile's default."""
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    low = math.floor(pos)
+    return s[low] + (s[min(low + 1, len(s) - 1)] - s[low]) * (pos - low)
+
+
+def step_time_spread(times: list[float]) -> Optional[tuple[float, float, str]]:
+    """(low, high, which) of the logged step times, or None when none were logged."""
+    if not times:
+        return None
+    if len(times) >= PERCENTILE_FROM:
+        return percentile(times, 0.1), percentile(times, 0.9), f"p10-p90 of {len(times)}"
+    return min(times), max(times), f"min-max of {len(times)}"
+
+
+def throughput_basis(runs: list[Run]) -> str:
+    """'tokens' when every finished point does the same FLOPs per token, else 'flops' (see docstring)."""
+    per_token = [r.summary["flops_per_step"] / r.summary["tokens_per_step"] for r in runs if r.summary]
+    same = all(math.isclose(f, per_token[0], rel_tol=1e-9) for f in per_token)
+    return "tokens" if same else "flops"
+
+
+def point_row(run: Run) -> dict[str, Any]:
+    """The measured columns of one point (None where it has no result)."""
+    row: dict[str, Any] = dict.fromkeys(COLUMNS)
+    row.update(point=run.point, nodes=run.nodes, gpus=run.gpus, grid=run.grid, status=run.status,
+               run_dir=str(run.run_dir))  # fmt: skip
+    s = run.summary
+    if s is None:
+        return row
+    spread = step_time_spread(run.step_times)
+    peak, mfu = s.get("peak_tflops_per_rank"), s.get("mfu")
+    row.update(
+        step_time_s=s["step_time_s"],
+        step_time_std_s=s["step_time_std_s"],
+        parameters=s.get("parameters"),
+        tokens_per_s=s["tokens_per_s"],
+        tokens_per_s_per_gpu=s["tokens_per_s"] / s["world_size"],
+        tflops_per_gpu=s["tflops_per_rank"],
+        aggregate_pflops=s.get("aggregate_pflops", s["aggregate_tflops"] / 1e3),
+        peak_tflops_per_gpu=peak,
+        mfu_pct=None if mfu is None else 100 * mfu,
+    )
+    if spread:
+        row.update(step_time_lo_s=spread[0], step_time_hi_s=spread[1], spread=spread[2])
+    return row
+
+
+def scaling_rows(runs: list[Run], kind: Optional[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows in `runs`' order with speedup and efficiency against the baseline, and the baseline
+    {point, gpus, run_dir, basis, note}. `kind` None leaves both empty (compare.py without a kind)."""
+    rows = [point_row(r) for r in runs]
+    done = [(r, row) for r, row in zip(runs, rows) if r.summary]
+    base_run, base = min(done, key=lambda d: order_key(d[0]))
+    basis = throughput_basis(runs) if kind == "weak" else "tokens"
+    key = "tokens_per_s_per_gpu" if basis == "tokens" else "tflops_per_gpu"
+    for run, row in done:
+        if kind == "weak":
+            row["efficiency_pct"] = 100 * weak_efficiency(row[key], base[key])
+        elif kind == "strong":
+            row["speedup"] = strong_speedup(row["tokens_per_s"], base["tokens_per_s"])
+            row["efficiency_pct"] = 100 * strong_efficiency(row["speedup"], run.gpus, base_run.gpus)
+    note = f"the {base_run.gpus}-GPU point (the smallest with a result)"
+    smallest = runs[0]
+    if smallest is not base_run and smallest.gpus is not None and smallest.gpus < base_run.gpus:
+        note += f"; the smallest planned point, {n_gpus(smallest.gpus)}, has no result: {smallest.status}"
+    baseline = {"point": base_run.point, "gpus": base_run.gpus, "run_dir": str(base_run.run_dir), "note": note,
+                "basis": "tokens/s per GPU" if basis == "tokens" else "model TFLOP/s per GPU (the model grows with N)"}  # fmt: skip
+    return rows, baseline
+
+
+def problem_notes(runs: list[Run], kind: str) -> list[str]:
+    """Warnings about a strong study whose points do not share one problem."""
+    done = [r.summary for r in runs if r.summary]
+    notes = []
+    if kind == "strong":
+        for key, what in (("tokens_per_step", "tokens per step"), ("parameters", "parameter count")):
+            values = sorted({s.get(key) for s in done}, key=str)
+            if len(values) > 1:
+                notes.append(f"warning: strong scaling needs one fixed problem, but the {what} differs: {values}")
+    return notes
+
+
+def gap_notes(rows: list[dict[str, Any]]) -> list[str]:
+    return [f"no result at {gpus_text(r)}: {r['status']} ({r['run_dir']})" for r in rows if r["tokens_per_s"] is None]
+
+
+def n_gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def gpus_text(row: dict[str, Any]) -> str:
+    where = n_gpus(row["gpus"]) if row["gpus"] is not None else "unknown size"
+    return f"point {row['point']} ({where})" if row["point"] is not None else where
+
+
+def flops_kind(runs: list[Run]) -> str:
+    kinds = sorted({r.summary.get("flops_kind", "model FLOPs") for r in runs if r.summary})
+    return " | ".join(kinds)
+
+
+# --- tables ------------------------------------------------------------------------------------
+
+
+def fmt(value: Optional[float], spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown_table(rows: list[dict[str, Any]], kind: Optional[str]) -> str:
+    head = ["point", "nodes", "GPUs", "grid", "step time (s)", "spread (s)", "tokens/s", "TFLOP/s per GPU",
+            "PFLOP/s", "% of peak", *(["speedup"] if kind == "strong" else []), "efficiency (%)", "status"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        done = r["tokens_per_s"] is not None
+        time = f"{r['step_time_s']:.4g} ± {r['step_time_std_s']:.2g}" if done else "-"
+        spread = f"{r['step_time_lo_s']:.4g}-{r['step_time_hi_s']:.4g} ({r['spread']})" if r["spread"] else "-"
+        cells = [fmt(r["point"], "d"), fmt(r["nodes"], "d"), fmt(r["gpus"], "d"), r["grid"], time, spread,
+                 fmt(r["tokens_per_s"], ",.0f" if done and r["tokens_per_s"] >= 100 else ".3g"),
+                 fmt(r["tflops_per_gpu"], ".3g"), fmt(r["aggregate_pflops"], ".3g"),
+                 fmt(r["mfu_pct"], ".1f", "n/a" if done else "-"),
+                 *([fmt(r["speedup"], ".2f")] if kind == "strong" else []), fmt(r["efficiency_pct"], ".1f"),
+                 r["status"]]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(title: str, table: str, head: dict[str, Any]) -> str:
+    kind = head["kind"]
+    lines = [f"# {title}", "", f"FLOP convention: {head['flops_kind']}.", "",
+             f"Scaling efficiency: {DEFINITIONS[kind]}; per-GPU throughput here is {head['baseline']['basis']}."
+             if kind == "weak" else f"Scaling efficiency: {DEFINITIONS[kind]}.", "",
+             f"Baseline: {head['baseline']['note']}.", "",
+             f"Step time: {DEFINITIONS['step_time']}; spread: {DEFINITIONS['spread']}.", "", table, ""]  # fmt: skip
+    if head["notes"]:
+        lines += ["Notes:", "", *(f"- {n}" for n in head["notes"]), ""]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+
+
+# --- figures -----------------------------------------------------------------------------------
+
+FIGSIZE = (3.5, 2.6)  # inches: one column of a two-column paper
+RC = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 8, "ytick.labelsize": 8,
+      "legend.fontsize": 7, "lines.linewidth": 1.2, "lines.markersize": 4}  # fmt: skip
+
+
+def new_axes(title: Optional[str]) -> tuple[Any, Any]:
+    """A paper-size figure on the Agg canvas (headless: no display, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGSIZE, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="major", linewidth=0.4, alpha=0.5)
+    return fig, ax
+
+
+def gpu_axis(ax: Any, gpus: list[int]) -> None:
+    """log2 GPU axis with ticks at the points' GPU counts (powers of two when those crowd)."""
+    from matplotlib.ticker import NullLocator
+
+    ticks = sorted(set(gpus))
+    if len(ticks) > 8:
+        lo, hi = math.floor(math.log2(ticks[0])), math.ceil(math.log2(ticks[-1]))
+        step = math.ceil((hi - lo + 1) / 8)
+        ticks = [2**e for e in range(lo, hi + 1, step)]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlim(min(gpus) / 1.3, max(gpus) * 1.3)
+    ax.set_xlabel("GPUs (MPI ranks)")
+
+
+def note_entries(ax: Any, notes: list[str]) -> None:
+    """Text-only legend entries (gaps, 'peak unknown') so that the figure says it itself."""
+    from matplotlib.lines import Line2D
+
+    handles, labels = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], linestyle="none") for _ in notes]
+    ax.legend(handles, labels + notes, loc="best", frameon=False, handlelength=1.5)
+
+
+def save(fig: Any, out: Path, stem: str) -> list[Path]:
+    paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
+    for path in paths:
+        fig.savefig(path, dpi=200)
+    return paths
+
+
+def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """x (GPUs) and y with NaN where a point has no result: the line breaks there."""
+    placed = [r for r in rows if r["gpus"] is not None]
+    return [r["gpus"] for r in placed], [math.nan if r[key] is None else r[key] for r in placed]
+
+
+def figure_gaps(rows: list[dict[str, Any]]) -> list[str]:
+    return [f"no result: {gpus_text(r)}, {r['status'].split(' (')[0]}" for r in rows if r["tokens_per_s"] is None]
+
+
+def plot_scaling(
+    rows: list[dict[str, Any]], kind: str, baseline: dict[str, Any], title: Optional[str], out: Path
+) -> list[Path]:
+    import matplotlib
+
+    with matplotlib.rc_context(RC):
+        fig, ax = new_axes(title)
+        x, y = series(rows, "efficiency_pct" if kind == "weak" else "speedup")
+        if kind == "weak":
+            ax.axhline(100, color="0.4", linestyle="--", linewidth=0.8, label="ideal (100%)")
+            ax.plot(x, y, marker="o", label="measured")
+            ax.set_ylim(0, max(110, *(v * 1.05 for v in y if not math.isnan(v))))
+            ax.set_ylabel(f"Weak-scaling efficiency (%)\nvs {n_gpus(baseline['gpus'])}")
+        else:
+            from matplotlib.ticker import FuncFormatter
+
+            ax.plot(x, [g / baseline["gpus"] for g in x], color="0.4", linestyle="--", linewidth=0.8, label="ideal")
+            ax.plot(x, y, marker="o", label="measured")
+            ax.set_yscale("log", base=2)
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.set_ylabel(f"Speedup over {n_gpus(baseline['gpus'])}")
+        gpu_axis(ax, x)
+        note_entries(ax, figure_gaps(rows))
+        return save(fig, out, "weak_efficiency" if kind == "weak" else "strong_speedup")
+
+
+def flops_label(kind_text: str) -> str:
+    return "model FLOPs, Megatron SC21 count" if "Megatron SC21" in kind_text else "model FLOPs"
+
+
+def plot_pflops(rows: list[dict[str, Any]], flops: str, title: Optional[str], out: Path) -> list[Path]:
+    import matplotlib
+
+    with matplotlib.rc_context(RC):
+        fig, ax = new_axes(title)
+        x, y = series(rows, "aggregate_pflops")
+        peaks = {r["peak_tflops_per_gpu"] for r in rows if r["peak_tflops_per_gpu"] is not None}
+        notes = figure_gaps(rows)
+        if len(peaks) == 1:
+            peak = peaks.pop()
+            ax.plot(x, [g * peak / 1e3 for g in x], color="0.4", linestyle="--", linewidth=0.8,
+                    label=f"peak ({peak:g} TFLOP/s x GPUs)")  # fmt: skip
+        elif peaks:  # devices differ between points: each point's own peak
+            x_peak, tflops = series(rows, "peak_tflops_per_gpu")
+            ax.plot(x_peak, [g * t / 1e3 for g, t in zip(x_peak, tflops)], color="0.4", linestyle="--",
+                    linewidth=0.8, marker="_", label="peak of each point's device")  # fmt: skip
+        else:
+            notes.insert(0, "peak unknown")
+        ax.plot(x, y, marker="o", label="sustained")
+        ax.set_yscale("log")
+        ax.set_ylabel(f"Sustained PFLOP/s\n({flops_label(flops)})")
+        gpu_axis(ax, x)
+        note_entries(ax, notes)
+        return save(fig, out, "pflops")
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def default_title(study: Study) -> str:
+    name = f": {study.name}" if study.name else ""
+    machine = next((r.machine for r in study.runs if r.machine), None)
+    return f"{study.kind.capitalize()} scaling{name}" + (f" ({machine})" if machine else "")
+
+
+def report(study: Study, title: str, out: Path) -> list[Path]:
+    """Compute, print and write the table, summary.json and the figures of one study."""
+    rows, baseline = scaling_rows(study.runs, study.kind)
+    notes = problem_notes(study.runs, study.kind) + gap_notes(rows)
+    head = {"study": study.name, "kind": study.kind, "machine": next((r.machine for r in study.runs if r.machine), None),
+            "title": title, "flops_kind": flops_kind(study.runs),
+            "definitions": {k: DEFINITIONS[k] for k in (study.kind, "baseline", "step_time", "spread")},
+            "efficiency_basis": baseline["basis"], "baseline": baseline, "notes": notes}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows, study.kind)
+    (out / "scaling.md").write_text(markdown(title, table, head))
+    write_csv(out / "scaling.csv", rows, COLUMNS)
+    files = [out / "scaling.csv", out / "scaling.md", out / "summary.json"]
+    files += plot_scaling(rows, study.kind, baseline, title, out)
+    files += plot_pflops(rows, head["flops_kind"], title, out)
+    summary = {**head, "columns": COLUMNS, "rows": rows, "files": [p.name for p in files]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"{title}\nbaseline: {baseline['note']}\n\n{table}\n")
+    for note in notes:
+        print(note)
+    print("wrote " + ", ".join(str(p) for p in files))
+    return files
+
+
+def load_studies(paths: list[str], kind: Optional[str], need_kind: bool = True) -> list[Study]:
+    return group_studies(collect(paths), kind, need_kind)
+
+
+def subdir(name: Optional[str]) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) if name else "unnamed"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m postprocess.scaling", description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run directory, manifest.json, or a directory with one")
+    parser.add_argument("--out", required=True, help="output directory (one subdirectory per study when several)")
+    parser.add_argument("--kind", choices=KINDS, help="weak or strong (default: the runs' study.kind, the manifest)")
+    parser.add_argument("--title", help="title of the table and figures (default: from the study and machine)")
+    args = parser.parse_args(argv)
+    try:
+        studies = load_studies(args.runs, args.kind)
+        for study in studies:
+            out = Path(args.out) if len(studies) == 1 else Path(args.out) / subdir(study.name)
+            title = args.title if args.title and len(studies) == 1 else None
+            title = title or (f"{args.title}: {study.name}" if args.title else default_title(study))
+            report(study, title, out)
+    except ScalingError as err:
+        print(f"scaling: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
