@@ -79,7 +79,7 @@ FIELDS: dict[str, tuple[type, bool, str]] = {
     "description": (str, True, "one line: what the study measures"),
 }
 LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9_.+-]*$")  # also a job name (submit.JOB_NAME)
-SCHEDULER_FLAGS = ("account", "partition", "qos", "constraint", "queue", "filesystems")
+SCHEDULER_FLAGS = tuple(submit.SCHEDULER_OPTIONS)  # passed through to every point's submit.py call
 
 
 class StudyError(GridlmError):

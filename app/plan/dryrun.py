@@ -210,9 +210,7 @@ def balanced_layers(plan: Plan) -> list[int]:
     chunks = deck.parallel.pp * deck.parallel.virtual_stages
     layers = deck.model.layers
     last = plan.stages[-1]
-    per_layer = plan.stages[0].flops_per_micro_batch / max(1, sum(plan.stages[0].layers))
-    if plan.stages[0].first and per_layer == 0:
-        return []
+    per_layer = plan.stages[0].flops_per_micro_batch / sum(plan.stages[0].layers)
     head = (last.flops_per_micro_batch - sum(last.layers) * per_layer) / per_layer
     target = (layers + head) / chunks
     counts = [max(1, round(target))] * chunks
