@@ -103,6 +103,15 @@ class TrainConfig:
         "none", "activation recomputation: none, full (every block), selective (attention core)",
         choices=("none", "full", "selective"),
     )  # fmt: skip
+    nonfinite: str = _key(
+        "abort", "a NaN/Inf loss or gradient norm: abort (exit 3, no checkpoint of the bad state), skip the step "
+        "(abort after max_skipped in a row), or rollback to the last good checkpoint and skip the batch",
+        choices=("abort", "skip", "rollback"),
+    )  # fmt: skip
+    max_skipped: int = _key(
+        10, "nonfinite skip/rollback: abort after this many consecutive non-finite steps (or rollbacks)", min=1
+    )
+    min_loss_scale: float = _key(1.0, "fp16: abort when the dynamic loss scale would fall below this", min=0.0)
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,11 @@ class RunConfig:
     study_point: Optional[int] = _key(
         None, "the study point this run is: nodes, or ranks for --run-local (set by launch/study.py)", min=1
     )
+    comm_timeout_s: float = _key(
+        1800.0, "watchdog: a rank blocked this long in one communication or checkpoint I/O call names the "
+        "operation and the stuck ranks, then aborts the job (exit 4); the default covers a first NCCL call "
+        "at 32,768 ranks", min=1.0,
+    )  # fmt: skip
     resume: str = _key(
         "auto", "auto = continue from the latest checkpoint if there is one; none = start fresh; or a checkpoint "
         "file (.h5) or directory",
@@ -172,6 +186,11 @@ class CheckpointConfig:
         "independent", "MPI-IO mode of the tensor writes and reads: independent (each rank its own slabs; "
         "measured faster here, docs/CHECKPOINT.md) or collective (two-phase I/O through aggregators)",
         choices=("collective", "independent"),
+    )  # fmt: skip
+    on_error: str = _key(
+        "stop", "a checkpoint write that fails (disk full, I/O or permission error): stop (exit 2; the previous "
+        "checkpoint stays latest) or continue training and retry at the next interval",
+        choices=("stop", "continue"),
     )  # fmt: skip
     alignment_threshold: int = _key(
         1048576, "HDF5: datasets of at least this many bytes start at a multiple of alignment_interval", min=1
