@@ -6,7 +6,11 @@ rank, with no traceback; anything else is a bug and aborts the MPI job with a tr
 
 
 class GridlmError(Exception):
-    """A mistake the user can fix (deck, data, launch); never a bug in gridlm."""
+    """A mistake the user can fix (deck, data, launch); never a bug in gridlm.
+
+    `exit_code` is the status every rank exits with (README, "When things go wrong")."""
+
+    exit_code = 2
 
 
 class DeckError(GridlmError):
@@ -27,3 +31,10 @@ class LaunchError(GridlmError):
 
 class CheckpointError(GridlmError):
     """A checkpoint is missing, incomplete, corrupt (checksum) or does not fit the deck's model."""
+
+
+class NonFiniteError(GridlmError):
+    """Training produced a NaN/Inf (loss, gradient norm, a tensor about to be checkpointed) and
+    train.nonfinite says to stop, or the fp16 loss scale fell below train.min_loss_scale."""
+
+    exit_code = 3

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from app.errors import GridlmError, LaunchError
+from app.runtime.watchdog import NullWatchdog
 
 T = TypeVar("T")
 
@@ -45,6 +46,7 @@ class Runtime:
     global_ranks: list[int]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "gloo"
+    watchdog: Any = field(default_factory=NullWatchdog)  # app.runtime.watchdog; a no-op until started
 
     @property
     def ranks_per_node(self) -> int:
