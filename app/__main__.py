@@ -1,9 +1,11 @@
 """`python -m app DECK [--set section.key=value ...]`: train a GPT over the MPI job's ranks.
 
 Launch with srun / mpirun / mpiexec (or plainly, for one rank). A user mistake (deck,
-data, launch) is printed once by rank 0 and every rank exits with status 2; any other
-error is a bug: its traceback is printed and the whole MPI job is aborted, so no rank
-is left waiting in a collective.
+data, launch, checkpoint) is printed once by rank 0 and every rank exits with its
+`exit_code` (2; 3 for non-finite training). A rank blocked past run.comm_timeout_s, or one
+that lost a peer, prints one line naming the operation and the ranks and aborts the job
+(4, app/runtime/watchdog.py). Any other error is a bug: its traceback is printed and the
+whole MPI job is aborted (1), so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def run(argv: Optional[list[str]] = None) -> int:
     from app.errors import GridlmError
     from app.runtime.grid import ProcessGrid
     from app.runtime.mpi import abort, agree, bind_device, init_mpi, init_torch_distributed, set_threads, shutdown
+    from app.runtime.watchdog import EXIT_CODE as WATCHDOG_EXIT
+    from app.runtime.watchdog import start_watchdog
     from app.train import train
 
     runtime = init_mpi()
@@ -92,23 +96,34 @@ def run(argv: Optional[list[str]] = None) -> int:
         deck = agree(
             runtime, lambda: resolve_for_world(load_deck(args.deck, tuple(args.overrides)), runtime.world_size)
         )
+        # From here on no rank waits forever: a blocked call past run.comm_timeout_s aborts the job.
+        start_watchdog(runtime, deck.run.comm_timeout_s)
         agree(runtime, lambda: bind_device(runtime, deck.run.device))
         set_threads(runtime, deck.run.threads)
-        agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend))
+        # torch's own timeout comes after the watchdog's, which names the operation and the ranks.
+        timeout = deck.run.comm_timeout_s + 60
+        agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout))
+        runtime.watchdog.attach_store(*runtime.store_address)
         par = deck.parallel
         grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order)
         train(deck, runtime, grid)
         grid.free()
+        runtime.watchdog.stop()
         shutdown(runtime)
         return 0
     except GridlmError as err:
-        # Raised on every rank alike (see `agree`): one message, status 2 everywhere.
+        # Raised on every rank alike (see `agree`): one message, the same status everywhere.
+        runtime.watchdog.stop()
         if runtime.is_root:
             print(f"gridlm: {err}", file=sys.stderr, flush=True)
-        return 2
+        return err.exit_code
     except KeyboardInterrupt:
         abort(runtime, 130)
-    except BaseException:
+    except BaseException as err:
+        lost = runtime.watchdog.explain(err)
+        if lost is not None:  # a peer died or its link broke: not a bug, name it and end the job
+            print(lost, file=sys.stderr, flush=True)
+            abort(runtime, WATCHDOG_EXIT)
         print(f"gridlm: rank {runtime.rank}: internal error, aborting the job", file=sys.stderr)
         traceback.print_exc()
         abort(runtime, 1)

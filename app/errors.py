@@ -29,6 +29,10 @@ class LaunchError(GridlmError):
     """The job was launched in a way gridlm cannot run (world size, devices, MPI)."""
 
 
+class RunDirInUse(GridlmError):
+    """Another live job holds run.dir's lock (`app/runtime/lock.py`); the message names it."""
+
+
 class CheckpointError(GridlmError):
     """A checkpoint is missing, incomplete, corrupt (checksum) or does not fit the deck's model."""
 

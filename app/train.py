@@ -31,7 +31,8 @@ from app.checkpoint.io import load as load_checkpoint
 from app.checkpoint.io import save as save_checkpoint
 from app.checkpoint.store import checkpoint_dir, resolve_resume
 from app.data import GlobalBatchSampler, build_dataset, get_batch
-from app.deck import Deck
+from app.data.memmap import MemmapTokens
+from app.deck import Deck, check_paths
 from app.errors import GridlmError
 from app.metrics.flops import FLOPS_CONVENTION, gpt_hardware_step_flops, gpt_step_flops
 from app.metrics.peaks import peak_tflops
@@ -52,6 +53,7 @@ from app.parallel.pipeline import Pipeline
 from app.parallel.schedule import partition_layers
 from app.runtime.collectives import TensorParallel
 from app.runtime.grid import AXES, ProcessGrid, placement_warnings
+from app.runtime.lock import RunLock, acquire_run_lock
 from app.runtime.mpi import Runtime, agree, on_root
 from app.runtime.signals import StopSignals, signal_name
 
@@ -63,23 +65,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _make_run_dir(runtime: Runtime, deck: Deck) -> Path:
-    """Rank 0 creates run.dir and records the resolved deck there; all ranks agree it worked."""
+def _make_run_dir(runtime: Runtime, deck: Deck) -> tuple[Path, Optional[RunLock]]:
+    """Rank 0 checks the deck's paths, takes run.dir's lock (one job per run directory) and only
+    then records the resolved deck there; every rank learns the verdict. Returns the run
+    directory and, on rank 0, the lock to hold for the life of the job."""
     run_dir = Path(deck.run.dir or "runs/default")
+    held: list[RunLock] = []
 
     def create() -> None:
-        if runtime.rank != 0:
-            return
+        check_paths(deck)
+        lock = acquire_run_lock(run_dir, warn=runtime.log)
+        held.append(lock)
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "deck.yaml").write_text(yaml.safe_dump(deck.to_dict(), sort_keys=False))
         except OSError as err:
             raise GridlmError(
                 f"cannot write run directory run.dir = {str(run_dir)!r}: {err.strerror}; set run.dir to a writable path"
             ) from None
 
-    agree(runtime, create)
-    return run_dir
+    # on_root, not agree: a refusal is about the directory, not about rank 0's host.
+    on_root(runtime, create)
+    return run_dir, (held[0] if held else None)
 
 
 OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "overlap_pp_comm")
@@ -111,14 +117,14 @@ class Trainer:
         self.deck, self.runtime, self.grid = deck, runtime, grid
         m, tr = deck.model, deck.train
         self.device = runtime.device
-        self.run_dir = _make_run_dir(runtime, deck)
+        self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
         self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
         self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, grid.coords["dp"], grid.size("dp"))
         # Dropout masks differ between dp replicas and stages, but not between the tp ranks of a
         # stage: their replicated activations (and so their replicated parameters) must stay equal.
         torch.manual_seed(tr.seed + 1_000_003 * (grid.coords["dp"] * grid.size("pp") + grid.coords["pp"]))
         par = deck.parallel
-        self.timers = StepTimers(self.device, deck.run.timers)
+        self.timers = StepTimers(self.device, deck.run.timers, runtime.watchdog)
         self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers, overlap=par.overlap_tp_comm)
         self.chunks = partition_layers(m.layers, par.pp * par.virtual_stages, par.stage_layers)
         seq = m.seq_len // grid.size("tp") if par.sequence_parallel else m.seq_len
@@ -166,12 +172,14 @@ class Trainer:
 
     def forward_backward(self) -> torch.Tensor:
         """The pipeline over this dp rank's micro-batches; gradients land in the dp buckets."""
-        micro_batches = []
-        for indices in self.sampler.next_step():
-            tokens, targets = get_batch(self.dataset, indices)
-            micro_batches.append(
-                (tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
-            )
+        def read() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [get_batch(self.dataset, indices) for indices in self.sampler.next_step()]
+
+        # A token id out of range on one dp rank (DataError) must end every rank, not strand the
+        # others in the first collective; synthetic data is in range by construction.
+        batches = agree(self.runtime, read) if isinstance(self.dataset, MemmapTokens) else read()
+        micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                         for x, y in batches]  # fmt: skip
         self.dp.start_step(len(micro_batches))
         # Mean over micro-batches in the pipeline, mean over dp in the reduction: the global-batch mean.
         return self.pipeline.run(self.model, micro_batches, self.scaler.scale if self.scaler else 1.0)
@@ -294,7 +302,7 @@ class Trainer:
                 saved_now = bool(every) and step % every == 0
                 if saved_now:
                     self.save(f"every {every} steps")
-                received = signals.agreed(rt.comm)
+                received = signals.agreed(rt.comm, rt.watchdog)
                 if received:
                     interrupted = signal_name(received)
                     if not saved_now:
@@ -338,6 +346,7 @@ class Trainer:
     ) -> Optional[dict[str, Any]]:
         """One timed step; its metrics record when this step is logged (else None)."""
         deck, rt, steps = self.deck, self.runtime, self.deck.train.steps
+        rt.watchdog.at(step=self.steps_done + 1)
         _sync(self.device)
         t0 = time.perf_counter()
         loss_sum, lr, grad_norm = self.step()
@@ -438,5 +447,10 @@ class Trainer:
 
 
 def train(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> dict[str, Any]:
-    """Build a `Trainer` and run it; returns the summary."""
-    return Trainer(deck, runtime, grid).run()
+    """Build a `Trainer` and run it; returns the summary. run.dir stays locked until it returns."""
+    trainer = Trainer(deck, runtime, grid)
+    try:
+        return trainer.run()
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()

@@ -21,8 +21,10 @@ from app.data import (
     build_dataset,
     get_batch,
 )
+from app.data.memmap import SAMPLE_TOKENS, sample_ranges
 from app.data.prepare import prepare
 from app.errors import DataError
+from conftest import run_app
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["hello world, this is gridlm.\n", "naïve café — 日本語 ✓\n" * 3, "x", "the end\n" * 5]
@@ -98,6 +100,7 @@ def test_prepare_writes_the_documented_metadata(dataset_prefix):
         "num_documents": len(DOCS),
         "tokenizer": "byte",
         "eos": 256,
+        "max_token_id": 256,
     }
     assert os.path.getsize(dataset_prefix + ".bin") == 2 * n
     idx = np.load(dataset_prefix + ".idx.npy")
@@ -254,3 +257,108 @@ def test_build_dataset_and_get_batch_give_shifted_int64_tensors(dataset_prefix):
     assert torch.equal(torch.cat([x[0], y[0, -1:]]), torch.from_numpy(mm.sample(0)))
     with pytest.raises(DataError, match="data.path"):
         build_dataset(SimpleNamespace(kind="memmap", path=None, noise=0.0), model, 0)
+
+
+# Token ids >= model.vocab_size: refused at open (recorded max, then a sample of the .bin), and
+# per batch for what the sample missed; every message names the file and the fix.
+
+
+def write_tokens(prefix: Path, tokens: np.ndarray, **meta_overrides) -> str:
+    """A token dataset in the documented format, written directly (one document)."""
+    tokens = tokens.astype(np.uint16)
+    tokens.tofile(f"{prefix}.bin")
+    np.save(f"{prefix}.idx.npy", np.array([0, len(tokens)], dtype=np.int64))
+    meta = {"format": "gridlm-tokens", "version": 1, "dtype": "uint16", "vocab_size": 257,
+            "num_tokens": len(tokens), "num_documents": 1, "tokenizer": "byte", "eos": 256,
+            "max_token_id": int(tokens.max())}  # fmt: skip
+    meta.update(meta_overrides)
+    Path(f"{prefix}.json").write_text(json.dumps({k: v for k, v in meta.items() if v is not None}))
+    return str(prefix)
+
+
+def patch_token(prefix: str, position: int, value: int) -> None:
+    with open(prefix + ".bin", "r+b") as f:
+        f.seek(2 * position)
+        f.write(np.array([value], dtype="<u2").tobytes())
+
+
+def drop_max_token_id(prefix: str) -> None:
+    """Make the .json look like one written by a prepare from before max_token_id."""
+    path = Path(prefix + ".json")
+    meta = json.loads(path.read_text())
+    del meta["max_token_id"]
+    path.write_text(json.dumps(meta))
+
+
+def test_prepare_records_the_largest_token_id(dataset_prefix):
+    meta = json.loads(Path(dataset_prefix + ".json").read_text())
+    assert meta["max_token_id"] == int(np.fromfile(dataset_prefix + ".bin", dtype="<u2").max()) == 256
+
+
+def test_recorded_max_id_at_or_above_model_vocab_is_refused_at_open_naming_the_file(tmp_path):
+    prefix = write_tokens(tmp_path / "t", np.arange(500) % 257, max_token_id=400)
+    with pytest.raises(DataError) as e:
+        MemmapTokens(prefix, seq_len=8, vocab_size=300, seed=0)
+    message = str(e.value)
+    assert prefix + ".bin" in message and "token ids up to 400" in message
+    assert "re-tokenize with a vocabulary of at most 300, or set model.vocab_size >= 401" in message
+    MemmapTokens(prefix, seq_len=8, vocab_size=401, seed=0)  # fits
+
+
+def test_old_metadata_without_max_id_is_sampled_and_refused_at_open(dataset_prefix):
+    drop_max_token_id(dataset_prefix)
+    MemmapTokens(dataset_prefix, seq_len=8, vocab_size=257, seed=0)  # old files still open
+    patch_token(dataset_prefix, 10, 999)
+    with pytest.raises(DataError, match="found by sampling") as e:
+        MemmapTokens(dataset_prefix, seq_len=8, vocab_size=300, seed=0)
+    message = str(e.value)
+    assert dataset_prefix + ".bin" in message and "token id 999 at token 10" in message
+    assert "set model.vocab_size >= 1000" in message
+
+
+def test_sample_finds_ids_above_the_recorded_max_as_corruption(dataset_prefix):
+    patch_token(dataset_prefix, 3, 300)  # below model.vocab_size, but prepare never wrote it
+    with pytest.raises(DataError, match="corrupt") as e:
+        MemmapTokens(dataset_prefix, seq_len=8, vocab_size=512, seed=0)
+    assert dataset_prefix + ".bin" in str(e.value) and "token id 300 at token 3" in str(e.value)
+
+
+def test_sample_is_about_a_million_tokens_spread_over_the_file():
+    assert sample_ranges(1000) == [(0, 1000)]
+    ranges = sample_ranges(100 * SAMPLE_TOKENS)
+    assert sum(b - a for a, b in ranges) == SAMPLE_TOKENS
+    assert ranges[0][0] == 0 and ranges[-1][1] == 100 * SAMPLE_TOKENS
+    assert all(b1 < a2 for (_, b1), (a2, _) in zip(ranges, ranges[1:]))
+
+
+def test_corrupt_id_the_sample_misses_is_caught_by_the_batch_check_naming_file_and_sample(tmp_path):
+    seq_len, n = 64, 3 * SAMPLE_TOKENS + 1
+    tokens = np.random.default_rng(0).integers(0, 257, n).astype(np.uint16)
+    ranges = sample_ranges(n)
+    position = (ranges[4][1] + ranges[5][0]) // 2 | 1  # between two sampled chunks, not a window edge
+    assert not any(a <= position < b for a, b in ranges)
+    tokens[position] = 5000
+    prefix = write_tokens(tmp_path / "big", tokens, max_token_id=256)  # the .bin changed after prepare
+    ds = MemmapTokens(prefix, seq_len=seq_len, vocab_size=512, seed=7)  # the sample misses it
+    bad = int(np.flatnonzero(np.random.default_rng([7, 0]).permutation(ds.num_samples) == position // seq_len)[0])
+    x, _ = get_batch(ds, [bad + 1, bad + 2])  # clean samples pass
+    assert x.shape == (2, seq_len)
+    with pytest.raises(DataError) as e:
+        get_batch(ds, [bad + 1, bad])  # the second row is the bad one
+    message = str(e.value)
+    assert prefix + ".bin" in message and f"token id 5000 at token {position} (sample {bad})" in message
+    assert "set model.vocab_size >= 5001" in message
+
+
+def test_app_refuses_a_token_file_above_the_vocab_with_status_2_and_no_traceback(tmp_path):
+    # gpt_tiny has model.vocab_size 512; an old-format file (no recorded max) holds id 700.
+    prefix = write_tokens(tmp_path / "corpus", np.arange(4000) % 257, max_token_id=None)
+    patch_token(prefix, 2000, 700)
+    out = run_app(
+        2, "inputs/gpt_tiny.yaml", "--set", "data.kind=memmap", "--set", f"data.path={prefix}",
+        "--set", "train.steps=2", "--set", f"run.dir={tmp_path / 'run'}", timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.count("gridlm:") == 1 and prefix + ".bin" in out.stderr
+    assert "token id 700 at token 2000" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr

@@ -43,6 +43,15 @@ def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> SyntheticTokens |
 
 
 def get_batch(dataset: SyntheticTokens | MemmapTokens, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples -> (inputs, targets), each int64 CPU tensors of shape (B, seq_len)."""
-    tokens = torch.from_numpy(np.stack([dataset.sample(i) for i in indices]).astype(np.int64))
+    """Samples -> (inputs, targets), each int64 CPU tensors of shape (B, seq_len).
+
+    A memmap batch holding an id >= model.vocab_size raises DataError naming the file and the
+    sample (before the embedding would fail with an IndexError). Only this dp rank's samples
+    are checked, so the verdict differs between ranks: callers agree on it (`agree`) before
+    any collective. Synthetic ids are in range by construction and are not checked.
+    """
+    batch = np.stack([dataset.sample(i) for i in indices]).astype(np.int64)
+    if isinstance(dataset, MemmapTokens):
+        dataset.check_batch(batch, indices)
+    tokens = torch.from_numpy(batch)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -5,12 +5,21 @@ A dataset is three files sharing a PREFIX (written by `python -m app.data.prepar
 - `PREFIX.bin`: raw little-endian token ids (uint16 or uint32), all documents concatenated,
   each followed by EOS.
 - `PREFIX.json`: metadata, e.g. `{"format": "gridlm-tokens", "version": 1, "dtype": "uint16",
-  "vocab_size": 257, "num_tokens": N, "num_documents": D, "tokenizer": "byte", "eos": 256}`.
+  "vocab_size": 257, "num_tokens": N, "num_documents": D, "tokenizer": "byte", "eos": 256,
+  "max_token_id": 256}`. `max_token_id` (the largest id in the .bin) is optional: files from
+  older versions of prepare lack it.
 - `PREFIX.idx.npy`: int64 array of length D + 1 with the document start offsets (last = N).
 
 Samples are non-overlapping windows of seq_len + 1 tokens starting at multiples of seq_len, so
 num_samples = (N - 1) // seq_len. Index i >= 0 wraps over epochs: epoch = i // num_samples, and
 each epoch visits the windows in a permutation seeded by (seed, epoch).
+
+Token ids must be < model.vocab_size (the embedding's rows). Three checks, cheapest first:
+the recorded `max_token_id` at open; at open, a fixed sample of the .bin (`sample_ranges`:
+evenly spaced chunks of ~1M tokens in all, the whole file when smaller), which is the only
+check for files without a recorded max and catches corruption in files with one; and every
+batch in `get_batch` (`MemmapTokens.check_batch`), one max over the batch. Each raises a
+DataError naming the file, the id and the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +34,26 @@ from app.errors import DataError
 FORMAT, VERSION = "gridlm-tokens", 1
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 FIX_PREPARE = "fix: run `python -m app.data.prepare TEXT... --out PREFIX` and set data.path"
+SAMPLE_TOKENS = 1 << 20  # tokens read at open to check the ids: 2-4 MB, milliseconds
+SAMPLE_CHUNKS = 16  # spread over the file: start, end and evenly in between
+
+
+def fix_vocab(vocab_size: int, max_id: int) -> str:
+    return (
+        f"fix: re-tokenize with a vocabulary of at most {vocab_size}, or set model.vocab_size >= "
+        f"{max_id + 1} in the deck"
+    )
+
+
+def sample_ranges(num_tokens: int) -> list[tuple[int, int]]:
+    """The token ranges [start, stop) checked at open: the whole file up to SAMPLE_TOKENS,
+    else SAMPLE_CHUNKS evenly spaced chunks totalling SAMPLE_TOKENS. Deterministic, so
+    every rank reaches the same verdict."""
+    if num_tokens <= SAMPLE_TOKENS:
+        return [(0, num_tokens)]
+    chunk = SAMPLE_TOKENS // SAMPLE_CHUNKS
+    starts = np.linspace(0, num_tokens - chunk, SAMPLE_CHUNKS).astype(np.int64)
+    return [(int(a), int(a) + chunk) for a in starts]
 
 
 def load_metadata(prefix: str) -> dict:
@@ -45,7 +74,8 @@ def load_metadata(prefix: str) -> dict:
             f"{meta.get('dtype')!r}; gridlm reads version {VERSION} with dtype in "
             f"{sorted(DTYPES)}; {FIX_PREPARE} again"
         )
-    for key in ("vocab_size", "num_tokens", "num_documents", "eos"):
+    optional = ("max_token_id",) if "max_token_id" in meta else ()  # absent in files of older prepares
+    for key in ("vocab_size", "num_tokens", "num_documents", "eos", *optional):
         if not isinstance(meta.get(key), int) or meta[key] < 0:
             raise DataError(
                 f"data file {path}: {key} = {meta.get(key)!r} is not a non-negative integer; {FIX_PREPARE} again"
@@ -54,10 +84,15 @@ def load_metadata(prefix: str) -> dict:
 
 
 class MemmapTokens:
-    """Token windows from PREFIX.bin; `sample(index)` -> int64 array of shape (seq_len + 1,)."""
+    """Token windows from PREFIX.bin; `sample(index)` -> int64 array of shape (seq_len + 1,).
+
+    `vocab_size` is the file's (its tokenizer's), `model_vocab_size` the deck's: every id
+    must be below the latter.
+    """
 
     def __init__(self, prefix: str, seq_len: int, vocab_size: int, seed: int) -> None:
         self.prefix, self.seq_len, self.seed = prefix, seq_len, seed
+        self.model_vocab_size = vocab_size
         meta = load_metadata(prefix)
         self.meta, self.vocab_size = meta, meta["vocab_size"]
         bin_path, idx_path = prefix + ".bin", prefix + ".idx.npy"
@@ -110,21 +145,67 @@ class MemmapTokens:
         self.tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
         self.num_samples = (n - 1) // seq_len
         self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)  # this epoch's window order
+        self._check_ids()
+
+    def _check_ids(self) -> None:
+        """The recorded max id, then a fixed sample of the .bin, against model.vocab_size."""
+        bin_path, json_path, v = self.prefix + ".bin", self.prefix + ".json", self.model_vocab_size
+        recorded = self.meta.get("max_token_id")
+        if recorded is not None and recorded >= v:
+            raise DataError(
+                f"data file {bin_path} holds token ids up to {recorded} (max_token_id in {json_path}) but "
+                f"model.vocab_size is {v}, so ids must be < {v}; {fix_vocab(v, recorded)}"
+            )
+        for start, stop in sample_ranges(len(self.tokens)):
+            chunk = self.tokens[start:stop]
+            top = int(chunk.max())
+            if top < v and (recorded is None or top <= recorded):
+                continue
+            at = start + int(np.argmax(chunk))
+            if recorded is not None:  # recorded < v, so the file changed after prepare wrote it
+                raise DataError(
+                    f"data file {bin_path} holds token id {top} at token {at}, above max_token_id = {recorded} "
+                    f"recorded in {json_path}: the file is corrupt; {FIX_PREPARE} again"
+                )
+            raise DataError(
+                f"data file {bin_path} holds token id {top} at token {at} (found by sampling: {json_path} "
+                f"records no max_token_id) but model.vocab_size is {v}, so ids must be < {v}; {fix_vocab(v, top)}"
+            )
+
+    def check_batch(self, tokens: np.ndarray, indices: list[int]) -> None:
+        """Raise DataError if a batch of samples (B, seq_len + 1) holds an id >= model.vocab_size,
+        naming the file, the sample index and where the id is. One max over the batch: ids are
+        unsigned on disk, so no min is needed."""
+        if tokens.size == 0 or int(tokens.max()) < self.model_vocab_size:
+            return
+        row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
+        top, index = int(tokens[row, col]), int(indices[row])
+        at = self.window_of(index) * self.seq_len + int(col)
+        v = self.model_vocab_size
+        raise DataError(
+            f"data file {self.prefix}.bin holds token id {top} at token {at} (sample {index}) but "
+            f"model.vocab_size is {v}, so ids must be < {v}: the file is corrupt or was tokenized with a "
+            f"larger vocabulary (the checks at open read only a sample of it); {fix_vocab(v, top)}"
+        )
 
     def window(self, w: int) -> np.ndarray:
         """Window w in file order: tokens [w * seq_len, w * seq_len + seq_len + 1) as int64."""
         start = w * self.seq_len
         return np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
-    def sample(self, index: int) -> np.ndarray:
-        """Sample `index` (any index >= 0, wrapping over epochs) -> int64 (seq_len + 1,)."""
+    def window_of(self, index: int) -> int:
+        """The window (in file order) that sample `index` (>= 0, wrapping over epochs) reads."""
         if index < 0:
             raise IndexError(f"sample index must be >= 0, got {index}")
         epoch, i = divmod(index, self.num_samples)
         if epoch != self._epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
             self._epoch = epoch
-        return self.window(int(self._perm[i]))
+        return int(self._perm[i])
+
+    def sample(self, index: int) -> np.ndarray:
+        """Sample `index` (any index >= 0, wrapping over epochs) -> int64 (seq_len + 1,)."""
+        return self.window(self.window_of(index))
 
     def __repr__(self) -> str:
         return (

@@ -47,13 +47,14 @@ def prepare(paths: list[str], out_prefix: str, dtype: str = "uint16") -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
     finals = [out_prefix + ext for ext in (".bin", ".idx.npy", ".json")]
     tmps = [f + ".tmp" for f in finals]
-    offsets = [0]
+    offsets, max_id = [0], 0
     try:
         with open(tmps[0], "wb") as f:
             for path in paths:  # streamed: only one document is in memory at a time
                 doc = np.append(read_document(path), tok.EOS).astype(DTYPES[dtype])
                 f.write(doc.tobytes())
                 offsets.append(offsets[-1] + len(doc))
+                max_id = max(max_id, int(doc.max()))  # checked against model.vocab_size at open
         with open(tmps[1], "wb") as f:
             np.save(f, np.array(offsets, dtype=np.int64))  # file object: np.save keeps the name
         meta = {
@@ -65,6 +66,7 @@ def prepare(paths: list[str], out_prefix: str, dtype: str = "uint16") -> dict:
             "num_documents": len(paths),
             "tokenizer": tok.name,
             "eos": tok.EOS,
+            "max_token_id": max_id,
         }
         with open(tmps[2], "w") as f:
             json.dump(meta, f, indent=1)

@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch
 
+from app.runtime.watchdog import NullWatchdog
+
 AXES = ("tp", "pp", "dp")
 PHASES = ("forward", "backward", "optimizer")
 
@@ -38,17 +40,21 @@ PHASES = ("forward", "backward", "optimizer")
 class Pending:
     """An asynchronous collective in flight: its work handle and when it was launched."""
 
-    def __init__(self, axis: str, work: Any, t0: Optional[float]) -> None:
-        self.axis, self.work, self.t0 = axis, work, t0
+    def __init__(self, axis: str, work: Any, t0: Optional[float], op: str = "collective") -> None:
+        self.axis, self.work, self.t0, self.op = axis, work, t0, op
         self.done_at: list[float] = []
         self.keep: Any = None  # a buffer the collective reads, kept alive until it completes
 
 
 class StepTimers:
-    """Accumulates phase and communication times until `pop()`; a no-op when disabled."""
+    """Accumulates phase and communication times until `pop()`; a no-op when disabled.
 
-    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+    Every blocking region and wait also runs inside `watchdog.blocking` (app/runtime/watchdog.py),
+    timers enabled or not: these are the step's calls that wait for other ranks."""
+
+    def __init__(self, device: torch.device, enabled: bool = True, watchdog: Any = None) -> None:
         self.device, self.enabled = device, enabled
+        self.watchdog = watchdog if watchdog is not None else NullWatchdog()
         self.cuda = device.type == "cuda"
         self._reset()
 
@@ -88,23 +94,24 @@ class StepTimers:
         return self._timed((self.phases, name))
 
     @contextmanager
-    def region(self, axis: str) -> Iterator[None]:
+    def region(self, axis: str, op: str = "collective") -> Iterator[None]:
         """Time a blocking collective: all of it is exposed."""
-        if not self.enabled or self.cuda:
-            with self._timed((self.comm, axis), (self.exposed, axis)):
+        with self.watchdog.blocking(op, axis):
+            if not self.enabled or self.cuda:
+                with self._timed((self.comm, axis), (self.exposed, axis)):
+                    yield
+                return
+            t0 = time.perf_counter()
+            try:
                 yield
-            return
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            t1 = time.perf_counter()
-            self.exposed[axis] += t1 - t0
-            self._spans[axis].append((t0, t1))
+            finally:
+                t1 = time.perf_counter()
+                self.exposed[axis] += t1 - t0
+                self._spans[axis].append((t0, t1))
 
-    def launched(self, axis: str, work: Any) -> Pending:
+    def launched(self, axis: str, work: Any, op: str = "collective") -> Pending:
         """Register an asynchronous collective just launched; pass the result to `wait`."""
-        pending = Pending(axis, work, time.perf_counter())
+        pending = Pending(axis, work, time.perf_counter(), op)
         if self.enabled and not self.cuda and work is not None:
             # gloo completes the future on its own thread: that instant ends the transfer.
             try:
@@ -118,11 +125,13 @@ class StepTimers:
         if pending.work is None:
             return
         if not self.enabled:
-            pending.work.wait()
+            with self.watchdog.blocking(f"wait for {pending.op}", pending.axis):
+                pending.work.wait()
             return
         with self._timed((self.exposed, pending.axis)) if self.cuda else nullcontext():
             t_wait = time.perf_counter()
-            pending.work.wait()
+            with self.watchdog.blocking(f"wait for {pending.op}", pending.axis):
+                pending.work.wait()
         if self.cuda:
             return  # its duration on the NCCL stream is not visible here; the exposed part is counted
         now = time.perf_counter()
@@ -160,14 +169,14 @@ def union_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def comm_region(timers: Optional[StepTimers], axis: str) -> AbstractContextManager:
-    """`timers.region(axis)`, or a no-op where no timers were passed."""
-    return timers.region(axis) if timers is not None else nullcontext()
+def comm_region(timers: Optional[StepTimers], axis: str, op: str = "collective") -> AbstractContextManager:
+    """`timers.region(axis, op)`, or a no-op where no timers were passed."""
+    return timers.region(axis, op) if timers is not None else nullcontext()
 
 
-def launch(timers: Optional[StepTimers], axis: str, work: Any) -> Pending:
+def launch(timers: Optional[StepTimers], axis: str, work: Any, op: str = "collective") -> Pending:
     """Track an asynchronous collective's work handle (timers optional)."""
-    return timers.launched(axis, work) if timers is not None else Pending(axis, work, 0.0)
+    return timers.launched(axis, work, op) if timers is not None else Pending(axis, work, 0.0, op)
 
 
 def wait(timers: Optional[StepTimers], pending: Pending) -> None:

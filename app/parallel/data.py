@@ -55,7 +55,7 @@ def allreduce_flat(
         flat = torch.cat([t.reshape(-1) for t in same])
         if divide != 1:
             flat.div_(divide)  # divide first: the sum of averages cannot overflow in low precision
-        with comm_region(timers, axis):
+        with comm_region(timers, axis, "all_reduce"):
             dist.all_reduce(flat, group=group)
         offset = 0
         for t in same:
@@ -209,7 +209,7 @@ class DataParallel:
             work = dist.reduce_scatter_single(b.grad_shard, grads, group=self.group, async_op=True)
         else:
             work = dist.all_reduce(grads, group=self.group, async_op=True)
-        b.reduce = launch(self.timers, "dp", work)
+        b.reduce = launch(self.timers, "dp", work, "gradient reduction")
 
     @torch.no_grad()
     def finish_grad_reduce(self, sp_group: Any = None) -> None:
@@ -264,7 +264,7 @@ class DataParallel:
                 raise RuntimeError("publish_params before the previous gather was waited for")
             send = master.to(self.param_buffer.dtype, copy=True)  # never gather from the output itself
             work = dist.all_gather_single(self.param_buffer[b.start : b.end], send, group=self.group, async_op=True)
-            b.gather = launch(self.timers, "dp", work)
+            b.gather = launch(self.timers, "dp", work, "parameter all_gather")
             b.gather.keep = send  # alive until the gather completes
             if not self.overlap_param_gather:
                 self._wait_gather(b)

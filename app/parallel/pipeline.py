@@ -103,11 +103,11 @@ class Pipeline:
     def _post_recv(self, kind: str, src_stage: int, dtype: torch.dtype, device: torch.device) -> tuple:
         buffer = torch.empty(self.activation_shape, dtype=dtype, device=device)
         work = dist.irecv(buffer, self.ranks[src_stage], group=self._group(kind, src_stage))
-        return launch(self.timers, "pp", work), buffer
+        return launch(self.timers, "pp", work, f"irecv from stage {src_stage}"), buffer
 
     def _send(self, kind: str, tensor: torch.Tensor, dst_stage: int, sends: list) -> None:
         payload = tensor.detach().contiguous()  # kept alive in `sends` until the send completes
-        with comm_region(self.timers, "pp"):
+        with comm_region(self.timers, "pp", f"isend to stage {dst_stage}"):
             work = dist.isend(payload, self.ranks[dst_stage], group=self._group(kind, self.stage))
         sends.append((work, payload))
 
@@ -170,6 +170,8 @@ class Pipeline:
             chunk = self._chunk(action)
             first, last = chunk == 0, chunk == last_chunk
             tokens, targets = micro_batches[action.micro]
+            if self.timers is not None:
+                self.timers.watchdog.at(micro=action.micro)  # named if this rank hangs in this action
             if action.kind == "F":
                 with self._phase("forward"):
                     x = tokens if first else received(i).requires_grad_()
@@ -189,7 +191,7 @@ class Pipeline:
                         torch.autograd.backward(out, received(i))
                 if not first:
                     self._send("B", x.grad, (self.stage - 1) % self.pp, sends)
-        with comm_region(self.timers, "pp") if sends else nullcontext():
+        with comm_region(self.timers, "pp", "wait for isends") if sends else nullcontext():
             for work, _ in sends:
                 work.wait()
         return loss_sum

@@ -64,14 +64,14 @@ class TensorParallel:
         group = grid.group["tp"] if size > 1 else None
         return cls(size, grid.coords["tp"], group, sequence_parallel, timers, overlap)
 
-    def _region(self) -> Any:
+    def _region(self, op: str) -> Any:
         # Not metrics.timers.comm_region: the runtime layer does not import from metrics.
-        return self.timers.region("tp") if self.timers is not None else nullcontext()
+        return self.timers.region("tp", op) if self.timers is not None else nullcontext()
 
     def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """A new tensor: x summed (or max-ed) over the tp group."""
         x = x.contiguous().clone()
-        with self._region():
+        with self._region("all_reduce"):
             dist.all_reduce(x, op=op, group=self.group)
         return x
 
@@ -79,7 +79,7 @@ class TensorParallel:
         """Concatenate the tp ranks' x along `dim`, in tp-rank order."""
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
-        with self._region():
+        with self._region("all_gather"):
             dist.all_gather_single(out, x0, group=self.group)
         return out.movedim(0, dim).contiguous()
 
@@ -87,7 +87,7 @@ class TensorParallel:
         """Sum x over the tp group and keep this rank's chunk along `dim`."""
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((x0.shape[0] // self.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
-        with self._region():
+        with self._region("reduce_scatter"):
             dist.reduce_scatter_single(out, x0, group=self.group)
         return out.movedim(0, dim).contiguous()
 
@@ -97,7 +97,7 @@ class TensorParallel:
         the sum after `wait(handle)`."""
         out = x.contiguous()
         work = dist.all_reduce(out, group=self.group, async_op=True)
-        return out, self._launched(work)
+        return out, self._launched(work, "all_reduce")
 
     def reduce_scatter_async(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Any]:
         """Start `reduce_scatter(x, dim)`. Returns (out, handle): out, this rank's chunk
@@ -105,11 +105,11 @@ class TensorParallel:
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((x0.shape[0] // self.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
         work = dist.reduce_scatter_single(out, x0, group=self.group, async_op=True)
-        return out.movedim(0, dim), self._launched(work)
+        return out.movedim(0, dim), self._launched(work, "reduce_scatter")
 
-    def _launched(self, work: Any) -> Any:
+    def _launched(self, work: Any, op: str) -> Any:
         # Duck-typed StepTimers.launched: the runtime layer does not import from metrics.
-        return self.timers.launched("tp", work) if self.timers is not None else work
+        return self.timers.launched("tp", work, op) if self.timers is not None else work
 
     def wait(self, handle: Any) -> None:
         """Block until an `*_async` collective has finished (charged to the timers' tp axis)."""

@@ -159,6 +159,8 @@ class ProcessGrid:
             # Local synchronisation: only a group's members create it, so set-up costs O(group)
             # per rank instead of a world-wide barrier per group (32k ranks, thousands of groups).
             self.group[axis] = dist.new_group(self.ranks[axis], use_local_synchronization=True)
+        self.watchdog = runtime.watchdog
+        self.watchdog.set_groups(self.ranks)
         # Measured, not inferred: do all members of every group of an axis share a node?
         from mpi4py import MPI
 
@@ -177,7 +179,8 @@ class ProcessGrid:
 
         for axis in axes:
             if self.size(axis) > 1:
-                dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=self.group[axis])
+                with self.watchdog.blocking("all_reduce", axis):
+                    dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=self.group[axis])
 
     def describe(self) -> dict[str, Any]:
         return {**self.layout.describe(), "within_node": dict(self.within_node)}

@@ -47,6 +47,7 @@ class Runtime:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "gloo"
     watchdog: Any = field(default_factory=NullWatchdog)  # app.runtime.watchdog; a no-op until started
+    store_address: Optional[tuple[str, int]] = None  # the TCPStore (host, port), once torch is bootstrapped
 
     @property
     def ranks_per_node(self) -> int:
@@ -156,12 +157,15 @@ def init_torch_distributed(runtime: Runtime, backend: str = "auto", timeout_s: f
         address = (host, store.port)
     else:
         address = None
-    host, port = runtime.comm.bcast(address, root=0)
-    if runtime.rank != 0:
-        store = dist.TCPStore(host, port, runtime.world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(
-        runtime.backend, store=store, rank=runtime.rank, world_size=runtime.world_size, timeout=timeout
-    )
+    with runtime.watchdog.blocking("MPI_Bcast (TCPStore address)"):
+        host, port = runtime.comm.bcast(address, root=0)
+    with runtime.watchdog.blocking("init_process_group"):
+        if runtime.rank != 0:
+            store = dist.TCPStore(host, port, runtime.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            runtime.backend, store=store, rank=runtime.rank, world_size=runtime.world_size, timeout=timeout
+        )
+    runtime.store_address = (host, port)
 
 
 def shutdown(runtime: Runtime) -> None:
@@ -193,7 +197,16 @@ def agree(runtime: Runtime, fn: Callable[[], T]) -> T:
         result = fn()
     except GridlmError as err:
         error, kind = str(err), type(err)
-    errors = runtime.comm.allgather((error, kind, runtime.rank, runtime.hostname))
+    from mpi4py import MPI
+
+    # One small allreduce when all went well (the common case: cheap enough for every step);
+    # the messages travel only after a failure.
+    with runtime.watchdog.blocking("MPI_Allreduce (agree)"):
+        any_failed = runtime.comm.allreduce(int(error is not None), op=MPI.MAX)
+    if not any_failed:
+        return result  # type: ignore[return-value]
+    with runtime.watchdog.blocking("MPI_Allgather (agree)"):
+        errors = runtime.comm.allgather((error, kind, runtime.rank, runtime.hostname))
     failed = [(e, k, r, host) for e, k, r, host in errors if e is not None]
     if failed:
         message, kind, rank, host = failed[0]
@@ -221,7 +234,8 @@ def on_root(runtime: Runtime, fn: Callable[[], T]) -> T:
             result = fn()
         except GridlmError as err:
             error, kind = str(err), type(err)
-    result, error, kind = runtime.comm.bcast((result, error, kind), root=0)
+    with runtime.watchdog.blocking("MPI_Bcast (on_root)"):
+        result, error, kind = runtime.comm.bcast((result, error, kind), root=0)
     if error is not None:
         _raise(kind, error)
     return result  # type: ignore[return-value]

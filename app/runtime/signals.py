@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from contextlib import nullcontext
 from types import FrameType
 from typing import Any, Optional
 
@@ -38,11 +39,13 @@ class StopSignals:
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         self.received = signum
 
-    def agreed(self, comm: Any) -> int:
-        """The signal any rank of `comm` received (0 for none); collective."""
+    def agreed(self, comm: Any, watchdog: Any = None) -> int:
+        """The signal any rank of `comm` received (0 for none); collective (watched when a
+        watchdog is given)."""
         from mpi4py import MPI
 
-        return int(comm.allreduce(self.received, op=MPI.MAX))
+        with watchdog.blocking("MPI_Allreduce (stop signals)") if watchdog is not None else nullcontext():
+            return int(comm.allreduce(self.received, op=MPI.MAX))
 
 
 def signal_name(signum: int) -> str:

@@ -1,26 +1,315 @@
-"""Watchdog: no rank waits forever in a blocking operation.
+"""Watchdog: no rank waits forever in a blocking operation, and a lost rank is named.
 
-Interface used by the rest of the code (the real implementation follows in this file):
+Every call that waits for other ranks — torch.distributed collectives and p2p waits on
+each grid axis (through `StepTimers` and `ProcessGrid.all_reduce`), MPI collectives
+(`agree`, `on_root`, the stop-signal vote) and the MPI-IO of checkpoints — runs inside
 
-    runtime.watchdog.at(step=5, micro=2)            # where this rank is (for the message)
-    with runtime.watchdog.blocking("MPI_File_close", axis="world"):
-        ...                                          # a call that waits for other ranks
+    with runtime.watchdog.blocking("all_reduce", axis="dp"):
+        ...
 
-`Runtime.watchdog` is a `NullWatchdog` (does nothing) until `app.__main__` starts a real
-one; in-process tests therefore need nothing.
+and the train loop says where the rank is (`runtime.watchdog.at(step=5, micro=2)`).
+A daemon thread per rank checks, every tick, how long the innermost open call has
+waited. Past `run.comm_timeout_s` it prints one line — the operation, the axis and its
+ranks, the step and micro-batch, and which ranks look stopped or dead — and calls
+`MPI_Abort(4)`, so the launcher ends every rank. Blocking calls release the GIL (torch
+c10d, mpi4py and h5py's MPI-IO were checked), so the thread runs while the main thread
+waits. As a last resort, should anything hold the GIL while it hangs, `faulthandler`
+(a C thread, no GIL needed) dumps every thread's stack and exits the process a minute
+after the watchdog itself would have fired; the launcher then ends the job.
+
+Who is stuck: ranks on this node are checked directly (/proc/PID/stat: stopped, zombie,
+gone). For the others, every rank's thread writes a heartbeat (a counter, its step and
+its innermost open call) to the job's TCPStore each `interval`; a rank whose counter does
+not move over 1.5 intervals is stopped, dead or cut off. When a peer's connection drops
+(gloo: "Connection closed by peer"), `explain` turns the exception into the same kind of
+line ("rank 2 lost its peer on axis dp ... rank 3 died") instead of an internal error.
+
+The store is rank 0's; when rank 0 itself is the stopped one, heartbeat reads time out
+and the line says that rank 0 (the store's host) does not answer.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import Optional
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from datetime import timedelta
+from typing import Any, Callable, Optional, TextIO
+
+EXIT_CODE = 4  # communication timeout or a lost rank (README, "When things go wrong")
+HEARTBEAT_KEY = "gridlm/heartbeat/{}"
+MAX_NAMED = 8  # ranks named in one line; a 32k-rank job that lost a switch would print thousands
 
 
 class NullWatchdog:
-    """The no-op watchdog: same interface, nothing watched."""
+    """The no-op watchdog: same interface, nothing watched (in-process tests, the dry run)."""
 
     def at(self, step: Optional[int] = None, micro: Optional[int] = None) -> None:
         pass
 
     def blocking(self, op: str, axis: Optional[str] = None) -> AbstractContextManager:
         return nullcontext()
+
+    def set_groups(self, ranks: dict[str, list[int]]) -> None:
+        pass
+
+    def explain(self, err: BaseException) -> Optional[str]:
+        return None
+
+    def stop(self) -> None:
+        pass
+
+
+def process_state(pid: int) -> str:
+    """One letter from /proc/PID/stat (R, S, D, T stopped, t traced, Z zombie), or 'gone'."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "gone"
+    except OSError:
+        return "?"
+
+
+COMM_FAILURE_WORDS = ("connection closed", "connection reset", "broken pipe", "peer", "timed out", "timeout",
+                      "nccl", "gloo", "socket", "mpi_err")  # fmt: skip
+
+
+def is_comm_failure(err: BaseException) -> bool:
+    """Whether an exception is a communication failure (torch's DistError family, an MPI error, or
+    a runtime error whose text says so) rather than a bug."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}:
+        return True
+    if type(err).__module__.startswith("mpi4py"):
+        return True
+    text = str(err).lower()
+    return isinstance(err, (RuntimeError, OSError)) and any(word in text for word in COMM_FAILURE_WORDS)
+
+
+STATE_WORDS = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "Z": "died", "gone": "died", "X": "died"}
+
+
+class Watchdog:
+    """One per rank, started by `app.__main__` once the deck is read; see the module docstring.
+
+    `procs[r]` is (hostname, pid) of every rank of the runtime's communicator (allgathered at
+    start); `torch_ranks` maps those ranks to torch ranks (the axis groups are in torch ranks).
+    """
+
+    def __init__(
+        self,
+        runtime: Any,
+        timeout_s: float,
+        interval_s: Optional[float] = None,
+        out: TextIO = sys.stderr,
+        abort: Optional[Callable[[int], None]] = None,
+    ) -> None:
+        self.rank, self.world, self.host = runtime.rank, runtime.world_size, runtime.hostname
+        self.timeout = float(timeout_s)
+        # Heartbeats often enough to tell a stopped rank within the timeout, rarely enough that
+        # 32k ranks writing to one store stay cheap (60 s: ~550 writes/s at 32k ranks).
+        self.interval = interval_s if interval_s is not None else min(max(self.timeout / 4, 0.5), 60.0)
+        self.tick = min(1.0, self.interval / 2)
+        self.out = out
+        self._abort = abort if abort is not None else runtime.comm.Abort
+        self.procs: list[tuple[str, int]] = runtime.comm.allgather((runtime.hostname, os.getpid()))
+        self.torch_ranks: list[int] = list(runtime.global_ranks)
+        self.groups: dict[str, list[int]] = {}
+        self.step: Optional[int] = None
+        self.micro: Optional[int] = None
+        self._open: list[tuple[str, Optional[str]]] = []  # (op, axis) of the blocking calls, innermost last
+        self._since = time.monotonic()  # when the innermost open call began
+        self._failed: Optional[tuple[str, Optional[str], Optional[int], Optional[int]]] = None
+        self._store: Any = None
+        self._seq = 0
+        self._stop = threading.Event()
+        self._fired = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gridlm-watchdog", daemon=True)
+        self._thread.start()
+
+    # ---- called by the main thread --------------------------------------------------------
+
+    def at(self, step: Optional[int] = None, micro: Optional[int] = None) -> None:
+        """Where this rank is: the step being computed and, in the pipeline, its micro-batch."""
+        if step is not None:
+            self.step, self.micro = step, None
+        if micro is not None:
+            self.micro = micro
+
+    @contextmanager
+    def blocking(self, op: str, axis: Optional[str] = None) -> Iterator[None]:
+        """A call that waits for other ranks: watched for the timeout; an exception leaving it
+        (a peer's connection dropped) is remembered for `explain`."""
+        self._open.append((op, axis))
+        self._since = time.monotonic()
+        try:
+            yield
+        except BaseException:
+            if self._failed is None:
+                self._failed = (op, axis, self.step, self.micro)
+            raise
+        finally:
+            self._open.pop()
+            self._since = time.monotonic()
+
+    def set_groups(self, ranks: dict[str, list[int]]) -> None:
+        """The torch ranks of this rank's group on each grid axis (ProcessGrid)."""
+        self.groups = {axis: list(members) for axis, members in ranks.items()}
+
+    def attach_store(self, host: str, port: int) -> None:
+        """Heartbeats go to the job's TCPStore (own client: short timeouts, never the main thread's)."""
+        import torch.distributed as dist
+
+        try:
+            self._store = dist.TCPStore(
+                host, port, self.world, is_master=False, timeout=timedelta(seconds=max(2.0, min(10.0, self.interval))),
+                wait_for_workers=False,
+            )  # fmt: skip
+        except Exception:  # no heartbeats: the /proc check and the timeout still work
+            self._store = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        faulthandler.cancel_dump_traceback_later()
+
+    def explain(self, err: BaseException) -> Optional[str]:
+        """One line for a communication failure that left a blocking call (a lost peer), else None."""
+        if not is_comm_failure(err):
+            return None
+        # Outside a watched call (e.g. launching an asynchronous collective): where the rank was.
+        op, axis, step, micro = self._failed or (
+            (self._open[-1][0], self._open[-1][1], self.step, self.micro)
+            if self._open
+            else ("a collective", None, self.step, self.micro)
+        )
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        # The peer's sockets close while it is still exiting: give /proc a moment to show it gone.
+        deadline = time.monotonic() + 3.0
+        while not (suspects := self._suspects(axis, wait_heartbeats=False)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return (
+            f"gridlm: rank {self.rank} ({self.host}) lost its peer on axis {axis or 'world'} during {op}"
+            f"{self._where(step, micro)}{self._group_text(axis)}: "
+            + (suspects or "no rank on this node died; the lost rank is on another node (see the launcher's message)")
+            + f" [{type(err).__name__}: {first}]"
+        )
+
+    # ---- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_beat = float("-inf")
+        last_arm = float("-inf")
+        while not self._stop.wait(self.tick):
+            now = time.monotonic()
+            if now - last_beat >= self.interval:
+                self._beat()
+                last_beat = now
+            if now - last_arm >= self.interval:
+                # Last resort (C thread, no GIL): a minute after this thread should have fired.
+                faulthandler.dump_traceback_later(self.timeout + 2 * self.interval + 60, exit=True, file=sys.stderr)
+                last_arm = now
+            if self._open and now - self._since > self.timeout:
+                self._fire(now - self._since)
+                return
+
+    def _beat(self) -> None:
+        if self._store is None:
+            return
+        op, axis = self._open[-1] if self._open else (None, None)
+        self._seq += 1
+        value = {"seq": self._seq, "step": self.step, "micro": self.micro, "op": op, "axis": axis}
+        # The store's host may be the stuck rank: no heartbeat then, and the check names it.
+        with suppress(Exception):
+            self._store.set(HEARTBEAT_KEY.format(self.rank), json.dumps(value))
+
+    def _fire(self, waited: float) -> None:
+        self._fired.set()
+        op, axis = self._open[-1] if self._open else ("?", None)
+        try:
+            suspects = self._suspects(axis, wait_heartbeats=True)
+        except Exception as err:  # the message must come out whatever happens
+            suspects = f"(could not check the other ranks: {err})"
+        line = (
+            f"gridlm: rank {self.rank} ({self.host}): watchdog: no progress for {waited:.0f} s in {op} on axis "
+            f"{axis or 'world'}{self._where(self.step, self.micro)}{self._group_text(axis)}: "
+            + (suspects or "every rank is alive and answering; they wait in other calls (a deadlock or a slow file "
+               "system)")
+            + f"; aborting the job (run.comm_timeout_s = {self.timeout:g})"
+        )  # fmt: skip
+        try:
+            print(line, file=self.out, flush=True)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            self._abort(EXIT_CODE)
+            os._exit(EXIT_CODE)  # MPI_Abort returned (no MPI job): end this process at least
+
+    # ---- who is stuck ---------------------------------------------------------------------
+
+    def _where(self, step: Optional[int], micro: Optional[int]) -> str:
+        text = "" if step is None else f" at step {step}"
+        return text + ("" if micro is None else f", micro-batch {micro}")
+
+    def _group_text(self, axis: Optional[str]) -> str:
+        members = self.groups.get(axis or "")
+        if not members or len(members) > 16:
+            return ""
+        return f" (group ranks {members})"
+
+    def _suspects(self, axis: Optional[str], wait_heartbeats: bool) -> str:
+        """The ranks that look stopped or dead: this node's by /proc, the others by heartbeat."""
+        found: list[str] = []
+        for r, (host, pid) in enumerate(self.procs):
+            if r != self.rank and host == self.host:
+                state = process_state(pid)
+                if state in STATE_WORDS:
+                    found.append(f"rank {r} (pid {pid} on {host}) {STATE_WORDS[state]}")
+        if not found and wait_heartbeats and self._store is not None:
+            found = self._silent_ranks()
+        if not found:
+            return ""
+        more = f" and {len(found) - MAX_NAMED} more" if len(found) > MAX_NAMED else ""
+        return "; ".join(found[:MAX_NAMED]) + more
+
+    def _read_beats(self, ranks: list[int]) -> dict[int, Optional[dict[str, Any]]]:
+        out: dict[int, Optional[dict[str, Any]]] = {}
+        for r in ranks:
+            try:
+                raw = self._store.get(HEARTBEAT_KEY.format(r)) if self._store.check([HEARTBEAT_KEY.format(r)]) else None
+                out[r] = json.loads(raw) if raw else None
+            except Exception:
+                raise TimeoutError(
+                    "rank 0 (it hosts the TCPStore) does not answer: it is stopped, dead or cut off"
+                ) from None
+        return out
+
+    def _silent_ranks(self) -> list[str]:
+        """Ranks whose heartbeat counter did not move over 1.5 intervals (at most 4096 looked at)."""
+        ranks = [r for r in range(self.world) if r != self.rank][:4096]
+        try:
+            before = self._read_beats(ranks)
+            time.sleep(1.5 * self.interval)
+            after = self._read_beats(ranks)
+        except TimeoutError as err:
+            return [str(err)]
+        silent = []
+        for r in ranks:
+            b, a = before.get(r), after.get(r)
+            if a is None or (b is not None and a["seq"] == b["seq"]):
+                host, pid = self.procs[r]
+                last = "" if a is None else f", last seen{self._where(a.get('step'), a.get('micro'))} in {a.get('op')}"
+                silent.append(f"rank {r} (pid {pid} on {host}) sends no heartbeat: stopped, dead or cut off{last}")
+        return silent
+
+
+def start_watchdog(runtime: Any, timeout_s: float) -> Watchdog:
+    """Start this rank's watchdog and hang it on the runtime (every rank calls this)."""
+    runtime.watchdog = Watchdog(runtime, timeout_s)
+    return runtime.watchdog
