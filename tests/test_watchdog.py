@@ -7,6 +7,7 @@ ends the job within run.comm_timeout_s + 30 s, a killed one within 60 s.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,8 +44,10 @@ def start_job(run_dir: Path, timeout_s: float) -> subprocess.Popen:
         "--set", "run.log_every=1", "--set", "checkpoint.at_exit=false", "--set", f"run.dir={run_dir}",
         "--set", f"run.comm_timeout_s={timeout_s}",
     ]  # fmt: skip
-    out = open(run_dir.parent / "job.log", "w")
-    return subprocess.Popen(cmd, cwd=REPO, env=app_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(run_dir.parent / "job.log", "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=app_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, limit: float = 300) -> None:
@@ -61,10 +64,9 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, limit: flo
 
 def stop_job(proc: subprocess.Popen, victim: int) -> None:
     for sig in (signal.SIGCONT, signal.SIGKILL):
-        try:
-            os.kill(victim, sig)
-        except ProcessLookupError:
-            pass
+        if victim > 0:  # 0 would signal our own process group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, sig)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -115,3 +117,107 @@ def test_killed_rank_ends_the_job_and_is_named(tmp_path):
     assert first is not None, log[-3000:]
     assert f"rank {VICTIM} (pid {victim}" in first and "died" in first, log[-3000:]
     assert "internal error" not in log, log[-3000:]
+
+
+# ---- the watchdog object on its own (one process, a real TCPStore) ------------------------
+
+
+class Placement:
+    """What a Watchdog reads from the runtime: a 2-rank job whose other rank is on another node
+    (so only its heartbeat can tell whether it is alive)."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.hostname, self.global_ranks = 0, 2, "node-a", [0, 1]
+        self.comm = self
+
+    def allgather(self, mine):
+        return [mine, ("node-b", 999999)]
+
+
+def make_watchdog(timeout_s: float, store_port: int | None = None):
+    import io
+
+    from app.runtime.watchdog import Watchdog
+
+    out, codes = io.StringIO(), []
+    dog = Watchdog(Placement(), timeout_s, interval_s=0.2, out=out, abort=codes.append)
+    if store_port is not None:
+        dog.attach_store("127.0.0.1", store_port)
+    return dog, out, codes
+
+
+def test_blocked_call_past_the_timeout_prints_one_line_and_aborts_with_4():
+    dog, out, codes = make_watchdog(0.5)
+    dog.set_groups({"dp": [0, 1]})
+    dog.at(step=7)
+    dog.at(micro=3)
+    deadline = time.monotonic() + 30
+    with dog.blocking("all_reduce", "dp"):
+        while not codes and time.monotonic() < deadline:  # the main thread "waits for a peer"
+            time.sleep(0.05)
+    dog.stop()
+    assert codes == [4]
+    line = out.getvalue().strip()
+    assert line.startswith("gridlm: rank 0 (node-a): watchdog: no progress for")
+    assert "in all_reduce on axis dp at step 7, micro-batch 3 (group ranks [0, 1])" in line
+    assert "run.comm_timeout_s = 0.5" in line
+
+
+def test_short_calls_and_compute_never_fire():
+    dog, out, codes = make_watchdog(0.5)
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        with dog.blocking("all_reduce", "dp"):
+            time.sleep(0.1)  # each call well inside the timeout
+        time.sleep(0.7)  # compute outside any blocking call: not watched
+    dog.stop()
+    assert codes == [] and out.getvalue() == ""
+
+
+def test_silent_rank_is_named_by_its_heartbeat_and_a_beating_one_is_not():
+    import json
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from app.runtime.watchdog import HEARTBEAT_KEY
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    dog, _, _ = make_watchdog(60.0, store.port)
+    store.set(
+        HEARTBEAT_KEY.format(1), json.dumps({"seq": 1, "step": 4, "micro": 0, "op": "wait for irecv", "axis": "pp"})
+    )
+    assert "rank 1 (pid 999999 on node-b) sends no heartbeat" in dog._suspects("pp", wait_heartbeats=True)
+    assert "last seen at step 4, micro-batch 0 in wait for irecv" in dog._suspects("pp", wait_heartbeats=True)
+
+    stop = threading.Event()
+
+    def beat() -> None:  # rank 1 alive: its counter moves
+        seq = 1
+        while not stop.wait(0.05):
+            seq += 1
+            store.set(
+                HEARTBEAT_KEY.format(1), json.dumps({"seq": seq, "step": 4, "micro": 0, "op": None, "axis": None})
+            )
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        assert dog._suspects("pp", wait_heartbeats=True) == ""
+    finally:
+        stop.set()
+        beating.join()
+        dog.stop()
+
+
+def test_lost_peer_is_explained_only_for_communication_failures():
+    dog, _, _ = make_watchdog(60.0)
+    dog.at(step=2)
+    with pytest.raises(RuntimeError), dog.blocking("wait for gradient reduction", "dp"):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:28085")
+    line = dog.explain(RuntimeError("Connection closed by peer [127.0.0.1]:28085"))
+    dog.stop()
+    assert line is not None and line.startswith("gridlm: rank 0 (node-a) lost its peer on axis dp")
+    assert "during wait for gradient reduction at step 2" in line
+    assert dog.explain(ValueError("a bug")) is None

@@ -117,7 +117,9 @@ class Watchdog:
         self.interval = interval_s if interval_s is not None else min(max(self.timeout / 4, 0.5), 60.0)
         self.tick = min(1.0, self.interval / 2)
         self.out = out
+        # MPI_Abort ends the job; a caller's own `abort` (tests) gets the exit code instead.
         self._abort = abort if abort is not None else runtime.comm.Abort
+        self._exit_after_abort = abort is None
         self.procs: list[tuple[str, int]] = runtime.comm.allgather((runtime.hostname, os.getpid()))
         self.torch_ranks: list[int] = list(runtime.global_ranks)
         self.groups: dict[str, list[int]] = {}
@@ -249,7 +251,8 @@ class Watchdog:
         finally:
             faulthandler.cancel_dump_traceback_later()
             self._abort(EXIT_CODE)
-            os._exit(EXIT_CODE)  # MPI_Abort returned (no MPI job): end this process at least
+            if self._exit_after_abort:
+                os._exit(EXIT_CODE)  # MPI_Abort returned (no MPI job): end this process at least
 
     # ---- who is stuck ---------------------------------------------------------------------
 

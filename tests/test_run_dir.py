@@ -1,0 +1,51 @@
+"""One job per run directory, end to end: a second `python -m app` on a run.dir that a running
+job holds is refused at start (status 2, the holder named, nothing written), and the first
+job finishes with a good checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, app_env, run_app
+
+
+@pytest.mark.timeout(600)
+def test_second_job_on_a_run_dir_is_refused_and_the_first_finishes_with_a_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    sets = ["--set", f"run.dir={run_dir}", "--set", "run.log_every=1", "--set", "checkpoint.every=5"]
+    first = subprocess.Popen(
+        ["mpirun", "-n", "2", sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", "--set", "train.steps=15", *sets],
+        cwd=REPO, env=app_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()):  # the first job is training
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+            time.sleep(0.2)
+        before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "metrics.jsonl"}
+        second = run_app(2, "inputs/gpt_tiny.yaml", "--set", "train.steps=3", *sets)
+        after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "metrics.jsonl"}
+        out, _ = first.communicate(timeout=400)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert "is in use by job" in second.stderr and "wait for it to finish" in second.stderr, second.stderr
+    assert "Traceback" not in second.stdout + second.stderr
+    assert after == before  # deck.yaml and the lock file untouched by the refused job
+    assert first.returncode == 0, out[-3000:]
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    check = subprocess.run(
+        [sys.executable, "-m", "app.checkpoint", "inspect", str(latest)],
+        cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert check.returncode == 0 and latest.name == "step_0000015.h5", check.stdout + check.stderr
+    assert "mismatch" not in check.stdout and " ok" in check.stdout
+    steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 15  # one job's records only, not interleaved with the refused one's
