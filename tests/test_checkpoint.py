@@ -59,7 +59,7 @@ def test_checksum_is_the_same_however_the_tensor_is_split_and_sees_any_flipped_b
         local = np.ascontiguousarray(full[:, cols]).reshape(-1)
         for lo, hi in ((0, 7), (7, local.size)):
             boxes = global_boxes(full[:, cols].shape, (0, cols.start), lo, hi)
-            parts = (parts + int(checksum(local[lo:hi], boxes, full.shape))) % 2**32  # as MPI SUM on uint32
+            parts = (parts + int(checksum(local[lo:hi], boxes, full.shape))) % 2**64  # as MPI SUM on uint64
     assert parts == whole
     raw = full.view(np.uint8).reshape(-1)
     for position in (0, 1, 117, raw.size - 1):

@@ -112,11 +112,12 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
     import h5py
 
     from app.checkpoint.io import model_section, read_header
-    from app.checkpoint.slabs import dataset_checksum
+    from app.checkpoint.slabs import V1_NOTE, dataset_checksum
 
     header = read_header(path)  # CheckpointError for anything but a committed gridlm checkpoint
     found: list[tuple[str, Any]] = []
     datasets = []
+    version = int(header["format_version"])  # 1: verified with the weak v1 checksum
     with h5py.File(path, "r") as f:
         f.visititems(lambda name, obj: found.append((name, obj)) if isinstance(obj, h5py.Dataset) else None)
         for name, dset in sorted(found, key=lambda item: _natural(item[0])):
@@ -125,7 +126,8 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
             if verify and want is not None:
                 try:
                     values = dset[()]
-                    status = "ok" if values.size == 0 or dataset_checksum(values) == int(want) else "MISMATCH"
+                    ok = values.size == 0 or dataset_checksum(values, version) == int(want)
+                    status = "ok" if ok else "MISMATCH"
                 except OSError:
                     status = "UNREADABLE"
             logical = dset.attrs.get("dtype", dset.dtype.name)
@@ -152,6 +154,7 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
         "created": header.get("created"),
         "versions": _parsed(header.get("versions")),
         "verified": verify,
+        "note": V1_NOTE if version < 2 else None,
         "datasets": datasets,
         "total": {
             "datasets": len(datasets),
@@ -199,6 +202,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings",
         f"created     {report['created']}",
         f"versions    {versions}",
+        *([f"note        {report['note']}"] if report.get("note") else []),
         "",
     ]
     rows = [("dataset", "shape", "dtype", "MB", "checksum")]
@@ -240,12 +244,16 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from app.checkpoint.export import export_hf
+    from app.checkpoint.io import read_header
+    from app.checkpoint.slabs import V1_NOTE
 
     done = export_hf(checkpoint_file(args.file), Path(args.dir), force=args.force)
     print(
         f"gridlm: exported step {done.step} of {args.file} (/{done.source}, as fp32) -> {done.directory}: "
         f"config.json, model.safetensors | {done.parameters:,} parameters, {done.bytes / 1e6:.1f} MB"
     )
+    if int(read_header(Path(args.file))["format_version"]) < 2:  # it was verified with the v1 checksum
+        print(f"gridlm: {args.file}: {V1_NOTE}")
     return OK
 
 
