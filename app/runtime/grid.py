@@ -158,7 +158,8 @@ class ProcessGrid:
             self.ranks[axis] = [runtime.global_ranks[node_major[r]] for r in mine]
             # Local synchronisation: only a group's members create it, so set-up costs O(group)
             # per rank instead of a world-wide barrier per group (32k ranks, thousands of groups).
-            self.group[axis] = dist.new_group(self.ranks[axis], use_local_synchronization=True)
+            with runtime.watchdog.blocking("new_group", axis):
+                self.group[axis] = dist.new_group(self.ranks[axis], use_local_synchronization=True)
         self.watchdog = runtime.watchdog
         self.watchdog.set_groups(self.ranks)
         # Measured, not inferred: do all members of every group of an axis share a node?
