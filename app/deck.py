@@ -2,15 +2,21 @@
 
 A deck is YAML with the sections `model`, `parallel`, `train`, `optim`, `data`, `run`,
 `checkpoint`.
-Every key has a type, a default and (where it matters) a range or a set of choices,
-declared once in the dataclasses below; `load_deck` checks unknown keys, types and values
-and raises `DeckError` naming the key, the bad value and what is accepted.
-`resolve_for_world` then checks what depends on the world size (tp x pp x dp, batches).
+Every key has a type, a default and a range (numbers: finite, with an upper bound the code
+can honour), a set of choices or a text rule (printable, no control characters), declared
+once in the dataclasses below; `load_deck` checks unknown keys, types and values and raises
+`DeckError` naming the key, the bad value and what is accepted. The deck file and `--set`
+values are untrusted YAML: read with limits (size, depth, values, no anchors, aliases, tags or
+duplicate keys), so that any input ends in a value or a DeckError, quickly.
+`resolve_for_world` then checks what depends on the world size (tp x pp x dp, batches), and
+`check_paths` the file system, at the start of a real run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +24,21 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from app.deck_yaml import MAX_DECK_BYTES, deck_error, parse_yaml, read_deck_file
 from app.errors import DeckError
 
 GRID_AXES = ("tp", "pp", "dp")
+
+# Upper bounds of the keys: what the code can honour, far above any real run.
+MAX_RANKS = 2**20  # tp x pp x dp; a dry run places every rank of the plan
+MAX_LAYERS = 4096  # also bounds pp x virtual_stages (every chunk needs a layer)
+MAX_BATCH = 2**24  # samples; steps x global_batch stays far below 2^63 (int64 checkpoint attributes)
+MAX_STEPS = 10**9
+MAX_LOSS_SCALE = 2.0**24  # fp16 overflows at 65504: a larger first scale only skips steps while it halves
+# Limits of the YAML text: PyYAML is pure Python here (~50 us per value), so these keep any
+# deck's parse well under a second and its memory small.
+MAX_TEXT = 4096  # characters of a string key (PATH_MAX)
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _key(default: Any, help: str, **rules: Any) -> Any:
@@ -30,16 +48,16 @@ def _key(default: Any, help: str, **rules: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = _key(512, "vocabulary size (byte-level data needs >= 257)", min=2)
-    seq_len: int = _key(128, "tokens per sample (also the number of learned positions)", min=1)
-    layers: int = _key(4, "transformer blocks", min=1)
-    hidden: int = _key(256, "model width h", min=1)
-    heads: int = _key(4, "attention heads; must divide hidden", min=1)
-    ffn_hidden: Optional[int] = _key(None, "MLP width; null means 4 x hidden", min=1)
+    vocab_size: int = _key(512, "vocabulary size (byte-level data needs >= 257)", min=2, max=2**24)
+    seq_len: int = _key(128, "tokens per sample (also the number of learned positions)", min=1, max=2**20)
+    layers: int = _key(4, "transformer blocks", min=1, max=MAX_LAYERS)
+    hidden: int = _key(256, "model width h", min=1, max=2**17)
+    heads: int = _key(4, "attention heads; must divide hidden", min=1, max=2**16)
+    ffn_hidden: Optional[int] = _key(None, "MLP width; null means 4 x hidden", min=1, max=2**20)
     dropout: float = _key(0.0, "dropout probability (0 keeps runs grid-independent)", min=0.0, max=0.99)
-    layernorm_eps: float = _key(1e-5, "LayerNorm epsilon", min=0.0)
+    layernorm_eps: float = _key(1e-5, "LayerNorm epsilon", min=0.0, max=1.0)
     init_std: float = _key(
-        0.02, "std of the normal init (GPT-2); residual projections scaled by 1/sqrt(2 layers)", min=0.0
+        0.02, "std of the normal init (GPT-2); residual projections scaled by 1/sqrt(2 layers)", min=0.0, max=10.0
     )
     tie_embeddings: bool = _key(True, "share the token embedding with the output head")
 
@@ -50,25 +68,35 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp: int = _key(1, "tensor-parallel degree", min=1)
-    pp: int = _key(1, "pipeline-parallel degree (stages)", min=1)
-    dp: Union[int, str] = _key("auto", "data-parallel degree; auto = world size / (tp x pp)", min=1, words=("auto",))
+    tp: int = _key(1, "tensor-parallel degree", min=1, max=4096)
+    pp: int = _key(1, "pipeline-parallel degree (stages)", min=1, max=MAX_LAYERS)
+    dp: Union[int, str] = _key(
+        "auto", "data-parallel degree; auto = world size / (tp x pp)", min=1, max=MAX_RANKS, words=("auto",)
+    )
     order: str = _key("tp-dp-pp", "grid axes from innermost (neighbouring ranks) to outermost")
     sequence_parallel: bool = _key(
         False, "shard LayerNorm/dropout regions along the sequence over tp (all-gather/reduce-scatter)"
     )
-    virtual_stages: int = _key(1, "model chunks per pipeline stage; > 1 selects the interleaved 1F1B schedule", min=1)
+    virtual_stages: int = _key(
+        1, "model chunks per pipeline stage; > 1 selects the interleaved 1F1B schedule", min=1, max=MAX_LAYERS
+    )
     stage_layers: Optional[list[int]] = _key(
-        None, "layers per model chunk, pp x virtual_stages entries in pipeline order; null = balanced", min=1
+        None,
+        "layers per model chunk, pp x virtual_stages entries in pipeline order; null = balanced",
+        min=1,
+        max=MAX_LAYERS,
     )
     gpus_per_node: Optional[int] = _key(
-        None, "node shape for planning; a real run uses the placement MPI reports and warns if it differs", min=1
+        None,
+        "node shape for planning; a real run uses the placement MPI reports and warns if it differs",
+        min=1,
+        max=1024,
     )
     backend: str = _key(
         "auto", "torch.distributed backend; auto = nccl on GPUs, gloo on CPUs", choices=("auto", "gloo", "nccl")
     )
     dp_bucket_mb: float = _key(
-        25.0, "MB of gradients per data-parallel bucket (one all-reduce or reduce-scatter each)", min=0.001
+        25.0, "MB of gradients per data-parallel bucket (one all-reduce or reduce-scatter each)", min=0.001, max=1e5
     )
     overlap_grad_reduce: bool = _key(
         True, "launch each dp bucket's reduction from backward as soon as its gradients are ready"
@@ -84,10 +112,10 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _key(100, "optimizer steps", min=1)
-    global_batch: int = _key(32, "samples per optimizer step = micro_batch x accumulation x dp", min=1)
-    micro_batch: int = _key(4, "samples per forward/backward pass on one rank", min=1)
-    seed: int = _key(1234, "seed of parameter init and data; results do not depend on the grid", min=0)
+    steps: int = _key(100, "optimizer steps", min=1, max=MAX_STEPS)
+    global_batch: int = _key(32, "samples per optimizer step = micro_batch x accumulation x dp", min=1, max=MAX_BATCH)
+    micro_batch: int = _key(4, "samples per forward/backward pass on one rank", min=1, max=MAX_BATCH)
+    seed: int = _key(1234, "seed of parameter init and data; results do not depend on the grid", min=0, max=2**63 - 1)
     precision: str = _key(
         "fp32",
         "compute dtype; bf16/fp16 keep fp32 master weights and optimizer state",
@@ -97,8 +125,10 @@ class TrainConfig:
         "fp32", "dtype gradients are accumulated and reduced in: fp32, or compute (= train.precision)",
         choices=("fp32", "compute"),
     )  # fmt: skip
-    loss_scale: float = _key(65536.0, "fp16: initial dynamic loss scale", min=1.0)
-    loss_scale_window: int = _key(1000, "fp16: double the loss scale after this many steps without overflow", min=1)
+    loss_scale: float = _key(65536.0, "fp16: initial dynamic loss scale", min=1.0, max=MAX_LOSS_SCALE)
+    loss_scale_window: int = _key(
+        1000, "fp16: double the loss scale after this many steps without overflow", min=1, max=MAX_STEPS
+    )
     recompute: str = _key(
         "none", "activation recomputation: none, full (every block), selective (attention core)",
         choices=("none", "full", "selective"),
@@ -109,9 +139,14 @@ class TrainConfig:
         choices=("abort", "skip", "rollback"),
     )  # fmt: skip
     max_skipped: int = _key(
-        10, "nonfinite skip/rollback: abort after this many consecutive non-finite steps (or rollbacks)", min=1
+        10,
+        "nonfinite skip/rollback: abort after this many consecutive non-finite steps (or rollbacks)",
+        min=1,
+        max=MAX_STEPS,
     )
-    min_loss_scale: float = _key(1.0, "fp16: abort when the dynamic loss scale would fall below this", min=0.0)
+    min_loss_scale: float = _key(
+        1.0, "fp16: abort when the dynamic loss scale would fall below this", min=0.0, max=MAX_LOSS_SCALE
+    )
 
 
 @dataclass(frozen=True)
@@ -120,15 +155,15 @@ class OptimConfig:
         "adamw", "adamw, or lamb (layer-wise trust ratio on the full parameter)", choices=("adamw", "lamb")
     )
     zero: int = _key(0, "1: shard fp32 master weights and optimizer moments over dp (ZeRO-1)", min=0, max=1)
-    lr: float = _key(3e-4, "peak learning rate", min=0.0)
-    min_lr: float = _key(3e-5, "learning rate at the end of the decay", min=0.0)
-    warmup_steps: int = _key(0, "linear warm-up steps", min=0)
+    lr: float = _key(3e-4, "peak learning rate", min=0.0, max=10.0)
+    min_lr: float = _key(3e-5, "learning rate at the end of the decay", min=0.0, max=10.0)
+    warmup_steps: int = _key(0, "linear warm-up steps", min=0, max=MAX_STEPS)
     schedule: str = _key("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
-    weight_decay: float = _key(0.1, "decoupled weight decay (not applied to biases and LayerNorm)", min=0.0)
+    weight_decay: float = _key(0.1, "decoupled weight decay (not applied to biases and LayerNorm)", min=0.0, max=10.0)
     beta1: float = _key(0.9, "Adam beta1", min=0.0, max=0.999999)
     beta2: float = _key(0.95, "Adam beta2", min=0.0, max=0.999999)
-    eps: float = _key(1e-8, "Adam epsilon", min=0.0)
-    grad_clip: float = _key(1.0, "clip the global gradient norm to this; 0 disables", min=0.0)
+    eps: float = _key(1e-8, "Adam epsilon", min=0.0, max=1.0)
+    grad_clip: float = _key(1.0, "clip the global gradient norm to this; 0 disables", min=0.0, max=1e6)
 
 
 @dataclass(frozen=True)
@@ -136,21 +171,23 @@ class DataConfig:
     kind: str = _key(
         "synthetic", "synthetic (learnable, deterministic) or memmap (token files)", choices=("synthetic", "memmap")
     )
-    path: Optional[str] = _key(None, "memmap: PREFIX of PREFIX.bin/.json/.idx.npy from app.data.prepare")
+    path: Optional[str] = _key(None, "memmap: PREFIX of PREFIX.bin/.json/.idx.npy from app.data.prepare", path=True)
     noise: float = _key(0.05, "synthetic: probability that a token is random", min=0.0, max=1.0)
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: Optional[str] = _key(None, "run directory; null means runs/<deck file stem>")
-    log_every: int = _key(10, "log a metrics line every N steps (and the last step)", min=1)
+    dir: Optional[str] = _key(None, "run directory; null means runs/<deck file stem>", path=True)
+    log_every: int = _key(10, "log a metrics line every N steps (and the last step)", min=1, max=MAX_STEPS)
     device: str = _key("auto", "auto = a GPU per rank when present, else CPU", choices=("auto", "cpu", "cuda"))
     peak_tflops: Optional[float] = _key(
-        None, "peak TFLOP/s per rank for MFU when the device is not in the peak table (e.g. a CPU)", min=0.0
+        None, "peak TFLOP/s per rank for MFU when the device is not in the peak table (e.g. a CPU)", min=0.0, max=1e6
     )
-    timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0)
+    timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0, max=MAX_STEPS)
     timers: bool = _key(True, "time forward, backward, optimizer and (exposed) communication per axis, every step")
-    threads: Optional[int] = _key(None, "torch threads per rank; null means cores per node / ranks per node", min=1)
+    threads: Optional[int] = _key(
+        None, "torch threads per rank; null means cores per node / ranks per node", min=1, max=1024
+    )
     machine: Optional[str] = _key(
         None, "machine the deck is planned for (inputs/machines/NAME.yaml or a path): the default of --dry-run's "
         "and launch/submit.py's --machine",
@@ -163,25 +200,32 @@ class RunConfig:
         None, "weak or strong: the kind of that study (set by launch/study.py)", choices=("weak", "strong")
     )
     study_point: Optional[int] = _key(
-        None, "the study point this run is: nodes, or ranks for --run-local (set by launch/study.py)", min=1
+        None,
+        "the study point this run is: nodes, or ranks for --run-local (set by launch/study.py)",
+        min=1,
+        max=MAX_RANKS,
     )
     comm_timeout_s: float = _key(
         1800.0, "watchdog: a rank blocked this long in one communication or checkpoint I/O call names the "
         "operation and the stuck ranks, then aborts the job (exit 4); the default covers a first NCCL call "
-        "at 32,768 ranks", min=1.0,
+        "at 32,768 ranks", min=1.0, max=7 * 24 * 3600.0,
     )  # fmt: skip
     resume: str = _key(
         "auto", "auto = continue from the latest checkpoint if there is one; none = start fresh; or a checkpoint "
-        "file (.h5) or directory",
+        "file (.h5) or directory", path=True,
     )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: Optional[str] = _key(None, "where checkpoints go; null means <run.dir>/checkpoints")
-    every: int = _key(0, "write a checkpoint every N steps; 0 = only at exit and on SIGTERM/SIGUSR1", min=0)
+    dir: Optional[str] = _key(None, "where checkpoints go; null means <run.dir>/checkpoints", path=True)
+    every: int = _key(
+        0, "write a checkpoint every N steps; 0 = only at exit and on SIGTERM/SIGUSR1", min=0, max=MAX_STEPS
+    )
     at_exit: bool = _key(True, "write a checkpoint when training ends (unless the last step just wrote one)")
-    keep: int = _key(2, "keep the newest N checkpoints (never the one `latest` names); 0 keeps all", min=0)
+    keep: int = _key(
+        2, "keep the newest N checkpoints (never the one `latest` names); 0 keeps all", min=0, max=MAX_STEPS
+    )
     io: str = _key(
         "independent", "MPI-IO mode of the tensor writes and reads: independent (each rank its own slabs; "
         "measured faster here, docs/CHECKPOINT.md) or collective (two-phase I/O through aggregators)",
@@ -193,10 +237,13 @@ class CheckpointConfig:
         choices=("stop", "continue"),
     )  # fmt: skip
     alignment_threshold: int = _key(
-        1048576, "HDF5: datasets of at least this many bytes start at a multiple of alignment_interval", min=1
+        1048576,
+        "HDF5: datasets of at least this many bytes start at a multiple of alignment_interval",
+        min=1,
+        max=2**30,
     )
     alignment_interval: int = _key(
-        1048576, "HDF5: alignment in bytes (match the file system's stripe or block size)", min=1
+        1048576, "HDF5: alignment in bytes (match the file system's stripe or block size)", min=1, max=2**30
     )
 
 
@@ -257,13 +304,36 @@ def _type_name(tp: Any) -> str:
     return name + " | null" if type(None) in typing.get_args(tp) else name
 
 
+def _bounds(meta: dict[str, Any]) -> str:
+    return f"{meta.get('min', '-inf')} .. {meta.get('max', 'inf')}"
+
+
+def _check_text(key: str, value: str, meta: dict[str, Any]) -> str:
+    """Strings reach paths, logs and HDF5 attributes: printable UTF-8 of a sane length."""
+    if len(value) > MAX_TEXT:
+        raise deck_error(key, value, f"{len(value):,} characters; at most {MAX_TEXT} are accepted")
+    bad = CONTROL.search(value)
+    if bad:
+        raise deck_error(
+            key, value, f"contains the control character {bad.group()!r} at position {bad.start()}; "
+            "use printable characters only"
+        )  # fmt: skip
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # lone surrogates from undecodable command-line bytes
+        raise deck_error(key, value, f"not valid UTF-8 text at position {err.start}") from None
+    if meta.get("path") and not value.strip():
+        raise deck_error(key, value, "an empty path; give a path, or leave the key out for the default")
+    return value
+
+
 def _check_value(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
     """Return `value` converted to the key's type, or raise DeckError."""
     args = typing.get_args(tp)
     if value is None:
         if type(None) in args:
             return None
-        raise DeckError(key, value, f"a value is required ({_type_name(tp)})")
+        raise deck_error(key, value, f"a value is required ({_type_name(tp)})")
     if isinstance(value, str) and value in meta.get("words", ()):
         return value
     base = [a for a in args if a is not type(None)] or [tp]
@@ -273,7 +343,10 @@ def _check_value(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
         elif want is int and isinstance(value, int) and not isinstance(value, bool):
             converted = value
         elif want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            converted = float(value)
+            try:
+                converted = float(value)
+            except OverflowError:  # an int beyond 1.8e308
+                raise deck_error(key, value, f"must be <= {meta.get('max')}") from None
         elif want is float and isinstance(value, str):
             # PyYAML reads `3e-4` (no dot) as a string; accept what float() accepts.
             try:
@@ -281,7 +354,7 @@ def _check_value(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
             except ValueError:
                 continue
         elif want is str and isinstance(value, str) and "words" not in meta:
-            converted = value
+            converted = _check_text(key, value, meta)
         elif typing.get_origin(want) is list and isinstance(value, list):
             items = [_check_value(f"{key}[{i}]", v, typing.get_args(want)[0], meta) for i, v in enumerate(value)]
             return items
@@ -291,14 +364,17 @@ def _check_value(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
     else:
         words = " or ".join(repr(w) for w in meta.get("words", ()))
         accepted = _type_name(tp).replace(" | str", "") + (f" or {words}" if words else "")
-        raise DeckError(key, value, f"expected {accepted}")
+        raise deck_error(key, value, f"expected {accepted}")
     if "choices" in meta and converted not in meta["choices"]:
-        raise DeckError(key, value, "accepted: " + ", ".join(meta["choices"]))
+        raise deck_error(key, value, "accepted: " + ", ".join(meta["choices"]))
+    if isinstance(converted, float) and not math.isfinite(converted):
+        # NaN passes every comparison below; Inf would overflow whatever uses it.
+        raise deck_error(key, value, f"must be a finite number, {_bounds(meta)}")
     numeric = isinstance(converted, (int, float)) and not isinstance(converted, bool)
     if numeric and "min" in meta and converted < meta["min"]:
-        raise DeckError(key, value, f"must be >= {meta['min']}")
+        raise deck_error(key, value, f"must be >= {meta['min']}")
     if numeric and "max" in meta and converted > meta["max"]:
-        raise DeckError(key, value, f"must be <= {meta['max']}")
+        raise deck_error(key, value, f"must be <= {meta['max']}")
     return converted
 
 
@@ -307,13 +383,13 @@ def _build_section(section: str, raw: Any) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise DeckError(section, raw, "expected a mapping of keys to values")
+        raise deck_error(section, raw, "expected a mapping of keys to values")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {}
     for name, value in raw.items():
         if name not in fields:
-            raise DeckError(f"{section}.{name}", value, "unknown key; accepted keys: " + ", ".join(fields))
+            raise deck_error(f"{section}.{name}", value, "unknown key; accepted keys: " + ", ".join(fields))
         values[name] = _check_value(f"{section}.{name}", value, hints[name], fields[name].metadata)
     return cls(**values)
 
@@ -321,47 +397,44 @@ def _build_section(section: str, raw: Any) -> Any:
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one `--set section.key=value` to the raw deck mapping (value parsed as YAML)."""
     if "=" not in assignment:
-        raise DeckError("--set", assignment, "expected section.key=value, e.g. train.steps=50")
+        raise deck_error("--set", assignment, "expected section.key=value, e.g. train.steps=50")
     dotted, text = assignment.split("=", 1)
     parts = dotted.strip().split(".")
     if len(parts) != 2 or parts[0] not in SECTIONS:
-        raise DeckError(dotted, text, "expected section.key with section one of: " + ", ".join(SECTIONS))
+        raise deck_error(dotted, text, "expected section.key with section one of: " + ", ".join(SECTIONS))
+    if len(text) > MAX_DECK_BYTES:
+        raise deck_error(dotted, text, f"a value of {len(text):,} characters; at most {MAX_DECK_BYTES:,}")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text
+        value = parse_yaml(text, (dotted, text), dotted) if text.strip() else None
+    except (yaml.YAMLError, ValueError):
+        value = text  # not YAML: the plain string (checked like any string)
     section = raw.setdefault(parts[0], {})
     if section is None:
         section = raw[parts[0]] = {}
     if not isinstance(section, dict):
-        raise DeckError(parts[0], section, "expected a mapping of keys to values")
+        raise deck_error(parts[0], section, "expected a mapping of keys to values")
     section[parts[1]] = value
 
 
 def load_deck(path: Union[str, Path, None], overrides: tuple[str, ...] = ()) -> Deck:
-    """Read, override and validate a deck (everything that does not depend on the world size)."""
-    raw: Any = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except FileNotFoundError:
-            raise DeckError(
-                "DECK", str(path), "file not found; pass the path of a YAML deck, e.g. inputs/gpt_tiny.yaml"
-            ) from None
-        except (OSError, yaml.YAMLError) as err:
-            raise DeckError("DECK", str(path), f"not readable YAML ({err})") from None
+    """Read, override and validate a deck (everything that does not depend on the world size).
+
+    `path` None means all defaults. The file is untrusted input: anything wrong with it, its
+    YAML or its values is a DeckError naming the file or key, never another exception.
+    """
+    raw: Any = {} if path is None else read_deck_file(path)
     if not isinstance(raw, dict):
         raise DeckError("DECK", str(path), "expected a YAML mapping with sections " + ", ".join(SECTIONS))
     for assignment in overrides:
         apply_override(raw, assignment)
     for section in raw:
         if section not in SECTIONS:
-            raise DeckError(str(section), raw[section], "unknown section; accepted: " + ", ".join(SECTIONS))
+            raise deck_error(section, raw[section], "unknown section; accepted: " + ", ".join(SECTIONS))
     deck = Deck(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
     if deck.run.dir is None:
         stem = Path(path).stem if path is not None else "default"
-        deck = dataclasses.replace(deck, run=dataclasses.replace(deck.run, dir=f"runs/{stem}"))
+        run_dir = _check_text("run.dir", f"runs/{stem}", {"path": True})
+        deck = dataclasses.replace(deck, run=dataclasses.replace(deck.run, dir=run_dir))
     _validate(deck)
     return deck
 
@@ -378,6 +451,12 @@ def _validate(deck: Deck) -> None:
             "parallel.order", par.order, "a permutation of tp, pp, dp joined by '-', innermost first, e.g. tp-dp-pp"
         )
     _validate_model_split(m, par)
+    ranks = par.tp * par.pp * (par.dp if isinstance(par.dp, int) else 1)
+    if ranks > MAX_RANKS:
+        raise DeckError(
+            "parallel.tp", par.tp, f"tp x pp{' x dp' if isinstance(par.dp, int) else ''} = {ranks:,} ranks; "
+            f"gridlm runs on at most {MAX_RANKS:,}"
+        )  # fmt: skip
     if tr.global_batch % tr.micro_batch:
         raise DeckError(
             "train.global_batch", tr.global_batch, f"must be a multiple of train.micro_batch = {tr.micro_batch}"
@@ -432,6 +511,8 @@ def _validate_model_split(m: ModelConfig, par: ParallelConfig) -> None:
 def resolve_for_world(deck: Deck, world_size: int) -> Deck:
     """Fill in dp = world / (tp x pp) and check everything that depends on the world size."""
     par, tr = deck.parallel, deck.train
+    if not 1 <= world_size <= MAX_RANKS:
+        raise DeckError("parallel.dp", par.dp, f"a world of {world_size:,} ranks; gridlm runs on 1 .. {MAX_RANKS:,}")
     model_ranks = par.tp * par.pp
     if par.dp == "auto":
         if world_size % model_ranks:

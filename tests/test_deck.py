@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
-from app.deck import SECTIONS, Deck, deck_reference, load_deck, resolve_for_world
+from app.deck import MAX_RANKS, SECTIONS, Deck, TrainConfig, deck_reference, load_deck, resolve_for_world
+from app.deck_paths import check_paths
 from app.errors import DeckError
 from conftest import REPO
 
@@ -26,8 +31,8 @@ def test_tiny_deck_loads_and_resolves_for_four_ranks():
     assert deck.run.dir == "runs/gpt_tiny"
 
 
-def test_empty_deck_takes_defaults_and_run_dir_from_file_stem(tmp_path):
-    deck = load_deck(write(tmp_path, ""))
+def test_missing_keys_take_defaults_and_run_dir_from_file_stem(tmp_path):
+    deck = load_deck(write(tmp_path, "train:\n  steps: 5\n"))
     assert deck.model == Deck().model and deck.optim == Deck().optim
     assert deck.run.dir == "runs/deck"
     assert deck.model.ffn == 4 * deck.model.hidden
@@ -188,3 +193,321 @@ def test_readme_documents_every_deck_key():
     assert {key.split(".")[0] for key, *_ in rows} == set(SECTIONS)
     missing = [key for key, *_ in rows if f"`{key}`" not in readme]
     assert not missing, f"README.md deck reference lacks {missing}"
+
+
+# ---- decks that cannot hurt (issue 14): every bad deck is a DeckError, found at load ----
+
+
+def keys_of(kind: str) -> list[tuple[str, dict]]:
+    """(key, metadata) of every deck key whose type names `kind` (int, float, str)."""
+    rows = []
+    for section, cls in SECTIONS.items():
+        types = dict((k.split(".")[1], t) for k, t, *_ in deck_reference() if k.startswith(section + "."))
+        for f in dataclasses.fields(cls):
+            if kind in types[f.name].replace("list of ", "").split(" | "):
+                rows.append((f"{section}.{f.name}", dict(f.metadata)))
+    return rows
+
+
+def refusal(overrides=(), path=TINY) -> DeckError:
+    with pytest.raises(DeckError) as err:
+        load_deck(path, tuple(overrides))
+    return err.value
+
+
+def set_value(key: str, text: str) -> str:
+    """`--set` for `key`; list keys get a one-entry list."""
+    return f"{key}=[{text}]" if key == "parallel.stage_layers" else f"{key}={text}"
+
+
+@pytest.mark.parametrize("text", ["nan", ".nan", ".NaN", "inf", ".inf", "-.inf", "1e999", "-1e999", "Infinity"])
+def test_nan_and_inf_rejected_for_every_float_key(text):
+    for key, _ in keys_of("float"):
+        err = refusal([set_value(key, text)])
+        assert err.key == key and "must be a finite number" in str(err), str(err)
+
+
+def test_nan_in_a_yaml_deck_is_rejected(tmp_path):
+    err = refusal(path=write(tmp_path, "optim:\n  lr: .nan\n"))
+    assert err.key == "optim.lr" and "finite" in str(err)
+
+
+def test_every_numeric_key_has_an_upper_bound():
+    keys = keys_of("int") + keys_of("float")
+    assert len(keys) > 40
+    assert [key for key, meta in keys if "max" not in meta] == []
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64, 2**70, 10**30])
+def test_huge_ints_are_refused_for_every_int_key(value):
+    for key, meta in keys_of("int"):
+        err = refusal([set_value(key, str(value))])
+        shown = f"{key}[0]" if key == "parallel.stage_layers" else key
+        assert err.key == shown and f"must be <= {meta['max']}" in str(err), str(err)
+
+
+@pytest.mark.parametrize("text", ["1.0e300", "1e300", str(10**99)])
+def test_huge_numbers_are_refused_for_every_float_key(text):
+    for key, meta in keys_of("float"):
+        err = refusal([set_value(key, text)])
+        assert err.key == key and f"must be <= {meta['max']}" in str(err), str(err)
+
+
+def test_alignment_interval_of_2_to_the_70_is_refused_at_load():
+    err = refusal([f"checkpoint.alignment_interval={2**70}"])
+    assert err.key == "checkpoint.alignment_interval" and "must be <= 1073741824" in str(err)
+    assert load_deck(TINY, (f"checkpoint.alignment_interval={2**30}",)).checkpoint.alignment_interval == 2**30
+
+
+def test_the_largest_seed_is_a_valid_torch_and_numpy_seed():
+    import numpy as np
+    import torch
+
+    from app.model.init import _key as stream_key
+
+    top = next(f.metadata["max"] for f in dataclasses.fields(TrainConfig) if f.name == "seed")
+    assert load_deck(TINY, (f"train.seed={top}",)).train.seed == top
+    torch.manual_seed(top + 1_000_003 * MAX_RANKS)  # train.py's per-stage generator seed, largest grid
+    np.random.default_rng([top, 10**9 * 2**24])  # the synthetic data's (seed, sample index)
+    stream_key(top, "blocks.0.attn.qkv.weight")
+
+
+def test_not_utf8_names_file_and_byte_offset(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train:\n  steps: 5\nrun:\n  dir: caf\u00e9\n".encode("latin-1"))
+    err = refusal(path=path)
+    assert err.key == "DECK" and err.value == str(path)
+    assert "not UTF-8" in str(err) and "0xe9 at byte offset 33 (line 4)" in str(err)
+
+
+# "Billion laughs": nine levels of nine aliases, 413 bytes that would expand to 9^9 strings.
+LAUGHS = "\n".join(
+    ["a: &a [" + ", ".join(['"lol"'] * 9) + "]"]
+    + [f"{b}: &{b} [" + ", ".join([f"*{a}"] * 9) + "]" for a, b in zip("abcdefgh", "bcdefghi")]
+)
+
+
+def test_alias_bomb_refused_quickly(tmp_path):
+    start = time.perf_counter()
+    err = refusal(path=write(tmp_path, LAUGHS))
+    assert time.perf_counter() - start < 1.0
+    assert err.key == "DECK" and "line 1: YAML anchors (&name) and aliases (*name) are not accepted" in str(err)
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("train:\n  steps: &n 5\n", 2),
+        ("train:\n  steps: 5\n  log: *n\n", 3),
+        ("run:\n  dir: !!str &d x\n", 2),
+    ],
+)
+def test_anchors_and_aliases_are_refused_with_their_line(tmp_path, text, line):
+    err = refusal(path=write(tmp_path, text))
+    assert f"line {line}: YAML anchors" in str(err)
+
+
+@pytest.mark.parametrize("tagged", ["!!bool x", "!!int ''", "!!float ''", "!!timestamp x", "!!int +", "!!str 5", "! x"])
+def test_yaml_tags_are_refused_not_a_constructor_crash(tmp_path, tagged):
+    # PyYAML itself raises KeyError, IndexError or AttributeError on the first five.
+    err = refusal(path=write(tmp_path, f"run:\n  study: {tagged}\n"))
+    assert err.key == "DECK" and "line 2: YAML tags (" in str(err)
+    err = refusal([f"run.study={tagged}"])
+    assert err.key == "run.study" and "YAML tags" in str(err)
+
+
+def test_aliases_in_set_are_refused():
+    err = refusal(["run.dir=[&a x, *a]"])
+    assert err.key == "run.dir" and "aliases" in str(err)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "[" * 200 + "1",  # flow lists
+        "{a: " * 200 + "1",  # flow mappings
+        "\n    " + "- " * 200 + "1",  # block lists
+        "".join(f"\n{' ' * (4 + i)}k:" for i in range(200)) + " 1",  # block mappings
+    ],
+)
+def test_deep_nesting_is_refused_not_a_recursion_error(tmp_path, value):
+    err = refusal(path=write(tmp_path, "train:\n  steps: " + value + "\n"))
+    assert err.key == "DECK" and "nested more than 16 levels deep" in str(err)
+    assert "nested" in str(refusal(["train.steps=" + "[" * 100_000]))
+
+
+def test_a_deck_too_large_is_refused_before_parsing(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("# padding\n" * 30_000)
+    assert "the deck is 300,000 bytes; a deck is at most 262,144 bytes" in str(refusal(path=path))
+    assert "the deck is more than 262,144 bytes" in str(refusal(path="/dev/zero"))
+
+
+def test_too_many_values_are_refused(tmp_path):
+    err = refusal(path=write(tmp_path, "parallel:\n  stage_layers: [" + ", ".join(["1"] * 20_000) + "]\n"))
+    assert "more than 10,000 YAML values" in str(err)
+
+
+@pytest.mark.parametrize("literal", ["1" * 5000, ":".join(["1"] * 30_000), "0x" + "f" * 20_000])
+def test_giant_int_literals_are_refused_without_converting_them(tmp_path, literal):
+    err = refusal(path=write(tmp_path, f"train:\n  seed: {literal}\n"))
+    assert err.key == "DECK" and "line 2: an integer of" in str(err)
+
+
+def test_duplicate_key_names_the_key_and_both_lines(tmp_path):
+    err = refusal(path=write(tmp_path, "train:\n  steps: 3\n  micro_batch: 2\n  steps: 4\n"))
+    assert err.key == "train.steps" and err.value == "4"
+    assert f"given twice, at lines 2 and 4 of {tmp_path / 'deck.yaml'}" in str(err)
+
+
+def test_duplicate_section_is_refused(tmp_path):
+    err = refusal(path=write(tmp_path, "train:\n  steps: 3\nmodel:\n  layers: 2\ntrain:\n  seed: 1\n"))
+    assert err.key == "train" and "lines 1 and 5" in str(err)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only\n# comments\n", "---\n", "null\n", "~\n"])
+def test_empty_deck(tmp_path, text):
+    err = refusal(path=write(tmp_path, text))
+    assert err.key == "DECK" and "the deck is empty; see inputs/gpt_tiny.yaml" in str(err)
+
+
+@pytest.mark.parametrize("bad", ["\x00", "\n", "\t", "\x1b[31m", "\x7f", "\x85"])
+def test_control_characters_are_refused_in_every_string_key(tmp_path, bad):
+    for key, _ in keys_of("str"):
+        section, name = key.split(".")
+        escaped = bad.encode("unicode_escape").decode()  # YAML's double-quoted escapes are the same
+        err = refusal(path=write(tmp_path, f'{section}:\n  {name}: "a{escaped}b"\n'))
+        assert err.key == key, str(err)
+
+
+def test_nul_and_surrogates_in_set_are_refused():
+    err = refusal(["run.dir=runs/a\x00b"])
+    assert err.key == "run.dir" and "control character '\\x00' at position 6" in str(err)
+    err = refusal(["checkpoint.dir=runs/\udcff"])  # an undecodable byte of the command line
+    assert err.key == "checkpoint.dir" and "not valid UTF-8" in str(err)
+
+
+def test_empty_and_overlong_strings_are_refused():
+    assert "an empty path" in str(refusal(["run.dir=''"]))
+    assert "an empty path" in str(refusal(["run.resume='  '"]))
+    err = refusal(["run.study=" + "x" * 5000])
+    assert err.key == "run.study" and "5,000 characters; at most 4096" in str(err)
+
+
+def test_world_size_beyond_the_bound_is_refused():
+    deck = load_deck(TINY, ("train.global_batch=4", "train.micro_batch=1"))
+    with pytest.raises(DeckError, match="gridlm runs on 1 .. 1,048,576"):
+        resolve_for_world(deck, MAX_RANKS * 2)
+    with pytest.raises(DeckError, match="at most 1,048,576"):
+        load_deck(TINY, ("parallel.tp=8", "parallel.pp=4", f"parallel.dp={MAX_RANKS}"))
+
+
+def test_nul_in_run_dir_refused_by_dry_run(tmp_path):
+    path = write(tmp_path, TINY.read_text().replace("dir: runs/gpt_tiny", 'dir: "runs/gpt\\0tiny"'))
+    out = subprocess.run(
+        [sys.executable, "-m", "app", str(path), "--dry-run", "--world-size", "4"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "deck error: run.dir = 'runs/gpt\\x00tiny': contains the control character" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+# ---- check_paths: the file system at the start of a real run ----
+
+
+def paths_deck(tmp_path, *overrides: str):
+    return load_deck(TINY, (f"run.dir={tmp_path / 'run'}", *overrides))
+
+
+def test_check_paths_accepts_a_new_run_dir_and_creates_nothing(tmp_path):
+    check_paths(paths_deck(tmp_path))
+    check_paths(load_deck(TINY, (f"run.dir={tmp_path / 'a/b/c'}", f"checkpoint.dir={tmp_path / 'ck'}")))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_paths_device_file():
+    with pytest.raises(DeckError) as err:
+        check_paths(load_deck(TINY, ("run.dir=/dev/null",)))
+    assert err.value.key == "run.dir" and "exists and is a device file, not a directory" in str(err.value)
+
+
+def test_check_paths_checkpoint_dir_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DeckError) as err:
+        check_paths(paths_deck(tmp_path, f"checkpoint.dir={tmp_path / 'file'}"))
+    assert err.value.key == "checkpoint.dir" and "a regular file, not a directory" in str(err.value)
+    # The default <run.dir>/checkpoints is checked too.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("x")
+    with pytest.raises(DeckError) as err:
+        check_paths(paths_deck(tmp_path))
+    assert err.value.key == "checkpoint.dir" and err.value.value == str(tmp_path / "run" / "checkpoints")
+
+
+def test_check_paths_run_dir_under_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DeckError) as err:
+        check_paths(load_deck(TINY, (f"run.dir={tmp_path / 'file' / 'run'}",)))
+    assert err.value.key == "run.dir"
+    assert f"cannot be created: {tmp_path / 'file'} is a regular file, not a directory" in str(err.value)
+
+
+def test_check_paths_unwritable_directory(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root may write anywhere")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(DeckError, match="cannot write in"):
+        check_paths(load_deck(TINY, (f"run.dir={locked / 'run'}",)))
+
+
+def test_check_paths_memmap_files(tmp_path):
+    prefix = tmp_path / "corpus"
+    deck = paths_deck(tmp_path, "data.kind=memmap", f"data.path={prefix}", "model.vocab_size=512")
+    with pytest.raises(DeckError) as err:
+        check_paths(deck)
+    assert err.value.key == "data.path" and f"{prefix}.json does not exist" in str(err.value)
+    for suffix in (".json", ".bin"):
+        prefix.with_name("corpus" + suffix).write_text("{}")
+    with pytest.raises(DeckError, match=r"corpus\.idx\.npy does not exist"):
+        check_paths(deck)
+    (tmp_path / "corpus.idx.npy").mkdir()
+    with pytest.raises(DeckError, match=r"corpus\.idx\.npy is a directory, not a file"):
+        check_paths(deck)
+
+
+def test_check_paths_resume_path_must_exist(tmp_path):
+    with pytest.raises(DeckError) as err:
+        check_paths(paths_deck(tmp_path, f"run.resume={tmp_path / 'nope.h5'}"))
+    assert err.value.key == "run.resume" and "does not exist" in str(err.value)
+    check_paths(paths_deck(tmp_path, "run.resume=none"))
+    check_paths(paths_deck(tmp_path, f"run.resume={tmp_path}"))
+
+
+def readme_forms(bound: float) -> set[str]:
+    """How the README may write a bound: 4096, 0.99, 2^24, 10^9, 2^63 - 1."""
+    forms = {str(bound), f"{bound:g}"}
+    n = int(bound)
+    if n == bound and n >= 1024:
+        forms |= {f"2^{n.bit_length() - 1}"} if n & (n - 1) == 0 else set()
+        forms |= {f"10^{len(str(n)) - 1}"} if str(n).strip("0") == "1" else set()
+        forms |= {"2^63 - 1"} if n == 2**63 - 1 else set()
+    return forms
+
+
+def test_readme_shows_every_upper_bound():
+    lines = (REPO / "README.md").read_text().splitlines()
+    cells = [line.split(" | ") for line in lines if line.startswith("| `")]
+    rows = {row[0][3:-1]: row[3] for row in cells if len(row) == 5}
+    for key, meta in keys_of("int") + keys_of("float"):
+        accepted = rows[key]
+        shown = [f"{sep} {form}" for form in readme_forms(meta["max"]) for sep in ("..", ",")]
+        assert any(text in accepted for text in shown), (key, meta["max"], accepted)
+
+
+def test_named_pipe_as_the_deck_is_refused_without_blocking(tmp_path):
+    pipe = tmp_path / "deck.yaml"
+    os.mkfifo(pipe)
+    with pytest.raises(DeckError, match="is not a file"):
+        load_deck(pipe)  # no writer: a plain open() would wait forever (pytest-timeout ends it)

@@ -126,6 +126,8 @@ def _node_span(layout: GridLayout, axis: str) -> Optional[int]:
     rpn = layout.ranks_per_node
     if rpn is None:
         return None
+    if layout.size(axis) == 1:
+        return 1  # without sampling: a world of 2^20 ranks has 2^20 groups of one
     return max(len({r // rpn for r in g}) for g in _sample_groups(layout, axis))
 
 
@@ -214,14 +216,13 @@ def balanced_layers(plan: Plan) -> list[int]:
     head = (last.flops_per_micro_batch - sum(last.layers) * per_layer) / per_layer
     target = (layers + head) / chunks
     counts = [max(1, round(target))] * chunks
-    counts[-1] = max(1, round(target - head))
-    # Put the difference on the earliest chunks, one layer at a time.
-    i = 0
-    while sum(counts) != layers:
-        step = 1 if sum(counts) < layers else -1
-        if counts[i % (chunks - 1)] + step >= 1:
-            counts[i % (chunks - 1)] += step
-        i += 1
+    counts[-1] = max(1, min(round(target - head), layers - (chunks - 1)))
+    # Spread the difference over the other chunks, the earliest first (in one pass: a large
+    # head can make it thousands of layers).
+    diff = layers - sum(counts)
+    rounds, extra = divmod(abs(diff), chunks - 1)
+    for c in range(chunks - 1):
+        counts[c] += (1 if diff > 0 else -1) * (rounds + (1 if c < extra else 0))
     return counts
 
 

@@ -1,0 +1,98 @@
+"""File-system checks of a deck's paths at the start of a real run (rank 0, no MPI, creates
+nothing): run.dir and checkpoint.dir writable directories (or creatable), not device files;
+memmap token files readable; a run.resume path that exists. Not part of the dry run, which
+plans on one machine for another.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Optional
+
+from app.deck import Deck
+from app.errors import DeckError
+
+
+def check_paths(deck: Deck) -> None:
+    """File-system checks of the deck's paths before a real run writes anything (rank 0, no MPI;
+    creates nothing). run.dir and checkpoint.dir must be writable directories or creatable in
+    one; memmap's PREFIX.bin/.json/.idx.npy must be readable files (the data module checks
+    their contents); a run.resume path must exist. Not part of the dry run, which plans on one
+    machine for another.
+    """
+    run_dir = deck.run.dir or "runs/default"
+    _check_directory("run.dir", run_dir)
+    _check_directory("checkpoint.dir", deck.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+    if deck.data.kind == "memmap" and deck.data.path:
+        for suffix in (".json", ".bin", ".idx.npy"):
+            _check_data_file(deck.data.path, deck.data.path + suffix)
+    resume = deck.run.resume
+    if resume not in ("auto", "none") and not os.path.exists(resume):
+        raise DeckError(
+            "run.resume", resume, "does not exist; give a checkpoint file (.h5) or a checkpoint directory, "
+            "or auto or none"
+        )  # fmt: skip
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device file"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+
+
+def _stat(path: str) -> Optional[os.stat_result]:
+    """os.stat, or None when the path does not exist (also when a parent is a file: ENOTDIR)."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _check_directory(key: str, path: str) -> None:
+    """`path` is a directory this process can create files in, or can be created."""
+    fix = f"set {key} to a writable directory"
+    long = [part for part in Path(path).parts if len(os.fsencode(part)) > 255]
+    if long:
+        raise DeckError(key, path, f"a path component of {len(os.fsencode(long[0]))} bytes; at most 255")
+    try:
+        found = _stat(path)
+        if found is not None:
+            if not stat.S_ISDIR(found.st_mode):
+                raise DeckError(key, path, f"exists and is {_file_kind(found.st_mode)}, not a directory; {fix}")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise DeckError(key, path, f"is a directory this user cannot write in; {fix}")
+            return
+        # It does not exist yet: the run creates it (and its parents) in its nearest existing ancestor.
+        ancestor = os.path.dirname(os.path.abspath(path))
+        while (found := _stat(ancestor)) is None:
+            ancestor = os.path.dirname(ancestor)
+    except OSError as err:  # EACCES on a parent, ELOOP, ENAMETOOLONG
+        raise DeckError(key, path, f"cannot be used ({err.strerror}); {fix}") from None
+    if not stat.S_ISDIR(found.st_mode):
+        raise DeckError(
+            key, path, f"cannot be created: {ancestor} is {_file_kind(found.st_mode)}, not a directory; {fix}"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise DeckError(key, path, f"cannot be created: this user cannot write in {ancestor}; {fix}")
+
+
+def _check_data_file(prefix: str, path: str) -> None:
+    fix = "write PREFIX.bin/.json/.idx.npy with `python -m app.data.prepare TEXT... --out PREFIX`"
+    try:
+        found = _stat(path)
+    except OSError as err:
+        raise DeckError("data.path", prefix, f"{path} cannot be used ({err.strerror}); {fix}") from None
+    if found is None:
+        raise DeckError("data.path", prefix, f"{path} does not exist; {fix}")
+    if not stat.S_ISREG(found.st_mode):
+        raise DeckError("data.path", prefix, f"{path} is {_file_kind(found.st_mode)}, not a file; {fix}")
+    if not os.access(path, os.R_OK):
+        raise DeckError("data.path", prefix, f"{path} is not readable by this user")

@@ -1,0 +1,171 @@
+"""Reading deck YAML that nobody vetted: the deck file and `--set` values.
+
+Limits (size, depth, number of values, integer length), no anchors or aliases (522 bytes
+of aliases expand to gigabytes), no tags (PyYAML's constructors crash on some), no
+duplicate keys (PyYAML silently keeps the last), UTF-8 only: any input ends in a value or
+a DeckError naming the file or key, quickly. `app/deck.py` validates the values.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from app.errors import DeckError
+
+MAX_DECK_BYTES = 256 * 1024  # real decks are 1-3 KB
+MAX_YAML_NODES = 10_000  # values, keys included; stage_layers of 4096 chunks fits
+MAX_YAML_DEPTH = 16  # a deck needs 4: the document, a section, a key, a list item
+MAX_INT_DIGITS = 100  # PyYAML turns 1:2:3... (base 60) and 0x... into ints of any size
+EXAMPLE_DECK = "inputs/gpt_tiny.yaml"
+
+
+class _Cut:
+    """A value too long to repeat in a message, shown by its beginning."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def deck_error(key: Any, value: Any, accepted: str) -> DeckError:
+    """A DeckError whose key and value print as one short line, whatever the deck held."""
+    name = str(key)
+    if not name.isprintable() or len(name) > 100:
+        name = repr(name[:100])
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit limit of int -> str
+        return DeckError(name, _Cut(f"<an int of {value.bit_length():,} bits>"), accepted)
+    return DeckError(name, value if len(text) <= 200 else _Cut(text[:200] + "..."), accepted)
+
+
+class _DeckLoader(yaml.SafeLoader):
+    """yaml.SafeLoader for untrusted decks: no anchors or aliases (522 bytes of aliases expand
+    to gigabytes), no tags, at most MAX_YAML_DEPTH levels and MAX_YAML_NODES values, no giant ints.
+    A refusal names `where`: ("DECK", file) or the `--set` key and its text."""
+
+    def __init__(self, text: str, where: tuple[str, str]) -> None:
+        super().__init__(text)
+        self.where, self.depth, self.nodes = where, 0, 0
+
+    def refuse(self, mark: Any, what: str) -> DeckError:
+        line = f"line {mark.line + 1}: " if self.where[0] == "DECK" or "\n" in self.where[1] else ""
+        return deck_error(self.where[0], self.where[1], line + what)
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise self.refuse(
+                event.start_mark, "YAML anchors (&name) and aliases (*name) are not accepted in a deck; "
+                "write each value out"
+            )  # fmt: skip
+        if getattr(event, "tag", None) is not None:
+            # PyYAML's constructors crash on some tagged values (`!!bool x`: KeyError); a deck needs none.
+            tag = event.tag.replace("tag:yaml.org,2002:", "!!")
+            raise self.refuse(
+                event.start_mark, f"YAML tags ({tag}) are not accepted in a deck; write the plain value "
+                "(quoted for a string)"
+            )  # fmt: skip
+        self.depth, self.nodes = self.depth + 1, self.nodes + 1
+        if self.depth > MAX_YAML_DEPTH:
+            raise self.refuse(
+                event.start_mark, f"nested more than {MAX_YAML_DEPTH} levels deep; a deck is sections of keys "
+                f"(see {EXAMPLE_DECK})"
+            )  # fmt: skip
+        if self.nodes > MAX_YAML_NODES:
+            raise self.refuse(event.start_mark, f"more than {MAX_YAML_NODES:,} YAML values; a deck has a few dozen")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value) > MAX_INT_DIGITS:
+            raise self.refuse(
+                node.start_mark, f"an integer of {len(node.value):,} characters; at most {MAX_INT_DIGITS} are read"
+            )
+        return super().construct_yaml_int(node)
+
+
+_DeckLoader.add_constructor("tag:yaml.org,2002:int", _DeckLoader.construct_yaml_int)
+
+
+def _check_duplicates(root: yaml.Node, where: tuple[str, str], prefix: str) -> None:
+    """A key given twice in one mapping: PyYAML would silently keep the last."""
+    stack = [(root, prefix)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            dotted = f"{path}.{key.value}" if path else key.value
+            line = key.start_mark.line + 1
+            if key.value in seen:
+                text = value.value if isinstance(value, yaml.ScalarNode) else f"<a YAML {value.id}>"
+                place = where[1] if where[0] == "DECK" else "the --set value"
+                raise deck_error(
+                    dotted, text, f"given twice, at lines {seen[key.value]} and {line} of {place}; keep one"
+                )
+            seen[key.value] = line
+            stack.append((value, dotted))
+
+
+def parse_yaml(text: str, where: tuple[str, str], prefix: str = "") -> Any:
+    """The value of the YAML `text` (None if it holds no document). DeckError for what a deck
+    must not hold; yaml.YAMLError or ValueError (e.g. a bad date) for text that is not YAML."""
+    loader = _DeckLoader(text, where)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicates(node, where, prefix)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def read_deck_file(path: Union[str, Path]) -> Any:
+    """The deck file's YAML value (not None); DeckError naming the file for anything else."""
+    where = ("DECK", str(path))
+    try:
+        # O_NONBLOCK: a named pipe given as the deck must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode) or stat.S_ISDIR(info.st_mode):
+                raise DeckError(*where, "is not a file; pass the path of a YAML deck, e.g. " + EXAMPLE_DECK)
+            data = f.read(MAX_DECK_BYTES + 1)  # at most: /dev/zero is a file name too
+    except FileNotFoundError:
+        raise DeckError(*where, f"file not found; pass the path of a YAML deck, e.g. {EXAMPLE_DECK}") from None
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        raise DeckError(*where, f"cannot be read ({err})") from None
+    if len(data) > MAX_DECK_BYTES:
+        size = f"{info.st_size:,}" if stat.S_ISREG(info.st_mode) else f"more than {MAX_DECK_BYTES:,}"
+        raise DeckError(*where, f"the deck is {size} bytes; a deck is at most {MAX_DECK_BYTES:,} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise DeckError(
+            *where, f"not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset {err.start} (line {line}); "
+            "save the deck as UTF-8"
+        ) from None  # fmt: skip
+    try:
+        raw = parse_yaml(text, where)
+    except (yaml.YAMLError, ValueError) as err:
+        raise DeckError(*where, f"not readable YAML ({err})") from None
+    if raw is None:
+        raise DeckError(*where, f"the deck is empty; see {EXAMPLE_DECK}")
+    return raw
