@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from contextlib import suppress
 from typing import Optional
 
 
@@ -113,9 +114,14 @@ def run(argv: Optional[list[str]] = None) -> int:
         return 0
     except GridlmError as err:
         # Raised on every rank alike (see `agree`): one message, the same status everywhere.
-        runtime.watchdog.stop()
         if runtime.is_root:
             print(f"gridlm: {err}", file=sys.stderr, flush=True)
+        # Join torch's communication threads before Python finalises: a gloo thread that
+        # releases a tensor (or runs a completion callback) during finalisation aborts the
+        # process (SIGABRT, status 134 instead of this error's). Still watched: it waits on peers.
+        with suppress(Exception), runtime.watchdog.blocking("destroy_process_group"):
+            shutdown(runtime)
+        runtime.watchdog.stop()
         return err.exit_code
     except KeyboardInterrupt:
         abort(runtime, 130)

@@ -7,10 +7,12 @@ over dp under ZeRO-1) updated by `ShardedOptimizer` (AdamW or LAMB).
 One optimizer step: the pipeline schedule runs forward + backward of (mean loss /
 micro-batches) x loss scale for each of this dp rank's micro-batches, while gradient
 hooks launch each dp bucket's reduction as soon as it is complete; `update` waits for
-them, adds the sequence-parallel and tied-embedding sums, takes the grid-wide norm
-(fp16: an overflow anywhere skips the step everywhere), clips and steps. The logged loss
-is the mean over the whole global batch, so it is the same number on 1 rank and on any
-grid.
+them, adds the sequence-parallel and tied-embedding sums, takes the grid-wide norm,
+checks the loss and the norm on the whole grid at once (one MAX all-reduce of two flags:
+an fp16 overflow skips the step everywhere, any other NaN/Inf goes to train.nonfinite:
+abort, skip, or rollback to the last checkpoint and skip the batch), clips and steps. The
+logged loss is the mean over the whole global batch, so it is the same number on 1 rank
+and on any grid.
 A run starts from the checkpoint run.resume names (any grid's), writes checkpoints every
 checkpoint.every steps and at exit, and on SIGTERM / SIGUSR1 stops after the current step
 with a checkpoint (`app/checkpoint/`, docs/CHECKPOINT.md).
@@ -29,11 +31,13 @@ import yaml
 from app.checkpoint.io import Saved
 from app.checkpoint.io import load as load_checkpoint
 from app.checkpoint.io import save as save_checkpoint
-from app.checkpoint.store import checkpoint_dir, resolve_resume
+from app.checkpoint.store import checkpoint_dir, read_latest, resolve_resume
+from app.checkpoint.store import nonfinite_events as header_nonfinite_events
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.data.memmap import MemmapTokens
-from app.deck import Deck, check_paths
-from app.errors import GridlmError
+from app.deck import Deck
+from app.deck_paths import check_paths
+from app.errors import CheckpointError, GridlmError, NonFiniteError
 from app.metrics.flops import FLOPS_CONVENTION, gpt_hardware_step_flops, gpt_step_flops
 from app.metrics.peaks import peak_tflops
 from app.metrics.report import (
@@ -47,7 +51,16 @@ from app.metrics.report import (
 )
 from app.metrics.timers import PHASES, StepTimers
 from app.model.gpt import GPT
-from app.optim.optimizer import LossScaler, ShardedOptimizer, any_rank, clip_coefficient, grad_norm, learning_rate
+from app.optim.optimizer import (
+    LossScaler,
+    NonFiniteGuard,
+    ShardedOptimizer,
+    clip_coefficient,
+    describe_nonfinite,
+    grad_norm,
+    learning_rate,
+    nonfinite_anywhere,
+)
 from app.parallel.data import DataParallel
 from app.parallel.pipeline import Pipeline
 from app.parallel.schedule import partition_layers
@@ -150,7 +163,13 @@ class Trainer:
         self.dp.prefetch_hooks(self.model.first_uses())
         self.sp_group = grid.group["tp"] if par.sequence_parallel and grid.size("tp") > 1 else None
         self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid)
-        self.scaler = LossScaler(tr.loss_scale, tr.loss_scale_window) if tr.precision == "fp16" else None
+        self.scaler = (
+            LossScaler(tr.loss_scale, tr.loss_scale_window, tr.min_loss_scale) if tr.precision == "fp16" else None
+        )
+        self.guard = NonFiniteGuard(tr.nonfinite, tr.max_skipped, tr.precision)
+        self.step_nonfinite: list[str] = []  # what was NaN/Inf in the last step ("loss", "grad_norm")
+        self.batch_start = 0  # consumed_samples before the last step's batch
+        self.bad_batches: set[int] = set()  # batches (by consumed_samples) that rollback skips
         self.steps_done = 0
         self.resumed: Optional[dict[str, Any]] = None  # what `resume` loaded
         self.checkpoints: list[dict[str, Any]] = []  # what `save` wrote
@@ -162,16 +181,33 @@ class Trainer:
         )
         self.tokens_per_step = tr.global_batch * m.seq_len
 
+    @property
+    def nonfinite_events(self) -> int:
+        """Non-finite steps so far (fp16 overflows not counted); kept in the checkpoint header."""
+        return self.guard.events
+
+    @nonfinite_events.setter
+    def nonfinite_events(self, value: int) -> None:
+        self.guard.events = int(value)
+
+    @property
+    def nonfinite_in_a_row(self) -> int:
+        """Non-finite steps (or rollbacks) since the last update; kept in the checkpoint header."""
+        return self.guard.in_a_row
+
     def step(self) -> tuple[torch.Tensor, float, float]:
         """One optimizer step over the global batch: (this dp rank's mean loss on the last stage, 0 on
-        the others; lr; global grad norm, inf when fp16 overflowed and the step was skipped)."""
+        the others; lr; global grad norm, inf when fp16 overflowed and the step was skipped). A
+        non-finite step updates nothing and sets `step_nonfinite` (or raises NonFiniteError)."""
         lr = learning_rate(self.deck.optim, self.steps_done, self.deck.train.steps)
+        self.batch_start = self.sampler.consumed_samples
         loss_sum = self.forward_backward()
-        norm = self.update(lr)
+        norm = self.update(lr, loss_sum)
         return loss_sum, lr, norm
 
     def forward_backward(self) -> torch.Tensor:
         """The pipeline over this dp rank's micro-batches; gradients land in the dp buckets."""
+
         def read() -> list[tuple[torch.Tensor, torch.Tensor]]:
             return [get_batch(self.dataset, indices) for indices in self.sampler.next_step()]
 
@@ -184,20 +220,29 @@ class Trainer:
         # Mean over micro-batches in the pipeline, mean over dp in the reduction: the global-batch mean.
         return self.pipeline.run(self.model, micro_batches, self.scaler.scale if self.scaler else 1.0)
 
-    def update(self, lr: float) -> float:
-        """Finish the gradient reductions, clip, step (unless fp16 overflowed); the global grad norm."""
+    def update(self, lr: float, loss_sum: Optional[torch.Tensor] = None) -> float:
+        """Finish the gradient reductions, check `loss_sum` (this rank's; None: unchecked) and the
+        norm on the whole grid, clip, step; the global grad norm. Every rank reaches the same
+        verdict: fp16 overflow (finite loss) skips the step; any other NaN/Inf is train.nonfinite's."""
         with self.timers.phase("optimizer"):
             self.dp.finish_grad_reduce(self.sp_group)
             norm = grad_norm(self.dp, self.grid)
             scale = self.scaler.scale if self.scaler else 1.0
             self.steps_done += 1
+            loss_bad, norm_bad = nonfinite_anywhere(loss_sum, norm, self.grid, self.device)
+            overflow = norm_bad and not loss_bad and self.scaler is not None
+            flagged = [key for key, bad in (("loss", loss_bad), ("grad_norm", norm_bad)) if bad]
+            self.step_nonfinite = [] if overflow else flagged
+            if self.step_nonfinite:
+                self.guard.nonfinite(self.steps_done, self.step_nonfinite)  # abort (or too many): raises
+                return norm / scale  # skip / rollback: the parameters stay as they are
             if self.scaler is not None:
-                overflow = any_rank(not math.isfinite(norm), self.grid, self.device)
-                self.scaler.update(overflow)
+                self.scaler.update(overflow, self.steps_done)  # raises below train.min_loss_scale
                 if overflow:
                     return math.inf  # every rank skips: the parameters stay as they are
             norm /= scale
             self.optimizer.step(lr, clip_coefficient(norm, self.deck.optim.grad_clip) / scale)
+            self.guard.updated()
         return norm
 
     def resume(self) -> Optional[dict[str, Any]]:
@@ -208,6 +253,7 @@ class Trainer:
                 self.runtime.log(f"gridlm: no checkpoint in {checkpoint_dir(self.deck)}: starting at step 0")
             return None
         info = load_checkpoint(self, path)
+        self.nonfinite_events = on_root(self.runtime, lambda: header_nonfinite_events(path))
         self.resumed = info
         g = info["grid"]
         self.runtime.log(
@@ -218,9 +264,27 @@ class Trainer:
         )
         return info
 
-    def save(self, reason: str) -> Saved:
-        """Write a checkpoint of the current step (all ranks); logs it and notes it for the summary."""
-        saved = save_checkpoint(self, checkpoint_dir(self.deck))
+    def save(self, reason: str, final: bool = False) -> Optional[Saved]:
+        """Write a checkpoint of the current step (all ranks); logs it and notes it for the summary.
+
+        A write that fails (CheckpointError: disk full, I/O or permission error; every rank
+        raises it together and `latest` still names the previous checkpoint) ends the run
+        (exit 2) unless checkpoint.on_error is `continue`: then rank 0 logs one warning line,
+        this returns None, and the next interval tries again — except for a `final` save (end of
+        training, stop signal), which has no next interval. A NaN/Inf in the state
+        (NonFiniteError) always ends it."""
+        try:
+            saved = save_checkpoint(self, checkpoint_dir(self.deck))
+        except NonFiniteError:
+            raise
+        except CheckpointError as err:
+            if self.deck.checkpoint.on_error != "continue" or final:
+                raise  # a final save (end of training, stop signal) has no later interval to retry in
+            self.runtime.log(
+                f"gridlm: warning: checkpoint step {self.steps_done} ({reason}) failed, training goes on "
+                f"(checkpoint.on_error: continue): {err}"
+            )
+            return None
         record = {"step": saved.step, "path": str(saved.path), "bytes": saved.bytes, "seconds": saved.seconds,
                   "reason": reason}  # fmt: skip
         self.checkpoints.append(record)
@@ -298,15 +362,19 @@ class Trainer:
                 if record is not None:
                     records.append(record)
                     board.write(record)
+                if self.step_nonfinite and deck.train.nonfinite == "rollback":
+                    self._rollback(writer, board, records)
+                    continue
                 step = self.steps_done
-                saved_now = bool(every) and step % every == 0
-                if saved_now:
-                    self.save(f"every {every} steps")
+                # A skipped step (train.nonfinite: skip, a replayed bad batch) left the state as it was:
+                # finite, so it may be saved (and save refuses anything non-finite anyway).
+                # None: it failed under checkpoint.on_error: continue; a stop or the end saves again.
+                saved_now = bool(every) and step % every == 0 and self.save(f"every {every} steps") is not None
                 received = signals.agreed(rt.comm, rt.watchdog)
                 if received:
                     interrupted = signal_name(received)
                     if not saved_now:
-                        self.save(interrupted)
+                        self.save(interrupted, final=True)
                     rt.log(
                         f"gridlm: {interrupted} received: stopped after step {step} of {steps} with a checkpoint; "
                         f"resubmit the job to continue (run.resume: auto)"
@@ -314,7 +382,7 @@ class Trainer:
                     break
             else:
                 if deck.checkpoint.at_exit and not saved_now:
-                    self.save("end of training")
+                    self.save("end of training", final=True)
         board.close()
         self.dp.wait_params()  # no all-gather left in flight: the parameters are complete
         summary = self._summary(records, step_times, timings)
@@ -323,8 +391,10 @@ class Trainer:
         if rt.is_root:
             path = write_summary(self.run_dir, summary)
             mfu = "n/a" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
+            first, last = ("n/a" if x is None else f"{x:.4f}" for x in (summary["initial_loss"], summary["final_loss"]))
+            nonfinite = f" | {self.nonfinite_events} non-finite step(s), {self.guard.rollbacks} rollback(s)"
             rt.log(
-                f"gridlm: done | loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} | "
+                f"gridlm: done | loss {first} -> {last}{nonfinite if self.nonfinite_events else ''} | "
                 f"step {summary['step_time_s'] * 1e3:.1f} ms (mean after {summary['timing_warmup_steps']} warm-up) | "
                 f"{summary['tokens_per_s']:,.0f} tok/s | {summary['tflops_per_rank']:.3f} TFLOP/s/rank | "
                 f"{summary['aggregate_tflops']:.3f} TFLOP/s total | mfu {mfu} | {path}"
@@ -347,6 +417,9 @@ class Trainer:
         """One timed step; its metrics record when this step is logged (else None)."""
         deck, rt, steps = self.deck, self.runtime, self.deck.train.steps
         rt.watchdog.at(step=self.steps_done + 1)
+        if self.sampler.consumed_samples in self.bad_batches:
+            self._skip_bad_batch()
+            return None
         _sync(self.device)
         t0 = time.perf_counter()
         loss_sum, lr, grad_norm = self.step()
@@ -355,6 +428,13 @@ class Trainer:
         step_times.append(step_time)
         timings.append(self.timers.pop())
         step = self.steps_done
+        if self.step_nonfinite:
+            if deck.train.nonfinite == "rollback":
+                return None  # `run` rolls back: this step's record would be dropped with the rest
+            rt.log(
+                f"gridlm: warning: non-finite {describe_nonfinite(self.step_nonfinite)} at step {step}: step skipped, "
+                f"parameters unchanged ({self.guard.in_a_row} in a row; train.max_skipped = {deck.train.max_skipped})"
+            )
         if not (step % deck.run.log_every == 0 or step == steps or step == start + 1):
             return None
         tflops = self.flops_per_step / step_time / rt.world_size / 1e12
@@ -379,6 +459,43 @@ class Trainer:
         writer.write(record)
         rt.log(format_line(record, steps))
         return record
+
+    def _skip_bad_batch(self) -> None:
+        """After a rollback: consume the batch that gave the NaN, count the step, update nothing."""
+        start = self.sampler.consumed_samples
+        self.sampler.next_step()
+        self.steps_done += 1
+        self.step_nonfinite = []
+        self.runtime.log(
+            f"gridlm: step {self.steps_done}: skipped the batch of samples [{start}, {self.sampler.consumed_samples}) "
+            f"(non-finite before the rollback)"
+        )
+
+    def _rollback(self, writer: MetricsWriter, board: TensorBoardWriter, records: list[dict[str, Any]]) -> None:
+        """train.nonfinite: rollback (every rank): reload the newest committed checkpoint, remember the
+        batch that gave the NaN so that the replay skips it, and cut the metrics back to the
+        checkpoint's step so that no step is recorded twice."""
+        rt, step, what = self.runtime, self.steps_done, self.step_nonfinite
+        directory = checkpoint_dir(self.deck)
+        path = on_root(rt, lambda: read_latest(directory))
+        if path is None:
+            raise NonFiniteError(self.guard.no_checkpoint(step, what, directory))
+        self.bad_batches.add(self.batch_start)
+        self.dp.wait_params()
+        events = self.nonfinite_events  # this run's count, not the checkpoint's
+        info = load_checkpoint(self, path)
+        self.nonfinite_events = events
+        self.step_nonfinite = []
+        back_to = info["step"]
+        writer.truncate(back_to)
+        board.truncate(back_to)
+        records[:] = [r for r in records if r["step"] <= back_to]
+        rt.log(
+            f"gridlm: warning: non-finite {describe_nonfinite(what)} at step {step}: rolled back to {path} (step "
+            f"{back_to}); its batch, samples [{self.batch_start}, {self.batch_start + self.deck.train.global_batch}), "
+            f"will be skipped ({self.guard.in_a_row} rollback(s) in a row; train.max_skipped = "
+            f"{self.deck.train.max_skipped})"
+        )
 
     def _summary(
         self, records: list[dict[str, Any]], step_times: list[float], timings: list[dict[str, Any]]
@@ -415,6 +532,8 @@ class Trainer:
             "dp_buckets": len(self.dp.buckets),
             "memory_bytes_rank0": memory,
             "skipped_steps": self.scaler.skipped if self.scaler else 0,
+            "nonfinite_steps": self.nonfinite_events,
+            "rollbacks": self.guard.rollbacks,
             "steps": tr.steps,
             "global_batch": tr.global_batch,
             "tokens_per_step": self.tokens_per_step,
@@ -438,8 +557,8 @@ class Trainer:
             "peak_tflops_per_rank": self.peak,
             "mfu": None if self.peak is None else tflops_per_rank / self.peak,
             "hfu": None if self.peak is None else hw_tflops_per_rank / self.peak,
-            "initial_loss": records[0]["loss"],
-            "final_loss": records[-1]["loss"],
+            "initial_loss": records[0]["loss"] if records else None,
+            "final_loss": records[-1]["loss"] if records else None,
             "consumed_samples": self.sampler.consumed_samples,
             "torch_threads": torch.get_num_threads(),
             "versions": versions(),

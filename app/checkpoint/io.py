@@ -28,6 +28,7 @@ slab is verified against the checksums (split the same way over the new grid).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,20 +39,36 @@ import torch
 import yaml
 from torch import nn
 
-from app.checkpoint.slabs import checksum, global_boxes, read_boxes, transfer_plist, write_boxes
-from app.checkpoint.store import commit, retain, step_file
+from app.checkpoint.slabs import V1_NOTE, checksum, checksum_for, global_boxes, read_boxes, transfer_plist, write_boxes
+from app.checkpoint.stages import Abandon, Stages, abandon
+from app.checkpoint.store import (
+    commit,
+    describe_failure,
+    format_bytes,
+    latest_note,
+    prepare_write,
+    reserve,
+    retain,
+    spare_file,
+    step_file,
+)
 from app.deck import Deck
-from app.errors import CheckpointError
+from app.errors import CheckpointError, NonFiniteError
 from app.runtime.grid import ProcessGrid
-from app.runtime.mpi import Runtime, agree, on_root
+from app.runtime.mpi import Runtime, on_root
 
-FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 1
+FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 2
+READABLE_VERSIONS = (1, 2)  # 1: the weak v1 checksum (slabs.checksum_v1)
 MODEL, MASTER = "model", "optimizer/master"
 EXP_AVG, EXP_AVG_SQ = "optimizer/exp_avg", "optimizer/exp_avg_sq"
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 # The model keys a checkpoint's tensors depend on (ffn_hidden compared resolved).
 SHAPE_KEYS = ("vocab_size", "seq_len", "layers", "hidden", "heads", "ffn", "tie_embeddings")
-CHECKSUM_DOC = "sum over row-major element index i of (2i+1) * (element bits as unsigned int), mod 2^32"
+CHECKSUM_DOC = (
+    "sum over row-major element index i of mix64(mix64(K + i*G) XOR u_i) mod 2^64, u_i = element bits as unsigned "
+    "int, mix64 = SplitMix64 finaliser (x ^= x>>30; x *= 0xBF58476D1CE4E5B9; x ^= x>>27; x *= 0x94D049BB133111EB; "
+    "x ^= x>>31), G = 0x9E3779B97F4A7C15, K = 0x6A09E667F3BCC909"
+)
 STORED = {torch.float32: ("float32", np.float32), torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16)}  # fmt: skip
 
 
@@ -184,9 +201,21 @@ class Saved:
     seconds: float
 
 
-def save(state: TrainingState, directory: Path, *, before_commit: Optional[Callable[[], None]] = None) -> Saved:
+def save(
+    state: TrainingState,
+    directory: Path,
+    *,
+    before_commit: Optional[Callable[[], None]] = None,
+    before_write: Optional[Callable[[], None]] = None,
+    reserve_space: bool = True,
+) -> Saved:
     """Write the training state to directory/step_NNNNNNN.h5 (all ranks), commit it, apply
-    retention. `before_commit` runs on rank 0 between the flushed write and the rename (tests)."""
+    retention. Raises, on every rank alike, CheckpointError when it cannot be written (no
+    space, I/O or permission error) and NonFiniteError for a NaN/Inf in any saved tensor;
+    then the .tmp file is gone and `latest` is unchanged (docs/CHECKPOINT.md, "When a save
+    fails"). Tests only: `before_write` runs on rank 0 after the free-space check,
+    `reserve_space=False` skips the fallocate (to meet a full disk mid-write), and
+    `before_commit` runs on rank 0 between the flushed write and the rename."""
     import h5py
     from mpi4py import MPI
 
@@ -196,96 +225,202 @@ def save(state: TrainingState, directory: Path, *, before_commit: Optional[Calla
         torch.cuda.synchronize(state.runtime.device)
     final = step_file(directory, state.steps_done)
     tmp = final.with_name(final.name + ".tmp")
-
-    def prepare() -> None:
-        if rt.rank == 0:
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                raise CheckpointError(
-                    f"cannot create checkpoint directory {directory}: {err.strerror}; set checkpoint.dir to a "
-                    f"writable path"
-                ) from None
-
-    agree(rt, prepare)
     t0 = time.perf_counter()
     parts = plan(state)
     names = _global_names(rt, parts)
     kinds = [MODEL] + ([] if dp.master_is_param else [MASTER]) + list(MOMENTS)
     header = rt.comm.bcast(_header(state) if rt.rank == 0 else None, root=0)
-    dxpl = transfer_plist(cfg.io == "collective")
-    sums = np.zeros(len(kinds) * len(names), dtype=np.uint32)
-    nbytes = 0
+    rows = _rng_rows(rt)
+    stored_of = {kind: STORED[dp.param_buffer.dtype if kind == MODEL else torch.float32] for kind in kinds}
+    layout = [(math.prod(shape), np.dtype(stored_of[kind][1]).itemsize) for kind in kinds for _, shape in names]
+    layout += [(rt.world_size * row.size, 1) for row in rows.values()]
+    nbytes = sum(n * size for n, size in layout)
+    needed = checkpoint_size(layout, header, cfg.alignment_threshold, cfg.alignment_interval)
+
+    stages = Stages(rt)
+    f = None
+
+    def check_finite() -> None:
+        """A NaN/Inf in any slice this rank would write: refused before the disk is touched."""
+        for kind in kinds:
+            for name, _ in names:
+                part = parts.get(name)
+                if part is not None and part.writes:
+                    bad = count_nonfinite(_state_slice(state, kind, part, *part.slice), stored_of[kind][0])
+                    if bad:
+                        raise NonFiniteError(f"/{kind}/{name} has {bad} non-finite value{'s' if bad > 1 else ''}")
+
+    def prepare() -> None:
+        prepare_write(directory, tmp, needed, metadata_headroom(len(layout), header))
+        if before_write is not None:
+            before_write()
+
     try:
-        f = h5py.File(
+        stages.run(None, "checking the values", check_finite)
+    except Abandon as stop:
+        abandon(rt, stop, None, tmp, needed, final, keep_blocks=False)
+    on_root(rt, prepare)  # the file system is checked once, the verdict goes to every rank
+    dxpl = transfer_plist(cfg.io == "collective")
+    # One entry per dataset, the RNG rows last; MPI SUM on uint64 wraps mod 2^64, as C.
+    sums = np.zeros(len(kinds) * len(names) + len(rows), dtype=np.uint64)
+
+    def create() -> Any:
+        return h5py.File(
             tmp, "w", driver="mpio", comm=rt.comm,
             alignment_threshold=cfg.alignment_threshold, alignment_interval=cfg.alignment_interval,
         )  # fmt: skip
-    except OSError as err:
-        raise CheckpointError(
-            f"cannot create checkpoint file {tmp}: {err}; set checkpoint.dir to a writable path"
-        ) from None
-    with f:
+
+    def create_datasets() -> list[tuple[Any, str, str, tuple[int, ...]]]:
+        """All metadata first, every attribute at its final size (`committed` false, checksums
+        0), so that after the first flush the close only rewrites blocks the file already has."""
         f.attrs.update(header)
-        datasets = []
+        # For retention (store.protected): non-finite steps so far, and in the current streak.
+        f.attrs["nonfinite_events"] = int(getattr(state, "nonfinite_events", 0))
+        f.attrs["nonfinite_in_a_row"] = int(getattr(state, "nonfinite_in_a_row", 0))
+        f.attrs["committed"] = False  # true last: a copy of a half-written file is refused
+        created = []
         for kind in kinds:
             group = f.require_group(kind)
-            dtype = dp.param_buffer.dtype if kind == MODEL else torch.float32
-            logical, stored = STORED[dtype]
+            logical, stored = stored_of[kind]
             for name, shape in names:
                 dset = group.create_dataset(name, shape, stored, fill_time="never")
                 dset.attrs["dtype"] = logical
-                nbytes += dset.size * dset.dtype.itemsize
-                part = parts.get(name)
-                boxes, values = [], np.empty(0, dtype=stored)
-                if part is not None and part.writes:
-                    boxes = part.boxes(*part.slice)
-                    values = _numpy(_state_slice(state, kind, part, *part.slice))
-                    sums[len(datasets)] = checksum(values, boxes, shape)
-                write_boxes(dset.id, boxes, values, dxpl)
-                datasets.append(dset)
-        rng = _write_rng(f, state, dxpl)
-        datasets += [dset for dset, _ in rng]
-        sums = np.concatenate([sums, np.array([value for _, value in rng], dtype=np.uint32)])
-        rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-        for dset, value in zip(datasets, sums):
-            dset.attrs["checksum"] = value
-        f.attrs["committed"] = True  # last: a copy of a half-written file lacks it
-        f.flush()  # MPI_File_sync on every rank: the data is on the file system, not in client caches
+                dset.attrs["checksum"] = np.uint64(0)
+                created.append((dset, kind, name, shape))
+        for key, row in rows.items():
+            dset = f.require_group("rng").create_dataset(key, (rt.world_size, row.size), np.uint8, fill_time="never")
+            dset.attrs["checksum"] = np.uint64(0)
+            created.append((dset, "rng", key, (rt.world_size, row.size)))
+        if rt.rank == 0:
+            spare_file(tmp).unlink(missing_ok=True)  # its blocks are the metadata's room in the flush that follows
+        return created
+
+    def write(index: int, dset: Any, kind: str, name: str, shape: tuple[int, ...]) -> None:
+        """This rank's slice of one dataset: one H5Dwrite on every rank, even with nothing to
+        write (collective I/O needs every rank's call)."""
+        stages.doing = f"writing /{kind}/{name}"
+        if kind == "rng":
+            box = [((rt.rank, 0), (1, shape[1]))]
+            sums[index] = checksum(rows[name], box, shape)
+            write_boxes(dset.id, box, rows[name], dxpl)
+            return
+        part = parts.get(name)
+        boxes, values = [], np.empty(0, dtype=stored_of[kind][1])
+        if part is not None and part.writes:
+            boxes = part.boxes(*part.slice)
+            values = _numpy(_state_slice(state, kind, part, *part.slice))
+            sums[index] = checksum(values, boxes, shape)
+        write_boxes(dset.id, boxes, values, dxpl)
+
+    def write_all(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
+        for index, item in enumerate(datasets):
+            write(index, *item)
+
+    def attributes(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
+        for (dset, *_), value in zip(datasets, sums):
+            dset.attrs.modify("checksum", value)  # in place: the same blocks
+        f.attrs.modify("committed", True)
+
+    # Every stage is agreed on all ranks before any rank makes the next collective call
+    # (app/checkpoint/stages.py); a failure makes them all leave the file together.
+    metadata_on_disk = False
+    try:
+        f = stages.run("H5Fcreate", "creating the file", create)
+        if reserve_space:  # rank 0; from here on no rank meets a full disk inside MPI-IO (store.reserve)
+            stages.run("fallocate", f"reserving {format_bytes(needed)}", lambda: rt.rank == 0 and reserve(tmp, needed))
+        datasets = stages.run("H5Dcreate", "creating the datasets", create_datasets)
+        # Writes the metadata (and trims the reservation to the file's size): its blocks are allocated now.
+        stages.run("H5Fflush", "writing the metadata", f.flush)
+        metadata_on_disk = True
+        if cfg.io == "collective":  # every H5Dwrite is collective: agree before the next one
+            for index, (dset, kind, name, shape) in enumerate(datasets):
+                stages.run("H5Dwrite", f"writing /{kind}/{name}", write, index, dset, kind, name, shape)
+        else:  # independent I/O makes no collective call: one agreement after the last write
+            stages.run(None, "writing the datasets", write_all, datasets)
+        with rt.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
+            rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        stages.run("H5Awrite", "writing the checksums", attributes, datasets)
+        # MPI_File_sync on every rank: the data is on the file system, not in client caches.
+        stages.run("H5Fflush", "flushing the file (MPI_File_sync)", f.flush)
+        stages.run("H5Fclose", "closing the file", f.close)
+    except Abandon as stop:
+        abandon(rt, stop, f, tmp, needed, final, keep_blocks=metadata_on_disk)
 
     def finish() -> None:
-        if rt.rank != 0:
-            return
+        if before_commit is not None:
+            before_commit()
         try:
-            if before_commit is not None:
-                before_commit()
             commit(tmp, final)
-            retain(directory, cfg.keep)
         except OSError as err:
+            if tmp.exists():
+                tmp.unlink(missing_ok=True)
             raise CheckpointError(
-                f"cannot commit checkpoint {final}: {err}; the previous checkpoint is intact"
+                f"cannot commit checkpoint {final}: {describe_failure(str(err), err.errno)} ({err}); "
+                f"{latest_note(directory)}"
             ) from None
+        try:
+            retain(directory, cfg.keep)
+        except (OSError, CheckpointError) as err:  # the checkpoint is committed: say so, go on
+            rt.log(f"gridlm: warning: checkpoint {final} committed, but retention failed: {err}")
 
-    agree(rt, finish)
+    on_root(rt, finish)
     return Saved(final, state.steps_done, nbytes, time.perf_counter() - t0)
 
 
-def _write_rng(f: Any, state: TrainingState, dxpl: Any) -> list[tuple[Any, np.uint32]]:
-    """One row per rank of each torch generator state (dropout masks differ between ranks);
-    returns (dataset, this rank's checksum partial) pairs."""
-    rt = state.runtime
+# HDF5 metadata per dataset (object header with the dtype and checksum attributes, its link
+# in the group's B-tree and heap): measured 0.9-1.2 KiB of disk pages per dataset (its small
+# blocks lie between the datasets); counted as one 4 KiB page, so that the reservation and the
+# spare blocks cover it.
+DATASET_METADATA = 4096
+FILE_METADATA = 64 * 1024  # superblock, groups, attribute headers, besides the header strings
+
+
+def metadata_headroom(datasets: int, header: dict[str, Any]) -> int:
+    """Disk space the metadata of a file with `datasets` datasets and root attributes `header`
+    may take: what `store.prepare_write` keeps spare for it."""
+    return FILE_METADATA + sum(len(str(value)) + 64 for value in header.values()) + DATASET_METADATA * datasets
+
+
+def checkpoint_size(
+    layout: list[tuple[int, int]], header: dict[str, Any], alignment_threshold: int, alignment_interval: int
+) -> int:
+    """An upper bound of the file's size: HDF5's allocation replayed in creation order, each
+    dataset ((elements, item size) in `layout`) after its metadata, the large ones starting at a
+    multiple of the alignment interval, none of the gaps reused (measured: 1.03 x the real
+    size for a 0.44 GB model, 1.26 x for gpt_tiny, whose tensors are about 1 MiB)."""
+    end = metadata_headroom(0, header)
+    for n, size in layout:
+        end += DATASET_METADATA
+        if n * size >= alignment_threshold:
+            end = -(-end // alignment_interval) * alignment_interval
+        end += n * size
+    return end
+
+
+def count_nonfinite(values: torch.Tensor | np.ndarray, logical: str) -> int:
+    """NaN and Inf elements of a tensor (on a GPU: counted there, before any copy to the host)
+    or of stored values (bf16 as uint16 bit patterns). On the host the all-finite case costs
+    one pass: np.isfinite for float32 (~10 GB/s here; torch.isfinite on the CPU is 20x
+    slower), the exponent bits for 16-bit values (all ones: Inf or NaN); counting only after
+    a hit."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            return int(values.numel() - torch.isfinite(values).sum().item())
+        values = _numpy(values)
+    mask = {"bfloat16": 0x7F80, "float16": 0x7C00}.get(logical)
+    if mask is not None:
+        exponent = np.bitwise_and(values.view(np.uint16), mask)
+        return 0 if exponent.max(initial=0) != mask else int(np.count_nonzero(exponent == mask))
+    finite = np.isfinite(values)
+    return 0 if finite.all() else int(finite.size - np.count_nonzero(finite))
+
+
+def _rng_rows(rt: Runtime) -> dict[str, np.ndarray]:
+    """This rank's torch generator states (dropout masks differ between ranks), as uint8 rows."""
     states = {"torch_cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
         states["torch_cuda"] = torch.cuda.get_rng_state(rt.device)
-    written = []
-    for key, value in states.items():
-        row = value.numpy()
-        shape = (rt.world_size, row.size)
-        dset = f.require_group("rng").create_dataset(key, shape, np.uint8, fill_time="never")
-        box = [((rt.rank, 0), (1, row.size))]
-        write_boxes(dset.id, box, row, dxpl)
-        written.append((dset, checksum(row, box, shape)))
-    return written
+    return {key: value.numpy() for key, value in states.items()}
 
 
 # ---- load ------------------------------------------------------------------------------
@@ -307,10 +442,10 @@ def read_header(path: Path) -> dict[str, Any]:
                     f"{path} is incomplete (no 'committed' attribute: copied or renamed during a write); "
                     f"resume from an older checkpoint"
                 )
-            if int(attrs.get("format_version", FORMAT_VERSION + 1)) > FORMAT_VERSION:
+            if attrs.get("format_version") not in READABLE_VERSIONS:
                 raise CheckpointError(
-                    f"{path} has format version {attrs.get('format_version')}; this gridlm reads up to "
-                    f"{FORMAT_VERSION}: update gridlm"
+                    f"{path} has format version {attrs.get('format_version')}; this gridlm reads versions "
+                    f"{', '.join(map(str, READABLE_VERSIONS))}: update gridlm"
                 )
 
             def visit(name: str, obj: Any) -> None:
@@ -390,7 +525,9 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
 
     read: dict[tuple[str, str], torch.Tensor] = {}
     keys = [f"{kind}/{name}" for kind in (source, *MOMENTS) for name, _ in names]
-    sums = np.zeros(len(keys), dtype=np.uint32)
+    version = int(header["format_version"])
+    sum_of = checksum_for(version)  # format version 1: the weak v1 sum, uint32 partials
+    sums = np.zeros(len(keys), dtype=np.uint32 if version < 2 else np.uint64)  # MPI SUM wraps as the sum does
     dxpl = transfer_plist(deck.checkpoint.io == "collective")
     with h5py.File(path, "r", driver="mpio", comm=rt.comm) as f:
         k = 0
@@ -403,7 +540,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 raw = read_boxes(dset.id, part.boxes(lo, hi) if part is not None else [], dset.dtype, dxpl)
                 if part is not None and part.writes:  # verify the slice this rank would write
                     s0, s1 = part.slice
-                    sums[k] = checksum(raw[s0 - lo : s1 - lo], part.boxes(s0, s1), shape)
+                    sums[k] = sum_of(raw[s0 - lo : s1 - lo], part.boxes(s0, s1), shape)
                 if part is not None:
                     read[(kind, name)] = decode(raw, catalogue[f"{kind}/{name}"]["dtype"])
                 k += 1
@@ -414,7 +551,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 box = [((rt.rank, 0), (1, shape[1]))]
                 rng[key] = read_boxes(f[f"rng/{key}"].id, box, np.uint8, dxpl)
                 keys.append(f"rng/{key}")
-                sums = np.append(sums, checksum(rng[key], box, shape))
+                sums = np.append(sums, sum_of(rng[key], box, shape))
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     bad = ["/" + key for key, value in zip(keys, sums) if catalogue[key]["checksum"] not in (None, int(value))]
     if bad:
@@ -427,6 +564,9 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             )
             + ": the file is corrupt; resume from an older checkpoint (run.resume: <file>) or run.resume: none"
         )
+    note = V1_NOTE if version < 2 else None
+    if note is not None:
+        rt.log(f"gridlm: {path}: {note}")
 
     _apply(state, parts, read, source)
     scaler = json.loads(header["loss_scaler"])
@@ -452,6 +592,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "rng_restored": rng is not None,
         "precision": header["precision"],
         "seconds": time.perf_counter() - t0,
+        "note": note,  # V1_NOTE for a format-version-1 file, else None
     }
 
 

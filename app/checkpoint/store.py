@@ -9,13 +9,25 @@ it, renames it to `.h5`, fsyncs the directory, then replaces `latest` the same w
 `latest.tmp`, fsync, rename, fsync the directory). A crash at any point leaves `latest`
 naming a complete checkpoint: before the rename nothing committed changed, and after it
 the new file is complete. Retention deletes the oldest committed files beyond
-`checkpoint.keep` and leftover `.tmp` files, never the one `latest` names.
+`checkpoint.keep` and leftover `.tmp` files, never the one `latest` names, nor the last one
+written before a non-finite step (`protected`: root attributes `nonfinite_events` and
+`nonfinite_in_a_row`).
+
+Before a write, rank 0 checks the directory (`prepare_write`: writable, enough free space
+for the checkpoint's known size, spare blocks for the HDF5 metadata) and reserves the
+file's blocks (`reserve`, fallocate), so a full disk is refused before any rank enters
+MPI-IO; `describe_failure` names the cause of an I/O error in words (ENOSPC, EDQUOT, EROFS,
+EACCES, EIO) from errno or the error text.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
+import shutil
+from contextlib import suppress
 from pathlib import Path
 from typing import Optional
 
@@ -111,13 +123,193 @@ def commit(tmp: Path, final: Path) -> None:
     fsync_path(directory)
 
 
+def nonfinite_events(path: Path) -> int:
+    """The `nonfinite_events` root attribute of a checkpoint (serial h5py); 0 when it has none
+    (older files) or cannot be read."""
+    return health(path)[0]
+
+
+def health(path: Path) -> tuple[int, int]:
+    """(`nonfinite_events`, `nonfinite_in_a_row`) of a checkpoint: non-finite steps before it in
+    the run, and in the streak it was written in (0: after a normal update). (0, 0) for files
+    without them (older files) or that cannot be read."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return int(f.attrs.get("nonfinite_events", 0)), int(f.attrs.get("nonfinite_in_a_row", 0))
+    except (OSError, ValueError, TypeError):
+        return 0, 0
+
+
+def protected(found: list[Path]) -> set[Path]:
+    """Of committed checkpoints (oldest first), the ones retention never deletes because a
+    non-finite step followed them: the last one written before the run's first problem
+    (the newest with no event), and, while a streak of non-finite steps goes on (train.nonfinite:
+    skip or rollback), the last one written before that streak began."""
+    if not found:
+        return set()
+    states = [health(p) for p in found]
+    keep: set[Path] = set()
+    if states[-1][0] > 0:  # problems happened: the last checkpoint before the first one
+        clean = [p for p, (events, _) in zip(found, states) if events == 0]
+        keep.update(clean[-1:])
+    if states[-1][1] > 0:  # inside a streak: the last checkpoint before it
+        calm = [p for p, (_, in_a_row) in zip(found, states) if in_a_row == 0]
+        keep.update(calm[-1:])
+    return keep
+
+
 def retain(directory: Path, keep: int) -> list[Path]:
-    """Rank 0: delete committed checkpoints beyond the newest `keep` (0 keeps all) — never the one
-    `latest` names — and leftover .tmp files of interrupted writes. Returns what was deleted."""
+    """Rank 0: delete committed checkpoints beyond the newest `keep` (0 keeps all) and leftover
+    .tmp files of interrupted writes. Returns what was deleted. Never deleted: the one `latest`
+    names, and the `protected` ones (written before a NaN/Inf: to go back to should training
+    have diverged)."""
     latest = read_latest(directory)
-    doomed = [p for p in directory.glob("step_*.h5.tmp")]
+    doomed = [p for p in directory.glob("step_*.h5.tmp*")]  # and their spare files
     if keep > 0:
-        doomed += [p for _, p in committed(directory)[:-keep] if p != latest]
+        found = [p for _, p in committed(directory)]
+        older = found[:-keep]
+        if older:
+            spared = protected(found) | {latest}
+            doomed += [p for p in older if p not in spared]
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed
+
+
+# ---- before and after a write: space, permissions, causes -------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for a message: 1.23 GB, 45.6 MB, 789 kB (decimal units, as df -H)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if abs(n) >= size:
+            return f"{n / size:.{2 if unit != 'MB' else 1}f} {unit}"
+    return f"{n / 1e3:.0f} kB"
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged user may still write on the directory's file system (df's Avail)."""
+    return shutil.disk_usage(directory).free
+
+
+def latest_note(directory: Path) -> str:
+    """What a failed save leaves: the previous checkpoint stays `latest` (or there is none)."""
+    try:
+        latest = read_latest(directory)
+    except (CheckpointError, OSError):
+        latest = None
+    if latest is None:
+        return f"there is no earlier checkpoint in {directory}"
+    return f"the previous checkpoint {latest.name} stays latest"
+
+
+def spare_file(tmp: Path) -> Path:
+    """Rank 0's spare blocks beside a checkpoint being written (see `prepare_write`)."""
+    return tmp.with_name(tmp.name + ".spare")
+
+
+def prepare_write(directory: Path, tmp: Path, needed: int, spare: int) -> None:
+    """Rank 0, before any rank opens `tmp`: create the directory, drop leftovers of interrupted
+    writes (never loaded; they hold space), check that the directory is writable (an empty
+    `tmp`, so errno says why not) and that `needed` + `spare` bytes are free, and take `spare`
+    of them in `spare_file(tmp)`. Freed just before the HDF5 metadata is first written (or
+    when the write fails), they give the metadata room even when the disk has filled up in
+    the meantime: a failed metadata flush leaves HDF5 unable to close the file."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot create checkpoint directory {directory}: {describe_failure(err.strerror or str(err), err.errno)}; "
+            f"set checkpoint.dir to a writable path"
+        ) from None
+    try:
+        for stale in directory.glob("step_*.h5.tmp*"):
+            stale.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot write checkpoint {tmp}: {describe_failure(err.strerror or str(err), err.errno)}; "
+            f"{latest_note(directory)}; set checkpoint.dir to a writable path"
+        ) from None
+    free = 0
+    try:
+        free = free_bytes(directory)
+        if free < needed + spare:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _take(spare_file(tmp), spare)
+    except OSError as err:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+            spare_file(tmp).unlink(missing_ok=True)
+        cause = describe_failure(err.strerror or str(err), err.errno)
+        raise CheckpointError(
+            f"cannot write checkpoint {tmp}: {cause}: it needs {format_bytes(needed + spare)}, {format_bytes(free)} "
+            f"free on {directory}; {latest_note(directory)}; free space, lower checkpoint.keep or set checkpoint.dir "
+            f"to another file system"
+        ) from None
+
+
+def _take(path: Path, nbytes: int) -> None:
+    """A file of `nbytes` allocated bytes: fallocate, or zeros where the file system cannot."""
+    path.write_bytes(b"")
+    if reserve(path, nbytes):
+        return
+    with open(path, "wb") as f:
+        chunk = bytes(1 << 20)
+        for start in range(0, nbytes, len(chunk)):
+            f.write(chunk[: min(len(chunk), nbytes - start)])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# Errors of fallocate(2) that mean "this file system cannot preallocate", not "no space".
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.ESPIPE}
+
+
+def reserve(path: Path, nbytes: int) -> bool:
+    """Rank 0: allocate the file's first `nbytes` now (Linux fallocate(2); no zero-filling
+    fallback), so that the ranks' MPI-IO writes cannot meet a full disk halfway — ROMIO's
+    collective write does not survive that on every rank. Raises OSError (ENOSPC, EDQUOT, ...)
+    when the space is not there; False where the file system cannot preallocate."""
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return False  # not Linux/glibc
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        if fallocate(fd, 0, 0, nbytes) != 0:
+            code = ctypes.get_errno()
+            if code in _NO_FALLOCATE:
+                return False
+            raise OSError(code, os.strerror(code), str(path))
+    finally:
+        os.close(fd)
+    return True
+
+
+# (errno, words of OS / MPI / HDF5 error texts that mean it, the cause in words); the first
+# match wins. OpenMPI's text for MPI_ERR_IO is "input/output error" whatever the errno was, so
+# that phrase alone means nothing: after an unnamed MPI_ERR_IO the caller checks free space.
+_CAUSES = (
+    (errno.ENOSPC, ("no space left", "mpi_err_no_space", "not enough space", "errno = 28,"), "no space left on device (ENOSPC)"),
+    (errno.EDQUOT, ("quota", "mpi_err_quota", "errno = 122,"), "disk quota exceeded (EDQUOT)"),
+    (errno.EROFS, ("read-only file system", "mpi_err_read_only", "errno = 30,"), "read-only file system (EROFS)"),
+    (errno.EACCES, ("permission denied", "mpi_err_access", "errno = 13,"), "permission denied (EACCES)"),
+    (errno.EPERM, ("operation not permitted", "errno = 1,"), "operation not permitted (EPERM)"),
+    (errno.ENOENT, ("no such file", "mpi_err_no_such_file", "errno = 2,"), "no such file or directory (ENOENT)"),
+    (errno.EIO, ("errno = 5,",), "I/O error (EIO)"),
+)  # fmt: skip
+
+
+def describe_failure(text: str, code: Optional[int] = None) -> str:
+    """The cause of an I/O error in words, from its errno or its (OS, MPI or HDF5) text."""
+    low = text.lower()
+    for number, words, cause in _CAUSES:
+        if code == number or any(word in low for word in words):
+            return cause
+    if "mpi_err_io" in low:
+        return "I/O error (MPI_ERR_IO; the MPI library does not say which)"
+    return text.splitlines()[0] if text else "unknown error"

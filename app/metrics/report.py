@@ -7,16 +7,46 @@ Output contract (later tools read these):
   summary.json  — deck, world_size, nodes, ranks_per_node, grid, parameters, steps,
                   step_time_s, tokens_per_s, tflops_per_rank, aggregate_tflops, mfu,
                   final_loss, versions, and more (see docs/ARCHITECTURE.md).
+Both are strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as
+null and its key is listed in the object's `nonfinite` (`strict_json`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import platform
 import statistics
 from pathlib import Path
 from typing import Any, Optional
+
+
+def strict_json(value: Any, path: str = "") -> tuple[Any, list[str]]:
+    """(`value` with every non-finite float replaced by None, the dotted paths replaced), for
+    nested dicts and lists; strict JSON parsers reject NaN and Infinity."""
+    if isinstance(value, dict):
+        out, flagged = {}, []
+        for key, item in value.items():
+            out[key], sub = strict_json(item, f"{path}.{key}" if path else str(key))
+            flagged += sub
+        return out, flagged
+    if isinstance(value, (list, tuple)):
+        items = [strict_json(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        return [item for item, _ in items], [p for _, sub in items for p in sub]
+    is_float = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+    if is_float and not math.isfinite(value):
+        return None, [path]
+    return value, []
+
+
+def dumps_strict(record: dict[str, Any], **kwargs: Any) -> str:
+    """JSON text of `record` with non-finite numbers as null, listed under `nonfinite`."""
+    clean, flagged = strict_json(record)
+    if flagged:
+        clean["nonfinite"] = flagged
+    return json.dumps(clean, allow_nan=False, **kwargs)
 
 
 class MetricsWriter:
@@ -27,13 +57,18 @@ class MetricsWriter:
         died after its last checkpoint logged steps that are now trained again)."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
-        if not enabled:
+        if enabled:
+            self.truncate(resumed_step)
+
+    def truncate(self, step: Optional[int]) -> None:
+        """Keep the records up to `step` (None: none); also after a rollback to a checkpoint."""
+        if not self.enabled:
             return
         kept = []
-        if resumed_step is not None and self.path.exists():
+        if step is not None and self.path.exists():
             for line in self.path.read_text().splitlines():
                 try:
-                    if json.loads(line)["step"] <= resumed_step:
+                    if json.loads(line)["step"] <= step:
                         kept.append(line + "\n")
                 except (ValueError, KeyError, TypeError):
                     break  # a torn last line of a killed run
@@ -42,7 +77,7 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(dumps_strict(record) + "\n")
 
 
 # metrics.jsonl key -> TensorBoard tag; FLOP/s tags say which count (see flops.FLOPS_CONVENTION).
@@ -77,18 +112,29 @@ class TensorBoardWriter:
 
     def __init__(self, run_dir: Path, enabled: bool, resumed_step: Optional[int] = None) -> None:
         self.writer = None
+        self.log_dir = run_dir / "tb"
         if enabled:
-            from torch.utils.tensorboard import SummaryWriter
+            self._open(resumed_step)
 
-            purge = None if resumed_step is None else resumed_step + 1
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
+    def _open(self, step: Optional[int]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if step is None else step + 1
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
+
+    def truncate(self, step: int) -> None:
+        """Drop the events after `step` (a rollback to that step's checkpoint)."""
+        if self.writer is not None:
+            self.writer.close()
+            self._open(step)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.writer is None:
             return
         for key, tag in TB_SCALARS.items():
-            if record.get(key) is not None:
-                self.writer.add_scalar(tag, record[key], record["step"])
+            value = record.get(key)
+            if value is not None and math.isfinite(value):  # a NaN would wreck the plot's scale
+                self.writer.add_scalar(tag, value, record["step"])
         self.writer.flush()
 
     def close(self) -> None:
@@ -97,11 +143,14 @@ class TensorBoardWriter:
 
 
 def format_line(r: dict[str, Any], steps: int) -> str:
+    """The log line of a record (non-finite numbers print as nan / inf)."""
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    loss = "n/a" if r["loss"] is None else f"{r['loss']:.4f}"
+    gnorm = "n/a" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
     return (
-        f"step {r['step']:>{len(str(steps))}}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+        f"step {r['step']:>{len(str(steps))}}/{steps} | loss {loss} | lr {r['lr']:.2e} | "
         f"{r['step_time_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "
-        f"{r['tflops_per_rank']:.3f} TFLOP/s/rank | mfu {mfu} | gnorm {r['grad_norm']:.3f}"
+        f"{r['tflops_per_rank']:.3f} TFLOP/s/rank | mfu {mfu} | gnorm {gnorm}"
     )
 
 
@@ -136,9 +185,10 @@ def versions() -> dict[str, Optional[str]]:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
-    """Write summary.json atomically (temp file + rename): a reader never sees half of it."""
+    """Write summary.json atomically (temp file + rename): a reader never sees half of it.
+    Strict JSON: non-finite numbers become null, listed under `nonfinite`."""
     path = run_dir / "summary.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.write_text(dumps_strict(summary, indent=2) + "\n")
     os.replace(tmp, path)
     return path

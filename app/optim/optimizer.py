@@ -10,16 +10,23 @@ once), as in You et al., "Large Batch Optimization for Deep Learning", ICLR 2020
 
 AdamW is torch.optim.AdamW's single-tensor arithmetic (decoupled weight decay, bias
 correction); weight decay applies to matrices only (`ParamMeta.decay`).
+
+Every step's loss and gradient norm are checked on the whole grid at once
+(`nonfinite_anywhere`); `LossScaler` handles fp16 overflows and `NonFiniteGuard` applies
+train.nonfinite to the rest.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from app.deck import OptimConfig
+from app.errors import NonFiniteError
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
 
@@ -59,22 +66,116 @@ def any_rank(flag: bool, grid: ProcessGrid, device: torch.device) -> bool:
     return bool(t.item() > 0)
 
 
+def nonfinite_anywhere(
+    loss_sum: Optional[torch.Tensor], norm: float, grid: ProcessGrid, device: torch.device
+) -> tuple[bool, bool]:
+    """(this step's loss is non-finite on some rank, the gradient norm is non-finite on some
+    rank), the same on every rank: one MAX all-reduce of two flags over tp, pp and dp.
+
+    `loss_sum` is this rank's local loss (the last stage holds it, the others hold 0; None:
+    not checked). The fp16 overflow test is the second flag, so it costs nothing extra."""
+    loss_bad = torch.zeros((), device=device) if loss_sum is None else (~torch.isfinite(loss_sum.detach())).float()
+    flags = torch.stack((loss_bad, torch.tensor(float(not math.isfinite(norm)), device=device)))
+    grid.all_reduce(flags, ("tp", "pp", "dp"), dist.ReduceOp.MAX)
+    loss_flag, norm_flag = flags.tolist()
+    return loss_flag > 0, norm_flag > 0
+
+
 class LossScaler:
     """fp16 dynamic loss scaling (Micikevicius et al. 2018): on an overflow anywhere in the
-    grid the step is skipped and the scale halved; after `window` clean steps it doubles."""
+    grid the step is skipped and the scale halved; after `window` clean steps it doubles.
+    A scale that would fall below `min_scale` means the gradients overflow even (nearly)
+    unscaled: the run has diverged, and skipping more steps would only hide it."""
 
-    def __init__(self, scale: float, window: int) -> None:
+    def __init__(self, scale: float, window: int, min_scale: float = 1.0) -> None:
         self.scale, self.window, self.clean = scale, window, 0
+        self.min_scale = min_scale
         self.skipped = 0
 
-    def update(self, overflow: bool) -> None:
+    def update(self, overflow: bool, step: int = 0) -> None:
+        """Count a clean step or an overflow at optimizer step `step` (1-based; for the message).
+        Raises NonFiniteError when an overflow would take the scale below `min_scale`."""
         if overflow:
-            self.scale, self.clean = max(1.0, self.scale / 2), 0
+            halved = self.scale / 2
+            if halved < self.min_scale:
+                raise NonFiniteError(
+                    f"fp16 gradients overflow at step {step} with the loss scale at {self.scale:g}: halving it "
+                    f"would go below train.min_loss_scale = {self.min_scale:g} ({self.skipped} steps skipped on "
+                    f"overflow before); training has diverged: lower optim.lr, use train.precision: bf16, or raise "
+                    f"optim.warmup_steps"
+                )
+            # min_scale 0 never aborts; keep the scale a positive number all the same.
+            self.scale, self.clean = max(halved, sys.float_info.min), 0
             self.skipped += 1
             return
         self.clean += 1
         if self.clean == self.window:
             self.scale, self.clean = self.scale * 2, 0
+
+
+NONFINITE_NAMES = {"loss": "loss", "grad_norm": "gradient norm"}  # metrics key -> words
+
+
+class NonFiniteGuard:
+    """What `train.nonfinite` does with a step whose loss or gradient norm is NaN/Inf on some
+    rank. Pure counting and deciding; the verdict it gets is grid-wide, so every rank takes
+    the same branch and raises the same NonFiniteError.
+
+    abort: raise at once (before the update, so nothing of the bad state is checkpointed).
+    skip: drop the step; raise when more than `max_skipped` are non-finite in a row.
+    rollback: the trainer reloads the last checkpoint; raise after more than `max_skipped`
+    rollbacks with no parameter update in between. An fp16 overflow (finite loss) is the
+    `LossScaler`'s business, not this one's.
+    """
+
+    def __init__(self, policy: str, max_skipped: int, precision: str) -> None:
+        self.policy, self.max_skipped, self.precision = policy, max_skipped, precision
+        self.events = 0  # non-finite steps so far, resumes included (checkpoint header nonfinite_events)
+        self.rollbacks = 0  # this run's
+        self.in_a_row = 0  # non-finite steps (skip) or rollbacks (rollback) since the last update
+
+    def fix(self) -> str:
+        bf16 = ", or use train.precision: bf16 (fp32's range)" if self.precision == "fp16" else ""
+        return f"lower optim.lr or raise optim.warmup_steps{bf16}"
+
+    def updated(self) -> None:
+        """A step updated the parameters: the streak is over."""
+        self.in_a_row = 0
+
+    def nonfinite(self, step: int, what: list[str]) -> str:
+        """Count non-finite step `step` (`what`: keys of NONFINITE_NAMES); returns the action,
+        "skip" or "rollback", or raises NonFiniteError."""
+        self.events += 1
+        named = describe_nonfinite(what)
+        if self.policy == "abort":
+            raise NonFiniteError(
+                f"non-finite {named} at step {step} (train.nonfinite: abort): stopped before the update, no "
+                f"checkpoint of this state was written; {self.fix()} (train.nonfinite: skip or rollback goes on past "
+                f"a bad batch)"
+            )
+        self.in_a_row += 1
+        if self.in_a_row > self.max_skipped:
+            streak = "non-finite steps skipped" if self.policy == "skip" else "rollbacks without an update"
+            raise NonFiniteError(
+                f"non-finite {named} at step {step}, after {self.in_a_row - 1} {streak} in a row (train.nonfinite: "
+                f"{self.policy}, train.max_skipped = {self.max_skipped}): training has diverged; {self.fix()}"
+            )
+        if self.policy == "rollback":
+            self.rollbacks += 1
+        return self.policy
+
+    def no_checkpoint(self, step: int, what: list[str], directory: object) -> str:
+        """The message when rollback finds nothing to roll back to."""
+        return (
+            f"non-finite {describe_nonfinite(what)} at step {step} (train.nonfinite: rollback) and no checkpoint in "
+            f"{directory} to roll back to: set checkpoint.every so that one is written before the problem; "
+            f"{self.fix()}"
+        )
+
+
+def describe_nonfinite(what: list[str]) -> str:
+    """["loss", "grad_norm"] -> "loss and gradient norm"."""
+    return " and ".join(NONFINITE_NAMES[w] for w in what)
 
 
 class ShardedOptimizer:
