@@ -131,7 +131,8 @@ class Placement:
         self.comm = self
 
     def allgather(self, mine):
-        return [mine, ("node-b", 999999)]
+        # (host, pid) pairs, then the addresses the hosts resolve to.
+        return [mine, ("node-b", 999999)] if isinstance(mine, tuple) else [mine, "10.0.0.2"]
 
 
 def make_watchdog(timeout_s: float, store_port: int | None = None):
@@ -221,3 +222,14 @@ def test_lost_peer_is_explained_only_for_communication_failures():
     assert line is not None and line.startswith("gridlm: rank 0 (node-a) lost its peer on axis dp")
     assert "during wait for gradient reduction at step 2" in line
     assert dog.explain(ValueError("a bug")) is None
+
+
+def test_lost_peer_on_another_node_is_named_by_the_address_in_the_error():
+    dog, _, _ = make_watchdog(60.0)
+    dog.set_groups({"pp": [0, 1]})
+    error = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:6569: Connection reset by peer")
+    with pytest.raises(RuntimeError), dog.blocking("wait for irecv from stage 1", "pp"):
+        raise error
+    line = dog.explain(error)
+    dog.stop()
+    assert "the lost peer is on node-b (10.0.0.2): rank 1 (pid 999999)" in line

@@ -59,13 +59,6 @@ def grad_norm(dp: DataParallel, grid: ProcessGrid) -> float:
     return float(local.sqrt())
 
 
-def any_rank(flag: bool, grid: ProcessGrid, device: torch.device) -> bool:
-    """True on every rank of the grid if `flag` is true on any."""
-    t = torch.tensor(float(flag), device=device)
-    grid.all_reduce(t, ("tp", "pp", "dp"), dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
 def nonfinite_anywhere(
     loss_sum: Optional[torch.Tensor], norm: float, grid: ProcessGrid, device: torch.device
 ) -> tuple[bool, bool]:

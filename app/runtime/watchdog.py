@@ -33,6 +33,8 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import re
+import socket
 import sys
 import threading
 import time
@@ -63,6 +65,14 @@ class NullWatchdog:
 
     def stop(self) -> None:
         pass
+
+
+def _address(hostname: str) -> Optional[str]:
+    """The IP address `hostname` resolves to (None when it does not)."""
+    try:
+        return socket.gethostbyname(hostname)
+    except OSError:
+        return None
 
 
 def process_state(pid: int) -> str:
@@ -121,6 +131,8 @@ class Watchdog:
         self._abort = abort if abort is not None else runtime.comm.Abort
         self._exit_after_abort = abort is None
         self.procs: list[tuple[str, int]] = runtime.comm.allgather((runtime.hostname, os.getpid()))
+        # The address other nodes reach this rank at (gloo names a lost peer by it), if it resolves.
+        self.addresses: list[Optional[str]] = runtime.comm.allgather(_address(runtime.hostname))
         self.torch_ranks: list[int] = list(runtime.global_ranks)
         self.groups: dict[str, list[int]] = {}
         self.step: Optional[int] = None
@@ -193,15 +205,33 @@ class Watchdog:
             else ("a collective", None, self.step, self.micro)
         )
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        # The peer's sockets close while it is still exiting: give /proc a moment to show it gone.
+        suspects = self._suspects(axis, wait_heartbeats=False) or self._remote_peer(first, axis)
+        # A peer on this node closes its sockets while it is still exiting: give /proc a moment.
         deadline = time.monotonic() + 3.0
-        while not (suspects := self._suspects(axis, wait_heartbeats=False)) and time.monotonic() < deadline:
+        while not suspects and time.monotonic() < deadline:
             time.sleep(0.05)
+            suspects = self._suspects(axis, wait_heartbeats=False)
         return (
             f"gridlm: rank {self.rank} ({self.host}) lost its peer on axis {axis or 'world'} during {op}"
             f"{self._where(step, micro)}{self._group_text(axis)}: "
             + (suspects or "no rank on this node died; the lost rank is on another node (see the launcher's message)")
             + f" [{type(err).__name__}: {first}]"
+        )
+
+    def _remote_peer(self, text: str, axis: Optional[str]) -> str:
+        """The ranks at the address in gloo's message ("Connection closed by peer [10.1.2.3]:port"),
+        among the axis group (every rank when unknown): the lost peer is one of them."""
+        found = re.search(r"\[([0-9A-Fa-f.:]+)\]:\d+", text)
+        if found is None or found.group(1).startswith("127."):
+            return ""
+        members = set(self.groups.get(axis or "", range(self.world)))
+        ranks = [r for r in range(self.world) if self.addresses[r] == found.group(1) and self.torch_ranks[r] in members]
+        if not ranks:
+            return ""
+        host = self.procs[ranks[0]][0]
+        named = ", ".join(f"rank {r} (pid {self.procs[r][1]})" for r in ranks[:MAX_NAMED])
+        return f"the lost peer is on {host} ({found.group(1)}): {named}" + (
+            " or another rank there" if len(ranks) > 1 else ""
         )
 
     # ---- the thread -----------------------------------------------------------------------
@@ -249,7 +279,10 @@ class Watchdog:
         try:
             print(line, file=self.out, flush=True)
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            if self._exit_after_abort:  # should MPI_Abort itself hang, end this process at least
+                faulthandler.dump_traceback_later(30, exit=True, file=sys.stderr)
+            else:
+                faulthandler.cancel_dump_traceback_later()
             self._abort(EXIT_CODE)
             if self._exit_after_abort:
                 os._exit(EXIT_CODE)  # MPI_Abort returned (no MPI job): end this process at least
