@@ -32,7 +32,6 @@ from app.checkpoint.io import Saved
 from app.checkpoint.io import load as load_checkpoint
 from app.checkpoint.io import save as save_checkpoint
 from app.checkpoint.store import checkpoint_dir, read_latest, resolve_resume
-from app.checkpoint.store import nonfinite_events as header_nonfinite_events
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.data.memmap import MemmapTokens
 from app.deck import Deck
@@ -253,7 +252,7 @@ class Trainer:
                 self.runtime.log(f"gridlm: no checkpoint in {checkpoint_dir(self.deck)}: starting at step 0")
             return None
         info = load_checkpoint(self, path)
-        self.nonfinite_events = on_root(self.runtime, lambda: header_nonfinite_events(path))
+        self.nonfinite_events = info["nonfinite_events"]
         self.resumed = info
         g = info["grid"]
         self.runtime.log(

@@ -591,6 +591,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "resharded": saved_grid != grid_signature(state),
         "rng_restored": rng is not None,
         "precision": header["precision"],
+        "nonfinite_events": int(header.get("nonfinite_events", 0)),  # missing in older files
         "seconds": time.perf_counter() - t0,
         "note": note,  # V1_NOTE for a format-version-1 file, else None
     }

@@ -123,12 +123,6 @@ def commit(tmp: Path, final: Path) -> None:
     fsync_path(directory)
 
 
-def nonfinite_events(path: Path) -> int:
-    """The `nonfinite_events` root attribute of a checkpoint (serial h5py); 0 when it has none
-    (older files) or cannot be read."""
-    return health(path)[0]
-
-
 def health(path: Path) -> tuple[int, int]:
     """(`nonfinite_events`, `nonfinite_in_a_row`) of a checkpoint: non-finite steps before it in
     the run, and in the streak it was written in (0: after a normal update). (0, 0) for files

@@ -200,20 +200,12 @@ def agree(runtime: Runtime, fn: Callable[[], T]) -> T:
         result = fn()
     except GridlmError as err:
         error, kind = str(err), type(err)
-    from mpi4py import MPI
-
-    # One small allreduce when all went well (the common case: cheap enough for every step);
-    # the messages travel only after a failure.
-    with runtime.watchdog.blocking("MPI_Allreduce (agree)"):
-        any_failed = runtime.comm.allreduce(int(error is not None), op=MPI.MAX)
-    if not any_failed:
-        return result  # type: ignore[return-value]
-    with runtime.watchdog.blocking("MPI_Allgather (agree)"):
-        errors = runtime.comm.allgather((error, kind, runtime.rank, runtime.hostname))
-    failed = [(e, k, r, host) for e, k, r, host in errors if e is not None]
+    # One small allreduce when all went well (cheap enough for every step); messages after a failure.
+    mine = None if error is None else (error, kind, runtime.hostname)
+    failed = failures(runtime, mine, "MPI_Allreduce (agree)")
     if failed:
-        message, kind, rank, host = failed[0]
-        if len(failed) < len(errors):  # rank-local: say where, the other ranks were fine
+        rank, (message, kind, host) = failed[0]
+        if len(failed) < runtime.world_size:  # rank-local: say where, the other ranks were fine
             message += f" (rank {rank} on {host})"
         _raise(kind, message)
     return result  # type: ignore[return-value]
