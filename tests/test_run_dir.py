@@ -18,7 +18,7 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_finishes_with_a_good_c
     run_dir = tmp_path / "run"
     sets = ["--set", f"run.dir={run_dir}", "--set", "run.log_every=1", "--set", "checkpoint.every=5"]
     first = subprocess.Popen(
-        ["mpirun", "-n", "2", sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", "--set", "train.steps=15", *sets],
+        ["mpirun", "-n", "2", sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", "--set", "train.steps=60", *sets],
         cwd=REPO, env=app_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -30,6 +30,9 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_finishes_with_a_good_c
         before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "metrics.jsonl"}
         second = run_app(2, "inputs/gpt_tiny.yaml", "--set", "train.steps=3", *sets)
         after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "metrics.jsonl"}
+        # Only while the first job still runs does `after` speak of the refused job alone (at its
+        # end the first job writes summary.json).
+        still_training = first.poll() is None
         out, _ = first.communicate(timeout=400)
     finally:
         if first.poll() is None:
@@ -37,6 +40,7 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_finishes_with_a_good_c
     assert second.returncode == 2, second.stdout + second.stderr
     assert "is in use by job" in second.stderr and "wait for it to finish" in second.stderr, second.stderr
     assert "Traceback" not in second.stdout + second.stderr
+    assert still_training, "the first job ended before the second was refused: raise its train.steps"
     assert after == before  # deck.yaml and the lock file untouched by the refused job
     assert first.returncode == 0, out[-3000:]
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
@@ -44,7 +48,7 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_finishes_with_a_good_c
         [sys.executable, "-m", "app.checkpoint", "inspect", str(latest)],
         cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert check.returncode == 0 and latest.name == "step_0000015.h5", check.stdout + check.stderr
+    assert check.returncode == 0 and latest.name == "step_0000060.h5", check.stdout + check.stderr
     assert "mismatch" not in check.stdout and " ok" in check.stdout
     steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(steps) == 15  # one job's records only, not interleaved with the refused one's
+    assert len(steps) == 60  # one job's records only, not interleaved with the refused one's
