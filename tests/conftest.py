@@ -20,6 +20,12 @@ def _launcher_rank() -> str | None:
     return next((os.environ[v] for v in _RANK_VARS if v in os.environ), None)
 
 
+# Skips that are part of the design rather than a test lost to the environment: an MPI test
+# needs more ranks than this group has (a bigger group runs it), root may write anywhere, a
+# parametrised case that does not apply.
+EXPECTED_SKIPS = ("Test requires ", "root may write anywhere", "5 layers")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--with-slurm",
@@ -27,9 +33,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run the tests marked slurm against a running Slurm (launch/slurm_local.sh start)",
     )
+    parser.addoption(
+        "--strict-skips",
+        action="store_true",
+        default=False,
+        help="fail the run if a test was skipped for another reason than those of EXPECTED_SKIPS "
+        "(launch/test.sh passes it as root, where setup installed everything the tests need)",
+    )
+    parser.addoption(
+        "--mpi-min-size",
+        type=int,
+        default=0,
+        help="run only the MPI tests whose min_size is at least this (the smaller groups ran the others)",
+    )
+
+
+def _min_size(item: pytest.Item) -> int:
+    marker = item.get_closest_marker("mpi")
+    return (marker.kwargs.get("min_size") or 1) if marker else 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    floor = config.getoption("--mpi-min-size")
+    if floor:
+        kept = [item for item in items if _min_size(item) >= floor]
+        config.hook.pytest_deselected(items=[item for item in items if _min_size(item) < floor])
+        items[:] = kept
     if config.getoption("--with-slurm"):
         return
     skip = pytest.mark.skip(reason="needs --with-slurm (launch/test.sh starts a local Slurm)")
@@ -48,6 +77,46 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.basetemp = base / f"n{size}-rank{rank}"
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if not reason.startswith(EXPECTED_SKIPS):
+            report.user_properties.append(("unexpected_skip", reason))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    unexpected = [
+        (report.nodeid, dict(report.user_properties)["unexpected_skip"])
+        for report in terminalreporter.stats.get("skipped", [])
+        if "unexpected_skip" in dict(report.user_properties)
+    ]
+    if _launcher_rank() == "0":
+        # torch groups are reused (GridPool), so this stays flat however many grids the tests train.
+        threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
+        terminalreporter.write_line(f"rank 0 ends with {threads} threads")
+    if unexpected:
+        terminalreporter.section("tests skipped by the environment")
+        for nodeid, reason in unexpected:
+            terminalreporter.write_line(f"{nodeid}: {reason}")
+        if config.getoption("--strict-skips"):
+            terminalreporter.write_line(
+                f"{len(unexpected)} test(s) did not run: a group must run all its tests (--strict-skips)"
+            )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    stats = getattr(config.pluginmanager.get_plugin("terminalreporter"), "stats", {})
+    unexpected = [r for r in stats.get("skipped", []) if "unexpected_skip" in dict(r.user_properties)]
+    if unexpected and config.getoption("--strict-skips") and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # pytest-mpi prints an "MPI Information" section on every rank; rank 0's is enough.
+    if (_launcher_rank() or "0") != "0":
+        for plugin in config.pluginmanager.get_plugins():
+            if type(plugin).__name__ == "MPIPlugin" and hasattr(plugin, "_is_testing_mpi"):
+                plugin._is_testing_mpi = False
+
+
 @pytest.fixture(scope="session")
 def runtime():
     """MPI + torch.distributed over COMM_WORLD, initialised once per rank (CPU, gloo)."""
@@ -61,6 +130,57 @@ def runtime():
     init_torch_distributed(rt)
     torch.use_deterministic_algorithms(True)
     yield rt
+
+
+class GridPool:
+    """Process grids made once per shape and reused by every test of the session.
+
+    torch names a locally synchronised group after its ranks and the number of groups the
+    process holds, so a destroyed group's name comes back with its stale rendezvous keys and
+    the next group of those ranks hangs; groups are therefore kept, and reused instead of made
+    anew for each trainer. Every rank asks for the same shapes in the same order (the tests
+    are collective), so every rank makes the same number of groups. The ranks are split into
+    world / (tp x pp x dp) copies of the grid (`runtime(size)`), each a job of its own.
+    """
+
+    def __init__(self, world) -> None:
+        self.world = world
+        self._runtimes: dict[int, object] = {world.world_size: world}
+        self._grids: dict[tuple, object] = {}
+
+    def runtime(self, size: int):
+        """This rank's copy (a sub-communicator of `size` ranks) of the world."""
+        if size not in self._runtimes:
+            from app.runtime.mpi import bind_device, init_mpi
+
+            sub = init_mpi(self.world.comm.Split(self.world.rank // size, self.world.rank))
+            bind_device(sub, "cpu")
+            self._runtimes[size] = sub
+        return self._runtimes[size]
+
+    def grid(self, tp: int, pp: int, dp: int, order: str = "tp-dp-pp"):
+        """The tp x pp x dp grid (in `order`) of this rank's copy, made on first use."""
+        from app.runtime.grid import ProcessGrid
+
+        key = (tp, pp, dp, order)
+        if key not in self._grids:
+            self._grids[key] = ProcessGrid(self.runtime(tp * pp * dp), tp, pp, dp, order)
+        return self._grids[key]
+
+    def close(self) -> None:
+        for grid in self._grids.values():
+            grid.free()
+        for size, sub in self._runtimes.items():
+            if size != self.world.world_size:
+                sub.comm.Free()
+
+
+@pytest.fixture(scope="session")
+def grids(runtime):
+    """The session's `GridPool` over the MPI world."""
+    pool = GridPool(runtime)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture
@@ -107,15 +227,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def grid_trainer(runtime, tp: int, pp: int, dp: int, overrides: tuple[str, ...]):
-    """A `Trainer` of inputs/gpt_tiny.yaml with `overrides` on a tp x pp x dp grid of `runtime`."""
+def grid_trainer(grids: GridPool, tp: int, pp: int, dp: int, overrides: tuple[str, ...]):
+    """A `Trainer` of inputs/gpt_tiny.yaml with `overrides` on the pool's tp x pp x dp grid
+    (this rank's copy of it when the world holds several)."""
     from app.deck import load_deck, resolve_for_world
-    from app.runtime.grid import ProcessGrid
     from app.train import Trainer
 
     sets = (*overrides, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}")
-    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), runtime.world_size)
-    return Trainer(deck, runtime, ProcessGrid(runtime, tp, pp, dp, deck.parallel.order))
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), tp * pp * dp)
+    return Trainer(deck, grids.runtime(tp * pp * dp), grids.grid(tp, pp, dp, deck.parallel.order))
 
 
 def train_steps(trainer, steps: int) -> list[float]:

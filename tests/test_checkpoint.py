@@ -128,8 +128,8 @@ def test_metrics_log_keeps_the_records_up_to_the_resumed_step(tmp_path):
 # ---- MPI: the real thing ---------------------------------------------------------------
 
 
-def _trainer(runtime, run_dir, *extra: str) -> Trainer:
-    return grid_trainer(runtime, *GRIDS[runtime.world_size], (*SMALL, f"run.dir={run_dir}", *extra))
+def _trainer(grids, run_dir, *extra: str) -> Trainer:
+    return grid_trainer(grids, *GRIDS[grids.world.world_size], (*SMALL, f"run.dir={run_dir}", *extra))
 
 
 _train = train_steps
@@ -156,13 +156,13 @@ CASES = {
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("extra", CASES.values(), ids=CASES.keys())
-def test_resume_on_the_same_grid_is_bitwise_exact(runtime, shared_tmp, extra):
-    straight = _trainer(runtime, shared_tmp / "straight", *extra)
+def test_resume_on_the_same_grid_is_bitwise_exact(runtime, grids, shared_tmp, extra):
+    straight = _trainer(grids, shared_tmp / "straight", *extra)
     expected = _train(straight, 5)
-    first = _trainer(runtime, shared_tmp / "first", *extra)
+    first = _trainer(grids, shared_tmp / "first", *extra)
     _train(first, 3)
     saved = first.save("test")
-    resumed = _trainer(runtime, shared_tmp / "resumed", *extra)
+    resumed = _trainer(grids, shared_tmp / "resumed", *extra)
     info = load(resumed, saved.path)
     assert info["step"] == resumed.steps_done == 3 and not info["resharded"] and info["rng_restored"]
     assert resumed.sampler.consumed_samples == first.sampler.consumed_samples
@@ -176,8 +176,8 @@ def test_resume_on_the_same_grid_is_bitwise_exact(runtime, shared_tmp, extra):
 
 
 @pytest.mark.mpi
-def test_checkpoint_file_has_global_datasets_with_dtypes_and_h5ls_lists_them(runtime, shared_tmp):
-    trainer = _trainer(runtime, shared_tmp, "train.precision=bf16")
+def test_checkpoint_file_has_global_datasets_with_dtypes_and_h5ls_lists_them(runtime, grids, shared_tmp):
+    trainer = _trainer(grids, shared_tmp, "train.precision=bf16")
     _train(trainer, 1)
     path = trainer.save("test").path
     if runtime.is_root:
@@ -198,8 +198,8 @@ def test_checkpoint_file_has_global_datasets_with_dtypes_and_h5ls_lists_them(run
 
 
 @pytest.mark.mpi
-def test_a_write_interrupted_before_the_rename_leaves_latest_loadable(runtime, shared_tmp):
-    trainer = _trainer(runtime, shared_tmp)
+def test_a_write_interrupted_before_the_rename_leaves_latest_loadable(runtime, grids, shared_tmp):
+    trainer = _trainer(grids, shared_tmp)
     _train(trainer, 2)
     good = trainer.save("test").path
     state_at_2 = _state(trainer)
@@ -212,7 +212,7 @@ def test_a_write_interrupted_before_the_rename_leaves_latest_loadable(runtime, s
         save(trainer, good.parent, before_commit=crash)
     assert read_latest(good.parent) == good
     assert (good.parent / "step_0000004.h5.tmp").exists() and not step_file(good.parent, 4).exists()
-    fresh = _trainer(runtime, shared_tmp / "fresh", f"run.resume={good.parent}")
+    fresh = _trainer(grids, shared_tmp / "fresh", f"run.resume={good.parent}")
     assert fresh.resume()["step"] == 2
     problems = [f"tensor {i}" for i, (a, b) in enumerate(zip(state_at_2, _state(fresh))) if not torch.equal(a, b)]
     # The next checkpoint commits and clears the leftover .tmp.
@@ -223,10 +223,10 @@ def test_a_write_interrupted_before_the_rename_leaves_latest_loadable(runtime, s
 
 
 @pytest.mark.mpi
-def test_a_flipped_byte_is_named_and_nothing_is_loaded(runtime, shared_tmp):
+def test_a_flipped_byte_is_named_and_nothing_is_loaded(runtime, grids, shared_tmp):
     import h5py
 
-    trainer = _trainer(runtime, shared_tmp)
+    trainer = _trainer(grids, shared_tmp)
     _train(trainer, 2)
     path = trainer.save("test").path
     name = f"{EXP_AVG}/blocks.1.mlp.fc.weight"
@@ -239,7 +239,7 @@ def test_a_flipped_byte_is_named_and_nothing_is_loaded(runtime, shared_tmp):
             f.seek(offset + 1001)
             f.write(bytes([byte ^ 0x01]))
     runtime.comm.Barrier()
-    victim = _trainer(runtime, shared_tmp / "victim")
+    victim = _trainer(grids, shared_tmp / "victim")
     before = _state(victim)
     with pytest.raises(CheckpointError, match=f"checksum mismatch in dataset /{name}:"):
         load(victim, path)
@@ -249,10 +249,10 @@ def test_a_flipped_byte_is_named_and_nothing_is_loaded(runtime, shared_tmp):
 
 
 @pytest.mark.mpi
-def test_bad_checkpoints_are_refused_with_the_cause(runtime, shared_tmp):
-    trainer = _trainer(runtime, shared_tmp)
+def test_bad_checkpoints_are_refused_with_the_cause(runtime, grids, shared_tmp):
+    trainer = _trainer(grids, shared_tmp)
     path = trainer.save("test").path
-    other = _trainer(runtime, shared_tmp / "other", "model.hidden=64")
+    other = _trainer(grids, shared_tmp / "other", "model.hidden=64")
     with pytest.raises(CheckpointError, match=r"model.hidden = 32, the deck has 64"):
         load(other, path)
     truncated = shared_tmp / "truncated.h5"
@@ -286,8 +286,8 @@ def test_ranks_with_empty_selections_take_part_without_hanging(runtime, shared_t
 
 
 @pytest.mark.mpi
-def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(runtime, shared_tmp):
-    trainer = _trainer(runtime, shared_tmp, "train.steps=20")
+def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(runtime, grids, shared_tmp):
+    trainer = _trainer(grids, shared_tmp, "train.steps=20")
     step = trainer.step
 
     def step_then_signal():

@@ -109,8 +109,8 @@ def test_nonfinite_values_are_found_in_float32_bf16_and_fp16_bit_patterns():
 # ---- MPI: real saves that fail -----------------------------------------------------------
 
 
-def _trainer(runtime, run_dir: Path, *extra: str):
-    return grid_trainer(runtime, *GRIDS[runtime.world_size], (*SMALL, f"run.dir={run_dir}", *extra))
+def _trainer(grids, run_dir: Path, *extra: str):
+    return grid_trainer(grids, *GRIDS[grids.world.world_size], (*SMALL, f"run.dir={run_dir}", *extra))
 
 
 def _all_ranks_ok(runtime, problems: list[str]) -> None:
@@ -190,9 +190,9 @@ def _clean(runtime, directory: Path, latest: Path) -> list[str]:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_a_disk_too_full_is_refused_before_writing_and_the_previous_checkpoint_resumes(runtime, shared_tmp):
+def test_a_disk_too_full_is_refused_before_writing_and_the_previous_checkpoint_resumes(runtime, grids, shared_tmp):
     with tmpfs(runtime, shared_tmp / "disk") as disk:
-        trainer = _trainer(runtime, shared_tmp / "run", f"checkpoint.dir={disk}")
+        trainer = _trainer(grids, shared_tmp / "run", f"checkpoint.dir={disk}")
         train_steps(trainer, 2)
         good = trainer.save("test").path
         state = trainer.dp.param_buffer.clone()
@@ -206,7 +206,7 @@ def test_a_disk_too_full_is_refused_before_writing_and_the_previous_checkpoint_r
         )  # fmt: skip
         assert "needs" in message and "524 kB free" in message, message
         problems = _clean(runtime, disk, good)
-        fresh = _trainer(runtime, shared_tmp / "fresh", f"checkpoint.dir={disk}", "run.resume=auto")
+        fresh = _trainer(grids, shared_tmp / "fresh", f"checkpoint.dir={disk}", "run.resume=auto")
         if fresh.resume()["step"] != 2 or not torch.equal(fresh.dp.param_buffer, state):
             problems.append(f"rank {runtime.rank}: resumed state differs")
         _all_ranks_ok(runtime, problems)
@@ -214,13 +214,13 @@ def test_a_disk_too_full_is_refused_before_writing_and_the_previous_checkpoint_r
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
-def test_a_disk_that_fills_up_mid_write_ends_every_rank_cleanly_twenty_times(runtime, shared_tmp, monkeypatch):
+def test_a_disk_that_fills_up_mid_write_ends_every_rank_cleanly_twenty_times(runtime, grids, shared_tmp, monkeypatch):
     """The filler grows after the pre-check, leaving 0 to 90% of a checkpoint: the writes fail
     on some ranks only, at different datasets, in the flush or the close. Without the
     reservation (independent I/O) the ranks must still agree and leave together; with it
     (both I/O modes) the fallocate itself is refused. A hang fails through the timeout."""
     with tmpfs(runtime, shared_tmp / "disk", 4 * TMPFS_KIB) as disk:
-        trainer = _trainer(runtime, shared_tmp / "run", f"checkpoint.dir={disk}", *WIDE)
+        trainer = _trainer(grids, shared_tmp / "run", f"checkpoint.dir={disk}", *WIDE)
         train_steps(trainer, 1)
         good = trainer.save("test").path
         size = good.stat().st_size if runtime.rank == 0 else 0
@@ -247,16 +247,16 @@ def test_a_disk_that_fills_up_mid_write_ends_every_rank_cleanly_twenty_times(run
             problems += [f"attempt {attempt} (leave {leave} B): {p}" for p in _clean(runtime, disk, good)]
             if runtime.rank == 0 and attempt in (0, 7, 14):
                 print(f"attempt {attempt}: {message}")
-        assert load(_trainer(runtime, shared_tmp / "fresh", *WIDE), good)["step"] == 1
+        assert load(_trainer(grids, shared_tmp / "fresh", *WIDE), good)["step"] == 1
         assert save(trainer, disk).path == step_file(disk, 2)  # with room again, the next save commits
         _all_ranks_ok(runtime, problems)
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_a_read_only_file_system_is_named(runtime, shared_tmp):
+def test_a_read_only_file_system_is_named(runtime, grids, shared_tmp):
     with tmpfs(runtime, shared_tmp / "disk") as disk:
-        trainer = _trainer(runtime, shared_tmp / "run", f"checkpoint.dir={disk}")
+        trainer = _trainer(grids, shared_tmp / "run", f"checkpoint.dir={disk}")
         good = trainer.save("test").path
         train_steps(trainer, 1)
         _mount(runtime, disk, "-o remount,ro")
@@ -275,8 +275,8 @@ CASES = {"fp32-nan-param": ((), MODEL, float("nan")), "bf16-inf-moment": (("trai
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra,kind,bad", CASES.values(), ids=CASES.keys())
-def test_a_nonfinite_value_on_one_rank_is_never_committed(runtime, shared_tmp, extra, kind, bad):
-    trainer = _trainer(runtime, shared_tmp, *extra)
+def test_a_nonfinite_value_on_one_rank_is_never_committed(runtime, grids, shared_tmp, extra, kind, bad):
+    trainer = _trainer(grids, shared_tmp, *extra)
     train_steps(trainer, 1)
     good = trainer.save("test").path
     train_steps(trainer, 1)
@@ -299,10 +299,10 @@ def test_a_nonfinite_value_on_one_rank_is_never_committed(runtime, shared_tmp, e
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_on_error_continue_trains_on_and_the_next_interval_commits(runtime, shared_tmp, capsys):
+def test_on_error_continue_trains_on_and_the_next_interval_commits(runtime, grids, shared_tmp, capsys):
     with tmpfs(runtime, shared_tmp / "disk") as disk:
         trainer = _trainer(
-            runtime, shared_tmp / "run", f"checkpoint.dir={disk}", "checkpoint.on_error=continue",
+            grids, shared_tmp / "run", f"checkpoint.dir={disk}", "checkpoint.on_error=continue",
             "checkpoint.every=2", "train.steps=4",
         )  # fmt: skip
         if runtime.rank == 0:
@@ -327,13 +327,13 @@ def test_on_error_continue_trains_on_and_the_next_interval_commits(runtime, shar
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_the_size_estimate_bounds_the_file_and_the_reservation_is_trimmed(runtime, shared_tmp, monkeypatch):
+def test_the_size_estimate_bounds_the_file_and_the_reservation_is_trimmed(runtime, grids, shared_tmp, monkeypatch):
     needed = []
     real = checkpoint_io.prepare_write
     monkeypatch.setattr(checkpoint_io, "prepare_write", lambda d, t, n, s: (needed.append(n), real(d, t, n, s)))
     problems = []
     for i, extra in enumerate(((), ("train.precision=bf16", *WIDE), ("checkpoint.alignment_threshold=4096", "checkpoint.alignment_interval=8192"))):  # fmt: skip
-        path = _trainer(runtime, shared_tmp / str(i), *extra).save("test").path
+        path = _trainer(grids, shared_tmp / str(i), *extra).save("test").path
         if runtime.rank == 0:  # the estimate is an upper bound, the reservation's tail was given back
             size, allocated = path.stat().st_size, path.stat().st_blocks * 512
             print(f"{extra}: file {size} B, estimate {needed[-1]} B ({needed[-1] / size:.3f} x)")

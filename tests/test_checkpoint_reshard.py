@@ -49,8 +49,8 @@ LOADS = [
 ]
 
 
-def _trainer(runtime, tp: int, pp: int, dp: int, extra: tuple[str, ...], run_dir: str) -> Trainer:
-    return grid_trainer(runtime, tp, pp, dp, (*TINY, *extra, f"run.dir={run_dir}"))
+def _trainer(grids, tp: int, pp: int, dp: int, extra: tuple[str, ...], run_dir: str) -> Trainer:
+    return grid_trainer(grids, tp, pp, dp, (*TINY, *extra, f"run.dir={run_dir}"))
 
 
 _train = train_steps
@@ -59,48 +59,35 @@ _train = train_steps
 _CACHE: dict[str, object] = {}
 
 
-def _reference(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(grids, run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The 1-rank run straight through (every rank computes it once)."""
     if "reference" not in _CACHE:
-        from mpi4py import MPI
-
-        from app.runtime.mpi import bind_device, init_mpi
-
-        solo = init_mpi(MPI.COMM_SELF)
-        bind_device(solo, "cpu")
-        trainer = _trainer(solo, 1, 1, 1, (), str(run_dir))
+        trainer = _trainer(grids, 1, 1, 1, (), str(run_dir))
         losses = _train(trainer, STEPS)
         _CACHE["reference"] = (losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
-        trainer.grid.free()
     return _CACHE["reference"]  # type: ignore[return-value]
 
 
-def _checkpoint(runtime, run_dir: str) -> Path:
+def _checkpoint(grids, run_dir: str) -> Path:
     """The tp2 x pp2 x dp2 checkpoint at step SAVE_AT (written once, by all 8 ranks)."""
     if "checkpoint" not in _CACHE:
         tp, pp, dp, extra = SAVED_GRID
-        trainer = _trainer(runtime, tp, pp, dp, extra, run_dir)
+        trainer = _trainer(grids, tp, pp, dp, extra, run_dir)
         _CACHE["losses"] = _train(trainer, SAVE_AT)
         _CACHE["checkpoint"] = trainer.save("test").path
-        trainer.grid.free()
     return _CACHE["checkpoint"]  # type: ignore[return-value]
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("load_grid", LOADS, ids=[f"tp{t}-pp{p}-dp{d}" + "".join(
     "-" + e.split(".")[-1].replace("=", "") for e in x) for t, p, d, x in LOADS])  # fmt: skip
-def test_a_checkpoint_reshards_to_another_grid_and_training_continues(runtime, tmp_path, load_grid):
-    from app.runtime.mpi import bind_device, init_mpi
-
-    ref_losses, ref_params = _reference(tmp_path / "solo")
-    path = _checkpoint(runtime, runtime.comm.bcast(str(tmp_path / "saved"), root=0))
+def test_a_checkpoint_reshards_to_another_grid_and_training_continues(runtime, grids, tmp_path, load_grid):
+    ref_losses, ref_params = _reference(grids, tmp_path / "solo")
+    path = _checkpoint(grids, runtime.comm.bcast(str(tmp_path / "saved"), root=0))
     assert _CACHE["losses"] == pytest.approx(ref_losses[:SAVE_AT], rel=LOSS_RTOL)
     tp, pp, dp, extra = load_grid
-    size = tp * pp * dp
-    sub_comm = runtime.comm.Split(runtime.rank // size, runtime.rank)
-    sub = init_mpi(sub_comm)
-    bind_device(sub, "cpu")
-    trainer = _trainer(sub, tp, pp, dp, extra, sub.comm.bcast(str(tmp_path / "loaded"), root=0))
+    sub = grids.runtime(tp * pp * dp)
+    trainer = _trainer(grids, tp, pp, dp, extra, sub.comm.bcast(str(tmp_path / "loaded"), root=0))
     info = load(trainer, path)
     losses = _train(trainer, STEPS - SAVE_AT)
     problems = []
@@ -111,8 +98,6 @@ def test_a_checkpoint_reshards_to_another_grid_and_training_continues(runtime, t
         if error > PARAM_ATOL:
             problems.append(f"rank {runtime.rank}: shard of {name} off by {error:.2e}")
     problems = sum(runtime.comm.allgather(problems), [])
-    trainer.grid.free()
-    sub_comm.Free()
     assert info["resharded"] and info["step"] == SAVE_AT
     assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=LOSS_RTOL), f"{losses} vs {ref_losses[SAVE_AT:]}"
     assert not problems, "\n".join(problems)

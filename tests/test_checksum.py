@@ -213,14 +213,16 @@ def _as_v1(path) -> None:
 
 
 @pytest.mark.mpi
-def test_a_v1_checkpoint_loads_inspects_and_exports_with_a_note_and_v2_sees_two_sign_flips(runtime, shared_tmp, capsys):
+def test_a_v1_checkpoint_loads_inspects_and_exports_with_a_note_and_v2_sees_two_sign_flips(
+    runtime, grids, shared_tmp, capsys
+):
     import h5py
 
     from app.checkpoint.__main__ import format_report, inspect_file
     from app.checkpoint.export import export_hf
     from app.checkpoint.io import EXP_AVG, load, read_header
 
-    trainer = grid_trainer(runtime, *GRIDS[runtime.world_size], (*SMALL, f"run.dir={shared_tmp}"))
+    trainer = grid_trainer(grids, *GRIDS[grids.world.world_size], (*SMALL, f"run.dir={shared_tmp}"))
     train_steps(trainer, 2)
     path = trainer.save("test").path
     v1, flipped = shared_tmp / "v1.h5", shared_tmp / "flipped.h5"
@@ -239,7 +241,7 @@ def test_a_v1_checkpoint_loads_inspects_and_exports_with_a_note_and_v2_sees_two_
     runtime.comm.Barrier()
     capsys.readouterr()
 
-    resumed = grid_trainer(runtime, *GRIDS[runtime.world_size], (*SMALL, f"run.dir={shared_tmp / 'resumed'}"))
+    resumed = grid_trainer(grids, *GRIDS[grids.world.world_size], (*SMALL, f"run.dir={shared_tmp / 'resumed'}"))
     info = load(resumed, v1)
     assert info["step"] == 2 and info["note"] == V1_NOTE
     logged = capsys.readouterr().out

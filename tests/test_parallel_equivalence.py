@@ -4,7 +4,8 @@ Run under `mpirun -n 8`. Each case splits the 8 ranks into 8 / (tp x pp x dp)
 sub-communicators that each train the grid (every rank takes part in every case: torch
 names a locally synchronised group by its ranks and the number of groups the process
 already made, so all ranks must create the same number of groups), while every rank
-also trains the same deck on one rank (MPI.COMM_SELF) as the reference. After each of 5 optimizer steps
+also trains the same deck on one rank as the reference. The grids are made once per shape
+and reused by the cases (tests/conftest.py, GridPool). After each of 5 optimizer steps
 the global-batch loss must equal the reference's; afterwards every rank's parameter
 shards must equal the same slices of the reference, and the gathered full parameters too.
 
@@ -40,7 +41,6 @@ import torch
 
 from app.deck import load_deck, resolve_for_world
 from app.parallel.gather import gather_parameters
-from app.runtime.grid import ProcessGrid
 from app.train import Trainer, global_loss
 from conftest import REPO
 
@@ -130,42 +130,30 @@ def _train(deck, runtime, grid) -> tuple[Trainer, list[float]]:
 _REFERENCES: dict[tuple[str, ...], tuple[list[float], dict[str, torch.Tensor]]] = {}
 
 
-def _reference(extra: tuple[str, ...], run_dir) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(grids, extra: tuple[str, ...], run_dir) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The 1-rank fp32 run of the deck (with the REFERENCE_KEYS of `extra`), once per rank and deck."""
     model_keys = tuple(e for e in extra if e.startswith(REFERENCE_KEYS))
     if model_keys not in _REFERENCES:
-        from mpi4py import MPI
-
-        from app.runtime.mpi import bind_device, init_mpi
-
-        solo = init_mpi(MPI.COMM_SELF)
-        bind_device(solo, "cpu")
         deck = resolve_for_world(
             load_deck(REPO / "inputs/gpt_tiny.yaml", (*TINY, *model_keys, f"run.dir={run_dir}")), 1
         )
-        grid = ProcessGrid(solo, 1, 1, 1)
-        trainer, losses = _train(deck, solo, grid)
+        trainer, losses = _train(deck, grids.runtime(1), grids.grid(1, 1, 1))
         params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-        grid.free()
         _REFERENCES[model_keys] = (losses, params)
     return _REFERENCES[model_keys]
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_grid_matches_single_rank_losses_and_parameters(runtime, tmp_path, case):
-    from app.runtime.mpi import bind_device, init_mpi
-
-    ref_losses, ref_params = _reference(case.extra, tmp_path / "solo")
+def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path, case):
+    ref_losses, ref_params = _reference(grids, case.extra, tmp_path / "solo")
     size = case.tp * case.pp * case.dp
-    sub_comm = runtime.comm.Split(runtime.rank // size, runtime.rank)
-    sub = init_mpi(sub_comm)
-    bind_device(sub, "cpu")
+    sub = grids.runtime(size)
     run_dir = sub.comm.bcast(str(tmp_path / "grid"), root=0)
     deck = resolve_for_world(
         load_deck(REPO / "inputs/gpt_tiny.yaml", (*TINY, *case.overrides(), f"run.dir={run_dir}")), size
     )
-    grid = ProcessGrid(sub, case.tp, case.pp, case.dp, deck.parallel.order)
+    grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order)
     trainer, losses = _train(deck, sub, grid)
     # Collect rather than assert, so every rank reaches the collectives below (none left waiting).
     problems, worst = [], 0.0
@@ -186,8 +174,6 @@ def test_grid_matches_single_rank_losses_and_parameters(runtime, tmp_path, case)
                 problems.append(f"gathered {name} off by {error:.2e}")
     problems = sum(runtime.comm.allgather(problems), [])
     worst = max(runtime.comm.allgather(worst))
-    grid.free()
-    sub_comm.Free()
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     if runtime.is_root:
         print(f"\n{case.id}: max loss rel error {loss_error:.1e}, max parameter error {worst:.1e}")

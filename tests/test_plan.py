@@ -252,12 +252,12 @@ MEMORY_CASES = [
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("overrides", MEMORY_CASES, ids=["fp32", "bf16-zero1", "fp16-untied"])
-def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, overrides):
+def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, grids, overrides):
     """The plan's weights, gradients and optimizer state per rank equal what `DataParallel` and
     the optimizer allocate, up to the padding of each bucket to a multiple of dp (< dp elements
     per bucket)."""
     for tp, pp, dp in GRIDS.get(runtime.world_size, []):
-        trainer = grid_trainer(runtime, tp, pp, dp, (*overrides, "run.resume=none", "train.global_batch=16"))
+        trainer = grid_trainer(grids, tp, pp, dp, (*overrides, "run.resume=none", "train.global_batch=16"))
         deck = trainer.deck
         stage = estimate_stages(deck)[trainer.grid.coords["pp"]]
         buffers = trainer.dp.buffer_bytes()
@@ -267,4 +267,3 @@ def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, overrid
         zero = deck.optim.zero
         grad_shard = stage.gradients / dp if zero and dp > 1 else 0.0  # in the plan's optimizer line
         assert abs(trainer.optimizer.state_bytes() - (stage.optimizer[f"zero{zero}"] - grad_shard)) <= 3 * slack
-        trainer.grid.free()

@@ -58,23 +58,9 @@ class Pipeline:
         self.chunks, self.activation_shape, self.timers = list(chunks), activation_shape, timers
         self.prefetch = prefetch
         self.ranks = grid.ranks["pp"]
-        self.groups: dict[tuple[str, bool], Any] = {}  # (F | B, wrap-around) -> torch group
-        self.tied_group = None
-        if self.pp > 1:
-            # One communicator per message stream (see the module docstring); the wrap-around
-            # streams exist only in the interleaved schedule.
-            wraps = (False, True) if self.virtual > 1 else (False,)
-            for key in [(kind, wrap) for wrap in wraps for kind in "FB"]:
-                self.groups[key] = self._new_group(self.ranks)
-            # torch names a locally synchronised group after its ranks and the number of groups the
-            # process already has, so every rank must create as many groups as its peers: the middle
-            # stages create a group of their own instead of the first-last (tied embedding) group.
-            ends = self.stage in (0, self.pp - 1)
-            tied = self._new_group([self.ranks[0], self.ranks[-1]] if ends else [self.ranks[self.stage]])
-            self.tied_group = tied if ends else None
-
-    def _new_group(self, ranks: list[int]) -> Any:
-        return dist.new_group(ranks, use_local_synchronization=True)
+        # One group per message stream (see the module docstring); the wrap-around streams exist
+        # only in the interleaved schedule. The grid owns them, so pipelines built on it share them.
+        self.groups, self.tied_group = grid.pipeline_groups(wrap_around=self.virtual > 1)
 
     @property
     def my_chunks(self) -> list[int]:

@@ -162,6 +162,7 @@ class ProcessGrid:
                 self.group[axis] = dist.new_group(self.ranks[axis], use_local_synchronization=True)
         self.watchdog = runtime.watchdog
         self.watchdog.set_groups(self.ranks)
+        self._pipeline_groups: dict[Any, Any] = {}
         # Measured, not inferred: do all members of every group of an axis share a node?
         from mpi4py import MPI
 
@@ -185,6 +186,36 @@ class ProcessGrid:
 
     def describe(self) -> dict[str, Any]:
         return {**self.layout.describe(), "within_node": dict(self.within_node)}
+
+    def pipeline_groups(self, wrap_around: bool) -> tuple[dict[tuple[str, bool], Any], Any]:
+        """The pp axis's point-to-point groups, `{(F | B, wrap): group}` (one per message stream,
+        see app/parallel/pipeline.py; the wrap-around streams only if `wrap_around`), and the
+        tied-embedding group of the first and last stage (None on the other stages).
+
+        Made on first use, collectively over the pp group, and kept: every pipeline built on
+        this grid reuses them, so a process that builds many trainers on one grid (the tests)
+        holds a fixed number of groups instead of a growing one.
+        """
+        import torch.distributed as dist
+
+        pp, stage, ranks = self.size("pp"), self.coords["pp"], self.ranks["pp"]
+        if pp == 1:
+            return {}, None
+        groups = self._pipeline_groups
+        wraps = (False, True) if wrap_around else (False,)
+        for key in [(kind, wrap) for wrap in wraps for kind in "FB"]:
+            if key not in groups:
+                with self.watchdog.blocking("new_group", "pp"):
+                    groups[key] = dist.new_group(ranks, use_local_synchronization=True)
+        if "tied" not in groups:
+            # torch names a locally synchronised group after its ranks and the number of groups
+            # the process already has, so every rank must create as many groups as its peers:
+            # the middle stages create a group of their own instead of the first-last group.
+            ends = stage in (0, pp - 1)
+            with self.watchdog.blocking("new_group", "pp"):
+                tied = dist.new_group([ranks[0], ranks[-1]] if ends else [ranks[stage]], use_local_synchronization=True)
+            groups["tied"] = tied if ends else None
+        return {key: g for key, g in groups.items() if key != "tied" and (wrap_around or not key[1])}, groups["tied"]
 
     def free(self) -> None:
         """Release the MPI communicators.
