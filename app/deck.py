@@ -55,6 +55,12 @@ class ModelConfig:
     heads: int = _key(4, "attention heads; must divide hidden", min=1, max=2**16)
     ffn_hidden: Optional[int] = _key(None, "MLP width; null means 4 x hidden", min=1, max=2**20)
     dropout: float = _key(0.0, "dropout probability (0 keeps runs grid-independent)", min=0.0, max=0.99)
+    attention_kernel: str = _key(
+        "auto",
+        "scaled_dot_product_attention backend: auto (torch picks: flash / memory-efficient on GPUs), or math "
+        "(scores materialised, as in Megatron-LM 2021: to reproduce such runs)",
+        choices=("auto", "math"),
+    )
     layernorm_eps: float = _key(1e-5, "LayerNorm epsilon", min=0.0, max=1.0)
     init_std: float = _key(
         0.02, "std of the normal init (GPT-2); residual projections scaled by 1/sqrt(2 layers)", min=0.0, max=10.0

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from app.deck import ModelConfig
@@ -60,6 +61,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.dropout = cfg.heads // tp.size, cfg.hidden // cfg.heads, cfg.dropout
+        self.math = cfg.attention_kernel == "math"
         self.recompute_core = recompute_core
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.init_std, tp, device)
@@ -71,14 +73,20 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, self.heads, 3, self.head_dim).unbind(dim=3))
         dropout = self.dropout if self.training else 0.0
         if self.recompute_core and _recomputing(self):
-            y = checkpoint(_attention_core, q, k, v, dropout, use_reentrant=False)
+            y = checkpoint(_attention_core, q, k, v, dropout, self.math, use_reentrant=False)
         else:
-            y = _attention_core(q, k, v, dropout)
+            y = _attention_core(q, k, v, dropout, self.math)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
-def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(d)) v: (B, heads, S, head_dim) each -> the same shape."""
+def _attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, math_kernel: bool = False
+) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d)) v: (B, heads, S, head_dim) each -> the same shape.
+    `math_kernel`: torch's reference backend, which materialises the scores (model.attention_kernel)."""
+    if math_kernel:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 

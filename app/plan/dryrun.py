@@ -19,6 +19,7 @@ from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
 from app.plan.estimate import StageEstimate, estimate_stages, stage_params, step_flops
 from app.plan.machine import Machine
+from app.plan.perf import Prediction, predict
 from app.runtime.grid import AXES, GridLayout
 
 GiB = 2.0**30
@@ -43,6 +44,8 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     alternatives: dict[str, float] = field(default_factory=dict)
+    predicted: Optional[Prediction] = None  # the step-time model (app.plan.perf), given a machine
+    unpredicted: str = ""  # why there is no prediction
     seconds: float = 0.0
 
     @property
@@ -117,6 +120,13 @@ def make_plan(
     _check_placement(plan)
     _check_memory(plan)
     _check_balance(plan, max_imbalance)
+    if machine is None:
+        plan.unpredicted = "no machine: pass --machine NAME for a predicted step time"
+    elif machine.missing_for_prediction(deck.train.precision):
+        missing = ", ".join(machine.missing_for_prediction(deck.train.precision))
+        plan.unpredicted = f"machine {machine.name} lacks {missing} (docs/PERFORMANCE_MODEL.md)"
+    else:
+        plan.predicted = predict(deck, machine, layout)
     plan.seconds = time.perf_counter() - start
     return plan
 
@@ -286,6 +296,8 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
             "bubble_fraction": plan.bubble(),
             "ideal_step_with_bubble_s": None if ideal is None else ideal * (1 + plan.bubble()),
         },
+        "predicted": None if plan.predicted is None else plan.predicted.to_dict(),
+        "unpredicted": plan.unpredicted or None,
         "imbalance": plan.imbalance(),
         "problems": plan.problems,
         "warnings": plan.warnings,
@@ -388,6 +400,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         )
     else:
         lines.append("             no peak for this device: no ideal step time (MFU would be null)")
+    lines += _predicted_lines(plan)
     if all_ranks:
         lines.append("  ranks      rank node tp pp dp")
         lines += [f"             {r} {n} {t} {p} {d}" for r, n, t, p, d in j["ranks"]]
@@ -399,6 +412,29 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     else:
         lines.append(f"  ok         no problems found ({plan.seconds:.2f} s)")
     return "\n".join(lines)
+
+
+def _predicted_lines(plan: Plan) -> list[str]:
+    p = plan.predicted
+    if p is None:
+        return [f"  predicted  none: {plan.unpredicted}"]
+    assert plan.machine is not None
+    b = p.breakdown
+    parts = [("gemm", "gemm"), ("attention", "attention"), ("elementwise", "element-wise"),
+             ("grad_accumulation", "grad accumulation"), ("tp_exposed", "tp exposed"),
+             ("pp_bubble_and_p2p", "pp bubble + p2p"), ("dp_exposed", "dp exposed"),
+             ("tied_embedding", "tied embedding"), ("optimizer", "optimizer")]  # fmt: skip
+    return [
+        f"  predicted  step {p.step_time_s:.3g} s on {plan.machine.name}; "
+        f"{p.hardware_tflops_per_device:.1f} TFLOP/s per device counting recompute, {p.tflops_per_device:.1f} "
+        f"model (MFU {100 * p.mfu:.1f}%); {p.tokens_per_s:,.0f} tokens/s",
+        "             slowest stage: "
+        + ", ".join(f"{label} {b[key]:.3g} s" for key, label in parts)
+        + (f" (recompute {b['recompute']:.3g} s of these)" if b["recompute"] else ""),
+        "             links: "
+        + ", ".join(f"{axis} {level}" for axis, level in p.levels.items())
+        + "; model and its limits: docs/PERFORMANCE_MODEL.md",
+    ]
 
 
 def _count(n: int) -> str:

@@ -37,6 +37,21 @@ FIELDS: dict[str, tuple[type, bool, str]] = {
     "cpu_cores_per_node": (int, True, "CPU cores per node usable by ranks"),
     "intra_node_gbs": (float, True, "device-to-device bandwidth inside a node, GB/s per direction"),
     "inter_node_gbs": (float, True, "network injection bandwidth per node, GB/s per direction"),
+    "hbm_gbs": (float, False, "device memory bandwidth, GB/s (datasheet); the performance model's memory roofline"),
+    "gemm": (
+        dict,
+        False,
+        "performance model: efficiency (achieved fraction of peak on large GEMMs), compute_units (SMs/CUs), "
+        "tile ([rows, columns] of a large GEMM's output tile), optional attention_efficiency and "
+        "memory_efficiency; each with its source under sources",
+    ),
+    "links": (
+        list,
+        False,
+        "performance model: link levels innermost first, each {name, devices (domain size; null = the "
+        "network), gbs (per device, per direction), latency_us}; default: a node level from intra_node_gbs "
+        "and a network level from inter_node_gbs",
+    ),
     "binding": (str, True, "per-task (one device per rank) or all-visible (local rank picks)"),
     "launch": (str, True, "launch line; {nodes}, {ranks} and {ranks_per_node} are filled in"),
     "template": (str, True, "job-script template in launch/jobs/"),
@@ -48,6 +63,23 @@ FIELDS: dict[str, tuple[type, bool, str]] = {
 
 class MachineError(GridlmError):
     """A machine file is missing, or a key in it is unknown or has a bad value."""
+
+
+# Per-step latencies of NCCL's ring (Simple protocol) cost model, in microseconds: NVIDIA/nccl,
+# src/graph/tuning.cc, hwLat (NVLink 5.7, network 6.6). Used when a machine file gives none.
+NCCL_RING_LATENCY_US = {"node": 5.7, "network": 6.6}
+GEMM_KEYS = {"efficiency": (0.0, 1.0), "compute_units": (1, 10**6), "tile": None,
+             "attention_efficiency": (0.0, 1.0), "memory_efficiency": (0.0, 1.0)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LinkLevel:
+    """One level of a node's (or the machine's) link hierarchy, innermost first."""
+
+    name: str
+    devices: Optional[int]  # devices per domain of this level; None = the whole machine (network)
+    gbs: float  # bandwidth per device per direction when every device of a domain communicates
+    latency_us: float
 
 
 @dataclass(frozen=True)
@@ -67,6 +99,9 @@ class Machine:
     template: str
     sources: list[str]
     peak_tflops: Optional[dict[str, float]] = None
+    hbm_gbs: Optional[float] = None
+    gemm: Optional[dict[str, Any]] = None
+    links: Optional[list[dict[str, Any]]] = None
     defaults: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
     path: Optional[Path] = None
@@ -78,6 +113,24 @@ class Machine:
     def peak(self, precision: str) -> Optional[float]:
         """Peak TFLOP/s per device at `precision`, or None (CPUs, or a precision not listed)."""
         return None if self.peak_tflops is None else self.peak_tflops.get(precision)
+
+    def link_levels(self) -> list[LinkLevel]:
+        """The link hierarchy, innermost first, ending with the network."""
+        if self.links:
+            return [
+                LinkLevel(str(x["name"]), x.get("devices"), float(x["gbs"]), float(x["latency_us"])) for x in self.links
+            ]
+        return [
+            LinkLevel("node", self.devices_per_node, self.intra_node_gbs, NCCL_RING_LATENCY_US["node"]),
+            LinkLevel("network", None, self.inter_node_gbs / self.devices_per_node, NCCL_RING_LATENCY_US["network"]),
+        ]
+
+    def missing_for_prediction(self, precision: str) -> list[str]:
+        """The keys the performance model needs that this file lacks (empty: it can predict)."""
+        missing = [] if self.peak(precision) is not None else [f"peak_tflops.{precision}"]
+        missing += [] if self.hbm_gbs is not None else ["hbm_gbs"]
+        missing += [f"gemm.{k}" for k in ("efficiency", "compute_units", "tile") if k not in (self.gemm or {})]
+        return missing
 
     def launch_line(self, nodes: int) -> str:
         """The launch line for `nodes` nodes, one rank per device."""
@@ -127,8 +180,8 @@ def load_machine(name_or_path: Union[str, Path]) -> Machine:
 
 def _check(path: Path, key: str, value: Any) -> Any:
     want, _, help_ = FIELDS[key]
-    if value is None and key in ("peak_tflops", "defaults", "notes"):
-        return None if key == "peak_tflops" else ({} if key == "defaults" else "")
+    if value is None and key in ("peak_tflops", "defaults", "notes", "hbm_gbs", "gemm", "links"):
+        return {"defaults": {}, "notes": ""}.get(key)
     ok = isinstance(value, want) and not isinstance(value, bool)
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
@@ -154,6 +207,28 @@ def _validate(m: Machine) -> None:
             f"{where}: launch = {m.launch!r}: bad placeholder {err}; accepted: "
             + ", ".join("{" + k + "}" for k in LAUNCH_FIELDS)
         ) from None
+    for key, value in (m.gemm or {}).items():
+        if key not in GEMM_KEYS:
+            raise MachineError(f"{where}: gemm.{key}: unknown; accepted: {', '.join(GEMM_KEYS)}")
+        bounds = GEMM_KEYS[key]
+        if bounds is None:
+            ok = isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) and x > 0 for x in value)
+            if not ok:
+                raise MachineError(f"{where}: gemm.tile = {value!r}: expected [rows, columns], positive integers")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not bounds[0] < value <= bounds[1]:
+            raise MachineError(f"{where}: gemm.{key} = {value!r}: expected a number in ({bounds[0]}, {bounds[1]}]")
+    last = 0
+    for i, level in enumerate(m.links or []):
+        ok = isinstance(level, dict) and set(level) == {"name", "devices", "gbs", "latency_us"}
+        devices = level.get("devices") if ok else None
+        ok = ok and (devices is None or (isinstance(devices, int) and devices > last))
+        ok = ok and all(isinstance(level[k], (int, float)) and level[k] > 0 for k in ("gbs", "latency_us"))
+        if not ok or (devices is None and i != len(m.links or []) - 1):
+            raise MachineError(
+                f"{where}: links[{i}] = {level!r}: expected {{name, devices, gbs, latency_us}} with devices "
+                "growing outwards (an integer per domain) and null only on the last level (the network)"
+            )
+        last = devices or last
     for precision, tflops in (m.peak_tflops or {}).items():
         if precision not in ("bf16", "fp16", "fp32") or not isinstance(tflops, (int, float)) or tflops <= 0:
             raise MachineError(

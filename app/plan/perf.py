@@ -1,0 +1,451 @@
+"""Step-time model: how long one optimizer step of a deck takes on a machine, and why.
+
+Pure Python (no torch, no MPI), from the deck, the grid layout and the machine's constants
+(`app/plan/machine.py`, each with its source). Nothing is fitted to a training run: the
+constants describe primitives (a GEMM, a memory stream, a link), and the step is assembled
+from gridlm's own implementation. docs/PERFORMANCE_MODEL.md has the equations and what is
+left out.
+
+Per pipeline stage and micro-batch, every pass (forward, backward, recomputed forward) is
+
+* GEMMs, each at a roofline: max(FLOPs / (peak x gemm_efficiency x wave quantisation),
+  bytes / HBM bandwidth). Wave quantisation: an m x n output is cut into tiles of the
+  device's GEMM tile, and the last wave of tiles over the compute units runs part-empty;
+* attention (scaled_dot_product_attention, flash kernels, causal: half the score and
+  context FLOPs are executed) at peak x attention_efficiency;
+* element-wise work (LayerNorm, GELU, bias and residual adds, dropout, the loss) at HBM
+  bandwidth, counted as bytes read and written by each of gridlm's eager operations;
+* tensor-parallel collectives of the exact sizes gridlm sends, on the link level the tp
+  groups span: the forward ones exposed, the backward input-gradient ones hidden behind
+  the weight-gradient GEMM when `parallel.overlap_tp_comm` is on.
+
+The passes run in the order of the schedule (`app.parallel.schedule.build_schedule`), with
+point-to-point transfers between stages, so the bubble, warm-up and stage imbalance come
+out of the simulation. After the pipeline: the exposed part of the data-parallel gradient
+reduction (overlapped with the last backward when `parallel.overlap_grad_reduce` is on), the
+tied-embedding sum, and the optimizer step at HBM bandwidth.
+
+Collectives use ring costs: all-reduce 2 (n-1)/n x bytes / B + 2 (n-1) x latency, all-gather
+and reduce-scatter half of that, or a tree's 2 log2(n) x latency for small messages
+(whichever is faster, as NCCL chooses). B is the group's bottleneck bandwidth over the link
+levels it crosses: at each level the members of the group inside one domain share that
+domain's links with the other groups of the same axis (see `group_bandwidth`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from app.deck import Deck
+from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
+from app.parallel.schedule import build_schedule, partition_layers
+from app.plan.estimate import BYTES, stage_params
+from app.plan.machine import LinkLevel, Machine
+from app.runtime.grid import GridLayout
+
+# Bytes one element-wise backward moves per byte of its forward: it reads the output
+# gradient and the saved input and writes the input gradient (LayerNorm, GELU, adds).
+BACKWARD_BYTES = 2.0
+# Above this many passes (stages x chunks x micro-batches) the pipeline is not simulated pass by
+# pass (about a second of Python); its steady state plus the schedule's bubble is used instead.
+MAX_SIMULATED_PASSES = 200_000
+
+
+@dataclass(frozen=True)
+class Device:
+    """The compute constants of one device (from a machine file)."""
+
+    peak_flops: float  # dense FLOP/s at the deck's precision
+    gemm_efficiency: float  # achieved fraction of peak on large GEMMs
+    attention_efficiency: float  # achieved fraction of peak of flash attention, forward + backward
+    hbm_bytes_s: float  # achieved memory bandwidth, bytes/s
+    compute_units: int  # SMs / CUs: the wave quantisation of GEMM tiles
+    tile: tuple[int, int]  # output tile (rows, columns) of a large GEMM
+
+    def gemm(self, m: int, n: int, k: int, element: int) -> float:
+        """Seconds of an (m x k) @ (k x n) GEMM."""
+        tiles = math.ceil(m / self.tile[0]) * math.ceil(n / self.tile[1])
+        waves = math.ceil(tiles / self.compute_units)
+        quantisation = tiles / (waves * self.compute_units)
+        compute = 2.0 * m * n * k / (self.peak_flops * self.gemm_efficiency * quantisation)
+        memory = (m * k + k * n + m * n) * element / self.hbm_bytes_s
+        return max(compute, memory)
+
+    def stream(self, nbytes: float) -> float:
+        """Seconds to read and write `nbytes` in memory-bound kernels."""
+        return nbytes / self.hbm_bytes_s
+
+
+def device_of(machine: Machine, precision: str) -> Device:
+    """The machine's device constants; `MachineError` names what a machine file lacks."""
+    missing = machine.missing_for_prediction(precision)
+    if missing:
+        from app.plan.machine import MachineError
+
+        raise MachineError(
+            f"machine {machine.name}: cannot predict step times: missing {', '.join(missing)} "
+            "(see docs/PERFORMANCE_MODEL.md for each key and its source)"
+        )
+    peak = machine.peak(precision)
+    assert peak is not None and machine.gemm is not None
+    g = machine.gemm
+    return Device(
+        peak_flops=peak * 1e12,
+        gemm_efficiency=g["efficiency"],
+        attention_efficiency=g.get("attention_efficiency", g["efficiency"]),
+        hbm_bytes_s=machine.hbm_gbs * 1e9 * g.get("memory_efficiency", 1.0),  # type: ignore[operator]
+        compute_units=int(g["compute_units"]),
+        tile=(int(g["tile"][0]), int(g["tile"][1])),
+    )
+
+
+# -- communication -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """A group's effective link: bus bandwidth (bytes/s) and per-step latency (s)."""
+
+    bandwidth: float
+    latency: float
+    level: str  # the outermost level the group crosses
+
+    def all_reduce(self, n: int, nbytes: float) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        ring = 2.0 * (n - 1) / n * nbytes / self.bandwidth + 2.0 * (n - 1) * self.latency
+        tree = 2.0 * nbytes / self.bandwidth + 2.0 * math.ceil(math.log2(n)) * self.latency
+        return min(ring, tree)
+
+    def all_gather(self, n: int, nbytes: float) -> float:
+        """All-gather (or reduce-scatter) whose full (unsharded) size is `nbytes`."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return (n - 1) / n * nbytes / self.bandwidth + (n - 1) * self.latency
+
+    def p2p(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+def group_bandwidth(levels: list[LinkLevel], stride: int, size: int) -> Link:
+    """The bottleneck link of a group of `size` ranks `stride` apart (ranks placed in order).
+
+    Level j joins the domains of level j - 1 (domain sizes grow outwards; the last level is
+    the network, domain = the whole machine). A group uses level j when its members lie in
+    more than one level-(j - 1) domain of a level-j domain. Through level j, the k members
+    inside one level-(j - 1) domain send on k devices' shares of that level's bandwidth
+    (the other groups of the axis use the rest), so the group's bus bandwidth is the least
+    of k x gbs over the levels it uses. A group of one rank uses no link.
+    """
+    if size <= 1:
+        return Link(bandwidth=math.inf, latency=0.0, level="none")
+    inside_before = 1
+    bandwidth, latency, name = math.inf, 0.0, "none"
+    for level in levels:
+        span = level.devices if level.devices is not None else math.inf
+        inside = size if span == math.inf else min(size, max(1, int(span // stride)))
+        if inside > inside_before:
+            bandwidth = min(bandwidth, inside_before * level.gbs * 1e9)
+            latency, name = max(latency, level.latency_us * 1e-6), level.name
+        inside_before = inside
+        if inside >= size:
+            break
+    return Link(bandwidth=bandwidth, latency=latency, level=name)
+
+
+# -- the model ----------------------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    """A deck's predicted step on a machine. Times in seconds per optimizer step."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float  # model FLOPs (the MFU basis)
+    hardware_tflops_per_device: float  # with the recomputed forward (Megatron SC21's table)
+    mfu: float
+    breakdown: dict[str, float]  # compute, recompute, attention, elementwise, exposed comm, bubble, ...
+    levels: dict[str, str]  # axis -> the outermost link level its groups cross
+    stage_times: list[float] = field(default_factory=list)  # pipeline finish time of each stage
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "hardware_tflops_per_device": self.hardware_tflops_per_device,
+            "mfu": self.mfu,
+            "breakdown": dict(self.breakdown),
+            "levels": dict(self.levels),
+        }
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One forward or backward pass of one chunk on one micro-batch, split by kind."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    tp: float = 0.0  # exposed tensor-parallel communication
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.tp
+
+    def __add__(self, other: _Pass) -> _Pass:
+        return _Pass(
+            self.gemm + other.gemm,
+            self.attention + other.attention,
+            self.elementwise + other.elementwise,
+            self.tp + other.tp,
+        )
+
+    def scaled(self, k: float) -> _Pass:
+        return _Pass(self.gemm * k, self.attention * k, self.elementwise * k, self.tp * k)
+
+
+def _layer_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
+    """(forward, backward) of one transformer block on one micro-batch, one tp rank."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    t, sp = par.tp, par.sequence_parallel
+    e = BYTES[tr.precision]
+    tokens, h, f = tr.micro_batch * m.seq_len, m.hidden, m.ffn
+    t_sp = t if sp else 1
+    linears = [(3 * h // t, h), (h, h // t), (f // t, h), (h, f // t)]  # (n, k): QKV, out, fc, proj
+    fwd_gemm = sum(dev.gemm(tokens, n, k, e) for n, k in linears)
+    # Backward: the input gradient (m x k from m x n) and the weight gradient (n x k from m).
+    dgrad = [dev.gemm(tokens, k, n, e) for n, k in linears]
+    wgrad = [dev.gemm(n, k, tokens, e) for n, k in linears]
+    attn_fwd, attn_bwd = _attention(deck, dev)
+    # Element-wise bytes per token of one forward (see the module docstring of estimate.py for
+    # the block): LayerNorm x 2, row-parallel bias add x 2, residual add x 2 on h/t_sp; the
+    # attention output's transpose copy on h/t; GELU on f/t; dropout (p > 0) x 2 with its mask.
+    per_token = (2 + 2 + 2 + 2 + 3 + 3) * h * e / t_sp + 2 * h * e / t + 2 * f * e / t
+    if m.dropout > 0:
+        per_token += 2 * (2 * h * e + h) / t_sp
+    elem_fwd = dev.stream(tokens * per_token)
+    # Tensor parallelism: the full activation is X bytes; two collectives per pass direction.
+    x = tokens * h * e
+    if sp:
+        tp_fwd = 2 * tp_link.all_gather(t, x) + 2 * tp_link.all_gather(t, x)  # AG in, RS out
+        row_bwd = 2 * tp_link.all_gather(t, x)  # the reduce-scatter's backward: all-gather
+        col_bwd = [tp_link.all_gather(t, x)] * 2  # input-gradient reduce-scatter of QKV and fc
+    else:
+        tp_fwd = 2 * tp_link.all_reduce(t, x)
+        row_bwd = 0.0
+        col_bwd = [tp_link.all_reduce(t, x)] * 2
+    # QKV and fc (linears 0 and 2) are the column-parallel ones: their input-gradient collective
+    # overlaps their weight-gradient GEMM when overlap_tp_comm is on.
+    hidden_by = [wgrad[0], wgrad[2]] if par.overlap_tp_comm else [0.0, 0.0]
+    tp_bwd = row_bwd + sum(max(0.0, c - w) for c, w in zip(col_bwd, hidden_by))
+    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_fwd)
+    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd, tp_bwd)
+    return forward, backward
+
+
+def _attention(deck: Deck, dev: Device) -> tuple[float, float]:
+    """Seconds of the attention core (scores, softmax, context), forward and backward, one tp rank.
+
+    auto (flash kernels), causal: half of the 4 b s^2 h score + context FLOPs run in the forward,
+    2.5x that in the backward (it recomputes the scores), at peak x attention_efficiency.
+    math (torch's reference backend): the two batched GEMMs of the full square, and the scores
+    (b x heads/t x s x s elements) written, masked, softmaxed, dropped out and read again.
+    """
+    m, tr, t = deck.model, deck.train, deck.parallel.tp
+    e, b, s, h = BYTES[tr.precision], tr.micro_batch, m.seq_len, m.hidden
+    flops = 4.0 * b * s * s * h / t
+    if m.attention_kernel == "auto":
+        forward = 0.5 * flops / (dev.peak_flops * dev.attention_efficiency)
+        return forward, 2.5 * forward
+    scores = b * (m.heads // t) * s * s
+    drop = 2 * e + 1 if m.dropout > 0 else 0  # read, write, and a one-byte mask
+    gemm_rate = dev.peak_flops * dev.gemm_efficiency
+    # Forward: QK^T writes the scores; mask, softmax (and dropout) read and write them; PV reads them.
+    forward = flops / gemm_rate + dev.stream(scores * (e + 2 * e + 2 * e + drop + e))
+    # Backward: four GEMMs (dV, dP, dQ, dK) over the scores; dropout, softmax and mask gradients.
+    backward = 2 * flops / gemm_rate + dev.stream(scores * (4 * e + drop + 3 * e + 2 * e))
+    return forward, backward
+
+
+def _head_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
+    """(forward, backward) of the output head and vocab-parallel cross-entropy, one micro-batch."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    t, e = par.tp, BYTES[tr.precision]
+    tokens, v = tr.micro_batch * m.seq_len, m.vocab_size // par.tp
+    x = tokens * m.hidden * e
+    gather = tp_link.all_gather(t, x) if par.sequence_parallel else 0.0
+    # Logits written in the compute dtype, then max, exp (fp32), sum, the picked logit; three
+    # all-reduces of one fp32 per token; backward: the softmax gradient.
+    ce_fwd = dev.stream(tokens * v * (e + 4 + 4 + 4)) + 3 * tp_link.all_reduce(t, tokens * 4)
+    fwd = _Pass(dev.gemm(tokens, v, m.hidden, e), 0.0, ce_fwd, gather)
+    grad_x = tp_link.all_gather(t, x) if par.sequence_parallel else tp_link.all_reduce(t, x)
+    bwd_gemm = dev.gemm(tokens, m.hidden, v, e) + dev.gemm(v, m.hidden, tokens, e)
+    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e)), grad_x)
+    return fwd, bwd
+
+
+def _embedding_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
+    m, par, tr = deck.model, deck.parallel, deck.train
+    e, tokens = BYTES[tr.precision], tr.micro_batch * m.seq_len
+    x = tokens * m.hidden * e
+    if par.sequence_parallel:
+        comm_fwd, comm_bwd = tp_link.all_gather(par.tp, x), tp_link.all_gather(par.tp, x)
+    else:
+        comm_fwd, comm_bwd = tp_link.all_reduce(par.tp, x), 0.0
+    # Token rows + positions gathered and added; backward scatter-adds into the tables.
+    return _Pass(0.0, 0.0, dev.stream(4 * x), comm_fwd), _Pass(0.0, 0.0, dev.stream(6 * x), comm_bwd)
+
+
+def _simulate(
+    pp: int, virtual: int, micro: int, fwd: list[float], bwd: list[float], p2p: float, prefetch: bool
+) -> list[float]:
+    """Finish time of every stage running its schedule; `fwd[c]`/`bwd[c]` per global chunk."""
+    schedules = [build_schedule(pp, s, micro, virtual) for s in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, micro, chunk) -> end time
+    clock, position, posted = [0.0] * pp, [0] * pp, [0.0] * pp
+    last = pp * virtual - 1
+    remaining = sum(len(s) for s in schedules)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            while position[s] < len(schedules[s]):
+                a = schedules[s][position[s]]
+                chunk = a.virtual * pp + s
+                if a.kind == "F":
+                    dep = ("F", a.micro, chunk - 1) if chunk > 0 else None
+                else:
+                    dep = ("B", a.micro, chunk + 1) if chunk < last else None
+                start = clock[s]
+                if dep is not None:
+                    if dep not in done:
+                        break
+                    # The transfer starts when both the send and the receive are posted; with
+                    # prefetch the receive was posted when the previous action began.
+                    post = posted[s] if prefetch else clock[s]
+                    start = max(start, max(done[dep], post) + p2p)
+                posted[s] = start
+                end = start + (fwd[chunk] if a.kind == "F" else bwd[chunk])
+                done[(a.kind, a.micro, chunk)] = end
+                clock[s] = end
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline simulation deadlocked (schedule.simulate should have caught it)")
+    return clock
+
+
+def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None) -> Prediction:
+    """The step time of a deck resolved for a world size (`resolve_for_world`) on `machine`."""
+    m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
+    tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
+    dev = device_of(machine, tr.precision)
+    if layout is None:
+        layout = GridLayout.from_order_string(tp, pp, dp, par.order, machine.devices_per_node)
+    levels = machine.link_levels()
+    links = {axis: group_bandwidth(levels, layout.stride(axis), layout.size(axis)) for axis in ("tp", "pp", "dp")}
+    e = BYTES[tr.precision]
+    g = BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    micro = deck.num_micro_batches
+
+    layer_f, layer_b = _layer_passes(deck, dev, links["tp"])
+    if tr.recompute == "full":
+        layer_b = layer_b + layer_f  # the forward again, just before each block's backward
+    elif tr.recompute == "selective":
+        layer_b = layer_b + _Pass(attention=layer_f.attention)
+    head_f, head_b = _head_passes(deck, dev, links["tp"])
+    emb_f, emb_b = _embedding_passes(deck, dev, links["tp"])
+    chunks = [len(c) for c in partition_layers(m.layers, pp * v, par.stage_layers)]
+    last = pp * v - 1
+    fwd_parts = [layer_f.scaled(n) + (emb_f if c == 0 else _Pass()) + (head_f if c == last else _Pass())
+                 for c, n in enumerate(chunks)]  # fmt: skip
+    bwd_parts = [layer_b.scaled(n) + (emb_b if c == 0 else _Pass()) + (head_b if c == last else _Pass())
+                 for c, n in enumerate(chunks)]  # fmt: skip
+
+    # Gradient accumulation: after each backward a hook adds every parameter's gradient (compute
+    # dtype) into the fp32 (or compute-dtype) buffer: read both, write the buffer.
+    params = [stage_params(m, tp, sum(chunks[s + c * pp] for c in range(v)), s == 0, s == pp - 1) for s in range(pp)]
+    accumulate = [dev.stream(p * (e + 2 * g)) for p in params]
+    per_stage_chunks = {c: c % pp for c in range(pp * v)}
+    fwd = [p.total for p in fwd_parts]
+    bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]
+    p2p_bytes = tr.micro_batch * (m.seq_len // (tp if par.sequence_parallel else 1)) * m.hidden * e
+    p2p = links["pp"].p2p(p2p_bytes) if pp > 1 else 0.0
+    if pp * v * micro <= MAX_SIMULATED_PASSES:
+        finish = _simulate(pp, v, micro, fwd, bwd, p2p, par.overlap_pp_comm)
+    else:  # the steady state dominates: busy time plus the interleaved 1F1B bubble, (pp - 1) / v chunks
+        per_stage = [sum(fwd[c] + bwd[c] for c in range(s, pp * v, pp)) for s in range(pp)]
+        bubble = (pp - 1) / v * max(per_stage) + 2 * (pp - 1) * p2p
+        finish = [micro * busy + bubble for busy in per_stage]
+
+    # Data parallelism, per stage: bucketed reductions of the stage's gradients.
+    bucket = par.dp_bucket_mb * 1e6
+    dp_exposed, tied, optimizer = [], 0.0, []
+    for s in range(pp):
+        grads = params[s] * g
+        buckets = max(1, math.ceil(grads / bucket))
+        per_bucket = grads / buckets
+        if opt.zero:
+            reduce = buckets * links["dp"].all_gather(dp, per_bucket)  # reduce-scatter
+            gather = buckets * links["dp"].all_gather(dp, per_bucket / g * e)
+        else:
+            reduce, gather = buckets * links["dp"].all_reduce(dp, per_bucket), 0.0
+        # Overlap: the reductions start as the last micro-batch's backward produces each bucket;
+        # the last bucket cannot be hidden. The ZeRO-1 gather overlaps the next forward likewise.
+        window = sum(bwd[c] for c in range(s, pp * v, pp)) if par.overlap_grad_reduce else 0.0
+        last_bucket = reduce / buckets
+        exposed = max(last_bucket, reduce - window) if par.overlap_grad_reduce else reduce
+        if gather:
+            first_fwd = sum(fwd[c] for c in range(s, pp * v, pp))
+            exposed += max(gather / buckets, gather - first_fwd) if par.overlap_param_gather else gather
+        dp_exposed.append(exposed)
+        shard = params[s] / dp if opt.zero and dp > 1 else params[s]
+        master = 0 if tr.precision == "fp32" else 4
+        # Adam/LAMB: fp32 master (when mixed), two fp32 moments read and written, the gradient
+        # read for the norm, the clip and the update, the compute-dtype copy written back.
+        optimizer.append(dev.stream(shard * (2 * master + 16 + 3 * g + (e if master else 0))))
+    if m.tie_embeddings and pp > 1:
+        tied_link = group_bandwidth(levels, layout.stride("pp") * (pp - 1), 2)
+        tied = tied_link.all_reduce(2, (m.vocab_size // tp) * m.hidden * g)
+    # Every stage waits for the slowest at the global gradient norm; then the update.
+    after = [finish[s] + dp_exposed[s] + (tied if s in (0, pp - 1) else 0.0) for s in range(pp)]
+    slowest = max(range(pp), key=lambda s: after[s])
+    step = after[slowest] + optimizer[slowest]
+
+    # Breakdown of the slowest stage's step by kind.
+    mine = [c for c in range(pp * v) if c % pp == slowest]
+    busy_f = sum((fwd_parts[c] for c in mine), _Pass()).scaled(micro)
+    busy_b = sum((bwd_parts[c] for c in mine), _Pass()).scaled(micro)
+    recompute = layer_f.scaled(sum(chunks[c] for c in mine) * micro).total if tr.recompute == "full" else 0.0
+    busy = busy_f.total + busy_b.total + accumulate[slowest] * micro
+    breakdown = {
+        "gemm": busy_f.gemm + busy_b.gemm,
+        "attention": busy_f.attention + busy_b.attention,
+        "elementwise": busy_f.elementwise + busy_b.elementwise,
+        "grad_accumulation": accumulate[slowest] * micro,
+        "recompute": recompute,  # included in the gemm/attention/elementwise/tp lines above
+        "tp_exposed": busy_f.tp + busy_b.tp,
+        "pp_bubble_and_p2p": finish[slowest] - busy,
+        "dp_exposed": dp_exposed[slowest],
+        "tied_embedding": tied if slowest in (0, pp - 1) else 0.0,
+        "optimizer": optimizer[slowest],
+    }
+    flops = gpt_step_flops(tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
+    hardware = gpt_hardware_step_flops(
+        tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn, tr.recompute
+    )
+    devices = tp * pp * dp
+    return Prediction(
+        step_time_s=step,
+        tokens_per_s=tr.global_batch * m.seq_len / step,
+        tflops_per_device=flops / step / devices / 1e12,
+        hardware_tflops_per_device=hardware / step / devices / 1e12,
+        mfu=flops / step / devices / dev.peak_flops,
+        breakdown=breakdown,
+        levels={axis: links[axis].level for axis in links},
+        stage_times=after,
+    )
