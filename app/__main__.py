@@ -14,7 +14,7 @@ import argparse
 import sys
 import traceback
 from contextlib import suppress
-from typing import Optional
+from typing import Any, Optional
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -45,11 +45,21 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "--max-imbalance", type=float, default=1.25, metavar="R",
         help="largest accepted slowest-stage / mean-stage work ratio (default 1.25)",
     )  # fmt: skip
+    plan.add_argument(
+        "--search", action="store_true",
+        help="rank every valid grid (tp, pp, micro batch, virtual stages, SP, recompute, ZeRO) of the deck's model "
+        "and batch by predicted step time; needs --machine (or run.machine) and --nodes or --world-size",
+    )  # fmt: skip
+    plan.add_argument("--top", type=int, default=5, metavar="K", help="--search: configurations shown (default 5)")
     args = parser.parse_args(argv)
+    if args.search:
+        args.dry_run = True
     if not args.dry_run:
         used = [f"--{k.replace('_', '-')}" for k in ("world_size", "nodes", "machine", "all_ranks") if getattr(args, k)]
         if used or args.json:
             parser.error(f"{', '.join(used + (['--json'] if args.json else []))} only go with --dry-run")
+    if args.top < 1:
+        parser.error("--top must be >= 1")
     for key in ("world_size", "nodes"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
@@ -68,6 +78,8 @@ def dry_run(args: argparse.Namespace) -> int:
         name = args.machine or deck.run.machine
         machine = load_machine(name) if name else None
         world, rpn = world_for(deck, args.world_size, args.nodes, machine)
+        if args.search:
+            return _search(args, deck, world, machine)
         plan = make_plan(deck, world, machine, rpn, args.max_imbalance)
     except GridlmError as err:
         print(f"gridlm: {err}", file=sys.stderr, flush=True)
@@ -75,6 +87,20 @@ def dry_run(args: argparse.Namespace) -> int:
     print(dump_json(plan, args.all_ranks) if args.json else format_text(plan, args.deck, args.all_ranks), flush=True)
     if plan.problems:
         print(f"gridlm: dry run: {len(plan.problems)} problem(s), the run cannot work as planned", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _search(args: argparse.Namespace, deck: Any, world: int, machine: Any) -> int:
+    from app.plan import search
+
+    if machine is None:
+        print("gridlm: --search needs a machine: pass --machine NAME (inputs/machines/)", file=sys.stderr)
+        return 2
+    result = search.search(deck, world, machine, args.top)
+    print(search.dump_json(result) if args.json else search.format_text(result, args.deck), flush=True)
+    if not result.best:
+        print("gridlm: search: no configuration of this deck can run on this allocation", file=sys.stderr)
         return 2
     return 0
 

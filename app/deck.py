@@ -445,6 +445,11 @@ def load_deck(path: Union[str, Path, None], overrides: tuple[str, ...] = ()) -> 
     return deck
 
 
+def validate(deck: Deck) -> None:
+    """Check a deck built in code (e.g. by the grid search) as `load_deck` checks a file."""
+    _validate(deck)
+
+
 def _validate(deck: Deck) -> None:
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     if m.hidden % m.heads:

@@ -153,3 +153,34 @@ def test_dry_run_prints_and_writes_the_prediction():
     tiny = [sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", "--dry-run", "--machine", "local", "--nodes", "1"]
     local = subprocess.run(tiny, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert "predicted  none: machine local lacks peak_tflops.fp32" in local.stdout, local.stdout + local.stderr
+
+
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: r["params_b"] + "B")
+def test_the_search_finds_a_configuration_at_least_as_fast_as_the_published_one(row):
+    """Every Megatron row: the search over the deck's model and batch on the same GPUs ranks a best
+    configuration whose predicted step is no slower than the paper's own (the deck), and says why
+    where they differ. The deck's configuration goes through the same path."""
+    from app.plan.search import format_text, search
+
+    deck = load_deck(_deck_of(row))
+    result = search(deck, int(row["gpus"]), load_machine("selene"), top=3)
+    assert not result.own.rejected and result.best
+    assert result.best[0].step <= result.own.step
+    assert [c.step for c in result.best] == sorted(c.step for c in result.best)
+    text = format_text(result, str(_deck_of(row)))
+    assert "best:  --set parallel.tp=" in text and "deck:" in text
+    if result.best[0].sets != result.own.sets:
+        assert "faster:" in text  # the lines of the breakdown that differ most
+    assert sum(result.rejected.values()) > 0 and all(result.examples[r] for r in result.rejected)
+
+
+def test_search_cli_json_and_its_refusals():
+    cmd = [sys.executable, "-m", "app", "inputs/megatron/gpt_7.5b.yaml", "--search", "--world-size", "128", "--json"]
+    out = json.loads(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout)
+    assert out["world_size"] == 128 and out["machine"] == "selene" and len(out["best"]) == 5
+    assert out["best"][0]["overrides"].startswith("--set parallel.tp=")
+    assert out["best"][0]["predicted"]["step_time_s"] <= out["deck"]["predicted"]["step_time_s"]
+    # A machine without the model's constants: exit 2, naming what it lacks.
+    bad = subprocess.run([*cmd[:5], "--machine", "local", "--nodes", "2"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, check=False)  # fmt: skip
+    assert bad.returncode == 2 and "missing peak_tflops" in bad.stderr

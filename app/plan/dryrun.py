@@ -100,8 +100,10 @@ def make_plan(
     machine: Optional[Machine] = None,
     ranks_per_node: Optional[int] = None,
     max_imbalance: float = MAX_IMBALANCE,
+    simulate: bool = True,
 ) -> Plan:
-    """Resolve `deck` for `world_size` (a DeckError if impossible) and plan it."""
+    """Resolve `deck` for `world_size` (a DeckError if impossible) and plan it (`simulate`: see
+    `app.plan.perf.predict`)."""
     start = time.perf_counter()
     deck = resolve_for_world(deck, world_size)
     par = deck.parallel
@@ -122,11 +124,13 @@ def make_plan(
     _check_balance(plan, max_imbalance)
     if machine is None:
         plan.unpredicted = "no machine: pass --machine NAME for a predicted step time"
+    elif plan.problems:
+        plan.unpredicted = "the plan has problems (below): nothing to predict"
     elif machine.missing_for_prediction(deck.train.precision):
         missing = ", ".join(machine.missing_for_prediction(deck.train.precision))
         plan.unpredicted = f"machine {machine.name} lacks {missing} (docs/PERFORMANCE_MODEL.md)"
     else:
-        plan.predicted = predict(deck, machine, layout)
+        plan.predicted = predict(deck, machine, layout, simulate)
     plan.seconds = time.perf_counter() - start
     return plan
 
@@ -136,8 +140,16 @@ def _node_span(layout: GridLayout, axis: str) -> Optional[int]:
     rpn = layout.ranks_per_node
     if rpn is None:
         return None
-    if layout.size(axis) == 1:
+    stride, n = layout.stride(axis), layout.size(axis)
+    if n == 1:
         return 1  # without sampling: a world of 2^20 ranks has 2^20 groups of one
+    # Groups start at multiples of stride x n (plus an offset < stride). Aligned cases in closed form:
+    if stride % rpn == 0:
+        return n  # each member on a node of its own
+    if rpn % (stride * n) == 0:
+        return 1  # the group's stride x n positions lie inside one node
+    if (stride * n) % rpn == 0 and rpn % stride == 0:
+        return stride * n // rpn  # whole nodes, rpn / stride members on each
     return max(len({r // rpn for r in g}) for g in _sample_groups(layout, axis))
 
 

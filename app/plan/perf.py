@@ -339,8 +339,10 @@ def _simulate(
     return clock
 
 
-def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None) -> Prediction:
-    """The step time of a deck resolved for a world size (`resolve_for_world`) on `machine`."""
+def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, simulate: bool = True) -> Prediction:
+    """The step time of a deck resolved for a world size (`resolve_for_world`) on `machine`.
+    `simulate=False` takes the pipeline's steady state plus its bubble instead of simulating
+    every pass (the search ranks thousands of grids so, then simulates the best)."""
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     dev = device_of(machine, tr.precision)
@@ -375,7 +377,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None) -
     bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]
     p2p_bytes = tr.micro_batch * (m.seq_len // (tp if par.sequence_parallel else 1)) * m.hidden * e
     p2p = links["pp"].p2p(p2p_bytes) if pp > 1 else 0.0
-    if pp * v * micro <= MAX_SIMULATED_PASSES:
+    if simulate and pp * v * micro <= MAX_SIMULATED_PASSES:
         finish = _simulate(pp, v, micro, fwd, bwd, p2p, par.overlap_pp_comm)
     else:  # the steady state dominates: busy time plus the interleaved 1F1B bubble, (pp - 1) / v chunks
         per_stage = [sum(fwd[c] + bwd[c] for c in range(s, pp * v, pp)) for s in range(pp)]

@@ -1,0 +1,230 @@
+"""The grid search: `python -m app DECK --search --machine M --nodes N [--top K] [--json]`.
+
+For the deck's model and global batch on N nodes of machine M, every combination of tp
+(dividing the devices of a node), pp, micro-batch size, virtual stages, sequence
+parallelism, recompute mode and ZeRO stage is checked like a deck (`app.deck.validate`,
+`resolve_for_world`) and planned like a dry run (memory, placement, balance). Each invalid
+one is rejected with its reason; the rest are ranked by the predicted step time
+(`app.plan.perf`, with the pipeline's steady state plus bubble), and the best `top` are
+predicted again with the schedule simulated pass by pass. The deck's own configuration goes
+through the same path, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from app.deck import Deck, validate
+from app.errors import GridlmError
+from app.plan.dryrun import GiB, Plan, make_plan
+from app.plan.machine import Machine
+
+MICRO_BATCHES = (1, 2, 4, 8)
+VIRTUAL_STAGES = (1, 2, 4)
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class Candidate:
+    """One configuration: its `--set` overrides, and its plan or why it was rejected."""
+
+    sets: dict[str, Any]
+    plan: Optional[Plan] = None
+    rejected: str = ""
+
+    @property
+    def step(self) -> float:
+        return self.plan.predicted.step_time_s if self.plan and self.plan.predicted else float("inf")
+
+    def overrides(self) -> str:
+        return " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.sets.items())
+
+
+@dataclass
+class SearchResult:
+    world_size: int
+    machine: Machine
+    best: list[Candidate]
+    own: Candidate
+    tried: int
+    rejected: Counter = field(default_factory=Counter)  # reason -> count
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> one full message
+    seconds: float = 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _configurations(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
+    m = deck.model
+    for tp in _divisors(machine.devices_per_node):
+        for pp in [p for p in _divisors(world // tp) if p <= m.layers] if world % tp == 0 else []:
+            for mb in sorted({*MICRO_BATCHES, deck.train.micro_batch}):
+                for v in VIRTUAL_STAGES if pp > 1 else (1,):
+                    for sp in (False, True) if tp > 1 else (False,):
+                        for rc in RECOMPUTE:
+                            for zero in (0, 1) if world // (tp * pp) > 1 else (0,):
+                                yield {
+                                    "parallel.tp": tp, "parallel.pp": pp, "parallel.virtual_stages": v,
+                                    "parallel.sequence_parallel": sp, "train.micro_batch": mb,
+                                    "train.recompute": rc, "optim.zero": zero,
+                                }  # fmt: skip
+
+
+def _own(deck: Deck) -> dict[str, Any]:
+    par, tr = deck.parallel, deck.train
+    return {
+        "parallel.tp": par.tp, "parallel.pp": par.pp, "parallel.virtual_stages": par.virtual_stages,
+        "parallel.sequence_parallel": par.sequence_parallel, "train.micro_batch": tr.micro_batch,
+        "train.recompute": tr.recompute, "optim.zero": deck.optim.zero,
+    }  # fmt: skip
+
+
+def _apply(deck: Deck, sets: dict[str, Any]) -> Deck:
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in sets.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    changes = {s: dataclasses.replace(getattr(deck, s), **kv) for s, kv in sections.items()}
+    # dp follows from the world size; a balanced split (the deck's stage_layers fit its own pp only).
+    changes["parallel"] = dataclasses.replace(changes["parallel"], dp="auto", stage_layers=None)
+    return dataclasses.replace(deck, **changes)
+
+
+def _evaluate(deck: Deck, sets: dict[str, Any], world: int, machine: Machine, simulate: bool) -> Candidate:
+    candidate = Candidate(sets)
+    try:
+        variant = _apply(deck, sets)
+        validate(variant)
+        plan = make_plan(variant, world, machine, simulate=simulate)
+    except GridlmError as err:
+        candidate.rejected = str(err)
+        return candidate
+    if plan.problems:
+        candidate.rejected = plan.problems[0]
+    candidate.plan = plan
+    return candidate
+
+
+def _reason(message: str) -> str:
+    """A short category for counting rejections."""
+    for words, label in (("does not fit", "does not fit in device memory"), ("span", "tp spans nodes"),
+                         ("slowest stage", "unbalanced stages"), ("multiple of", "indivisible"),
+                         ("must divide", "indivisible"), ("at least", "too few layers for the chunks")):  # fmt: skip
+        if words in message:
+            return label
+    return message.split(":")[0][:60]
+
+
+def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResult:
+    """Rank every valid configuration of `deck` on `world` ranks of `machine`."""
+    start = time.perf_counter()
+    missing = machine.missing_for_prediction(deck.train.precision)
+    if missing:
+        from app.plan.machine import MachineError
+
+        raise MachineError(
+            f"machine {machine.name}: the search needs predicted step times; missing {', '.join(missing)}"
+        )
+    ranked, tried = [], 0
+    result = SearchResult(world, machine, [], Candidate(_own(deck)), 0)
+    fits_without_recompute: set[tuple] = set()
+    for sets in _configurations(deck, world, machine):
+        tried += 1
+        # Recomputation only adds work: where a configuration fits without it, its recomputing
+        # twins are slower by construction and are not planned (they are counted).
+        twin = tuple(v for k, v in sets.items() if k != "train.recompute")
+        if sets["train.recompute"] != "none" and twin in fits_without_recompute:
+            result.rejected["dominated: fits without recompute"] += 1
+            result.examples.setdefault("dominated: fits without recompute", "the same grid fits with recompute none")
+            continue
+        candidate = _evaluate(deck, sets, world, machine, simulate=False)
+        if not candidate.rejected and sets["train.recompute"] == "none":
+            fits_without_recompute.add(twin)
+        if candidate.rejected:
+            reason = _reason(candidate.rejected)
+            result.rejected[reason] += 1
+            result.examples.setdefault(reason, candidate.rejected)
+        else:
+            ranked.append(candidate)
+    ranked.sort(key=lambda c: c.step)
+    # The leaders again with the schedule simulated pass by pass (one more than shown, since the
+    # simulation can reorder close ones).
+    best = [_evaluate(deck, c.sets, world, machine, simulate=True) for c in ranked[: top + 1]]
+    result.own = _evaluate(deck, _own(deck), world, machine, simulate=True)
+    if not result.own.rejected and all(c.sets != result.own.sets for c in best):
+        best.append(result.own)  # so the best shown is never slower than the deck's own
+    result.best = sorted(best, key=lambda c: c.step)[:top]
+    result.tried = tried
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _row(c: Candidate) -> str:
+    s, p = c.sets, c.plan
+    assert p is not None and p.predicted is not None
+    q = p.predicted
+    peak = p.peak_stage().total(p.deck.optim.zero, p.deck.train.recompute) / GiB
+    return (
+        f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  tp {s['parallel.tp']} pp "
+        f"{s['parallel.pp']} dp {p.deck.dp} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
+        f"{'y' if s['parallel.sequence_parallel'] else 'n'} recompute {s['train.recompute']} zero {s['optim.zero']}"
+        f"  {peak:.1f} GiB"
+    )
+
+
+def format_text(result: SearchResult, deck_path: str) -> str:
+    r = result
+    lines = [
+        f"gridlm search: {deck_path} on {r.world_size:,} ranks of {r.machine.name}: {r.tried:,} configurations, "
+        f"{sum(r.rejected.values()):,} rejected, {r.seconds:.1f} s",
+        "  step time  TFLOP/s   MFU  configuration (TFLOP/s counts recompute; memory: the peak stage per device)",
+    ]
+    lines += [f"  {_row(c)}" for c in r.best]
+    if r.best:
+        lines.append(f"  best:  {r.best[0].overrides()}")
+    own = r.own
+    if own.rejected:
+        lines.append(f"  deck:  rejected: {own.rejected}")
+    else:
+        lines.append(f"  deck:{_row(own)[1:]}")
+        if r.best and r.best[0].step < own.step:
+            lines.append(f"         the best is {own.step / r.best[0].step:.2f}x faster: {_why(r.best[0], own)}")
+    for reason, count in r.rejected.most_common():
+        lines.append(f"  rejected {count:,}: {reason}, e.g. {r.examples[reason][:160]}")
+    return "\n".join(lines)
+
+
+def _why(best: Candidate, own: Candidate) -> str:
+    """Where the best configuration's step differs most from the deck's, by breakdown line."""
+    assert best.plan and own.plan and best.plan.predicted and own.plan.predicted
+    a, b = best.plan.predicted.breakdown, own.plan.predicted.breakdown
+    gains = sorted(((b[k] - a[k], k) for k in a if k != "recompute"), reverse=True)[:2]
+    return ", ".join(f"{k} {b[k]:.3g} -> {a[k]:.3g} s" for gain, k in gains if gain > 0)
+
+
+def to_json(result: SearchResult) -> dict[str, Any]:
+    def one(c: Candidate) -> dict[str, Any]:
+        predicted = c.plan.predicted.to_dict() if c.plan and c.plan.predicted else None
+        return {"sets": c.sets, "overrides": c.overrides(), "predicted": predicted, "rejected": c.rejected or None}
+
+    return {
+        "world_size": result.world_size,
+        "machine": result.machine.name,
+        "tried": result.tried,
+        "best": [one(c) for c in result.best],
+        "deck": one(result.own),
+        "rejected": dict(result.rejected),
+        "seconds": result.seconds,
+    }
+
+
+def dump_json(result: SearchResult) -> str:
+    return json.dumps(to_json(result), indent=1)
