@@ -184,3 +184,80 @@ def test_search_cli_json_and_its_refusals():
     bad = subprocess.run([*cmd[:5], "--machine", "local", "--nodes", "2"], cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=False)  # fmt: skip
     assert bad.returncode == 2 and "missing peak_tflops" in bad.stderr
+
+
+# -- the model's messages against what a run really sends (under mpirun -n 4) ---------------
+
+SPIED = {  # torch.distributed call -> bytes it moves, by the model's convention (the full size)
+    "all_reduce": ("all_reduce", lambda t, *a, **k: t.numel() * t.element_size()),
+    "all_gather_single": ("all_gather", lambda out, inp, *a, **k: out.numel() * out.element_size()),
+    "reduce_scatter_single": ("reduce_scatter", lambda out, inp, *a, **k: inp.numel() * inp.element_size()),
+    "isend": ("send", lambda t, *a, **k: t.numel() * t.element_size()),
+}
+TINY = ("model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
+        "train.global_batch=16", "train.micro_batch=2", "run.log_every=100", "parallel.dp_bucket_mb=0.02",
+        "run.resume=none", "checkpoint.at_exit=false")  # fmt: skip
+MESSAGE_GRIDS = [
+    (2, 2, 1, ()),
+    (2, 1, 2, ("parallel.sequence_parallel=true", "optim.zero=1")),
+    (2, 2, 1, ("parallel.sequence_parallel=true", "train.recompute=full", "train.precision=bf16")),
+    (1, 2, 2, ("parallel.virtual_stages=2", "model.tie_embeddings=false", "train.grad_reduce_dtype=compute")),
+]
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("grid", MESSAGE_GRIDS, ids=lambda g: f"tp{g[0]}-pp{g[1]}-dp{g[2]}" + "".join(
+    "-" + e.split(".")[-1].replace("=", "") for e in g[3]))  # fmt: skip
+def test_the_model_charges_the_bytes_a_run_really_sends(runtime, grids, shared_tmp, monkeypatch, grid):
+    """One optimizer step of a real trainer, with every torch.distributed call it makes counted
+    (the calls still run): per (axis, op), the bytes equal `perf.step_messages`, up to what the
+    model leaves out by design: scalar all-reduces (64 bytes per axis at most), under SP the
+    tp sums of the replicated parameters' gradients, and the padding of each dp bucket to a
+    multiple of dp (< dp elements each)."""
+    import torch.distributed as dist
+
+    from app.plan.perf import step_messages
+    from conftest import grid_trainer
+
+    if runtime.world_size != 4:
+        pytest.skip("Test requires 4 MPI processes exactly (the grids fill 4 ranks)")
+    tp, pp, dp, extra = grid
+    trainer = grid_trainer(grids, tp, pp, dp, (*TINY, *extra, f"run.dir={shared_tmp}"))
+    axis_of = {tuple(sorted(ranks)): axis for axis, ranks in trainer.grid.ranks.items() if len(ranks) > 1}
+    counted: dict[tuple[str, str], float] = {}
+    for name, (op, size) in SPIED.items():
+        real = getattr(dist, name)
+
+        def spy(*args, _real=real, _op=op, _size=size, **kwargs):
+            group = kwargs.get("group")
+            ranks = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else ()
+            key = (axis_of.get(ranks, "other"), _op)
+            counted[key] = counted.get(key, 0.0) + _size(*args, **kwargs)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, spy)
+    trainer.model.train()
+    trainer.step()  # the first step may set things up
+    trainer.dp.wait_params()
+    counted.clear()
+    trainer.step()
+    trainer.dp.wait_params()
+    monkeypatch.undo()
+
+    deck, stage = trainer.deck, trainer.grid.coords["pp"]
+    model = step_messages(deck, stage)
+    m, g = deck.model, 4 if deck.train.grad_reduce_dtype == "fp32" else 2
+    layers = len(trainer.pipeline.layers)
+    slack = {
+        "tp": 64 + (g * (6 * m.hidden * layers + 2 * m.hidden + m.seq_len * m.hidden) if deck.parallel.sequence_parallel else 0),
+        "dp": 64 + len(trainer.dp.buckets) * dp * 4,
+        "pp": 64, "other": 64,
+    }  # fmt: skip
+    problems = []
+    for key in sorted(set(counted) | set(model)):
+        extra_bytes = counted.get(key, 0.0) - model.get(key, 0.0)
+        if not 0 <= extra_bytes <= slack[key[0]]:
+            problems.append(f"stage {stage} {key}: sent {counted.get(key, 0):,.0f} B, model {model.get(key, 0):,.0f} B")
+    problems = sum(runtime.comm.allgather(problems), [])
+    assert not problems, "\n".join(problems)
+    assert any(v > 1000 for v in counted.values())  # something real was counted

@@ -208,8 +208,96 @@ class _Pass:
         return _Pass(self.gemm * k, self.attention * k, self.elementwise * k, self.tp * k)
 
 
-def _layer_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
-    """(forward, backward) of one transformer block on one micro-batch, one tp rank."""
+def tp_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
+    """The tensor-parallel collectives gridlm runs per micro-batch, as (op, bytes) with bytes the
+    full (unsharded) size: per block forward and backward (the column-parallel input gradients,
+    which overlap the weight-gradient GEMM, apart), the head (+ vocab-parallel cross-entropy)
+    and the embedding. tests/test_perf.py counts what a run really sends against these.
+
+    `layer_recompute` is what full recomputation runs again: torch's checkpoint stops once it
+    has rebuilt every tensor the backward saved, so without dropout (whose mask is saved) it
+    stops after the MLP's output GEMM, before that GEMM's all-reduce or reduce-scatter."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    if par.tp == 1:
+        return {k: [] for k in ("layer_forward", "layer_recompute", "layer_backward", "layer_backward_overlapped",
+                                "head_forward", "head_backward", "embedding_forward", "embedding_backward")}  # fmt: skip
+    tokens = tr.micro_batch * m.seq_len
+    x = float(tokens * m.hidden * BYTES[tr.precision])
+    if par.sequence_parallel:
+        # all-gather before QKV and fc, reduce-scatter after the output projection and proj; in
+        # backward the reduce-scatters' all-gathers, and the column-parallel input gradients'
+        # reduce-scatters; the embedding reduce-scatters (its backward all-gathers); the head
+        # all-gathers its input (its backward reduce-scatters the input gradient).
+        forward = [("all_gather", x)] * 2 + [("reduce_scatter", x)] * 2
+        return {
+            "layer_forward": forward,
+            "layer_recompute": forward if m.dropout > 0 else forward[:-1],
+            "layer_backward": [("all_gather", x)] * 2,
+            "layer_backward_overlapped": [("reduce_scatter", x)] * 2,
+            "head_forward": [("all_gather", x)] + [("all_reduce", tokens * 4.0)] * 3,
+            "head_backward": [("reduce_scatter", x)],
+            "embedding_forward": [("reduce_scatter", x)],
+            "embedding_backward": [("all_gather", x)],
+        }
+    return {
+        "layer_forward": [("all_reduce", x)] * 2,
+        "layer_recompute": [("all_reduce", x)] * (2 if m.dropout > 0 else 1),
+        "layer_backward": [],
+        "layer_backward_overlapped": [("all_reduce", x)] * 2,
+        "head_forward": [("all_reduce", tokens * 4.0)] * 3,  # max, sum of exponentials, target logit
+        "head_backward": [("all_reduce", x)],
+        "embedding_forward": [("all_reduce", x)],
+        "embedding_backward": [],
+    }
+
+
+def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
+    """Bytes one rank of pipeline `stage` sends per optimizer step, by (axis, op): the messages
+    the time model charges (collectives by their full size, p2p sends by their payload).
+    Not included: scalar all-reduces (loss, gradient norm, the non-finite check) and, under
+    sequence parallelism, the tp sums of the replicated parameters' gradients."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    pp, v, micro = par.pp, par.virtual_stages, deck.num_micro_batches
+    e, g = BYTES[tr.precision], BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    chunks = partition_layers(m.layers, pp * v, par.stage_layers)
+    mine = list(range(stage, pp * v, pp))
+    layers = sum(len(chunks[c]) for c in mine)
+    first, last = stage == 0, stage == pp - 1
+    out: dict[tuple[str, str], float] = {}
+
+    def add(axis: str, op: str, nbytes: float) -> None:
+        if nbytes:
+            out[(axis, op)] = out.get((axis, op), 0.0) + nbytes
+
+    tp = tp_collectives(deck)
+    per_layer = tp["layer_forward"] + (tp["layer_recompute"] if tr.recompute == "full" else []) + tp["layer_backward"]
+    per_micro = per_layer * layers + tp["layer_backward_overlapped"] * layers
+    per_micro += (tp["embedding_forward"] + tp["embedding_backward"]) if first else []
+    per_micro += (tp["head_forward"] + tp["head_backward"]) if last else []
+    for op, nbytes in per_micro:
+        add("tp", op, micro * nbytes)
+    if pp > 1:
+        sends = sum(int(c < pp * v - 1) + int(c > 0) for c in mine)  # activations forward, gradients back
+        add("pp", "send", micro * sends * tr.micro_batch * (m.seq_len // (par.tp if par.sequence_parallel else 1))
+            * m.hidden * e)  # fmt: skip
+    if deck.dp > 1:
+        params = stage_params(m, par.tp, layers, first, last)
+        if deck.optim.zero:
+            add("dp", "reduce_scatter", params * g)
+            add("dp", "all_gather", params * e)
+        else:
+            add("dp", "all_reduce", params * g)
+    if m.tie_embeddings and pp > 1 and (first or last):
+        add("pp", "all_reduce", (m.vocab_size // par.tp) * m.hidden * g)
+    return out
+
+
+def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
+    return link.all_reduce(n, nbytes) if op == "all_reduce" else link.all_gather(n, nbytes)
+
+
+def _layer_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass, _Pass]:
+    """(forward, backward, full recompute) of one transformer block on one micro-batch, one tp rank."""
     m, par, tr = deck.model, deck.parallel, deck.train
     t, sp = par.tp, par.sequence_parallel
     e = BYTES[tr.precision]
@@ -228,23 +316,19 @@ def _layer_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]
     if m.dropout > 0:
         per_token += 2 * (2 * h * e + h) / t_sp
     elem_fwd = dev.stream(tokens * per_token)
-    # Tensor parallelism: the full activation is X bytes; two collectives per pass direction.
-    x = tokens * h * e
-    if sp:
-        tp_fwd = 2 * tp_link.all_gather(t, x) + 2 * tp_link.all_gather(t, x)  # AG in, RS out
-        row_bwd = 2 * tp_link.all_gather(t, x)  # the reduce-scatter's backward: all-gather
-        col_bwd = [tp_link.all_gather(t, x)] * 2  # input-gradient reduce-scatter of QKV and fc
-    else:
-        tp_fwd = 2 * tp_link.all_reduce(t, x)
-        row_bwd = 0.0
-        col_bwd = [tp_link.all_reduce(t, x)] * 2
+    tp_msgs = tp_collectives(deck)
+    tp_fwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_forward"])
+    tp_recompute = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_recompute"])
+    row_bwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_backward"])
+    col_bwd = [_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_backward_overlapped"]]
     # QKV and fc (linears 0 and 2) are the column-parallel ones: their input-gradient collective
     # overlaps their weight-gradient GEMM when overlap_tp_comm is on.
     hidden_by = [wgrad[0], wgrad[2]] if par.overlap_tp_comm else [0.0, 0.0]
     tp_bwd = row_bwd + sum(max(0.0, c - w) for c, w in zip(col_bwd, hidden_by))
     forward = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_fwd)
     backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd, tp_bwd)
-    return forward, backward
+    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_recompute)  # see tp_collectives
+    return forward, backward, recompute
 
 
 def _attention(deck: Deck, dev: Device) -> tuple[float, float]:
@@ -276,15 +360,14 @@ def _head_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
     m, par, tr = deck.model, deck.parallel, deck.train
     t, e = par.tp, BYTES[tr.precision]
     tokens, v = tr.micro_batch * m.seq_len, m.vocab_size // par.tp
-    x = tokens * m.hidden * e
-    gather = tp_link.all_gather(t, x) if par.sequence_parallel else 0.0
-    # Logits written in the compute dtype, then max, exp (fp32), sum, the picked logit; three
-    # all-reduces of one fp32 per token; backward: the softmax gradient.
-    ce_fwd = dev.stream(tokens * v * (e + 4 + 4 + 4)) + 3 * tp_link.all_reduce(t, tokens * 4)
-    fwd = _Pass(dev.gemm(tokens, v, m.hidden, e), 0.0, ce_fwd, gather)
-    grad_x = tp_link.all_gather(t, x) if par.sequence_parallel else tp_link.all_reduce(t, x)
+    msgs = tp_collectives(deck)
+    comm_fwd = sum(_cost(tp_link, t, op, n) for op, n in msgs["head_forward"])
+    comm_bwd = sum(_cost(tp_link, t, op, n) for op, n in msgs["head_backward"])
+    # Logits written in the compute dtype, then max, exp (fp32), sum, the picked logit; backward:
+    # the softmax gradient.
+    fwd = _Pass(dev.gemm(tokens, v, m.hidden, e), 0.0, dev.stream(tokens * v * (e + 4 + 4 + 4)), comm_fwd)
     bwd_gemm = dev.gemm(tokens, m.hidden, v, e) + dev.gemm(v, m.hidden, tokens, e)
-    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e)), grad_x)
+    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e)), comm_bwd)
     return fwd, bwd
 
 
@@ -292,10 +375,9 @@ def _embedding_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _P
     m, par, tr = deck.model, deck.parallel, deck.train
     e, tokens = BYTES[tr.precision], tr.micro_batch * m.seq_len
     x = tokens * m.hidden * e
-    if par.sequence_parallel:
-        comm_fwd, comm_bwd = tp_link.all_gather(par.tp, x), tp_link.all_gather(par.tp, x)
-    else:
-        comm_fwd, comm_bwd = tp_link.all_reduce(par.tp, x), 0.0
+    msgs = tp_collectives(deck)
+    comm_fwd = sum(_cost(tp_link, par.tp, op, n) for op, n in msgs["embedding_forward"])
+    comm_bwd = sum(_cost(tp_link, par.tp, op, n) for op, n in msgs["embedding_backward"])
     # Token rows + positions gathered and added; backward scatter-adds into the tables.
     return _Pass(0.0, 0.0, dev.stream(4 * x), comm_fwd), _Pass(0.0, 0.0, dev.stream(6 * x), comm_bwd)
 
@@ -354,9 +436,9 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     g = BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
     micro = deck.num_micro_batches
 
-    layer_f, layer_b = _layer_passes(deck, dev, links["tp"])
+    layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"])
     if tr.recompute == "full":
-        layer_b = layer_b + layer_f  # the forward again, just before each block's backward
+        layer_b = layer_b + layer_r  # the forward again, just before each block's backward
     elif tr.recompute == "selective":
         layer_b = layer_b + _Pass(attention=layer_f.attention)
     head_f, head_b = _head_passes(deck, dev, links["tp"])
@@ -422,7 +504,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     mine = [c for c in range(pp * v) if c % pp == slowest]
     busy_f = sum((fwd_parts[c] for c in mine), _Pass()).scaled(micro)
     busy_b = sum((bwd_parts[c] for c in mine), _Pass()).scaled(micro)
-    recompute = layer_f.scaled(sum(chunks[c] for c in mine) * micro).total if tr.recompute == "full" else 0.0
+    recompute = layer_r.scaled(sum(chunks[c] for c in mine) * micro).total if tr.recompute == "full" else 0.0
     busy = busy_f.total + busy_b.total + accumulate[slowest] * micro
     breakdown = {
         "gemm": busy_f.gemm + busy_b.gemm,
