@@ -408,6 +408,55 @@ def run_local(study: Study, points: list[Point], out: Path, force: bool) -> list
     return entries
 
 
+def predict_points(study: Study, points: list[Point]) -> list[dict[str, Any]]:
+    """Each point's deck planned and predicted on the study's machine (app/plan/perf.py), no run.
+
+    Weak studies: efficiency = model TFLOP/s per device / the first point's. Strong: speedup =
+    tokens/s / the first point's, efficiency = speedup x first GPUs / GPUs."""
+    from app.plan.dryrun import make_plan
+    from app.plan.estimate import stage_params
+    from app.plan.machine import load_machine
+
+    machine = load_machine(study.machine)
+    rows: list[dict[str, Any]] = []
+    for pt in points:
+        deck = resolve_for_world(load_deck(study.base, pt.overrides), pt.ranks)
+        plan = make_plan(deck, pt.ranks, machine)
+        if plan.predicted is None:
+            raise StudyError(
+                f"{_where(study, pt)}: no prediction: {plan.problems[0] if plan.problems else plan.unpredicted}"
+            )
+        q = plan.predicted
+        m, par = deck.model, deck.parallel
+        rows.append({
+            "point": pt.point, "nodes": pt.nodes, "gpus": pt.ranks, "label": pt.label,
+            "parameters": stage_params(m, 1, m.layers, True, True), "grid": {"tp": par.tp, "pp": par.pp, "dp": deck.dp},
+            "global_batch": deck.train.global_batch, **q.to_dict(),
+        })  # fmt: skip
+    base = rows[0]
+    for row in rows:
+        if study.kind == "weak":
+            row["efficiency"] = row["tflops_per_device"] / base["tflops_per_device"]
+        else:
+            row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+            row["efficiency"] = row["speedup"] * base["gpus"] / row["gpus"]
+    return rows
+
+
+def print_predicted(study: Study, rows: list[dict[str, Any]]) -> None:
+    print(f"study {study.name}: predicted {study.kind} scaling on {study.machine_name} (app/plan/perf.py; no runs)")
+    print("  nodes    GPUs  params  tp x pp x dp   step (s)  TFLOP/s/GPU   MFU  efficiency  largest loss")
+    for r in rows:
+        b = {k: v for k, v in r["breakdown"].items() if k not in ("gemm", "recompute")}
+        worst = max(b, key=b.get)  # type: ignore[arg-type]
+        g = r["grid"]
+        print(
+            f"  {r['nodes']:>5} {r['gpus']:>7} {r['parameters'] / 1e9:6.1f}B  {g['tp']} x {g['pp']} x {g['dp']:<6}"
+            f" {r['step_time_s']:9.3g}  {r['tflops_per_device']:11.1f} {100 * r['mfu']:5.1f}%  {100 * r['efficiency']:9.1f}%"
+            f"  {worst} {b[worst]:.3g} s"
+        )
+
+
 def print_table(study: Study, points: list[Point], entries: list[dict[str, Any]]) -> None:
     """One row per point: nodes, ranks, grid, global batch, status, run dir and script."""
     rows = [("point", "nodes", "ranks", "tp x pp x dp", "global_batch", "status", "run dir", "script")]
@@ -447,6 +496,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "Exit status 1 if a point failed",
     )
     p.add_argument(
+        "--predict",
+        action="store_true",
+        help="no runs: predict every point on the study's machine (app/plan/perf.py) and write predicted.json "
+        "next to manifest.json (postprocess.scaling draws it beside measured points)",
+    )
+    p.add_argument(
         "--force",
         action="store_true",
         help="write scripts past plan problems (--run-local: run points whose deck check fails)",
@@ -463,6 +518,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         study = load_study(Path(args.study))
         out = Path(os.path.abspath(args.out or Path("jobs") / study.name))
         points = expand(study, run_local=args.run_local, runs=Path.cwd() / "runs")
+        if args.predict:
+            rows = predict_points(study, points)
+            out.mkdir(parents=True, exist_ok=True)
+            data = {"study": study.name, "kind": study.kind, "machine": study.machine_name, "points": rows,
+                    "model": "app/plan/perf.py (docs/PERFORMANCE_MODEL.md)"}  # fmt: skip
+            (out / "predicted.json").write_text(json.dumps(data, indent=2) + "\n")
+            print_predicted(study, rows)
+            print(f"study: wrote {out / 'predicted.json'}")
+            return 0
         if args.run_local:
             print(
                 f"study: note: --run-local: every point runs here (mpirun -n <point>); machine {study.machine_name} is not used"

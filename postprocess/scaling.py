@@ -3,7 +3,10 @@
     python -m postprocess.scaling RUN... --out results/NAME/ [--kind weak|strong] [--title T]
 
 A RUN is a run directory (summary.json, metrics.jsonl, deck.yaml), a study manifest
-(manifest.json, written by launch/study.py) or a directory holding one. A manifest brings
+(manifest.json, written by launch/study.py) or a directory holding one, or the predicted
+points of a study (predicted.json, written by `launch.study --predict`; a directory with a
+manifest and a predicted.json brings both). Predicted points are drawn beside the measured
+ones (dashed) and get their own columns; a study with predictions only is reported alone. A manifest brings
 in every point the study planned, so that points which failed or never ran show up as gaps
 instead of silently vanishing. Runs are grouped by study (summary.json's study.name, else
 the manifest's study, else deck.yaml's run.study): one study writes its files into --out,
@@ -199,6 +202,32 @@ def manifest_runs(path: Path) -> list[Run]:
         run.machine = m.get("machine")
         runs.append(run)
     return runs
+
+
+def collect_predicted(paths: list[str]) -> dict[Optional[str], dict[str, Any]]:
+    """The predicted.json files named on the command line (or beside a manifest), by study."""
+    found: dict[Optional[str], dict[str, Any]] = {}
+    for arg in paths:
+        path = Path(arg)
+        path = path / "predicted.json" if path.is_dir() else path
+        if path.name == "predicted.json" and path.is_file():
+            data = read_json(path)
+            if not isinstance(data, dict) or not isinstance(data.get("points"), list):
+                raise ScalingError(f"{path} is not a prediction: it needs a 'points' list (launch.study --predict)")
+            found[data.get("study")] = data
+    return found
+
+
+def predicted_only(paths: list[str]) -> list[str]:
+    """The arguments that are predictions and nothing else (no manifest, no run)."""
+    out = []
+    for arg in paths:
+        path = Path(arg)
+        if (path.is_file() and path.name == "predicted.json") or (
+            path.is_dir() and (path / "predicted.json").is_file() and not (path / "manifest.json").is_file()
+        ):
+            out.append(arg)
+    return out
 
 
 def collect(paths: list[str]) -> list[Run]:
@@ -497,28 +526,44 @@ def figure_gaps(rows: list[dict[str, Any]]) -> list[str]:
     return [f"no result: {gpus_text(r)}, {r['status'].split(' (')[0]}" for r in rows if r["tokens_per_s"] is None]
 
 
+def predicted_series(predicted: Optional[dict[str, Any]], kind: str) -> tuple[list[int], list[float]]:
+    if not predicted:
+        return [], []
+    points = predicted["points"]
+    key = "efficiency" if kind == "weak" else "speedup"
+    return [p["gpus"] for p in points], [100 * p[key] if kind == "weak" else p[key] for p in points]
+
+
 def plot_scaling(
-    rows: list[dict[str, Any]], kind: str, baseline: dict[str, Any], title: Optional[str], out: Path
-) -> list[Path]:
+    rows: list[dict[str, Any]], kind: str, baseline: dict[str, Any], title: Optional[str], out: Path,
+    predicted: Optional[dict[str, Any]] = None,
+) -> list[Path]:  # fmt: skip
     import matplotlib
 
+    px, py = predicted_series(predicted, kind)
     with matplotlib.rc_context(RC):
         fig, ax = new_axes(title)
         x, y = series(rows, "efficiency_pct" if kind == "weak" else "speedup")
+        if px:
+            ax.plot(px, py, marker="s", linestyle="--", label="predicted (app/plan/perf.py)")
         if kind == "weak":
             ax.axhline(100, color="0.4", linestyle="--", linewidth=0.8, label="ideal (100%)")
-            ax.plot(x, y, marker="o", label="measured")
-            ax.set_ylim(0, max(110, *(v * 1.05 for v in y if not math.isnan(v))))
+            if y:
+                ax.plot(x, y, marker="o", label="measured")
+            ax.set_ylim(0, max(110, *(v * 1.05 for v in [*y, *py] if not math.isnan(v))))
             ax.set_ylabel(f"Weak-scaling efficiency (%)\nvs {n_gpus(baseline['gpus'])}")
         else:
             from matplotlib.ticker import FuncFormatter
 
-            ax.plot(x, [g / baseline["gpus"] for g in x], color="0.4", linestyle="--", linewidth=0.8, label="ideal")
-            ax.plot(x, y, marker="o", label="measured")
+            every = sorted({*x, *px})
+            ax.plot(every, [g / baseline["gpus"] for g in every], color="0.4", linestyle="--", linewidth=0.8,
+                    label="ideal")  # fmt: skip
+            if y:
+                ax.plot(x, y, marker="o", label="measured")
             ax.set_yscale("log", base=2)
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.set_ylabel(f"Speedup over {n_gpus(baseline['gpus'])}")
-        gpu_axis(ax, x)
+        gpu_axis(ax, [*x, *px])
         note_entries(ax, figure_gaps(rows))
         return save(fig, out, "weak_efficiency" if kind == "weak" else "strong_speedup")
 
@@ -562,7 +607,36 @@ def default_title(study: Study) -> str:
     return f"{study.kind.capitalize()} scaling{name}" + (f" ({machine})" if machine else "")
 
 
-def report(study: Study, title: str, out: Path) -> list[Path]:
+def predicted_table(predicted: dict[str, Any], kind: str) -> str:
+    head = ["nodes", "GPUs", "grid", "predicted step (s)", "TFLOP/s per GPU", "MFU (%)",
+            *(["speedup"] if kind == "strong" else []), "efficiency (%)", "largest loss"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in predicted["points"]:
+        g = p["grid"]
+        losses = {k: v for k, v in p["breakdown"].items() if k not in ("gemm", "recompute")}
+        worst = max(losses, key=losses.get)  # type: ignore[arg-type]
+        cells = [str(p["nodes"]), str(p["gpus"]), f"{g['tp']}x{g['pp']}x{g['dp']}", f"{p['step_time_s']:.4g}",
+                 f"{p['tflops_per_device']:.3g}", f"{100 * p['mfu']:.1f}",
+                 *([f"{p['speedup']:.2f}"] if kind == "strong" else []), f"{100 * p['efficiency']:.1f}",
+                 f"{worst} {losses[worst]:.3g} s"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report_predicted(predicted: dict[str, Any], title: str, out: Path) -> list[Path]:
+    """A study with predictions only: the predicted table and the scaling figure."""
+    kind = predicted["kind"]
+    out.mkdir(parents=True, exist_ok=True)
+    table = predicted_table(predicted, kind)
+    (out / "predicted.md").write_text(f"# {title} (predicted)\n\nModel: {predicted.get('model')}.\n\n{table}\n")
+    first = predicted["points"][0]
+    baseline = {"gpus": first["gpus"]}
+    files = [out / "predicted.md", *plot_scaling([], kind, baseline, title, out, predicted)]
+    print(f"{title} (predicted, no measured points)\n\n{table}\n\nwrote " + ", ".join(str(p) for p in files))
+    return files
+
+
+def report(study: Study, title: str, out: Path, predicted: Optional[dict[str, Any]] = None) -> list[Path]:
     """Compute, print and write the table, summary.json and the figures of one study."""
     rows, baseline = scaling_rows(study.runs, study.kind)
     notes = problem_notes(study.runs, study.kind) + gap_notes(rows)
@@ -575,7 +649,10 @@ def report(study: Study, title: str, out: Path) -> list[Path]:
     (out / "scaling.md").write_text(markdown(title, table, head))
     write_csv(out / "scaling.csv", rows, COLUMNS)
     files = [out / "scaling.csv", out / "scaling.md", out / "summary.json"]
-    files += plot_scaling(rows, study.kind, baseline, title, out)
+    if predicted:
+        (out / "predicted.md").write_text(f"# {title} (predicted)\n\n{predicted_table(predicted, study.kind)}\n")
+        files.append(out / "predicted.md")
+    files += plot_scaling(rows, study.kind, baseline, title, out, predicted)
     files += plot_pflops(rows, head["flops_kind"], title, out)
     summary = {**head, "columns": COLUMNS, "rows": rows, "files": [p.name for p in files]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -602,12 +679,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--title", help="title of the table and figures (default: from the study and machine)")
     args = parser.parse_args(argv)
     try:
-        studies = load_studies(args.runs, args.kind)
+        predicted = collect_predicted(args.runs)
+        measured = [a for a in args.runs if a not in predicted_only(args.runs)]
+        studies = load_studies(measured, args.kind) if measured else []
         for study in studies:
             out = Path(args.out) if len(studies) == 1 else Path(args.out) / subdir(study.name)
             title = args.title if args.title and len(studies) == 1 else None
             title = title or (f"{args.title}: {study.name}" if args.title else default_title(study))
-            report(study, title, out)
+            report(study, title, out, predicted.pop(study.name, None))
+        for name, alone in predicted.items():
+            out = Path(args.out) if not studies and len(predicted) == 1 else Path(args.out) / subdir(name)
+            title = args.title or f"{alone['kind'].capitalize()} scaling: {name} ({alone.get('machine')})"
+            report_predicted(alone, title, out)
     except ScalingError as err:
         print(f"scaling: {err}", file=sys.stderr)
         return 2

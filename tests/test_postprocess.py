@@ -347,3 +347,22 @@ def test_compare_takes_run_dirs_and_plots_a_published_efficiency(tmp_path, capsy
     assert compare.main([*map(str, dirs), "--published", str(published), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"compare: {published}: the header needs 'gpus' and any of") and err.count("\n") == 1
+
+
+def test_predicted_points_are_drawn_beside_the_measured_ones(tmp_path, capsys):
+    """A predicted.json of the same study (launch.study --predict) adds predicted.md and a dashed
+    line to the efficiency figure; the measured table and efficiencies are unchanged."""
+    dirs = weak_study(tmp_path / "runs")
+    points = [{"nodes": 1, "gpus": g, "grid": {"tp": 1, "pp": 1, "dp": g}, "step_time_s": 10.0 / e,
+               "tflops_per_device": 50.0 * e, "mfu": 0.2 * e, "efficiency": e,
+               "breakdown": {"gemm": 5.0, "dp_exposed": 1.0 / e, "recompute": 0.0}}
+              for g, e in ((1, 1.0), (2, 0.97), (4, 0.93), (8, 0.85))]  # fmt: skip
+    predicted = tmp_path / "predicted.json"
+    predicted.write_text(json.dumps({"study": "s", "kind": "weak", "machine": "local", "points": points}))
+    out = tmp_path / "results"
+    rc, stdout, _ = run_scaling(capsys, *dirs, predicted, "--out", out)
+    assert rc == 0
+    assert_close(column(read_csv(out / "scaling.csv"), "efficiency_pct"), [100, 95, 90, 80])
+    table = (out / "predicted.md").read_text()
+    assert "| 8 | 1x1x8 |" in table and "| 85.0 | dp_exposed 1.18 s |" in table
+    assert_figures(out, "weak_efficiency")

@@ -29,7 +29,8 @@ JOB_POINTS = {
     "local_weak": [(1, 4, 1, 1, 4, 16), (2, 8, 1, 1, 8, 32), (4, 16, 1, 1, 16, 64)],  # 4 samples per rank
     "local_strong": [(1, 4, 1, 1, 4, 16), (2, 8, 1, 1, 8, 16), (4, 16, 1, 1, 16, 16)],
     "frontier_weak": [(64, 512, 8, 1, 64, 512), (128, 1024, 8, 1, 128, 1024), (256, 2048, 8, 1, 256, 2048),
-                      (512, 4096, 8, 1, 512, 4096)],
+                      (512, 4096, 8, 1, 512, 4096), (768, 6144, 8, 1, 768, 6144), (1024, 8192, 8, 2, 512, 4096),
+                      (2048, 16384, 8, 4, 512, 8192), (4096, 32768, 8, 8, 512, 16384)],
     "perlmutter_strong": [(16, 64, 4, 1, 16, 512), (32, 128, 4, 1, 32, 512), (64, 256, 4, 1, 64, 512),
                           (128, 512, 4, 1, 128, 512)],
     "polaris_weak": [(16, 64, 4, 1, 16, 256), (32, 128, 4, 1, 32, 512), (64, 256, 4, 1, 64, 1024),
@@ -291,3 +292,27 @@ def test_every_slurm_machines_job_script_is_accepted_by_sbatch_test_only(
     out = subprocess.run([str(tmp_path / "jobs" / "at_local" / "submit_all.sh"), "--test-only"], env=slurm_env,
                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert out.returncode == 0 and " to start at " in out.stderr, out.stderr
+
+
+def test_predict_writes_every_points_prediction_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """`--predict` plans and predicts each point of frontier_weak (the AxoNN decks to 32,768 GCDs) on
+    Frontier's constants: no job script, no run; weak efficiency = TFLOP/s per GCD / the first point's."""
+    status, out, err = run_study(tmp_path, monkeypatch, capsys, str(STUDIES_DIR / "frontier_weak.yaml"), "--predict")
+    assert status == 0, err
+    data = json.loads((tmp_path / "jobs" / "frontier_weak" / "predicted.json").read_text())
+    points = data["points"]
+    assert [p["gpus"] for p in points] == [512, 1024, 2048, 4096, 6144, 8192, 16384, 32768]
+    assert points[0]["efficiency"] == 1.0
+    for p in points:
+        assert p["efficiency"] == pytest.approx(p["tflops_per_device"] / points[0]["tflops_per_device"])
+        assert 0 < p["mfu"] < 1 and p["step_time_s"] > 0 and set(p["breakdown"]) >= {"gemm", "dp_exposed"}
+    assert not list((tmp_path / "jobs" / "frontier_weak").glob("*.sh")) and not (tmp_path / "runs").exists()
+    assert "32768" in out and "predicted weak scaling on frontier" in out
+    # postprocess draws it (predicted only: a table and the efficiency figure).
+    from postprocess import scaling
+
+    assert (
+        scaling.main([str(tmp_path / "jobs" / "frontier_weak" / "predicted.json"), "--out", str(tmp_path / "p")]) == 0
+    )
+    assert (tmp_path / "p" / "weak_efficiency.png").read_bytes().startswith(b"\x89PNG")
+    assert "| 4096 | 32768 | 8x8x512 |" in (tmp_path / "p" / "predicted.md").read_text()
