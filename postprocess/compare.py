@@ -2,8 +2,10 @@
 
     python -m postprocess.compare RESULTS... --published CSV [--label L] [--kind weak|strong] --out DIR
 
-RESULTS is a results directory of postprocess.scaling (its summary.json), or run
-directories / a manifest as postprocess.scaling takes them (one study). The published CSV
+RESULTS is a results directory of postprocess.scaling (its summary.json), run directories / a
+manifest as postprocess.scaling takes them (one study), or a study's predicted.json
+(`launch.study --predict`): the predicted points, whose TFLOP/s count what the deck's
+recomputation runs again (hardware FLOPs, the convention of Megatron SC21's table). The published CSV
 has a header with `gpus` and any of `tflops_per_gpu`, `pflops` (aggregate), `efficiency`
 and `pct_peak` (percent), and optionally `label` (rows of one label form one series; the
 default series is the `source` column, else the file name), `params_b` and `source`; lines
@@ -85,8 +87,25 @@ def from_scaling_rows(rows: list[dict[str, Any]], label: str, source: str) -> li
     return out
 
 
+def from_predicted(data: dict[str, Any], label: str, source: str) -> list[dict[str, Any]]:
+    """Predicted points (launch.study --predict) as rows of COLUMNS, in hardware FLOPs."""
+    out = []
+    for p in data["points"]:
+        hw = p["hardware_tflops_per_device"]
+        out.append({"series": label, "gpus": p["gpus"], "params_b": p["parameters"] / 1e9, "tflops_per_gpu": hw,
+                    "pflops": hw * p["gpus"] / 1e3, "efficiency_pct": 100 * p["efficiency"],
+                    "pct_peak": 100 * p["mfu"] * hw / p["tflops_per_device"], "status": "predicted",
+                    "source": source})  # fmt: skip
+    return out
+
+
 def our_rows(paths: list[str], kind: Optional[str], label: Optional[str]) -> list[dict[str, Any]]:
-    """Our points as rows of COLUMNS, from a scaling results directory or from runs."""
+    """Our points as rows of COLUMNS, from a scaling results directory, a prediction or runs."""
+    if len(paths) == 1 and Path(paths[0]).name == "predicted.json":
+        data = scaling.read_json(Path(paths[0]))
+        if not isinstance(data, dict) or not isinstance(data.get("points"), list):
+            raise ScalingError(f"{paths[0]} is not a prediction: it needs a 'points' list (launch.study --predict)")
+        return from_predicted(data, label or f"{data.get('study') or 'gridlm'} (predicted)", paths[0])
     if len(paths) == 1 and (Path(paths[0]) / "summary.json").is_file():
         results = scaling.read_json(Path(paths[0]) / "summary.json")
         if isinstance(results, dict) and "rows" in results:
@@ -118,12 +137,39 @@ def plot_metric(rows: list[dict[str, Any]], metric: str, title: str, out: Path) 
             ax.set_yscale("log")
         else:
             ax.set_ylim(0, max(105, *(r[metric] * 1.05 for r in rows if r[metric] is not None)))
-        ax.set_ylabel(ylabel + (" (model FLOPs)" if "flops" in metric else ""))
+        predicted = any(r["status"] == "predicted" for r in rows)
+        counted = " (recompute counted)" if predicted else " (model FLOPs)"  # from_predicted: hardware FLOPs
+        ax.set_ylabel(ylabel + (counted if "flops" in metric else ""))
         scaling.gpu_axis(ax, [r["gpus"] for r in rows if r["gpus"] is not None])
         gaps = [f"no result: {r['gpus']} GPUs, {r['status'].split(' (')[0]}" for r in rows
-                if r["status"] != "published" and not r["status"].startswith("ok")]  # fmt: skip
+                if r["status"] not in ("published", "predicted") and not r["status"].startswith("ok")]  # fmt: skip
         scaling.note_entries(ax, gaps)
         return scaling.save(fig, out, f"compare_{METRICS[metric][0]}")
+
+
+def relative_errors(
+    ours: list[dict[str, Any]], published: list[dict[str, Any]], metrics: list[str]
+) -> list[tuple[int, str, float, float, float]]:
+    """(gpus, metric, ours, published, ours / published - 1) where both sides have the point."""
+    theirs = {r["gpus"]: r for r in published}
+    out = []
+    for r in ours:
+        other = theirs.get(r["gpus"])
+        for m in metrics:
+            if other and r[m] is not None and other[m]:
+                out.append((r["gpus"], m, r[m], other[m], r[m] / other[m] - 1))
+    return out
+
+
+def errors_table(errors: list[tuple[int, str, float, float, float]]) -> str:
+    lines = ["| GPUs | metric | ours | published | error |", "|---|---|---|---|---|"]
+    lines += [f"| {g} | {m} | {a:.4g} | {b:.4g} | {100 * e:+.1f}% |" for g, m, a, b, e in errors]
+    by_metric: dict[str, list[float]] = {}
+    for _, m, _, _, e in errors:
+        by_metric.setdefault(m, []).append(abs(e))
+    lines += ["", *(f"{m}: mean absolute error {100 * sum(v) / len(v):.1f}%, worst {100 * max(v):.1f}%"
+                    for m, v in by_metric.items())]  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -156,6 +202,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in rows:
         cells = [r["series"], r["gpus"], *(("-" if r[m] is None else f"{r[m]:.4g}") for m in metrics), r["status"]]
         print(" | ".join(str(c) for c in cells))
+    errors = relative_errors(ours, published, metrics)
+    if errors:
+        (out / "errors.md").write_text(errors_table(errors))
+        files.append(out / "errors.md")
+        print(errors_table(errors))
     print("wrote " + ", ".join(str(p) for p in files))
     return 0
 

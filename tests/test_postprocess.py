@@ -366,3 +366,24 @@ def test_predicted_points_are_drawn_beside_the_measured_ones(tmp_path, capsys):
     table = (out / "predicted.md").read_text()
     assert "| 8 | 1x1x8 |" in table and "| 85.0 | dp_exposed 1.18 s |" in table
     assert_figures(out, "weak_efficiency")
+
+
+def test_compare_puts_a_prediction_next_to_the_published_table(tmp_path, capsys):
+    """launch.study --predict of selene_megatron (every row of Megatron SC21 Table 1) against the
+    table: one point per row on each side, errors.md with the per-row error (the ±15% of
+    tests/test_perf.py) and the mean."""
+    from launch import study as study_cli
+
+    out = tmp_path / "jobs"
+    assert study_cli.main([str(REPO / "inputs/studies/selene_megatron.yaml"), "--predict", "--out", str(out)]) == 0
+    rc = compare.main([str(out / "predicted.json"), "--published", str(MEGATRON), "--out", str(tmp_path / "cmp")])
+    assert rc == 0
+    rows = read_csv(tmp_path / "cmp" / "compare.csv")
+    assert [r["gpus"] for r in rows if r["status"] == "predicted"] == [
+        r["gpus"] for r in rows if r["status"] == "published"
+    ]
+    errors = (tmp_path / "cmp" / "errors.md").read_text()
+    per_row = [float(line.split("|")[5].strip(" %+")) for line in errors.splitlines() if "| tflops_per_gpu |" in line]
+    assert len(per_row) == 10 and max(abs(e) for e in per_row) <= 15.0
+    assert "tflops_per_gpu: mean absolute error" in errors
+    assert_figures(tmp_path / "cmp", "compare_tflops_per_gpu")

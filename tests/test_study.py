@@ -35,8 +35,10 @@ JOB_POINTS = {
                           (128, 512, 4, 1, 128, 512)],
     "polaris_weak": [(16, 64, 4, 1, 16, 256), (32, 128, 4, 1, 32, 512), (64, 256, 4, 1, 64, 1024),
                      (128, 512, 4, 1, 128, 2048)],
-    "selene_megatron": [(4, 32, 1, 1, 32, 512), (16, 128, 4, 1, 32, 512), (64, 512, 8, 2, 32, 1536),
-                        (192, 1536, 8, 8, 24, 2304), (315, 2520, 8, 35, 9, 2520), (384, 3072, 8, 64, 6, 3072)],
+    "selene_megatron": [(4, 32, 1, 1, 32, 512), (8, 64, 2, 1, 32, 512), (16, 128, 4, 1, 32, 512),
+                        (32, 256, 8, 1, 32, 1024), (64, 512, 8, 2, 32, 1536), (128, 1024, 8, 4, 32, 1792),
+                        (192, 1536, 8, 8, 24, 2304), (240, 1920, 8, 16, 15, 2160), (315, 2520, 8, 35, 9, 2520),
+                        (384, 3072, 8, 64, 6, 3072)],
 }  # fmt: skip
 # --run-local: points are ranks.
 LOCAL_POINTS = {
@@ -44,8 +46,10 @@ LOCAL_POINTS = {
     "local_strong": [(1, 1, 1, 1, 1, 16), (2, 2, 1, 1, 2, 16), (4, 4, 1, 1, 4, 16)],
 }
 # selene_megatron's points are the rows of Megatron-LM SC21's table, one deck each.
-MEGATRON_ROWS = {4: "megatron/gpt_1.7b.yaml", 16: "megatron/gpt_7.5b.yaml", 64: "megatron/gpt_39.1b.yaml",
-                 192: "megatron/gpt_145.6b.yaml", 315: "megatron/gpt_529.6b.yaml", 384: "gpt_1t.yaml"}  # fmt: skip
+MEGATRON_ROWS = {4: "megatron/gpt_1.7b.yaml", 8: "megatron/gpt_3.6b.yaml", 16: "megatron/gpt_7.5b.yaml",
+                 32: "megatron/gpt_18.4b.yaml", 64: "megatron/gpt_39.1b.yaml", 128: "megatron/gpt_76.1b.yaml",
+                 192: "megatron/gpt_145.6b.yaml", 240: "megatron/gpt_310.1b.yaml", 315: "megatron/gpt_529.6b.yaml",
+                 384: "gpt_1t.yaml"}  # fmt: skip
 
 
 def write_study(tmp_path: Path, stem: str = "mini", **keys) -> Path:
