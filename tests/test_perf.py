@@ -168,7 +168,7 @@ def test_the_search_finds_a_configuration_at_least_as_fast_as_the_published_one(
     assert result.best[0].step <= result.own.step
     assert [c.step for c in result.best] == sorted(c.step for c in result.best)
     text = format_text(result, str(_deck_of(row)))
-    assert "best:  --set parallel.tp=" in text and "deck:" in text
+    assert "best:  --set parallel.order=" in text and "deck:" in text
     if result.best[0].sets != result.own.sets:
         assert "faster:" in text  # the lines of the breakdown that differ most
     assert sum(result.rejected.values()) > 0 and all(result.examples[r] for r in result.rejected)
@@ -178,7 +178,7 @@ def test_search_cli_json_and_its_refusals():
     cmd = [sys.executable, "-m", "app", "inputs/megatron/gpt_7.5b.yaml", "--search", "--world-size", "128", "--json"]
     out = json.loads(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout)
     assert out["world_size"] == 128 and out["machine"] == "selene" and len(out["best"]) == 5
-    assert out["best"][0]["overrides"].startswith("--set parallel.tp=")
+    assert out["best"][0]["overrides"].startswith("--set parallel.order=")
     assert out["best"][0]["predicted"]["step_time_s"] <= out["deck"]["predicted"]["step_time_s"]
     # A machine without the model's constants: exit 2, naming what it lacks.
     bad = subprocess.run([*cmd[:5], "--machine", "local", "--nodes", "2"], cwd=REPO, capture_output=True,

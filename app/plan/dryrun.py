@@ -19,7 +19,7 @@ from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
 from app.plan.estimate import StageEstimate, estimate_stages, stage_params, step_flops
 from app.plan.machine import Machine
-from app.plan.perf import Prediction, predict
+from app.plan.perf import Prediction, group_bandwidth, predict
 from app.runtime.grid import AXES, GridLayout
 
 GiB = 2.0**30
@@ -270,6 +270,12 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
         "micro_batches": deck.num_micro_batches,
         "placement": {
             "node_span": plan.node_span,
+            "link_level": {
+                a: group_bandwidth(plan.machine.link_levels(), plan.layout.stride(a), plan.layout.size(a)).level
+                for a in AXES
+            }
+            if plan.machine is not None
+            else None,
             "within_node": {a: (None if s is None else s == 1) for a, s in plan.node_span.items()},
             "first_node": _node_ranks(plan, 0),
         },
@@ -481,7 +487,11 @@ def _placement_line(plan: Plan) -> str:
         span, size = plan.node_span[axis], plan.layout.size(axis)
         if size == 1:
             continue
-        parts.append(f"{axis} groups ({size}) " + ("inside one node" if span == 1 else f"span {span} nodes"))
+        where = "inside one node" if span == 1 else f"span {span} nodes"
+        if plan.machine is not None:  # the outermost link level the groups cross (machine file's links)
+            link = group_bandwidth(plan.machine.link_levels(), plan.layout.stride(axis), size)
+            where += f" (link: {link.level}, {link.bandwidth / 1e9:g} GB/s per group)"
+        parts.append(f"{axis} groups ({size}) {where}")
     return f"{plan.ranks_per_node} ranks per node; " + ("; ".join(parts) if parts else "one rank per grid cell")
 
 

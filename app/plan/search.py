@@ -62,7 +62,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# Axis orders tried (innermost first) besides the deck's: dp or pp next to tp on the node.
+ORDERS = ("tp-dp-pp", "tp-pp-dp")
+
+
 def _configurations(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
+    orders = list(dict.fromkeys((deck.parallel.order, *ORDERS)))
+    for sets in _grids(deck, world, machine):
+        dp = world // (sets["parallel.tp"] * sets["parallel.pp"])
+        # With pp or dp of 1 every order places the ranks alike: try the deck's only.
+        for order in orders if sets["parallel.pp"] > 1 and dp > 1 else orders[:1]:
+            yield {"parallel.order": order, **sets}
+
+
+def _grids(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
     m = deck.model
     for tp in _divisors(machine.devices_per_node):
         for pp in [p for p in _divisors(world // tp) if p <= m.layers] if world % tp == 0 else []:
@@ -81,6 +94,7 @@ def _configurations(deck: Deck, world: int, machine: Machine) -> Iterator[dict[s
 def _own(deck: Deck) -> dict[str, Any]:
     par, tr = deck.parallel, deck.train
     return {
+        "parallel.order": par.order,
         "parallel.tp": par.tp, "parallel.pp": par.pp, "parallel.virtual_stages": par.virtual_stages,
         "parallel.sequence_parallel": par.sequence_parallel, "train.micro_batch": tr.micro_batch,
         "train.recompute": tr.recompute, "optim.zero": deck.optim.zero,
@@ -176,7 +190,7 @@ def _row(c: Candidate) -> str:
         f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  tp {s['parallel.tp']} pp "
         f"{s['parallel.pp']} dp {p.deck.dp} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
         f"{'y' if s['parallel.sequence_parallel'] else 'n'} recompute {s['train.recompute']} zero {s['optim.zero']}"
-        f"  {peak:.1f} GiB"
+        f" {s['parallel.order']}  {peak:.1f} GiB"
     )
 
 
