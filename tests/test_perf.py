@@ -261,3 +261,63 @@ def test_the_model_charges_the_bytes_a_run_really_sends(runtime, grids, shared_t
     problems = sum(runtime.comm.allgather(problems), [])
     assert not problems, "\n".join(problems)
     assert any(v > 1000 for v in counted.values())  # something real was counted
+
+
+def test_the_framework_op_counts_are_those_of_the_model():
+    """perf.OPS: aten operations (views included) of one block and of the rest (embedding, head,
+    loss), forward and backward, counted in a real 1-rank GPT of 1 and 2 layers (fp32, no
+    dropout). The backward's 24 more per block are DataParallel's gradient hooks (2 per parameter)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from app.deck import ModelConfig
+    from app.model.gpt import GPT
+    from app.plan.perf import OPS
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for layers in (1, 2):
+        model = GPT(ModelConfig(vocab_size=64, seq_len=16, layers=layers, hidden=32, heads=4), seed=1)
+        model.train()
+        tokens = torch.randint(0, 64, (2, 16))
+        with Count() as forward:
+            loss = model.loss(tokens, tokens)
+        with Count() as backward:
+            loss.backward()
+        counts[layers] = (forward.n, backward.n)
+        block = [name for name, _ in model.named_parameters() if name.startswith("blocks.0.")]
+        assert len(block) == 12, block  # the hooks' 2 x 12 ops per block
+    assert counts[2][0] - counts[1][0] == OPS["layer_forward"]
+    assert counts[2][1] - counts[1][1] == OPS["layer_backward"] - 24
+    assert counts[1][0] - OPS["layer_forward"] == OPS["other_forward"]
+    assert counts[1][1] - (OPS["layer_backward"] - 24) == OPS["other_backward"]
+
+
+def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
+    """app.plan.calibrate's file (from measured primitives; the measuring itself runs under mpirun
+    in benchmarks/perf_model_bench.py): it loads, and the tiny deck is predicted on it."""
+    import yaml
+
+    from app.plan.calibrate import machine_file
+
+    base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
+    measured = {"gemm_flops": {"256x256x256": 3e10, "512x512x512": 4e10}, "stream_bytes_s": 1e10, "op_seconds": 5e-6,
+                "all_reduce": {"ranks": 4, "bandwidth_bytes_s": 1e9, "latency_s": 1e-4}, "ranks_per_node": 4}  # fmt: skip
+    data = machine_file(base, "cal", measured, "mpirun -n 4 python -m app.plan.calibrate")
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    machine = load_machine(path)
+    assert machine.peak("fp32") == 0.04 and machine.hbm_gbs == 10.0 and machine.op_overhead_us == 5.0
+    assert machine.link_levels()[0].gbs == 1.0 and machine.link_levels()[0].latency_us == 100.0
+    assert "measured on" in machine.sources[0] and "mpirun -n 4" in machine.sources[0]
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.tp=2",)), 4)
+    prediction = predict(deck, machine)
+    assert prediction.breakdown["host_overhead"] > 0 and prediction.step_time_s > 0

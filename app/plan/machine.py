@@ -52,6 +52,12 @@ FIELDS: dict[str, tuple[type, bool, str]] = {
         "network), gbs (per device, per direction), latency_us}; default: a node level from intra_node_gbs "
         "and a network level from inter_node_gbs",
     ),
+    "op_overhead_us": (
+        float,
+        False,
+        "performance model: host time of one framework operation, in microseconds, added per op (CPUs, "
+        "where it is not hidden behind the device's work); measured by app.plan.calibrate",
+    ),
     "binding": (str, True, "per-task (one device per rank) or all-visible (local rank picks)"),
     "launch": (str, True, "launch line; {nodes}, {ranks} and {ranks_per_node} are filled in"),
     "template": (str, True, "job-script template in launch/jobs/"),
@@ -68,7 +74,7 @@ class MachineError(GridlmError):
 # Per-step latencies of NCCL's ring (Simple protocol) cost model, in microseconds: NVIDIA/nccl,
 # src/graph/tuning.cc, hwLat (NVLink 5.7, network 6.6). Used when a machine file gives none.
 NCCL_RING_LATENCY_US = {"node": 5.7, "network": 6.6}
-GEMM_KEYS = {"efficiency": (0.0, 1.0), "compute_units": (1, 10**6), "tile": None,
+GEMM_KEYS = {"efficiency": (0.0, 1.0), "compute_units": (0, 10**6), "tile": None,
              "attention_efficiency": (0.0, 1.0), "memory_efficiency": (0.0, 1.0)}  # fmt: skip
 
 
@@ -102,6 +108,7 @@ class Machine:
     hbm_gbs: Optional[float] = None
     gemm: Optional[dict[str, Any]] = None
     links: Optional[list[dict[str, Any]]] = None
+    op_overhead_us: Optional[float] = None
     defaults: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
     path: Optional[Path] = None
@@ -180,7 +187,7 @@ def load_machine(name_or_path: Union[str, Path]) -> Machine:
 
 def _check(path: Path, key: str, value: Any) -> Any:
     want, _, help_ = FIELDS[key]
-    if value is None and key in ("peak_tflops", "defaults", "notes", "hbm_gbs", "gemm", "links"):
+    if value is None and key in ("peak_tflops", "defaults", "notes", "hbm_gbs", "gemm", "links", "op_overhead_us"):
         return {"defaults": {}, "notes": ""}.get(key)
     ok = isinstance(value, want) and not isinstance(value, bool)
     if want is float and isinstance(value, int) and not isinstance(value, bool):

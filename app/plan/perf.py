@@ -48,6 +48,12 @@ from app.runtime.grid import GridLayout
 # Bytes one element-wise backward moves per byte of its forward: it reads the output
 # gradient and the saved input and writes the input gradient (LayerNorm, GELU, adds).
 BACKWARD_BYTES = 2.0
+# Framework operations (aten ops, views included) gridlm runs per transformer block and for the
+# embedding + head + loss, forward and backward (the backward's with the hooks that add each of a
+# block's 12 parameter gradients into the flat buffer: 2 ops each), counted on one rank in fp32
+# by tests/test_perf.py. A machine's op_overhead_us (host time per op, measured on CPUs by
+# app.plan.calibrate) multiplies them; on GPUs the launches hide behind the kernels.
+OPS = {"layer_forward": 32, "layer_backward": 66 + 24, "other_forward": 13, "other_backward": 23}
 # Above this many passes (stages x chunks x micro-batches) the pipeline is not simulated pass by
 # pass (about a second of Python); its steady state plus the schedule's bubble is used instead.
 MAX_SIMULATED_PASSES = 200_000
@@ -63,6 +69,7 @@ class Device:
     hbm_bytes_s: float  # achieved memory bandwidth, bytes/s
     compute_units: int  # SMs / CUs: the wave quantisation of GEMM tiles
     tile: tuple[int, int]  # output tile (rows, columns) of a large GEMM
+    op_seconds: float = 0.0  # host time per framework op (CPUs; 0 where launches overlap the work)
 
     def gemm(self, m: int, n: int, k: int, element: int) -> float:
         """Seconds of an (m x k) @ (k x n) GEMM."""
@@ -98,6 +105,7 @@ def device_of(machine: Machine, precision: str) -> Device:
         hbm_bytes_s=machine.hbm_gbs * 1e9 * g.get("memory_efficiency", 1.0),  # type: ignore[operator]
         compute_units=int(g["compute_units"]),
         tile=(int(g["tile"][0]), int(g["tile"][1])),
+        op_seconds=(machine.op_overhead_us or 0.0) * 1e-6,
     )
 
 
@@ -191,10 +199,11 @@ class _Pass:
     attention: float = 0.0
     elementwise: float = 0.0
     tp: float = 0.0  # exposed tensor-parallel communication
+    host: float = 0.0  # framework overhead per op (op_overhead_us)
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.elementwise + self.tp
+        return self.gemm + self.attention + self.elementwise + self.tp + self.host
 
     def __add__(self, other: _Pass) -> _Pass:
         return _Pass(
@@ -202,10 +211,11 @@ class _Pass:
             self.attention + other.attention,
             self.elementwise + other.elementwise,
             self.tp + other.tp,
+            self.host + other.host,
         )
 
     def scaled(self, k: float) -> _Pass:
-        return _Pass(self.gemm * k, self.attention * k, self.elementwise * k, self.tp * k)
+        return _Pass(self.gemm * k, self.attention * k, self.elementwise * k, self.tp * k, self.host * k)
 
 
 def tp_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
@@ -325,9 +335,10 @@ def _layer_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass,
     # overlaps their weight-gradient GEMM when overlap_tp_comm is on.
     hidden_by = [wgrad[0], wgrad[2]] if par.overlap_tp_comm else [0.0, 0.0]
     tp_bwd = row_bwd + sum(max(0.0, c - w) for c, w in zip(col_bwd, hidden_by))
-    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_fwd)
-    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd, tp_bwd)
-    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_recompute)  # see tp_collectives
+    host_f, host_b = OPS["layer_forward"] * dev.op_seconds, OPS["layer_backward"] * dev.op_seconds
+    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_fwd, host_f)
+    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd, tp_bwd, host_b)
+    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_recompute, host_f)  # see tp_collectives
     return forward, backward, recompute
 
 
@@ -365,9 +376,11 @@ def _head_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
     comm_bwd = sum(_cost(tp_link, t, op, n) for op, n in msgs["head_backward"])
     # Logits written in the compute dtype, then max, exp (fp32), sum, the picked logit; backward:
     # the softmax gradient.
-    fwd = _Pass(dev.gemm(tokens, v, m.hidden, e), 0.0, dev.stream(tokens * v * (e + 4 + 4 + 4)), comm_fwd)
+    # The embedding's and the loss's framework ops are counted here (OPS["other_*"]).
+    host_f, host_b = OPS["other_forward"] * dev.op_seconds, OPS["other_backward"] * dev.op_seconds
+    fwd = _Pass(dev.gemm(tokens, v, m.hidden, e), 0.0, dev.stream(tokens * v * (e + 4 + 4 + 4)), comm_fwd, host_f)
     bwd_gemm = dev.gemm(tokens, m.hidden, v, e) + dev.gemm(v, m.hidden, tokens, e)
-    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e)), comm_bwd)
+    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e)), comm_bwd, host_b)
     return fwd, bwd
 
 
@@ -440,7 +453,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     if tr.recompute == "full":
         layer_b = layer_b + layer_r  # the forward again, just before each block's backward
     elif tr.recompute == "selective":
-        layer_b = layer_b + _Pass(attention=layer_f.attention)
+        layer_b = layer_b + _Pass(attention=layer_f.attention, host=layer_f.host / OPS["layer_forward"])  # one op
     head_f, head_b = _head_passes(deck, dev, links["tp"])
     emb_f, emb_b = _embedding_passes(deck, dev, links["tp"])
     chunks = [len(c) for c in partition_layers(m.layers, pp * v, par.stage_layers)]
@@ -513,6 +526,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         "grad_accumulation": accumulate[slowest] * micro,
         "recompute": recompute,  # included in the gemm/attention/elementwise/tp lines above
         "tp_exposed": busy_f.tp + busy_b.tp,
+        "host_overhead": busy_f.host + busy_b.host,
         "pp_bubble_and_p2p": finish[slowest] - busy,
         "dp_exposed": dp_exposed[slowest],
         "tied_embedding": tied if slowest in (0, pp - 1) else 0.0,

@@ -1,0 +1,163 @@
+"""Measure this machine's primitives and write them as a machine file for the performance model.
+
+    mpirun -n N python -m app.plan.calibrate [--base local] [--out inputs/machines/local_calibrated.yaml]
+
+Every rank measures at once, as ranks share a node in a run (on this CPU machine they share
+its cores): the fp32 GEMM rate over a set of shapes, the memory bandwidth of a streaming
+copy, the host time of one small framework operation, and the all-reduce of the job's
+ranks (gloo on CPUs, NCCL on GPUs) at a small and a large size, from which a ring's
+per-step latency and bus bandwidth follow. Only primitives are measured, never a training
+step, so a wrong step model cannot be hidden by the calibration. The file is the base
+machine file with these constants (and their date and command as the source) in place.
+
+This module measures, so it imports torch and MPI; the rest of app/plan/ stays pure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+# (m, n, k) of the GEMMs timed: square ones and the skinny shapes of small models.
+GEMM_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 768, 256), (256, 1024, 256),
+               (2048, 2048, 2048)]  # fmt: skip
+STREAM_BYTES = 64 * 2**20
+SMALL, LARGE = 8 * 2**10, 8 * 2**20  # all-reduce sizes, bytes
+
+
+def _timed(fn: Callable[[], Any], repeat: int, comm: Any) -> float:
+    """Median seconds of `fn` over `repeat` calls, every rank timing at once (barrier before each)."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(runtime: Any, repeat: int = 5) -> dict[str, Any]:
+    """The primitives, each the median over ranks of each rank's median."""
+    import torch
+    import torch.distributed as dist
+
+    comm = runtime.comm
+    dev = runtime.device
+    gemm = {}
+    for m, n, k in GEMM_SHAPES:
+        a, b = torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)
+        seconds = _timed(lambda a=a, b=b: torch.matmul(a, b), repeat, comm)
+        gemm[f"{m}x{n}x{k}"] = 2.0 * m * n * k / seconds
+    x = torch.empty(STREAM_BYTES // 4, device=dev)
+    y = torch.empty_like(x)
+    stream = 2 * STREAM_BYTES / _timed(lambda: y.copy_(x), repeat, comm)  # read + write
+    # One op as training runs it: recorded by autograd, and its backward run: 200 small adds forward
+    # and their 200 gradients, per op.
+    leaf, one = torch.ones(1, device=dev, requires_grad=True), torch.ones(1, device=dev)
+
+    def chain() -> None:
+        y = leaf
+        for _ in range(200):
+            y = y + one
+        y.backward()
+
+    op = _timed(chain, repeat, comm) / 400
+    small, large = torch.ones(SMALL // 4, device=dev), torch.ones(LARGE // 4, device=dev)
+    t_small = _timed(lambda: dist.all_reduce(small), repeat, comm)
+    t_large = _timed(lambda: dist.all_reduce(large), repeat, comm)
+
+    def agreed(value: float) -> float:
+        return statistics.median(comm.allgather(value))
+
+    n = runtime.world_size
+    # Ring all-reduce: t = 2 (n-1) latency + 2 (n-1)/n bytes / B; two sizes give both.
+    if n > 1:
+        t_small, t_large = agreed(t_small), agreed(t_large)
+        bandwidth = 2 * (n - 1) / n * (LARGE - SMALL) / max(t_large - t_small, 1e-9)
+        latency = max(t_small - 2 * (n - 1) / n * SMALL / bandwidth, 0.0) / (2 * (n - 1))
+    else:
+        bandwidth, latency = float("inf"), 0.0
+    return {
+        "gemm_flops": {shape: agreed(v) for shape, v in gemm.items()},
+        "stream_bytes_s": agreed(stream),
+        "op_seconds": agreed(op),
+        "all_reduce": {"ranks": n, "bandwidth_bytes_s": bandwidth, "latency_s": latency},
+        "ranks_per_node": runtime.local_size,
+    }
+
+
+def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], command: str) -> dict[str, Any]:
+    """The base machine file with the measured constants in place (pure; tests check it)."""
+    out = dict(base)
+    best = max(measured["gemm_flops"].values())
+    today = datetime.date.today().isoformat()
+    ar = measured["all_reduce"]
+    out["name"] = name
+    # The ranks measured share this node: that many devices per node, each with its share of memory.
+    out["devices_per_node"] = int(measured["ranks_per_node"])
+    out["memory_per_device_gib"] = round(
+        base["memory_per_device_gib"] * base["devices_per_node"] / out["devices_per_node"], 2
+    )
+    out["description"] = f"{base['description']}; primitives measured by app.plan.calibrate"
+    out["peak_tflops"] = {"fp32": round(best / 1e12, 6)}  # the best measured GEMM rate: MFU against it
+    out["hbm_gbs"] = round(measured["stream_bytes_s"] / 1e9, 3)
+    out["gemm"] = {"efficiency": 1.0, "compute_units": 1, "tile": [1, 1]}  # no waves on a CPU
+    out["op_overhead_us"] = round(measured["op_seconds"] * 1e6, 3)
+    levels = []
+    if ar["ranks"] > 1:
+        levels.append({"name": "node", "devices": out["devices_per_node"],
+                       "gbs": round(ar["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(ar["latency_s"] * 1e6, 3)})  # fmt: skip
+    # One node only here: the network level is the base file's placeholder.
+    levels.append({"name": "network", "devices": None, "gbs": float(base["inter_node_gbs"]) / int(base["devices_per_node"]),
+                   "latency_us": levels[0]["latency_us"] if levels else 10.0})  # fmt: skip
+    out["links"] = levels
+    shapes = ", ".join(f"{s} {v / 1e9:.1f}" for s, v in measured["gemm_flops"].items())
+    out["sources"] = [
+        f"measured on {today} by `{command}`, every rank at once: fp32 GEMM GFLOP/s per rank {shapes}; "
+        f"streaming copy {measured['stream_bytes_s'] / 1e9:.2f} GB/s; one small op {measured['op_seconds'] * 1e6:.1f} us; "
+        f"all-reduce over {ar['ranks']} ranks at {SMALL} and {LARGE} bytes",
+        *base.get("sources", []),
+    ]
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.plan.calibrate", description=__doc__.split("\n")[0])
+    parser.add_argument("--base", default="local", help="machine file the result is based on (default: local)")
+    parser.add_argument("--out", default=None, help="output file (default: inputs/machines/<base>_calibrated.yaml)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per primitive (default 5)")
+    args = parser.parse_args(argv)
+    from app.plan.machine import MACHINES_DIR, machine_path
+    from app.runtime.mpi import bind_device, init_mpi, init_torch_distributed, set_threads
+
+    runtime = init_mpi()
+    bind_device(runtime, "auto")
+    set_threads(runtime, None)
+    init_torch_distributed(runtime)
+    base_path = machine_path(args.base)
+    out = Path(args.out or MACHINES_DIR / f"{base_path.stem}_calibrated.yaml")
+    measured = measure(runtime, args.repeat)
+    if runtime.is_root:
+        base = yaml.safe_load(base_path.read_text())
+        command = f"mpirun -n {runtime.world_size} python -m app.plan.calibrate --base {args.base}"
+        data = machine_file(base, out.stem, measured, command)
+        header = f"# Written by app.plan.calibrate ({command}); primitives only, see its docstring.\n"
+        out.write_text(header + yaml.safe_dump(data, sort_keys=False, width=120))
+        print(f"calibrate: wrote {out}: fp32 GEMM up to {data['peak_tflops']['fp32'] * 1e3:.1f} GFLOP/s per rank, "
+              f"{data['hbm_gbs']} GB/s, {data['op_overhead_us']} us per op, links {data['links']}", flush=True)  # fmt: skip
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

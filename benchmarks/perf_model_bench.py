@@ -1,0 +1,97 @@
+"""The performance model against measured steps on this machine.
+
+    .venv/bin/python benchmarks/perf_model_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 20]
+        [--grids 1x1x4 2x1x2 ...] [--out runs/perf_model_bench]
+
+For each world size among the grids it first calibrates this machine at that many ranks
+(`mpirun -n N python -m app.plan.calibrate`: primitives only), then runs every grid of that
+size with benchmarks/grid_bench.py's runner (step time after the warm-up, summary.json) and
+predicts the same deck on the calibrated machine (app/plan/perf.py). The table gives both,
+the error and the model's largest terms. A benchmark, not a test: it reports, it asserts
+nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import grid_bench  # noqa: E402
+
+GRIDS = ["1x1x4", "2x1x2", "1x2x2", "2x2x1", "2x1x2+sp", "1x2x2+v2", "2x2x2", "1x2x4", "2x2x2+sp", "1x1x8"]
+EXTRA = {"2x1x2": ("optim.zero=1",), "1x2x4": ("train.recompute=full",)}  # ZeRO-1 and recompute in the set
+
+
+def calibrate(ranks: int, out: Path) -> Path:
+    path = out / f"local_{ranks}.yaml"
+    cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app.plan.calibrate", "--out", str(path)]
+    print(f"perf_model_bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, cwd=REPO, env=grid_bench.mpi_env(), check=True)
+    return path
+
+
+def predicted(deck_path: str, spec: str, extra: tuple[str, ...], machine_path: Path, steps: int) -> dict:
+    from app.deck import load_deck, resolve_for_world
+    from app.plan.machine import load_machine
+    from app.plan.perf import predict
+
+    tp, pp, dp, sp, virtual = grid_bench.parse_grid(spec)
+    sets = (f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
+            f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.virtual_stages={virtual}", *extra)  # fmt: skip
+    deck = resolve_for_world(load_deck(REPO / deck_path, sets), tp * pp * dp)
+    p = predict(deck, load_machine(machine_path))
+    worst = sorted(((v, k) for k, v in p.breakdown.items() if k != "recompute"), reverse=True)[:3]
+    return {"predicted_ms": 1e3 * p.step_time_s, "terms": ", ".join(f"{k} {1e3 * v:.0f}" for v, k in worst)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deck", default="inputs/gpt_tiny.yaml")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--grids", nargs="+", default=GRIDS)
+    parser.add_argument("--out", default="runs/perf_model_bench")
+    args = parser.parse_args(argv)
+    out = REPO / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = sorted({grid_bench.parse_grid(s)[0] * grid_bench.parse_grid(s)[1] * grid_bench.parse_grid(s)[2]
+                    for s in args.grids})  # fmt: skip
+    machines = {n: calibrate(n, out) for n in sizes}
+    rows = []
+    for spec in args.grids:
+        extra = EXTRA.get(spec, ())
+        run_args = argparse.Namespace(
+            out=str(Path(args.out) / "runs"), steps=args.steps, deck=args.deck, set=list(extra)
+        )
+        measured = grid_bench.run_grid(spec, run_args)
+        tp, pp, dp, _, _ = grid_bench.parse_grid(spec)
+        row = {"grid": spec + "".join(f" {e}" for e in extra), "ranks": tp * pp * dp}
+        if "error" in measured:
+            rows.append({**row, "error": measured["error"]})
+            continue
+        row.update(predicted(args.deck, spec, extra, machines[tp * pp * dp], args.steps))
+        row["measured_ms"] = measured["step_ms"]
+        row["error_pct"] = 100 * (row["predicted_ms"] / row["measured_ms"] - 1)
+        rows.append(row)
+    lines = [
+        "| grid | ranks | measured ms | predicted ms | error | model's largest terms (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['grid']} | {r['ranks']} | failed ({r['error']}) | | | |")
+        else:
+            lines.append(f"| {r['grid']} | {r['ranks']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
+                         f"{r['error_pct']:+.0f}% | {r['terms']} |")  # fmt: skip
+    within = [r for r in rows if "error_pct" in r and abs(r["error_pct"]) <= 25]
+    lines.append(f"\n{len(within)} of {len(rows)} grids within ±25%.")
+    return grid_bench.write_tables(out, rows, ["grid", "ranks", "measured_ms", "predicted_ms", "error_pct", "terms"],
+                                   "\n".join(lines))  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
