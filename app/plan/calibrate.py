@@ -4,7 +4,7 @@
 
 Every rank measures at once, as ranks share a node in a run (on this CPU machine they share
 its cores): the fp32 GEMM rate over a set of shapes, the memory bandwidth of a streaming
-copy, the host time of one small framework operation, and the all-reduce of the job's
+copy, the host time per framework operation of a chain of tiny modules, and the all-reduce of the job's
 ranks (gloo on CPUs, NCCL on GPUs) at a small and a large size, from which a ring's
 per-step latency and bus bandwidth follow. Only primitives are measured, never a training
 step, so a wrong step model cannot be hidden by the calibration. The file is the base
@@ -44,6 +44,45 @@ def _timed(fn: Callable[[], Any], repeat: int, comm: Any) -> float:
     return statistics.median(times)
 
 
+def _module_chain(dev: Any) -> Callable[[], None]:
+    """Forward and backward of 20 residual blocks of LayerNorm, Linear and GELU on tensors so small
+    that their arithmetic is nothing: what is left is the host time of the framework's ops, as
+    module-structured training code runs them (autograd recording included)."""
+    import torch
+    from torch import nn
+
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(approximate="tanh")) for _ in range(20)
+    ).to(dev)
+    x0 = torch.randn(2, 4, 8, device=dev)
+
+    def step() -> None:
+        x = x0
+        for block in blocks:
+            x = x + block(x)
+        x.sum().backward()
+
+    return step
+
+
+def _aten_ops(fn: Callable[[], None]) -> int:
+    """The aten operations `fn` runs (views included), as perf.OPS counts gridlm's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        fn()
+    return count.n
+
+
 def measure(runtime: Any, repeat: int = 5) -> dict[str, Any]:
     """The primitives, each the median over ranks of each rank's median."""
     import torch
@@ -59,17 +98,7 @@ def measure(runtime: Any, repeat: int = 5) -> dict[str, Any]:
     x = torch.empty(STREAM_BYTES // 4, device=dev)
     y = torch.empty_like(x)
     stream = 2 * STREAM_BYTES / _timed(lambda: y.copy_(x), repeat, comm)  # read + write
-    # One op as training runs it: recorded by autograd, and its backward run: 200 small adds forward
-    # and their 200 gradients, per op.
-    leaf, one = torch.ones(1, device=dev, requires_grad=True), torch.ones(1, device=dev)
-
-    def chain() -> None:
-        y = leaf
-        for _ in range(200):
-            y = y + one
-        y.backward()
-
-    op = _timed(chain, repeat, comm) / 400
+    op = _timed(_module_chain(dev), repeat, comm) / _aten_ops(_module_chain(dev))
     small, large = torch.ones(SMALL // 4, device=dev), torch.ones(LARGE // 4, device=dev)
     t_small = _timed(lambda: dist.all_reduce(small), repeat, comm)
     t_large = _timed(lambda: dist.all_reduce(large), repeat, comm)
@@ -122,7 +151,7 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     shapes = ", ".join(f"{s} {v / 1e9:.1f}" for s, v in measured["gemm_flops"].items())
     out["sources"] = [
         f"measured on {today} by `{command}`, every rank at once: fp32 GEMM GFLOP/s per rank {shapes}; "
-        f"streaming copy {measured['stream_bytes_s'] / 1e9:.2f} GB/s; one small op {measured['op_seconds'] * 1e6:.1f} us; "
+        f"streaming copy {measured['stream_bytes_s'] / 1e9:.2f} GB/s; {measured['op_seconds'] * 1e6:.1f} us per framework op; "
         f"all-reduce over {ar['ranks']} ranks at {SMALL} and {LARGE} bytes",
         *base.get("sources", []),
     ]

@@ -34,6 +34,7 @@ domain's links with the other groups of the same axis (see `group_bandwidth`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -441,6 +442,12 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     dev = device_of(machine, tr.precision)
+    if machine.device_name == "cpu":
+        # CPU ranks: gloo's copies and reductions run on the same cores as the compute, so nothing
+        # overlaps; every collective and transfer is charged in full.
+        par = dataclasses.replace(par, overlap_tp_comm=False, overlap_pp_comm=False, overlap_grad_reduce=False,
+                                  overlap_param_gather=False)  # fmt: skip
+        deck = dataclasses.replace(deck, parallel=par)
     if layout is None:
         layout = GridLayout.from_order_string(tp, pp, dp, par.order, machine.devices_per_node)
     levels = machine.link_levels()
