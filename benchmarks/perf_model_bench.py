@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import grid_bench  # noqa: E402
 
 GRIDS = ["1x1x4", "2x1x2", "1x2x2", "2x2x1", "2x1x2+sp", "1x2x2+v2", "2x2x2", "1x2x4", "2x2x2+sp", "1x1x8"]
-EXTRA = {"2x1x2": ("optim.zero=1",), "1x2x4": ("train.recompute=full",)}  # ZeRO-1 and recompute in the set
+EXTRA = {"2x1x2": ("optim.zero=1",), "1x2x4": ("train.recompute=full",), "1x1x8": ("train.micro_batch=2",)}
 
 
 def calibrate(ranks: int, out: Path) -> Path:
