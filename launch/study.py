@@ -420,7 +420,7 @@ def predict_points(study: Study, points: list[Point]) -> list[dict[str, Any]]:
     machine = load_machine(study.machine)
     rows: list[dict[str, Any]] = []
     for pt in points:
-        deck = resolve_for_world(load_deck(study.base, pt.overrides), pt.ranks)
+        deck = point_deck(study, pt)
         plan = make_plan(deck, pt.ranks, machine)
         if plan.predicted is None:
             raise StudyError(

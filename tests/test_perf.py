@@ -268,31 +268,20 @@ def test_the_framework_op_counts_are_those_of_the_model():
     loss), forward and backward, counted in a real 1-rank GPT of 1 and 2 layers (fp32, no
     dropout). The backward's 24 more per block are DataParallel's gradient hooks (2 per parameter)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from app.deck import ModelConfig
     from app.model.gpt import GPT
+    from app.plan.calibrate import count_aten_ops
     from app.plan.perf import OPS
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
 
     counts = {}
     for layers in (1, 2):
         model = GPT(ModelConfig(vocab_size=64, seq_len=16, layers=layers, hidden=32, heads=4), seed=1)
         model.train()
         tokens = torch.randint(0, 64, (2, 16))
-        with Count() as forward:
-            loss = model.loss(tokens, tokens)
-        with Count() as backward:
-            loss.backward()
-        counts[layers] = (forward.n, backward.n)
+        losses = []
+        forward = count_aten_ops(lambda m=model, t=tokens, out=losses: out.append(m.loss(t, t)))
+        counts[layers] = (forward, count_aten_ops(losses[0].backward))
         block = [name for name, _ in model.named_parameters() if name.startswith("blocks.0.")]
         assert len(block) == 12, block  # the hooks' 2 x 12 ops per block
     assert counts[2][0] - counts[1][0] == OPS["layer_forward"]

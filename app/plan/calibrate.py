@@ -65,7 +65,7 @@ def _module_chain(dev: Any) -> Callable[[], None]:
     return step
 
 
-def _aten_ops(fn: Callable[[], None]) -> int:
+def count_aten_ops(fn: Callable[[], None]) -> int:
     """The aten operations `fn` runs (views included), as perf.OPS counts gridlm's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -98,7 +98,7 @@ def measure(runtime: Any, repeat: int = 5) -> dict[str, Any]:
     x = torch.empty(STREAM_BYTES // 4, device=dev)
     y = torch.empty_like(x)
     stream = 2 * STREAM_BYTES / _timed(lambda: y.copy_(x), repeat, comm)  # read + write
-    op = _timed(_module_chain(dev), repeat, comm) / _aten_ops(_module_chain(dev))
+    op = _timed(_module_chain(dev), repeat, comm) / count_aten_ops(_module_chain(dev))
     small, large = torch.ones(SMALL // 4, device=dev), torch.ones(LARGE // 4, device=dev)
     t_small = _timed(lambda: dist.all_reduce(small), repeat, comm)
     t_large = _timed(lambda: dist.all_reduce(large), repeat, comm)

@@ -19,7 +19,7 @@ from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
 from app.plan.estimate import StageEstimate, estimate_stages, stage_params, step_flops
 from app.plan.machine import Machine
-from app.plan.perf import Prediction, group_bandwidth, predict
+from app.plan.perf import Link, Prediction, axis_links, predict
 from app.runtime.grid import AXES, GridLayout
 
 GiB = 2.0**30
@@ -44,6 +44,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     alternatives: dict[str, float] = field(default_factory=dict)
+    links: dict[str, Link] = field(default_factory=dict)  # axis -> its groups' link, given a machine
     predicted: Optional[Prediction] = None  # the step-time model (app.plan.perf), given a machine
     unpredicted: str = ""  # why there is no prediction
     seconds: float = 0.0
@@ -122,13 +123,15 @@ def make_plan(
     _check_placement(plan)
     _check_memory(plan)
     _check_balance(plan, max_imbalance)
+    missing = machine.missing_for_prediction(deck.train.precision) if machine is not None else []
+    if machine is not None:
+        plan.links = axis_links(machine, layout)
     if machine is None:
         plan.unpredicted = "no machine: pass --machine NAME for a predicted step time"
     elif plan.problems:
         plan.unpredicted = "the plan has problems (below): nothing to predict"
-    elif machine.missing_for_prediction(deck.train.precision):
-        missing = ", ".join(machine.missing_for_prediction(deck.train.precision))
-        plan.unpredicted = f"machine {machine.name} lacks {missing} (docs/PERFORMANCE_MODEL.md)"
+    elif missing:
+        plan.unpredicted = f"machine {machine.name} lacks {', '.join(missing)} (docs/PERFORMANCE_MODEL.md)"
     else:
         plan.predicted = predict(deck, machine, layout, simulate)
     plan.seconds = time.perf_counter() - start
@@ -270,12 +273,7 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
         "micro_batches": deck.num_micro_batches,
         "placement": {
             "node_span": plan.node_span,
-            "link_level": {
-                a: group_bandwidth(plan.machine.link_levels(), plan.layout.stride(a), plan.layout.size(a)).level
-                for a in AXES
-            }
-            if plan.machine is not None
-            else None,
+            "link_level": {a: link.level for a, link in plan.links.items()} if plan.links else None,
             "within_node": {a: (None if s is None else s == 1) for a, s in plan.node_span.items()},
             "first_node": _node_ranks(plan, 0),
         },
@@ -488,8 +486,8 @@ def _placement_line(plan: Plan) -> str:
         if size == 1:
             continue
         where = "inside one node" if span == 1 else f"span {span} nodes"
-        if plan.machine is not None:  # the outermost link level the groups cross (machine file's links)
-            link = group_bandwidth(plan.machine.link_levels(), plan.layout.stride(axis), size)
+        if axis in plan.links:  # the outermost link level the groups cross (machine file's links)
+            link = plan.links[axis]
             where += f" (link: {link.level}, {link.bandwidth / 1e9:g} GB/s per group)"
         parts.append(f"{axis} groups ({size}) {where}")
     return f"{plan.ranks_per_node} ranks per node; " + ("; ".join(parts) if parts else "one rank per grid cell")

@@ -289,8 +289,7 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
         add("tp", op, micro * nbytes)
     if pp > 1:
         sends = sum(int(c < pp * v - 1) + int(c > 0) for c in mine)  # activations forward, gradients back
-        add("pp", "send", micro * sends * tr.micro_batch * (m.seq_len // (par.tp if par.sequence_parallel else 1))
-            * m.hidden * e)  # fmt: skip
+        add("pp", "send", micro * sends * p2p_bytes(deck))
     if deck.dp > 1:
         params = stage_params(m, par.tp, layers, first, last)
         if deck.optim.zero:
@@ -303,11 +302,27 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
     return out
 
 
+def p2p_bytes(deck: Deck) -> float:
+    """One pipeline message: a micro-batch's activation (or its gradient), sequence-sharded under SP."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    return float(
+        tr.micro_batch * (m.seq_len // (par.tp if par.sequence_parallel else 1)) * m.hidden * BYTES[tr.precision]
+    )
+
+
+def axis_links(machine: Machine, layout: GridLayout) -> dict[str, Link]:
+    """Each axis's group link (`group_bandwidth`) on the machine's link levels."""
+    levels = machine.link_levels()
+    return {axis: group_bandwidth(levels, layout.stride(axis), layout.size(axis)) for axis in ("tp", "pp", "dp")}
+
+
 def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
     return link.all_reduce(n, nbytes) if op == "all_reduce" else link.all_gather(n, nbytes)
 
 
-def _layer_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass, _Pass]:
+def _layer_passes(
+    deck: Deck, dev: Device, tp_link: Link, tp_msgs: dict[str, list[tuple[str, float]]]
+) -> tuple[_Pass, _Pass, _Pass]:
     """(forward, backward, full recompute) of one transformer block on one micro-batch, one tp rank."""
     m, par, tr = deck.model, deck.parallel, deck.train
     t, sp = par.tp, par.sequence_parallel
@@ -327,7 +342,6 @@ def _layer_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass,
     if m.dropout > 0:
         per_token += 2 * (2 * h * e + h) / t_sp
     elem_fwd = dev.stream(tokens * per_token)
-    tp_msgs = tp_collectives(deck)
     tp_fwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_forward"])
     tp_recompute = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_recompute"])
     row_bwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_backward"])
@@ -367,12 +381,13 @@ def _attention(deck: Deck, dev: Device) -> tuple[float, float]:
     return forward, backward
 
 
-def _head_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
+def _head_passes(
+    deck: Deck, dev: Device, tp_link: Link, msgs: dict[str, list[tuple[str, float]]]
+) -> tuple[_Pass, _Pass]:
     """(forward, backward) of the output head and vocab-parallel cross-entropy, one micro-batch."""
     m, par, tr = deck.model, deck.parallel, deck.train
     t, e = par.tp, BYTES[tr.precision]
     tokens, v = tr.micro_batch * m.seq_len, m.vocab_size // par.tp
-    msgs = tp_collectives(deck)
     comm_fwd = sum(_cost(tp_link, t, op, n) for op, n in msgs["head_forward"])
     comm_bwd = sum(_cost(tp_link, t, op, n) for op, n in msgs["head_backward"])
     # Logits written in the compute dtype, then max, exp (fp32), sum, the picked logit; backward:
@@ -385,11 +400,12 @@ def _head_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
     return fwd, bwd
 
 
-def _embedding_passes(deck: Deck, dev: Device, tp_link: Link) -> tuple[_Pass, _Pass]:
+def _embedding_passes(
+    deck: Deck, dev: Device, tp_link: Link, msgs: dict[str, list[tuple[str, float]]]
+) -> tuple[_Pass, _Pass]:
     m, par, tr = deck.model, deck.parallel, deck.train
     e, tokens = BYTES[tr.precision], tr.micro_batch * m.seq_len
     x = tokens * m.hidden * e
-    msgs = tp_collectives(deck)
     comm_fwd = sum(_cost(tp_link, par.tp, op, n) for op, n in msgs["embedding_forward"])
     comm_bwd = sum(_cost(tp_link, par.tp, op, n) for op, n in msgs["embedding_backward"])
     # Token rows + positions gathered and added; backward scatter-adds into the tables.
@@ -450,19 +466,19 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         deck = dataclasses.replace(deck, parallel=par)
     if layout is None:
         layout = GridLayout.from_order_string(tp, pp, dp, par.order, machine.devices_per_node)
-    levels = machine.link_levels()
-    links = {axis: group_bandwidth(levels, layout.stride(axis), layout.size(axis)) for axis in ("tp", "pp", "dp")}
+    links = axis_links(machine, layout)
     e = BYTES[tr.precision]
     g = BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
     micro = deck.num_micro_batches
 
-    layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"])
+    msgs = tp_collectives(deck)
+    layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"], msgs)
     if tr.recompute == "full":
         layer_b = layer_b + layer_r  # the forward again, just before each block's backward
     elif tr.recompute == "selective":
         layer_b = layer_b + _Pass(attention=layer_f.attention, host=layer_f.host / OPS["layer_forward"])  # one op
-    head_f, head_b = _head_passes(deck, dev, links["tp"])
-    emb_f, emb_b = _embedding_passes(deck, dev, links["tp"])
+    head_f, head_b = _head_passes(deck, dev, links["tp"], msgs)
+    emb_f, emb_b = _embedding_passes(deck, dev, links["tp"], msgs)
     chunks = [len(c) for c in partition_layers(m.layers, pp * v, par.stage_layers)]
     last = pp * v - 1
     fwd_parts = [layer_f.scaled(n) + (emb_f if c == 0 else _Pass()) + (head_f if c == last else _Pass())
@@ -477,8 +493,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     per_stage_chunks = {c: c % pp for c in range(pp * v)}
     fwd = [p.total for p in fwd_parts]
     bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]
-    p2p_bytes = tr.micro_batch * (m.seq_len // (tp if par.sequence_parallel else 1)) * m.hidden * e
-    p2p = links["pp"].p2p(p2p_bytes) if pp > 1 else 0.0
+    p2p = links["pp"].p2p(p2p_bytes(deck)) if pp > 1 else 0.0
     if simulate and pp * v * micro <= MAX_SIMULATED_PASSES:
         finish = _simulate(pp, v, micro, fwd, bwd, p2p, par.overlap_pp_comm)
     else:  # the steady state dominates: busy time plus the interleaved 1F1B bubble, (pp - 1) / v chunks
@@ -513,7 +528,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         # read for the norm, the clip and the update, the compute-dtype copy written back.
         optimizer.append(dev.stream(shard * (2 * master + 16 + 3 * g + (e if master else 0))))
     if m.tie_embeddings and pp > 1:
-        tied_link = group_bandwidth(levels, layout.stride("pp") * (pp - 1), 2)
+        tied_link = group_bandwidth(machine.link_levels(), layout.stride("pp") * (pp - 1), 2)
         tied = tied_link.all_reduce(2, (m.vocab_size // tp) * m.hidden * g)
     # Every stage waits for the slowest at the global gradient norm; then the update.
     after = [finish[s] + dp_exposed[s] + (tied if s in (0, pp - 1) else 0.0) for s in range(pp)]
