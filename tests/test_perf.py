@@ -9,6 +9,7 @@ on TFLOP/s per GPU in the table's own convention (the recomputed forward counted
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 
 from app.deck import load_deck, resolve_for_world
 from app.plan.machine import LinkLevel, MachineError, load_machine
-from app.plan.perf import Device, _simulate, group_bandwidth, predict
+from app.plan.perf import Device, _simulate, _simulate_shared, core_sharing, group_bandwidth, predict
 from conftest import REPO
 
 TABLE = REPO / "inputs/published/megatron_sc21_table1.csv"
@@ -84,6 +85,72 @@ def test_the_simulated_schedule_has_the_textbook_bubble(pp, micro, virtual):
     chunks = pp * virtual
     finish = _simulate(pp, virtual, micro, [1 / virtual] * chunks, [2 / virtual] * chunks, 0.0, True)
     assert max(finish) == pytest.approx(3 * micro + 3 * (pp - 1) / virtual)
+
+
+@pytest.mark.parametrize("pp, micro, virtual, prefetch", [(2, 4, 1, True), (4, 8, 1, False), (4, 8, 2, True),
+                                                          (3, 5, 1, True), (4, 4, 2, False)])  # fmt: skip
+def test_the_core_sharing_simulation_at_full_speed_is_the_plain_one(pp, micro, virtual, prefetch):
+    """Uneven passes and a transfer time: with speed 1 whatever the number of busy stages, the
+    processor-sharing simulation gives the same finish times, stage by stage."""
+    chunks = pp * virtual
+    fwd = [1.0 + 0.37 * (c % 3) for c in range(chunks)]
+    bwd = [2.0 + 0.21 * (c % 4) for c in range(chunks)]
+    plain = _simulate(pp, virtual, micro, fwd, bwd, 0.3, prefetch)
+    shared = _simulate_shared(pp, virtual, micro, fwd, bwd, 0.3, prefetch, lambda busy: 1.0)
+    assert shared == pytest.approx(plain, rel=1e-9)
+
+
+def test_stages_waiting_in_the_bubble_leave_their_cores_to_the_busy_ones(tmp_path):
+    """4 CPU ranks on 2 cores, pp = 2: a stage alone in the bubble runs twice as fast as with both
+    busy (the calibrated rates), so the step is shorter than the plain simulation's, but never
+    shorter than all the work at the faster speed."""
+    machine = load_machine("local")
+    machine = dataclasses.replace(machine, devices_per_node=4, cpu_cores_per_node=2)
+    speed = core_sharing(machine, 2)
+    assert speed is not None and speed(2) == 1.0 and speed(1) == 2.0
+    assert core_sharing(dataclasses.replace(machine, cpu_cores_per_node=4), 2) is None  # a core per rank
+    assert core_sharing(load_machine("selene"), 2) is None  # GPUs share no cores
+    fwd, bwd = [1.0, 1.0], [2.0, 2.0]
+    plain = max(_simulate(2, 1, 4, fwd, bwd, 0.0, True))
+    shared = max(_simulate_shared(2, 1, 4, fwd, bwd, 0.0, True, speed))
+    assert 4 * 3.0 / 2.0 <= shared < plain
+
+
+def test_gloo_links_and_the_calibration_fits_the_model_s_ring():
+    """CPU machines (gloo) have no tree all-reduce and reduce-scatter at an all-reduce's cost;
+    fit_link's latency and bandwidth give back both measured all-reduce times through the
+    model's own cost."""
+    from app.plan.calibrate import LARGE, SMALL, fit_link
+    from app.plan.perf import Link, axis_links
+
+    for n, small, large in ((4, 6.4e-3, 30e-3), (8, 2e-3, 60e-3), (2, 1e-4, 5e-3)):
+        bandwidth, latency = fit_link(n, small, large)
+        link = Link(bandwidth, latency, "node", gloo=True)
+        assert link.all_reduce(n, SMALL) == pytest.approx(small) and link.all_reduce(n, LARGE) == pytest.approx(large)
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ()), 4)
+    from app.runtime.grid import GridLayout
+
+    layout = GridLayout.from_order_string(1, 1, 4, deck.parallel.order, 4)
+    dp = axis_links(load_machine("local"), layout)["dp"]
+    assert dp.gloo and dp.reduce_scatter(4, 1e6) == dp.all_reduce(4, 1e6)  # gloo: a reduce-scatter is an all-reduce
+    nccl = axis_links(load_machine("selene"), GridLayout.from_order_string(1, 1, 4, "tp-dp-pp", 8))["dp"]
+    assert not nccl.gloo and nccl.reduce_scatter(4, 1e6) == nccl.all_gather(4, 1e6)
+
+
+def test_the_optimizer_and_the_step_s_small_collectives_are_charged():
+    """The optimizer's bytes per element are those of ShardedOptimizer.step's eager passes (fp32
+    AdamW with clipping: 88); the norm's and non-finite check's all-reduces appear once an axis
+    has more than one rank."""
+    from app.plan.perf import optimizer_bytes
+
+    fp32 = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ()), 1)
+    assert optimizer_bytes(fp32) == 8 + 12 + 8 + 12 + 8 + 8 + 8 + 8 + 16
+    bf16 = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("train.precision=bf16",)), 1)
+    assert optimizer_bytes(bf16) == optimizer_bytes(fp32) + 4 + 2  # the fp32 master copied to bf16
+    machine = load_machine("selene")
+    one, four = (predict(resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ()), n), machine) for n in (1, 4))
+    assert one.breakdown["step_collectives"] == 0.0 < four.breakdown["step_collectives"]
+    assert one.breakdown["grad_norm"] > 0 and one.breakdown["optimizer"] > 0
 
 
 def test_prefetch_hides_the_transfer_that_a_late_receive_exposes():
@@ -299,12 +366,17 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
 
     base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
     measured = {"gemm_flops": {"256x256x256": 3e10, "512x512x512": 4e10}, "stream_bytes_s": 1e10, "op_seconds": 5e-6,
-                "all_reduce": {"ranks": 4, "bandwidth_bytes_s": 1e9, "latency_s": 1e-4}, "ranks_per_node": 4}  # fmt: skip
+                "attention_flops": {"forward": {"s": 1e10}, "backward": {"s": 5e9}},
+                "all_reduce": {"ranks": 4, "bandwidth_bytes_s": 1e9, "latency_s": 1e-4, "seconds": (1e-3, 2e-2)},
+                "ranks_per_node": 4}  # fmt: skip
     data = machine_file(base, "cal", measured, "mpirun -n 4 python -m app.plan.calibrate")
     path = tmp_path / "cal.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     machine = load_machine(path)
     assert machine.peak("fp32") == 0.04 and machine.hbm_gbs == 10.0 and machine.op_overhead_us == 5.0
+    # One efficiency for every GEMM: the median rate's share of the best; attention's likewise.
+    assert machine.gemm["efficiency"] == 0.875
+    assert machine.gemm["attention_efficiency"] == 0.25 and machine.gemm["attention_backward_efficiency"] == 0.125
     assert machine.link_levels()[0].gbs == 1.0 and machine.link_levels()[0].latency_us == 100.0
     assert "measured on" in machine.sources[0] and "mpirun -n 4" in machine.sources[0]
     deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.tp=2",)), 4)

@@ -212,7 +212,9 @@ class ShardedOptimizer:
             g = self._grad(b, grad_scale)
             m.lerp_(g, 1 - cfg.beta1)
             v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
-            denom = (v.sqrt() / math.sqrt(bc2)).add_(cfg.eps)
+            # In place after the sqrt: one temporary per bucket, not two (on CPUs a second large
+            # temporary costs fresh pages every step); the same values, bit for bit.
+            denom = v.sqrt().div_(math.sqrt(bc2)).add_(cfg.eps)
             if cfg.name == "adamw":
                 for lo, hi in self.decay_runs[b]:
                     p[lo:hi].mul_(1 - lr * cfg.weight_decay)

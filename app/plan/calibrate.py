@@ -2,11 +2,13 @@
 
     mpirun -n N python -m app.plan.calibrate [--base local] [--out inputs/machines/local_calibrated.yaml]
 
-Every rank measures at once, as ranks share a node in a run (on this CPU machine they share
-its cores): the fp32 GEMM rate over a set of shapes, the memory bandwidth of a streaming
-copy, the host time per framework operation of a chain of tiny modules, and the all-reduce of the job's
-ranks (gloo on CPUs, NCCL on GPUs) at a small and a large size, from which a ring's
-per-step latency and bus bandwidth follow. Only primitives are measured, never a training
+Every rank measures at once, in loops long enough that ranks sharing cores share them as in
+a run (on this CPU machine they share its cores): the fp32 GEMM rate over a set of shapes in
+the three layouts of a Linear in training (the best is the peak, the median's share of it the
+efficiency), causal attention forward and backward (its efficiency), an element-wise op that
+allocates its result (the memory bandwidth), the host time per framework operation of a
+chain of tiny modules, and the all-reduce of the job's ranks (gloo on CPUs, NCCL on GPUs) at
+a small and a large size, from which a ring's per-step latency and bus bandwidth follow. Only primitives are measured, never a training
 step, so a wrong step model cannot be hidden by the calibration. The file is the base
 machine file with these constants (and their date and command as the source) in place.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import statistics
 import sys
 import time
@@ -28,19 +31,38 @@ import yaml
 # (m, n, k) of the GEMMs timed: square ones and the skinny shapes of small models.
 GEMM_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 768, 256), (256, 1024, 256),
                (2048, 2048, 2048)]  # fmt: skip
-STREAM_BYTES = 64 * 2**20
+# (batch, heads, seq, head dim) of the causal attention timed (forward and backward).
+ATTENTION_SHAPES = [(4, 8, 64, 32), (4, 8, 128, 64), (2, 16, 256, 64)]
+ELEMENTWISE = 4 * 2**20  # bytes of each operand and of the result of the element-wise op timed
 SMALL, LARGE = 8 * 2**10, 8 * 2**20  # all-reduce sizes, bytes
+MIN_SECONDS = 0.25  # per timed loop
 
 
-def _timed(fn: Callable[[], Any], repeat: int, comm: Any) -> float:
-    """Median seconds of `fn` over `repeat` calls, every rank timing at once (barrier before each)."""
+def _timed(
+    fn: Callable[[], Any], comm: Any, sync: Callable[[], None], rounds: int = 3, min_seconds: float = MIN_SECONDS
+) -> float:
+    """Seconds per call of `fn`: the median of `rounds` sustained loops, every rank looping at once.
+
+    Each loop runs long enough (`min_seconds`, many scheduler time slices) for ranks that share
+    cores to share them as they do in a run: a single short call would be timed whenever its
+    rank happened to hold a core, and would report a core's rate instead of a rank's share."""
+    from mpi4py import MPI
+
     fn()  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    once = time.perf_counter() - t0
+    calls = int(comm.allreduce(max(1, math.ceil(min_seconds / max(once, 1e-7))), op=MPI.MAX))
     times = []
-    for _ in range(repeat):
+    for _ in range(rounds):
         comm.Barrier()
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
@@ -83,42 +105,72 @@ def count_aten_ops(fn: Callable[[], None]) -> int:
     return count.n
 
 
-def measure(runtime: Any, repeat: int = 5) -> dict[str, Any]:
+def fit_link(n: int, t_small: float, t_large: float) -> tuple[float, float]:
+    """(bus bandwidth bytes/s, per-step latency s) of a ring all-reduce that takes the two measured
+    times (gloo runs its ring at every size, as the model's CPU links do: `perf.Link.gloo`):
+    t = 2 (n-1)/n bytes / B + 2 (n-1) latency."""
+    bandwidth = 2 * (n - 1) / n * (LARGE - SMALL) / max(t_large - t_small, 1e-9)
+    latency = max(t_small - 2 * (n - 1) / n * SMALL / bandwidth, 0.0) / (2 * (n - 1))
+    return bandwidth, latency
+
+
+def measure(runtime: Any, repeat: int = 3) -> dict[str, Any]:
     """The primitives, each the median over ranks of each rank's median."""
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
 
     comm = runtime.comm
     dev = runtime.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)  # kernels are asynchronous
     gemm = {}
     for m, n, k in GEMM_SHAPES:
-        a, b = torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)
-        seconds = _timed(lambda a=a, b=b: torch.matmul(a, b), repeat, comm)
-        gemm[f"{m}x{n}x{k}"] = 2.0 * m * n * k / seconds
-    x = torch.empty(STREAM_BYTES // 4, device=dev)
-    y = torch.empty_like(x)
-    stream = 2 * STREAM_BYTES / _timed(lambda: y.copy_(x), repeat, comm)  # read + write
-    op = _timed(_module_chain(dev), repeat, comm) / count_aten_ops(_module_chain(dev))
+        # The three layouts of a Linear in training: forward x W^T, input gradient dY W, weight
+        # gradient dY^T X.
+        x, w, dy = torch.randn(m, k, device=dev), torch.randn(n, k, device=dev), torch.randn(m, n, device=dev)
+        for layout, fn in (("fwd", lambda x=x, w=w: F.linear(x, w)), ("dgrad", lambda dy=dy, w=w: dy @ w),
+                           ("wgrad", lambda dy=dy, x=x: dy.t() @ x)):  # fmt: skip
+            gemm[f"{m}x{n}x{k} {layout}"] = 2.0 * m * n * k / _timed(fn, comm, sync, repeat)
+    attention: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
+    for b, heads, s, d in ATTENTION_SHAPES:
+        q, k_, v = (torch.randn(b, heads, s, d, device=dev, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, heads, s, d, device=dev)
+
+        def forward(q=q, k_=k_, v=v) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k_, v, is_causal=True)
+
+        def both(forward=forward, grad=grad) -> None:
+            forward().backward(grad)
+
+        # The FLOPs the model counts a causal flash kernel executing: forward half of 4 b s^2 h, the
+        # backward 2.5 times the forward's.
+        name, half = f"b{b} heads{heads} s{s} d{d}", 0.5 * 4.0 * b * s * s * heads * d
+        t_forward = _timed(forward, comm, sync, repeat)
+        attention["forward"][name] = half / t_forward
+        attention["backward"][name] = 2.5 * half / max(_timed(both, comm, sync, repeat) - t_forward, 1e-12)
+    # Element-wise: an eager op reads its operands and writes a new tensor (as gridlm's LayerNorm,
+    # GELU, adds and dropout do): allocating the result is part of its cost.
+    x, y = torch.randn(ELEMENTWISE // 4, device=dev), torch.randn(ELEMENTWISE // 4, device=dev)
+    stream = 3 * ELEMENTWISE / _timed(lambda: torch.add(x, y), comm, sync, repeat)
+    op = _timed(_module_chain(dev), comm, sync, repeat) / count_aten_ops(_module_chain(dev))
     small, large = torch.ones(SMALL // 4, device=dev), torch.ones(LARGE // 4, device=dev)
-    t_small = _timed(lambda: dist.all_reduce(small), repeat, comm)
-    t_large = _timed(lambda: dist.all_reduce(large), repeat, comm)
+    t_small = _timed(lambda: dist.all_reduce(small), comm, sync, repeat)
+    t_large = _timed(lambda: dist.all_reduce(large), comm, sync, repeat)
 
     def agreed(value: float) -> float:
         return statistics.median(comm.allgather(value))
 
     n = runtime.world_size
-    # Ring all-reduce: t = 2 (n-1) latency + 2 (n-1)/n bytes / B; two sizes give both.
-    if n > 1:
-        t_small, t_large = agreed(t_small), agreed(t_large)
-        bandwidth = 2 * (n - 1) / n * (LARGE - SMALL) / max(t_large - t_small, 1e-9)
-        latency = max(t_small - 2 * (n - 1) / n * SMALL / bandwidth, 0.0) / (2 * (n - 1))
-    else:
-        bandwidth, latency = float("inf"), 0.0
+    t_small, t_large = agreed(t_small), agreed(t_large)
+    bandwidth, latency = fit_link(n, t_small, t_large) if n > 1 else (float("inf"), 0.0)
     return {
         "gemm_flops": {shape: agreed(v) for shape, v in gemm.items()},
+        "attention_flops": {
+            part: {shape: agreed(v) for shape, v in rates.items()} for part, rates in attention.items()
+        },
         "stream_bytes_s": agreed(stream),
         "op_seconds": agreed(op),
-        "all_reduce": {"ranks": n, "bandwidth_bytes_s": bandwidth, "latency_s": latency},
+        "all_reduce": {"ranks": n, "bandwidth_bytes_s": bandwidth, "latency_s": latency, "seconds": (t_small, t_large)},
         "ranks_per_node": runtime.local_size,
     }
 
@@ -138,7 +190,15 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     out["description"] = f"{base['description']}; primitives measured by app.plan.calibrate"
     out["peak_tflops"] = {"fp32": round(best / 1e12, 6)}  # the best measured GEMM rate: MFU against it
     out["hbm_gbs"] = round(measured["stream_bytes_s"] / 1e9, 3)
-    out["gemm"] = {"efficiency": 1.0, "compute_units": 1, "tile": [1, 1]}  # no waves on a CPU
+    # The model applies one efficiency to every GEMM: the median shape and layout's share of the best.
+    # No waves on a CPU (one compute unit, tiles of one element).
+    out["gemm"] = {
+        "efficiency": round(statistics.median(measured["gemm_flops"].values()) / best, 4),
+        "compute_units": 1,
+        "tile": [1, 1],
+    }
+    for key, part in (("attention_efficiency", "forward"), ("attention_backward_efficiency", "backward")):
+        out["gemm"][key] = round(statistics.median(measured["attention_flops"][part].values()) / best, 4)
     out["op_overhead_us"] = round(measured["op_seconds"] * 1e6, 3)
     levels = []
     if ar["ranks"] > 1:
@@ -149,10 +209,14 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
                    "latency_us": levels[0]["latency_us"] if levels else 10.0})  # fmt: skip
     out["links"] = levels
     shapes = ", ".join(f"{s} {v / 1e9:.1f}" for s, v in measured["gemm_flops"].items())
+    attention = "; ".join(f"{part} " + ", ".join(f"{s} {v / 1e9:.1f}" for s, v in rates.items())
+                          for part, rates in measured["attention_flops"].items())  # fmt: skip
     out["sources"] = [
         f"measured on {today} by `{command}`, every rank at once: fp32 GEMM GFLOP/s per rank {shapes}; "
-        f"streaming copy {measured['stream_bytes_s'] / 1e9:.2f} GB/s; {measured['op_seconds'] * 1e6:.1f} us per framework op; "
-        f"all-reduce over {ar['ranks']} ranks at {SMALL} and {LARGE} bytes",
+        f"causal attention GFLOP/s {attention}; element-wise op "
+        f"{measured['stream_bytes_s'] / 1e9:.2f} GB/s; {measured['op_seconds'] * 1e6:.1f} us per framework op; "
+        f"all-reduce over {ar['ranks']} ranks of {SMALL} and {LARGE} bytes in "
+        f"{ar['seconds'][0] * 1e3:.3f} and {ar['seconds'][1] * 1e3:.3f} ms (gloo's ring: latency and bandwidth follow)",
         *base.get("sources", []),
     ]
     return out
@@ -162,7 +226,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.plan.calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--base", default="local", help="machine file the result is based on (default: local)")
     parser.add_argument("--out", default=None, help="output file (default: inputs/machines/<base>_calibrated.yaml)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per primitive (default 5)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed loops per primitive, the median reported (default 3)"
+    )
     args = parser.parse_args(argv)
     from app.plan.machine import MACHINES_DIR, machine_path
     from app.runtime.mpi import bind_device, init_mpi, init_torch_distributed, set_threads

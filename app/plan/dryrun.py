@@ -439,7 +439,8 @@ def _predicted_lines(plan: Plan) -> list[str]:
     parts = [("gemm", "gemm"), ("attention", "attention"), ("elementwise", "element-wise"),
              ("grad_accumulation", "grad accumulation"), ("tp_exposed", "tp exposed"),
              ("pp_bubble_and_p2p", "pp bubble + p2p"), ("dp_exposed", "dp exposed"),
-             ("tied_embedding", "tied embedding"), ("optimizer", "optimizer")]  # fmt: skip
+             ("tied_embedding", "tied embedding"), ("grad_norm", "grad norm"),
+             ("step_collectives", "step collectives"), ("optimizer", "optimizer")]  # fmt: skip
     return [
         f"  predicted  step {p.step_time_s:.3g} s on {plan.machine.name}; "
         f"{p.hardware_tflops_per_device:.1f} TFLOP/s per device counting recompute, {p.tflops_per_device:.1f} "

@@ -42,8 +42,9 @@ FIELDS: dict[str, tuple[type, bool, str]] = {
         dict,
         False,
         "performance model: efficiency (achieved fraction of peak on large GEMMs), compute_units (SMs/CUs), "
-        "tile ([rows, columns] of a large GEMM's output tile), optional attention_efficiency and "
-        "memory_efficiency; each with its source under sources",
+        "tile ([rows, columns] of a large GEMM's output tile), optional attention_efficiency (flash "
+        "attention, forward and backward), attention_backward_efficiency (the backward's, where measured "
+        "apart) and memory_efficiency; each with its source under sources",
     ),
     "links": (
         list,
@@ -75,7 +76,8 @@ class MachineError(GridlmError):
 # src/graph/tuning.cc, hwLat (NVLink 5.7, network 6.6). Used when a machine file gives none.
 NCCL_RING_LATENCY_US = {"node": 5.7, "network": 6.6}
 GEMM_KEYS = {"efficiency": (0.0, 1.0), "compute_units": (0, 10**6), "tile": None,
-             "attention_efficiency": (0.0, 1.0), "memory_efficiency": (0.0, 1.0)}  # fmt: skip
+             "attention_efficiency": (0.0, 1.0), "attention_backward_efficiency": (0.0, 1.0),
+             "memory_efficiency": (0.0, 1.0)}  # fmt: skip
 
 
 @dataclass(frozen=True)

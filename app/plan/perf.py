@@ -23,13 +23,17 @@ The passes run in the order of the schedule (`app.parallel.schedule.build_schedu
 point-to-point transfers between stages, so the bubble, warm-up and stage imbalance come
 out of the simulation. After the pipeline: the exposed part of the data-parallel gradient
 reduction (overlapped with the last backward when `parallel.overlap_grad_reduce` is on), the
-tied-embedding sum, and the optimizer step at HBM bandwidth.
+tied-embedding sum, the gradient norm, the step's small all-reduces (norm, non-finite check,
+stop-signal vote) and the optimizer's passes, at HBM bandwidth as `app/optim/optimizer.py`
+runs them.
 
 Collectives use ring costs: all-reduce 2 (n-1)/n x bytes / B + 2 (n-1) x latency, all-gather
 and reduce-scatter half of that, or a tree's 2 log2(n) x latency for small messages
 (whichever is faster, as NCCL chooses). B is the group's bottleneck bandwidth over the link
 levels it crosses: at each level the members of the group inside one domain share that
-domain's links with the other groups of the same axis (see `group_bandwidth`).
+domain's links with the other groups of the same axis (see `group_bandwidth`). Gloo (CPU
+ranks) has only the ring, and its reduce-scatter costs an all-reduce (`Link.gloo`); CPU
+ranks that outnumber the cores share them (`core_sharing`).
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
-from app.deck import Deck
+from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.parallel.schedule import build_schedule, partition_layers
 from app.plan.estimate import BYTES, stage_params
@@ -66,11 +70,12 @@ class Device:
 
     peak_flops: float  # dense FLOP/s at the deck's precision
     gemm_efficiency: float  # achieved fraction of peak on large GEMMs
-    attention_efficiency: float  # achieved fraction of peak of flash attention, forward + backward
+    attention_efficiency: float  # achieved fraction of peak of flash attention, forward (+ backward)
     hbm_bytes_s: float  # achieved memory bandwidth, bytes/s
     compute_units: int  # SMs / CUs: the wave quantisation of GEMM tiles
     tile: tuple[int, int]  # output tile (rows, columns) of a large GEMM
     op_seconds: float = 0.0  # host time per framework op (CPUs; 0 where launches overlap the work)
+    attention_backward_efficiency: Optional[float] = None  # the backward's, where a machine gives it apart
 
     def gemm(self, m: int, n: int, k: int, element: int) -> float:
         """Seconds of an (m x k) @ (k x n) GEMM."""
@@ -103,6 +108,9 @@ def device_of(machine: Machine, precision: str) -> Device:
         peak_flops=peak * 1e12,
         gemm_efficiency=g["efficiency"],
         attention_efficiency=g.get("attention_efficiency", g["efficiency"]),
+        attention_backward_efficiency=g.get(
+            "attention_backward_efficiency", g.get("attention_efficiency", g["efficiency"])
+        ),
         hbm_bytes_s=machine.hbm_gbs * 1e9 * g.get("memory_efficiency", 1.0),  # type: ignore[operator]
         compute_units=int(g["compute_units"]),
         tile=(int(g["tile"][0]), int(g["tile"][1])),
@@ -120,13 +128,22 @@ class Link:
     bandwidth: float
     latency: float
     level: str  # the outermost level the group crosses
+    gloo: bool = False  # gloo (CPU ranks): no tree all-reduce, and a reduce-scatter costs an all-reduce
 
     def all_reduce(self, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
         ring = 2.0 * (n - 1) / n * nbytes / self.bandwidth + 2.0 * (n - 1) * self.latency
+        if self.gloo:
+            return ring
         tree = 2.0 * nbytes / self.bandwidth + 2.0 * math.ceil(math.log2(n)) * self.latency
         return min(ring, tree)
+
+    def reduce_scatter(self, n: int, nbytes: float) -> float:
+        """Reduce-scatter of `nbytes` (the full size). NCCL's ring moves what an all-gather does;
+        gloo reduces the whole tensor and keeps a slice (measured here on 2 ranks: 1.0-1.3x an
+        all-reduce of the same size), so it costs an all-reduce."""
+        return self.all_reduce(n, nbytes) if self.gloo else self.all_gather(n, nbytes)
 
     def all_gather(self, n: int, nbytes: float) -> float:
         """All-gather (or reduce-scatter) whose full (unsharded) size is `nbytes`."""
@@ -138,7 +155,7 @@ class Link:
         return self.latency + nbytes / self.bandwidth
 
 
-def group_bandwidth(levels: list[LinkLevel], stride: int, size: int) -> Link:
+def group_bandwidth(levels: list[LinkLevel], stride: int, size: int, gloo: bool = False) -> Link:
     """The bottleneck link of a group of `size` ranks `stride` apart (ranks placed in order).
 
     Level j joins the domains of level j - 1 (domain sizes grow outwards; the last level is
@@ -146,10 +163,11 @@ def group_bandwidth(levels: list[LinkLevel], stride: int, size: int) -> Link:
     more than one level-(j - 1) domain of a level-j domain. Through level j, the k members
     inside one level-(j - 1) domain send on k devices' shares of that level's bandwidth
     (the other groups of the axis use the rest), so the group's bus bandwidth is the least
-    of k x gbs over the levels it uses. A group of one rank uses no link.
+    of k x gbs over the levels it uses. A group of one rank uses no link. `gloo`: the group's
+    collectives are gloo's (CPU ranks), not NCCL's.
     """
     if size <= 1:
-        return Link(bandwidth=math.inf, latency=0.0, level="none")
+        return Link(bandwidth=math.inf, latency=0.0, level="none", gloo=gloo)
     inside_before = 1
     bandwidth, latency, name = math.inf, 0.0, "none"
     for level in levels:
@@ -161,7 +179,7 @@ def group_bandwidth(levels: list[LinkLevel], stride: int, size: int) -> Link:
         inside_before = inside
         if inside >= size:
             break
-    return Link(bandwidth=bandwidth, latency=latency, level=name)
+    return Link(bandwidth=bandwidth, latency=latency, level=name, gloo=gloo)
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -312,12 +330,18 @@ def p2p_bytes(deck: Deck) -> float:
 
 def axis_links(machine: Machine, layout: GridLayout) -> dict[str, Link]:
     """Each axis's group link (`group_bandwidth`) on the machine's link levels."""
-    levels = machine.link_levels()
-    return {axis: group_bandwidth(levels, layout.stride(axis), layout.size(axis)) for axis in ("tp", "pp", "dp")}
+    levels, gloo = machine.link_levels(), uses_gloo(machine)
+    return {axis: group_bandwidth(levels, layout.stride(axis), layout.size(axis), gloo) for axis in ("tp", "pp", "dp")}
+
+
+def uses_gloo(machine: Machine) -> bool:
+    """CPU ranks communicate with gloo, GPUs with NCCL/RCCL (`Link.gloo` says what differs)."""
+    return machine.device_name == "cpu"
 
 
 def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
-    return link.all_reduce(n, nbytes) if op == "all_reduce" else link.all_gather(n, nbytes)
+    cost = {"all_reduce": link.all_reduce, "reduce_scatter": link.reduce_scatter, "all_gather": link.all_gather}
+    return cost[op](n, nbytes)
 
 
 def _layer_passes(
@@ -361,7 +385,8 @@ def _attention(deck: Deck, dev: Device) -> tuple[float, float]:
     """Seconds of the attention core (scores, softmax, context), forward and backward, one tp rank.
 
     auto (flash kernels), causal: half of the 4 b s^2 h score + context FLOPs run in the forward,
-    2.5x that in the backward (it recomputes the scores), at peak x attention_efficiency.
+    2.5x that in the backward (it recomputes the scores), at peak x attention_efficiency (the
+    backward at attention_backward_efficiency where the machine gives it).
     math (torch's reference backend): the two batched GEMMs of the full square, and the scores
     (b x heads/t x s x s elements) written, masked, softmaxed, dropped out and read again.
     """
@@ -370,7 +395,8 @@ def _attention(deck: Deck, dev: Device) -> tuple[float, float]:
     flops = 4.0 * b * s * s * h / t
     if m.attention_kernel == "auto":
         forward = 0.5 * flops / (dev.peak_flops * dev.attention_efficiency)
-        return forward, 2.5 * forward
+        backward_efficiency = dev.attention_backward_efficiency or dev.attention_efficiency
+        return forward, 2.5 * 0.5 * flops / (dev.peak_flops * backward_efficiency)
     scores = b * (m.heads // t) * s * s
     drop = 2 * e + 1 if m.dropout > 0 else 0  # read, write, and a one-byte mask
     gemm_rate = dev.peak_flops * dev.gemm_efficiency
@@ -451,6 +477,141 @@ def _simulate(
     return clock
 
 
+def _simulate_shared(
+    pp: int,
+    virtual: int,
+    micro: int,
+    fwd: list[float],
+    bwd: list[float],
+    p2p: float,
+    prefetch: bool,
+    speed: Callable[[int], float],
+) -> list[float]:
+    """`_simulate` for ranks that share a node's cores (processor sharing). A pass's time is its
+    work with every rank busy; with `n` stages busy it runs `speed(n)` times as fast (a stage
+    waiting for its input blocks in gloo and leaves its cores to the busy ones). speed = 1:
+    the same finish times as `_simulate` (tested)."""
+    schedules = [build_schedule(pp, s, micro, virtual) for s in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, micro, chunk) -> end time
+    clock, position, posted = [0.0] * pp, [0] * pp, [0.0] * pp
+    running: dict[int, list] = {}  # stage -> [work left, (kind, micro, chunk)]
+    pending: dict[int, float] = {}  # stage -> when its next pass starts (its input has arrived)
+    last, now = pp * virtual - 1, 0.0
+    remaining = sum(len(x) for x in schedules)
+    while remaining:
+        for s in range(pp):
+            if s in running or s in pending or position[s] >= len(schedules[s]):
+                continue
+            a = schedules[s][position[s]]
+            chunk = a.virtual * pp + s
+            dep = (("F", a.micro, chunk - 1) if chunk > 0 else None) if a.kind == "F" else (
+                ("B", a.micro, chunk + 1) if chunk < last else None)  # fmt: skip
+            start = clock[s]
+            if dep is not None:
+                if dep not in done:
+                    continue
+                start = max(start, max(done[dep], posted[s] if prefetch else clock[s]) + p2p)
+            posted[s] = start
+            pending[s] = start
+        for s, start in list(pending.items()):
+            if start <= now:
+                a = schedules[s][position[s]]
+                chunk = a.virtual * pp + s
+                running[s] = [fwd[chunk] if a.kind == "F" else bwd[chunk], (a.kind, a.micro, chunk)]
+                del pending[s]
+        if not running:
+            if not pending:
+                raise RuntimeError("pipeline simulation deadlocked (schedule.simulate should have caught it)")
+            now = min(pending.values())
+            continue
+        rate = speed(len(running))
+        least = min(work for work, _ in running.values())
+        step = least / rate
+        if pending and min(pending.values()) - now < step:
+            step, least = min(pending.values()) - now, -1.0  # a pass starts before any ends
+        now += step
+        for s in list(running):
+            work, key = running[s]
+            if work <= least * (1 + 1e-12):
+                done[key], clock[s] = now, now
+                position[s] += 1
+                remaining -= 1
+                del running[s]
+            else:
+                running[s][0] = work - step * rate
+    return clock
+
+
+def core_sharing(machine: Machine, pp: int) -> Optional[Callable[[int], float]]:
+    """On a CPU node with more ranks than cores, the speed-up of a pass when `n` of the `pp`
+    stages are busy, relative to its time with every rank busy (the calibrated rates): a rank
+    gets min(1, cores / busy ranks) of a core. None where ranks do not share cores."""
+    ranks, cores = machine.devices_per_node, machine.cpu_cores_per_node
+    if machine.device_name != "cpu" or ranks <= cores or pp <= 1:
+        return None
+    share = cores / ranks
+
+    def speed(n: int) -> float:
+        return min(1.0, cores * pp / (ranks * n)) / share
+
+    return speed
+
+
+def param_tensors(layers: int, first: bool, last: bool, m: ModelConfig) -> tuple[int, int]:
+    """(parameter tensors, weight matrices) of a stage: per block two LayerNorms, four Linears
+    with biases; the embeddings on the first stage, the final LayerNorm (and the untied head or
+    the tied copy) on the last. The optimizer and the norm run a few framework ops per each."""
+    tensors, matrices = 12 * layers, 4 * layers
+    if first:
+        tensors, matrices = tensors + 2, matrices + 2
+    if last:
+        tensors += 2
+        if not m.tie_embeddings or not first:
+            tensors, matrices = tensors + 1, matrices + 1
+    return tensors, matrices
+
+
+def grad_norm_bytes(g: int) -> int:
+    """Bytes per gradient element of `grad_norm` (app/optim/optimizer.py): g.double() reads g and
+    writes 8 bytes, pow(2) reads and writes 8, sum() reads 8."""
+    return g + 8 + 16 + 8
+
+
+def optimizer_bytes(deck: Deck) -> int:
+    """Bytes per element of a rank's shard moved by `ShardedOptimizer.step`, pass by pass as it is
+    written (fp32 moments; every eager op reads its operands and writes its result)."""
+    tr, opt = deck.train, deck.optim
+    e = BYTES[tr.precision]
+    g = BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    total = (g + 4) if g != 4 else 0  # the gradient to fp32
+    if opt.grad_clip > 0 or tr.precision == "fp16":
+        total += 8  # times the clip coefficient (and the loss-scale inverse)
+    total += 12 + 8 + 12  # m.lerp_(g); v.mul_(); v.addcmul_(g, g)
+    total += 8 + 8 + 8  # v.sqrt(), / sqrt(bias correction), + eps: the denominator
+    if opt.name == "lamb":
+        # update = m / bc1 / denom (+ decay), the two norms per tensor (as grad_norm's passes), w += update
+        total += 8 + 12 + 12 + 2 * grad_norm_bytes(4) + 12
+    else:
+        total += 8 + 16  # the decay w *= 1 - lr wd; w += -lr m / denom
+    master_is_param = tr.precision == "fp32" and not (opt.zero and deck.dp > 1)
+    if not master_is_param:
+        total += 4 + e  # the fp32 master written to the parameters (or to the ZeRO-1 gather's send buffer)
+    return total
+
+
+def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: dict[str, Link]) -> float:
+    """The small all-reduces every step makes after the backward: the gradient norm's (over tp
+    and pp, and dp under ZeRO-1), the non-finite check's (over tp, pp and dp), one group at a
+    time (ProcessGrid.all_reduce), and the stop-signal vote (one MPI all-reduce over all
+    ranks). Latency-bound: a few bytes each."""
+    sizes = {"tp": deck.parallel.tp, "pp": deck.parallel.pp, "dp": deck.dp}
+    norm_axes = ("tp", "pp", "dp") if deck.optim.zero else ("tp", "pp")
+    seconds = sum(links[a].all_reduce(sizes[a], 8) for a in norm_axes)
+    seconds += sum(links[a].all_reduce(sizes[a], 8) for a in ("tp", "pp", "dp"))
+    world = sizes["tp"] * sizes["pp"] * sizes["dp"]
+    return seconds + group_bandwidth(machine.link_levels(), 1, world, uses_gloo(machine)).all_reduce(world, 8)
+
+
 def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, simulate: bool = True) -> Prediction:
     """The step time of a deck resolved for a world size (`resolve_for_world`) on `machine`.
     `simulate=False` takes the pipeline's steady state plus its bubble instead of simulating
@@ -494,7 +655,10 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     fwd = [p.total for p in fwd_parts]
     bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]
     p2p = links["pp"].p2p(p2p_bytes(deck)) if pp > 1 else 0.0
-    if simulate and pp * v * micro <= MAX_SIMULATED_PASSES:
+    sharing = core_sharing(machine, pp)
+    if simulate and pp * v * micro <= MAX_SIMULATED_PASSES and sharing is not None:
+        finish = _simulate_shared(pp, v, micro, fwd, bwd, p2p, par.overlap_pp_comm, sharing)
+    elif simulate and pp * v * micro <= MAX_SIMULATED_PASSES:
         finish = _simulate(pp, v, micro, fwd, bwd, p2p, par.overlap_pp_comm)
     else:  # the steady state dominates: busy time plus the interleaved 1F1B bubble, (pp - 1) / v chunks
         per_stage = [sum(fwd[c] + bwd[c] for c in range(s, pp * v, pp)) for s in range(pp)]
@@ -503,13 +667,13 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
 
     # Data parallelism, per stage: bucketed reductions of the stage's gradients.
     bucket = par.dp_bucket_mb * 1e6
-    dp_exposed, tied, optimizer = [], 0.0, []
+    dp_exposed, tied, norm, optimizer = [], 0.0, [], []
     for s in range(pp):
         grads = params[s] * g
         buckets = max(1, math.ceil(grads / bucket))
         per_bucket = grads / buckets
         if opt.zero:
-            reduce = buckets * links["dp"].all_gather(dp, per_bucket)  # reduce-scatter
+            reduce = buckets * links["dp"].reduce_scatter(dp, per_bucket)
             gather = buckets * links["dp"].all_gather(dp, per_bucket / g * e)
         else:
             reduce, gather = buckets * links["dp"].all_reduce(dp, per_bucket), 0.0
@@ -523,17 +687,18 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
             exposed += max(gather / buckets, gather - first_fwd) if par.overlap_param_gather else gather
         dp_exposed.append(exposed)
         shard = params[s] / dp if opt.zero and dp > 1 else params[s]
-        master = 0 if tr.precision == "fp32" else 4
-        # Adam/LAMB: fp32 master (when mixed), two fp32 moments read and written, the gradient
-        # read for the norm, the clip and the update, the compute-dtype copy written back.
-        optimizer.append(dev.stream(shard * (2 * master + 16 + 3 * g + (e if master else 0))))
+        tensors, matrices = param_tensors(sum(chunks[s + c * pp] for c in range(v)), s == 0, s == pp - 1, m)
+        norm.append(dev.stream(shard * grad_norm_bytes(g)) + (5 * tensors + buckets) * dev.op_seconds)
+        optimizer.append(dev.stream(shard * optimizer_bytes(deck)) + (10 * buckets + 2 * matrices) * dev.op_seconds)
     if m.tie_embeddings and pp > 1:
-        tied_link = group_bandwidth(machine.link_levels(), layout.stride("pp") * (pp - 1), 2)
+        tied_link = group_bandwidth(machine.link_levels(), layout.stride("pp") * (pp - 1), 2, uses_gloo(machine))
         tied = tied_link.all_reduce(2, (m.vocab_size // tp) * m.hidden * g)
-    # Every stage waits for the slowest at the global gradient norm; then the update.
-    after = [finish[s] + dp_exposed[s] + (tied if s in (0, pp - 1) else 0.0) for s in range(pp)]
+    # Every stage waits for the slowest at the gradient norm's and the non-finite check's
+    # all-reduces; then the update, and the stop-signal vote over all ranks.
+    after = [finish[s] + dp_exposed[s] + (tied if s in (0, pp - 1) else 0.0) + norm[s] for s in range(pp)]
     slowest = max(range(pp), key=lambda s: after[s])
-    step = after[slowest] + optimizer[slowest]
+    collectives = step_collectives(deck, machine, layout, links)
+    step = after[slowest] + optimizer[slowest] + collectives
 
     # Breakdown of the slowest stage's step by kind.
     mine = [c for c in range(pp * v) if c % pp == slowest]
@@ -552,6 +717,8 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         "pp_bubble_and_p2p": finish[slowest] - busy,
         "dp_exposed": dp_exposed[slowest],
         "tied_embedding": tied if slowest in (0, pp - 1) else 0.0,
+        "grad_norm": norm[slowest],
+        "step_collectives": collectives,
         "optimizer": optimizer[slowest],
     }
     flops = gpt_step_flops(tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
