@@ -159,7 +159,7 @@ def test_prefetch_hides_the_transfer_that_a_late_receive_exposes():
     assert max(free) < max(prefetched) < max(late)
 
 
-def test_megatron_sc21_table1_is_predicted_within_15_percent():
+def test_megatron_sc21_table1_is_predicted_within_15_percent_and_7_on_average():
     machine = load_machine("selene")
     errors = {}
     for row in _rows():
@@ -173,6 +173,7 @@ def test_megatron_sc21_table1_is_predicted_within_15_percent():
     print(f"mean absolute error {100 * sum(map(abs, errors.values())) / len(errors):.1f}%")
     assert len(errors) == 10
     assert all(abs(e) <= 0.15 for e in errors.values()), errors
+    assert sum(map(abs, errors.values())) / len(errors) <= 0.07, errors  # the mean absolute error
 
 
 def test_a_faster_link_or_device_never_predicts_a_slower_step(tmp_path):

@@ -4,13 +4,14 @@
 
 Every rank measures at once, in loops long enough that ranks sharing cores share them as in
 a run (on this CPU machine they share its cores): the fp32 GEMM rate over a set of shapes in
-the three layouts of a Linear in training (the best is the peak, the median's share of it the
-efficiency), causal attention forward and backward (its efficiency), an element-wise op that
-allocates its result (the memory bandwidth), the host time per framework operation of a
+the three layouts of a Linear in training (the best is the peak, the median's share of it
+the efficiency), causal attention forward and backward (its efficiency), an element-wise op
+that allocates its result (the memory bandwidth), the host time per framework operation of a
 chain of tiny modules, and the all-reduce of the job's ranks (gloo on CPUs, NCCL on GPUs) at
-a small and a large size, from which a ring's per-step latency and bus bandwidth follow. Only primitives are measured, never a training
-step, so a wrong step model cannot be hidden by the calibration. The file is the base
-machine file with these constants (and their date and command as the source) in place.
+a small and a large size, from which a ring's per-step latency and bus bandwidth follow.
+Only primitives are measured, never a training step, so a wrong step model cannot be hidden
+by the calibration. The file is the base machine file with these constants (and their date
+and command as the source) in place.
 
 This module measures, so it imports torch and MPI; the rest of app/plan/ stays pure.
 """
@@ -216,7 +217,7 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
         f"causal attention GFLOP/s {attention}; element-wise op "
         f"{measured['stream_bytes_s'] / 1e9:.2f} GB/s; {measured['op_seconds'] * 1e6:.1f} us per framework op; "
         f"all-reduce over {ar['ranks']} ranks of {SMALL} and {LARGE} bytes in "
-        f"{ar['seconds'][0] * 1e3:.3f} and {ar['seconds'][1] * 1e3:.3f} ms (gloo's ring: latency and bandwidth follow)",
+        f"{ar['seconds'][0] * 1e3:.3f} and {ar['seconds'][1] * 1e3:.3f} ms (a ring's latency and bandwidth follow)",
         *base.get("sources", []),
     ]
     return out
