@@ -180,7 +180,7 @@ def test_a_faster_link_or_device_never_predicts_a_slower_step(tmp_path):
     deck = resolve_for_world(load_deck(REPO / "inputs/megatron/gpt_39.1b.yaml"), 512)
     base = predict(deck, load_machine("selene"))
     raw = (REPO / "inputs/machines/selene.yaml").read_text()
-    for old, new in [("gbs: 25,", "gbs: 50,"), ("gbs: 300,", "gbs: 600,"), ("hbm_gbs: 2039", "hbm_gbs: 4000")]:
+    for old, new in [("gbs: 25,", "gbs: 50,"), ("gbs: 230,", "gbs: 460,"), ("hbm_gbs: 2039", "hbm_gbs: 4000")]:
         assert old in raw
         assert predict(deck, _machine_with(raw.replace(old, new), tmp_path)).step_time_s < base.step_time_s, new
 
