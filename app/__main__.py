@@ -11,6 +11,7 @@ whole MPI job is aborted (1), so no rank is left waiting in a collective.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from contextlib import suppress
@@ -84,11 +85,20 @@ def dry_run(args: argparse.Namespace) -> int:
     except GridlmError as err:
         print(f"gridlm: {err}", file=sys.stderr, flush=True)
         return 2
-    print(dump_json(plan, args.all_ranks) if args.json else format_text(plan, args.deck, args.all_ranks), flush=True)
+    _emit(dump_json(plan, args.all_ranks) if args.json else format_text(plan, args.deck, args.all_ranks))
     if plan.problems:
         print(f"gridlm: dry run: {len(plan.problems)} problem(s), the run cannot work as planned", file=sys.stderr)
         return 2
     return 0
+
+
+def _emit(text: str) -> None:
+    """Print a report; a reader that stops early (`| head`) is not an error: the rest is dropped
+    (stdout goes to /dev/null, so that Python's final flush does not fail again)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _search(args: argparse.Namespace, deck: Any, world: int, machine: Any) -> int:
@@ -98,7 +108,7 @@ def _search(args: argparse.Namespace, deck: Any, world: int, machine: Any) -> in
         print("gridlm: --search needs a machine: pass --machine NAME (inputs/machines/)", file=sys.stderr)
         return 2
     result = search.search(deck, world, machine, args.top)
-    print(search.dump_json(result) if args.json else search.format_text(result, args.deck), flush=True)
+    _emit(search.dump_json(result) if args.json else search.format_text(result, args.deck))
     if not result.best:
         print("gridlm: search: no configuration of this deck can run on this allocation", file=sys.stderr)
         return 2

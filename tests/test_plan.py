@@ -131,6 +131,17 @@ def test_gpt_1t_json_placement_equals_the_grid_layout():
     assert acts == sorted(acts, reverse=True) and acts[0] > acts[-1]
 
 
+def test_a_reader_that_stops_early_is_not_an_error():
+    """`--dry-run --all-ranks | head -1`: the report is far larger than a pipe's buffer, and the
+    reader closes the pipe after one line. No traceback; the dry run's own exit status."""
+    proc = subprocess.Popen([sys.executable, "-m", "app", "inputs/gpt_1t.yaml", "--dry-run", "--all-ranks"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().startswith("gridlm dry run:")
+    proc.stdout.close()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in stderr, stderr
+
+
 def test_32768_ranks_plan(tmp_path):
     """AxoNN's 640B on 4096 Frontier nodes (32,768 GCDs); the run time is reported, not asserted."""
     out = dry_run("inputs/axonn/gpt_640b.yaml", "--dry-run", "--json", "--all-ranks")
