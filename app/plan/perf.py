@@ -45,7 +45,7 @@ from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
-from app.parallel.schedule import build_schedule, partition_layers
+from app.parallel.schedule import Action, build_schedule, partition_layers
 from app.plan.estimate import BYTES, stage_params
 from app.plan.machine import LinkLevel, Machine
 from app.runtime.grid import GridLayout
@@ -108,9 +108,7 @@ def device_of(machine: Machine, precision: str) -> Device:
         peak_flops=peak * 1e12,
         gemm_efficiency=g["efficiency"],
         attention_efficiency=g.get("attention_efficiency", g["efficiency"]),
-        attention_backward_efficiency=g.get(
-            "attention_backward_efficiency", g.get("attention_efficiency", g["efficiency"])
-        ),
+        attention_backward_efficiency=g.get("attention_backward_efficiency"),
         hbm_bytes_s=machine.hbm_gbs * 1e9 * g.get("memory_efficiency", 1.0),  # type: ignore[operator]
         compute_units=int(g["compute_units"]),
         tile=(int(g["tile"][0]), int(g["tile"][1])),
@@ -438,6 +436,15 @@ def _embedding_passes(
     return _Pass(0.0, 0.0, dev.stream(4 * x), comm_fwd), _Pass(0.0, 0.0, dev.stream(6 * x), comm_bwd)
 
 
+def _chunk_and_input(a: Action, stage: int, pp: int, last: int) -> tuple[int, Optional[tuple[str, int, int]]]:
+    """The global chunk of `stage`'s action `a`, and the pass (kind, micro, chunk) whose output
+    it receives: the previous chunk's forward, the next chunk's backward (None at the ends)."""
+    chunk = a.virtual * pp + stage
+    if a.kind == "F":
+        return chunk, (("F", a.micro, chunk - 1) if chunk > 0 else None)
+    return chunk, (("B", a.micro, chunk + 1) if chunk < last else None)
+
+
 def _simulate(
     pp: int, virtual: int, micro: int, fwd: list[float], bwd: list[float], p2p: float, prefetch: bool
 ) -> list[float]:
@@ -452,11 +459,7 @@ def _simulate(
         for s in range(pp):
             while position[s] < len(schedules[s]):
                 a = schedules[s][position[s]]
-                chunk = a.virtual * pp + s
-                if a.kind == "F":
-                    dep = ("F", a.micro, chunk - 1) if chunk > 0 else None
-                else:
-                    dep = ("B", a.micro, chunk + 1) if chunk < last else None
+                chunk, dep = _chunk_and_input(a, s, pp, last)
                 start = clock[s]
                 if dep is not None:
                     if dep not in done:
@@ -495,7 +498,7 @@ def _simulate_shared(
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro, chunk) -> end time
     clock, position, posted = [0.0] * pp, [0] * pp, [0.0] * pp
     running: dict[int, list] = {}  # stage -> [work left, (kind, micro, chunk)]
-    pending: dict[int, float] = {}  # stage -> when its next pass starts (its input has arrived)
+    pending: dict[int, tuple[float, float, tuple[str, int, int]]] = {}  # stage -> (start, work, pass)
     last, now = pp * virtual - 1, 0.0
     remaining = sum(len(x) for x in schedules)
     while remaining:
@@ -503,32 +506,29 @@ def _simulate_shared(
             if s in running or s in pending or position[s] >= len(schedules[s]):
                 continue
             a = schedules[s][position[s]]
-            chunk = a.virtual * pp + s
-            dep = (("F", a.micro, chunk - 1) if chunk > 0 else None) if a.kind == "F" else (
-                ("B", a.micro, chunk + 1) if chunk < last else None)  # fmt: skip
+            chunk, dep = _chunk_and_input(a, s, pp, last)
             start = clock[s]
             if dep is not None:
                 if dep not in done:
                     continue
                 start = max(start, max(done[dep], posted[s] if prefetch else clock[s]) + p2p)
             posted[s] = start
-            pending[s] = start
-        for s, start in list(pending.items()):
+            pending[s] = (start, fwd[chunk] if a.kind == "F" else bwd[chunk], (a.kind, a.micro, chunk))
+        for s, (start, work, key) in list(pending.items()):
             if start <= now:
-                a = schedules[s][position[s]]
-                chunk = a.virtual * pp + s
-                running[s] = [fwd[chunk] if a.kind == "F" else bwd[chunk], (a.kind, a.micro, chunk)]
+                running[s] = [work, key]
                 del pending[s]
         if not running:
             if not pending:
                 raise RuntimeError("pipeline simulation deadlocked (schedule.simulate should have caught it)")
-            now = min(pending.values())
+            now = min(start for start, _, _ in pending.values())
             continue
         rate = speed(len(running))
         least = min(work for work, _ in running.values())
         step = least / rate
-        if pending and min(pending.values()) - now < step:
-            step, least = min(pending.values()) - now, -1.0  # a pass starts before any ends
+        next_start = min((start for start, _, _ in pending.values()), default=math.inf)
+        if next_start - now < step:
+            step, least = next_start - now, -1.0  # a pass starts before any ends
         now += step
         for s in list(running):
             work, key = running[s]
@@ -619,7 +619,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     dev = device_of(machine, tr.precision)
-    if machine.device_name == "cpu":
+    if uses_gloo(machine):
         # CPU ranks: gloo's copies and reductions run on the same cores as the compute, so nothing
         # overlaps; every collective and transfer is charged in full.
         par = dataclasses.replace(par, overlap_tp_comm=False, overlap_pp_comm=False, overlap_grad_reduce=False,
@@ -649,7 +649,8 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
 
     # Gradient accumulation: after each backward a hook adds every parameter's gradient (compute
     # dtype) into the fp32 (or compute-dtype) buffer: read both, write the buffer.
-    params = [stage_params(m, tp, sum(chunks[s + c * pp] for c in range(v)), s == 0, s == pp - 1) for s in range(pp)]
+    stage_layers = [sum(chunks[s + c * pp] for c in range(v)) for s in range(pp)]
+    params = [stage_params(m, tp, stage_layers[s], s == 0, s == pp - 1) for s in range(pp)]
     accumulate = [dev.stream(p * (e + 2 * g)) for p in params]
     per_stage_chunks = {c: c % pp for c in range(pp * v)}
     fwd = [p.total for p in fwd_parts]
@@ -687,7 +688,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
             exposed += max(gather / buckets, gather - first_fwd) if par.overlap_param_gather else gather
         dp_exposed.append(exposed)
         shard = params[s] / dp if opt.zero and dp > 1 else params[s]
-        tensors, matrices = param_tensors(sum(chunks[s + c * pp] for c in range(v)), s == 0, s == pp - 1, m)
+        tensors, matrices = param_tensors(stage_layers[s], s == 0, s == pp - 1, m)
         norm.append(dev.stream(shard * grad_norm_bytes(g)) + (5 * tensors + buckets) * dev.op_seconds)
         optimizer.append(dev.stream(shard * optimizer_bytes(deck)) + (10 * buckets + 2 * matrices) * dev.op_seconds)
     if m.tie_embeddings and pp > 1:
