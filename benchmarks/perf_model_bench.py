@@ -37,7 +37,12 @@ def calibrate(ranks: int, out: Path) -> Path:
     return path
 
 
-def predicted(deck_path: str, spec: str, extra: tuple[str, ...], machine_path: Path, steps: int) -> dict:
+def ranks(spec: str) -> int:
+    tp, pp, dp, _, _ = grid_bench.parse_grid(spec)
+    return tp * pp * dp
+
+
+def predicted(deck_path: str, spec: str, extra: tuple[str, ...], machine_path: Path) -> dict:
     from app.deck import load_deck, resolve_for_world
     from app.plan.machine import load_machine
     from app.plan.perf import predict
@@ -61,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
-    sizes = sorted({grid_bench.parse_grid(s)[0] * grid_bench.parse_grid(s)[1] * grid_bench.parse_grid(s)[2]
-                    for s in args.grids})  # fmt: skip
-    machines = {n: calibrate(n, out) for n in sizes}
+    machines = {n: calibrate(n, out) for n in sorted({ranks(s) for s in args.grids})}
     # Rounds alternate the grids (a load burst from another tenant hits all of them alike); each
     # grid's measured step is the median of its rounds.
     steps_ms: dict[str, list[float]] = {spec: [] for spec in args.grids}
@@ -81,12 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for spec in args.grids:
         extra = EXTRA.get(spec, ())
-        tp, pp, dp, _, _ = grid_bench.parse_grid(spec)
-        row = {"grid": spec + "".join(f" {e}" for e in extra), "ranks": tp * pp * dp}
+        row = {"grid": spec + "".join(f" {e}" for e in extra), "ranks": ranks(spec)}
         if spec in errors:
             rows.append({**row, "error": errors[spec]})
             continue
-        row.update(predicted(args.deck, spec, extra, machines[tp * pp * dp], args.steps))
+        row.update(predicted(args.deck, spec, extra, machines[ranks(spec)]))
         row["measured_ms"] = statistics.median(steps_ms[spec])
         row["rounds_ms"] = " ".join(f"{t:.0f}" for t in steps_ms[spec])
         row["error_pct"] = 100 * (row["predicted_ms"] / row["measured_ms"] - 1)

@@ -414,7 +414,7 @@ def predict_points(study: Study, points: list[Point]) -> list[dict[str, Any]]:
     Weak studies: efficiency = model TFLOP/s per device / the first point's. Strong: speedup =
     tokens/s / the first point's, efficiency = speedup x first GPUs / GPUs."""
     from app.plan.dryrun import make_plan
-    from app.plan.estimate import stage_params
+    from app.plan.estimate import model_params
     from app.plan.machine import load_machine
 
     machine = load_machine(study.machine)
@@ -430,7 +430,7 @@ def predict_points(study: Study, points: list[Point]) -> list[dict[str, Any]]:
         m, par = deck.model, deck.parallel
         rows.append({
             "point": pt.point, "nodes": pt.nodes, "gpus": pt.ranks, "label": pt.label,
-            "parameters": stage_params(m, 1, m.layers, True, True), "grid": {"tp": par.tp, "pp": par.pp, "dp": deck.dp},
+            "parameters": model_params(m), "grid": {"tp": par.tp, "pp": par.pp, "dp": deck.dp},
             "global_batch": deck.train.global_batch, **q.to_dict(),
         })  # fmt: skip
     base = rows[0]

@@ -102,9 +102,7 @@ def from_predicted(data: dict[str, Any], label: str, source: str) -> list[dict[s
 def our_rows(paths: list[str], kind: Optional[str], label: Optional[str]) -> list[dict[str, Any]]:
     """Our points as rows of COLUMNS, from a scaling results directory, a prediction or runs."""
     if len(paths) == 1 and Path(paths[0]).name == "predicted.json":
-        data = scaling.read_json(Path(paths[0]))
-        if not isinstance(data, dict) or not isinstance(data.get("points"), list):
-            raise ScalingError(f"{paths[0]} is not a prediction: it needs a 'points' list (launch.study --predict)")
+        data = scaling.read_predicted(Path(paths[0]))
         return from_predicted(data, label or f"{data.get('study') or 'gridlm'} (predicted)", paths[0])
     if len(paths) == 1 and (Path(paths[0]) / "summary.json").is_file():
         results = scaling.read_json(Path(paths[0]) / "summary.json")
@@ -204,9 +202,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(" | ".join(str(c) for c in cells))
     errors = relative_errors(ours, published, metrics)
     if errors:
-        (out / "errors.md").write_text(errors_table(errors))
+        table = errors_table(errors)
+        (out / "errors.md").write_text(table)
         files.append(out / "errors.md")
-        print(errors_table(errors))
+        print(table)
     print("wrote " + ", ".join(str(p) for p in files))
     return 0
 

@@ -204,6 +204,14 @@ def manifest_runs(path: Path) -> list[Run]:
     return runs
 
 
+def read_predicted(path: Path) -> dict[str, Any]:
+    """A study's predicted.json (launch.study --predict), checked for its points."""
+    data = read_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("points"), list):
+        raise ScalingError(f"{path} is not a prediction: it needs a 'points' list (launch.study --predict)")
+    return data
+
+
 def collect_predicted(paths: list[str]) -> dict[Optional[str], dict[str, Any]]:
     """The predicted.json files named on the command line (or beside a manifest), by study."""
     found: dict[Optional[str], dict[str, Any]] = {}
@@ -211,9 +219,7 @@ def collect_predicted(paths: list[str]) -> dict[Optional[str], dict[str, Any]]:
         path = Path(arg)
         path = path / "predicted.json" if path.is_dir() else path
         if path.name == "predicted.json" and path.is_file():
-            data = read_json(path)
-            if not isinstance(data, dict) or not isinstance(data.get("points"), list):
-                raise ScalingError(f"{path} is not a prediction: it needs a 'points' list (launch.study --predict)")
+            data = read_predicted(path)
             found[data.get("study")] = data
     return found
 

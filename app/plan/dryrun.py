@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
-from app.plan.estimate import StageEstimate, estimate_stages, stage_params, step_flops
+from app.plan.estimate import StageEstimate, estimate_stages, model_params, step_flops
 from app.plan.machine import Machine
 from app.plan.perf import Link, Prediction, axis_links, predict
 from app.runtime.grid import AXES, GridLayout
@@ -269,7 +269,7 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
         "nodes": plan.nodes,
         "ranks_per_node": plan.ranks_per_node,
         "grid": {"tp": par.tp, "pp": par.pp, "dp": deck.dp, "order": par.order, "virtual_stages": par.virtual_stages},
-        "parameters": stage_params(m, 1, m.layers, True, True),
+        "parameters": model_params(m),
         "micro_batches": deck.num_micro_batches,
         "placement": {
             "node_span": plan.node_span,

@@ -70,6 +70,11 @@ def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) 
     return n
 
 
+def model_params(m: ModelConfig) -> int:
+    """Parameters of the whole (1-rank) model."""
+    return stage_params(m, 1, m.layers, True, True)
+
+
 def layer_activation_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool, element: int) -> float:
     """Activation bytes one block keeps for backward, per micro-batch (no recomputation)."""
     sbh = m.seq_len * micro_batch * m.hidden
