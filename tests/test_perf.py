@@ -197,6 +197,7 @@ def _machine_with(text: str, directory: Path):
     [
         ("  compute_units: 108", "  compute_units: 108\n  warp_factor: 3", "gemm.warp_factor: unknown"),
         ("efficiency: 0.897", "efficiency: 1.5", "gemm.efficiency = 1.5"),
+        ("compute_units: 108", "compute_units: 0.5", "gemm.compute_units = 0.5"),
         ("tile: [256, 128]", "tile: [256]", "gemm.tile"),
         ("{name: nvswitch, devices: 8,", "{name: nvswitch, devices: null,", "links[0]"),
     ],

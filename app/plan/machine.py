@@ -226,6 +226,9 @@ def _validate(m: Machine) -> None:
                 raise MachineError(f"{where}: gemm.tile = {value!r}: expected [rows, columns], positive integers")
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not bounds[0] < value <= bounds[1]:
             raise MachineError(f"{where}: gemm.{key} = {value!r}: expected a number in ({bounds[0]}, {bounds[1]}]")
+        elif key == "compute_units" and not isinstance(value, int):
+            # Tiles are spread over whole SMs / CUs (the model's wave quantisation divides by them).
+            raise MachineError(f"{where}: gemm.compute_units = {value!r}: expected a whole number of SMs / CUs")
     last = 0
     for i, level in enumerate(m.links or []):
         ok = isinstance(level, dict) and set(level) == {"name", "devices", "gbs", "latency_us"}
