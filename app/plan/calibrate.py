@@ -153,7 +153,8 @@ def measure(runtime: Any, repeat: int = 3) -> dict[str, Any]:
     # GELU, adds and dropout do): allocating the result is part of its cost.
     x, y = torch.randn(ELEMENTWISE // 4, device=dev), torch.randn(ELEMENTWISE // 4, device=dev)
     stream = 3 * ELEMENTWISE / _timed(lambda: torch.add(x, y), comm, sync, repeat)
-    op = _timed(_module_chain(dev), comm, sync, repeat) / count_aten_ops(_module_chain(dev))
+    chain = _module_chain(dev)
+    op = _timed(chain, comm, sync, repeat) / count_aten_ops(chain)
     small, large = torch.ones(SMALL // 4, device=dev), torch.ones(LARGE // 4, device=dev)
     t_small = _timed(lambda: dist.all_reduce(small), comm, sync, repeat)
     t_large = _timed(lambda: dist.all_reduce(large), comm, sync, repeat)
