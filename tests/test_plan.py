@@ -13,7 +13,7 @@ import pytest
 from app.deck import load_deck, resolve_for_world
 from app.metrics.peaks import peak_tflops
 from app.plan.dryrun import make_plan
-from app.plan.estimate import estimate_stages, stage_params
+from app.plan.estimate import estimate_stages, stage_layout, stage_param_list, stage_params
 from app.plan.machine import MachineError, load_machine, machine_names
 from app.runtime.grid import GridLayout
 from conftest import REPO, grid_trainer
@@ -39,7 +39,8 @@ def megatron_params(layers: int, hidden: int, vocab: int, seq: int) -> int:
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("tp,pp,virtual", [(1, 1, 1), (2, 1, 1), (4, 2, 1), (2, 2, 2), (1, 5, 1)])
 def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual):
-    """Every stage's per-rank count equals the numel of the GPT shard a rank of that stage builds."""
+    """Every stage's parameter list (elements and weight decay, in registration order) is that of
+    the GPT shard a rank of that stage builds, so the per-rank count is its numel."""
     import torch
 
     from app.model.gpt import GPT, gpt_num_parameters
@@ -59,7 +60,9 @@ def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual):
             model = GPT(
                 deck.model, 1, torch.device("cpu"), TensorParallel(tp, rank), layers, stage == 0, stage == pp - 1
             )
-            assert stages[stage].params == sum(p.numel() for p in model.parameters()), (stage, rank)
+            built = [(p.numel(), p.meta.decay) for p in model.parameters()]
+            assert stage_param_list(deck.model, tp, len(layers), stage == 0, stage == pp - 1) == built, (stage, rank)
+            assert stages[stage].params == sum(n for n, _ in built), (stage, rank)
     whole = stage_params(deck.model, 1, deck.model.layers, True, True)
     assert whole == gpt_num_parameters(deck.model)
 
@@ -264,17 +267,22 @@ MEMORY_CASES = [
 @pytest.mark.mpi
 @pytest.mark.parametrize("overrides", MEMORY_CASES, ids=["fp32", "bf16-zero1", "fp16-untied"])
 def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, grids, overrides):
-    """The plan's weights, gradients and optimizer state per rank equal what `DataParallel` and
-    the optimizer allocate, up to the padding of each bucket to a multiple of dp (< dp elements
-    per bucket)."""
+    """The plan's weights, gradients and optimizer state per rank are what `DataParallel` and the
+    optimizer allocate, exactly: both come from the same `ParamLayout` (the plan's from the
+    model's parameter list, `estimate.stage_param_list`, which equals the built model's)."""
     for tp, pp, dp in GRIDS.get(runtime.world_size, []):
         trainer = grid_trainer(grids, tp, pp, dp, (*overrides, "run.resume=none", "train.global_batch=16"))
         deck = trainer.deck
         stage = estimate_stages(deck)[trainer.grid.coords["pp"]]
+        planned = stage_layout(deck, sum(stage.layers), stage.first, stage.last, bool(deck.optim.zero))
+        # The plan's is dp rank 0's: the same buckets, and shards of the same size.
+        assert [(b.start, b.end, b.params, b.shard_hi - b.shard_lo) for b in planned.buckets] == [
+            (b.start, b.end, b.params, b.shard_hi - b.shard_lo) for b in trainer.dp.layout.buckets
+        ]
         buffers = trainer.dp.buffer_bytes()
-        slack = 4.0 * dp * len(trainer.dp.buckets)  # bytes of padding, at 4 bytes per element at most
-        assert abs(buffers["parameters"] - stage.weights) <= slack
-        assert abs(buffers["gradients"] - stage.gradients) <= slack
+        assert buffers["parameters"] == stage.weights and buffers["gradients"] == stage.gradients
         zero = deck.optim.zero
-        grad_shard = stage.gradients / dp if zero and dp > 1 else 0.0  # in the plan's optimizer line
-        assert abs(trainer.optimizer.state_bytes() - (stage.optimizer[f"zero{zero}"] - grad_shard)) <= 3 * slack
+        held = trainer.optimizer.state_bytes()
+        if zero and dp > 1:  # the plan's ZeRO-1 line also counts the reduce-scatter's gradient shard
+            held += sum(f.grad_shard.numel() * f.grad_shard.element_size() for f in trainer.dp.flight)
+        assert held == stage.optimizer[f"zero{zero}"]

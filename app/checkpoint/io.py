@@ -114,17 +114,17 @@ def _clip(span: tuple[int, int], offset: int, numel: int) -> tuple[int, int]:
 
 def plan(state: TrainingState) -> dict[str, Part]:
     """name -> this rank's Part, for every parameter of its model."""
-    dp, tp_rank = state.dp, state.grid.coords["tp"]
-    index = {id(p): i for i, p in enumerate(dp.params)}
+    layout, tp_rank = state.dp.layout, state.grid.coords["tp"]
+    index = {id(p): i for i, p in enumerate(state.dp.params)}
+    bucket_of = layout.bucket_of()
     parts = {}
     for name, p in state.model.named_parameters():
-        b = dp.bucket_of[id(p)]
-        off, n = dp.offsets[index[id(p)]], p.numel()
-
-        bucket = dp.buckets[b]
+        i = index[id(p)]
+        b, off, n = bucket_of[i], layout.offsets[i], layout.numels[i]
+        bucket = layout.buckets[b]
         parts[name] = Part(
             p, b, off, p.meta.owned_by(tp_rank),
-            _clip(dp.dp_slice(b), off, n), _clip((bucket.shard_lo, bucket.shard_hi), off, n),
+            _clip(layout.dp_slice(b), off, n), _clip((bucket.shard_lo, bucket.shard_hi), off, n),
         )  # fmt: skip
     return parts
 
@@ -155,7 +155,7 @@ def _state_slice(state: TrainingState, kind: str, part: Part, lo: int, hi: int) 
     dp = state.dp
     if kind == MODEL:
         return dp.param_buffer[part.offset + lo : part.offset + hi]
-    base = part.offset - dp.buckets[part.bucket].shard_lo
+    base = part.offset - dp.layout.buckets[part.bucket].shard_lo
     tensors = {MASTER: dp.master, EXP_AVG: state.optimizer.exp_avg, EXP_AVG_SQ: state.optimizer.exp_avg_sq}[kind]
     return tensors[part.bucket][base + lo : base + hi]
 

@@ -180,16 +180,7 @@ class ShardedOptimizer:
         self.exp_avg_sq = [torch.zeros_like(m) for m in dp.master]
         self.steps = 0
         # Runs of elements with weight decay, per bucket shard (adjacent parameters merged).
-        self.decay_runs: list[list[tuple[int, int]]] = []
-        for b in dp.buckets:
-            runs: list[tuple[int, int]] = []
-            for s in b.segments:
-                if dp.params[s.param].meta.decay:
-                    if runs and runs[-1][1] == s.lo:
-                        runs[-1] = (runs[-1][0], s.hi)
-                    else:
-                        runs.append((s.lo, s.hi))
-            self.decay_runs.append(runs)
+        self.decay_runs = [dp.layout.decay_runs(b) for b in range(len(dp.layout.buckets))]
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: the moments and any separate fp32 master copy."""
@@ -233,8 +224,8 @@ class ShardedOptimizer:
         dp, grid = self.dp, self.grid
         tp_rank = grid.coords["tp"]
         sums = torch.zeros(len(dp.params), 2, dtype=torch.float64, device=dp.grad_buffer.device)
-        for b, bucket in enumerate(dp.buckets):
-            for s in bucket.segments:
+        for b in range(len(dp.buckets)):
+            for s in dp.layout.segments(b):
                 meta = dp.params[s.param].meta
                 if meta.replicated_over("tp") and tp_rank != 0:
                     continue  # the tp replicas hold the same values: count them once
@@ -245,8 +236,8 @@ class ShardedOptimizer:
         w_norm, u_norm = norms[:, 0], norms[:, 1]
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-300), torch.ones_like(w_norm))
         ratio = ratio.float().tolist()
-        for b, bucket in enumerate(dp.buckets):
-            for s in bucket.segments:
+        for b in range(len(dp.buckets)):
+            for s in dp.layout.segments(b):
                 dp.master[b][s.lo : s.hi].add_(updates[b][s.lo : s.hi], alpha=-lr * ratio[s.param])
 
 

@@ -1,1 +1,2 @@
-"""Parallelism over the grid: data-parallel gradient sync (pipeline and overlap later)."""
+"""Parallelism over the grid: the parameter layout, data-parallel buffers and reductions, the
+pipeline schedule and its runner, and gathering shards to whole tensors."""

@@ -32,7 +32,7 @@ ranks), and the tied embedding summed between the first and last stage.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
+from app.parallel.layout import ParamLayout, Segment
 from app.runtime.grid import ProcessGrid
 
 
@@ -64,24 +65,9 @@ def allreduce_flat(
 
 
 @dataclass
-class Segment:
-    """The part of parameter `param` (index into DataParallel.params) inside a bucket's shard:
-    shard elements [lo, hi) are the parameter's flat elements [param_lo, param_lo + hi - lo)."""
+class InFlight:
+    """A bucket's communication state within a step."""
 
-    param: int
-    lo: int
-    hi: int
-    param_lo: int
-
-
-@dataclass
-class Bucket:
-    start: int  # [start, end) in the flat buffers; end - start is a multiple of dp
-    end: int
-    params: list[int]
-    shard_lo: int  # the slice of the bucket this rank updates (buffer offsets)
-    shard_hi: int
-    segments: list[Segment] = field(default_factory=list)
     ready: int = 0  # gradients received this step
     reduce: Optional[Pending] = None
     gather: Optional[Pending] = None
@@ -121,10 +107,21 @@ class DataParallel:
         self.params: list[nn.Parameter] = list(reversed(list(model.parameters())))
         device = self.params[0].device
         element = torch.empty((), dtype=reduce_dtype).element_size()
-        self.offsets, self.buckets = self._layout(bucket_mb * 1e6 / element)
-        self.bucket_of = {id(self.params[i]): k for k, b in enumerate(self.buckets) for i in b.params}
+        tied_index = next((i for i, p in enumerate(self.params) if p is self.tied_param), None)
+        self.layout = ParamLayout.build(
+            [p.numel() for p in self.params],
+            [p.meta.decay for p in self.params],  # type: ignore[attr-defined]
+            dp=self.dp,
+            dp_rank=self.dp_rank,
+            zero=self.zero,
+            bucket_elements=bucket_mb * 1e6 / element,
+            alone=tied_index,
+        )
+        self.offsets, self.buckets = self.layout.offsets, self.layout.buckets
+        self.flight = [InFlight() for _ in self.buckets]
+        self.bucket_of = {id(self.params[i]): k for i, k in self.layout.bucket_of().items()}
         # The fp32 initial values, flat: the master weights come from them, not from a rounded copy.
-        fp32 = torch.zeros(self.buckets[-1].end, dtype=torch.float32, device=device)
+        fp32 = torch.zeros(self.layout.size, dtype=torch.float32, device=device)
         with torch.no_grad():
             for p, off in zip(self.params, self.offsets):
                 fp32[off : off + p.numel()].copy_(p.detach().reshape(-1))
@@ -137,8 +134,8 @@ class DataParallel:
         del fp32
         self.grad_buffer = torch.zeros_like(self.param_buffer, dtype=reduce_dtype)
         if self.zero:
-            for b in self.buckets:
-                b.grad_shard = torch.zeros(b.shard_hi - b.shard_lo, dtype=reduce_dtype, device=device)
+            for b, f in zip(self.buckets, self.flight):
+                f.grad_shard = torch.zeros(b.shard_hi - b.shard_lo, dtype=reduce_dtype, device=device)
         # The model's parameters and their gradient accumulators become views of the buffers.
         for p, off in zip(self.params, self.offsets):
             p.data = self.param_buffer[off : off + p.numel()].view(p.shape)
@@ -146,70 +143,39 @@ class DataParallel:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.micro_batches, self.reduced = 1, False
 
-    def _layout(self, bucket_elements: float) -> tuple[list[int], list[Bucket]]:
-        """Offsets of the parameters and the buckets (whole parameters, padded to dp)."""
-        offsets, buckets = [], []
-        current: list[int] = []
-        start = size = 0
-
-        def close() -> None:
-            nonlocal start, size, current
-            if not current:
-                return
-            end = start + -(-size // self.dp) * self.dp
-            shard = (end - start) // self.dp
-            lo, hi = (start + self.dp_rank * shard, start + (self.dp_rank + 1) * shard) if self.zero else (start, end)
-            buckets.append(Bucket(start, end, current, lo, hi))
-            start, size, current = end, 0, []
-
-        for i, p in enumerate(self.params):
-            alone = p is self.tied_param
-            if alone:
-                close()
-            offsets.append(start + size)
-            current.append(i)
-            size += p.numel()
-            if alone or size >= bucket_elements:
-                close()
-        close()
-        for b in buckets:
-            for i in b.params:
-                lo, hi = max(offsets[i], b.shard_lo), min(offsets[i] + self.params[i].numel(), b.shard_hi)
-                if lo < hi:
-                    b.segments.append(Segment(i, lo - b.shard_lo, hi - b.shard_lo, lo - offsets[i]))
-        return offsets, buckets
-
     # ---- gradients -------------------------------------------------------------------
 
     def start_step(self, micro_batches: int) -> None:
         """Zero the gradient buffer; the buckets wait for `micro_batches` gradients per parameter."""
-        if any(b.reduce is not None for b in self.buckets):
+        if any(f.reduce is not None for f in self.flight):
             raise RuntimeError("start_step before finish_grad_reduce: a reduction is still in flight")
         self.micro_batches, self.reduced = micro_batches, False
         self.grad_buffer.zero_()
-        for b in self.buckets:
-            b.ready, b.launched = 0, False
+        for f in self.flight:
+            f.ready, f.launched = 0, False
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
         p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
         p.grad = None
-        bucket = self.buckets[self.bucket_of[id(p)]]
-        bucket.ready += 1
-        if self.overlap_grad_reduce and bucket.ready == len(bucket.params) * self.micro_batches:
-            self._launch_reduce(bucket)
+        k = self.bucket_of[id(p)]
+        flight = self.flight[k]
+        flight.ready += 1
+        if self.overlap_grad_reduce and flight.ready == len(self.buckets[k].params) * self.micro_batches:
+            self._launch_reduce(k)
 
-    def _launch_reduce(self, b: Bucket) -> None:
-        b.launched = True
+    def _launch_reduce(self, k: int) -> None:
+        b, f = self.buckets[k], self.flight[k]
+        f.launched = True
         if self.dp == 1:
             return
         grads = self.grad_buffer[b.start : b.end]
         grads.div_(self.dp)  # the mean; dividing first keeps low-precision sums in range
         if self.zero:
-            work = dist.reduce_scatter_single(b.grad_shard, grads, group=self.group, async_op=True)
+            work = dist.reduce_scatter_single(f.grad_shard, grads, group=self.group, async_op=True)
         else:
             work = dist.all_reduce(grads, group=self.group, async_op=True)
-        b.reduce = launch(self.timers, "dp", work, "gradient reduction")
+        f.reduce = launch(self.timers, "dp", work, "gradient reduction")
 
     @torch.no_grad()
     def finish_grad_reduce(self, sp_group: Any = None) -> None:
@@ -218,16 +184,16 @@ class DataParallel:
         if self.reduced:
             return
         self.reduced = True
-        for b in self.buckets:
-            if not b.launched:
-                self._launch_reduce(b)
-                if not self.overlap_grad_reduce and b.reduce is not None:
-                    wait(self.timers, b.reduce)
-                    b.reduce = None
-        for b in self.buckets:
-            if b.reduce is not None:
-                wait(self.timers, b.reduce)
-                b.reduce = None
+        for k, f in enumerate(self.flight):
+            if not f.launched:
+                self._launch_reduce(k)
+                if not self.overlap_grad_reduce and f.reduce is not None:
+                    wait(self.timers, f.reduce)
+                    f.reduce = None
+        for f in self.flight:
+            if f.reduce is not None:
+                wait(self.timers, f.reduce)
+                f.reduce = None
         if sp_group is not None:
             views = [v for _, p, v in self.held_grads() if p.meta.sequence_parallel]
             if views:
@@ -239,14 +205,14 @@ class DataParallel:
 
     def grads(self, b: int) -> torch.Tensor:
         """The reduced gradient of this rank's shard of bucket b (reduce dtype)."""
-        bucket = self.buckets[b]
-        return bucket.grad_shard if self.zero else self.grad_buffer[bucket.shard_lo : bucket.shard_hi]
+        bucket, grad_shard = self.buckets[b], self.flight[b].grad_shard
+        return grad_shard if grad_shard is not None else self.grad_buffer[bucket.shard_lo : bucket.shard_hi]
 
     def held_grads(self) -> Iterator[tuple[Segment, nn.Parameter, torch.Tensor]]:
         """(segment, parameter, reduced-gradient view) for every parameter part this rank updates."""
-        for k, b in enumerate(self.buckets):
+        for k in range(len(self.buckets)):
             g = self.grads(k)
-            for s in b.segments:
+            for s in self.layout.segments(k):
                 yield s, self.params[s.param], g[s.lo : s.hi]
 
     # ---- parameters ------------------------------------------------------------------
@@ -259,29 +225,29 @@ class DataParallel:
                 for b, master in zip(self.buckets, self.master):
                     self.param_buffer[b.shard_lo : b.shard_hi].copy_(master)
             return
-        for b, master in zip(self.buckets, self.master):
-            if b.gather is not None:
+        for b, f, master in zip(self.buckets, self.flight, self.master):
+            if f.gather is not None:
                 raise RuntimeError("publish_params before the previous gather was waited for")
             send = master.to(self.param_buffer.dtype, copy=True)  # never gather from the output itself
             work = dist.all_gather_single(self.param_buffer[b.start : b.end], send, group=self.group, async_op=True)
-            b.gather = launch(self.timers, "dp", work, "parameter all_gather")
-            b.gather.keep = send  # alive until the gather completes
+            f.gather = launch(self.timers, "dp", work, "parameter all_gather")
+            f.gather.keep = send  # alive until the gather completes
             if not self.overlap_param_gather:
-                self._wait_gather(b)
+                self._wait_gather(f)
 
-    def _wait_gather(self, b: Bucket) -> None:
-        if b.gather is not None:
-            wait(self.timers, b.gather)
-            b.gather = None
+    def _wait_gather(self, f: InFlight) -> None:
+        if f.gather is not None:
+            wait(self.timers, f.gather)
+            f.gather = None
 
     def wait_params(self, params: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Wait for the all-gathers of the buckets holding `params` (all buckets by default)."""
         if params is None:
-            for b in self.buckets:
-                self._wait_gather(b)
+            for f in self.flight:
+                self._wait_gather(f)
             return
         for k in sorted({self.bucket_of[id(p)] for p in params}):
-            self._wait_gather(self.buckets[k])
+            self._wait_gather(self.flight[k])
 
     def prefetch_hooks(self, first_uses: Sequence[tuple[nn.Module, Sequence[torch.Tensor]]]) -> None:
         """Forward pre-hooks: before `module` runs, wait for the buckets of the parameters it is
@@ -292,11 +258,8 @@ class DataParallel:
             module.register_forward_pre_hook(lambda _m, _a, ps=tuple(params): self.wait_params(ps))
 
     def dp_slice(self, b: int) -> tuple[int, int]:
-        """This dp rank's 1/dp slice of bucket b (buffer offsets): the ZeRO-1 shard, held or not.
-        Checkpoints split their I/O of replicated state over dp ranks this way."""
-        bucket = self.buckets[b]
-        shard = (bucket.end - bucket.start) // self.dp
-        return bucket.start + self.dp_rank * shard, bucket.start + (self.dp_rank + 1) * shard
+        """This dp rank's 1/dp slice of bucket b (`ParamLayout.dp_slice`)."""
+        return self.layout.dp_slice(b)
 
     # ---- reports ---------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """Assemble the full (1-rank) parameters of a model sharded over the grid, on one rank.
 
-For tests, inspection and export of small models: every tensor travels through MPI to
-rank 0 of the grid. Each logical tensor is contributed once: by dp rank 0, by tp rank 0
+For the equivalence tests (any grid = one rank) on small models: every tensor travels
+through MPI to rank 0 of the grid. Each logical tensor is contributed once: by dp rank 0, by tp rank 0
 when it is replicated over tp, and never from the tied head copy (`ParamMeta.tied`).
-Checkpoints of big models write hyperslabs in parallel instead (HDF5).
+Checkpoints (and export, which reads them) write and read hyperslabs in parallel instead.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
-from app.plan.estimate import StageEstimate, estimate_stages, model_params, step_flops
+from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params, step_flops
 from app.plan.machine import Machine
 from app.plan.perf import Link, Prediction, axis_links, predict
 from app.runtime.grid import AXES, GridLayout
@@ -102,9 +102,10 @@ def make_plan(
     ranks_per_node: Optional[int] = None,
     max_imbalance: float = MAX_IMBALANCE,
     simulate: bool = True,
+    layouts: Optional[LayoutCache] = None,
 ) -> Plan:
     """Resolve `deck` for `world_size` (a DeckError if impossible) and plan it (`simulate`: see
-    `app.plan.perf.predict`)."""
+    `app.plan.perf.predict`; `layouts`: see `estimate.LayoutCache`)."""
     start = time.perf_counter()
     deck = resolve_for_world(deck, world_size)
     par = deck.parallel
@@ -116,7 +117,7 @@ def make_plan(
         machine=machine,
         ranks_per_node=rpn,
         layout=layout,
-        stages=estimate_stages(deck),
+        stages=estimate_stages(deck, layouts),
         flops=step_flops(deck),
         node_span={axis: _node_span(layout, axis) for axis in AXES},
     )

@@ -2,7 +2,9 @@
 building anything.
 
 Parameters and the memory of weights, gradients and optimizer state are exact for gridlm's
-implementation (tests compare them with built models and a trainer's buffers):
+implementation: the stage's parameter list (`stage_param_list`, which tests compare with
+built models) goes through the same `ParamLayout` that DataParallel allocates from, so the
+buffers, their padding and the ZeRO-1 shards are counted as they are allocated:
 
 * per tp rank of a transformer block: (4h^2 + 2hf)/t + (3h + f)/t + 6h — the QKV, output,
   MLP-in and MLP-out weights and the column-parallel biases are split over tp; the
@@ -13,7 +15,7 @@ implementation (tests compare them with built models and a trainer's buffers):
 * bytes per parameter: weights in the compute dtype; the gradient buffer in
   `train.grad_reduce_dtype`; fp32 master weights only for bf16/fp16; two fp32 moments
   (AdamW and LAMB). ZeRO-1 (`optim.zero: 1`) divides master weights and moments by dp and
-  adds a 1/dp gradient shard.
+  adds a 1/dp gradient shard; each bucket is padded to a multiple of dp elements.
 
 Activations are an estimate, after Korthikanti et al., "Reducing Activation Recomputation
 in Large Transformer Models" (MLSys 2023), eq. 1-2, adapted to this implementation: per
@@ -42,10 +44,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
+from app.parallel.layout import ParamLayout
 from app.parallel.schedule import partition_layers
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -53,21 +56,59 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def block_params(m: ModelConfig, tp: int) -> int:
     """Parameters of one transformer block held by one tp rank."""
+    return sum(n for n, _ in _block_param_list(m, tp))
+
+
+def _block_param_list(m: ModelConfig, tp: int) -> list[tuple[int, bool]]:
+    """(elements, weight decay) of a block's parameters on one tp rank, as `Block` registers them:
+    ln1, the column-parallel QKV and row-parallel output projection (weight, bias), ln2, the
+    column-parallel fc and row-parallel proj; row-parallel biases and LayerNorms are whole."""
     h, f = m.hidden, m.ffn
-    return (4 * h * h + 2 * h * f) // tp + (3 * h + f) // tp + 6 * h
+    norm = [(h, False), (h, False)]
+    return [*norm, (3 * h // tp * h, True), (3 * h // tp, False), (h * (h // tp), True), (h, False),
+            *norm, (f // tp * h, True), (f // tp, False), (h * (f // tp), True), (h, False)]  # fmt: skip
+
+
+def stage_param_list(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[tuple[int, bool]]:
+    """(elements, weight decay) of every parameter one tp rank of a pipeline stage holds, in the
+    order `GPT.parameters()` yields them: its own tensors first (the positions on the first
+    stage, an untied head on the last), then its modules' (the embedding, on the first stage or
+    as the last stage's copy of a tied one; the blocks; the final LayerNorm)."""
+    h, v = m.hidden, m.vocab_size
+    out = []
+    if first:
+        out.append((m.seq_len * h, True))
+    if last and not m.tie_embeddings:
+        out.append((v // tp * h, True))
+    if first or (last and m.tie_embeddings):
+        out.append((v // tp * h, True))
+    out += _block_param_list(m, tp) * layers
+    if last:
+        out += [(h, False), (h, False)]
+    return out
 
 
 def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
     """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head)."""
-    h, v = m.hidden, m.vocab_size
-    n = layers * block_params(m, tp)
-    if first:
-        n += v // tp * h + m.seq_len * h
-    if last:
-        n += 2 * h
-        if not m.tie_embeddings or not first:
-            n += v // tp * h  # the untied head, or the last stage's copy of the tied embedding
-    return n
+    return sum(n for n, _ in stage_param_list(m, tp, layers, first, last))
+
+
+def stage_layout(deck: Deck, layers: int, first: bool, last: bool, zero: bool) -> ParamLayout:
+    """The `ParamLayout` a stage's `DataParallel` allocates (dp rank 0; every dp rank's shard is
+    the same size): the parameters in reverse registration order, the tied embedding alone."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    params = stage_param_list(m, par.tp, layers, first, last)[::-1]
+    tied = m.tie_embeddings and par.pp > 1 and (first or last)
+    grad_bytes = BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    return ParamLayout.build(
+        [n for n, _ in params],
+        [d for _, d in params],
+        dp=deck.dp,
+        dp_rank=0,
+        zero=zero,
+        bucket_elements=par.dp_bucket_mb * 1e6 / grad_bytes,
+        alone=len(params) - 1 - int(first) if tied else None,  # the embedding, after wpe on the first stage
+    )
 
 
 def model_params(m: ModelConfig) -> int:
@@ -140,8 +181,14 @@ class StageEstimate:
         return self.weights + self.gradients + self.optimizer[f"zero{zero}"] + self.activations[recompute]
 
 
-def estimate_stages(deck: Deck) -> list[StageEstimate]:
-    """Per-stage estimates of a deck resolved for a world size (`resolve_for_world`)."""
+# The inputs a stage's layout depends on (`stage_layout`) -> (without, with ZeRO-1). A search
+# passes one such dict to every plan, so the grids that share a stage shape share its layouts.
+LayoutCache = dict[tuple, tuple[ParamLayout, ParamLayout]]
+
+
+def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[StageEstimate]:
+    """Per-stage estimates of a deck resolved for a world size (`resolve_for_world`); `layouts`:
+    see `LayoutCache`."""
     m, par, tr = deck.model, deck.parallel, deck.train
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     chunks = partition_layers(m.layers, pp * v, par.stage_layers)
@@ -157,6 +204,7 @@ def estimate_stages(deck: Deck) -> list[StageEstimate]:
     layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn) / tp
     head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / tp
     stages = []
+    layouts = {} if layouts is None else layouts
     for stage in range(pp):
         mine = [chunk_layers[stage + c * pp] for c in range(v)]
         first, last = stage == 0, stage == pp - 1
@@ -169,9 +217,18 @@ def estimate_stages(deck: Deck) -> list[StageEstimate]:
             # Kept block inputs, plus one block's activations while its backward recomputes it.
             "full": held * block_input + per_layer + head,
         }
+        # Buffers and shards as DataParallel allocates them from the layout (padding included):
+        # the fp32 master (apart from the parameters unless fp32) and two moments per shard
+        # element, and under ZeRO-1 the reduce-scatter's gradient shard.
+        key = (m.hidden, m.ffn, m.vocab_size, m.seq_len, m.tie_embeddings, tp, pp > 1, dp, par.dp_bucket_mb,
+               grad_bytes, sum(mine), first, last)  # fmt: skip
+        if key not in layouts:  # the middle stages share theirs
+            whole = stage_layout(deck, sum(mine), first, last, zero=False)
+            layouts[key] = (whole, stage_layout(deck, sum(mine), first, last, zero=True) if dp > 1 else whole)
+        whole, sharded = layouts[key]
         optimizer = {
-            "zero0": params * (master + 8.0),
-            "zero1": params * (master + 8.0 + grad_bytes) / dp if dp > 1 else params * (master + 8.0),
+            "zero0": whole.shard_elements() * (master + 8.0),
+            "zero1": sharded.shard_elements() * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
         }
         stages.append(
             StageEstimate(
@@ -180,8 +237,8 @@ def estimate_stages(deck: Deck) -> list[StageEstimate]:
                 first=first,
                 last=last,
                 params=params,
-                weights=params * float(e),
-                gradients=params * float(grad_bytes),
+                weights=whole.size * float(e),
+                gradients=whole.size * float(grad_bytes),
                 optimizer=optimizer,
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from app.deck import Deck, validate
 from app.errors import GridlmError
 from app.plan.dryrun import GiB, Plan, make_plan
+from app.plan.estimate import LayoutCache
 from app.plan.machine import Machine
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -112,12 +113,14 @@ def _apply(deck: Deck, sets: dict[str, Any]) -> Deck:
     return dataclasses.replace(deck, **changes)
 
 
-def _evaluate(deck: Deck, sets: dict[str, Any], world: int, machine: Machine, simulate: bool) -> Candidate:
+def _evaluate(
+    deck: Deck, sets: dict[str, Any], world: int, machine: Machine, simulate: bool, layouts: LayoutCache
+) -> Candidate:
     candidate = Candidate(sets)
     try:
         variant = _apply(deck, sets)
         validate(variant)
-        plan = make_plan(variant, world, machine, simulate=simulate)
+        plan = make_plan(variant, world, machine, simulate=simulate, layouts=layouts)
     except GridlmError as err:
         candidate.rejected = str(err)
         return candidate
@@ -150,6 +153,7 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResu
     ranked, tried = [], 0
     result = SearchResult(world, machine, [], Candidate(_own(deck)), 0)
     fits_without_recompute: set[tuple] = set()
+    layouts: LayoutCache = {}  # shared by every plan of this search
     for sets in _configurations(deck, world, machine):
         tried += 1
         # Recomputation only adds work: where a configuration fits without it, its recomputing
@@ -159,7 +163,7 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResu
             result.rejected["dominated: fits without recompute"] += 1
             result.examples.setdefault("dominated: fits without recompute", "the same grid fits with recompute none")
             continue
-        candidate = _evaluate(deck, sets, world, machine, simulate=False)
+        candidate = _evaluate(deck, sets, world, machine, simulate=False, layouts=layouts)
         if not candidate.rejected and sets["train.recompute"] == "none":
             fits_without_recompute.add(twin)
         if candidate.rejected:
@@ -171,8 +175,8 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResu
     ranked.sort(key=lambda c: c.step)
     # The leaders again with the schedule simulated pass by pass (one more than shown, since the
     # simulation can reorder close ones).
-    best = [_evaluate(deck, c.sets, world, machine, simulate=True) for c in ranked[: top + 1]]
-    result.own = _evaluate(deck, _own(deck), world, machine, simulate=True)
+    best = [_evaluate(deck, c.sets, world, machine, simulate=True, layouts=layouts) for c in ranked[: top + 1]]
+    result.own = _evaluate(deck, _own(deck), world, machine, simulate=True, layouts=layouts)
     if not result.own.rejected and all(c.sets != result.own.sets for c in best):
         best.append(result.own)  # so the best shown is never slower than the deck's own
     result.best = sorted(best, key=lambda c: c.step)[:top]

@@ -1,0 +1,150 @@
+"""Where every element of a rank's parameters lives: one pure, tensor-free answer.
+
+A rank's parameters (its tp shard of its pipeline stage's layers) live in one flat buffer in
+reverse registration order, roughly the order backward produces gradients. The buffer is cut
+into dp buckets of whole parameters of about `parallel.dp_bucket_mb`, each padded to a
+multiple of dp; the tied embedding gets a bucket of its own, so its shards line up between
+the first and the last pipeline stage. Each rank updates a shard of every bucket: all of it
+without ZeRO, its 1/dp slice under ZeRO-1. The segments say which parameter elements a
+shard holds, and the decay runs which of its elements weight decay applies to.
+
+`DataParallel` allocates its buffers and views from this layout; the optimizer, the
+gradient norm, LAMB and checkpoint I/O read it; none of them works it out again. It holds
+integers only, so it can be built and checked for any grid (32,768 ranks) without tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of parameter `param` (index in buffer order) inside a bucket's shard: shard
+    elements [lo, hi) are the parameter's flat elements [param_lo, param_lo + hi - lo)."""
+
+    param: int
+    lo: int
+    hi: int
+    param_lo: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """[start, end) of the flat buffers (end - start a multiple of dp), its whole parameters,
+    and the shard [shard_lo, shard_hi) this rank updates."""
+
+    start: int
+    end: int
+    params: tuple[int, ...]
+    shard_lo: int
+    shard_hi: int
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """The flat layout of one rank's parameters over its dp group (see the module docstring).
+    A shard's segments and decay runs are worked out when first asked for (the dry run and the
+    search need only the sizes, for thousands of grids)."""
+
+    numels: tuple[int, ...]  # elements of each parameter, in buffer order
+    decay: tuple[bool, ...]  # weight decay applies to it
+    offsets: tuple[int, ...]  # its first element in the flat buffers
+    buckets: tuple[Bucket, ...]
+    dp: int
+    dp_rank: int
+    zero: bool  # each rank updates only its 1/dp slice of every bucket (ZeRO-1)
+    _shard_parts: dict[int, tuple[tuple[Segment, ...], tuple[tuple[int, int], ...]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @classmethod
+    def build(
+        cls,
+        numels: Sequence[int],
+        decay: Sequence[bool],
+        *,
+        dp: int,
+        dp_rank: int,
+        zero: bool,
+        bucket_elements: float,
+        alone: Optional[int] = None,
+    ) -> ParamLayout:
+        """Buckets of whole parameters of at least `bucket_elements` (the last may be smaller),
+        parameter `alone` (the tied embedding) in a bucket of its own. `zero` takes effect only
+        when dp > 1."""
+        zero = zero and dp > 1
+        offsets: list[int] = []
+        buckets: list[Bucket] = []
+        current: list[int] = []
+        start = size = 0
+
+        def close() -> None:
+            nonlocal start, size, current
+            if current:
+                end = start + -(-size // dp) * dp
+                shard = (end - start) // dp
+                lo, hi = (start + dp_rank * shard, start + (dp_rank + 1) * shard) if zero else (start, end)
+                buckets.append(Bucket(start, end, tuple(current), lo, hi))
+                start, size, current = end, 0, []
+
+        for i, n in enumerate(numels):
+            if i == alone:
+                close()
+            offsets.append(start + size)
+            current.append(i)
+            size += n
+            if i == alone or size >= bucket_elements:
+                close()
+        close()
+        return cls(tuple(numels), tuple(decay), tuple(offsets), tuple(buckets), dp, dp_rank, zero)
+
+    def _parts(self, b: int) -> tuple[tuple[Segment, ...], tuple[tuple[int, int], ...]]:
+        if b not in self._shard_parts:
+            bucket = self.buckets[b]
+            lo, hi = bucket.shard_lo, bucket.shard_hi
+            segments = []
+            for i in bucket.params:
+                s_lo, s_hi = max(self.offsets[i], lo), min(self.offsets[i] + self.numels[i], hi)
+                if s_lo < s_hi:
+                    segments.append(Segment(i, s_lo - lo, s_hi - lo, s_lo - self.offsets[i]))
+            runs: list[tuple[int, int]] = []
+            for s in segments:
+                if self.decay[s.param]:
+                    if runs and runs[-1][1] == s.lo:
+                        runs[-1] = (runs[-1][0], s.hi)
+                    else:
+                        runs.append((s.lo, s.hi))
+            self._shard_parts[b] = (tuple(segments), tuple(runs))
+        return self._shard_parts[b]
+
+    def segments(self, b: int) -> tuple[Segment, ...]:
+        """The parameter parts in this rank's shard of bucket b."""
+        return self._parts(b)[0]
+
+    def decay_runs(self, b: int) -> tuple[tuple[int, int], ...]:
+        """Shard-relative [lo, hi) ranges of bucket b's shard that weight decay applies to,
+        adjacent segments merged."""
+        return self._parts(b)[1]
+
+    @property
+    def size(self) -> int:
+        """Elements of the flat buffers, padding included."""
+        return self.buckets[-1].end if self.buckets else 0
+
+    def bucket_of(self) -> dict[int, int]:
+        """Parameter index -> its bucket."""
+        return {i: k for k, b in enumerate(self.buckets) for i in b.params}
+
+    def dp_slice(self, b: int) -> tuple[int, int]:
+        """This dp rank's 1/dp slice of bucket b (buffer offsets): the ZeRO-1 shard, held or not.
+        Checkpoints split their I/O of replicated state over dp ranks this way."""
+        bucket = self.buckets[b]
+        shard = (bucket.end - bucket.start) // self.dp
+        return bucket.start + self.dp_rank * shard, bucket.start + (self.dp_rank + 1) * shard
+
+    def shard_elements(self) -> int:
+        """Elements of the shards this rank updates (its fp32 master and optimizer moments)."""
+        return sum(b.shard_hi - b.shard_lo for b in self.buckets)
