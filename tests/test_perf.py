@@ -118,15 +118,22 @@ def test_stages_waiting_in_the_bubble_leave_their_cores_to_the_busy_ones(tmp_pat
 
 def test_gloo_links_and_the_calibration_fits_the_model_s_ring():
     """CPU machines (gloo) have no tree all-reduce and reduce-scatter at an all-reduce's cost;
-    fit_link's latency and bandwidth give back both measured all-reduce times through the
-    model's own cost."""
-    from app.plan.calibrate import LARGE, SMALL, fit_link
+    fit_ring's latency and bandwidth give back both measured times of every op through the
+    model's own cost, and a link that carries them uses them for that op only."""
+    from app.plan.calibrate import LARGE, SMALL, fit_ring
     from app.plan.perf import Link, axis_links
 
     for n, small, large in ((4, 6.4e-3, 30e-3), (8, 2e-3, 60e-3), (2, 1e-4, 5e-3)):
-        bandwidth, latency = fit_link(n, small, large)
-        link = Link(bandwidth, latency, "node", gloo=True)
-        assert link.all_reduce(n, SMALL) == pytest.approx(small) and link.all_reduce(n, LARGE) == pytest.approx(large)
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            bandwidth, latency = fit_ring(op, n, small, large)
+            link = Link(1.0, 1.0, "node", gloo=True, measured=((op, (bandwidth, latency)),))
+            cost = {"all_reduce": link.all_reduce, "all_gather": link.all_gather, "reduce_scatter": link.reduce_scatter}
+            assert cost[op](n, SMALL) == pytest.approx(small) and cost[op](n, LARGE) == pytest.approx(large)
+            others = [f(n, SMALL) for name, f in cost.items() if name != op]
+            assert all(t > 1.0 for t in others)  # the level's 1 s latency: not the measured one
+        bandwidth, latency = fit_ring("p2p", 2, small, large)
+        link = Link(1.0, 1.0, "node", gloo=True, measured=(("p2p", (bandwidth, latency)),))
+        assert link.p2p(SMALL) == pytest.approx(small) and link.p2p(LARGE) == pytest.approx(large)
     deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ()), 4)
     from app.runtime.grid import GridLayout
 
@@ -369,8 +376,11 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
     measured = {"gemm_flops": {"256x256x256": 3e10, "512x512x512": 4e10}, "stream_bytes_s": 1e10, "op_seconds": 5e-6,
                 "attention_flops": {"forward": {"s": 1e10}, "backward": {"s": 5e9}},
-                "all_reduce": {"ranks": 4, "bandwidth_bytes_s": 1e9, "latency_s": 1e-4, "seconds": (1e-3, 2e-2)},
-                "ranks_per_node": 4}  # fmt: skip
+                "elementwise_bytes_s": {"layernorm": 4e9, "gelu": 1e9, "softmax": 2e10},
+                "collectives": {op: {g: {"bandwidth_bytes_s": 1e9 / g, "latency_s": 1e-4 * g, "seconds": (1e-3, 2e-2)}
+                                     for g in (2, 4)} for op in ("all_reduce", "all_gather", "reduce_scatter")}
+                | {"p2p": {2: {"bandwidth_bytes_s": 3e9, "latency_s": 5e-5, "seconds": (1e-4, 3e-3)}}},
+                "world": 4, "ranks_per_node": 4}  # fmt: skip
     data = machine_file(base, "cal", measured, "mpirun -n 4 python -m app.plan.calibrate")
     path = tmp_path / "cal.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -379,7 +389,15 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     # One efficiency for every GEMM: the median rate's share of the best; attention's likewise.
     assert machine.gemm["efficiency"] == 0.875
     assert machine.gemm["attention_efficiency"] == 0.25 and machine.gemm["attention_backward_efficiency"] == 0.125
-    assert machine.link_levels()[0].gbs == 1.0 and machine.link_levels()[0].latency_us == 100.0
+    # The node level is the all-reduce of all the ranks measured; each group size keeps its own ops.
+    assert machine.link_levels()[0].gbs == 0.25 and machine.link_levels()[0].latency_us == 400.0
+    pairs = machine.measured_collectives(2)
+    assert sorted(pairs) == ["all_gather", "all_reduce", "p2p", "reduce_scatter"]
+    assert pairs["all_gather"] == pytest.approx((5e8, 2e-4)) and pairs["p2p"] == pytest.approx((3e9, 5e-5))
+    # Groups of 8 were not measured: the level's figures, but the pairs' p2p serves every group.
+    assert list(machine.measured_collectives(8)) == ["p2p"]
+    # Only the kinds slower than the memory stream are kept (softmax's 20 GB/s is not).
+    assert machine.elementwise_gbs == {"layernorm": 4.0, "gelu": 1.0}
     assert "measured on" in machine.sources[0] and "mpirun -n 4" in machine.sources[0]
     deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.tp=2",)), 4)
     prediction = predict(deck, machine)

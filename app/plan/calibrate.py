@@ -29,13 +29,17 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS
+from app.plan.perf import BACKWARD_BYTES, ring_terms
+
 # (m, n, k) of the GEMMs timed: square ones and the skinny shapes of small models.
 GEMM_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 768, 256), (256, 1024, 256),
                (2048, 2048, 2048)]  # fmt: skip
 # (batch, heads, seq, head dim) of the causal attention timed (forward and backward).
 ATTENTION_SHAPES = [(4, 8, 64, 32), (4, 8, 128, 64), (2, 16, 256, 64)]
 ELEMENTWISE = 4 * 2**20  # bytes of each operand and of the result of the element-wise op timed
-SMALL, LARGE = 8 * 2**10, 8 * 2**20  # all-reduce sizes, bytes
+SMALL, LARGE = 8 * 2**10, 8 * 2**20  # collective sizes (the full tensor), bytes
+ELEMENTWISE_TOKENS = 256  # tokens of the element-wise kinds timed (gpt_tiny's micro-batch of 4 x 64)
 MIN_SECONDS = 0.25  # per timed loop
 
 
@@ -106,19 +110,100 @@ def count_aten_ops(fn: Callable[[], None]) -> int:
     return count.n
 
 
-def fit_link(n: int, t_small: float, t_large: float) -> tuple[float, float]:
-    """(bus bandwidth bytes/s, per-step latency s) of a ring all-reduce that takes the two measured
-    times (gloo runs its ring at every size, as the model's CPU links do: `perf.Link.gloo`):
-    t = 2 (n-1)/n bytes / B + 2 (n-1) latency."""
-    bandwidth = 2 * (n - 1) / n * (LARGE - SMALL) / max(t_large - t_small, 1e-9)
-    latency = max(t_small - 2 * (n - 1) / n * SMALL / bandwidth, 0.0) / (2 * (n - 1))
+def fit_ring(op: str, n: int, t_small: float, t_large: float, gloo: bool = True) -> tuple[float, float]:
+    """(bus bandwidth bytes/s, per-step latency s) of the ring `op` over `n` ranks that takes the two
+    measured times at SMALL and LARGE bytes, with the model's own terms (`perf.ring_terms`):
+    t = a bytes / B + c latency. Gloo runs its ring at every size, as the model's CPU links do."""
+    a, c = ring_terms(op, n, gloo)
+    bandwidth = a * (LARGE - SMALL) / max(t_large - t_small, 1e-9)
+    latency = max(t_small - a * SMALL / bandwidth, 0.0) / c
     return bandwidth, latency
+
+
+def group_sizes(world: int) -> list[int]:
+    """The group sizes timed: every divisor of the world from 2 (tp, pp and dp groups)."""
+    return [g for g in range(2, world + 1) if world % g == 0]
+
+
+def _collectives(runtime: Any, repeat: int, agreed: Callable[[float], float]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every op of COLLECTIVE_OPS at SMALL and LARGE bytes, on the world split into groups of
+    consecutive ranks, all groups at once (as a grid's tp or dp groups run); p2p between pairs
+    (ping-pong, half of the round trip). Each fitted with the model's ring terms."""
+    import torch
+    import torch.distributed as dist
+
+    dev, comm, rank, world = runtime.device, runtime.comm, runtime.rank, runtime.world_size
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    gloo = dev.type != "cuda"
+    out: dict[str, dict[int, dict[str, Any]]] = {op: {} for op in COLLECTIVE_OPS}
+    for g in group_sizes(world):
+        groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]  # every rank makes each
+        group = groups[rank // g]
+        times: dict[str, list[float]] = {op: [] for op in COLLECTIVE_OPS if op != "p2p"}
+        for nbytes in (SMALL, LARGE):
+            full = torch.ones(nbytes // 4, device=dev)
+            shard = torch.ones(nbytes // 4 // g, device=dev)
+            calls = {
+                "all_reduce": lambda full=full, group=group: dist.all_reduce(full, group=group),
+                "all_gather": lambda full=full, shard=shard, group=group: dist.all_gather_single(
+                    full, shard, group=group
+                ),
+                "reduce_scatter": lambda full=full, shard=shard, group=group: dist.reduce_scatter_single(
+                    shard, full, group=group
+                ),
+            }
+            for op, fn in calls.items():
+                times[op].append(agreed(_timed(fn, comm, sync, repeat)))
+        for op, (t_small, t_large) in times.items():
+            out[op][g] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring(op, g, t_small, t_large, gloo)))
+            out[op][g]["seconds"] = (t_small, t_large)
+    if world >= 2 and world % 2 == 0:
+        peer, first = rank ^ 1, rank % 2 == 0
+        pair: list[float] = []
+        for nbytes in (SMALL, LARGE):
+            x = torch.ones(nbytes // 4, device=dev)
+
+            def ping_pong(x: Any = x) -> None:
+                for send in (first, not first):
+                    dist.send(x, peer) if send else dist.recv(x, peer)
+
+            pair.append(agreed(_timed(ping_pong, comm, sync, repeat)) / 2)
+        out["p2p"][2] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring("p2p", 2, *pair, gloo)))
+        out["p2p"][2]["seconds"] = tuple(pair)
+    return out
+
+
+def _elementwise(dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_seconds: float) -> dict[str, float]:
+    """Bytes/s of each ELEMENTWISE_KINDS kind, forward and backward, in the bytes the model counts
+    for it (perf._layer_passes, perf._head_passes), at the token count of a small model's
+    micro-batch (more on a GPU, where so few would time the launches). The host time of its
+    framework ops is taken out: the model charges that apart (op_overhead_us)."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens, h, f, vocab = ELEMENTWISE_TOKENS * (64 if dev.type == "cuda" else 1), 256, 1024, 512
+    x = torch.randn(tokens, h, device=dev, requires_grad=True)
+    w, b = torch.ones(h, device=dev, requires_grad=True), torch.zeros(h, device=dev, requires_grad=True)
+    a = torch.randn(tokens, f, device=dev, requires_grad=True)
+    logits = torch.randn(tokens, vocab, device=dev, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), device=dev)
+    dx, da = torch.randn(tokens, h, device=dev), torch.randn(tokens, f, device=dev)
+    kinds = {  # kind: (forward + backward, bytes the model counts for both)
+        "layernorm": (lambda: F.layer_norm(x, (h,), w, b).backward(dx), (1 + BACKWARD_BYTES) * 2 * tokens * h * 4),
+        "gelu": (lambda: F.gelu(a, approximate="tanh").backward(da), (1 + BACKWARD_BYTES) * 2 * tokens * f * 4),
+        "softmax": (lambda: F.cross_entropy(logits, targets).backward(), tokens * vocab * ((4 + 12) + (4 + 2 * 4))),
+    }
+    assert tuple(kinds) == ELEMENTWISE_KINDS
+    rates = {}
+    for kind, (fn, nbytes) in kinds.items():
+        host = count_aten_ops(fn) * op_seconds
+        rates[kind] = nbytes / max(_timed(fn, comm, sync, repeat) - host, 1e-9)
+    return rates
 
 
 def measure(runtime: Any, repeat: int = 3) -> dict[str, Any]:
     """The primitives, each the median over ranks of each rank's median."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     comm = runtime.comm
@@ -155,24 +240,22 @@ def measure(runtime: Any, repeat: int = 3) -> dict[str, Any]:
     stream = 3 * ELEMENTWISE / _timed(lambda: torch.add(x, y), comm, sync, repeat)
     chain = _module_chain(dev)
     op = _timed(chain, comm, sync, repeat) / count_aten_ops(chain)
-    small, large = torch.ones(SMALL // 4, device=dev), torch.ones(LARGE // 4, device=dev)
-    t_small = _timed(lambda: dist.all_reduce(small), comm, sync, repeat)
-    t_large = _timed(lambda: dist.all_reduce(large), comm, sync, repeat)
+    elementwise = _elementwise(dev, comm, sync, repeat, op)
 
     def agreed(value: float) -> float:
         return statistics.median(comm.allgather(value))
 
-    n = runtime.world_size
-    t_small, t_large = agreed(t_small), agreed(t_large)
-    bandwidth, latency = fit_link(n, t_small, t_large) if n > 1 else (float("inf"), 0.0)
+    collectives = _collectives(runtime, repeat, agreed)
     return {
         "gemm_flops": {shape: agreed(v) for shape, v in gemm.items()},
         "attention_flops": {
             part: {shape: agreed(v) for shape, v in rates.items()} for part, rates in attention.items()
         },
         "stream_bytes_s": agreed(stream),
+        "elementwise_bytes_s": {kind: agreed(v) for kind, v in elementwise.items()},
         "op_seconds": agreed(op),
-        "all_reduce": {"ranks": n, "bandwidth_bytes_s": bandwidth, "latency_s": latency, "seconds": (t_small, t_large)},
+        "collectives": collectives,
+        "world": runtime.world_size,
         "ranks_per_node": runtime.local_size,
     }
 
@@ -182,7 +265,8 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     out = dict(base)
     best = max(measured["gemm_flops"].values())
     today = datetime.date.today().isoformat()
-    ar = measured["all_reduce"]
+    world = measured["world"]
+    ar = measured["collectives"]["all_reduce"].get(world)
     out["name"] = name
     # The ranks measured share this node: that many devices per node, each with its share of memory.
     out["devices_per_node"] = int(measured["ranks_per_node"])
@@ -202,23 +286,38 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     for key, part in (("attention_efficiency", "forward"), ("attention_backward_efficiency", "backward")):
         out["gemm"][key] = round(statistics.median(measured["attention_flops"][part].values()) / best, 4)
     out["op_overhead_us"] = round(measured["op_seconds"] * 1e6, 3)
+    slower = {k: v for k, v in measured["elementwise_bytes_s"].items() if v < measured["stream_bytes_s"]}
+    if slower:  # the kinds a memory stream would under-charge (compute-bound on CPUs)
+        out["elementwise_gbs"] = {k: round(v / 1e9, 3) for k, v in slower.items()}
     levels = []
-    if ar["ranks"] > 1:
+    if ar is not None:  # the node level: the all-reduce of all the ranks measured
         levels.append({"name": "node", "devices": out["devices_per_node"],
                        "gbs": round(ar["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(ar["latency_s"] * 1e6, 3)})  # fmt: skip
     # One node only here: the network level is the base file's placeholder.
     levels.append({"name": "network", "devices": None, "gbs": float(base["inter_node_gbs"]) / int(base["devices_per_node"]),
                    "latency_us": levels[0]["latency_us"] if levels else 10.0})  # fmt: skip
     out["links"] = levels
+    # Every op and group size, for the groups of that size (perf.group_link).
+    out["collectives"] = {
+        op: {g: {"gbs": round(fit["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(fit["latency_s"] * 1e6, 3)}
+             for g, fit in by_size.items()}
+        for op, by_size in measured["collectives"].items() if by_size
+    }  # fmt: skip
+    timed = "; ".join(
+        f"{op} " + ", ".join(f"{g} ranks {fit['seconds'][0] * 1e3:.3f} / {fit['seconds'][1] * 1e3:.3f} ms"
+                             for g, fit in by_size.items())
+        for op, by_size in measured["collectives"].items() if by_size
+    )  # fmt: skip
+    kinds = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in measured["elementwise_bytes_s"].items())
     shapes = ", ".join(f"{s} {v / 1e9:.1f}" for s, v in measured["gemm_flops"].items())
     attention = "; ".join(f"{part} " + ", ".join(f"{s} {v / 1e9:.1f}" for s, v in rates.items())
                           for part, rates in measured["attention_flops"].items())  # fmt: skip
     out["sources"] = [
         f"measured on {today} by `{command}`, every rank at once: fp32 GEMM GFLOP/s per rank {shapes}; "
         f"causal attention GFLOP/s {attention}; element-wise op "
-        f"{measured['stream_bytes_s'] / 1e9:.2f} GB/s; {measured['op_seconds'] * 1e6:.1f} us per framework op; "
-        f"all-reduce over {ar['ranks']} ranks of {SMALL} and {LARGE} bytes in "
-        f"{ar['seconds'][0] * 1e3:.3f} and {ar['seconds'][1] * 1e3:.3f} ms (a ring's latency and bandwidth follow)",
+        f"{measured['stream_bytes_s'] / 1e9:.2f} GB/s; element-wise kinds GB/s (model bytes) {kinds}; "
+        f"{measured['op_seconds'] * 1e6:.1f} us per framework op; collectives of {SMALL} / {LARGE} bytes on "
+        f"groups of consecutive ranks side by side ({timed}; a ring's latency and bandwidth follow)",
         *base.get("sources", []),
     ]
     return out

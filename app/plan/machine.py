@@ -9,6 +9,7 @@ write job scripts. The keys, their types and their meaning are declared once, in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -23,6 +24,12 @@ SCHEDULERS = ("slurm", "pbs")
 # all-visible: every rank sees the node's devices and picks one by its local rank.
 BINDINGS = ("per-task", "all-visible")
 LAUNCH_FIELDS = ("nodes", "ranks", "ranks_per_node")
+# Collectives a calibration may time per group size (`collectives`); `perf.ring_terms` gives each
+# one's cost. p2p is timed between pairs (ranks 2) and serves every group.
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+# Element-wise kinds a machine may rate apart (`elementwise_gbs`), in the bytes the performance
+# model counts for them, forward and backward (perf._layer_passes, perf._head_passes).
+ELEMENTWISE_KINDS = ("layernorm", "gelu", "softmax")
 
 # key -> (type, required, help). The README's machine reference is built from it.
 FIELDS: dict[str, tuple[type, bool, str]] = {
@@ -58,6 +65,19 @@ FIELDS: dict[str, tuple[type, bool, str]] = {
         False,
         "performance model: host time of one framework operation, in microseconds, added per op (CPUs, "
         "where it is not hidden behind the device's work); measured by app.plan.calibrate",
+    ),
+    "collectives": (
+        dict,
+        False,
+        "performance model: collectives measured by app.plan.calibrate on groups of consecutive ranks "
+        "running side by side, {op: {ranks: {gbs, latency_us}}} for op in all_reduce, all_gather, "
+        "reduce_scatter, p2p (ranks 2: pairs); they replace the link level's figures for groups of that size",
+    ),
+    "elementwise_gbs": (
+        dict,
+        False,
+        "performance model: achieved GB/s of element-wise kinds slower than hbm_gbs (layernorm, gelu, "
+        "softmax; on CPUs the tanh and exp are compute-bound), in the model's bytes; measured by app.plan.calibrate",
     ),
     "binding": (str, True, "per-task (one device per rank) or all-visible (local rank picks)"),
     "launch": (str, True, "launch line; {nodes}, {ranks} and {ranks_per_node} are filled in"),
@@ -111,6 +131,8 @@ class Machine:
     gemm: Optional[dict[str, Any]] = None
     links: Optional[list[dict[str, Any]]] = None
     op_overhead_us: Optional[float] = None
+    collectives: Optional[dict[str, dict[int, dict[str, float]]]] = None
+    elementwise_gbs: Optional[dict[str, float]] = None
     defaults: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
     path: Optional[Path] = None
@@ -133,6 +155,16 @@ class Machine:
             LinkLevel("node", self.devices_per_node, self.intra_node_gbs, NCCL_RING_LATENCY_US["node"]),
             LinkLevel("network", None, self.inter_node_gbs / self.devices_per_node, NCCL_RING_LATENCY_US["network"]),
         ]
+
+    def measured_collectives(self, size: int) -> dict[str, tuple[float, float]]:
+        """(bandwidth bytes/s, latency s) of each collective measured on groups of `size` ranks,
+        and the pairs' p2p."""
+        out = {}
+        for op, by_size in (self.collectives or {}).items():
+            fit = by_size.get(2 if op == "p2p" else size)
+            if fit is not None:
+                out[op] = (fit["gbs"] * 1e9, fit["latency_us"] * 1e-6)
+        return out
 
     def missing_for_prediction(self, precision: str) -> list[str]:
         """The keys the performance model needs that this file lacks (empty: it can predict)."""
@@ -189,7 +221,17 @@ def load_machine(name_or_path: Union[str, Path]) -> Machine:
 
 def _check(path: Path, key: str, value: Any) -> Any:
     want, _, help_ = FIELDS[key]
-    if value is None and key in ("peak_tflops", "defaults", "notes", "hbm_gbs", "gemm", "links", "op_overhead_us"):
+    if value is None and key in (
+        "peak_tflops",
+        "defaults",
+        "notes",
+        "hbm_gbs",
+        "gemm",
+        "links",
+        "op_overhead_us",
+        "collectives",
+        "elementwise_gbs",
+    ):
         return {"defaults": {}, "notes": ""}.get(key)
     ok = isinstance(value, want) and not isinstance(value, bool)
     if want is float and isinstance(value, int) and not isinstance(value, bool):
@@ -241,6 +283,26 @@ def _validate(m: Machine) -> None:
                 "growing outwards (an integer per domain) and null only on the last level (the network)"
             )
         last = devices or last
+    for op, by_size in (m.collectives or {}).items():
+        ok = op in COLLECTIVE_OPS and isinstance(by_size, dict)
+        for size, fit in by_size.items() if ok else ():
+            ok = ok and isinstance(size, int) and not isinstance(size, bool) and size >= 2
+            ok = ok and isinstance(fit, dict) and set(fit) == {"gbs", "latency_us"}
+            ok = ok and all(isinstance(fit[k], (int, float)) and not isinstance(fit[k], bool) for k in fit)
+            ok = ok and math.isfinite(fit["gbs"]) and fit["gbs"] > 0
+            ok = ok and math.isfinite(fit["latency_us"]) and fit["latency_us"] >= 0
+        if not ok:
+            raise MachineError(
+                f"{where}: collectives.{op} = {by_size!r}: expected op in {', '.join(COLLECTIVE_OPS)} with "
+                "{ranks (an integer >= 2): {gbs: > 0, latency_us: >= 0}}"
+            )
+    for kind, gbs in (m.elementwise_gbs or {}).items():
+        ok = isinstance(gbs, (int, float)) and not isinstance(gbs, bool) and math.isfinite(gbs) and gbs > 0
+        if kind not in ELEMENTWISE_KINDS or not ok:
+            raise MachineError(
+                f"{where}: elementwise_gbs.{kind} = {gbs!r}: expected kinds {', '.join(ELEMENTWISE_KINDS)} "
+                "with positive GB/s"
+            )
     for precision, tflops in (m.peak_tflops or {}).items():
         if precision not in ("bf16", "fp16", "fp32") or not isinstance(tflops, (int, float)) or tflops <= 0:
             raise MachineError(

@@ -47,7 +47,7 @@ from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.parallel.schedule import Action, build_schedule, partition_layers
 from app.plan.estimate import BYTES, stage_params
-from app.plan.machine import LinkLevel, Machine
+from app.plan.machine import ELEMENTWISE_KINDS, LinkLevel, Machine  # noqa: F401 (docs)
 from app.runtime.grid import GridLayout
 
 # Bytes one element-wise backward moves per byte of its forward: it reads the output
@@ -76,6 +76,9 @@ class Device:
     tile: tuple[int, int]  # output tile (rows, columns) of a large GEMM
     op_seconds: float = 0.0  # host time per framework op (CPUs; 0 where launches overlap the work)
     attention_backward_efficiency: Optional[float] = None  # the backward's, where a machine gives it apart
+    # Achieved bytes/s of element-wise kinds slower than a memory stream (CPUs: GELU's tanh and the
+    # softmax's exp are compute-bound), by ELEMENTWISE_KINDS name; the others run at hbm_bytes_s.
+    kind_bytes_s: tuple[tuple[str, float], ...] = ()
 
     def gemm(self, m: int, n: int, k: int, element: int) -> float:
         """Seconds of an (m x k) @ (k x n) GEMM."""
@@ -86,9 +89,10 @@ class Device:
         memory = (m * k + k * n + m * n) * element / self.hbm_bytes_s
         return max(compute, memory)
 
-    def stream(self, nbytes: float) -> float:
-        """Seconds to read and write `nbytes` in memory-bound kernels."""
-        return nbytes / self.hbm_bytes_s
+    def stream(self, nbytes: float, kind: Optional[str] = None) -> float:
+        """Seconds to read and write `nbytes` in element-wise kernels: memory-bound, unless the
+        machine measured `kind` (one of ELEMENTWISE_KINDS) slower."""
+        return nbytes / dict(self.kind_bytes_s).get(kind, self.hbm_bytes_s)
 
 
 def device_of(machine: Machine, precision: str) -> Device:
@@ -113,26 +117,50 @@ def device_of(machine: Machine, precision: str) -> Device:
         compute_units=int(g["compute_units"]),
         tile=(int(g["tile"][0]), int(g["tile"][1])),
         op_seconds=(machine.op_overhead_us or 0.0) * 1e-6,
+        kind_bytes_s=tuple(sorted((k, v * 1e9) for k, v in (machine.elementwise_gbs or {}).items())),
     )
 
 
 # -- communication -----------------------------------------------------------------------
 
 
+def ring_terms(op: str, n: int, gloo: bool) -> tuple[float, float]:
+    """(a, c) of a ring collective's cost a x bytes / B + c x latency over `n` ranks, `bytes` its
+    full (unsharded) size: all-reduce 2 (n-1)/n and 2 (n-1); all-gather (n-1)/n and n-1; a
+    reduce-scatter as an all-gather (NCCL) or as an all-reduce (gloo, see `Link.reduce_scatter`);
+    p2p one message. `app.plan.calibrate` fits measured times with these same terms."""
+    if op == "p2p":
+        return 1.0, 1.0
+    if op == "all_reduce" or (op == "reduce_scatter" and gloo):
+        return 2.0 * (n - 1) / n, 2.0 * (n - 1)
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n, float(n - 1)
+    raise ValueError(f"unknown collective {op!r}")
+
+
 @dataclass(frozen=True)
 class Link:
-    """A group's effective link: bus bandwidth (bytes/s) and per-step latency (s)."""
+    """A group's effective link: bus bandwidth (bytes/s) and per-step latency (s).
+
+    `measured` holds (op, (bandwidth, latency)) for the ops a calibration timed on groups of
+    this size (`Machine.collectives`); they replace the level's figures in that op's ring."""
 
     bandwidth: float
     latency: float
     level: str  # the outermost level the group crosses
     gloo: bool = False  # gloo (CPU ranks): no tree all-reduce, and a reduce-scatter costs an all-reduce
+    measured: tuple[tuple[str, tuple[float, float]], ...] = ()
 
-    def all_reduce(self, n: int, nbytes: float) -> float:
+    def _ring(self, op: str, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
-        ring = 2.0 * (n - 1) / n * nbytes / self.bandwidth + 2.0 * (n - 1) * self.latency
-        if self.gloo:
+        bandwidth, latency = dict(self.measured).get(op, (self.bandwidth, self.latency))
+        a, c = ring_terms(op, n, self.gloo)
+        return a * nbytes / bandwidth + c * latency
+
+    def all_reduce(self, n: int, nbytes: float) -> float:
+        ring = self._ring("all_reduce", n, nbytes)
+        if self.gloo or ring == 0.0:
             return ring
         tree = 2.0 * nbytes / self.bandwidth + 2.0 * math.ceil(math.log2(n)) * self.latency
         return min(ring, tree)
@@ -141,16 +169,14 @@ class Link:
         """Reduce-scatter of `nbytes` (the full size). NCCL's ring moves what an all-gather does;
         gloo reduces the whole tensor and keeps a slice (measured here on 2 ranks: 1.0-1.3x an
         all-reduce of the same size), so it costs an all-reduce."""
-        return self.all_reduce(n, nbytes) if self.gloo else self.all_gather(n, nbytes)
+        return self._ring("reduce_scatter", n, nbytes)
 
     def all_gather(self, n: int, nbytes: float) -> float:
-        """All-gather (or reduce-scatter) whose full (unsharded) size is `nbytes`."""
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        return (n - 1) / n * nbytes / self.bandwidth + (n - 1) * self.latency
+        """All-gather whose full (gathered) size is `nbytes`."""
+        return self._ring("all_gather", n, nbytes)
 
     def p2p(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
+        return self._ring("p2p", 2, nbytes)
 
 
 def group_bandwidth(levels: list[LinkLevel], stride: int, size: int, gloo: bool = False) -> Link:
@@ -326,10 +352,17 @@ def p2p_bytes(deck: Deck) -> float:
     )
 
 
+def group_link(machine: Machine, stride: int, size: int) -> Link:
+    """The link of a group of `size` ranks `stride` apart (`group_bandwidth` on the machine's
+    levels), with the collectives a calibration measured on groups of that size, and its p2p."""
+    link = group_bandwidth(machine.link_levels(), stride, size, uses_gloo(machine))
+    measured = machine.measured_collectives(size)
+    return dataclasses.replace(link, measured=tuple(sorted(measured.items()))) if measured else link
+
+
 def axis_links(machine: Machine, layout: GridLayout) -> dict[str, Link]:
-    """Each axis's group link (`group_bandwidth`) on the machine's link levels."""
-    levels, gloo = machine.link_levels(), uses_gloo(machine)
-    return {axis: group_bandwidth(levels, layout.stride(axis), layout.size(axis), gloo) for axis in ("tp", "pp", "dp")}
+    """Each axis's group link (`group_link`)."""
+    return {axis: group_link(machine, layout.stride(axis), layout.size(axis)) for axis in ("tp", "pp", "dp")}
 
 
 def uses_gloo(machine: Machine) -> bool:
@@ -360,10 +393,11 @@ def _layer_passes(
     # Element-wise bytes per token of one forward (see the module docstring of estimate.py for
     # the block): LayerNorm x 2, row-parallel bias add x 2, residual add x 2 on h/t_sp; the
     # attention output's transpose copy on h/t; GELU on f/t; dropout (p > 0) x 2 with its mask.
-    per_token = (2 + 2 + 2 + 2 + 3 + 3) * h * e / t_sp + 2 * h * e / t + 2 * f * e / t
+    per_token = (2 + 2 + 3 + 3) * h * e / t_sp + 2 * h * e / t
     if m.dropout > 0:
         per_token += 2 * (2 * h * e + h) / t_sp
-    elem_fwd = dev.stream(tokens * per_token)
+    layernorm, gelu = tokens * (2 + 2) * h * e / t_sp, tokens * 2 * f * e / t
+    elem_fwd = dev.stream(tokens * per_token) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
     tp_fwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_forward"])
     tp_recompute = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_recompute"])
     row_bwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_backward"])
@@ -418,9 +452,9 @@ def _head_passes(
     # the softmax gradient.
     # The embedding's and the loss's framework ops are counted here (OPS["other_*"]).
     host_f, host_b = OPS["other_forward"] * dev.op_seconds, OPS["other_backward"] * dev.op_seconds
-    fwd = _Pass(dev.gemm(tokens, v, m.hidden, e), 0.0, dev.stream(tokens * v * (e + 4 + 4 + 4)), comm_fwd, host_f)
+    fwd = _Pass(dev.gemm(tokens, v, m.hidden, e), 0.0, dev.stream(tokens * v * (e + 12), "softmax"), comm_fwd, host_f)
     bwd_gemm = dev.gemm(tokens, m.hidden, v, e) + dev.gemm(v, m.hidden, tokens, e)
-    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e)), comm_bwd, host_b)
+    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e), "softmax"), comm_bwd, host_b)
     return fwd, bwd
 
 
@@ -609,7 +643,7 @@ def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: di
     seconds = sum(links[a].all_reduce(sizes[a], 8) for a in norm_axes)
     seconds += sum(links[a].all_reduce(sizes[a], 8) for a in ("tp", "pp", "dp"))
     world = sizes["tp"] * sizes["pp"] * sizes["dp"]
-    return seconds + group_bandwidth(machine.link_levels(), 1, world, uses_gloo(machine)).all_reduce(world, 8)
+    return seconds + group_link(machine, 1, world).all_reduce(world, 8)
 
 
 def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, simulate: bool = True) -> Prediction:
@@ -692,7 +726,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         norm.append(dev.stream(shard * grad_norm_bytes(g)) + (5 * tensors + buckets) * dev.op_seconds)
         optimizer.append(dev.stream(shard * optimizer_bytes(deck)) + (10 * buckets + 2 * matrices) * dev.op_seconds)
     if m.tie_embeddings and pp > 1:
-        tied_link = group_bandwidth(machine.link_levels(), layout.stride("pp") * (pp - 1), 2, uses_gloo(machine))
+        tied_link = group_link(machine, layout.stride("pp") * (pp - 1), 2)
         tied = tied_link.all_reduce(2, (m.vocab_size // tp) * m.hidden * g)
     # Every stage waits for the slowest at the gradient norm's and the non-finite check's
     # all-reduces; then the update, and the stop-signal vote over all ranks.
