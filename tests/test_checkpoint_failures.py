@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import app.checkpoint.io as checkpoint_io
-from app.checkpoint.io import EXP_AVG_SQ, MODEL, load, plan, save
+from app.checkpoint.io import EXP_AVG_SQ, MODEL, load, save
 from app.checkpoint.store import committed, describe_failure, format_bytes, read_latest, retain, step_file
 from app.errors import CheckpointError, NonFiniteError
 from conftest import grid_trainer, train_steps
@@ -281,13 +281,13 @@ def test_a_nonfinite_value_on_one_rank_is_never_committed(runtime, grids, shared
     good = trainer.save("test").path
     train_steps(trainer, 1)
     victim = runtime.world_size - 1
-    parts = plan(trainer)
-    name = sorted(n for n, part in parts.items() if part.writes)[-1]
+    shards = {s.name: s for s in (*trainer.dp.shard_states(), *trainer.optimizer.shard_states()) if s.group == kind}
+    name = sorted(n for n, shard in shards.items() if shard.writes)[-1]
     name = runtime.comm.bcast(name if runtime.rank == victim else None, root=victim)
     if runtime.rank == victim:
-        lo = parts[name].slice[0]
+        lo = shards[name].write[0]
         with torch.no_grad():
-            checkpoint_io._state_slice(trainer, kind, parts[name], lo, lo + 1)[0] = bad
+            shards[name].view(lo, lo + 1)[0] = bad
     _raises_everywhere(
         runtime, NonFiniteError, lambda: trainer.save("test"),
         f"/{kind}/{name} has 1 non-finite value on rank {victim}; not committed: {step_file(good.parent, 2)}",

@@ -168,7 +168,9 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
     }
 
 
-def _grid_line(grid: Any) -> str:
+def _grid_line(recorded: Any) -> str:
+    """The header's grid signature (JSON, as the file has it)."""
+    grid = recorded
     if not isinstance(grid, dict):
         return str(grid)
     return (
@@ -179,7 +181,9 @@ def _grid_line(grid: Any) -> str:
     )
 
 
-def _scaler_line(scaler: Any) -> str:
+def _scaler_line(recorded: Any) -> str:
+    """The header's loss-scaler record (JSON, as the file has it)."""
+    scaler = recorded
     if not isinstance(scaler, dict):
         return "loss scaler none" if scaler is None else f"loss scaler {scaler}"
     return f"loss scale {scaler.get('scale'):g} (clean steps {scaler.get('clean')}, skipped {scaler.get('skipped')})"

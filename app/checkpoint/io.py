@@ -9,20 +9,25 @@ Datasets (global shapes, one per logical tensor, named as in the 1-rank model):
     /optimizer/exp_avg_sq/<name>    second moment (fp32)
     /rng/torch_cpu, /rng/torch_cuda one row per rank: torch generator states
 
-Who writes what: the ranks that own a tensor's elements (`ParamMeta.owned_by`: every tp
-shard, tp rank 0 of a replicated tensor, never the tied head copy) split each dp bucket
-into dp slices — the ZeRO-1 shards, whether or not the optimizer shards — and write the
-part of every parameter in their slice: one collective H5Dwrite per rank and dataset,
-with the union of its boxes as the selection (`app/checkpoint/slabs.py`), empty on the
-ranks that hold nothing of the tensor. Each dataset carries `dtype` (the logical dtype;
-bf16 is stored as uint16) and `checksum` (computed in parallel from the same slices).
+Who writes what is the components' to say: `DataParallel` and `ShardedOptimizer` describe
+their state as shard descriptors (`app.shards.ShardState`: a named global tensor, where this
+rank's shard sits in it, the local range it writes and the range it holds), the loss scaler
+and the sampler as small JSON objects; this module walks them and knows nothing of buffers,
+buckets or shards. Today the owners of a tensor's elements (every tp shard, tp rank 0 of a
+replicated tensor, never the tied head copy) split each dp bucket into dp slices, the ZeRO-1
+shards whether or not the optimizer shards, and write the part of every parameter in their
+slice: one collective H5Dwrite per rank and dataset, with the union of its boxes as the
+selection (`app/checkpoint/slabs.py`), empty on the ranks that hold nothing of the tensor.
+Each dataset carries `dtype` (the logical dtype; bf16 is stored as uint16) and `checksum`
+(computed in parallel from the same slices).
 
-Loading reads, on each rank, the boxes of the shards the *current* grid gives it: the
-full local shard of each parameter (from /optimizer/master when present, so the fp32
-values come back exactly), and the held shard of each moment. Nothing depends on the grid
-that wrote the file, so any grid (tp, pp, dp, virtual stages, ZeRO-1, precision) loads
-any checkpoint of the same model. Before any tensor of the model changes, every read
-slab is verified against the checksums (split the same way over the new grid).
+Loading reads, on each rank, the range each descriptor of the *current* grid holds, every
+dataset once: the full local shard of each parameter (from /optimizer/master when present,
+so the fp32 values come back exactly), and the held shard of each master and moment.
+Nothing depends on the grid that wrote the file, so any grid (tp, pp, dp, virtual stages,
+ZeRO-1, precision) loads any checkpoint of the same model. Before any tensor of the model
+changes, every read slab is verified against the checksums (each rank the range it would
+write, so the ranks cover every element once).
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 import yaml
-from torch import nn
 
 from app.checkpoint.slabs import V1_NOTE, checksum, checksum_for, global_boxes, read_boxes, transfer_plist, write_boxes
 from app.checkpoint.stages import Abandon, Stages, abandon
@@ -56,6 +60,7 @@ from app.deck import Deck
 from app.errors import CheckpointError, NonFiniteError
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, on_root
+from app.shards import JsonState, ShardState, TensorState
 
 FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 2
 READABLE_VERSIONS = (1, 2)  # 1: the weak v1 checksum (slabs.checksum_v1)
@@ -72,67 +77,64 @@ CHECKSUM_DOC = (
 STORED = {torch.float32: ("float32", np.float32), torch.bfloat16: ("bfloat16", np.uint16), torch.float16: ("float16", np.float16)}  # fmt: skip
 
 
+class ParameterState(TensorState, Protocol):
+    """The component that holds the parameters (`DataParallel`)."""
+
+    zero: bool  # the optimizer state is sharded over dp (ZeRO-1)
+
+    def wait_params(self) -> None:
+        """Return once no parameter update is in flight (the parameters are complete)."""
+
+
+class OptimizerState(TensorState, Protocol):
+    steps: int
+
+
+class SamplerState(JsonState, Protocol):
+    consumed_samples: int
+
+
 class TrainingState(Protocol):
-    """What a checkpoint saves and restores (a `Trainer` is one)."""
+    """What a checkpoint saves and restores (a `Trainer` is one): the components' shard
+    descriptors and JSON states (`app.shards`), the step, and what the header records."""
 
     deck: Deck
     runtime: Runtime
     grid: ProcessGrid
-    model: nn.Module
-    dp: Any  # DataParallel
-    optimizer: Any  # ShardedOptimizer
-    scaler: Any  # LossScaler or None
-    sampler: Any  # GlobalBatchSampler
+    dp: ParameterState
+    optimizer: OptimizerState
+    scaler: Optional[JsonState]
+    sampler: SamplerState
     steps_done: int
 
 
-@dataclass
-class Part:
-    """This rank's share of one parameter; ranges are local flat element ranges [lo, hi)."""
-
-    param: nn.Parameter
-    bucket: int
-    offset: int  # of the parameter in the flat buffers
-    owner: bool  # writes (and verifies) its slice; tp replicas and the tied copy do not
-    slice: tuple[int, int]  # the dp slice of the bucket: what it writes / verifies
-    held: tuple[int, int]  # the optimizer shard it holds (moments, masters)
-
-    @property
-    def writes(self) -> bool:
-        return self.owner and self.slice[0] < self.slice[1]
-
-    def boxes(self, lo: int, hi: int) -> list:
-        meta = self.param.meta  # type: ignore[attr-defined]
-        return global_boxes(tuple(self.param.shape), meta.offset, lo, hi)
+# The dataset groups, in the order of the file: a component's ShardState.group is one of them.
+GROUPS = (MODEL, MASTER, *MOMENTS)
 
 
-def _clip(span: tuple[int, int], offset: int, numel: int) -> tuple[int, int]:
-    """Buffer range `span` intersected with a parameter at `offset`, in its local flat indices."""
-    lo, hi = max(span[0], offset) - offset, min(span[1], offset + numel) - offset
-    return (lo, hi) if lo < hi else (0, 0)
+def _shard_states(state: TrainingState) -> dict[tuple[str, str], ShardState]:
+    """(group, name) -> this rank's descriptor, for every tensor of its components."""
+    shards = {(s.group, s.name): s for s in (*state.dp.shard_states(), *state.optimizer.shard_states())}
+    unknown = sorted({group for group, _ in shards} - set(GROUPS))
+    if unknown:  # a component describing state this format has no place for: a programming error
+        raise ValueError(f"checkpoint groups {unknown} are not among {GROUPS}")
+    return shards
 
 
-def plan(state: TrainingState) -> dict[str, Part]:
-    """name -> this rank's Part, for every parameter of its model."""
-    layout, tp_rank = state.dp.layout, state.grid.coords["tp"]
-    index = {id(p): i for i, p in enumerate(state.dp.params)}
-    bucket_of = layout.bucket_of()
-    parts = {}
-    for name, p in state.model.named_parameters():
-        i = index[id(p)]
-        b, off, n = bucket_of[i], layout.offsets[i], layout.numels[i]
-        bucket = layout.buckets[b]
-        parts[name] = Part(
-            p, b, off, p.meta.owned_by(tp_rank),
-            _clip(layout.dp_slice(b), off, n), _clip((bucket.shard_lo, bucket.shard_hi), off, n),
-        )  # fmt: skip
-    return parts
+def _catalogue(
+    runtime: Runtime, shards: dict[tuple[str, str], ShardState]
+) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict[str, torch.dtype]]:
+    """(group, name, global shape) of every tensor of the whole model's state, in file order (the
+    groups in GROUPS order, names sorted), and each group's dtype: the same on every rank (a
+    rank holds the tensors of its stage only)."""
+    everyone = runtime.comm.allgather({key: (s.global_shape, s.dtype) for key, s in shards.items()})
+    union = {(group, name, shape) for theirs in everyone for (group, name), (shape, _) in theirs.items()}
+    dtypes = {group: dtype for theirs in everyone for (group, _), (_, dtype) in theirs.items()}
+    return sorted(union, key=lambda item: (GROUPS.index(item[0]), item[1])), dtypes
 
 
-def _global_names(runtime: Runtime, parts: dict[str, Part]) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, global shape) of every parameter of the whole model, in the same order on every rank."""
-    everyone = runtime.comm.allgather({name: tuple(part.param.meta.global_shape) for name, part in parts.items()})
-    return sorted({item for shapes in everyone for item in shapes.items()})
+def _boxes(shard: ShardState, lo: int, hi: int) -> list:
+    return global_boxes(shard.shape, shard.offset, lo, hi)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -147,17 +149,6 @@ def decode(values: np.ndarray, logical: str) -> torch.Tensor:
     if logical == "bfloat16":
         return torch.from_numpy(values.view(np.int16).copy()).view(torch.bfloat16).float()
     return torch.from_numpy(np.asarray(values, dtype=np.float32))
-
-
-def _state_slice(state: TrainingState, kind: str, part: Part, lo: int, hi: int) -> torch.Tensor:
-    """Local flat elements [lo, hi) of one parameter's `kind` state ([lo, hi) inside part.held
-    for optimizer state)."""
-    dp = state.dp
-    if kind == MODEL:
-        return dp.param_buffer[part.offset + lo : part.offset + hi]
-    base = part.offset - dp.layout.buckets[part.bucket].shard_lo
-    tensors = {MASTER: dp.master, EXP_AVG: state.optimizer.exp_avg, EXP_AVG_SQ: state.optimizer.exp_avg_sq}[kind]
-    return tensors[part.bucket][base + lo : base + hi]
 
 
 def grid_signature(state: TrainingState) -> dict[str, Any]:
@@ -182,9 +173,7 @@ def _header(state: TrainingState) -> dict[str, Any]:
         "sampler": json.dumps(state.sampler.state_dict()),
         "optimizer_steps": state.optimizer.steps,
         "precision": state.deck.train.precision,
-        "loss_scaler": json.dumps(
-            None if scaler is None else {"scale": scaler.scale, "clean": scaler.clean, "skipped": scaler.skipped}
-        ),
+        "loss_scaler": json.dumps(None if scaler is None else scaler.state_dict()),
         "deck": yaml.safe_dump(state.deck.to_dict(), sort_keys=False),
         "grid": json.dumps(grid_signature(state)),
         "versions": json.dumps(versions()),
@@ -219,20 +208,19 @@ def save(
     import h5py
     from mpi4py import MPI
 
-    rt, dp, cfg = state.runtime, state.dp, state.deck.checkpoint
-    dp.wait_params()  # no all-gather in flight: the parameter buffer is complete
+    rt, cfg = state.runtime, state.deck.checkpoint
+    state.dp.wait_params()  # no all-gather in flight: the parameter buffer is complete
     if state.runtime.device.type == "cuda":
         torch.cuda.synchronize(state.runtime.device)
     final = step_file(directory, state.steps_done)
     tmp = final.with_name(final.name + ".tmp")
     t0 = time.perf_counter()
-    parts = plan(state)
-    names = _global_names(rt, parts)
-    kinds = [MODEL] + ([] if dp.master_is_param else [MASTER]) + list(MOMENTS)
+    shards = _shard_states(state)
+    catalogue, dtypes = _catalogue(rt, shards)
     header = rt.comm.bcast(_header(state) if rt.rank == 0 else None, root=0)
     rows = _rng_rows(rt)
-    stored_of = {kind: STORED[dp.param_buffer.dtype if kind == MODEL else torch.float32] for kind in kinds}
-    layout = [(math.prod(shape), np.dtype(stored_of[kind][1]).itemsize) for kind in kinds for _, shape in names]
+    stored_of = {group: STORED[dtype] for group, dtype in dtypes.items()}
+    layout = [(math.prod(shape), np.dtype(stored_of[group][1]).itemsize) for group, _, shape in catalogue]
     layout += [(rt.world_size * row.size, 1) for row in rows.values()]
     nbytes = sum(n * size for n, size in layout)
     needed = checkpoint_size(layout, header, cfg.alignment_threshold, cfg.alignment_interval)
@@ -242,13 +230,12 @@ def save(
 
     def check_finite() -> None:
         """A NaN/Inf in any slice this rank would write: refused before the disk is touched."""
-        for kind in kinds:
-            for name, _ in names:
-                part = parts.get(name)
-                if part is not None and part.writes:
-                    bad = count_nonfinite(_state_slice(state, kind, part, *part.slice), stored_of[kind][0])
-                    if bad:
-                        raise NonFiniteError(f"/{kind}/{name} has {bad} non-finite value{'s' if bad > 1 else ''}")
+        for group, name, _ in catalogue:
+            shard = shards.get((group, name))
+            if shard is not None and shard.writes:
+                bad = count_nonfinite(shard.view(*shard.write), stored_of[group][0])
+                if bad:
+                    raise NonFiniteError(f"/{group}/{name} has {bad} non-finite value{'s' if bad > 1 else ''}")
 
     def prepare() -> None:
         prepare_write(directory, tmp, needed, metadata_headroom(len(layout), header))
@@ -262,7 +249,7 @@ def save(
     on_root(rt, prepare)  # the file system is checked once, the verdict goes to every rank
     dxpl = transfer_plist(cfg.io == "collective")
     # One entry per dataset, the RNG rows last; MPI SUM on uint64 wraps mod 2^64, as C.
-    sums = np.zeros(len(kinds) * len(names) + len(rows), dtype=np.uint64)
+    sums = np.zeros(len(catalogue) + len(rows), dtype=np.uint64)
 
     def create() -> Any:
         return h5py.File(
@@ -279,14 +266,12 @@ def save(
         f.attrs["nonfinite_in_a_row"] = int(getattr(state, "nonfinite_in_a_row", 0))
         f.attrs["committed"] = False  # true last: a copy of a half-written file is refused
         created = []
-        for kind in kinds:
-            group = f.require_group(kind)
-            logical, stored = stored_of[kind]
-            for name, shape in names:
-                dset = group.create_dataset(name, shape, stored, fill_time="never")
-                dset.attrs["dtype"] = logical
-                dset.attrs["checksum"] = np.uint64(0)
-                created.append((dset, kind, name, shape))
+        for group, name, shape in catalogue:
+            logical, stored = stored_of[group]
+            dset = f.require_group(group).create_dataset(name, shape, stored, fill_time="never")
+            dset.attrs["dtype"] = logical
+            dset.attrs["checksum"] = np.uint64(0)
+            created.append((dset, group, name, shape))
         for key, row in rows.items():
             dset = f.require_group("rng").create_dataset(key, (rt.world_size, row.size), np.uint8, fill_time="never")
             dset.attrs["checksum"] = np.uint64(0)
@@ -304,11 +289,11 @@ def save(
             sums[index] = checksum(rows[name], box, shape)
             write_boxes(dset.id, box, rows[name], dxpl)
             return
-        part = parts.get(name)
+        shard = shards.get((kind, name))
         boxes, values = [], np.empty(0, dtype=stored_of[kind][1])
-        if part is not None and part.writes:
-            boxes = part.boxes(*part.slice)
-            values = _numpy(_state_slice(state, kind, part, *part.slice))
+        if shard is not None and shard.writes:
+            boxes = _boxes(shard, *shard.write)
+            values = _numpy(shard.view(*shard.write))
             sums[index] = checksum(values, boxes, shape)
         write_boxes(dset.id, boxes, values, dxpl)
 
@@ -508,42 +493,52 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         return header
 
     header = on_root(rt, validate)
-    catalogue = header["datasets"]
-    parts = plan(state)
-    names = _global_names(rt, parts)
-    # fp32 checkpoints hold the masters in /model; the others must have them (never a rounded fallback).
+    in_file = header["datasets"]
+    shards = _shard_states(state)
+    catalogue, _ = _catalogue(rt, shards)
+    # The values of the parameters and of the masters: the masters where the file has them (never
+    # a rounded fallback); fp32 checkpoints hold them in /model.
     source = MODEL if header["precision"] == "fp32" else MASTER
-    for kind in (source, *MOMENTS):  # the same checks on every rank: all raise or none does
-        for name, shape in names:
-            entry = catalogue.get(f"{kind}/{name}")
-            if entry is None:
-                raise CheckpointError(f"{path} has no dataset /{kind}/{name}: not a complete checkpoint of this model")
-            if entry["shape"] != shape:
-                raise CheckpointError(
-                    f"{path}: dataset /{kind}/{name} has shape {entry['shape']}, the model needs {shape}"
-                )
 
-    read: dict[tuple[str, str], torch.Tensor] = {}
-    keys = [f"{kind}/{name}" for kind in (source, *MOMENTS) for name, _ in names]
+    def source_of(group: str) -> str:
+        return source if group in (MODEL, MASTER) else group
+
+    # Each dataset read once, in file order, by every state that loads from it.
+    reads: dict[tuple[str, str], tuple[int, ...]] = {}
+    for group, name, shape in catalogue:
+        reads.setdefault((source_of(group), name), shape)
+    for (group, name), shape in reads.items():  # the same checks on every rank: all raise or none does
+        entry = in_file.get(f"{group}/{name}")
+        if entry is None:
+            raise CheckpointError(f"{path} has no dataset /{group}/{name}: not a complete checkpoint of this model")
+        if entry["shape"] != shape:
+            raise CheckpointError(
+                f"{path}: dataset /{group}/{name} has shape {entry['shape']}, the model needs {shape}"
+            )
+    readers: dict[tuple[str, str], list[ShardState]] = {}
+    for (group, name), shard in shards.items():
+        readers.setdefault((source_of(group), name), []).append(shard)
+
+    read: dict[tuple[str, str], tuple[int, torch.Tensor]] = {}  # dataset -> (first element read, values)
+    keys = [f"{group}/{name}" for group, name in reads]
     version = int(header["format_version"])
     sum_of = checksum_for(version)  # format version 1: the weak v1 sum, uint32 partials
     sums = np.zeros(len(keys), dtype=np.uint32 if version < 2 else np.uint64)  # MPI SUM wraps as the sum does
     dxpl = transfer_plist(deck.checkpoint.io == "collective")
     with h5py.File(path, "r", driver="mpio", comm=rt.comm) as f:
-        k = 0
-        for kind in (source, *MOMENTS):
-            for name, shape in names:
-                dset = f[f"{kind}/{name}"]
-                part = parts.get(name)
-                # Parameters: the whole local shard; moments: the held shard.
-                lo, hi = (0, 0) if part is None else (0, part.param.numel()) if kind == source else part.held
-                raw = read_boxes(dset.id, part.boxes(lo, hi) if part is not None else [], dset.dtype, dxpl)
-                if part is not None and part.writes:  # verify the slice this rank would write
-                    s0, s1 = part.slice
-                    sums[k] = sum_of(raw[s0 - lo : s1 - lo], part.boxes(s0, s1), shape)
-                if part is not None:
-                    read[(kind, name)] = decode(raw, catalogue[f"{kind}/{name}"]["dtype"])
-                k += 1
+        for k, ((group, name), shape) in enumerate(reads.items()):
+            dset = f[f"{group}/{name}"]
+            mine = readers.get((group, name), [])
+            held = [s.hold for s in mine if s.hold[0] < s.hold[1]]
+            # One read of the span every state loading from it holds (the parameters: the whole shard).
+            lo, hi = (min(h[0] for h in held), max(h[1] for h in held)) if held else (0, 0)
+            raw = read_boxes(dset.id, _boxes(mine[0], lo, hi) if mine else [], dset.dtype, dxpl)
+            writer = next((s for s in mine if s.writes), None)
+            if writer is not None:  # verify the share this rank would write (they tile the dataset)
+                s0, s1 = writer.write
+                sums[k] = sum_of(raw[s0 - lo : s1 - lo], _boxes(writer, s0, s1), shape)
+            if mine:
+                read[(group, name)] = (lo, decode(raw, in_file[f"{group}/{name}"]["dtype"]))
         rng = None
         if "torch_cpu" in header["rng"] and json.loads(header["grid"]) == grid_signature(state):
             rng = {}
@@ -553,7 +548,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 keys.append(f"rng/{key}")
                 sums = np.append(sums, sum_of(rng[key], box, shape))
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-    bad = ["/" + key for key, value in zip(keys, sums) if catalogue[key]["checksum"] not in (None, int(value))]
+    bad = ["/" + key for key, value in zip(keys, sums) if in_file[key]["checksum"] not in (None, int(value))]
     if bad:
         raise CheckpointError(
             f"{path}: checksum mismatch in dataset {bad[0]}"
@@ -568,14 +563,17 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     if note is not None:
         rt.log(f"gridlm: {path}: {note}")
 
-    _apply(state, parts, read, source)
+    with torch.no_grad():  # every state from what was read and verified
+        for key, states in readers.items():
+            lo, values = read[key]
+            for shard in states:
+                h0, h1 = shard.hold
+                if h0 < h1:
+                    target = shard.view(h0, h1)
+                    target.copy_(values[h0 - lo : h1 - lo].to(target.device))
     scaler = json.loads(header["loss_scaler"])
     if state.scaler is not None and scaler is not None:
-        state.scaler.scale, state.scaler.clean, state.scaler.skipped = (
-            scaler["scale"],
-            scaler["clean"],
-            scaler["skipped"],
-        )
+        state.scaler.load_state_dict(scaler)
     state.sampler.load_state_dict(json.loads(header["sampler"]))
     state.optimizer.steps = int(header["optimizer_steps"])
     state.steps_done = int(header["step"])
@@ -595,18 +593,3 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "note": note,  # V1_NOTE for a format-version-1 file, else None
     }
-
-
-@torch.no_grad()
-def _apply(state: TrainingState, parts: dict[str, Part], read: dict, source: str) -> None:
-    dp = state.dp
-    for name, part in parts.items():
-        values = read[(source, name)].to(dp.param_buffer.device)
-        dp.param_buffer[part.offset : part.offset + values.numel()].copy_(values)
-        h0, h1 = part.held
-        if h0 == h1:
-            continue
-        if not dp.master_is_param:
-            _state_slice(state, MASTER, part, h0, h1).copy_(values[h0:h1])
-        for kind in MOMENTS:
-            _state_slice(state, kind, part, h0, h1).copy_(read[(kind, name)])

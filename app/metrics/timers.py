@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from app.runtime.watchdog import NullWatchdog
+from app.runtime.watchdog import AnyWatchdog, NullWatchdog
 
 AXES = ("tp", "pp", "dp")
 PHASES = ("forward", "backward", "optimizer")
@@ -52,7 +52,7 @@ class StepTimers:
     Every blocking region and wait also runs inside `watchdog.blocking` (app/runtime/watchdog.py),
     timers enabled or not: these are the step's calls that wait for other ranks."""
 
-    def __init__(self, device: torch.device, enabled: bool = True, watchdog: Any = None) -> None:
+    def __init__(self, device: torch.device, enabled: bool = True, watchdog: Optional[AnyWatchdog] = None) -> None:
         self.device, self.enabled = device, enabled
         self.watchdog = watchdog if watchdog is not None else NullWatchdog()
         self.cuda = device.type == "cuda"

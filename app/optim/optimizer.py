@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from app.deck import OptimConfig
 from app.errors import NonFiniteError
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
+from app.shards import ShardState
 
 
 def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -84,6 +85,13 @@ class LossScaler:
         self.scale, self.window, self.clean = scale, window, 0
         self.min_scale = min_scale
         self.skipped = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's record of the scaler (`app.shards.JsonState`)."""
+        return {"scale": self.scale, "clean": self.clean, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self.clean, self.skipped = state["scale"], state["clean"], state["skipped"]
 
     def update(self, overflow: bool, step: int = 0) -> None:
         """Count a clean step or an overflow at optimizer step `step` (1-based; for the message).
@@ -181,6 +189,12 @@ class ShardedOptimizer:
         self.steps = 0
         # Runs of elements with weight decay, per bucket shard (adjacent parameters merged).
         self.decay_runs = [dp.layout.decay_runs(b) for b in range(len(dp.layout.buckets))]
+
+    def shard_states(self) -> list[ShardState]:
+        """The moments of the master shards, as shard descriptors (`app.shards`)."""
+        return self.dp.held_states("optimizer/exp_avg", self.exp_avg) + self.dp.held_states(
+            "optimizer/exp_avg_sq", self.exp_avg_sq
+        )
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: the moments and any separate fp32 master copy."""

@@ -31,7 +31,7 @@ ranks), and the tied embedding summed between the first and last stage.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -42,6 +42,7 @@ from torch import nn
 from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
 from app.parallel.layout import ParamLayout, Segment
 from app.runtime.grid import ProcessGrid
+from app.shards import ShardState
 
 
 @torch.no_grad()
@@ -75,6 +76,12 @@ class InFlight:
     grad_shard: Optional[torch.Tensor] = None  # ZeRO: the reduce-scatter output
 
 
+def _clip(span: tuple[int, int], offset: int, numel: int) -> tuple[int, int]:
+    """Buffer range `span` intersected with a parameter at `offset`, in its local flat indices."""
+    lo, hi = max(span[0], offset) - offset, min(span[1], offset + numel) - offset
+    return (lo, hi) if lo < hi else (0, 0)
+
+
 class DataParallel:
     """Flat buffers, bucketed dp reductions and the (sharded) fp32 master weights of one rank.
 
@@ -105,6 +112,9 @@ class DataParallel:
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.tied_param, self.tied_group = tied if tied is not None else (None, None)
         self.params: list[nn.Parameter] = list(reversed(list(model.parameters())))
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.names = [names[id(p)] for p in self.params]  # the 1-rank model's names
+        self.tp_rank = grid.coords["tp"]
         device = self.params[0].device
         element = torch.empty((), dtype=reduce_dtype).element_size()
         tied_index = next((i for i, p in enumerate(self.params) if p is self.tied_param), None)
@@ -260,6 +270,46 @@ class DataParallel:
     def dp_slice(self, b: int) -> tuple[int, int]:
         """This dp rank's 1/dp slice of bucket b (`ParamLayout.dp_slice`)."""
         return self.layout.dp_slice(b)
+
+    # ---- checkpoint state --------------------------------------------------------------
+
+    def shard_states(self) -> list[ShardState]:
+        """The parameters ("model", in the compute dtype) and, where they are apart from them,
+        the fp32 master weights ("optimizer/master") as shard descriptors (`app.shards`)."""
+        out = []
+        for i, p in enumerate(self.params):
+            off = self.offsets[i]
+            out.append(self._shard_state("model", i, self.param_buffer.dtype, (0, p.numel()),
+                                         lambda lo, hi, off=off: self.param_buffer[off + lo : off + hi]))  # fmt: skip
+        if not self.master_is_param:
+            out += self.held_states("optimizer/master", self.master)
+        return out
+
+    def held_states(self, group: str, shards: Sequence[torch.Tensor]) -> list[ShardState]:
+        """Shard descriptors of per-bucket state over this rank's shard of each bucket (`shards[b]`
+        for bucket b, like `master`: the optimizer's moments), one per parameter part it holds."""
+        out = []
+        for b, bucket in enumerate(self.buckets):
+            for i in bucket.params:
+                lo, hi = _clip((bucket.shard_lo, bucket.shard_hi), self.offsets[i], self.params[i].numel())
+                base = self.offsets[i] - bucket.shard_lo
+                out.append(self._shard_state(group, i, shards[b].dtype, (lo, hi),
+                                             lambda lo, hi, t=shards[b], base=base: t[base + lo : base + hi]))  # fmt: skip
+        return out
+
+    def _shard_state(
+        self, group: str, i: int, dtype: torch.dtype, hold: tuple[int, int], view: Callable[[int, int], torch.Tensor]
+    ) -> ShardState:
+        """Parameter i's state: the owner of its elements (`ParamMeta.owned_by`: every tp shard, tp
+        rank 0 of a replicated tensor, never the tied head copy) writes its dp slice of the
+        bucket, whether or not the optimizer shards (ZeRO-1), so every element is written once."""
+        p, off = self.params[i], self.offsets[i]
+        meta = p.meta  # type: ignore[attr-defined]
+        b = self.bucket_of[id(p)]
+        # Inside `hold`: without ZeRO-1 a rank holds whole buckets, with it its shard is the slice.
+        write = _clip(self.layout.dp_slice(b), off, p.numel()) if meta.owned_by(self.tp_rank) else (0, 0)
+        return ShardState(group, self.names[i], tuple(meta.global_shape), tuple(meta.offset), tuple(p.shape), dtype,
+                          write, hold, view)  # fmt: skip
 
     # ---- reports ---------------------------------------------------------------------
 

@@ -25,12 +25,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import yaml
 
 from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS
 from app.plan.perf import BACKWARD_BYTES, ring_terms
+
+if TYPE_CHECKING:
+    from app.runtime.mpi import Runtime
 
 # (m, n, k) of the GEMMs timed: square ones and the skinny shapes of small models.
 GEMM_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 768, 256), (256, 1024, 256),
@@ -125,7 +128,9 @@ def group_sizes(world: int) -> list[int]:
     return [g for g in range(2, world + 1) if world % g == 0]
 
 
-def _collectives(runtime: Any, repeat: int, agreed: Callable[[float], float]) -> dict[str, dict[int, dict[str, Any]]]:
+def _collectives(
+    runtime: Runtime, repeat: int, agreed: Callable[[float], float]
+) -> dict[str, dict[int, dict[str, Any]]]:
     """Every op of COLLECTIVE_OPS at SMALL and LARGE bytes, on the world split into groups of
     consecutive ranks, all groups at once (as a grid's tp or dp groups run); p2p between pairs
     (ping-pong, half of the round trip). Each fitted with the model's ring terms."""
@@ -201,7 +206,7 @@ def _elementwise(dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_
     return rates
 
 
-def measure(runtime: Any, repeat: int = 3) -> dict[str, Any]:
+def measure(runtime: Runtime, repeat: int = 3) -> dict[str, Any]:
     """The primitives, each the median over ranks of each rank's median."""
     import torch
     import torch.nn.functional as F

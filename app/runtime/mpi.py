@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from app.errors import GridlmError, LaunchError
-from app.runtime.watchdog import NullWatchdog
+from app.runtime.watchdog import AnyWatchdog, NullWatchdog
 
 T = TypeVar("T")
 
@@ -46,7 +46,7 @@ class Runtime:
     global_ranks: list[int]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "gloo"
-    watchdog: Any = field(default_factory=NullWatchdog)  # app.runtime.watchdog; a no-op until started
+    watchdog: AnyWatchdog = field(default_factory=NullWatchdog)  # app.runtime.watchdog; a no-op until started
     store_address: Optional[tuple[str, int]] = None  # the TCPStore (host, port), once torch is bootstrapped
     # Objects that must outlive everything else, e.g. an HDF5 file whose close failed (HDF5 1.10
     # crashes when such a file is released again).

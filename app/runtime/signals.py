@@ -15,6 +15,8 @@ from contextlib import nullcontext
 from types import FrameType
 from typing import Any, Optional
 
+from app.runtime.watchdog import AnyWatchdog
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -39,7 +41,7 @@ class StopSignals:
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         self.received = signum
 
-    def agreed(self, comm: Any, watchdog: Any = None) -> int:
+    def agreed(self, comm: Any, watchdog: Optional[AnyWatchdog] = None) -> int:
         """The signal any rank of `comm` received (0 for none); collective (watched when a
         watchdog is given)."""
         from mpi4py import MPI

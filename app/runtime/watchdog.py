@@ -41,7 +41,10 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from datetime import timedelta
-from typing import Any, Callable, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Optional, TextIO, Union
+
+if TYPE_CHECKING:
+    from app.runtime.mpi import Runtime
 
 EXIT_CODE = 4  # communication timeout or a lost rank (README, "When things go wrong")
 HEARTBEAT_KEY = "gridlm/heartbeat/{}"
@@ -114,7 +117,7 @@ class Watchdog:
 
     def __init__(
         self,
-        runtime: Any,
+        runtime: Runtime,
         timeout_s: float,
         interval_s: Optional[float] = None,
         out: TextIO = sys.stderr,
@@ -345,7 +348,11 @@ class Watchdog:
         return silent
 
 
-def start_watchdog(runtime: Any, timeout_s: float) -> Watchdog:
+# What a runtime carries: the real one once started, the no-op one before (and in tests).
+AnyWatchdog = Union[Watchdog, NullWatchdog]
+
+
+def start_watchdog(runtime: Runtime, timeout_s: float) -> Watchdog:
     """Start this rank's watchdog and hang it on the runtime (every rank calls this)."""
     runtime.watchdog = Watchdog(runtime, timeout_s)
     return runtime.watchdog
