@@ -26,8 +26,7 @@ import yaml
 
 from app.deck_yaml import MAX_DECK_BYTES, deck_error, parse_yaml, read_deck_file
 from app.errors import DeckError
-
-GRID_AXES = ("tp", "pp", "dp")
+from app.names import AXES, PRECISIONS, RECOMPUTE
 
 # Upper bounds of the keys: what the code can honour, far above any real run.
 MAX_RANKS = 2**20  # tp x pp x dp; a dry run places every rank of the plan
@@ -125,7 +124,7 @@ class TrainConfig:
     precision: str = _key(
         "fp32",
         "compute dtype; bf16/fp16 keep fp32 master weights and optimizer state",
-        choices=("fp32", "bf16", "fp16"),
+        choices=PRECISIONS,
     )
     grad_reduce_dtype: str = _key(
         "fp32", "dtype gradients are accumulated and reduced in: fp32, or compute (= train.precision)",
@@ -137,7 +136,7 @@ class TrainConfig:
     )
     recompute: str = _key(
         "none", "activation recomputation: none, full (every block), selective (attention core)",
-        choices=("none", "full", "selective"),
+        choices=RECOMPUTE,
     )  # fmt: skip
     nonfinite: str = _key(
         "abort", "a NaN/Inf loss or gradient norm: abort (exit 3, no checkpoint of the bad state), skip the step "
@@ -457,7 +456,7 @@ def _validate(deck: Deck) -> None:
     if (m.hidden // m.heads) % 2:
         raise DeckError("model.heads", m.heads, f"hidden / heads = {m.hidden // m.heads} must be even")
     axes = par.order.split("-")
-    if sorted(axes) != sorted(GRID_AXES):
+    if sorted(axes) != sorted(AXES):
         raise DeckError(
             "parallel.order", par.order, "a permutation of tp, pp, dp joined by '-', innermost first, e.g. tp-dp-pp"
         )

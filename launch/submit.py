@@ -39,7 +39,7 @@ from app.plan.dryrun import make_plan  # noqa: E402
 from app.plan.machine import MACHINES_DIR, Machine, load_machine, machine_names, machine_path  # noqa: E402
 
 JOBS_DIR = REPO / "launch" / "jobs"
-SIGNAL_LEAD_S = 120  # SIGUSR1 this long before the time limit (the templates' --signal=B:USR1@120)
+SIGNAL_LEAD_S = 120  # SIGUSR1 this long before the time limit (rendered into the templates as {{signal_lead_s}})
 PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # Values that go into #SBATCH/#PBS lines: no spaces, quotes or shell syntax that could end the line.
 DIRECTIVE_VALUE = re.compile(r"^[^\s'\"`\\$;]+$")
@@ -199,6 +199,7 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
         "threads": str(max(1, machine.cpu_cores_per_node // machine.devices_per_node)),
         "time": str(time_text),
         "time_seconds": str(seconds),
+        "signal_lead_s": str(SIGNAL_LEAD_S),
         "output": output,
         "directives": directives,
         "repo": shlex.quote(str(REPO)),

@@ -31,9 +31,9 @@ from typing import Any, Optional
 
 import torch
 
+from app.names import AXES
 from app.runtime.watchdog import AnyWatchdog, NullWatchdog
 
-AXES = ("tp", "pp", "dp")
 PHASES = ("forward", "backward", "optimizer")
 
 

@@ -42,10 +42,10 @@ from app.model.layers import (
     tp_param,
     vocab_parallel_cross_entropy,
 )
+from app.names import RECOMPUTE
 from app.runtime.collectives import TensorParallel
 
 SINGLE = TensorParallel()
-RECOMPUTE = ("none", "full", "selective")
 
 
 def _recomputing(module: nn.Module) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
+from app.names import SCHEDULES, schedule_key
 from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params, step_flops
 from app.plan.machine import Machine
 from app.plan.perf import Link, Prediction, axis_links, predict
@@ -360,7 +361,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         lines.append(f"             node {node}: {_describe_node(plan, node)}")
     if plan.nodes and plan.nodes > 2:
         lines.append(f"             ... node {plan.nodes - 1}: {_describe_node(plan, plan.nodes - 1)}")
-    schedule = "interleaved 1F1B" if par.virtual_stages > 1 else "1F1B"
+    schedule = SCHEDULES[schedule_key(par.virtual_stages)]
     lines.append(
         f"  pipeline   {schedule}, {par.pp} stage(s) x {par.virtual_stages} chunk(s); bubble "
         f"{100 * plan.bubble():.1f}% of the ideal step ((pp - 1) / (virtual x micro-batches)); stage work "

@@ -48,10 +48,9 @@ from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
+from app.names import BYTES
 from app.parallel.layout import ParamLayout
 from app.parallel.schedule import partition_layers
-
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def block_params(m: ModelConfig, tp: int) -> int:

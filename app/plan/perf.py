@@ -45,8 +45,9 @@ from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
+from app.names import BYTES
 from app.parallel.schedule import Action, build_schedule, partition_layers
-from app.plan.estimate import BYTES, stage_params
+from app.plan.estimate import stage_params
 from app.plan.machine import ELEMENTWISE_KINDS, LinkLevel, Machine  # noqa: F401 (docs)
 from app.runtime.grid import GridLayout
 

@@ -22,13 +22,13 @@ from typing import Any, Optional
 
 from app.deck import Deck, validate
 from app.errors import GridlmError
+from app.names import RECOMPUTE
 from app.plan.dryrun import GiB, Plan, make_plan
 from app.plan.estimate import LayoutCache
 from app.plan.machine import Machine
 
 MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (1, 2, 4)
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass

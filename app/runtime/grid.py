@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.errors import LaunchError
+from app.names import AXES
 
 if TYPE_CHECKING:
     from app.runtime.mpi import Runtime
-
-AXES = ("tp", "pp", "dp")
 
 
 @dataclass(frozen=True)

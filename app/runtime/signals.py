@@ -1,7 +1,8 @@
 """Stop requests from the scheduler: SIGTERM and SIGUSR1 end training cleanly.
 
 Slurm sends SIGTERM at the time limit (SIGKILL follows after KillWait) and, with
-`#SBATCH --signal=USR1@120`, SIGUSR1 two minutes before it; preemption sends SIGTERM.
+`#SBATCH --signal=B:USR1@<lead>` (launch/submit.py's SIGNAL_LEAD_S, rendered into every job
+template), SIGUSR1 that many seconds before it; preemption sends SIGTERM.
 The handler only records the signal; after each step the ranks agree (an MPI MAX over
 the job) on whether any of them got one, so all of them stop after the same step, write
 a checkpoint and exit 0 — a resubmitted job continues from it (run.resume: auto).

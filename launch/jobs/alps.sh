@@ -4,11 +4,11 @@
 #SBATCH --ntasks-per-node={{ranks_per_node}}
 #SBATCH --time={{time}}
 #SBATCH --output={{output}}
-#SBATCH --signal=B:USR1@120
+#SBATCH --signal=B:USR1@{{signal_lead_s}}
 {{directives}}
 # gridlm on CSCS Alps: {{nodes}} node(s) x 4 GH200 = {{ranks}} ranks, one Hopper GPU per rank.
 # Written by launch/submit.py from launch/jobs/alps.sh (writing it again overwrites this file).
-# --signal: Slurm sends SIGUSR1 to this script 2 minutes before the time limit; common.sh passes
+# --signal: Slurm sends SIGUSR1 to this script {{signal_lead_s}} s before the time limit; common.sh passes
 # it to srun, the ranks checkpoint and exit 0, and a resubmitted job resumes (run.resume: auto).
 # Software comes from a uenv or a container: pass it to sbatch, e.g.
 #   sbatch --uenv=pytorch/v2.6.0:v1 --view=default THIS_FILE   (or --environment=EDF for a container)

@@ -2,11 +2,11 @@
 #
 #   source "$repo/launch/jobs/common.sh"   # installs the USR1/TERM traps at once
 #   gridlm_start NODES RANKS               # job header; stop if the allocation has another node count
-#   gridlm_signal_before_end WALLTIME_S 120   # PBS only: SIGUSR1 to this script 120 s before the end
+#   gridlm_signal_before_end WALLTIME_S LEAD_S   # PBS only: SIGUSR1 to this script LEAD_S s before the end
 #   gridlm_use_venv                        # ${GRIDLM_VENV:-$repo/.venv} on PATH, if it exists
 #   gridlm_launch srun ... python -m app DECK ...   # returns the launcher's exit status
 #
-# Why: the scheduler signals the batch shell (Slurm `--signal=B:USR1@120`, or the PBS timer
+# Why: the scheduler signals the batch shell (Slurm `--signal=B:USR1@LEAD`, or the PBS timer
 # below) and the shell must pass the signal on to the launcher, which forwards it to the ranks
 # (srun, mpirun and mpiexec all do); the app then finishes its step, writes a checkpoint and
 # exits 0. Safe under `set -euo pipefail`.

@@ -6,11 +6,11 @@
 #SBATCH --exclusive
 #SBATCH --time={{time}}
 #SBATCH --output={{output}}
-#SBATCH --signal=B:USR1@120
+#SBATCH --signal=B:USR1@{{signal_lead_s}}
 {{directives}}
 # gridlm on {{machine}}: {{nodes}} DGX node(s) x {{ranks_per_node}} GPUs = {{ranks}} ranks, one GPU per rank.
 # Written by launch/submit.py from launch/jobs/dgx_h100.sh (writing it again overwrites this file).
-# --signal: Slurm sends SIGUSR1 to this script 2 minutes before the time limit; common.sh passes
+# --signal: Slurm sends SIGUSR1 to this script {{signal_lead_s}} s before the time limit; common.sh passes
 # it to srun, the ranks checkpoint and exit 0, and a resubmitted job resumes (run.resume: auto).
 # With pyxis/enroot, add --container-image=IMAGE to the srun line below (machine file: launch).
 set -eo pipefail

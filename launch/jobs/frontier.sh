@@ -3,11 +3,11 @@
 #SBATCH --nodes={{nodes}}
 #SBATCH --time={{time}}
 #SBATCH --output={{output}}
-#SBATCH --signal=B:USR1@120
+#SBATCH --signal=B:USR1@{{signal_lead_s}}
 {{directives}}
 # gridlm on OLCF Frontier: {{nodes}} node(s) x 8 MI250X GCDs = {{ranks}} ranks, one GCD per rank.
 # Written by launch/submit.py from launch/jobs/frontier.sh (writing it again overwrites this file).
-# --signal: Slurm sends SIGUSR1 to this script 2 minutes before the time limit; common.sh passes
+# --signal: Slurm sends SIGUSR1 to this script {{signal_lead_s}} s before the time limit; common.sh passes
 # it to srun, the ranks checkpoint and exit 0, and a resubmitted job resumes (run.resume: auto).
 set -eo pipefail
 repo={{repo}}

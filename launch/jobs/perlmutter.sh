@@ -5,11 +5,11 @@
 #SBATCH --gpus-per-node={{ranks_per_node}}
 #SBATCH --time={{time}}
 #SBATCH --output={{output}}
-#SBATCH --signal=B:USR1@120
+#SBATCH --signal=B:USR1@{{signal_lead_s}}
 {{directives}}
 # gridlm on NERSC Perlmutter: {{nodes}} node(s) x 4 A100 = {{ranks}} ranks, one GPU per rank.
 # Written by launch/submit.py from launch/jobs/perlmutter.sh (writing it again overwrites this file).
-# --signal: Slurm sends SIGUSR1 to this script 2 minutes before the time limit; common.sh passes
+# --signal: Slurm sends SIGUSR1 to this script {{signal_lead_s}} s before the time limit; common.sh passes
 # it to srun, the ranks checkpoint and exit 0, and a resubmitted job resumes (run.resume: auto).
 set -eo pipefail
 repo={{repo}}

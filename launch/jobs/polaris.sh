@@ -17,9 +17,9 @@ source "$repo/launch/jobs/common.sh"
 # PBS starts a job in $HOME, not where qsub ran: go to the directory submit.py ran in.
 cd {{workdir}}
 gridlm_start {{nodes}} {{ranks}}
-# PBS has no --signal: SIGUSR1 to this script 2 minutes before the walltime ({{time}}); common.sh
+# PBS has no --signal: SIGUSR1 to this script {{signal_lead_s}} s before the walltime ({{time}}); common.sh
 # passes it to mpiexec, the ranks checkpoint and exit 0, a resubmitted job resumes (run.resume: auto).
-gridlm_signal_before_end {{time_seconds}} 120
+gridlm_signal_before_end {{time_seconds}} {{signal_lead_s}}
 
 # ALCF's conda module: python with torch (CUDA), mpi4py and h5py for Cray MPICH.
 if command -v module >/dev/null 2>&1; then

@@ -1,0 +1,28 @@
+"""The names every part of gridlm shares, each declared once (pure: no torch, no MPI).
+
+The deck accepts these values, the runtime and the planner use them, and the reports print
+them; a new precision, recompute mode or schedule is added here first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+AXES = ("tp", "pp", "dp")  # the grid's axes, innermost-first in the default order tp-dp-pp
+PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of each precision
+RECOMPUTE = ("none", "full", "selective")  # train.recompute
+# Pipeline schedules: the key summary.json and the reports use -> the name the logs print.
+SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
+
+
+def schedule_key(virtual_stages: int) -> str:
+    """The pipeline schedule a run with `virtual_stages` chunks per stage uses (a SCHEDULES key)."""
+    return "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
+
+
+def torch_dtype(precision: str) -> Any:
+    """The torch dtype of a PRECISIONS name (torch imported only here, on first use)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
