@@ -144,7 +144,6 @@ def run(argv: Optional[list[str]] = None) -> int:
         par = deck.parallel
         grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order)
         train(deck, runtime, grid)
-        grid.free()
         runtime.watchdog.stop()
         shutdown(runtime)
         return 0

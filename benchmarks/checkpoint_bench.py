@@ -225,7 +225,6 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
             "times": times,
         }
         Path(args.result).write_text(json.dumps(result, indent=1, default=str))
-    grid.free()
     shutdown(rt)
     return 0
 

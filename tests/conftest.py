@@ -168,8 +168,6 @@ class GridPool:
         return self._grids[key]
 
     def close(self) -> None:
-        for grid in self._grids.values():
-            grid.free()
         for size, sub in self._runtimes.items():
             if size != self.world.world_size:
                 sub.comm.Free()

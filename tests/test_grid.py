@@ -101,16 +101,14 @@ def test_process_grid_groups_and_communicators_match_the_layout(runtime):
             if runtime.nodes == 1:
                 assert grid.describe()["within_node"] == {"tp": True, "pp": True, "dp": True}
             for axis in AXES:
-                # MPI: the sub-communicator holds this rank at its coordinate.
-                assert grid.mpi[axis].Get_size() == grid.size(axis)
-                assert grid.mpi[axis].Get_rank() == grid.coords[axis]
-                assert grid.mpi[axis].allgather(runtime.rank) == grid.ranks[axis]
+                # The group's torch ranks hold this rank at its coordinate.
+                assert len(grid.ranks[axis]) == grid.size(axis)
+                assert grid.ranks[axis][grid.coords[axis]] == runtime.global_ranks[runtime.rank]
                 # torch: summing one-hot coordinates over the group gives all ones.
                 onehot = torch.zeros(grid.size(axis))
                 onehot[grid.coords[axis]] = 1.0
                 dist.all_reduce(onehot, group=grid.group[axis])
                 assert onehot.tolist() == [1.0] * grid.size(axis)
-            grid.free()
 
 
 @pytest.mark.parametrize(
@@ -134,3 +132,17 @@ def test_more_ranks_than_visible_gpus_is_a_launch_error():
 
     with pytest.raises(LaunchError, match="8 ranks on node n0 share 4 visible GPUs"):
         device_index(5, 8, 4, "n0")
+
+
+def test_groups_within_node_follow_the_measured_placement_not_the_layout():
+    """ProcessGrid.within_node comes from where the ranks really are (node of each grid rank)."""
+    from app.runtime.grid import _groups_within_node
+
+    layout = GridLayout.from_order_string(tp=2, pp=1, dp=4, order="tp-dp-pp", ranks_per_node=4)
+    packed = [0, 0, 0, 0, 1, 1, 1, 1]
+    assert _groups_within_node(layout, "tp", packed) and _groups_within_node(layout, "pp", packed)
+    assert not _groups_within_node(layout, "dp", packed)
+    # A launcher that deals ranks round-robin over the nodes splits every tp pair.
+    round_robin = [0, 1, 0, 1, 0, 1, 0, 1]
+    assert not _groups_within_node(layout, "tp", round_robin)
+    assert _groups_within_node(layout, "dp", [0] * 8)

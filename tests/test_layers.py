@@ -33,7 +33,6 @@ ATOL = 1e-5
 def tp(runtime):
     grid = ProcessGrid(runtime, runtime.world_size, 1, 1)
     yield c.TensorParallel.from_grid(grid)
-    grid.free()
 
 
 def _same_on_every_rank(shape, seed=0):

@@ -70,7 +70,6 @@ def test_flat_adamw_is_torch_adamw(runtime):
         torch_opt.step()
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-7, atol=0)
-    grid.free()
 
 
 def _lamb_reference(params: list[torch.Tensor], grads: list[torch.Tensor], state: list, step: int, lr: float) -> None:
@@ -108,7 +107,6 @@ def test_flat_lamb_is_per_tensor_lamb(runtime):
             _lamb_reference(ref_params, [p.grad for p in ref_params], state, step, cfg.lr)
     for p, q in zip(ours.parameters(), ref_params):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
-    grid.free()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -155,4 +153,3 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runtime, shared_
     trainer.dp.wait_params()
     assert math.isfinite(norm) and trainer.scaler.skipped == 1
     assert any(not torch.equal(p.detach(), q) for p, q in zip(trainer.model.parameters(), before))
-    grid.free()

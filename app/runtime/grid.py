@@ -148,12 +148,10 @@ class ProcessGrid:
         node_major = sorted(range(runtime.world_size), key=lambda r: runtime.placement[r])
         self.rank = node_major.index(runtime.rank)
         self.coords = self.layout.coords(self.rank)
-        self.mpi: dict[str, Any] = {}
         self.group: dict[str, Any] = {}
         self.ranks: dict[str, list[int]] = {}
         for axis in AXES:
             mine = self.layout.group_of(self.rank, axis)
-            self.mpi[axis] = runtime.comm.Split(color=mine[0], key=self.coords[axis])
             self.ranks[axis] = [runtime.global_ranks[node_major[r]] for r in mine]
             # Local synchronisation: only a group's members create it, so set-up costs O(group)
             # per rank instead of a world-wide barrier per group (32k ranks, thousands of groups).
@@ -162,13 +160,10 @@ class ProcessGrid:
         self.watchdog = runtime.watchdog
         self.watchdog.set_groups(self.ranks)
         self._pipeline_groups: dict[Any, Any] = {}
-        # Measured, not inferred: do all members of every group of an axis share a node?
-        from mpi4py import MPI
-
-        self.within_node = {
-            axis: bool(runtime.comm.allreduce(len(set(self.mpi[axis].allgather(runtime.node))) == 1, op=MPI.LAND))
-            for axis in AXES
-        }
+        # From the measured placement (MPI's shared-memory split), not the layout's assumption:
+        # do all members of every group of an axis share a node?
+        node_of = [runtime.placement[r][0] for r in node_major]  # grid rank -> node
+        self.within_node = {axis: _groups_within_node(self.layout, axis, node_of) for axis in AXES}
 
     def size(self, axis: str) -> int:
         return self.layout.size(axis)
@@ -216,13 +211,14 @@ class ProcessGrid:
             groups["tied"] = tied if ends else None
         return {key: g for key, g in groups.items() if key != "tied" and (wrap_around or not key[1])}, groups["tied"]
 
-    def free(self) -> None:
-        """Release the MPI communicators.
 
-        The torch groups stay until the process group is destroyed: torch names a locally
-        synchronised group after its ranks and the number of groups the process holds, so
-        destroying one lets a later group reuse its name, and its stale rendezvous keys.
-        """
-        for comm in self.mpi.values():
-            comm.Free()
-        self.mpi.clear()
+def _groups_within_node(layout: GridLayout, axis: str, node_of: Sequence[int]) -> bool:
+    """Whether every group of `axis` lies on one node (`node_of[r]`: grid rank r's node); one
+    pass over the ranks, a group known by the coordinates of the other axes."""
+    seen: dict[tuple[int, ...], int] = {}
+    for r, node in enumerate(node_of):
+        coords = layout.coords(r)
+        key = tuple(coords[a] for a in AXES if a != axis)
+        if seen.setdefault(key, node) != node:
+            return False
+    return True
