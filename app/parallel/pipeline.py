@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from app.metrics.timers import StepTimers, comm_region, launch, wait
 from app.model.gpt import GPT
-from app.parallel.schedule import Action, build_schedule
+from app.parallel.schedule import Action, Message, build_schedule, messages
 from app.runtime.grid import ProcessGrid
 
 
@@ -101,19 +101,20 @@ class Pipeline:
         """The model chunk `action` runs on this stage."""
         return action.virtual * self.pp + self.stage
 
+    def _messages(self, action: Action) -> tuple[Optional[Message], Optional[Message]]:
+        """What `action` receives first and sends after (`schedule.messages`, the routes the
+        simulator checks)."""
+        return messages(action, self.stage, self.pp, self.virtual)
+
     def _recv_of(self, action: Action) -> Optional[tuple[str, int]]:
         """(kind, source stage) of the message `action` must receive, if any."""
-        chunk = self._chunk(action)
-        if action.kind == "F":
-            return None if chunk == 0 else ("F", (self.stage - 1) % self.pp)
-        return None if chunk == self.pp * self.virtual - 1 else ("B", (self.stage + 1) % self.pp)
+        recv, _ = self._messages(action)
+        return None if recv is None else (recv.kind, recv.route(self.pp)[0])
 
     def _send_group_of(self, action: Action) -> Any:
         """The group `action` sends its result on (None: it sends nothing)."""
-        chunk = self._chunk(action)
-        if action.kind == "F":
-            return None if chunk == self.pp * self.virtual - 1 else self._group("F", self.stage)
-        return None if chunk == 0 else self._group("B", self.stage)
+        _, send = self._messages(action)
+        return None if send is None else self._group(send.kind, self.stage)
 
     def run(
         self, model: GPT, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float = 1.0
@@ -130,7 +131,6 @@ class Pipeline:
         loss_sum = torch.zeros((), device=device)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list[tuple[Any, torch.Tensor]] = []
-        nxt = (self.stage + 1) % self.pp
         actions = build_schedule(self.pp, self.stage, n, self.virtual)
         posted: dict[int, tuple] = {}  # action index -> (pending receive, buffer)
 
@@ -155,6 +155,7 @@ class Pipeline:
                     post(i + 1)
             chunk = self._chunk(action)
             first, last = chunk == 0, chunk == last_chunk
+            _, send = self._messages(action)  # None: the last chunk's forward, the first's backward
             tokens, targets = micro_batches[action.micro]
             if self.timers is not None:
                 self.timers.watchdog.at(micro=action.micro)  # named if this rank hangs in this action
@@ -162,11 +163,11 @@ class Pipeline:
                 with self._phase("forward"):
                     x = tokens if first else received(i).requires_grad_()
                     out = model.forward_chunk(x, self.chunks[chunk], first, last, targets if last else None)
-                if last:
+                if send is None:
                     out = out / n
                     loss_sum += out.detach()
                 else:
-                    self._send("F", out, nxt, sends)
+                    self._send(send.kind, out, send.route(self.pp)[1], sends)
                 saved[(action.micro, chunk)] = (x, out)
             else:
                 x, out = saved.pop((action.micro, chunk))
@@ -175,8 +176,8 @@ class Pipeline:
                         (out * loss_scale if loss_scale != 1.0 else out).backward()
                     else:
                         torch.autograd.backward(out, received(i))
-                if not first:
-                    self._send("B", x.grad, (self.stage - 1) % self.pp, sends)
+                if send is not None:
+                    self._send(send.kind, x.grad, send.route(self.pp)[1], sends)
         with comm_region(self.timers, "pp", "wait for isends") if sends else nullcontext():
             for work, _ in sends:
                 work.wait()
