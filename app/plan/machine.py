@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from app.errors import GridlmError
+from app.metrics.peaks import peak_tflops
 
 MACHINES_DIR = Path(__file__).resolve().parents[2] / "inputs" / "machines"
 SCHEDULERS = ("slurm", "pbs")
@@ -39,7 +40,12 @@ FIELDS: dict[str, tuple[type, bool, str]] = {
     "devices_per_node": (int, True, "GPUs (GCDs on MI250X) per node = ranks per node"),
     "device": (str, True, "the device, in words"),
     "device_name": (str, True, "name as torch reports it (matched against the peak table), or cpu"),
-    "peak_tflops": (dict, False, "dense peak TFLOP/s per device by precision (bf16, fp16, fp32); null for CPUs"),
+    "peak_tflops": (
+        dict,
+        False,
+        "dense peak TFLOP/s per device by precision (bf16, fp16, fp32), only where the peak table "
+        "(app/metrics/peaks.py, by device_name) has none: app.plan.calibrate writes the measured one",
+    ),
     "memory_per_device_gib": (float, True, "device memory in GiB (for a CPU machine: host memory per rank)"),
     "cpu_cores_per_node": (int, True, "CPU cores per node usable by ranks"),
     "intra_node_gbs": (float, True, "device-to-device bandwidth inside a node, GB/s per direction"),
@@ -142,8 +148,12 @@ class Machine:
         return self.memory_per_device_gib * 2**30
 
     def peak(self, precision: str) -> Optional[float]:
-        """Peak TFLOP/s per device at `precision`, or None (CPUs, or a precision not listed)."""
-        return None if self.peak_tflops is None else self.peak_tflops.get(precision)
+        """Peak TFLOP/s per device at `precision`: the peak table's for `device_name`
+        (app/metrics/peaks.py, the one MFU uses), unless the file gives its own (`peak_tflops`:
+        a calibrated CPU); None where neither knows it."""
+        if self.peak_tflops is not None and precision in self.peak_tflops:
+            return self.peak_tflops[precision]
+        return peak_tflops(self.device_name, precision)
 
     def link_levels(self) -> list[LinkLevel]:
         """The link hierarchy, innermost first, ending with the network."""
