@@ -4,6 +4,7 @@ the MPI tests share one initialised runtime (MPI + torch.distributed) per proces
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -234,6 +235,37 @@ def grid_trainer(grids: GridPool, tp: int, pp: int, dp: int, overrides: tuple[st
     sets = (*overrides, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}")
     deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), tp * pp * dp)
     return Trainer(deck, grids.runtime(tp * pp * dp), grids.grid(tp, pp, dp, deck.parallel.order))
+
+
+def reference_run(grids: GridPool, deck_sets: tuple[str, ...], steps: int, cache: dict) -> tuple[list[float], dict]:
+    """The 1-rank run of inputs/gpt_tiny.yaml with `deck_sets` (include a run.dir): its `steps`
+    global-batch losses and its parameters by name. Every rank computes it alone (on its own
+    1-rank grid), once per `deck_sets` in `cache`, the reference that any grid must equal."""
+    if deck_sets not in cache:
+        trainer = grid_trainer(grids, 1, 1, 1, deck_sets)
+        losses = train_steps(trainer, steps)
+        cache[deck_sets] = (losses, {name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+    return cache[deck_sets]
+
+
+def shard_errors(
+    model, ref_params: dict, atol: float, rank: int, mean_atol: float = math.inf
+) -> tuple[list[str], float]:
+    """Every local shard of `model` against the same slice of the 1-rank parameters `ref_params`:
+    (a line per shard off by more than `atol` in any element or by more than `mean_atol` on
+    average over its elements, the largest absolute error). Collected, not asserted, so that
+    every rank reaches the collectives that follow."""
+    problems, worst = [], 0.0
+    for name, p in model.named_parameters():
+        offset = p.meta.offset or (0,) * p.dim()
+        expected = ref_params[name][tuple(slice(o, o + n) for o, n in zip(offset, p.shape))]
+        error = (p.detach().float() - expected.float()).abs()
+        worst = max(worst, error.max().item())
+        if error.max().item() > atol or error.mean().item() > mean_atol:
+            problems.append(
+                f"rank {rank}: shard of {name} off by {error.max().item():.2e} (mean {error.mean().item():.2e})"
+            )
+    return problems, worst
 
 
 def train_steps(trainer, steps: int) -> list[float]:

@@ -26,7 +26,7 @@ import torch
 
 from app.checkpoint.io import load
 from app.train import Trainer
-from conftest import grid_trainer, train_steps
+from conftest import grid_trainer, reference_run, shard_errors, train_steps
 
 STEPS, SAVE_AT = 5, 2
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -56,16 +56,12 @@ def _trainer(grids, tp: int, pp: int, dp: int, extra: tuple[str, ...], run_dir: 
 _train = train_steps
 
 
-_CACHE: dict[str, object] = {}
+_CACHE: dict = {}
 
 
 def _reference(grids, run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The 1-rank run straight through (every rank computes it once)."""
-    if "reference" not in _CACHE:
-        trainer = _trainer(grids, 1, 1, 1, (), str(run_dir))
-        losses = _train(trainer, STEPS)
-        _CACHE["reference"] = (losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
-    return _CACHE["reference"]  # type: ignore[return-value]
+    return reference_run(grids, (*TINY, f"run.dir={run_dir}"), STEPS, _CACHE)
 
 
 def _checkpoint(grids, run_dir: str) -> Path:
@@ -90,13 +86,7 @@ def test_a_checkpoint_reshards_to_another_grid_and_training_continues(runtime, g
     trainer = _trainer(grids, tp, pp, dp, extra, sub.comm.bcast(str(tmp_path / "loaded"), root=0))
     info = load(trainer, path)
     losses = _train(trainer, STEPS - SAVE_AT)
-    problems = []
-    for name, p in trainer.model.named_parameters():
-        offset = p.meta.offset or (0,) * p.dim()
-        expected = ref_params[name][tuple(slice(o, o + n) for o, n in zip(offset, p.shape))]
-        error = (p.detach().float() - expected).abs().max().item()
-        if error > PARAM_ATOL:
-            problems.append(f"rank {runtime.rank}: shard of {name} off by {error:.2e}")
+    problems, _ = shard_errors(trainer.model, ref_params, PARAM_ATOL, runtime.rank)
     problems = sum(runtime.comm.allgather(problems), [])
     assert info["resharded"] and info["step"] == SAVE_AT
     assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=LOSS_RTOL), f"{losses} vs {ref_losses[SAVE_AT:]}"
