@@ -1,4 +1,4 @@
-"""The training loop: build -> step -> log -> report.
+"""The training loop: build -> step -> run (what the run reports is `app/metrics/run_report.py`).
 
 Build: the grid gives this rank its tp shard (tensor-parallel layers), its pipeline
 chunks (stage layers) and its dp share of each global batch; the model holds only that,
@@ -37,19 +37,11 @@ from app.data.memmap import MemmapTokens
 from app.deck import Deck
 from app.deck_paths import check_paths
 from app.errors import CheckpointError, GridlmError, NonFiniteError
-from app.metrics.flops import FLOPS_CONVENTION, gpt_hardware_step_flops, gpt_step_flops
-from app.metrics.peaks import peak_tflops
-from app.metrics.report import (
-    MetricsWriter,
-    TensorBoardWriter,
-    format_line,
-    mean_step_time,
-    require_tensorboard,
-    versions,
-    write_summary,
-)
-from app.metrics.timers import PHASES, StepTimers
+from app.metrics.run_report import Built, RunReport
+from app.metrics.summary import CheckpointInfo
+from app.metrics.timers import StepTimers
 from app.model.gpt import GPT
+from app.names import torch_dtype
 from app.optim.optimizer import (
     LossScaler,
     NonFiniteGuard,
@@ -63,13 +55,11 @@ from app.optim.optimizer import (
 from app.parallel.data import DataParallel
 from app.parallel.pipeline import Pipeline
 from app.parallel.schedule import partition_layers
-from app.runtime.collectives import TensorParallel
-from app.runtime.grid import AXES, ProcessGrid, placement_warnings
+from app.runtime.grid import ProcessGrid
 from app.runtime.lock import RunLock, acquire_run_lock
 from app.runtime.mpi import Runtime, agree, on_root
 from app.runtime.signals import StopSignals, signal_name
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from app.tensor_parallel.mappings import TensorParallel
 
 
 def _sync(device: torch.device) -> None:
@@ -100,17 +90,6 @@ def _make_run_dir(runtime: Runtime, deck: Deck) -> tuple[Path, Optional[RunLock]
     return run_dir, (held[0] if held else None)
 
 
-OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "overlap_pp_comm")
-
-
-def mean_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-step means of the `StepTimers.pop()` records (numbers and per-axis dicts)."""
-    out: dict[str, Any] = {f"{p}_s": sum(t[f"{p}_s"] for t in timings) / len(timings) for p in PHASES}
-    for key in ("comm_s", "exposed_comm_s"):
-        out[key] = {a: sum(t[key][a] for t in timings) / len(timings) for a in AXES}
-    return out
-
-
 def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid) -> float:
     """The global-batch mean loss: held by the last stage (summed over pp), averaged over dp."""
     value = loss_sum.detach().clone()
@@ -119,10 +98,10 @@ def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid) -> float:
 
 
 class Trainer:
-    """Everything one rank needs to train: model, optimizer, data, sampler, reports.
+    """Everything one rank needs to train: model, optimizer, data, sampler, and the `RunReport`.
 
-    `step()` runs one optimizer step; `run()` runs deck.train.steps of them with logging
-    and returns the summary (written to run.dir/summary.json by rank 0).
+    `step()` runs one optimizer step; `run()` runs deck.train.steps of them, handing each step's
+    numbers to the report, and returns the summary (written to run.dir/summary.json by rank 0).
     """
 
     def __init__(self, deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
@@ -145,7 +124,7 @@ class Trainer:
         )
         pipe = self.pipeline
         self.model = GPT(m, tr.seed, self.device, self.tp, pipe.layers, pipe.first, pipe.last, recompute=tr.recompute)
-        compute = DTYPES[tr.precision]
+        compute = torch_dtype(tr.precision)
         tied = (self.model.wte.weight, pipe.tied_group) if pipe.tied_group is not None and m.tie_embeddings else None
         self.dp = DataParallel(
             self.model,
@@ -171,14 +150,16 @@ class Trainer:
         self.bad_batches: set[int] = set()  # batches (by consumed_samples) that rollback skips
         self.steps_done = 0
         self.resumed: Optional[dict[str, Any]] = None  # what `resume` loaded
-        self.checkpoints: list[dict[str, Any]] = []  # what `save` wrote
-        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak = peak_tflops(self.device_name, tr.precision, deck.run.peak_tflops)
-        self.flops_per_step = gpt_step_flops(tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
-        self.hardware_flops_per_step = gpt_hardware_step_flops(
-            tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn, tr.recompute
+        self.checkpoints: list[CheckpointInfo] = []  # what `save` wrote
+        built = Built(
+            parameters=self.model.num_parameters(),
+            parameters_rank0=sum(p.numel() for p in self.model.parameters()),
+            layers_per_chunk=[len(c) for c in self.chunks],
+            micro_batches=self.sampler.num_micro_batches,
+            dp_buckets=len(self.dp.buckets),
+            zero_sharded=self.dp.zero,
         )
-        self.tokens_per_step = tr.global_batch * m.seq_len
+        self.report = RunReport(deck, runtime, grid, self.run_dir, built)
 
     @property
     def nonfinite_events(self) -> int:
@@ -284,8 +265,8 @@ class Trainer:
                 f"(checkpoint.on_error: continue): {err}"
             )
             return None
-        record = {"step": saved.step, "path": str(saved.path), "bytes": saved.bytes, "seconds": saved.seconds,
-                  "reason": reason}  # fmt: skip
+        record = CheckpointInfo(step=saved.step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
+                                reason=reason)  # fmt: skip
         self.checkpoints.append(record)
         self.runtime.log(
             f"gridlm: checkpoint step {saved.step} ({reason}) -> {saved.path} | {saved.bytes / 1e6:.1f} MB in "
@@ -293,49 +274,11 @@ class Trainer:
         )
         return saved
 
-    def _banner(self) -> None:
-        deck, rt, grid, tr = self.deck, self.runtime, self.grid, self.deck.train
-        rt.log(
-            f"gridlm: {self.model.num_parameters():,} parameters | world {rt.world_size} on {rt.nodes} node(s) | "
-            f"grid tp={grid.size('tp')} pp={grid.size('pp')} dp={grid.size('dp')} ({deck.parallel.order}) | "
-            f"device {self.device_name}"
-        )
-        rt.log(
-            f"gridlm: global batch {tr.global_batch} = micro batch {tr.micro_batch} x "
-            f"{self.sampler.num_micro_batches} accumulation x dp {grid.size('dp')} | seq {deck.model.seq_len} | "
-            f"{tr.steps} steps | data {deck.data.kind} | run dir {self.run_dir}"
-        )
-        par = deck.parallel
-        schedule = "interleaved 1F1B" if par.virtual_stages > 1 else "1F1B"
-        counts = [len(c) for c in self.chunks]
-        rt.log(
-            f"gridlm: pipeline {schedule}, {grid.size('pp')} stage(s) x {par.virtual_stages} chunk(s), "
-            f"layers per chunk {counts} | sequence parallel {'on' if par.sequence_parallel else 'off'} | "
-            f"groups inside a node: " + ", ".join(f"{a} {'yes' if grid.within_node[a] else 'no'}" for a in AXES)
-        )
-        opt = deck.optim
-        overlaps = ", ".join(f"{k.removeprefix('overlap_').replace('_', '-')} {'on' if getattr(par, k) else 'off'}"
-                             for k in OVERLAP_KEYS)  # fmt: skip
-        rt.log(
-            f"gridlm: precision {tr.precision} (gradients reduced in "
-            f"{tr.precision if tr.grad_reduce_dtype == 'compute' else 'fp32'}) | optimizer {opt.name}"
-            f"{(' ZeRO-1' if self.dp.zero else ' (ZeRO-1 has no effect at dp = 1)') if opt.zero else ''} | recompute {tr.recompute} | {len(self.dp.buckets)} dp bucket(s) "
-            f"of <= {par.dp_bucket_mb:g} MB | overlap: {overlaps}"
-        )
-        for warning in placement_warnings(grid.within_node, rt.ranks_per_node, par.gpus_per_node):
-            rt.log(f"gridlm: warning: {warning}")
-        if self.peak is None:
-            rt.log(
-                f"gridlm: warning: no peak FLOP/s known for device {self.device_name!r} at {tr.precision}: MFU is null "
-                "(set run.peak_tflops to report it)"
-            )
-        rt.log(f"gridlm: FLOP/s are {FLOPS_CONVENTION}")
-
     def run(self) -> dict[str, Any]:
         """Train to deck.train.steps, logging every run.log_every steps; returns the summary."""
-        deck, rt = self.deck, self.runtime
+        deck, rt, report = self.deck, self.runtime, self.report
         steps = deck.train.steps
-        self._banner()
+        report.banner()
         self.resume()
         start = self.steps_done
         if start >= steps:
@@ -344,25 +287,15 @@ class Trainer:
                 f"train.steps to continue, or set run.resume: none to start over)"
             )
             return {"steps": steps, "start_step": start, "resumed_from": self.resumed}
-        resumed_step = start if self.resumed else None
-        writer = MetricsWriter(self.run_dir, enabled=rt.is_root, resumed_step=resumed_step)
-        if deck.run.tensorboard:
-            on_root(rt, require_tensorboard)
-        board = TensorBoardWriter(self.run_dir, rt.is_root and deck.run.tensorboard, resumed_step)
-        records: list[dict[str, Any]] = []
-        step_times: list[float] = []
-        timings: list[dict[str, Any]] = []
+        report.open(start, resumed=self.resumed is not None)
         interrupted = None
         every = deck.checkpoint.every
         self.model.train()
         with StopSignals() as signals:
             while self.steps_done < steps:
-                record = self._train_step(writer, start, step_times, timings)
-                if record is not None:
-                    records.append(record)
-                    board.write(record)
+                self._train_step()
                 if self.step_nonfinite and deck.train.nonfinite == "rollback":
-                    self._rollback(writer, board, records)
+                    self._rollback()
                     continue
                 step = self.steps_done
                 # A skipped step (train.nonfinite: skip, a replayed bad batch) left the state as it was:
@@ -382,82 +315,50 @@ class Trainer:
             else:
                 if deck.checkpoint.at_exit and not saved_now:
                     self.save("end of training", final=True)
-        board.close()
         self.dp.wait_params()  # no all-gather left in flight: the parameters are complete
-        summary = self._summary(records, step_times, timings)
-        summary.update(start_step=start, resumed_from=self.resumed, interrupted=interrupted,
-                       checkpoints=self.checkpoints)  # fmt: skip
-        if rt.is_root:
-            path = write_summary(self.run_dir, summary)
-            mfu = "n/a" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
-            first, last = ("n/a" if x is None else f"{x:.4f}" for x in (summary["initial_loss"], summary["final_loss"]))
-            nonfinite = f" | {self.nonfinite_events} non-finite step(s), {self.guard.rollbacks} rollback(s)"
-            rt.log(
-                f"gridlm: done | loss {first} -> {last}{nonfinite if self.nonfinite_events else ''} | "
-                f"step {summary['step_time_s'] * 1e3:.1f} ms (mean after {summary['timing_warmup_steps']} warm-up) | "
-                f"{summary['tokens_per_s']:,.0f} tok/s | {summary['tflops_per_rank']:.3f} TFLOP/s/rank | "
-                f"{summary['aggregate_tflops']:.3f} TFLOP/s total | mfu {mfu} | {path}"
-            )
-            if summary["timers"] is not None:
-                t = summary["timers"]
-                rt.log(
-                    f"gridlm: rank 0 per step: forward {t['forward_s'] * 1e3:.1f} ms, backward "
-                    f"{t['backward_s'] * 1e3:.1f} ms, optimizer {t['optimizer_s'] * 1e3:.1f} ms | communication "
-                    + ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}" for a in AXES)
-                    + " ms, exposed "
-                    + ", ".join(f"{a} {t['exposed_comm_s'][a] * 1e3:.1f}" for a in AXES)
-                    + f" ms ({100 * summary['exposed_comm_fraction']:.1f}% of the step)"
-                )
-        return summary
+        summary = report.finish(
+            memory_bytes={**self.dp.buffer_bytes(), "optimizer_state": self.optimizer.state_bytes()},
+            skipped_steps=self.scaler.skipped if self.scaler else 0,
+            nonfinite_steps=self.nonfinite_events,
+            rollbacks=self.guard.rollbacks,
+            consumed_samples=self.sampler.consumed_samples,
+            resumed_from=self.resumed,
+            interrupted=interrupted,
+            checkpoints=self.checkpoints,
+        )
+        return summary.to_dict()
 
-    def _train_step(
-        self, writer: MetricsWriter, start: int, step_times: list[float], timings: list[dict[str, Any]]
-    ) -> Optional[dict[str, Any]]:
-        """One timed step; its metrics record when this step is logged (else None)."""
-        deck, rt, steps = self.deck, self.runtime, self.deck.train.steps
+    def _train_step(self) -> None:
+        """One timed step, reported when it is due."""
+        deck, rt = self.deck, self.runtime
         rt.watchdog.at(step=self.steps_done + 1)
         if self.sampler.consumed_samples in self.bad_batches:
             self._skip_bad_batch()
-            return None
+            return
         _sync(self.device)
         t0 = time.perf_counter()
-        loss_sum, lr, grad_norm = self.step()
+        loss_sum, lr, norm = self.step()
         _sync(self.device)
-        step_time = time.perf_counter() - t0
-        step_times.append(step_time)
-        timings.append(self.timers.pop())
+        self.report.timed(time.perf_counter() - t0, self.timers.pop())
         step = self.steps_done
         if self.step_nonfinite:
             if deck.train.nonfinite == "rollback":
-                return None  # `run` rolls back: this step's record would be dropped with the rest
+                return  # `run` rolls back: this step's record would be dropped with the rest
             rt.log(
                 f"gridlm: warning: non-finite {describe_nonfinite(self.step_nonfinite)} at step {step}: step skipped, "
                 f"parameters unchanged ({self.guard.in_a_row} in a row; train.max_skipped = {deck.train.max_skipped})"
             )
-        if not (step % deck.run.log_every == 0 or step == steps or step == start + 1):
-            return None
-        tflops = self.flops_per_step / step_time / rt.world_size / 1e12
-        hw_tflops = self.hardware_flops_per_step / step_time / rt.world_size / 1e12
-        record = {
-            "step": step,
-            "loss": global_loss(loss_sum, self.grid),
-            "lr": lr,
-            "step_time_s": step_time,
-            "tokens_per_s": self.tokens_per_step / step_time,
-            "tflops_per_rank": tflops,
-            "hw_tflops_per_rank": hw_tflops,
-            "mfu": None if self.peak is None else tflops / self.peak,
-            "grad_norm": grad_norm,
-            "consumed_samples": self.sampler.consumed_samples,
-        }
-        if self.scaler is not None:
-            record["loss_scale"] = self.scaler.scale
-            record["skipped_steps"] = self.scaler.skipped
-        if deck.run.timers:
-            record.update(timings[-1])  # rank 0's phase and communication seconds this step
-        writer.write(record)
-        rt.log(format_line(record, steps))
-        return record
+        if self.report.due(step):  # the same steps on every rank: global_loss is a collective
+            fp16 = self.scaler
+            self.report.log_step(
+                step,
+                global_loss(loss_sum, self.grid),
+                lr,
+                norm,
+                self.sampler.consumed_samples,
+                loss_scale=fp16.scale if fp16 else None,
+                skipped_steps=fp16.skipped if fp16 else None,
+            )
 
     def _skip_bad_batch(self) -> None:
         """After a rollback: consume the batch that gave the NaN, count the step, update nothing."""
@@ -470,7 +371,7 @@ class Trainer:
             f"(non-finite before the rollback)"
         )
 
-    def _rollback(self, writer: MetricsWriter, board: TensorBoardWriter, records: list[dict[str, Any]]) -> None:
+    def _rollback(self) -> None:
         """train.nonfinite: rollback (every rank): reload the newest committed checkpoint, remember the
         batch that gave the NaN so that the replay skips it, and cut the metrics back to the
         checkpoint's step so that no step is recorded twice."""
@@ -486,82 +387,13 @@ class Trainer:
         self.nonfinite_events = events
         self.step_nonfinite = []
         back_to = info["step"]
-        writer.truncate(back_to)
-        board.truncate(back_to)
-        records[:] = [r for r in records if r["step"] <= back_to]
+        self.report.rollback(back_to)
         rt.log(
             f"gridlm: warning: non-finite {describe_nonfinite(what)} at step {step}: rolled back to {path} (step "
             f"{back_to}); its batch, samples [{self.batch_start}, {self.batch_start + self.deck.train.global_batch}), "
             f"will be skipped ({self.guard.in_a_row} rollback(s) in a row; train.max_skipped = "
             f"{self.deck.train.max_skipped})"
         )
-
-    def _summary(
-        self, records: list[dict[str, Any]], step_times: list[float], timings: list[dict[str, Any]]
-    ) -> dict[str, Any]:
-        deck, rt, tr, par = self.deck, self.runtime, self.deck.train, self.deck.parallel
-        mean_time, std_time, skipped = mean_step_time(step_times, deck.run.timing_warmup)
-        timers = mean_timings(timings[skipped:]) if deck.run.timers else None
-        exposed = sum(timers["exposed_comm_s"].values()) / mean_time if timers else None
-        tflops_per_rank = self.flops_per_step / mean_time / rt.world_size / 1e12
-        hw_tflops_per_rank = self.hardware_flops_per_step / mean_time / rt.world_size / 1e12
-        memory = self.dp.buffer_bytes()
-        memory["optimizer_state"] = self.optimizer.state_bytes()
-        return {
-            "deck": deck.to_dict(),
-            "world_size": rt.world_size,
-            "nodes": rt.nodes,
-            "ranks_per_node": rt.ranks_per_node,
-            "ranks_per_node_list": rt.ranks_per_node_list,
-            "grid": self.grid.describe(),
-            "parameters": self.model.num_parameters(),
-            "parameters_rank0": sum(p.numel() for p in self.model.parameters()),
-            "pipeline": {
-                "schedule": "interleaved-1f1b" if par.virtual_stages > 1 else "1f1b",
-                "virtual_stages": par.virtual_stages,
-                "layers_per_chunk": [len(c) for c in self.chunks],
-                "micro_batches": self.sampler.num_micro_batches,
-            },
-            "sequence_parallel": par.sequence_parallel,
-            "precision": tr.precision,
-            "optimizer": deck.optim.name,
-            "zero": deck.optim.zero,
-            "recompute": tr.recompute,
-            "overlap": {k: getattr(par, k) for k in OVERLAP_KEYS},
-            "dp_buckets": len(self.dp.buckets),
-            "memory_bytes_rank0": memory,
-            "skipped_steps": self.scaler.skipped if self.scaler else 0,
-            "nonfinite_steps": self.nonfinite_events,
-            "rollbacks": self.guard.rollbacks,
-            "steps": tr.steps,
-            "global_batch": tr.global_batch,
-            "tokens_per_step": self.tokens_per_step,
-            "step_time_s": mean_time,
-            "step_time_std_s": std_time,
-            "timing_warmup_steps": skipped,
-            "timers": timers,
-            "exposed_comm_fraction": exposed,
-            "tokens_per_s": self.tokens_per_step / mean_time,
-            "flops_per_step": self.flops_per_step,
-            "hardware_flops_per_step": self.hardware_flops_per_step,
-            "flops_kind": FLOPS_CONVENTION,
-            "tflops_per_rank": tflops_per_rank,
-            "hw_tflops_per_rank": hw_tflops_per_rank,
-            "aggregate_tflops": tflops_per_rank * rt.world_size,
-            "aggregate_pflops": tflops_per_rank * rt.world_size / 1e3,
-            "study": None
-            if deck.run.study is None
-            else {"name": deck.run.study, "kind": deck.run.study_kind, "point": deck.run.study_point},
-            "device": self.device_name,
-            "peak_tflops_per_rank": self.peak,
-            "mfu": None if self.peak is None else tflops_per_rank / self.peak,
-            "hfu": None if self.peak is None else hw_tflops_per_rank / self.peak,
-            "initial_loss": records[0]["loss"] if records else None,
-            "final_loss": records[-1]["loss"] if records else None,
-            "consumed_samples": self.sampler.consumed_samples,
-            "torch_threads": torch.get_num_threads(),
-            "versions": versions(),
-        }
 
 
 def train(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> dict[str, Any]:

@@ -105,6 +105,8 @@ def our_rows(paths: list[str], kind: Optional[str], label: Optional[str]) -> lis
         data = scaling.read_predicted(Path(paths[0]))
         return from_predicted(data, label or f"{data.get('study') or 'gridlm'} (predicted)", paths[0])
     if len(paths) == 1 and (Path(paths[0]) / "summary.json").is_file():
+        # postprocess.scaling's results file (rows of its COLUMNS); a run's summary.json has no
+        # "rows" and is read below, by scaling, as an app.metrics.summary.Summary
         results = scaling.read_json(Path(paths[0]) / "summary.json")
         if isinstance(results, dict) and "rows" in results:
             return from_scaling_rows(results["rows"], label or results.get("study") or "gridlm", paths[0])

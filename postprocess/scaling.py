@@ -43,18 +43,19 @@ import json
 import math
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
+from app.metrics.summary import Summary
+
 KINDS = ("weak", "strong")
 COLUMNS = ["point", "nodes", "gpus", "grid", "parameters", "step_time_s", "step_time_std_s", "step_time_lo_s", "step_time_hi_s",
            "spread", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "aggregate_pflops",
            "peak_tflops_per_gpu", "mfu_pct", "speedup", "efficiency_pct", "status", "run_dir"]  # fmt: skip
-SUMMARY_KEYS = ("world_size", "nodes", "grid", "tokens_per_step", "step_time_s", "step_time_std_s", "tokens_per_s",
-                "flops_per_step", "tflops_per_rank", "aggregate_tflops")  # fmt: skip
 DEFINITIONS = {
     "weak": "weak-scaling efficiency = per-GPU throughput at N GPUs / per-GPU throughput at the baseline's N0 GPUs",
     "strong": "strong-scaling efficiency = speedup / (N / N0), speedup = tokens/s at N GPUs / tokens/s at the "
@@ -85,7 +86,7 @@ class Run:
     nodes: Optional[int] = None
     gpus: Optional[int] = None
     grid: str = "-"
-    summary: Optional[dict[str, Any]] = None
+    summary: Optional[Summary] = None
     step_times: list[float] = field(default_factory=list)  # logged step times after the warm-up
     machine: Optional[str] = None
 
@@ -109,7 +110,7 @@ def read_json(path: Path) -> Any:
         raise ScalingError(f"cannot read {path}: {err.strerror}") from None
 
 
-def grid_label(grid: dict[str, Any]) -> str:
+def grid_label(grid: Mapping[str, Any]) -> str:
     return f"tp{grid['tp']} x pp{grid['pp']} x dp{grid['dp']}"
 
 
@@ -123,10 +124,10 @@ def read_deck(run_dir: Path) -> dict[str, Any]:
     return deck if isinstance(deck, dict) else {}
 
 
-def logged_step_times(run_dir: Path, summary: dict[str, Any]) -> list[float]:
+def logged_step_times(run_dir: Path, summary: Summary) -> list[float]:
     """Step times of metrics.jsonl after this run's warm-up (a resumed run's older records are
     another process's and are left out, as summary.json's mean leaves them out)."""
-    first = (summary.get("start_step") or 0) + (summary.get("timing_warmup_steps") or 0)
+    first = (summary.start_step or 0) + (summary.timing_warmup_steps or 0)
     times = []
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -144,14 +145,15 @@ def logged_step_times(run_dir: Path, summary: dict[str, Any]) -> list[float]:
 
 
 def finished_run(run_dir: Path, summary_path: Path) -> Run:
-    s = read_json(summary_path)
-    missing = [k for k in SUMMARY_KEYS if not isinstance(s, dict) or k not in s]
+    data = read_json(summary_path)
+    missing = Summary.missing_keys(data)
     if missing:
         raise ScalingError(f"{summary_path} lacks {', '.join(missing)}: not a gridlm summary.json")
-    study = s.get("study") or {}
-    status = "ok" if not s.get("interrupted") else f"ok (stopped early by {s['interrupted']})"
-    return Run(run_dir, status, study.get("name"), study.get("kind"), study.get("point"), s["nodes"],
-               s["world_size"], grid_label(s["grid"]), s, logged_step_times(run_dir, s))  # fmt: skip
+    s = Summary.from_dict(data)
+    study = s.study or {}
+    status = "ok" if not s.interrupted else f"ok (stopped early by {s.interrupted})"
+    return Run(run_dir, status, study.get("name"), study.get("kind"), study.get("point"), s.nodes,
+               s.world_size, grid_label(s.grid), s, logged_step_times(run_dir, s))  # fmt: skip
 
 
 def unfinished_run(run_dir: Path, planned: str) -> Run:
@@ -341,7 +343,7 @@ def step_time_spread(times: list[float]) -> Optional[tuple[float, float, str]]:
 
 def throughput_basis(runs: list[Run]) -> str:
     """'tokens' when every finished point does the same FLOPs per token, else 'flops' (see docstring)."""
-    per_token = [r.summary["flops_per_step"] / r.summary["tokens_per_step"] for r in runs if r.summary]
+    per_token = [r.summary.flops_per_step / r.summary.tokens_per_step for r in runs if r.summary]
     same = all(math.isclose(f, per_token[0], rel_tol=1e-9) for f in per_token)
     return "tokens" if same else "flops"
 
@@ -355,17 +357,17 @@ def point_row(run: Run) -> dict[str, Any]:
     if s is None:
         return row
     spread = step_time_spread(run.step_times)
-    peak, mfu = s.get("peak_tflops_per_rank"), s.get("mfu")
     row.update(
-        step_time_s=s["step_time_s"],
-        step_time_std_s=s["step_time_std_s"],
-        parameters=s.get("parameters"),
-        tokens_per_s=s["tokens_per_s"],
-        tokens_per_s_per_gpu=s["tokens_per_s"] / s["world_size"],
-        tflops_per_gpu=s["tflops_per_rank"],
-        aggregate_pflops=s.get("aggregate_pflops", s["aggregate_tflops"] / 1e3),
-        peak_tflops_per_gpu=peak,
-        mfu_pct=None if mfu is None else 100 * mfu,
+        step_time_s=s.step_time_s,
+        step_time_std_s=s.step_time_std_s,
+        parameters=s.parameters,
+        tokens_per_s=s.tokens_per_s,
+        tokens_per_s_per_gpu=s.tokens_per_s / s.world_size,
+        tflops_per_gpu=s.tflops_per_rank,
+        # summaries from before aggregate_pflops have aggregate_tflops
+        aggregate_pflops=s.aggregate_tflops / 1e3 if s.aggregate_pflops is None else s.aggregate_pflops,
+        peak_tflops_per_gpu=s.peak_tflops_per_rank,
+        mfu_pct=None if s.mfu is None else 100 * s.mfu,
     )
     if spread:
         row.update(step_time_lo_s=spread[0], step_time_hi_s=spread[1], spread=spread[2])
@@ -400,8 +402,12 @@ def problem_notes(runs: list[Run], kind: str) -> list[str]:
     done = [r.summary for r in runs if r.summary]
     notes = []
     if kind == "strong":
-        for key, what in (("tokens_per_step", "tokens per step"), ("parameters", "parameter count")):
-            values = sorted({s.get(key) for s in done}, key=str)
+        shared = (
+            ({s.tokens_per_step for s in done}, "tokens per step"),
+            ({s.parameters for s in done}, "parameter count"),
+        )
+        for found, what in shared:
+            values = sorted(found, key=str)
             if len(values) > 1:
                 notes.append(f"warning: strong scaling needs one fixed problem, but the {what} differs: {values}")
     return notes
@@ -421,7 +427,7 @@ def gpus_text(row: dict[str, Any]) -> str:
 
 
 def flops_kind(runs: list[Run]) -> str:
-    kinds = sorted({r.summary.get("flops_kind", "model FLOPs") for r in runs if r.summary})
+    kinds = sorted({r.summary.flops_kind or "model FLOPs" for r in runs if r.summary})
     return " | ".join(kinds)
 
 

@@ -17,14 +17,14 @@ from app.deck import ModelConfig
 from app.metrics.timers import StepTimers
 from app.model.gpt import GPT
 from app.model.init import ParamMeta, counter_normal
-from app.model.layers import (
+from app.runtime.grid import ProcessGrid
+from app.tensor_parallel import mappings as c
+from app.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from app.runtime import collectives as c
-from app.runtime.grid import ProcessGrid
 
 ATOL = 1e-5
 

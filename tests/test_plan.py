@@ -45,7 +45,7 @@ def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual):
 
     from app.model.gpt import GPT, gpt_num_parameters
     from app.parallel.schedule import partition_layers
-    from app.runtime.collectives import TensorParallel
+    from app.tensor_parallel.mappings import TensorParallel
 
     if pp * virtual > 5:
         pytest.skip("5 layers")

@@ -4,9 +4,7 @@ Output contract (later tools read these):
   metrics.jsonl — one object per logged step: step, loss, lr, step_time_s, tokens_per_s,
                   tflops_per_rank, mfu (null when the device peak is unknown), grad_norm,
                   consumed_samples.
-  summary.json  — deck, world_size, nodes, ranks_per_node, grid, parameters, steps,
-                  step_time_s, tokens_per_s, tflops_per_rank, aggregate_tflops, mfu,
-                  final_loss, versions, and more (see docs/ARCHITECTURE.md).
+  summary.json  — the keys of `app/metrics/summary.Summary`, in its order (README's table).
 Both are strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as
 null and its key is listed in the object's `nonfinite` (`strict_json`).
 """

@@ -1,7 +1,7 @@
 """A GPT-2-style decoder (learned positions, pre-LayerNorm, GELU MLP, tied embeddings).
 
 Shapes: tokens (B, S) int64 -> per-position logits (B, S, V / tp) -> mean loss. Built from
-the tensor-parallel layers in `app/model/layers.py`: attention heads and MLP columns are
+the tensor-parallel layers in `app/tensor_parallel/layers.py`: attention heads and MLP columns are
 split over tp, the vocabulary too. A `GPT` object holds the part of the model one rank
 runs: the layers of its pipeline chunks (`layers`, global indices), the embedding if it
 runs the first chunk, the final LayerNorm and head if it runs the last. Parameter names
@@ -32,7 +32,8 @@ from torch.utils.checkpoint import checkpoint
 
 from app.deck import ModelConfig
 from app.model.init import ParamMeta, init_parameters
-from app.model.layers import (
+from app.names import RECOMPUTE
+from app.tensor_parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
     RowParallelLinear,
@@ -42,8 +43,7 @@ from app.model.layers import (
     tp_param,
     vocab_parallel_cross_entropy,
 )
-from app.names import RECOMPUTE
-from app.runtime.collectives import TensorParallel
+from app.tensor_parallel.mappings import TensorParallel
 
 SINGLE = TensorParallel()
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.model.init import ParamMeta, new_param
-from app.runtime.collectives import SEQ_DIM, TensorParallel, leave_tp_region
+from app.tensor_parallel.mappings import SEQ_DIM, TensorParallel, leave_tp_region
 
 
 def tp_shard(meta: ParamMeta, tp: TensorParallel, dim: int) -> tuple[ParamMeta, tuple[int, ...]]:

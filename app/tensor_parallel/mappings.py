@@ -14,7 +14,7 @@ Activations are (batch, sequence, hidden); sequence chunks are along `SEQ_DIM`. 
 tp = 1 every mapping is the identity and issues no communication.
 
 The entry of a column-parallel region (copy_to_tp, or gather_from_sequence under SP) is
-fused with the matmul in `app/model/layers.py`, so that the backward all-reduce
+fused with the matmul in `app/tensor_parallel/layers.py`, so that the backward all-reduce
 (reduce-scatter under SP) can run while the weight gradient is computed
 (`TensorParallel.overlap`); it uses `all_reduce_async` / `reduce_scatter_async` and
 `wait` below. `leave_tp_region` picks the exit mapping of a row-parallel region.
@@ -22,15 +22,15 @@ fused with the matmul in `app/model/layers.py`, so that the backward all-reduce
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
+
 if TYPE_CHECKING:
-    from app.metrics.timers import StepTimers
     from app.runtime.grid import ProcessGrid
 
 SEQ_DIM = 1
@@ -64,14 +64,10 @@ class TensorParallel:
         group = grid.group["tp"] if size > 1 else None
         return cls(size, grid.coords["tp"], group, sequence_parallel, timers, overlap)
 
-    def _region(self, op: str) -> Any:
-        # Not metrics.timers.comm_region: the runtime layer does not import from metrics.
-        return self.timers.region("tp", op) if self.timers is not None else nullcontext()
-
     def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """A new tensor: x summed (or max-ed) over the tp group."""
         x = x.contiguous().clone()
-        with self._region("all_reduce"):
+        with comm_region(self.timers, "tp", "all_reduce"):
             dist.all_reduce(x, op=op, group=self.group)
         return x
 
@@ -79,7 +75,7 @@ class TensorParallel:
         """Concatenate the tp ranks' x along `dim`, in tp-rank order."""
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
-        with self._region("all_gather"):
+        with comm_region(self.timers, "tp", "all_gather"):
             dist.all_gather_single(out, x0, group=self.group)
         return out.movedim(0, dim).contiguous()
 
@@ -87,36 +83,29 @@ class TensorParallel:
         """Sum x over the tp group and keep this rank's chunk along `dim`."""
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((x0.shape[0] // self.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
-        with self._region("reduce_scatter"):
+        with comm_region(self.timers, "tp", "reduce_scatter"):
             dist.reduce_scatter_single(out, x0, group=self.group)
         return out.movedim(0, dim).contiguous()
 
-    def all_reduce_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def all_reduce_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """Start summing x over the tp group, in place when x is contiguous (pass a buffer
         nobody else reads, e.g. a gradient just computed). Returns (out, handle): out holds
         the sum after `wait(handle)`."""
         out = x.contiguous()
         work = dist.all_reduce(out, group=self.group, async_op=True)
-        return out, self._launched(work, "all_reduce")
+        return out, launch(self.timers, "tp", work, "all_reduce")
 
-    def reduce_scatter_async(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Any]:
+    def reduce_scatter_async(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Pending]:
         """Start `reduce_scatter(x, dim)`. Returns (out, handle): out, this rank's chunk
         along `dim` (not contiguous unless dim = 0), holds the sum after `wait(handle)`."""
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((x0.shape[0] // self.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
         work = dist.reduce_scatter_single(out, x0, group=self.group, async_op=True)
-        return out.movedim(0, dim), self._launched(work, "reduce_scatter")
+        return out.movedim(0, dim), launch(self.timers, "tp", work, "reduce_scatter")
 
-    def _launched(self, work: Any, op: str) -> Any:
-        # Duck-typed StepTimers.launched: the runtime layer does not import from metrics.
-        return self.timers.launched("tp", work, op) if self.timers is not None else work
-
-    def wait(self, handle: Any) -> None:
+    def wait(self, handle: Pending) -> None:
         """Block until an `*_async` collective has finished (charged to the timers' tp axis)."""
-        if self.timers is not None:
-            self.timers.wait(handle)
-        else:
-            handle.wait()
+        wait(self.timers, handle)
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's chunk of x along `dim` (no communication)."""

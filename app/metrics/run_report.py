@@ -1,0 +1,294 @@
+"""RunReport: what a run tells about itself: the banner, one record and log line per logged
+step (metrics.jsonl, TensorBoard), the end-of-run lines and summary.json.
+
+It is handed what it reports (the deck, runtime, grid, what the trainer built, each step's
+numbers) and knows nothing of how a step is computed. Every rank keeps the same report;
+rank 0 alone prints (`Runtime.log`) and writes files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from app.deck import Deck
+from app.metrics.flops import FLOPS_CONVENTION, gpt_hardware_step_flops, gpt_step_flops
+from app.metrics.peaks import peak_tflops
+from app.metrics.report import (
+    MetricsWriter,
+    TensorBoardWriter,
+    format_line,
+    mean_step_time,
+    require_tensorboard,
+    versions,
+    write_summary,
+)
+from app.metrics.summary import CheckpointInfo, GridInfo, PipelineInfo, StudyInfo, Summary, TimersInfo
+from app.metrics.timers import PHASES
+from app.names import AXES, SCHEDULES, schedule_key
+from app.runtime.grid import ProcessGrid, placement_warnings
+from app.runtime.mpi import Runtime, on_root
+
+OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "overlap_pp_comm")
+
+
+@dataclass(frozen=True)
+class Built:
+    """What the trainer built, as the report tells it (this rank's share where ranks differ)."""
+
+    parameters: int  # of the whole (1-rank) model
+    parameters_rank0: int  # held by this rank
+    layers_per_chunk: list[int]
+    micro_batches: int  # per dp rank and step
+    dp_buckets: int
+    zero_sharded: bool  # ZeRO-1 in effect (optim.zero = 1 and dp > 1)
+
+
+def mean_timings(timings: list[dict[str, Any]]) -> TimersInfo:
+    """Per-step means of the `StepTimers.pop()` records (numbers and per-axis dicts)."""
+    out: dict[str, Any] = {f"{p}_s": sum(t[f"{p}_s"] for t in timings) / len(timings) for p in PHASES}
+    for key in ("comm_s", "exposed_comm_s"):
+        out[key] = {a: sum(t[key][a] for t in timings) / len(timings) for a in AXES}
+    return TimersInfo(**out)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+class RunReport:
+    """The run's report: `banner()`, then `open()` once the start step is known, `timed()` for
+    every trained step and `log_step()` for those `due()`, `rollback()`, and `finish()`."""
+
+    def __init__(self, deck: Deck, runtime: Runtime, grid: ProcessGrid, run_dir: Path, built: Built) -> None:
+        self.deck, self.runtime, self.grid, self.run_dir, self.built = deck, runtime, grid, run_dir, built
+        m, tr = deck.model, deck.train
+        self.device_name = device_name(runtime.device)
+        self.peak = peak_tflops(self.device_name, tr.precision, deck.run.peak_tflops)
+        self.flops_per_step = gpt_step_flops(tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
+        self.hardware_flops_per_step = gpt_hardware_step_flops(
+            tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn, tr.recompute
+        )
+        self.tokens_per_step = tr.global_batch * m.seq_len
+        self.start_step = 0
+        self.records: list[dict[str, Any]] = []  # the logged steps' records
+        self.step_times: list[float] = []  # every trained step's
+        self.timings: list[dict[str, Any]] = []  # every trained step's `StepTimers.pop()`
+        # Disabled until `open`, which knows whether old records are to be kept.
+        self.writer = MetricsWriter(run_dir, enabled=False)
+        self.board = TensorBoardWriter(run_dir, enabled=False)
+
+    def banner(self) -> None:
+        """The run's shape, before training: four lines, any warnings, the FLOP convention."""
+        deck, rt, grid, built = self.deck, self.runtime, self.grid, self.built
+        tr, par = deck.train, deck.parallel
+        rt.log(
+            f"gridlm: {built.parameters:,} parameters | world {rt.world_size} on {rt.nodes} node(s) | "
+            f"grid tp={grid.size('tp')} pp={grid.size('pp')} dp={grid.size('dp')} ({par.order}) | "
+            f"device {self.device_name}"
+        )
+        rt.log(
+            f"gridlm: global batch {tr.global_batch} = micro batch {tr.micro_batch} x "
+            f"{built.micro_batches} accumulation x dp {grid.size('dp')} | seq {deck.model.seq_len} | "
+            f"{tr.steps} steps | data {deck.data.kind} | run dir {self.run_dir}"
+        )
+        schedule = SCHEDULES[schedule_key(par.virtual_stages)]
+        rt.log(
+            f"gridlm: pipeline {schedule}, {grid.size('pp')} stage(s) x {par.virtual_stages} chunk(s), "
+            f"layers per chunk {built.layers_per_chunk} | sequence parallel {'on' if par.sequence_parallel else 'off'} | "
+            f"groups inside a node: " + ", ".join(f"{a} {'yes' if grid.within_node[a] else 'no'}" for a in AXES)
+        )
+        opt = deck.optim
+        overlaps = ", ".join(f"{k.removeprefix('overlap_').replace('_', '-')} {'on' if getattr(par, k) else 'off'}"
+                             for k in OVERLAP_KEYS)  # fmt: skip
+        zero = (" ZeRO-1" if built.zero_sharded else " (ZeRO-1 has no effect at dp = 1)") if opt.zero else ""
+        rt.log(
+            f"gridlm: precision {tr.precision} (gradients reduced in "
+            f"{tr.precision if tr.grad_reduce_dtype == 'compute' else 'fp32'}) | optimizer {opt.name}"
+            f"{zero} | recompute {tr.recompute} | {built.dp_buckets} dp bucket(s) "
+            f"of <= {par.dp_bucket_mb:g} MB | overlap: {overlaps}"
+        )
+        for warning in placement_warnings(grid.within_node, rt.ranks_per_node, par.gpus_per_node):
+            rt.log(f"gridlm: warning: {warning}")
+        if self.peak is None:
+            rt.log(
+                f"gridlm: warning: no peak FLOP/s known for device {self.device_name!r} at {tr.precision}: MFU is null "
+                "(set run.peak_tflops to report it)"
+            )
+        rt.log(f"gridlm: FLOP/s are {FLOPS_CONVENTION}")
+
+    def open(self, start_step: int, resumed: bool) -> None:
+        """Start the step records at `start_step`: metrics.jsonl (and TensorBoard) keep a resumed
+        run's records up to it and drop the rest (steps logged after its checkpoint)."""
+        rt, kept = self.runtime, (start_step if resumed else None)
+        self.start_step = start_step
+        self.records, self.step_times, self.timings = [], [], []
+        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_root, resumed_step=kept)
+        if self.deck.run.tensorboard:
+            on_root(rt, require_tensorboard)
+        self.board = TensorBoardWriter(self.run_dir, rt.is_root and self.deck.run.tensorboard, kept)
+
+    def timed(self, step_time: float, timings: dict[str, Any]) -> None:
+        """A trained step's seconds and its `StepTimers.pop()` record (every step, logged or not)."""
+        self.step_times.append(step_time)
+        self.timings.append(timings)
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is logged: every run.log_every steps, the first of this job and the last."""
+        steps = self.deck.train.steps
+        return step % self.deck.run.log_every == 0 or step == steps or step == self.start_step + 1
+
+    def log_step(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        consumed_samples: int,
+        loss_scale: Optional[float] = None,
+        skipped_steps: Optional[int] = None,
+    ) -> dict[str, Any]:
+        """The record of the step just `timed` (`loss`: the global-batch mean; `loss_scale` and
+        `skipped_steps` under fp16): metrics.jsonl, TensorBoard and the log line."""
+        step_time, world = self.step_times[-1], self.runtime.world_size
+        tflops = self.flops_per_step / step_time / world / 1e12
+        hw_tflops = self.hardware_flops_per_step / step_time / world / 1e12
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "step_time_s": step_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "tflops_per_rank": tflops,
+            "hw_tflops_per_rank": hw_tflops,
+            "mfu": None if self.peak is None else tflops / self.peak,
+            "grad_norm": grad_norm,
+            "consumed_samples": consumed_samples,
+        }
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale
+            record["skipped_steps"] = skipped_steps
+        if self.deck.run.timers:
+            record.update(self.timings[-1])  # rank 0's phase and communication seconds this step
+        self.writer.write(record)
+        self.runtime.log(format_line(record, self.deck.train.steps))
+        self.records.append(record)
+        self.board.write(record)
+        return record
+
+    def rollback(self, step: int) -> None:
+        """Back to a checkpoint of `step`: the records after it go (they are trained again)."""
+        self.writer.truncate(step)
+        self.board.truncate(step)
+        self.records = [r for r in self.records if r["step"] <= step]
+
+    def finish(
+        self,
+        *,
+        memory_bytes: dict[str, int],
+        skipped_steps: int,
+        nonfinite_steps: int,
+        rollbacks: int,
+        consumed_samples: int,
+        resumed_from: Optional[dict[str, Any]],
+        interrupted: Optional[str],
+        checkpoints: list[CheckpointInfo],
+    ) -> Summary:
+        """The summary (every rank), written to run.dir/summary.json and told in the end-of-run
+        lines by rank 0. `memory_bytes`: this rank's parameter, gradient and optimizer state."""
+        self.board.close()
+        deck, rt, tr, par, built = self.deck, self.runtime, self.deck.train, self.deck.parallel, self.built
+        mean_time, std_time, skipped = mean_step_time(self.step_times, deck.run.timing_warmup)
+        timers = mean_timings(self.timings[skipped:]) if deck.run.timers else None
+        exposed = sum(timers["exposed_comm_s"].values()) / mean_time if timers else None
+        tflops_per_rank = self.flops_per_step / mean_time / rt.world_size / 1e12
+        hw_tflops_per_rank = self.hardware_flops_per_step / mean_time / rt.world_size / 1e12
+        study = deck.run.study
+        summary = Summary(
+            deck=deck.to_dict(),
+            world_size=rt.world_size,
+            nodes=rt.nodes,
+            ranks_per_node=rt.ranks_per_node,
+            ranks_per_node_list=rt.ranks_per_node_list,
+            grid=GridInfo(**self.grid.describe()),
+            parameters=built.parameters,
+            parameters_rank0=built.parameters_rank0,
+            pipeline=PipelineInfo(
+                schedule=schedule_key(par.virtual_stages),
+                virtual_stages=par.virtual_stages,
+                layers_per_chunk=built.layers_per_chunk,
+                micro_batches=built.micro_batches,
+            ),
+            sequence_parallel=par.sequence_parallel,
+            precision=tr.precision,
+            optimizer=deck.optim.name,
+            zero=deck.optim.zero,
+            recompute=tr.recompute,
+            overlap={k: getattr(par, k) for k in OVERLAP_KEYS},
+            dp_buckets=built.dp_buckets,
+            memory_bytes_rank0=memory_bytes,
+            skipped_steps=skipped_steps,
+            nonfinite_steps=nonfinite_steps,
+            rollbacks=rollbacks,
+            steps=tr.steps,
+            global_batch=tr.global_batch,
+            tokens_per_step=self.tokens_per_step,
+            step_time_s=mean_time,
+            step_time_std_s=std_time,
+            timing_warmup_steps=skipped,
+            timers=timers,
+            exposed_comm_fraction=exposed,
+            tokens_per_s=self.tokens_per_step / mean_time,
+            flops_per_step=self.flops_per_step,
+            hardware_flops_per_step=self.hardware_flops_per_step,
+            flops_kind=FLOPS_CONVENTION,
+            tflops_per_rank=tflops_per_rank,
+            hw_tflops_per_rank=hw_tflops_per_rank,
+            aggregate_tflops=tflops_per_rank * rt.world_size,
+            aggregate_pflops=tflops_per_rank * rt.world_size / 1e3,
+            study=None
+            if study is None
+            else StudyInfo(name=study, kind=deck.run.study_kind, point=deck.run.study_point),
+            device=self.device_name,
+            peak_tflops_per_rank=self.peak,
+            mfu=None if self.peak is None else tflops_per_rank / self.peak,
+            hfu=None if self.peak is None else hw_tflops_per_rank / self.peak,
+            initial_loss=self.records[0]["loss"] if self.records else None,
+            final_loss=self.records[-1]["loss"] if self.records else None,
+            consumed_samples=consumed_samples,
+            torch_threads=torch.get_num_threads(),
+            versions=versions(),
+            start_step=self.start_step,
+            resumed_from=resumed_from,
+            interrupted=interrupted,
+            checkpoints=checkpoints,
+        )
+        if rt.is_root:
+            path = write_summary(self.run_dir, summary.to_dict())
+            self._log_done(summary, path)
+        return summary
+
+    def _log_done(self, s: Summary, path: Path) -> None:
+        rt = self.runtime
+        mfu = "n/a" if s.mfu is None else f"{100 * s.mfu:.1f}%"
+        first, last = ("n/a" if x is None else f"{x:.4f}" for x in (s.initial_loss, s.final_loss))
+        nonfinite = f" | {s.nonfinite_steps} non-finite step(s), {s.rollbacks} rollback(s)"
+        rt.log(
+            f"gridlm: done | loss {first} -> {last}{nonfinite if s.nonfinite_steps else ''} | "
+            f"step {s.step_time_s * 1e3:.1f} ms (mean after {s.timing_warmup_steps} warm-up) | "
+            f"{s.tokens_per_s:,.0f} tok/s | {s.tflops_per_rank:.3f} TFLOP/s/rank | "
+            f"{s.aggregate_tflops:.3f} TFLOP/s total | mfu {mfu} | {path}"
+        )
+        if s.timers is not None:
+            t = s.timers
+            rt.log(
+                f"gridlm: rank 0 per step: forward {t['forward_s'] * 1e3:.1f} ms, backward "
+                f"{t['backward_s'] * 1e3:.1f} ms, optimizer {t['optimizer_s'] * 1e3:.1f} ms | communication "
+                + ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}" for a in AXES)
+                + " ms, exposed "
+                + ", ".join(f"{a} {t['exposed_comm_s'][a] * 1e3:.1f}" for a in AXES)
+                + f" ms ({100 * (s.exposed_comm_fraction or 0.0):.1f}% of the step)"
+            )

@@ -1,0 +1,64 @@
+"""summary.json has one schema (app/metrics/summary.py): the trainer writes through it,
+postprocess reads through it, and reading it needs no torch."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from app.metrics.summary import REQUIRED_KEYS, Summary
+from conftest import REPO, run_app
+
+TINY = "inputs/gpt_tiny.yaml"
+FAST = (
+    "--set", "model.layers=2", "--set", "model.hidden=64", "--set", "model.seq_len=32",
+    "--set", "train.steps=3", "--set", "train.global_batch=4", "--set", "train.micro_batch=2",
+    "--set", "optim.warmup_steps=1", "--set", "checkpoint.at_exit=false",
+)  # fmt: skip
+
+
+def test_the_schema_has_exactly_the_keys_of_a_real_runs_summary_in_file_order(tmp_path):
+    out = run_app(1, TINY, *FAST, "--set", f"run.dir={tmp_path}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert list(written) == Summary.file_keys()
+    read = Summary.from_dict(written)
+    assert read.to_dict() == written  # every key read back, none dropped or added
+    assert read.world_size == 1 and read.steps == 3 and read.timers is not None
+    assert set(REQUIRED_KEYS) <= set(Summary.file_keys())
+
+
+def test_a_summary_without_a_required_key_is_refused_naming_it():
+    assert Summary.missing_keys([1, 2]) == list(REQUIRED_KEYS)
+    with pytest.raises(ValueError, match="lacks world_size, tokens_per_s$"):
+        Summary.from_dict({k: 1 for k in REQUIRED_KEYS if k not in ("world_size", "tokens_per_s")})
+
+
+def test_a_partial_summary_reads_with_none_for_what_it_lacks_and_keeps_nonfinite():
+    data = {k: 1 for k in REQUIRED_KEYS} | {"future_key": 5, "final_loss": None, "nonfinite": ["final_loss"]}
+    s = Summary.from_dict(data)
+    assert s.deck is None and s.final_loss is None and s.nonfinite == ["final_loss"]
+    assert "future_key" not in s.to_dict() and s.to_dict()["nonfinite"] == ["final_loss"]
+
+
+def test_the_schema_and_postprocess_import_without_torch():
+    code = (
+        "import sys, app.metrics.summary, postprocess.scaling, postprocess.compare; "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mpi4py', 'h5py', 'numpy')); "
+        "assert not heavy, heavy"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_postprocess_imports_nothing_from_app_but_the_schema():
+    for path in sorted((REPO / "postprocess").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        from_app = sorted(m for m in modules if m == "app" or m.startswith("app."))
+        assert from_app in ([], ["app.metrics.summary"]), f"{path.name} imports {from_app}"
