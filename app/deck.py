@@ -4,10 +4,12 @@ A deck is YAML with the sections `model`, `parallel`, `train`, `optim`, `data`, 
 `checkpoint`.
 Every key has a type, a default and a range (numbers: finite, with an upper bound the code
 can honour), a set of choices or a text rule (printable, no control characters), declared
-once in the dataclasses below; `load_deck` checks unknown keys, types and values and raises
-`DeckError` naming the key, the bad value and what is accepted. The deck file and `--set`
-values are untrusted YAML: read with limits (size, depth, values, no anchors, aliases, tags or
-duplicate keys), so that any input ends in a value or a DeckError, quickly.
+once in the dataclasses below; `load_deck` checks unknown keys, types and values with the
+schema engine (app/schema.py, which also checks machine and study files) and raises
+`DeckError` naming the key, the bad value, what is accepted and where the value came from
+(the deck file or --set). The deck file and `--set` values are untrusted YAML: read with
+limits (size, depth, values, no anchors, aliases, tags or duplicate keys), so that any input
+ends in a value or a DeckError, quickly.
 `resolve_for_world` then checks what depends on the world size (tp x pp x dp, batches), and
 `check_paths` the file system, at the start of a real run.
 """
@@ -15,8 +17,6 @@ duplicate keys), so that any input ends in a value or a DeckError, quickly.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +27,7 @@ import yaml
 from app.deck_yaml import MAX_DECK_BYTES, deck_error, parse_yaml, read_deck_file
 from app.errors import DeckError
 from app.names import AXES, PRECISIONS, RECOMPUTE
+from app.schema import Key, Problem, check, check_value, type_name
 
 # Upper bounds of the keys: what the code can honour, far above any real run.
 MAX_RANKS = 2**20  # tp x pp x dp; a dry run places every rank of the plan
@@ -34,14 +35,11 @@ MAX_LAYERS = 4096  # also bounds pp x virtual_stages (every chunk needs a layer)
 MAX_BATCH = 2**24  # samples; steps x global_batch stays far below 2^63 (int64 checkpoint attributes)
 MAX_STEPS = 10**9
 MAX_LOSS_SCALE = 2.0**24  # fp16 overflows at 65504: a larger first scale only skips steps while it halves
-# Limits of the YAML text: PyYAML is pure Python here (~50 us per value), so these keep any
-# deck's parse well under a second and its memory small.
-MAX_TEXT = 4096  # characters of a string key (PATH_MAX)
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _key(default: Any, help: str, **rules: Any) -> Any:
-    """A deck key: default, one-line help (the README reference) and validation rules."""
+    """A deck key: default, one-line help (the README reference) and the rules of its
+    `schema.Key` (min, max, choices, words, path); its type is the field's annotation."""
     return field(default=default, metadata={"help": help, **rules})
 
 
@@ -289,118 +287,42 @@ class Deck:
         return self.train.global_batch // (self.train.micro_batch * self.dp)
 
 
+def _section_keys(cls: type) -> dict[str, Key]:
+    """The schema engine's declaration of a section's keys: its dataclass fields' types, defaults
+    and `_key` rules. Every deck string is text (printable, of a sane length)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: Key(hints[f.name], f.default, text=True, **f.metadata) for f in dataclasses.fields(cls)}
+
+
+KEYS: dict[str, dict[str, Key]] = {name: _section_keys(cls) for name, cls in SECTIONS.items()}
+# The top level: each section is a mapping, or null (all defaults).
+SECTION_KEYS: dict[str, Key] = {
+    name: Key(Optional[dict], None, f"the {name} keys: {', '.join(KEYS[name])}") for name in SECTIONS
+}
+
+
 def deck_reference() -> list[tuple[str, str, Any, str]]:
     """(key, type, default, help) for every deck key, in order: the README reference."""
-    rows = []
-    for section, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            rows.append((f"{section}.{f.name}", _type_name(hints[f.name]), f.default, f.metadata["help"]))
-    return rows
+    return [
+        (f"{section}.{name}", type_name(key.type), key.default, key.help)
+        for section, keys in KEYS.items()
+        for name, key in keys.items()
+    ]
 
 
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is list:
-        return "list of " + typing.get_args(tp)[0].__name__
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if not args:
-        return tp.__name__
-    name = " | ".join(_type_name(a) for a in args)
-    return name + " | null" if type(None) in typing.get_args(tp) else name
-
-
-def _bounds(meta: dict[str, Any]) -> str:
-    return f"{meta.get('min', '-inf')} .. {meta.get('max', 'inf')}"
-
-
-def _check_text(key: str, value: str, meta: dict[str, Any]) -> str:
-    """Strings reach paths, logs and HDF5 attributes: printable UTF-8 of a sane length."""
-    if len(value) > MAX_TEXT:
-        raise deck_error(key, value, f"{len(value):,} characters; at most {MAX_TEXT} are accepted")
-    bad = CONTROL.search(value)
-    if bad:
-        raise deck_error(
-            key, value, f"contains the control character {bad.group()!r} at position {bad.start()}; "
-            "use printable characters only"
-        )  # fmt: skip
+def _checked(raw: Any, keys: dict[str, Key], file: str, given: set[str], prefix: str = "", noun: str = "key") -> Any:
+    """`schema.check` of one level of the deck; a DeckError naming where the bad value came
+    from: the deck file, or --set for the keys in `given`."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:  # lone surrogates from undecodable command-line bytes
-        raise deck_error(key, value, f"not valid UTF-8 text at position {err.start}") from None
-    if meta.get("path") and not value.strip():
-        raise deck_error(key, value, "an empty path; give a path, or leave the key out for the default")
-    return value
+        return check(raw, keys, file, prefix=prefix, noun=noun)
+    except Problem as bad:
+        origin = "--set" if bad.key.split("[")[0] in given else bad.file
+        raise deck_error(bad.key, bad.value, bad.expected, origin) from None
 
 
-def _check_value(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
-    """Return `value` converted to the key's type, or raise DeckError."""
-    args = typing.get_args(tp)
-    if value is None:
-        if type(None) in args:
-            return None
-        raise deck_error(key, value, f"a value is required ({_type_name(tp)})")
-    if isinstance(value, str) and value in meta.get("words", ()):
-        return value
-    base = [a for a in args if a is not type(None)] or [tp]
-    for want in base:
-        if want is bool and isinstance(value, bool):
-            converted: Any = value
-        elif want is int and isinstance(value, int) and not isinstance(value, bool):
-            converted = value
-        elif want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                converted = float(value)
-            except OverflowError:  # an int beyond 1.8e308
-                raise deck_error(key, value, f"must be <= {meta.get('max')}") from None
-        elif want is float and isinstance(value, str):
-            # PyYAML reads `3e-4` (no dot) as a string; accept what float() accepts.
-            try:
-                converted = float(value)
-            except ValueError:
-                continue
-        elif want is str and isinstance(value, str) and "words" not in meta:
-            converted = _check_text(key, value, meta)
-        elif typing.get_origin(want) is list and isinstance(value, list):
-            items = [_check_value(f"{key}[{i}]", v, typing.get_args(want)[0], meta) for i, v in enumerate(value)]
-            return items
-        else:
-            continue
-        break
-    else:
-        words = " or ".join(repr(w) for w in meta.get("words", ()))
-        accepted = _type_name(tp).replace(" | str", "") + (f" or {words}" if words else "")
-        raise deck_error(key, value, f"expected {accepted}")
-    if "choices" in meta and converted not in meta["choices"]:
-        raise deck_error(key, value, "accepted: " + ", ".join(meta["choices"]))
-    if isinstance(converted, float) and not math.isfinite(converted):
-        # NaN passes every comparison below; Inf would overflow whatever uses it.
-        raise deck_error(key, value, f"must be a finite number, {_bounds(meta)}")
-    numeric = isinstance(converted, (int, float)) and not isinstance(converted, bool)
-    if numeric and "min" in meta and converted < meta["min"]:
-        raise deck_error(key, value, f"must be >= {meta['min']}")
-    if numeric and "max" in meta and converted > meta["max"]:
-        raise deck_error(key, value, f"must be <= {meta['max']}")
-    return converted
-
-
-def _build_section(section: str, raw: Any) -> Any:
-    cls = SECTIONS[section]
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise deck_error(section, raw, "expected a mapping of keys to values")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for name, value in raw.items():
-        if name not in fields:
-            raise deck_error(f"{section}.{name}", value, "unknown key; accepted keys: " + ", ".join(fields))
-        values[name] = _check_value(f"{section}.{name}", value, hints[name], fields[name].metadata)
-    return cls(**values)
-
-
-def apply_override(raw: dict[str, Any], assignment: str) -> None:
-    """Apply one `--set section.key=value` to the raw deck mapping (value parsed as YAML)."""
+def apply_override(raw: dict[str, Any], assignment: str) -> str:
+    """Apply one `--set section.key=value` to the raw deck mapping (value parsed as YAML); the
+    key it set, `section.key`."""
     if "=" not in assignment:
         raise deck_error("--set", assignment, "expected section.key=value, e.g. train.steps=50")
     dotted, text = assignment.split("=", 1)
@@ -419,6 +341,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     if not isinstance(section, dict):
         raise deck_error(parts[0], section, "expected a mapping of keys to values")
     section[parts[1]] = value
+    return f"{parts[0]}.{parts[1]}"
 
 
 def load_deck(path: Union[str, Path, None], overrides: tuple[str, ...] = ()) -> Deck:
@@ -430,15 +353,19 @@ def load_deck(path: Union[str, Path, None], overrides: tuple[str, ...] = ()) -> 
     raw: Any = {} if path is None else read_deck_file(path)
     if not isinstance(raw, dict):
         raise DeckError("DECK", str(path), "expected a YAML mapping with sections " + ", ".join(SECTIONS))
-    for assignment in overrides:
-        apply_override(raw, assignment)
-    for section in raw:
-        if section not in SECTIONS:
-            raise deck_error(section, raw[section], "unknown section; accepted: " + ", ".join(SECTIONS))
-    deck = Deck(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
+    given = {apply_override(raw, assignment) for assignment in overrides}
+    file = "--set" if path is None else f"deck file {path}"
+    sections = _checked(raw, SECTION_KEYS, file, given, noun="section")
+    deck = Deck(**{
+        name: cls(**_checked(sections.get(name) or {}, KEYS[name], file, given, prefix=f"{name}."))
+        for name, cls in SECTIONS.items()
+    })  # fmt: skip
     if deck.run.dir is None:
         stem = Path(path).stem if path is not None else "default"
-        run_dir = _check_text("run.dir", f"runs/{stem}", {"path": True})
+        try:
+            run_dir = check_value(KEYS["run"]["dir"], f"runs/{stem}", "run.dir", file)
+        except Problem as bad:  # a deck file named with control characters
+            raise deck_error(bad.key, bad.value, bad.expected, bad.file) from None
         deck = dataclasses.replace(deck, run=dataclasses.replace(deck.run, dir=run_dir))
     _validate(deck)
     return deck

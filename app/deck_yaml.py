@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import yaml
 
 from app.errors import DeckError
+from app.schema import named
 
 MAX_DECK_BYTES = 256 * 1024  # real decks are 1-3 KB
 MAX_YAML_NODES = 10_000  # values, keys included; stage_layers of 4096 chunks fits
@@ -24,26 +25,9 @@ MAX_INT_DIGITS = 100  # PyYAML turns 1:2:3... (base 60) and 0x... into ints of a
 EXAMPLE_DECK = "inputs/gpt_tiny.yaml"
 
 
-class _Cut:
-    """A value too long to repeat in a message, shown by its beginning."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def deck_error(key: Any, value: Any, accepted: str) -> DeckError:
+def deck_error(key: Any, value: Any, accepted: str, file: Optional[str] = None) -> DeckError:
     """A DeckError whose key and value print as one short line, whatever the deck held."""
-    name = str(key)
-    if not name.isprintable() or len(name) > 100:
-        name = repr(name[:100])
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's 4300-digit limit of int -> str
-        return DeckError(name, _Cut(f"<an int of {value.bit_length():,} bits>"), accepted)
-    return DeckError(name, value if len(text) <= 200 else _Cut(text[:200] + "..."), accepted)
+    return DeckError(named(key), value, accepted, file)
 
 
 class _DeckLoader(yaml.SafeLoader):

@@ -4,6 +4,10 @@
 rank, with no traceback; anything else is a bug and aborts the MPI job with a traceback.
 """
 
+from typing import Optional
+
+from app.schema import shown
+
 
 class GridlmError(Exception):
     """A mistake the user can fix (deck, data, launch); never a bug in gridlm.
@@ -13,12 +17,19 @@ class GridlmError(Exception):
     exit_code = 2
 
 
-class DeckError(GridlmError):
-    """A deck key is unknown, has the wrong type, or an impossible value."""
+class InputError(GridlmError):
+    """A file the user wrote (deck, machine file, study file) has an unknown or missing key or a
+    bad value; its keys are declared and checked by app/schema.py."""
 
-    def __init__(self, key: str, value: object, accepted: str) -> None:
-        self.key, self.value, self.accepted = key, value, accepted
-        super().__init__(f"deck error: {key} = {value!r}: {accepted}")
+
+class DeckError(InputError):
+    """A deck key is unknown, has the wrong type, or an impossible value. `file` says where the
+    value came from (the deck file or --set), where known."""
+
+    def __init__(self, key: str, value: object, accepted: str, file: Optional[str] = None) -> None:
+        self.key, self.value, self.accepted, self.file = key, value, accepted, file
+        where = f" [{file}]" if file else ""
+        super().__init__(f"deck error: {key} = {shown(value)}: {accepted}{where}")
 
 
 class DataError(GridlmError):

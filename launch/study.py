@@ -54,8 +54,9 @@ if str(REPO) not in sys.path:  # `python launch/study.py` puts launch/, not the 
     sys.path.insert(0, str(REPO))
 
 from app.deck import Deck, load_deck, resolve_for_world  # noqa: E402
-from app.errors import GridlmError  # noqa: E402
+from app.errors import GridlmError, InputError  # noqa: E402
 from app.plan.machine import MACHINES_DIR, load_machine, machine_path  # noqa: E402
+from app.schema import Key, Problem, check  # noqa: E402
 from launch import submit  # noqa: E402
 
 STUDIES_DIR = REPO / "inputs" / "studies"
@@ -65,24 +66,29 @@ SCALE_RULES = {
     "per_point": "the base deck's global_batch is the first point's; global_batch = base x point / points[0]",
     "per_rank": "the base deck's global_batch is one rank's; global_batch = base x ranks (jobs and --run-local alike)",
 }
-# key -> (type, required, help)
-FIELDS: dict[str, tuple[type, bool, str]] = {
-    "name": (str, True, "the study's name, = the file stem; run directories go to runs/<name>/<label>"),
-    "kind": (str, True, "weak or strong"),
-    "base": (str, True, "the deck, relative to the study file"),
-    "machine": (str, True, "inputs/machines/<machine>.yaml, or a machine file relative to the study file"),
-    "points": (list, True, "increasing positive node counts (--run-local: rank counts)"),
-    "overrides": (list, False, "section.key=value settings for every point"),
-    "scale": (dict, False, "weak: {global_batch: " + " | ".join(SCALE_RULES) + "} (default per_point), or {}"),
-    "per_point": (dict, False, "{point: [section.key=value, ...]}: extra settings of one point, applied last"),
-    "time": (str, False, 'job time limit, e.g. "00:30:00" (default: the machine\'s)'),
-    "description": (str, True, "one line: what the study measures"),
+# The keys, declared for the schema engine (app/schema.py); null = left out.
+FIELDS: dict[str, Key] = {
+    "name": Key(str, help="the study's name, = the file stem; run directories go to runs/<name>/<label>"),
+    "kind": Key(str, help="weak or strong", choices=KINDS),
+    "base": Key(str, help="the deck, relative to the study file"),
+    "machine": Key(str, help="inputs/machines/<machine>.yaml, or a machine file relative to the study file"),
+    "points": Key(list, help="increasing positive node counts (--run-local: rank counts)"),
+    "overrides": Key(list, None, "section.key=value settings for every point"),
+    "scale": Key(dict, None, "weak: {global_batch: " + " | ".join(SCALE_RULES) + "} (default per_point), or {}"),
+    "per_point": Key(dict, None, "{point: [section.key=value, ...]}: extra settings of one point, applied last"),
+    "time": Key(
+        str,
+        None,
+        'job time limit, e.g. "00:30:00" (default: the machine\'s)',
+        fix='quote it, e.g. time: "01:30:00" (unquoted, YAML reads 1:30:00 as seconds)',
+    ),
+    "description": Key(str, help="one line: what the study measures"),
 }
 LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9_.+-]*$")  # also a job name (submit.JOB_NAME)
 SCHEDULER_FLAGS = tuple(submit.SCHEDULER_OPTIONS)  # passed through to every point's submit.py call
 
 
-class StudyError(GridlmError):
+class StudyError(InputError):
     """A study file or a point of it is wrong; the message names the file, the key or point, and the fix."""
 
 
@@ -128,33 +134,16 @@ def load_study(path: Path) -> Study:
         raise StudyError(f"{where}: no such file; the studies in {STUDIES_DIR}: {known}") from None
     except yaml.YAMLError as err:
         raise StudyError(f"{where}: not readable YAML ({err})") from None
-    if not isinstance(raw, dict):
-        raise StudyError(f"{where}: expected a mapping of the keys {', '.join(FIELDS)}")
-    for key, value in raw.items():
-        if key not in FIELDS:
-            raise StudyError(f"{where}: unknown key {key!r}; accepted: {', '.join(FIELDS)}")
-        want, required, help_ = FIELDS[key]
-        if value is None and not required:
-            continue  # as if absent
-        if key == "time" and isinstance(value, int):
-            raise StudyError(
-                f'{where}: time = {value!r}: quote it, e.g. time: "01:30:00" (unquoted, YAML reads 1:30:00 as seconds)'
-            )
-        if not isinstance(value, want):
-            raise StudyError(f"{where}: {key} = {value!r}: expected {want.__name__} ({help_})")
-    missing = [k for k, (_, required, _) in FIELDS.items() if required and k not in raw]
-    if missing:
-        raise StudyError(
-            f"{where}: missing key(s) {', '.join(missing)} ({'; '.join(f'{k}: {FIELDS[k][2]}' for k in missing)})"
-        )
+    try:
+        raw = check(raw, FIELDS, where, null_is_absent=True)
+    except Problem as bad:
+        raise StudyError(str(bad)) from None
     if raw["name"] != path.stem or not LABEL.match(raw["name"]):
         raise StudyError(
             f"{where}: name = {raw['name']!r} must equal the file stem {path.stem!r} (a letter, then letters, digits or _ . + -)"
         )
     if "\n" in raw["description"].strip():
         raise StudyError(f"{where}: description: one line, please (it heads tables and the manifest)")
-    if raw["kind"] not in KINDS:
-        raise StudyError(f"{where}: kind = {raw['kind']!r}: accepted: {', '.join(KINDS)}")
     base = (path.parent / raw["base"]).resolve()
     if not base.is_file():
         raise StudyError(f"{where}: base = {raw['base']!r}: no deck at {base} (the path is relative to the study file)")

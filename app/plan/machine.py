@@ -3,8 +3,10 @@
 A machine file says what a node holds (devices, memory per device, cores), how fast its
 links are (with sources), which scheduler it runs and how ranks are launched on it. The
 dry run uses it to place ranks on nodes and check memory; `launch/submit.py` uses it to
-write job scripts. The keys, their types and their meaning are declared once, in
-`FIELDS`; a wrong key or value is named with the file.
+write job scripts. The keys, their types, bounds and meaning are declared once, in `FIELDS`,
+and checked by the schema engine (app/schema.py) that also checks decks and study files; a
+wrong key or value is named with the file. `_validate` adds the rules inside the nested
+performance-model keys (gemm, links, collectives, ...) and between keys.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from app.errors import GridlmError
+from app.errors import InputError
 from app.metrics.peaks import peak_tflops
+from app.schema import Key, Problem, check
 
 MACHINES_DIR = Path(__file__).resolve().parents[2] / "inputs" / "machines"
 SCHEDULERS = ("slurm", "pbs")
@@ -32,69 +35,83 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 # model counts for them, forward and backward (perf._layer_passes, perf._head_passes).
 ELEMENTWISE_KINDS = ("layernorm", "gelu", "softmax")
 
-# key -> (type, required, help). The README's machine reference is built from it.
-FIELDS: dict[str, tuple[type, bool, str]] = {
-    "name": (str, True, "short name, = the file stem (used by --machine)"),
-    "description": (str, True, "one line: site, system, node type"),
-    "scheduler": (str, True, "slurm or pbs"),
-    "devices_per_node": (int, True, "GPUs (GCDs on MI250X) per node = ranks per node"),
-    "device": (str, True, "the device, in words"),
-    "device_name": (str, True, "name as torch reports it (matched against the peak table), or cpu"),
-    "peak_tflops": (
+# The keys, declared for the schema engine (app/schema.py). The README's machine reference is built from it.
+FIELDS: dict[str, Key] = {
+    "name": Key(str, help="short name, = the file stem (used by --machine)"),
+    "description": Key(str, help="one line: site, system, node type"),
+    "scheduler": Key(str, help="slurm or pbs", choices=SCHEDULERS),
+    "devices_per_node": Key(int, help="GPUs (GCDs on MI250X) per node = ranks per node", min=0, exclusive_min=True),
+    "device": Key(str, help="the device, in words"),
+    "device_name": Key(str, help="name as torch reports it (matched against the peak table), or cpu"),
+    "peak_tflops": Key(
         dict,
-        False,
+        None,
         "dense peak TFLOP/s per device by precision (bf16, fp16, fp32), only where the peak table "
         "(app/metrics/peaks.py, by device_name) has none: app.plan.calibrate writes the measured one",
     ),
-    "memory_per_device_gib": (float, True, "device memory in GiB (for a CPU machine: host memory per rank)"),
-    "cpu_cores_per_node": (int, True, "CPU cores per node usable by ranks"),
-    "intra_node_gbs": (float, True, "device-to-device bandwidth inside a node, GB/s per direction"),
-    "inter_node_gbs": (float, True, "network injection bandwidth per node, GB/s per direction"),
-    "hbm_gbs": (float, False, "device memory bandwidth, GB/s (datasheet); the performance model's memory roofline"),
-    "gemm": (
+    "memory_per_device_gib": Key(
+        float, help="device memory in GiB (for a CPU machine: host memory per rank)", min=0, exclusive_min=True
+    ),
+    "cpu_cores_per_node": Key(int, help="CPU cores per node usable by ranks", min=0, exclusive_min=True),
+    "intra_node_gbs": Key(
+        float, help="device-to-device bandwidth inside a node, GB/s per direction", min=0, exclusive_min=True
+    ),
+    "inter_node_gbs": Key(
+        float, help="network injection bandwidth per node, GB/s per direction", min=0, exclusive_min=True
+    ),
+    "hbm_gbs": Key(
+        float,
+        None,
+        "device memory bandwidth, GB/s (datasheet); the performance model's memory roofline",
+        min=0,
+        exclusive_min=True,
+    ),
+    "gemm": Key(
         dict,
-        False,
+        None,
         "performance model: efficiency (achieved fraction of peak on large GEMMs), compute_units (SMs/CUs), "
         "tile ([rows, columns] of a large GEMM's output tile), optional attention_efficiency (flash "
         "attention, forward and backward), attention_backward_efficiency (the backward's, where measured "
         "apart) and memory_efficiency; each with its source under sources",
     ),
-    "links": (
+    "links": Key(
         list,
-        False,
+        None,
         "performance model: link levels innermost first, each {name, devices (domain size; null = the "
         "network), gbs (per device, per direction), latency_us}; default: a node level from intra_node_gbs "
         "and a network level from inter_node_gbs",
     ),
-    "op_overhead_us": (
+    "op_overhead_us": Key(
         float,
-        False,
+        None,
         "performance model: host time of one framework operation, in microseconds, added per op (CPUs, "
         "where it is not hidden behind the device's work); measured by app.plan.calibrate",
+        min=0,
+        exclusive_min=True,
     ),
-    "collectives": (
+    "collectives": Key(
         dict,
-        False,
+        None,
         "performance model: collectives measured by app.plan.calibrate on groups of consecutive ranks "
         "running side by side, {op: {ranks: {gbs, latency_us}}} for op in all_reduce, all_gather, "
         "reduce_scatter, p2p (ranks 2: pairs); they replace the link level's figures for groups of that size",
     ),
-    "elementwise_gbs": (
+    "elementwise_gbs": Key(
         dict,
-        False,
+        None,
         "performance model: achieved GB/s of element-wise kinds slower than hbm_gbs (layernorm, gelu, "
         "softmax; on CPUs the tanh and exp are compute-bound), in the model's bytes; measured by app.plan.calibrate",
     ),
-    "binding": (str, True, "per-task (one device per rank) or all-visible (local rank picks)"),
-    "launch": (str, True, "launch line; {nodes}, {ranks} and {ranks_per_node} are filled in"),
-    "template": (str, True, "job-script template in launch/jobs/"),
-    "defaults": (dict, False, "scheduler defaults for submit.py: time, partition/queue, qos, constraint, ..."),
-    "sources": (list, True, "where the figures come from (URLs, papers)"),
-    "notes": (str, False, "anything a user of the machine should know"),
+    "binding": Key(str, help="per-task (one device per rank) or all-visible (local rank picks)", choices=BINDINGS),
+    "launch": Key(str, help="launch line; {nodes}, {ranks} and {ranks_per_node} are filled in"),
+    "template": Key(str, help="job-script template in launch/jobs/"),
+    "defaults": Key(dict, {}, "scheduler defaults for submit.py: time, partition/queue, qos, constraint, ..."),
+    "sources": Key(list, help="where the figures come from (URLs, papers)"),
+    "notes": Key(str, "", "anything a user of the machine should know"),
 }
 
 
-class MachineError(GridlmError):
+class MachineError(InputError):
     """A machine file is missing, or a key in it is unknown or has a bad value."""
 
 
@@ -214,53 +231,20 @@ def load_machine(name_or_path: Union[str, Path]) -> Machine:
         ) from None
     except (OSError, yaml.YAMLError) as err:
         raise MachineError(f"machine file {path}: not readable YAML ({err})") from None
-    if not isinstance(raw, dict):
-        raise MachineError(f"machine file {path}: expected a mapping of the keys {', '.join(FIELDS)}")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in FIELDS:
-            raise MachineError(f"machine file {path}: unknown key {key!r}; accepted: {', '.join(FIELDS)}")
-        values[key] = _check(path, key, value)
-    missing = [k for k, (_, required, _) in FIELDS.items() if required and k not in values]
-    if missing:
-        raise MachineError(f"machine file {path}: missing key(s) {', '.join(missing)}")
+    try:
+        # A null value is the key left out: the Machine's default.
+        values = check(raw, FIELDS, f"machine file {path}", null_is_absent=True)
+    except Problem as bad:
+        raise MachineError(str(bad)) from None
     machine = Machine(**values, path=path)
     _validate(machine)
     return machine
-
-
-def _check(path: Path, key: str, value: Any) -> Any:
-    want, _, help_ = FIELDS[key]
-    if value is None and key in (
-        "peak_tflops",
-        "defaults",
-        "notes",
-        "hbm_gbs",
-        "gemm",
-        "links",
-        "op_overhead_us",
-        "collectives",
-        "elementwise_gbs",
-    ):
-        return {"defaults": {}, "notes": ""}.get(key)
-    ok = isinstance(value, want) and not isinstance(value, bool)
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if not ok:
-        raise MachineError(f"machine file {path}: {key} = {value!r}: expected {want.__name__} ({help_})")
-    if want in (int, float) and value <= 0:
-        raise MachineError(f"machine file {path}: {key} = {value!r}: must be > 0")
-    return value
 
 
 def _validate(m: Machine) -> None:
     where = f"machine file {m.path}"
     if m.path is not None and m.name != m.path.stem:
         raise MachineError(f"{where}: name = {m.name!r} must equal the file stem {m.path.stem!r}")
-    if m.scheduler not in SCHEDULERS:
-        raise MachineError(f"{where}: scheduler = {m.scheduler!r}: accepted: {', '.join(SCHEDULERS)}")
-    if m.binding not in BINDINGS:
-        raise MachineError(f"{where}: binding = {m.binding!r}: accepted: {', '.join(BINDINGS)}")
     try:
         m.launch.format(**{k: 1 for k in LAUNCH_FIELDS})
     except (KeyError, IndexError, ValueError) as err:
