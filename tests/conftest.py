@@ -42,6 +42,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(launch/test.sh passes it as root, where setup installed everything the tests need)",
     )
     parser.addoption(
+        "--min-tests",
+        type=int,
+        default=0,
+        help="fail the run if fewer tests than this ran (passed or failed; launch/test.sh gives each group "
+        "its floor, so that a group that lost tests to collection or skips cannot pass)",
+    )
+    parser.addoption(
         "--mpi-min-size",
         type=int,
         default=0,
@@ -85,12 +92,24 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             report.user_properties.append(("unexpected_skip", reason))
 
 
+def _ran(stats: dict) -> int:
+    """Tests that ran to a verdict (their call phase passed or failed, or their set-up errored)."""
+    return sum(1 for key in ("passed", "failed", "error") for r in stats.get(key, []) if r.when in ("call", "setup"))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     unexpected = [
         (report.nodeid, dict(report.user_properties)["unexpected_skip"])
         for report in terminalreporter.stats.get("skipped", [])
         if "unexpected_skip" in dict(report.user_properties)
     ]
+    ran = _ran(terminalreporter.stats)
+    floor = config.getoption("--min-tests")
+    if ran < floor:
+        terminalreporter.write_line(
+            f"only {ran} test(s) ran, fewer than this group's floor of {floor} (--min-tests): tests were lost "
+            "to collection, selection or skips"
+        )
     if _launcher_rank() == "0":
         # torch groups are reused (GridPool), so this stays flat however many grids the tests train.
         threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
@@ -110,6 +129,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     stats = getattr(config.pluginmanager.get_plugin("terminalreporter"), "stats", {})
     unexpected = [r for r in stats.get("skipped", []) if "unexpected_skip" in dict(r.user_properties)]
     if unexpected and config.getoption("--strict-skips") and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _ran(stats) < config.getoption("--min-tests") and session.exitstatus in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     # pytest-mpi prints an "MPI Information" section on every rank; rank 0's is enough.
     if (_launcher_rank() or "0") != "0":

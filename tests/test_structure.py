@@ -72,3 +72,20 @@ def test_the_structure_checks_can_fail(tmp_path):
         "class C:\n    watchdog: Optional[Any] = None\n"
     )
     assert len(_any_components(sample)) == 2  # dp and watchdog; x is not a component name
+
+
+def test_a_group_that_runs_fewer_tests_than_its_floor_fails():
+    """launch/test.sh gives every group a floor (--min-tests, tests/conftest.py): a group that lost
+    tests to collection, selection or skips fails instead of passing on what is left."""
+    import subprocess
+    import sys
+
+    one = "tests/test_structure.py::test_the_structure_checks_can_fail"
+
+    def run(floor: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", one, f"--min-tests={floor}"]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+
+    assert run(1).returncode == 0
+    short = run(2)
+    assert short.returncode == 1 and "fewer than this group's floor of 2" in short.stdout, short.stdout
