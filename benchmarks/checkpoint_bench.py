@@ -105,15 +105,12 @@ def _rank_tensors(trainer: Any) -> dict[str, Any]:
     torch.save of a view would write the view's whole storage)."""
     import torch
 
-    from app.checkpoint import io
-
-    parts = io.plan(trainer)
-    kinds = [io.MODEL] + ([] if trainer.dp.master_is_param else [io.MASTER]) + list(io.MOMENTS)
+    shards = sorted((*trainer.dp.shard_states(), *trainer.optimizer.shard_states()), key=lambda s: (s.group, s.name))
     out = {}
-    for kind in kinds:
-        slices = [io._state_slice(trainer, kind, part, *part.slice) for _, part in sorted(parts.items()) if part.writes]
-        dtype = trainer.dp.param_buffer.dtype if kind == io.MODEL else torch.float32
-        out[kind] = torch.cat(slices).cpu() if slices else torch.empty(0, dtype=dtype)
+    for group in dict.fromkeys(s.group for s in shards):  # the groups this run has, in order
+        mine = [s for s in shards if s.group == group]
+        slices = [s.view(*s.write) for s in mine if s.writes]
+        out[group] = torch.cat(slices).cpu() if slices else torch.empty(0, dtype=mine[0].dtype)
     return out
 
 

@@ -18,8 +18,17 @@ pytest_args=(-q --color=no -p no:cacheprovider --timeout=300 "$@")
 # test, then exit), so mpirun ends the job; the signal method would leave the other ranks waiting
 # in a collective for the one that moved on to the next test.
 mpi_args=(--timeout-method=thread --with-mpi -m mpi)
-# As root, setup installed everything: a test skipped for want of something is a failure.
-if [ "$(id -u)" = 0 ]; then pytest_args+=(--strict-skips); fi
+# As root, setup installed everything: a test skipped for want of something is a failure, and
+# each group must run at least as many tests as it ran when its floor was last set (--min-tests;
+# raise a floor when a group gains tests, so that losing them later fails the run).
+root=0 selected=$(( $# > 0 ))
+if [ "$(id -u)" = 0 ]; then pytest_args+=(--strict-skips); root=1; fi
+floor() {  # group name -> --min-tests N (as root only)
+  local n
+  case "$1" in serial) n=691 ;; mpi-1) n=30 ;; mpi-2) n=43 ;; mpi-4) n=47 ;; mpi-8) n=46 ;; slurm) n=4 ;; *) n=0 ;; esac
+  # Not with a selection of the caller's (-k, -x, a file): it runs fewer on purpose.
+  if [ "$root" = 1 ] && [ "$selected" = 0 ]; then echo "--min-tests=$n"; else echo "--min-tests=0"; fi
+}
 failed=()
 
 # Outer limits per group: about 5x each group's time on a quiet 2-core machine (shared
@@ -38,13 +47,13 @@ run_group() {  # name, limit in seconds, command...
 }
 
 # Serial: everything not marked mpi or slurm (those groups follow).
-run_group serial 1500 python -m pytest "${pytest_args[@]}" -m "not mpi and not slurm" tests/
+run_group serial 1500 python -m pytest "${pytest_args[@]}" "$(floor serial)" -m "not mpi and not slurm" tests/
 for n in 1 2 4; do
-  run_group "mpi-$n" 600 mpirun -n "$n" python -m pytest "${pytest_args[@]}" "${mpi_args[@]}" tests/
+  run_group "mpi-$n" 600 mpirun -n "$n" python -m pytest "${pytest_args[@]}" "$(floor "mpi-$n")" "${mpi_args[@]}" tests/
 done
 # 8 ranks: the tests that need 8 (the any-grid = one-rank matrix, checkpoint resharding); the
 # rest already ran above.
-run_group mpi-8 2400 mpirun -n 8 python -m pytest "${pytest_args[@]}" "${mpi_args[@]}" --mpi-min-size 8 tests/
+run_group mpi-8 2400 mpirun -n 8 python -m pytest "${pytest_args[@]}" "$(floor mpi-8)" "${mpi_args[@]}" --mpi-min-size 8 tests/
 
 # Slurm: srun and sbatch --wait of real jobs. Stopped on every way out (trap) unless it was
 # already up before this run (then it is someone else's, e.g. a developer's).
@@ -69,7 +78,7 @@ slurm_done="slurm"
 case $slurm_rc in
   0)
     eval "$slurm_export"
-    run_group slurm 600 python -m pytest "${pytest_args[@]}" --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
+    run_group slurm 600 python -m pytest "${pytest_args[@]}" "$(floor slurm)" --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
     stop_slurm
     ;;
   3)
