@@ -260,12 +260,18 @@ def grid_trainer(grids: GridPool, tp: int, pp: int, dp: int, overrides: tuple[st
 
 def reference_run(grids: GridPool, deck_sets: tuple[str, ...], steps: int, cache: dict) -> tuple[list[float], dict]:
     """The 1-rank run of inputs/gpt_tiny.yaml with `deck_sets` (include a run.dir): its `steps`
-    global-batch losses and its parameters by name. Every rank computes it alone (on its own
-    1-rank grid), once per `deck_sets` in `cache`, the reference that any grid must equal."""
+    global-batch losses and its parameters by name, the reference that any grid must equal.
+    Computed once per `deck_sets` (kept in `cache`) on world rank 0 alone, on its own 1-rank
+    grid, and broadcast: the other ranks would only compute the same numbers on the same cores.
+    Every rank still makes the 1-rank grid, so that all hold the same number of torch groups."""
     if deck_sets not in cache:
-        trainer = grid_trainer(grids, 1, 1, 1, deck_sets)
-        losses = train_steps(trainer, steps)
-        cache[deck_sets] = (losses, {name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+        grids.grid(1, 1, 1)
+        result = None
+        if grids.world.rank == 0:
+            trainer = grid_trainer(grids, 1, 1, 1, deck_sets)
+            losses = train_steps(trainer, steps)
+            result = (losses, {name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+        cache[deck_sets] = grids.world.comm.bcast(result, root=0)
     return cache[deck_sets]
 
 
