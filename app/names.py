@@ -16,6 +16,12 @@ RECOMPUTE = ("none", "full", "selective")  # train.recompute
 SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
 
 
+def reduce_precision(precision: str, grad_reduce_dtype: str) -> str:
+    """The precision gradients are accumulated and reduced in: train.precision when
+    train.grad_reduce_dtype is `compute`, else fp32."""
+    return precision if grad_reduce_dtype == "compute" else "fp32"
+
+
 def schedule_key(virtual_stages: int) -> str:
     """The pipeline schedule a run with `virtual_stages` chunks per stage uses (a SCHEDULES key)."""
     return "interleaved-1f1b" if virtual_stages > 1 else "1f1b"

@@ -41,7 +41,7 @@ from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo
 from app.metrics.timers import StepTimers
 from app.model.gpt import GPT
-from app.names import torch_dtype
+from app.names import reduce_precision, torch_dtype
 from app.optim.optimizer import (
     LossScaler,
     NonFiniteGuard,
@@ -130,7 +130,7 @@ class Trainer:
             self.model,
             grid,
             compute_dtype=compute,
-            reduce_dtype=compute if tr.grad_reduce_dtype == "compute" else torch.float32,
+            reduce_dtype=torch_dtype(reduce_precision(tr.precision, tr.grad_reduce_dtype)),
             bucket_mb=par.dp_bucket_mb,
             zero=deck.optim.zero == 1,
             overlap_grad_reduce=par.overlap_grad_reduce,

@@ -28,7 +28,7 @@ from app.metrics.report import (
 )
 from app.metrics.summary import CheckpointInfo, GridInfo, PipelineInfo, StudyInfo, Summary, TimersInfo
 from app.metrics.timers import PHASES
-from app.names import AXES, SCHEDULES, schedule_key
+from app.names import AXES, SCHEDULES, reduce_precision, schedule_key
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, on_root
 
@@ -107,7 +107,7 @@ class RunReport:
         zero = (" ZeRO-1" if built.zero_sharded else " (ZeRO-1 has no effect at dp = 1)") if opt.zero else ""
         rt.log(
             f"gridlm: precision {tr.precision} (gradients reduced in "
-            f"{tr.precision if tr.grad_reduce_dtype == 'compute' else 'fp32'}) | optimizer {opt.name}"
+            f"{reduce_precision(tr.precision, tr.grad_reduce_dtype)}) | optimizer {opt.name}"
             f"{zero} | recompute {tr.recompute} | {built.dp_buckets} dp bucket(s) "
             f"of <= {par.dp_bucket_mb:g} MB | overlap: {overlaps}"
         )

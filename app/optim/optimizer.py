@@ -187,8 +187,6 @@ class ShardedOptimizer:
         self.exp_avg = [torch.zeros_like(m) for m in dp.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in dp.master]
         self.steps = 0
-        # Runs of elements with weight decay, per bucket shard (adjacent parameters merged).
-        self.decay_runs = [dp.layout.decay_runs(b) for b in range(len(dp.layout.buckets))]
 
     def shard_states(self) -> list[ShardState]:
         """The moments of the master shards, as shard descriptors (`app.shards`)."""
@@ -220,13 +218,14 @@ class ShardedOptimizer:
             # In place after the sqrt: one temporary per bucket, not two (on CPUs a second large
             # temporary costs fresh pages every step); the same values, bit for bit.
             denom = v.sqrt().div_(math.sqrt(bc2)).add_(cfg.eps)
+            decay_runs = self.dp.layout.decay_runs(b)  # elements with weight decay, neighbours merged
             if cfg.name == "adamw":
-                for lo, hi in self.decay_runs[b]:
+                for lo, hi in decay_runs:
                     p[lo:hi].mul_(1 - lr * cfg.weight_decay)
                 p.addcdiv_(m, denom, value=-lr / bc1)
             else:
                 update = (m / bc1).div_(denom)
-                for lo, hi in self.decay_runs[b]:
+                for lo, hi in decay_runs:
                     update[lo:hi].add_(p[lo:hi], alpha=cfg.weight_decay)
                 updates.append(update)
         if cfg.name == "lamb":

@@ -76,12 +76,6 @@ class InFlight:
     grad_shard: Optional[torch.Tensor] = None  # ZeRO: the reduce-scatter output
 
 
-def _clip(span: tuple[int, int], offset: int, numel: int) -> tuple[int, int]:
-    """Buffer range `span` intersected with a parameter at `offset`, in its local flat indices."""
-    lo, hi = max(span[0], offset) - offset, min(span[1], offset + numel) - offset
-    return (lo, hi) if lo < hi else (0, 0)
-
-
 class DataParallel:
     """Flat buffers, bucketed dp reductions and the (sharded) fp32 master weights of one rank.
 
@@ -267,10 +261,6 @@ class DataParallel:
         for module, params in first_uses:
             module.register_forward_pre_hook(lambda _m, _a, ps=tuple(params): self.wait_params(ps))
 
-    def dp_slice(self, b: int) -> tuple[int, int]:
-        """This dp rank's 1/dp slice of bucket b (`ParamLayout.dp_slice`)."""
-        return self.layout.dp_slice(b)
-
     # ---- checkpoint state --------------------------------------------------------------
 
     def shard_states(self) -> list[ShardState]:
@@ -291,7 +281,7 @@ class DataParallel:
         out = []
         for b, bucket in enumerate(self.buckets):
             for i in bucket.params:
-                lo, hi = _clip((bucket.shard_lo, bucket.shard_hi), self.offsets[i], self.params[i].numel())
+                lo, hi = self.layout.local_range(i, (bucket.shard_lo, bucket.shard_hi))
                 base = self.offsets[i] - bucket.shard_lo
                 out.append(self._shard_state(group, i, shards[b].dtype, (lo, hi),
                                              lambda lo, hi, t=shards[b], base=base: t[base + lo : base + hi]))  # fmt: skip
@@ -303,11 +293,11 @@ class DataParallel:
         """Parameter i's state: the owner of its elements (`ParamMeta.owned_by`: every tp shard, tp
         rank 0 of a replicated tensor, never the tied head copy) writes its dp slice of the
         bucket, whether or not the optimizer shards (ZeRO-1), so every element is written once."""
-        p, off = self.params[i], self.offsets[i]
+        p = self.params[i]
         meta = p.meta  # type: ignore[attr-defined]
-        b = self.bucket_of[id(p)]
         # Inside `hold`: without ZeRO-1 a rank holds whole buckets, with it its shard is the slice.
-        write = _clip(self.layout.dp_slice(b), off, p.numel()) if meta.owned_by(self.tp_rank) else (0, 0)
+        dp_slice = self.layout.dp_slice(self.bucket_of[id(p)])
+        write = self.layout.local_range(i, dp_slice) if meta.owned_by(self.tp_rank) else (0, 0)
         return ShardState(group, self.names[i], tuple(meta.global_shape), tuple(meta.offset), tuple(p.shape), dtype,
                           write, hold, view)  # fmt: skip
 

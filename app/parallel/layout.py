@@ -101,15 +101,22 @@ class ParamLayout:
         close()
         return cls(tuple(numels), tuple(decay), tuple(offsets), tuple(buckets), dp, dp_rank, zero)
 
+    def local_range(self, i: int, span: tuple[int, int]) -> tuple[int, int]:
+        """Buffer range `span` intersected with parameter i, in the parameter's local flat
+        indices; (0, 0) where they do not meet."""
+        lo = max(span[0], self.offsets[i]) - self.offsets[i]
+        hi = min(span[1], self.offsets[i] + self.numels[i]) - self.offsets[i]
+        return (lo, hi) if lo < hi else (0, 0)
+
     def _parts(self, b: int) -> tuple[tuple[Segment, ...], tuple[tuple[int, int], ...]]:
         if b not in self._shard_parts:
             bucket = self.buckets[b]
-            lo, hi = bucket.shard_lo, bucket.shard_hi
             segments = []
             for i in bucket.params:
-                s_lo, s_hi = max(self.offsets[i], lo), min(self.offsets[i] + self.numels[i], hi)
-                if s_lo < s_hi:
-                    segments.append(Segment(i, s_lo - lo, s_hi - lo, s_lo - self.offsets[i]))
+                p_lo, p_hi = self.local_range(i, (bucket.shard_lo, bucket.shard_hi))
+                if p_lo < p_hi:
+                    shard_lo = self.offsets[i] + p_lo - bucket.shard_lo
+                    segments.append(Segment(i, shard_lo, shard_lo + p_hi - p_lo, p_lo))
             runs: list[tuple[int, int]] = []
             for s in segments:
                 if self.decay[s.param]:

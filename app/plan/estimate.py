@@ -48,7 +48,7 @@ from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
-from app.names import BYTES
+from app.names import BYTES, reduce_precision
 from app.parallel.layout import ParamLayout
 from app.parallel.schedule import partition_layers
 
@@ -92,22 +92,35 @@ def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) 
     return sum(n for n, _ in stage_param_list(m, tp, layers, first, last))
 
 
-def stage_layout(deck: Deck, layers: int, first: bool, last: bool, zero: bool) -> ParamLayout:
+# Layouts already built, keyed by every input of `stage_layout` (the model config whole). A
+# search passes one such dict to every plan, so the grids that share a stage shape share them.
+LayoutCache = dict[tuple, ParamLayout]
+
+
+def stage_layout(
+    deck: Deck, layers: int, first: bool, last: bool, zero: bool, cache: Optional[LayoutCache] = None
+) -> ParamLayout:
     """The `ParamLayout` a stage's `DataParallel` allocates (dp rank 0; every dp rank's shard is
     the same size): the parameters in reverse registration order, the tied embedding alone."""
     m, par, tr = deck.model, deck.parallel, deck.train
+    bucket_elements = par.dp_bucket_mb * 1e6 / BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
+    key = (m, par.tp, par.pp > 1, deck.dp, bucket_elements, layers, first, last, zero)
+    if cache is not None and key in cache:
+        return cache[key]
     params = stage_param_list(m, par.tp, layers, first, last)[::-1]
     tied = m.tie_embeddings and par.pp > 1 and (first or last)
-    grad_bytes = BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
-    return ParamLayout.build(
+    layout = ParamLayout.build(
         [n for n, _ in params],
         [d for _, d in params],
         dp=deck.dp,
         dp_rank=0,
         zero=zero,
-        bucket_elements=par.dp_bucket_mb * 1e6 / grad_bytes,
+        bucket_elements=bucket_elements,
         alone=len(params) - 1 - int(first) if tied else None,  # the embedding, after wpe on the first stage
     )
+    if cache is not None:
+        cache[key] = layout
+    return layout
 
 
 def model_params(m: ModelConfig) -> int:
@@ -180,11 +193,6 @@ class StageEstimate:
         return self.weights + self.gradients + self.optimizer[f"zero{zero}"] + self.activations[recompute]
 
 
-# The inputs a stage's layout depends on (`stage_layout`) -> (without, with ZeRO-1). A search
-# passes one such dict to every plan, so the grids that share a stage shape share its layouts.
-LayoutCache = dict[tuple, tuple[ParamLayout, ParamLayout]]
-
-
 def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[StageEstimate]:
     """Per-stage estimates of a deck resolved for a world size (`resolve_for_world`); `layouts`:
     see `LayoutCache`."""
@@ -192,7 +200,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     chunks = partition_layers(m.layers, pp * v, par.stage_layers)
     chunk_layers = [len(c) for c in chunks]
-    e, grad_bytes = BYTES[tr.precision], BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    e, grad_bytes = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     master = 0 if tr.precision == "fp32" else 4
     micro = deck.num_micro_batches
     per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e)
@@ -219,12 +227,8 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
         # Buffers and shards as DataParallel allocates them from the layout (padding included):
         # the fp32 master (apart from the parameters unless fp32) and two moments per shard
         # element, and under ZeRO-1 the reduce-scatter's gradient shard.
-        key = (m.hidden, m.ffn, m.vocab_size, m.seq_len, m.tie_embeddings, tp, pp > 1, dp, par.dp_bucket_mb,
-               grad_bytes, sum(mine), first, last)  # fmt: skip
-        if key not in layouts:  # the middle stages share theirs
-            whole = stage_layout(deck, sum(mine), first, last, zero=False)
-            layouts[key] = (whole, stage_layout(deck, sum(mine), first, last, zero=True) if dp > 1 else whole)
-        whole, sharded = layouts[key]
+        whole = stage_layout(deck, sum(mine), first, last, zero=False, cache=layouts)  # middle stages share it
+        sharded = stage_layout(deck, sum(mine), first, last, zero=True, cache=layouts) if dp > 1 else whole
         optimizer = {
             "zero0": whole.shard_elements() * (master + 8.0),
             "zero1": sharded.shard_elements() * (master + 8.0 + (grad_bytes if dp > 1 else 0)),

@@ -45,10 +45,10 @@ from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
-from app.names import BYTES
+from app.names import BYTES, reduce_precision
 from app.parallel.schedule import Action, build_schedule, partition_layers
 from app.plan.estimate import stage_params
-from app.plan.machine import ELEMENTWISE_KINDS, LinkLevel, Machine  # noqa: F401 (docs)
+from app.plan.machine import LinkLevel, Machine
 from app.runtime.grid import GridLayout
 
 # Bytes one element-wise backward moves per byte of its forward: it reads the output
@@ -78,7 +78,7 @@ class Device:
     op_seconds: float = 0.0  # host time per framework op (CPUs; 0 where launches overlap the work)
     attention_backward_efficiency: Optional[float] = None  # the backward's, where a machine gives it apart
     # Achieved bytes/s of element-wise kinds slower than a memory stream (CPUs: GELU's tanh and the
-    # softmax's exp are compute-bound), by ELEMENTWISE_KINDS name; the others run at hbm_bytes_s.
+    # softmax's exp are compute-bound), by machine.ELEMENTWISE_KINDS name; the others run at hbm_bytes_s.
     kind_bytes_s: tuple[tuple[str, float], ...] = ()
 
     def gemm(self, m: int, n: int, k: int, element: int) -> float:
@@ -92,7 +92,7 @@ class Device:
 
     def stream(self, nbytes: float, kind: Optional[str] = None) -> float:
         """Seconds to read and write `nbytes` in element-wise kernels: memory-bound, unless the
-        machine measured `kind` (one of ELEMENTWISE_KINDS) slower."""
+        machine measured `kind` (one of machine.ELEMENTWISE_KINDS) slower."""
         return nbytes / dict(self.kind_bytes_s).get(kind, self.hbm_bytes_s)
 
 
@@ -312,7 +312,7 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
     sequence parallelism, the tp sums of the replicated parameters' gradients."""
     m, par, tr = deck.model, deck.parallel, deck.train
     pp, v, micro = par.pp, par.virtual_stages, deck.num_micro_batches
-    e, g = BYTES[tr.precision], BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    e, g = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     chunks = partition_layers(m.layers, pp * v, par.stage_layers)
     mine = list(range(stage, pp * v, pp))
     layers = sum(len(chunks[c]) for c in mine)
@@ -617,7 +617,7 @@ def optimizer_bytes(deck: Deck) -> int:
     written (fp32 moments; every eager op reads its operands and writes its result)."""
     tr, opt = deck.train, deck.optim
     e = BYTES[tr.precision]
-    g = BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     total = (g + 4) if g != 4 else 0  # the gradient to fp32
     if opt.grad_clip > 0 or tr.precision == "fp16":
         total += 8  # times the clip coefficient (and the loss-scale inverse)
@@ -664,7 +664,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         layout = GridLayout.from_order_string(tp, pp, dp, par.order, machine.devices_per_node)
     links = axis_links(machine, layout)
     e = BYTES[tr.precision]
-    g = BYTES[tr.precision if tr.grad_reduce_dtype == "compute" else "fp32"]
+    g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     micro = deck.num_micro_batches
 
     msgs = tp_collectives(deck)
