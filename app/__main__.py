@@ -126,13 +126,16 @@ def run(argv: Optional[list[str]] = None) -> int:
     from app.runtime.mpi import abort, agree, bind_device, init_mpi, init_torch_distributed, set_threads, shutdown
     from app.runtime.watchdog import EXIT_CODE as WATCHDOG_EXIT
     from app.runtime.watchdog import start_watchdog
-    from app.train import train
 
     runtime = init_mpi()
     try:
         deck = agree(
             runtime, lambda: resolve_for_world(load_deck(args.deck, tuple(args.overrides)), runtime.world_size)
         )
+        # torch only once the deck is good: a deck mistake is reported before thousands of ranks
+        # read torch's libraries from a parallel file system.
+        from app.train import train
+
         # From here on no rank waits forever: a blocked call past run.comm_timeout_s aborts the job.
         start_watchdog(runtime, deck.run.comm_timeout_s)
         agree(runtime, lambda: bind_device(runtime, deck.run.device))

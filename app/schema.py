@@ -56,6 +56,7 @@ class Key:
     text: bool = False  # strings reach paths, logs and HDF5 attributes: printable UTF-8, <= MAX_TEXT
     path: bool = False  # a path: not empty
     fix: str = ""  # said instead of "expected TYPE (help)" for a value of the wrong type
+    length: Optional[int] = None  # a list[...] of exactly this many items (gemm.tile: [rows, columns])
 
     @property
     def required(self) -> bool:
@@ -183,6 +184,8 @@ def _value(key: Key, tp: Any, value: Any, name: str, file: str) -> Any:
         elif want is str and isinstance(value, str) and not key.words:
             converted = _text(key, value, name, file)
         elif item and isinstance(value, list):
+            if key.length is not None and len(value) != key.length:
+                raise Problem(file, name, value, f"expected a list of {key.length} items ({key.help})")
             return [_value(key, item[0], v, f"{name}[{i}]", file) for i, v in enumerate(value)]
         elif want in (dict, list) and isinstance(value, want):
             return value

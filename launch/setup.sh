@@ -28,7 +28,7 @@ venv_ok() {
   [ -x "$venv/bin/python" ] && command -v mpirun >/dev/null 2>&1 &&
     "$venv/bin/python" - <<'PY' >/dev/null 2>&1
 import importlib.util
-import h5py, hypothesis, matplotlib, mpi4py, numpy, pytest, safetensors, torch, yaml, app  # noqa: F401
+import h5py, hypothesis, matplotlib, mpi4py, numpy, pytest, safetensors, torch, xdist, yaml, app  # noqa: F401
 assert h5py.get_config().mpi and importlib.util.find_spec("transformers") and importlib.util.find_spec("tensorboard")
 PY
 }
@@ -79,7 +79,7 @@ if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
   "${pip[@]}" install "$torch_spec"
 fi
 say "installing numpy, pyyaml, mpi4py, safetensors, transformers, matplotlib, tensorboard, pytest tools and h5py build tools"
-"${pip[@]}" install numpy pyyaml mpi4py safetensors transformers matplotlib tensorboard pytest pytest-mpi pytest-timeout hypothesis ruff \
+"${pip[@]}" install numpy pyyaml mpi4py safetensors transformers matplotlib tensorboard pytest pytest-mpi pytest-timeout pytest-xdist hypothesis ruff \
   "Cython>=3,<4" pkgconfig "setuptools>=77" wheel
 
 # --- 3. h5py against parallel HDF5 -----------------------------------------------------

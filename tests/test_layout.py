@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from app.parallel.layout import ParamLayout
+from app.parallel.layout import ParamLayout, ParamMeta
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,9 +21,15 @@ def _params(seed: int, count: int = 30) -> tuple[list[int], list[bool]]:
     return numels, [rng.random() < 0.6 for _ in numels]
 
 
+def _metas(numels, decay) -> list[ParamMeta]:
+    """Flat parameters replicated over tp (the buckets only see their sizes)."""
+    return [ParamMeta((n,), decay=d) for n, d in zip(numels, decay)]
+
+
 def _layouts(numels, decay, dp, zero, bucket, alone=None):
+    metas = _metas(numels, decay)
     return [
-        ParamLayout.build(numels, decay, dp=dp, dp_rank=r, zero=zero, bucket_elements=bucket, alone=alone)
+        ParamLayout.build(metas, tp_rank=0, dp=dp, dp_rank=r, zero=zero, bucket_elements=bucket, alone=alone)
         for r in range(dp)
     ]
 
@@ -86,8 +92,41 @@ def test_a_layout_at_32768_ranks_is_built_without_tensors():
     hidden, layers, dp = 25_600, 4, 32_768
     numels = [hidden * 3 * hidden // 8, 3 * hidden // 8, hidden * hidden // 8, hidden, hidden, hidden] * layers
     decay = [True, False, True, False, False, False] * layers
-    layout = ParamLayout.build(numels, decay, dp=dp, dp_rank=dp - 1, zero=True, bucket_elements=25e6 / 4)
+    layout = ParamLayout.build(
+        _metas(numels, decay), tp_rank=0, dp=dp, dp_rank=dp - 1, zero=True, bucket_elements=25e6 / 4
+    )
     assert layout.size >= sum(numels) and layout.size % dp == 0
     assert layout.shard_elements() * dp == layout.size
     for k, b in enumerate(layout.buckets):
         assert (b.shard_lo, b.shard_hi) == layout.dp_slice(k) and b.shard_hi == b.end
+
+
+def test_ownership_counts_each_element_of_the_1_rank_model_once_over_tp():
+    """The layout says which copies count (norms, checkpoints): over the tp ranks of a stage, the
+    owned boxes of each parameter cover its global tensor exactly once; replicated tensors count
+    on tp rank 0 and the tied head copy on none."""
+    import itertools
+    from collections import Counter
+
+    from app.parallel.layout import tp_box
+
+    tp = 4
+    base = [ParamMeta((8, 6)), ParamMeta((6,), decay=False), ParamMeta((12, 6), tied=True), ParamMeta((6, 8))]
+    splits = [0, None, 0, 1]  # column-parallel, replicated, the tied copy, row-parallel
+    layouts = []
+    for r in range(tp):
+        metas = [m if d is None else tp_box(m, tp, r, d) for m, d in zip(base, splits)]
+        layouts.append(ParamLayout.build(metas, tp_rank=r, dp=1, dp_rank=0, zero=False, bucket_elements=100))
+    for i, meta in enumerate(base):
+        counted: Counter = Counter()
+        for layout in layouts:
+            box = layout.metas[i]
+            assert layout.numels[i] == box.numel
+            if layout.owned[i]:
+                counted.update(itertools.product(*(range(o, o + n) for o, n in zip(box.local_offset, box.local_shape))))
+        everything = set(itertools.product(*(range(n) for n in meta.global_shape)))
+        if meta.tied:
+            assert not counted, i
+        else:
+            assert set(counted) == everything and set(counted.values()) == {1}, i
+    assert [layout.owned[1] for layout in layouts] == [True, False, False, False]

@@ -202,11 +202,26 @@ def _machine_with(text: str, directory: Path):
 @pytest.mark.parametrize(
     "old, new, message",
     [
-        ("  compute_units: 108", "  compute_units: 108\n  warp_factor: 3", "gemm.warp_factor: unknown"),
+        ("  compute_units: 108", "  compute_units: 108\n  warp_factor: 3", "gemm.warp_factor = 3: unknown key"),
         ("efficiency: 0.897", "efficiency: 1.5", "gemm.efficiency = 1.5"),
         ("compute_units: 108", "compute_units: 0.5", "gemm.compute_units = 0.5"),
         ("tile: [256, 128]", "tile: [256]", "gemm.tile"),
         ("{name: nvswitch, devices: 8,", "{name: nvswitch, devices: null,", "links[0]"),
+        ("devices: 8, gbs: 230", "devices: 8, gbs: -1", "links[0].gbs = -1"),
+        ("{name: nvswitch, devices: 8,", "{name: nvswitch, devices: 8.5,", "links[0].devices = 8.5"),
+        (
+            "sources:",
+            "collectives: {all_reduce: {1: {gbs: 2, latency_us: 1}}}\nsources:",
+            "collectives.all_reduce.1 = 1",
+        ),
+        (
+            "sources:",
+            "collectives: {all_reduce: {4: {gbs: 0, latency_us: 1}}}\nsources:",
+            "collectives.all_reduce.4.gbs = 0",
+        ),
+        ("sources:", "collectives: {broadcast: {4: {gbs: 2, latency_us: 1}}}\nsources:", "collectives.broadcast"),
+        ("sources:", "elementwise_gbs: {rmsnorm: 3}\nsources:", "elementwise_gbs.rmsnorm = 3: unknown key"),
+        ("sources:", "peak_tflops: {bf16: -2}\nsources:", "peak_tflops.bf16 = -2"),
     ],
 )
 def test_bad_performance_constants_are_named(old, new, message, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from app.deck import load_deck, resolve_for_world
 from app.metrics.peaks import peak_tflops
 from app.plan.dryrun import make_plan
-from app.plan.estimate import estimate_stages, stage_layout, stage_param_list, stage_params
+from app.plan.estimate import estimate_stages, stage_layout, stage_param_list, stage_param_metas, stage_params
 from app.plan.machine import MachineError, load_machine, machine_names
 from app.runtime.grid import GridLayout
 from conftest import REPO, grid_trainer
@@ -62,6 +62,12 @@ def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual):
             )
             built = [(p.numel(), p.meta.decay) for p in model.parameters()]
             assert stage_param_list(deck.model, tp, len(layers), stage == 0, stage == pp - 1) == built, (stage, rank)
+            # The tp boxes too: the planner's layouts hold the boxes the model's layers make.
+            boxes = [(m.global_shape, m.local_offset, m.local_shape, m.split, m.tied) for m in
+                     stage_param_metas(deck.model, tp, len(layers), stage == 0, stage == pp - 1, rank)]  # fmt: skip
+            made = [(p.meta.global_shape, p.meta.local_offset, tuple(p.shape), p.meta.split, p.meta.tied)
+                    for p in model.parameters()]  # fmt: skip
+            assert boxes == made, (stage, rank)
             assert stages[stage].params == sum(n for n, _ in built), (stage, rank)
     whole = stage_params(deck.model, 1, deck.model.layers, True, True)
     assert whole == gpt_num_parameters(deck.model)

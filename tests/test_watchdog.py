@@ -186,6 +186,9 @@ def test_silent_rank_is_named_by_its_heartbeat_and_a_beating_one_is_not():
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     dog, _, _ = make_watchdog(60.0, store.port)
+    # In a job only the watchdog's own thread uses its store client (TCPStore clients are not
+    # thread-safe); stop that thread so that this test's calls are the client's only user.
+    dog.stop()
     store.set(
         HEARTBEAT_KEY.format(1), json.dumps({"seq": 1, "step": 4, "micro": 0, "op": "wait for irecv", "axis": "pp"})
     )

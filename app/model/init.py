@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
+
+from app.parallel.layout import ParamMeta
 
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio increment, as a signed int64
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -27,46 +27,9 @@ _MIX2 = 0x94D049BB133111EB - (1 << 64)
 _CHUNK = 1 << 22  # elements generated at a time, to bound temporary memory
 
 
-@dataclass(frozen=True)
-class ParamMeta:
-    """Where a local parameter sits in its global tensor.
-
-    `global_shape`: the 1-rank shape; `offset`: start of this shard along each dim;
-    `split`: grid axis -> dim it is split along; along every other axis of tp and dp the
-    parameter is replicated (pp is different: each parameter lives on the stage that runs
-    its layer). `init`: 'normal' | 'zeros' | 'ones'; `std`: for 'normal'; `decay`: weight
-    decay applies. `sequence_parallel`: replicated over tp, but it acts on a sequence
-    shard, so each tp rank holds a partial gradient that must be summed over tp.
-    `tied`: the last pipeline stage's copy of the tied embedding; its gradient is summed
-    with the first stage's, and it is counted once (there) in norms and checkpoints.
-    """
-
-    global_shape: tuple[int, ...]
-    init: str = "normal"
-    std: float = 0.0
-    decay: bool = True
-    offset: tuple[int, ...] = ()
-    split: dict[str, int] = field(default_factory=dict)
-    sequence_parallel: bool = False
-    tied: bool = False
-
-    def replicated_over(self, axis: str) -> bool:
-        """Whether every rank along `axis` holds this same tensor (tp and dp only)."""
-        return axis not in self.split
-
-    def owned_by(self, tp_rank: int) -> bool:
-        """Whether this copy stands for its elements when each logical element must count
-        once (norms, gathering): tp shards are disjoint and all count; a tensor replicated
-        over tp counts on tp rank 0; the tied head copy never (the first stage's counts).
-        dp replicas are for the caller to skip."""
-        return not self.tied and (not self.replicated_over("tp") or tp_rank == 0)
-
-
-def new_param(
-    meta: ParamMeta, local_shape: Optional[tuple[int, ...]] = None, device: torch.device | None = None
-) -> nn.Parameter:
-    """An uninitialised parameter of `local_shape` (default: the global shape) tagged with `meta`."""
-    p = nn.Parameter(torch.empty(local_shape or meta.global_shape, device=device))
+def new_param(meta: ParamMeta, device: torch.device | None = None) -> nn.Parameter:
+    """An uninitialised parameter of `meta`'s local shape, tagged with `meta`."""
+    p = nn.Parameter(torch.empty(meta.local_shape, device=device))
     p.meta = meta  # type: ignore[attr-defined]
     return p
 

@@ -48,13 +48,12 @@ def grad_norm(dp: DataParallel, grid: ProcessGrid) -> float:
     """Global L2 norm of the gradient of the 1-rank model, from the reduced shards.
 
     Call after `dp.finish_grad_reduce()`. Each logical element counts once
-    (`ParamMeta.owned_by`); the sum is reduced over tp and pp, and over dp when ZeRO-1
+    (`ParamLayout.owned`); the sum is reduced over tp and pp, and over dp when ZeRO-1
     shards the gradients (otherwise dp replicas hold the same values). inf/nan propagate.
     """
     local = torch.zeros((), dtype=torch.float64, device=dp.grad_buffer.device)
-    tp_rank = grid.coords["tp"]
-    for _, p, g in dp.held_grads():
-        if p.meta.owned_by(tp_rank):
+    for s, _, g in dp.held_grads():
+        if dp.layout.owned[s.param]:
             local += g.double().pow(2).sum()
     grid.all_reduce(local, ("tp", "pp", "dp") if dp.zero else ("tp", "pp"))
     return float(local.sqrt())
@@ -239,8 +238,7 @@ class ShardedOptimizer:
         sums = torch.zeros(len(dp.params), 2, dtype=torch.float64, device=dp.grad_buffer.device)
         for b in range(len(dp.buckets)):
             for s in dp.layout.segments(b):
-                meta = dp.params[s.param].meta
-                if meta.replicated_over("tp") and tp_rank != 0:
+                if dp.layout.metas[s.param].replicated_over("tp") and tp_rank != 0:
                     continue  # the tp replicas hold the same values: count them once
                 sums[s.param, 0] += dp.master[b][s.lo : s.hi].double().pow(2).sum()
                 sums[s.param, 1] += updates[b][s.lo : s.hi].double().pow(2).sum()

@@ -112,9 +112,13 @@ class DataParallel:
         device = self.params[0].device
         element = torch.empty((), dtype=reduce_dtype).element_size()
         tied_index = next((i for i, p in enumerate(self.params) if p is self.tied_param), None)
+        metas = [p.meta for p in self.params]  # type: ignore[attr-defined]
+        wrong = [n for n, p, m in zip(self.names, self.params, metas) if tuple(p.shape) != m.local_shape]
+        if wrong:  # a layer that built a parameter outside its own ParamMeta's box
+            raise RuntimeError(f"parameters whose shape is not their ParamMeta's local shape: {wrong}")
         self.layout = ParamLayout.build(
-            [p.numel() for p in self.params],
-            [p.meta.decay for p in self.params],  # type: ignore[attr-defined]
+            metas,
+            tp_rank=self.tp_rank,
             dp=self.dp,
             dp_rank=self.dp_rank,
             zero=self.zero,
@@ -199,7 +203,7 @@ class DataParallel:
                 wait(self.timers, f.reduce)
                 f.reduce = None
         if sp_group is not None:
-            views = [v for _, p, v in self.held_grads() if p.meta.sequence_parallel]
+            views = [v for s, _, v in self.held_grads() if self.layout.metas[s.param].sequence_parallel]
             if views:
                 allreduce_flat(views, sp_group, self.timers, "tp")
         if self.tied_group is not None:
@@ -290,15 +294,14 @@ class DataParallel:
     def _shard_state(
         self, group: str, i: int, dtype: torch.dtype, hold: tuple[int, int], view: Callable[[int, int], torch.Tensor]
     ) -> ShardState:
-        """Parameter i's state: the owner of its elements (`ParamMeta.owned_by`: every tp shard, tp
+        """Parameter i's state: the owner of its elements (`ParamLayout.owned`: every tp shard, tp
         rank 0 of a replicated tensor, never the tied head copy) writes its dp slice of the
         bucket, whether or not the optimizer shards (ZeRO-1), so every element is written once."""
-        p = self.params[i]
-        meta = p.meta  # type: ignore[attr-defined]
+        meta = self.layout.metas[i]
         # Inside `hold`: without ZeRO-1 a rank holds whole buckets, with it its shard is the slice.
-        dp_slice = self.layout.dp_slice(self.bucket_of[id(p)])
-        write = self.layout.local_range(i, dp_slice) if meta.owned_by(self.tp_rank) else (0, 0)
-        return ShardState(group, self.names[i], tuple(meta.global_shape), tuple(meta.offset), tuple(p.shape), dtype,
+        dp_slice = self.layout.dp_slice(self.bucket_of[id(self.params[i])])
+        write = self.layout.local_range(i, dp_slice) if self.layout.owned[i] else (0, 0)
+        return ShardState(group, self.names[i], tuple(meta.global_shape), tuple(meta.offset), meta.local_shape, dtype,
                           write, hold, view)  # fmt: skip
 
     # ---- reports ---------------------------------------------------------------------

@@ -8,6 +8,11 @@ the first and the last pipeline stage. Each rank updates a shard of every bucket
 without ZeRO, its 1/dp slice under ZeRO-1. The segments say which parameter elements a
 shard holds, and the decay runs which of its elements weight decay applies to.
 
+Each parameter is described by its `ParamMeta`: its tp box (the global tensor, this rank's
+offset and shape in it, the axis it is split along) and whether it is this rank's to count
+(`owned`: every tp shard, tp rank 0 of a tensor replicated over tp, never the tied head copy),
+so norms and checkpoints count each element of the 1-rank model once.
+
 `DataParallel` allocates its buffers and views from this layout; the optimizer, the
 gradient norm, LAMB and checkpoint I/O read it; none of them works it out again. It holds
 integers only, so it can be built and checked for any grid (32,768 ranks) without tensors.
@@ -15,9 +20,73 @@ integers only, so it can be built and checked for any grid (32,768 ranks) withou
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """Where a local parameter sits in its global tensor (its tp box), and how it is treated.
+
+    `global_shape`: the 1-rank shape; `offset`: start of this shard along each dim; `shape`:
+    the shard's shape (empty: the global shape); `split`: grid axis -> dim it is split along;
+    along every other axis of tp and dp the parameter is replicated (pp is different: each
+    parameter lives on the stage that runs its layer). `init`: 'normal' | 'zeros' | 'ones';
+    `std`: for 'normal'; `decay`: weight decay applies. `sequence_parallel`: replicated over
+    tp, but it acts on a sequence shard, so each tp rank holds a partial gradient that must be
+    summed over tp. `tied`: the last pipeline stage's copy of the tied embedding; its gradient
+    is summed with the first stage's, and it is counted once (there) in norms and checkpoints.
+    """
+
+    global_shape: tuple[int, ...]
+    init: str = "normal"
+    std: float = 0.0
+    decay: bool = True
+    offset: tuple[int, ...] = ()
+    split: dict[str, int] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    tied: bool = False
+    shape: tuple[int, ...] = ()
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """This rank's shard's shape."""
+        return self.shape or self.global_shape
+
+    @property
+    def local_offset(self) -> tuple[int, ...]:
+        """This rank's shard's start along each dim."""
+        return self.offset or (0,) * len(self.global_shape)
+
+    @property
+    def numel(self) -> int:
+        """Elements of this rank's shard."""
+        return math.prod(self.local_shape)
+
+    def replicated_over(self, axis: str) -> bool:
+        """Whether every rank along `axis` holds this same tensor (tp and dp only)."""
+        return axis not in self.split
+
+    def owned_by(self, tp_rank: int) -> bool:
+        """Whether this copy stands for its elements when each logical element must count
+        once (norms, gathering, checkpoints): tp shards are disjoint and all count; a tensor
+        replicated over tp counts on tp rank 0; the tied head copy never (the first stage's
+        counts). dp replicas are for the caller to skip."""
+        return not self.tied and (not self.replicated_over("tp") or tp_rank == 0)
+
+
+def tp_box(meta: ParamMeta, tp: int, tp_rank: int, dim: int) -> ParamMeta:
+    """`meta` for tp rank `tp_rank`'s shard of `tp` equal parts along `dim` (whole when tp = 1)."""
+    shape = list(meta.global_shape)
+    offset = [0] * len(shape)
+    if tp > 1:
+        shape[dim] //= tp
+        offset[dim] = tp_rank * shape[dim]
+    split = {"tp": dim} if tp > 1 else {}
+    return dataclasses.replace(meta, offset=tuple(offset), shape=tuple(shape), split=split)
 
 
 @dataclass(frozen=True)
@@ -49,7 +118,9 @@ class ParamLayout:
     A shard's segments and decay runs are worked out when first asked for (the dry run and the
     search need only the sizes, for thousands of grids)."""
 
-    numels: tuple[int, ...]  # elements of each parameter, in buffer order
+    metas: tuple[ParamMeta, ...]  # each parameter's tp box, in buffer order
+    owned: tuple[bool, ...]  # this rank counts its elements once (`ParamMeta.owned_by`)
+    numels: tuple[int, ...]  # elements of each parameter
     decay: tuple[bool, ...]  # weight decay applies to it
     offsets: tuple[int, ...]  # its first element in the flat buffers
     buckets: tuple[Bucket, ...]
@@ -63,19 +134,20 @@ class ParamLayout:
     @classmethod
     def build(
         cls,
-        numels: Sequence[int],
-        decay: Sequence[bool],
+        metas: Sequence[ParamMeta],
         *,
+        tp_rank: int,
         dp: int,
         dp_rank: int,
         zero: bool,
         bucket_elements: float,
         alone: Optional[int] = None,
     ) -> ParamLayout:
-        """Buckets of whole parameters of at least `bucket_elements` (the last may be smaller),
-        parameter `alone` (the tied embedding) in a bucket of its own. `zero` takes effect only
-        when dp > 1."""
+        """The parameters `metas` (buffer order) of tp rank `tp_rank` in buckets of whole
+        parameters of at least `bucket_elements` (the last may be smaller), parameter `alone`
+        (the tied embedding) in a bucket of its own. `zero` takes effect only when dp > 1."""
         zero = zero and dp > 1
+        numels = [m.numel for m in metas]
         offsets: list[int] = []
         buckets: list[Bucket] = []
         current: list[int] = []
@@ -99,7 +171,9 @@ class ParamLayout:
             if i == alone or size >= bucket_elements:
                 close()
         close()
-        return cls(tuple(numels), tuple(decay), tuple(offsets), tuple(buckets), dp, dp_rank, zero)
+        owned = tuple(m.owned_by(tp_rank) for m in metas)
+        decay = tuple(m.decay for m in metas)
+        return cls(tuple(metas), owned, tuple(numels), decay, tuple(offsets), tuple(buckets), dp, dp_rank, zero)
 
     def local_range(self, i: int, span: tuple[int, int]) -> tuple[int, int]:
         """Buffer range `span` intersected with parameter i, in the parameter's local flat

@@ -49,47 +49,81 @@ from typing import Callable, Optional
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, reduce_precision
-from app.parallel.layout import ParamLayout
+from app.parallel.layout import ParamLayout, ParamMeta, tp_box
 from app.parallel.schedule import partition_layers
 
 
 def block_params(m: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer block held by one tp rank."""
-    return sum(n for n, _ in _block_param_list(m, tp))
+    """Parameters of one transformer block held by one tp rank: the sizes of `_block_metas`'
+    boxes in closed form (the search counts them for every grid; tests compare the two)."""
+    h, f = m.hidden, m.ffn
+    return (
+        2 * h
+        + (3 * h // tp) * h
+        + 3 * h // tp
+        + h * (h // tp)
+        + h
+        + 2 * h
+        + (f // tp) * h
+        + f // tp
+        + h * (f // tp)
+        + h
+    )
 
 
-def _block_param_list(m: ModelConfig, tp: int) -> list[tuple[int, bool]]:
-    """(elements, weight decay) of a block's parameters on one tp rank, as `Block` registers them:
+def _block_metas(m: ModelConfig, tp: int, tp_rank: int) -> list[ParamMeta]:
+    """The tp boxes of a block's parameters on tp rank `tp_rank`, as `Block` registers them:
     ln1, the column-parallel QKV and row-parallel output projection (weight, bias), ln2, the
     column-parallel fc and row-parallel proj; row-parallel biases and LayerNorms are whole."""
     h, f = m.hidden, m.ffn
-    norm = [(h, False), (h, False)]
-    return [*norm, (3 * h // tp * h, True), (3 * h // tp, False), (h * (h // tp), True), (h, False),
-            *norm, (f // tp * h, True), (f // tp, False), (h * (f // tp), True), (h, False)]  # fmt: skip
+    norm = [ParamMeta((h,), decay=False), ParamMeta((h,), decay=False)]
+
+    def column(n_out: int, n_in: int) -> list[ParamMeta]:
+        return [
+            tp_box(ParamMeta((n_out, n_in)), tp, tp_rank, 0),
+            tp_box(ParamMeta((n_out,), decay=False), tp, tp_rank, 0),
+        ]
+
+    def row(n_out: int, n_in: int) -> list[ParamMeta]:
+        return [tp_box(ParamMeta((n_out, n_in)), tp, tp_rank, 1), ParamMeta((n_out,), decay=False)]
+
+    return [*norm, *column(3 * h, h), *row(h, h), *norm, *column(f, h), *row(h, f)]
 
 
-def stage_param_list(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[tuple[int, bool]]:
-    """(elements, weight decay) of every parameter one tp rank of a pipeline stage holds, in the
-    order `GPT.parameters()` yields them: its own tensors first (the positions on the first
-    stage, an untied head on the last), then its modules' (the embedding, on the first stage or
-    as the last stage's copy of a tied one; the blocks; the final LayerNorm)."""
+def stage_param_metas(
+    m: ModelConfig, tp: int, layers: int, first: bool, last: bool, tp_rank: int = 0
+) -> list[ParamMeta]:
+    """The tp boxes of every parameter tp rank `tp_rank` of a pipeline stage holds, in the order
+    `GPT.parameters()` yields them: its own tensors first (the positions on the first stage, an
+    untied head on the last), then its modules' (the embedding, on the first stage or as the
+    last stage's copy of a tied one; the blocks; the final LayerNorm). Only the fields a layout
+    reads are set (shapes, split, decay, tied), not the initialisation."""
     h, v = m.hidden, m.vocab_size
     out = []
     if first:
-        out.append((m.seq_len * h, True))
+        out.append(ParamMeta((m.seq_len, h)))
     if last and not m.tie_embeddings:
-        out.append((v // tp * h, True))
+        out.append(tp_box(ParamMeta((v, h)), tp, tp_rank, 0))
     if first or (last and m.tie_embeddings):
-        out.append((v // tp * h, True))
-    out += _block_param_list(m, tp) * layers
+        out.append(tp_box(ParamMeta((v, h), tied=not first), tp, tp_rank, 0))
+    out += _block_metas(m, tp, tp_rank) * layers
     if last:
-        out += [(h, False), (h, False)]
+        out += [ParamMeta((h,), decay=False), ParamMeta((h,), decay=False)]
     return out
+
+
+def stage_param_list(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[tuple[int, bool]]:
+    """(elements, weight decay) of every parameter one tp rank of a pipeline stage holds, in
+    `GPT.parameters()` order (`stage_param_metas`)."""
+    return [(meta.numel, meta.decay) for meta in stage_param_metas(m, tp, layers, first, last)]
 
 
 def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
     """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head)."""
-    return sum(n for n, _ in stage_param_list(m, tp, layers, first, last))
+    h, v = m.hidden, m.vocab_size
+    ends = (m.seq_len * h if first else 0) + (v // tp * h if last and not m.tie_embeddings else 0)
+    ends += v // tp * h if first or (last and m.tie_embeddings) else 0
+    return ends + (2 * h if last else 0) + layers * block_params(m, tp)
 
 
 # Layouts already built, keyed by every input of `stage_layout` (the model config whole). A
@@ -107,11 +141,11 @@ def stage_layout(
     key = (m, par.tp, par.pp > 1, deck.dp, bucket_elements, layers, first, last, zero)
     if cache is not None and key in cache:
         return cache[key]
-    params = stage_param_list(m, par.tp, layers, first, last)[::-1]
+    params = stage_param_metas(m, par.tp, layers, first, last)[::-1]
     tied = m.tie_embeddings and par.pp > 1 and (first or last)
     layout = ParamLayout.build(
-        [n for n, _ in params],
-        [d for _, d in params],
+        params,
+        tp_rank=0,
         dp=deck.dp,
         dp_rank=0,
         zero=zero,

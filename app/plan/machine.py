@@ -4,14 +4,14 @@ A machine file says what a node holds (devices, memory per device, cores), how f
 links are (with sources), which scheduler it runs and how ranks are launched on it. The
 dry run uses it to place ranks on nodes and check memory; `launch/submit.py` uses it to
 write job scripts. The keys, their types, bounds and meaning are declared once, in `FIELDS`,
-and checked by the schema engine (app/schema.py) that also checks decks and study files; a
-wrong key or value is named with the file. `_validate` adds the rules inside the nested
-performance-model keys (gemm, links, collectives, ...) and between keys.
+and checked by the schema engine (app/schema.py) that also checks decks and study files; so
+are the nested performance-model keys (GEMM_FIELDS, LINK_FIELDS, FIT_FIELDS, ...). A wrong
+key or value is named with the file and its full name (gemm.tile, links[1].gbs).
+`_validate` adds the rules between keys.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -20,7 +20,7 @@ import yaml
 
 from app.errors import InputError
 from app.metrics.peaks import peak_tflops
-from app.schema import Key, Problem, check
+from app.schema import Key, Problem, check, check_value
 
 MACHINES_DIR = Path(__file__).resolve().parents[2] / "inputs" / "machines"
 SCHEDULERS = ("slurm", "pbs")
@@ -118,9 +118,47 @@ class MachineError(InputError):
 # Per-step latencies of NCCL's ring (Simple protocol) cost model, in microseconds: NVIDIA/nccl,
 # src/graph/tuning.cc, hwLat (NVLink 5.7, network 6.6). Used when a machine file gives none.
 NCCL_RING_LATENCY_US = {"node": 5.7, "network": 6.6}
-GEMM_KEYS = {"efficiency": (0.0, 1.0), "compute_units": (0, 10**6), "tile": None,
-             "attention_efficiency": (0.0, 1.0), "attention_backward_efficiency": (0.0, 1.0),
-             "memory_efficiency": (0.0, 1.0)}  # fmt: skip
+
+
+# The nested performance-model keys, declared for the same engine (each name prefixed with its
+# parent in messages: gemm.efficiency, links[1].gbs, collectives.all_reduce.8.gbs).
+FRACTION = {"min": 0.0, "exclusive_min": True, "max": 1.0}
+GEMM_FIELDS: dict[str, Key] = {
+    "efficiency": Key(float, None, "achieved fraction of peak on large GEMMs", **FRACTION),
+    "compute_units": Key(
+        int,
+        None,
+        "SMs / CUs per device: tiles are spread over whole units (wave quantisation)",
+        min=0,
+        exclusive_min=True,
+        max=10**6,
+    ),
+    "tile": Key(list[int], None, "[rows, columns] of a large GEMM's output tile", min=0, exclusive_min=True, length=2),
+    "attention_efficiency": Key(float, None, "flash attention's fraction of peak, forward and backward", **FRACTION),
+    "attention_backward_efficiency": Key(float, None, "flash attention backward's, where measured apart", **FRACTION),
+    "memory_efficiency": Key(float, None, "achieved fraction of hbm_gbs in element-wise kernels", **FRACTION),
+}
+POSITIVE = {"min": 0.0, "exclusive_min": True}
+LINK_FIELDS: dict[str, Key] = {
+    "name": Key(str, help="the level's name (nvlink, node, network, ...)"),
+    "devices": Key(
+        Optional[int], help="devices per domain, growing outwards; null: the network (last level only)", **POSITIVE
+    ),
+    "gbs": Key(float, help="bandwidth per device per direction, GB/s", **POSITIVE),
+    "latency_us": Key(float, help="per-step latency, microseconds", **POSITIVE),
+}
+FIT_FIELDS: dict[str, Key] = {
+    "gbs": Key(float, help="fitted bandwidth, GB/s", **POSITIVE),
+    "latency_us": Key(float, help="fitted latency, microseconds", min=0.0),
+}
+COLLECTIVE_RANKS = Key(int, help="group size the fit was measured on (an integer >= 2; p2p: 2)", min=2)
+ELEMENTWISE_FIELDS: dict[str, Key] = {
+    kind: Key(float, None, f"achieved GB/s of {kind}, in the model's bytes", **POSITIVE) for kind in ELEMENTWISE_KINDS
+}
+PEAK_FIELDS: dict[str, Key] = {
+    precision: Key(float, None, f"dense peak TFLOP/s at {precision}", **POSITIVE)
+    for precision in ("bf16", "fp16", "fp32")
+}
 
 
 @dataclass(frozen=True)
@@ -233,12 +271,39 @@ def load_machine(name_or_path: Union[str, Path]) -> Machine:
         raise MachineError(f"machine file {path}: not readable YAML ({err})") from None
     try:
         # A null value is the key left out: the Machine's default.
-        values = check(raw, FIELDS, f"machine file {path}", null_is_absent=True)
+        values = _nested(check(raw, FIELDS, f"machine file {path}", null_is_absent=True), f"machine file {path}")
     except Problem as bad:
         raise MachineError(str(bad)) from None
     machine = Machine(**values, path=path)
     _validate(machine)
     return machine
+
+
+def _nested(values: dict[str, Any], file: str) -> dict[str, Any]:
+    """`values` with the nested performance-model keys checked against their declarations and
+    converted (an int given for a float is a float); a Problem names the nested key."""
+    out = dict(values)
+    for key, fields in (("gemm", GEMM_FIELDS), ("elementwise_gbs", ELEMENTWISE_FIELDS), ("peak_tflops", PEAK_FIELDS)):
+        if values.get(key) is not None:
+            out[key] = check(values[key], fields, file, prefix=f"{key}.", null_is_absent=True)
+    if values.get("links") is not None:
+        out["links"] = [
+            check(level, LINK_FIELDS, file, prefix=f"links[{i}].") for i, level in enumerate(values["links"])
+        ]
+    if values.get("collectives") is not None:
+        ops = {op: Key(dict, None, "{ranks: {gbs, latency_us}}") for op in COLLECTIVE_OPS}
+        out["collectives"] = {
+            op: {
+                check_value(COLLECTIVE_RANKS, ranks, f"collectives.{op}.{ranks}", file): check(
+                    fit, FIT_FIELDS, file, prefix=f"collectives.{op}.{ranks}."
+                )
+                for ranks, fit in by_size.items()
+            }
+            for op, by_size in check(
+                values["collectives"], ops, file, prefix="collectives.", null_is_absent=True
+            ).items()
+        }
+    return out
 
 
 def _validate(m: Machine) -> None:
@@ -252,53 +317,13 @@ def _validate(m: Machine) -> None:
             f"{where}: launch = {m.launch!r}: bad placeholder {err}; accepted: "
             + ", ".join("{" + k + "}" for k in LAUNCH_FIELDS)
         ) from None
-    for key, value in (m.gemm or {}).items():
-        if key not in GEMM_KEYS:
-            raise MachineError(f"{where}: gemm.{key}: unknown; accepted: {', '.join(GEMM_KEYS)}")
-        bounds = GEMM_KEYS[key]
-        if bounds is None:
-            ok = isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) and x > 0 for x in value)
-            if not ok:
-                raise MachineError(f"{where}: gemm.tile = {value!r}: expected [rows, columns], positive integers")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not bounds[0] < value <= bounds[1]:
-            raise MachineError(f"{where}: gemm.{key} = {value!r}: expected a number in ({bounds[0]}, {bounds[1]}]")
-        elif key == "compute_units" and not isinstance(value, int):
-            # Tiles are spread over whole SMs / CUs (the model's wave quantisation divides by them).
-            raise MachineError(f"{where}: gemm.compute_units = {value!r}: expected a whole number of SMs / CUs")
+    # Between the levels (each level's own keys were checked by _nested).
     last = 0
     for i, level in enumerate(m.links or []):
-        ok = isinstance(level, dict) and set(level) == {"name", "devices", "gbs", "latency_us"}
-        devices = level.get("devices") if ok else None
-        ok = ok and (devices is None or (isinstance(devices, int) and devices > last))
-        ok = ok and all(isinstance(level[k], (int, float)) and level[k] > 0 for k in ("gbs", "latency_us"))
-        if not ok or (devices is None and i != len(m.links or []) - 1):
+        devices = level["devices"]
+        if (devices is None and i != len(m.links or []) - 1) or (devices is not None and devices <= last):
             raise MachineError(
-                f"{where}: links[{i}] = {level!r}: expected {{name, devices, gbs, latency_us}} with devices "
-                "growing outwards (an integer per domain) and null only on the last level (the network)"
+                f"{where}: links[{i}].devices = {devices!r}: devices must grow outwards (an integer per "
+                "domain), with null only on the last level (the network)"
             )
         last = devices or last
-    for op, by_size in (m.collectives or {}).items():
-        ok = op in COLLECTIVE_OPS and isinstance(by_size, dict)
-        for size, fit in by_size.items() if ok else ():
-            ok = ok and isinstance(size, int) and not isinstance(size, bool) and size >= 2
-            ok = ok and isinstance(fit, dict) and set(fit) == {"gbs", "latency_us"}
-            ok = ok and all(isinstance(fit[k], (int, float)) and not isinstance(fit[k], bool) for k in fit)
-            ok = ok and math.isfinite(fit["gbs"]) and fit["gbs"] > 0
-            ok = ok and math.isfinite(fit["latency_us"]) and fit["latency_us"] >= 0
-        if not ok:
-            raise MachineError(
-                f"{where}: collectives.{op} = {by_size!r}: expected op in {', '.join(COLLECTIVE_OPS)} with "
-                "{ranks (an integer >= 2): {gbs: > 0, latency_us: >= 0}}"
-            )
-    for kind, gbs in (m.elementwise_gbs or {}).items():
-        ok = isinstance(gbs, (int, float)) and not isinstance(gbs, bool) and math.isfinite(gbs) and gbs > 0
-        if kind not in ELEMENTWISE_KINDS or not ok:
-            raise MachineError(
-                f"{where}: elementwise_gbs.{kind} = {gbs!r}: expected kinds {', '.join(ELEMENTWISE_KINDS)} "
-                "with positive GB/s"
-            )
-    for precision, tflops in (m.peak_tflops or {}).items():
-        if precision not in ("bf16", "fp16", "fp32") or not isinstance(tflops, (int, float)) or tflops <= 0:
-            raise MachineError(
-                f"{where}: peak_tflops.{precision} = {tflops!r}: expected bf16/fp16/fp32 keys with positive numbers"
-            )

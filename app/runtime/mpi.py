@@ -12,12 +12,13 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from app.errors import GridlmError, LaunchError
 from app.runtime.watchdog import AnyWatchdog, NullWatchdog
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -44,7 +45,7 @@ class Runtime:
     placement: list[tuple[int, int]]
     ranks_per_node_list: list[int]
     global_ranks: list[int]
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: Optional[torch.device] = None  # set by bind_device (torch is imported only then)
     backend: str = "gloo"
     watchdog: AnyWatchdog = field(default_factory=NullWatchdog)  # app.runtime.watchdog; a no-op until started
     store_address: Optional[tuple[str, int]] = None  # the TCPStore (host, port), once torch is bootstrapped
@@ -104,6 +105,8 @@ def bind_device(runtime: Runtime, want: str = "auto") -> None:
     Works both when the launcher gives each rank one GPU (`--gpus-per-task=1`, so a rank
     sees device 0) and when every rank sees all of the node's GPUs (local rank picks one).
     """
+    import torch
+
     has_cuda = torch.cuda.is_available()
     if want == "cuda" and not has_cuda:
         raise LaunchError("run.device = cuda but no CUDA device is visible to this rank; use run.device: cpu or auto")
@@ -139,6 +142,8 @@ def set_threads(runtime: Runtime, threads: Optional[int]) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         # Under mpirun the affinity mask may already be one core; never oversubscribe a node.
         threads = max(1, min(cores, (os.cpu_count() or 1) // max(1, runtime.local_size)))
+    import torch
+
     torch.set_num_threads(threads)
     return threads
 

@@ -27,25 +27,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.model.init import ParamMeta, new_param
+from app.model.init import new_param
+from app.parallel.layout import ParamMeta, tp_box
 from app.tensor_parallel.mappings import SEQ_DIM, TensorParallel, leave_tp_region
-
-
-def tp_shard(meta: ParamMeta, tp: TensorParallel, dim: int) -> tuple[ParamMeta, tuple[int, ...]]:
-    """(meta with offset and split set, local shape) of this tp rank's shard along `dim`."""
-    shape = list(meta.global_shape)
-    offset = [0] * len(shape)
-    if tp.size > 1:
-        shape[dim] //= tp.size
-        offset[dim] = tp.rank * shape[dim]
-    split = {"tp": dim} if tp.size > 1 else {}
-    return dataclasses.replace(meta, offset=tuple(offset), split=split), tuple(shape)
 
 
 def tp_param(meta: ParamMeta, tp: TensorParallel, dim: int, device: Optional[torch.device]) -> nn.Parameter:
     """This tp rank's shard of the parameter described by `meta`, split along `dim`."""
-    meta, shape = tp_shard(meta, tp, dim)
-    return new_param(meta, shape, device)
+    return new_param(tp_box(meta, tp.size, tp.rank, dim), device)
 
 
 def replicated_param(
