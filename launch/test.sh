@@ -49,7 +49,9 @@ run_group() {  # name, limit in seconds, command...
 
 # Serial: everything not marked mpi or slurm (those groups follow), in parallel worker processes
 # (pytest-xdist; a file's tests stay on one worker). Most of these tests wait on the mpirun jobs
-# they start, so 3 workers keep 2 cores busy: 6m14s -> 3m20s on this kind of machine.
+# they start, so 3 workers keep 2 cores busy: 6m14s -> 3m35s on this kind of machine. (The MPI
+# groups do not run beside it: ranks in lockstep collectives lose far more to shared cores; the
+# 4-rank group took 3m00s instead of 38s.)
 workers="${GRIDLM_TEST_WORKERS:-3}"
 run_group serial 1500 python -m pytest "${pytest_args[@]}" "$(floor serial)" -n "$workers" --dist loadfile \
   -m "not mpi and not slurm" tests/

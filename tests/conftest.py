@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -162,7 +163,8 @@ class GridPool:
     the next group of those ranks hangs; groups are therefore kept, and reused instead of made
     anew for each trainer. Every rank asks for the same shapes in the same order (the tests
     are collective), so every rank makes the same number of groups. The ranks are split into
-    world / (tp x pp x dp) copies of the grid (`runtime(size)`), each a job of its own.
+    world / (tp x pp x dp) copies of the grid (`runtime(size)`), each a job of its own; one of
+    them trains (`trains`), the others stand by.
     """
 
     def __init__(self, world) -> None:
@@ -188,6 +190,18 @@ class GridPool:
         if key not in self._grids:
             self._grids[key] = ProcessGrid(self.runtime(tp * pp * dp), tp, pp, dp, order)
         return self._grids[key]
+
+    def trains(self, size: int) -> bool:
+        """Whether this rank's copy trains a grid of `size` ranks. Only the last copy does (its
+        torch ranks do not start at 0, which the groups of 1 to 4 ranks cannot show): the other
+        copies would repeat its arithmetic on the same shared cores (2 cores, 8 ranks) and only
+        slow it down. They call `stand_by` instead."""
+        return self.world.rank // size == self.world.world_size // size - 1
+
+    def stand_by(self, grid, virtual_stages: int) -> None:
+        """What a copy that does not train still does: make the groups a trainer on `grid`
+        makes (its pipeline's), so that every process holds as many groups as its peers."""
+        grid.pipeline_groups(wrap_around=virtual_stages > 1)
 
     def close(self) -> None:
         for size, sub in self._runtimes.items():
@@ -258,6 +272,15 @@ def grid_trainer(grids: GridPool, tp: int, pp: int, dp: int, overrides: tuple[st
     return Trainer(deck, grids.runtime(tp * pp * dp), grids.grid(tp, pp, dp, deck.parallel.order))
 
 
+def settle(comm) -> None:
+    """Wait until every rank of `comm` gets here, sleeping between checks: a rank blocked in an
+    MPI collective spins (OpenMPI polls, yielding), and ranks that wait while others compute on
+    the same shared cores would take those cores' time from them."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+
+
 def reference_run(grids: GridPool, deck_sets: tuple[str, ...], steps: int, cache: dict) -> tuple[list[float], dict]:
     """The 1-rank run of inputs/gpt_tiny.yaml with `deck_sets` (include a run.dir): its `steps`
     global-batch losses and its parameters by name, the reference that any grid must equal.
@@ -271,6 +294,7 @@ def reference_run(grids: GridPool, deck_sets: tuple[str, ...], steps: int, cache
             trainer = grid_trainer(grids, 1, 1, 1, deck_sets)
             losses = train_steps(trainer, steps)
             result = (losses, {name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+        settle(grids.world.comm)
         cache[deck_sets] = grids.world.comm.bcast(result, root=0)
     return cache[deck_sets]
 

@@ -3,10 +3,10 @@ uninterrupted. Run under `mpirun -n 8`.
 
 All 8 ranks train tp2 x pp2 x dp2 (sequence parallel, ZeRO-1, tied embeddings split
 between the first and last stage) for SAVE_AT steps and write one checkpoint. Each case
-then splits the 8 ranks into sub-communicators of the case's grid size that load it
-(every rank reads the hyperslabs of its new shards, optimizer moments included) and train
-to STEPS; every rank also trains the same deck straight through on one rank
-(MPI.COMM_SELF) as the reference. The continued losses and the final parameter shards
+then splits the 8 ranks into sub-communicators of the case's grid size; the last of them
+loads it (every rank reads the hyperslabs of its new shards, optimizer moments included)
+and trains to STEPS, the others stand by; world rank 0 trains the same deck straight
+through on one rank as the reference. The continued losses and the final parameter shards
 must match the reference's.
 
 Tolerance (fp32): as in tests/test_parallel_equivalence.py — the grids differ from the
@@ -26,7 +26,7 @@ import torch
 
 from app.checkpoint.io import load
 from app.train import Trainer
-from conftest import grid_trainer, reference_run, shard_errors, train_steps
+from conftest import grid_trainer, reference_run, settle, shard_errors, train_steps
 
 STEPS, SAVE_AT = 5, 2
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -83,11 +83,18 @@ def test_a_checkpoint_reshards_to_another_grid_and_training_continues(runtime, g
     assert _CACHE["losses"] == pytest.approx(ref_losses[:SAVE_AT], rel=LOSS_RTOL)
     tp, pp, dp, extra = load_grid
     sub = grids.runtime(tp * pp * dp)
-    trainer = _trainer(grids, tp, pp, dp, extra, sub.comm.bcast(str(tmp_path / "loaded"), root=0))
-    info = load(trainer, path)
-    losses = _train(trainer, STEPS - SAVE_AT)
-    problems, _ = shard_errors(trainer.model, ref_params, PARAM_ATOL, runtime.rank)
+    run_dir = sub.comm.bcast(str(tmp_path / "loaded"), root=0)
+    info, losses, problems = None, None, []
+    if grids.trains(tp * pp * dp):
+        trainer = _trainer(grids, tp, pp, dp, extra, run_dir)
+        info = load(trainer, path)
+        losses = _train(trainer, STEPS - SAVE_AT)
+        problems, _ = shard_errors(trainer.model, ref_params, PARAM_ATOL, runtime.rank)
+    else:
+        grids.stand_by(grids.grid(tp, pp, dp), 2 if "parallel.virtual_stages=2" in extra else 1)
+    settle(runtime.comm)  # the copies that stood by wait for the one that trains
     problems = sum(runtime.comm.allgather(problems), [])
+    info, losses = next(x for x in runtime.comm.allgather((info, losses)) if x[0] is not None)  # the loading copy's
     assert info["resharded"] and info["step"] == SAVE_AT
     assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=LOSS_RTOL), f"{losses} vs {ref_losses[SAVE_AT:]}"
     assert not problems, "\n".join(problems)

@@ -1,10 +1,11 @@
 """Any grid = one rank: tensor x pipeline x data training equals the 1-rank run.
 
 Run under `mpirun -n 8`. Each case splits the 8 ranks into 8 / (tp x pp x dp)
-sub-communicators that each train the grid (every rank takes part in every case: torch
-names a locally synchronised group by its ranks and the number of groups the process
-already made, so all ranks must create the same number of groups), while every rank
-also trains the same deck on one rank as the reference. The grids are made once per shape
+sub-communicators; the last of them trains the grid, and the others make the same groups
+and stand by (every rank takes part in every case: torch names a locally synchronised
+group by its ranks and the number of groups the process already made, so all ranks must
+create the same number of groups). World rank 0 trains the same deck on one rank as the
+reference. The grids are made once per shape
 and reused by the cases (tests/conftest.py, GridPool). After each of 5 optimizer steps
 the global-batch loss must equal the reference's; afterwards every rank's parameter
 shards must equal the same slices of the reference, and the gathered full parameters too.
@@ -49,7 +50,7 @@ import torch
 from app.deck import load_deck, resolve_for_world
 from app.parallel.gather import gather_parameters
 from app.train import Trainer
-from conftest import REPO, reference_run, shard_errors, train_steps
+from conftest import REPO, reference_run, settle, shard_errors, train_steps
 
 STEPS = 5
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -148,19 +149,25 @@ def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path
         load_deck(REPO / "inputs/gpt_tiny.yaml", (*TINY, *case.overrides(), f"run.dir={run_dir}")), size
     )
     grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order)
-    trainer = Trainer(deck, sub, grid)
-    losses = train_steps(trainer, STEPS)
-    problems, worst = shard_errors(trainer.model, ref_params, case.param_atol, runtime.rank, case.param_mean_atol)
-    full = gather_parameters(trainer.model, grid, sub.comm)
-    if sub.is_root:
-        if set(full) != set(ref_params):
-            problems.append(f"gathered {sorted(full)} != {sorted(ref_params)}")
-        for name in set(full) & set(ref_params):
-            error = (full[name].float() - ref_params[name].float()).abs().max().item()
-            if error > case.param_atol:
-                problems.append(f"gathered {name} off by {error:.2e}")
+    losses, problems, worst = None, [], 0.0
+    if grids.trains(size):
+        trainer = Trainer(deck, sub, grid)
+        losses = train_steps(trainer, STEPS)
+        problems, worst = shard_errors(trainer.model, ref_params, case.param_atol, runtime.rank, case.param_mean_atol)
+        full = gather_parameters(trainer.model, grid, sub.comm)
+        if sub.is_root:
+            if set(full) != set(ref_params):
+                problems.append(f"gathered {sorted(full)} != {sorted(ref_params)}")
+            for name in set(full) & set(ref_params):
+                error = (full[name].float() - ref_params[name].float()).abs().max().item()
+                if error > case.param_atol:
+                    problems.append(f"gathered {name} off by {error:.2e}")
+    else:
+        grids.stand_by(grid, deck.parallel.virtual_stages)
+    settle(runtime.comm)  # the copies that stood by wait for the one that trains
     problems = sum(runtime.comm.allgather(problems), [])
     worst = max(runtime.comm.allgather(worst))
+    losses = next(x for x in runtime.comm.allgather(losses) if x is not None)  # the training copy's
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     if runtime.is_root:
         print(f"\n{case.id}: max loss rel error {loss_error:.1e}, max parameter error {worst:.1e}")
