@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app.metrics.summary import Summary
+
 REPO = Path(__file__).resolve().parent.parent
 GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+)*)$")
 COLUMNS = ["grid", "ranks", "step_ms", "step_std_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms",
@@ -73,18 +75,18 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
     if out.returncode != 0:
         print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
         return {"grid": spec, "ranks": ranks, "error": f"exit {out.returncode}"}
-    summary = json.loads((REPO / run_dir / "summary.json").read_text())
-    comm = summary["timers"]["exposed_comm_s"]
+    summary = Summary.from_dict(json.loads((REPO / run_dir / "summary.json").read_text()))
+    comm = summary.timers["exposed_comm_s"] if summary.timers else {}
     return {
         "grid": spec,
         "ranks": ranks,
-        "step_ms": 1e3 * summary["step_time_s"],
-        "step_std_ms": 1e3 * summary["step_time_std_s"],
-        "tokens_per_s": summary["tokens_per_s"],
-        "tp_comm_ms": 1e3 * comm["tp"],
-        "pp_comm_ms": 1e3 * comm["pp"],
-        "dp_comm_ms": 1e3 * comm["dp"],
-        "final_loss": summary["final_loss"],
+        "step_ms": 1e3 * summary.step_time_s,
+        "step_std_ms": 1e3 * summary.step_time_std_s,
+        "tokens_per_s": summary.tokens_per_s,
+        "tp_comm_ms": 1e3 * comm.get("tp", 0.0),
+        "pp_comm_ms": 1e3 * comm.get("pp", 0.0),
+        "dp_comm_ms": 1e3 * comm.get("dp", 0.0),
+        "final_loss": summary.final_loss,
     }
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from grid_bench import FRESH, mpi_env, write_tables
 
+from app.metrics.summary import Summary
+
 REPO = Path(__file__).resolve().parent.parent
 OVERLAPS = ("grad_reduce", "param_gather", "tp_comm", "pp_comm")
 # (name, dp, zero, overlap)
@@ -69,17 +71,18 @@ def run_config(name: str, dp: int, zero: int, overlap: bool, args: argparse.Name
     if out.returncode != 0:
         print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
         return {**row, "error": f"exit {out.returncode}"}
-    s = json.loads((REPO / run_dir / "summary.json").read_text())
-    t = s["timers"]
+    s = Summary.from_dict(json.loads((REPO / run_dir / "summary.json").read_text()))
+    t = s.timers
+    assert t is not None and s.memory_bytes_rank0 is not None, "the runs set run.timers=true"
     return {
         **row,
-        "step_ms": 1e3 * s["step_time_s"],
-        "step_std_ms": 1e3 * s["step_time_std_s"],
+        "step_ms": 1e3 * s.step_time_s,
+        "step_std_ms": 1e3 * s.step_time_std_s,
         "dp_comm_ms": 1e3 * t["comm_s"]["dp"],
         "exposed_ms": 1e3 * sum(t["exposed_comm_s"].values()),
-        "exposed_pct": 100 * s["exposed_comm_fraction"],
-        "optimizer_state_mb": s["memory_bytes_rank0"]["optimizer_state"] / 1e6,
-        "final_loss": s["final_loss"],
+        "exposed_pct": 100 * (s.exposed_comm_fraction or 0.0),
+        "optimizer_state_mb": s.memory_bytes_rank0["optimizer_state"] / 1e6,
+        "final_loss": s.final_loss,
     }
 
 
