@@ -14,8 +14,8 @@ offset and shape in it, the axis it is split along) and whether it is this rank'
 so norms and checkpoints count each element of the 1-rank model once.
 
 `DataParallel` allocates its buffers and views from this layout; the optimizer, the
-gradient norm, LAMB and checkpoint I/O read it; none of them works it out again. It holds
-integers only, so it can be built and checked for any grid (32,768 ranks) without tensors.
+gradient norm, LAMB, checkpoint I/O and the dry run read it; none of them works it out
+again. It holds no tensors, so it can be built and checked for any grid (32,768 ranks).
 """
 
 from __future__ import annotations
