@@ -21,7 +21,7 @@ import pytest
 from app.deck import load_deck, resolve_for_world
 from app.plan.machine import LinkLevel, MachineError, load_machine
 from app.plan.perf import Device, _simulate, _simulate_shared, core_sharing, group_bandwidth, predict
-from conftest import REPO
+from conftest import REPO, run_mpi
 
 TABLE = REPO / "inputs/published/megatron_sc21_table1.csv"
 SELENE = [LinkLevel("nvswitch", 8, 300.0, 5.7), LinkLevel("infiniband", None, 25.0, 6.6)]
@@ -417,3 +417,18 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.tp=2",)), 4)
     prediction = predict(deck, machine)
     assert prediction.breakdown["host_overhead"] > 0 and prediction.step_time_s > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--base", "nosuch"), "machine 'nosuch': no file"),
+        (("--out", "/proc/self/nope/cal.yaml"), "calibrate: cannot make /proc/self/nope"),
+    ],
+)
+def test_calibrate_refuses_a_bad_base_or_output_before_measuring(args, message):
+    """A wrong --base or an unwritable --out ends the job at once, on every rank, with one line
+    (the measuring takes minutes; the file used to be written only after it)."""
+    out = run_mpi(2, sys.executable, "-m", "app.plan.calibrate", *args, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.count(message) == 1 and "Traceback" not in out.stderr, out.stderr

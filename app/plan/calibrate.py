@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import statistics
 import sys
 import time
@@ -336,15 +337,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--repeat", type=int, default=3, help="timed loops per primitive, the median reported (default 3)"
     )
     args = parser.parse_args(argv)
-    from app.plan.machine import MACHINES_DIR, machine_path
-    from app.runtime.mpi import bind_device, init_mpi, init_torch_distributed, set_threads
+    from app.errors import GridlmError
+    from app.plan.machine import MACHINES_DIR, load_machine, machine_path
+    from app.runtime.mpi import bind_device, init_mpi, init_torch_distributed, on_root, set_threads
 
     runtime = init_mpi()
+    base_path = machine_path(args.base)
+    out = Path(args.out or MACHINES_DIR / f"{base_path.stem}_calibrated.yaml")
+
+    def check_paths() -> None:
+        """Before minutes of measuring: the base machine file is valid and the output writable."""
+        load_machine(args.base)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise GridlmError(f"calibrate: cannot make {out.parent} ({err.strerror}); give a writable --out") from None
+        if not os.access(out if out.exists() else out.parent, os.W_OK) or out.is_dir():
+            raise GridlmError(f"calibrate: cannot write {out}; give a writable --out file")
+
+    try:
+        on_root(runtime, check_paths)  # one rank looks at the file system
+    except GridlmError as err:
+        if runtime.is_root:
+            print(f"gridlm: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
     bind_device(runtime, "auto")
     set_threads(runtime, None)
     init_torch_distributed(runtime)
-    base_path = machine_path(args.base)
-    out = Path(args.out or MACHINES_DIR / f"{base_path.stem}_calibrated.yaml")
     measured = measure(runtime, args.repeat)
     if runtime.is_root:
         base = yaml.safe_load(base_path.read_text())
