@@ -57,18 +57,9 @@ def block_params(m: ModelConfig, tp: int) -> int:
     """Parameters of one transformer block held by one tp rank: the sizes of `_block_metas`'
     boxes in closed form (the search counts them for every grid; tests compare the two)."""
     h, f = m.hidden, m.ffn
-    return (
-        2 * h
-        + (3 * h // tp) * h
-        + 3 * h // tp
-        + h * (h // tp)
-        + h
-        + 2 * h
-        + (f // tp) * h
-        + f // tp
-        + h * (f // tp)
-        + h
-    )
+    # Two LayerNorms; QKV and fc: column-parallel weight and bias; the projections: row-parallel
+    # weight and a whole bias.
+    return 4 * h + (3 * h // tp) * (h + 1) + h * (h // tp) + h + (f // tp) * (h + 1) + h * (f // tp) + h
 
 
 def _block_metas(m: ModelConfig, tp: int, tp_rank: int) -> list[ParamMeta]:
