@@ -390,6 +390,7 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
 
     base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
     measured = {"gemm_flops": {"256x256x256": 3e10, "512x512x512": 4e10}, "stream_bytes_s": 1e10, "op_seconds": 5e-6,
+                "memory_bytes_s": 2.5e9,
                 "attention_flops": {"forward": {"s": 1e10}, "backward": {"s": 5e9}},
                 "elementwise_bytes_s": {"layernorm": 4e9, "gelu": 1e9, "softmax": 2e10},
                 "collectives": {op: {g: {"bandwidth_bytes_s": 1e9 / g, "latency_s": 1e-4 * g, "seconds": (1e-3, 2e-2)}
@@ -401,6 +402,7 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     machine = load_machine(path)
     assert machine.peak("fp32") == 0.04 and machine.hbm_gbs == 10.0 and machine.op_overhead_us == 5.0
+    assert machine.memory_gbs == 2.5
     # One efficiency for every GEMM: the median rate's share of the best; attention's likewise.
     assert machine.gemm["efficiency"] == 0.875
     assert machine.gemm["attention_efficiency"] == 0.25 and machine.gemm["attention_backward_efficiency"] == 0.125
@@ -432,3 +434,26 @@ def test_calibrate_refuses_a_bad_base_or_output_before_measuring(args, message):
     out = run_mpi(2, sys.executable, "-m", "app.plan.calibrate", *args, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.count(message) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_memory_past_the_cache_charges_the_optimizer_s_state_once_a_step(tmp_path):
+    """memory_gbs (a calibrated CPU's rate past its caches): the update's first pass over each
+    rank's shard (gradient, master and moments in; master and moments out) is charged at it,
+    on top of the cache-rate passes; without the key (GPUs) nothing changes."""
+    import math
+
+    from app.plan.estimate import estimate_stages
+    from app.plan.perf import optimizer_state_bytes
+
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.dp=4",)), 4)
+    base = (REPO / "inputs/machines/selene.yaml").read_text()
+    plain = _machine_with(base, tmp_path)
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    with_memory = _machine_with(base.replace("sources:", "memory_gbs: 2.5\nsources:"), slow)
+    before, after = predict(deck, plain), predict(deck, with_memory)
+    shard = estimate_stages(deck)[0].params
+    extra = shard * optimizer_state_bytes(deck) / 2.5e9
+    assert optimizer_state_bytes(deck) == 4 + 12 + 12  # fp32: the master is the parameter
+    assert math.isclose(after.breakdown["optimizer"] - before.breakdown["optimizer"], extra, rel_tol=1e-9)
+    assert math.isclose(after.step_time_s - before.step_time_s, extra, rel_tol=1e-9)

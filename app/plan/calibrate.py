@@ -6,7 +6,8 @@ Every rank measures at once, in loops long enough that ranks sharing cores share
 a run (on this CPU machine they share its cores): the fp32 GEMM rate over a set of shapes in
 the three layouts of a Linear in training (the best is the peak, the median's share of it
 the efficiency), causal attention forward and backward (its efficiency), an element-wise op
-that allocates its result (the memory bandwidth), the host time per framework operation of a
+that allocates its result, at a size caches hold (`hbm_gbs`) and at STREAM's size, 4x the
+last-level cache (`memory_gbs`: on CPUs the first is a cache rate), the host time per framework operation of a
 chain of tiny modules, and the all-reduce of the job's ranks (gloo on CPUs, NCCL on GPUs) at
 a small and a large size, from which a ring's per-step latency and bus bandwidth follow.
 Only primitives are measured, never a training step, so a wrong step model cannot be hidden
@@ -42,6 +43,10 @@ GEMM_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 768, 
 # (batch, heads, seq, head dim) of the causal attention timed (forward and backward).
 ATTENTION_SHAPES = [(4, 8, 64, 32), (4, 8, 128, 64), (2, 16, 256, 64)]
 ELEMENTWISE = 4 * 2**20  # bytes of each operand and of the result of the element-wise op timed
+# Memory past the caches: STREAM's rule (McCalpin, www.cs.virginia.edu/stream/ref.html: each array
+# at least 4x the size of the caches). Measured here: operands of 16 MiB on 4 ranks (4x the 32 MiB
+# L3 over the ranks together) still ran at 4-6 GB/s a rank, of 32-128 MiB at 2-3.
+LLC_GUESS = 32 * 2**20  # last-level cache where the OS does not say (bytes)
 SMALL, LARGE = 8 * 2**10, 8 * 2**20  # collective sizes (the full tensor), bytes
 ELEMENTWISE_TOKENS = 256  # tokens of the element-wise kinds timed (gpt_tiny's micro-batch of 4 x 64)
 MIN_SECONDS = 0.25  # per timed loop
@@ -244,6 +249,10 @@ def measure(runtime: Runtime, repeat: int = 3) -> dict[str, Any]:
     # GELU, adds and dropout do): allocating the result is part of its cost.
     x, y = torch.randn(ELEMENTWISE // 4, device=dev), torch.randn(ELEMENTWISE // 4, device=dev)
     stream = 3 * ELEMENTWISE / _timed(lambda: torch.add(x, y), comm, sync, repeat)
+    big = memory_operand_bytes(runtime.local_size)
+    a, b = torch.randn(big // 4, device=dev), torch.randn(big // 4, device=dev)
+    memory = 3 * big / _timed(lambda a=a, b=b: torch.add(a, b), comm, sync, repeat)
+    del a, b  # hundreds of MB a rank
     chain = _module_chain(dev)
     op = _timed(chain, comm, sync, repeat) / count_aten_ops(chain)
     elementwise = _elementwise(dev, comm, sync, repeat, op)
@@ -258,12 +267,35 @@ def measure(runtime: Runtime, repeat: int = 3) -> dict[str, Any]:
             part: {shape: agreed(v) for shape, v in rates.items()} for part, rates in attention.items()
         },
         "stream_bytes_s": agreed(stream),
+        "memory_bytes_s": agreed(memory),
         "elementwise_bytes_s": {kind: agreed(v) for kind, v in elementwise.items()},
         "op_seconds": agreed(op),
         "collectives": collectives,
         "world": runtime.world_size,
         "ranks_per_node": runtime.local_size,
     }
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports (sysfs), else LLC_GUESS."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=LLC_GUESS)
+
+
+def memory_operand_bytes(ranks_on_node: int) -> int:
+    """Bytes of each operand of the memory rate's add: 4x the last-level cache (STREAM's rule,
+    per array), at most a sixteenth of the node's memory per rank."""
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        host = 2**40
+    return max(ELEMENTWISE, min(4 * last_level_cache_bytes(), host // (16 * max(1, ranks_on_node))))
 
 
 def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], command: str) -> dict[str, Any]:
@@ -282,6 +314,8 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     out["description"] = f"{base['description']}; primitives measured by app.plan.calibrate"
     out["peak_tflops"] = {"fp32": round(best / 1e12, 6)}  # the best measured GEMM rate: MFU against it
     out["hbm_gbs"] = round(measured["stream_bytes_s"] / 1e9, 3)
+    if "memory_bytes_s" in measured:  # past the caches (STREAM-sized operands)
+        out["memory_gbs"] = round(measured["memory_bytes_s"] / 1e9, 3)
     # The model applies one efficiency to every GEMM: the median shape and layout's share of the best.
     # No waves on a CPU (one compute unit, tiles of one element).
     out["gemm"] = {

@@ -66,6 +66,16 @@ FIELDS: dict[str, Key] = {
         min=0,
         exclusive_min=True,
     ),
+    "memory_gbs": Key(
+        float,
+        None,
+        "bandwidth of memory past the last-level cache, GB/s per device with every device streaming "
+        "(CPUs: STREAM-sized operands, measured by app.plan.calibrate, where hbm_gbs is a cache rate); each "
+        "step's first pass over the optimizer's state is charged at it. Leave it out where hbm_gbs is the "
+        "memory (GPUs)",
+        min=0,
+        exclusive_min=True,
+    ),
     "gemm": Key(
         dict,
         None,
@@ -189,6 +199,7 @@ class Machine:
     sources: list[str]
     peak_tflops: Optional[dict[str, float]] = None
     hbm_gbs: Optional[float] = None
+    memory_gbs: Optional[float] = None
     gemm: Optional[dict[str, Any]] = None
     links: Optional[list[dict[str, Any]]] = None
     op_overhead_us: Optional[float] = None

@@ -80,6 +80,8 @@ class Device:
     # Achieved bytes/s of element-wise kinds slower than a memory stream (CPUs: GELU's tanh and the
     # softmax's exp are compute-bound), by machine.ELEMENTWISE_KINDS name; the others run at hbm_bytes_s.
     kind_bytes_s: tuple[tuple[str, float], ...] = ()
+    # Memory past the last-level cache (machine.memory_gbs; None: hbm_bytes_s is the memory).
+    memory_bytes_s: Optional[float] = None
 
     def gemm(self, m: int, n: int, k: int, element: int) -> float:
         """Seconds of an (m x k) @ (k x n) GEMM."""
@@ -94,6 +96,11 @@ class Device:
         """Seconds to read and write `nbytes` in element-wise kernels: memory-bound, unless the
         machine measured `kind` (one of machine.ELEMENTWISE_KINDS) slower."""
         return nbytes / dict(self.kind_bytes_s).get(kind, self.hbm_bytes_s)
+
+    def from_memory(self, nbytes: float) -> float:
+        """Seconds to bring `nbytes` that no cache holds from memory and back, on top of the
+        passes `stream` charges at hbm_bytes_s; 0 where hbm_bytes_s is the memory (GPUs)."""
+        return 0.0 if self.memory_bytes_s is None else nbytes / self.memory_bytes_s
 
 
 def device_of(machine: Machine, precision: str) -> Device:
@@ -118,6 +125,7 @@ def device_of(machine: Machine, precision: str) -> Device:
         compute_units=int(g["compute_units"]),
         tile=(int(g["tile"][0]), int(g["tile"][1])),
         op_seconds=(machine.op_overhead_us or 0.0) * 1e-6,
+        memory_bytes_s=None if machine.memory_gbs is None else machine.memory_gbs * 1e9,
         kind_bytes_s=tuple(sorted((k, v * 1e9) for k, v in (machine.elementwise_gbs or {}).items())),
     )
 
@@ -634,6 +642,17 @@ def optimizer_bytes(deck: Deck) -> int:
     return total
 
 
+def optimizer_state_bytes(deck: Deck) -> int:
+    """Bytes per element of a rank's shard the update reads from memory and writes back once a
+    step: the reduced gradient, the fp32 master and both moments in, master and moments out (and
+    the parameter, where it is not the master). Each rank's shard outgrows its share of the
+    last-level cache as soon as a model is not tiny, so the step brings all of it in again."""
+    tr, opt = deck.train, deck.optim
+    g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
+    master_is_param = tr.precision == "fp32" and not (opt.zero and deck.dp > 1)
+    return g + 12 + 12 + (0 if master_is_param else BYTES[tr.precision])
+
+
 def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: dict[str, Link]) -> float:
     """The small all-reduces every step makes after the backward: the gradient norm's (over tp
     and pp, and dp under ZeRO-1), the non-finite check's (over tp, pp and dp), one group at a
@@ -725,7 +744,11 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         shard = params[s] / dp if opt.zero and dp > 1 else params[s]
         tensors, matrices = param_tensors(stage_layers[s], s == 0, s == pp - 1, m)
         norm.append(dev.stream(shard * grad_norm_bytes(g)) + (5 * tensors + buckets) * dev.op_seconds)
-        optimizer.append(dev.stream(shard * optimizer_bytes(deck)) + (10 * buckets + 2 * matrices) * dev.op_seconds)
+        optimizer.append(
+            dev.stream(shard * optimizer_bytes(deck))
+            + dev.from_memory(shard * optimizer_state_bytes(deck))
+            + (10 * buckets + 2 * matrices) * dev.op_seconds
+        )
     if m.tie_embeddings and pp > 1:
         tied_link = group_link(machine, layout.stride("pp") * (pp - 1), 2)
         tied = tied_link.all_reduce(2, (m.vocab_size // tp) * m.hidden * g)
