@@ -620,6 +620,12 @@ def grad_norm_bytes(g: int) -> int:
     return g + 8 + 16 + 8
 
 
+def _updates_params_in_place(deck: Deck) -> bool:
+    """Whether the update writes the parameters themselves (fp32, no ZeRO-1): otherwise the fp32
+    master is written again to the parameters, or to the ZeRO-1 gather's send buffer."""
+    return deck.train.precision == "fp32" and not (deck.optim.zero and deck.dp > 1)
+
+
 def optimizer_bytes(deck: Deck) -> int:
     """Bytes per element of a rank's shard moved by `ShardedOptimizer.step`, pass by pass as it is
     written (fp32 moments; every eager op reads its operands and writes its result)."""
@@ -636,8 +642,7 @@ def optimizer_bytes(deck: Deck) -> int:
         total += 8 + 12 + 12 + 2 * grad_norm_bytes(4) + 12
     else:
         total += 8 + 16  # the decay w *= 1 - lr wd; w += -lr m / denom
-    master_is_param = tr.precision == "fp32" and not (opt.zero and deck.dp > 1)
-    if not master_is_param:
+    if not _updates_params_in_place(deck):
         total += 4 + e  # the fp32 master written to the parameters (or to the ZeRO-1 gather's send buffer)
     return total
 
@@ -647,10 +652,9 @@ def optimizer_state_bytes(deck: Deck) -> int:
     step: the reduced gradient, the fp32 master and both moments in, master and moments out (and
     the parameter, where it is not the master). Each rank's shard outgrows its share of the
     last-level cache as soon as a model is not tiny, so the step brings all of it in again."""
-    tr, opt = deck.train, deck.optim
+    tr = deck.train
     g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
-    master_is_param = tr.precision == "fp32" and not (opt.zero and deck.dp > 1)
-    return g + 12 + 12 + (0 if master_is_param else BYTES[tr.precision])
+    return g + 12 + 12 + (0 if _updates_params_in_place(deck) else BYTES[tr.precision])
 
 
 def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: dict[str, Link]) -> float:
