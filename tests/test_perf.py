@@ -395,8 +395,9 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
                 "elementwise_bytes_s": {"layernorm": 4e9, "gelu": 1e9, "softmax": 2e10},
                 "collectives": {op: {g: {"bandwidth_bytes_s": 1e9 / g, "latency_s": 1e-4 * g, "seconds": (1e-3, 2e-2)}
                                      for g in (2, 4)} for op in ("all_reduce", "all_gather", "reduce_scatter")}
-                | {"p2p": {2: {"bandwidth_bytes_s": 3e9, "latency_s": 5e-5, "seconds": (1e-4, 3e-3)}}},
+                | {"p2p": {2: {"bandwidth_bytes_s": 3e9, "latency_s": 5e-5, "seconds": (1e-4, 3e-3), "busy_s": 8e-4}}},
                 "world": 4, "ranks_per_node": 4}  # fmt: skip
+    measured["collectives"]["all_reduce"][2]["busy_s"] = 4e-4
     data = machine_file(base, "cal", measured, "mpirun -n 4 python -m app.plan.calibrate")
     path = tmp_path / "cal.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -413,6 +414,11 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     assert pairs["all_gather"] == pytest.approx((5e8, 2e-4)) and pairs["p2p"] == pytest.approx((3e9, 5e-5))
     # Groups of 8 were not measured: the level's figures, but the pairs' p2p serves every group.
     assert list(machine.measured_collectives(8)) == ["p2p"]
+    # A blocking collective's wait while others compute: the all-reduce's for its group size (any
+    # op), the pairs' p2p for transfers; none measured on groups of 4.
+    assert machine.busy_seconds("all_gather", 2) == pytest.approx(4e-4) and machine.busy_seconds("all_reduce", 4) == 0
+    assert machine.busy_seconds("p2p", 8) == pytest.approx(8e-4)
+    assert "after a 2 ms compute block" in machine.sources[0]
     # Only the kinds slower than the memory stream are kept (softmax's 20 GB/s is not).
     assert machine.elementwise_gbs == {"layernorm": 4.0, "gelu": 1.0}
     assert "measured on" in machine.sources[0] and "mpirun -n 4" in machine.sources[0]
@@ -436,10 +442,12 @@ def test_calibrate_refuses_a_bad_base_or_output_before_measuring(args, message):
     assert out.stderr.count(message) == 1 and "Traceback" not in out.stderr, out.stderr
 
 
-def test_memory_past_the_cache_charges_the_optimizer_s_state_once_a_step(tmp_path):
-    """memory_gbs (a calibrated CPU's rate past its caches): the update's first pass over each
-    rank's shard (gradient, master and moments in; master and moments out) is charged at it,
-    on top of the cache-rate passes; without the key (GPUs) nothing changes."""
+def test_memory_past_the_cache_charges_the_passes_over_whole_buffers(tmp_path):
+    """memory_gbs (a calibrated CPU's rate past its caches): the passes over buffers as large as
+    the parameters are charged at it once each, on top of the cache-rate passes: the update's
+    first pass over each rank's shard (gradient, master and moments in; master and moments out),
+    the norm's first read of the gradients, and each micro-batch's add into the gradient buffer
+    (read and written). Without the key (GPUs) nothing changes."""
     import math
 
     from app.plan.estimate import estimate_stages
@@ -452,8 +460,57 @@ def test_memory_past_the_cache_charges_the_optimizer_s_state_once_a_step(tmp_pat
     slow.mkdir()
     with_memory = _machine_with(base.replace("sources:", "memory_gbs: 2.5\nsources:"), slow)
     before, after = predict(deck, plain), predict(deck, with_memory)
-    shard = estimate_stages(deck)[0].params
+    shard = estimate_stages(deck)[0].params  # dp = 4 without ZeRO: every rank updates all of them
     extra = shard * optimizer_state_bytes(deck) / 2.5e9
     assert optimizer_state_bytes(deck) == 4 + 12 + 12  # fp32: the master is the parameter
     assert math.isclose(after.breakdown["optimizer"] - before.breakdown["optimizer"], extra, rel_tol=1e-9)
-    assert math.isclose(after.step_time_s - before.step_time_s, extra, rel_tol=1e-9)
+    norm = shard * 4 / 2.5e9
+    assert math.isclose(after.breakdown["grad_norm"] - before.breakdown["grad_norm"], norm, rel_tol=1e-9)
+    accumulate = deck.num_micro_batches * shard * 2 * 4 / 2.5e9
+    grown = after.breakdown["grad_accumulation"] - before.breakdown["grad_accumulation"]
+    assert math.isclose(grown, accumulate, rel_tol=1e-9)
+    assert math.isclose(after.step_time_s - before.step_time_s, extra + norm + accumulate, rel_tol=1e-9)
+
+
+def test_busy_collectives_are_charged_where_the_code_waits_for_them(tmp_path):
+    """busy_us (calibrated CPU ranks sharing cores): each blocking collective costs its group's
+    all-reduce busy_us more, each pipeline transfer the pairs' p2p busy_us; the overlapped dp
+    bucket reductions nothing. Counted against tp_collectives' own list."""
+    import math
+
+    import yaml
+
+    from app.plan.perf import tp_collectives
+
+    raw = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
+    raw.update(peak_tflops={"fp32": 0.05}, hbm_gbs=20.0, gemm={"efficiency": 0.8, "compute_units": 1, "tile": [1, 1]})
+    fits = {g: {"gbs": 1.0, "latency_us": 300.0} for g in (2, 4)}
+    raw["collectives"] = {"all_reduce": fits, "p2p": {2: {"gbs": 2.0, "latency_us": 500.0}}}
+    plain_path = tmp_path / "local.yaml"
+    plain_path.write_text(yaml.safe_dump(raw))
+    plain = load_machine(plain_path)
+    raw["collectives"] = {
+        "all_reduce": {2: {**fits[2], "busy_us": 400.0}, 4: {**fits[4], "busy_us": 2000.0}},
+        "p2p": {2: {"gbs": 2.0, "latency_us": 500.0, "busy_us": 800.0}},
+    }
+    busy_dir = tmp_path / "busy"
+    busy_dir.mkdir()
+    (busy_dir / "local.yaml").write_text(yaml.safe_dump(raw))
+    busy = load_machine(busy_dir / "local.yaml")
+
+    def grown(sets: tuple[str, ...], term: str) -> float:
+        deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), 4)
+        return predict(deck, busy).breakdown[term] - predict(deck, plain).breakdown[term]
+
+    # dp = 4: the step's all-reduces over dp (the non-finite check) and over the world (the stop
+    # vote), 4 ranks each; the dp buckets' reductions are not waited for at once.
+    assert math.isclose(grown(("parallel.dp=4",), "step_collectives"), 2 * 2000e-6, rel_tol=1e-9)
+    assert grown(("parallel.dp=4",), "dp_exposed") == 0.0
+    # tp = 2, dp = 2: every tp collective of every micro-batch, 400 us each.
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.tp=2", "parallel.dp=2")), 4)
+    msgs = tp_collectives(deck)
+    per_layer = sum(len(msgs[k]) for k in ("layer_forward", "layer_backward", "layer_backward_overlapped"))
+    ends = sum(len(msgs[k]) for k in ("head_forward", "head_backward", "embedding_forward", "embedding_backward"))
+    count = deck.num_micro_batches * (deck.model.layers * per_layer + ends)
+    tp_grown = grown(("parallel.tp=2", "parallel.dp=2"), "tp_exposed")
+    assert math.isclose(tp_grown, count * 400e-6, rel_tol=1e-9), (tp_grown, count)

@@ -48,6 +48,11 @@ ELEMENTWISE = 4 * 2**20  # bytes of each operand and of the result of the elemen
 # L3 over the ranks together) still ran at 4-6 GB/s a rank, of 32-128 MiB at 2-3.
 LLC_GUESS = 32 * 2**20  # last-level cache where the OS does not say (bytes)
 SMALL, LARGE = 8 * 2**10, 8 * 2**20  # collective sizes (the full tensor), bytes
+# A blocking collective between compute phases (`busy_us`): timed at SMALL and at MID, the size of a
+# small model's tp activation (gpt_tiny: 4 x 64 x 256 fp32), after a GEMM block of about BLOCK
+# seconds, the time a small model computes between two tp collectives on a CPU rank.
+MID = 256 * 2**10
+BLOCK = 2e-3
 ELEMENTWISE_TOKENS = 256  # tokens of the element-wise kinds timed (gpt_tiny's micro-batch of 4 x 64)
 MIN_SECONDS = 0.25  # per timed loop
 
@@ -147,6 +152,15 @@ def _collectives(
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     gloo = dev.type != "cuda"
     out: dict[str, dict[int, dict[str, Any]]] = {op: {} for op in COLLECTIVE_OPS}
+    block = _compute_block(dev, comm, sync)
+    t_block = _timed(block, comm, sync, repeat)
+
+    def busy(fn: Callable[[], Any]) -> float:
+        """The extra time of the blocking `fn` after a compute block, over the two timed alone:
+        while the other ranks compute, a group's ranks wait to be scheduled together."""
+        both = _timed(lambda: (block(), fn()), comm, sync, repeat)
+        return max(0.0, agreed(both - t_block - _timed(fn, comm, sync, repeat)))
+
     for g in group_sizes(world):
         groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]  # every rank makes each
         group = groups[rank // g]
@@ -168,6 +182,11 @@ def _collectives(
         for op, (t_small, t_large) in times.items():
             out[op][g] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring(op, g, t_small, t_large, gloo)))
             out[op][g]["seconds"] = (t_small, t_large)
+        if gloo:  # GPU ranks do not share cores: nothing to wait for
+            tensors = [torch.ones(n // 4, device=dev) for n in (SMALL, MID)]
+            out["all_reduce"][g]["busy_s"] = statistics.mean(
+                busy(lambda t=t, group=group: dist.all_reduce(t, group=group)) for t in tensors
+            )
     if world >= 2 and world % 2 == 0:
         peer, first = rank ^ 1, rank % 2 == 0
         pair: list[float] = []
@@ -181,7 +200,27 @@ def _collectives(
             pair.append(agreed(_timed(ping_pong, comm, sync, repeat)) / 2)
         out["p2p"][2] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring("p2p", 2, *pair, gloo)))
         out["p2p"][2]["seconds"] = tuple(pair)
+        if gloo:  # one block, then the round trip: two transfers
+            x = torch.ones(MID // 4, device=dev)
+            out["p2p"][2]["busy_s"] = busy(lambda x=x: ping_pong(x)) / 2
     return out
+
+
+def _compute_block(dev: Any, comm: Any, sync: Callable[[], None]) -> Callable[[], None]:
+    """GEMMs of a small model's Linear (256 tokens, 256 x 384) repeated to about BLOCK seconds, the
+    same count on every rank."""
+    import torch
+    from mpi4py import MPI
+
+    x, w = torch.randn(256, 256, device=dev), torch.randn(256, 384, device=dev)
+    once = _timed(lambda: x @ w, comm, sync, 1)
+    count = int(comm.allreduce(max(1, round(BLOCK / max(once, 1e-9))), op=MPI.MAX))
+
+    def block() -> None:
+        for _ in range(count):
+            x @ w
+
+    return block
 
 
 def _elementwise(dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_seconds: float) -> dict[str, float]:
@@ -339,12 +378,15 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     out["links"] = levels
     # Every op and group size, for the groups of that size (perf.group_link).
     out["collectives"] = {
-        op: {g: {"gbs": round(fit["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(fit["latency_s"] * 1e6, 3)}
+        op: {g: {"gbs": round(fit["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(fit["latency_s"] * 1e6, 3),
+                 **({"busy_us": round(fit["busy_s"] * 1e6, 3)} if "busy_s" in fit else {})}
              for g, fit in by_size.items()}
         for op, by_size in measured["collectives"].items() if by_size
     }  # fmt: skip
     timed = "; ".join(
         f"{op} " + ", ".join(f"{g} ranks {fit['seconds'][0] * 1e3:.3f} / {fit['seconds'][1] * 1e3:.3f} ms"
+                             + (f" (+{fit['busy_s'] * 1e3:.3f} ms after a {BLOCK * 1e3:.0f} ms compute block)"
+                                if "busy_s" in fit else "")
                              for g, fit in by_size.items())
         for op, by_size in measured["collectives"].items() if by_size
     )  # fmt: skip

@@ -160,6 +160,13 @@ LINK_FIELDS: dict[str, Key] = {
 FIT_FIELDS: dict[str, Key] = {
     "gbs": Key(float, help="fitted bandwidth, GB/s", **POSITIVE),
     "latency_us": Key(float, help="fitted latency, microseconds", min=0.0),
+    "busy_us": Key(
+        Optional[float],
+        None,
+        "extra time of one blocking collective while the node's other ranks compute (CPU ranks sharing "
+        "cores: the wait for the group's ranks to be scheduled together), microseconds",
+        min=0.0,
+    ),
 }
 COLLECTIVE_RANKS = Key(int, help="group size the fit was measured on (an integer >= 2; p2p: 2)", min=2)
 ELEMENTWISE_FIELDS: dict[str, Key] = {
@@ -241,6 +248,15 @@ class Machine:
             if fit is not None:
                 out[op] = (fit["gbs"] * 1e9, fit["latency_us"] * 1e-6)
         return out
+
+    def busy_seconds(self, op: str, size: int) -> float:
+        """The extra time of one blocking `op` on a group of `size` ranks while the other ranks
+        compute (`busy_us`, measured by app.plan.calibrate for all_reduce and p2p; 0 where not
+        measured, as on GPUs, whose ranks do not share cores). Other collectives of the size take
+        the all-reduce's: the wait is for the group's ranks to run together, whatever the op."""
+        by_size = (self.collectives or {}).get("p2p" if op == "p2p" else "all_reduce", {})
+        fit = by_size.get(2 if op == "p2p" else size) or {}
+        return float(fit.get("busy_us") or 0.0) * 1e-6
 
     def missing_for_prediction(self, precision: str) -> list[str]:
         """The keys the performance model needs that this file lacks (empty: it can predict)."""

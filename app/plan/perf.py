@@ -159,6 +159,11 @@ class Link:
     level: str  # the outermost level the group crosses
     gloo: bool = False  # gloo (CPU ranks): no tree all-reduce, and a reduce-scatter costs an all-reduce
     measured: tuple[tuple[str, tuple[float, float]], ...] = ()
+    # The extra time of one blocking collective (`busy`) or transfer (`busy_p2p`) while the node's
+    # other ranks compute: CPU ranks sharing cores wait for their group to be scheduled together
+    # (Machine.busy_seconds; 0 on GPUs). Charged only where the code waits for the op at once.
+    busy: float = 0.0
+    busy_p2p: float = 0.0
 
     def _ring(self, op: str, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
@@ -166,6 +171,12 @@ class Link:
         bandwidth, latency = dict(self.measured).get(op, (self.bandwidth, self.latency))
         a, c = ring_terms(op, n, self.gloo)
         return a * nbytes / bandwidth + c * latency
+
+    def latency_part(self, op: str, n: int) -> float:
+        """The latency terms of one ring `op` over `n` ranks (its waits for the peers)."""
+        if n <= 1:
+            return 0.0
+        return ring_terms(op, n, self.gloo)[1] * dict(self.measured).get(op, (self.bandwidth, self.latency))[1]
 
     def all_reduce(self, n: int, nbytes: float) -> float:
         ring = self._ring("all_reduce", n, nbytes)
@@ -366,7 +377,13 @@ def group_link(machine: Machine, stride: int, size: int) -> Link:
     levels), with the collectives a calibration measured on groups of that size, and its p2p."""
     link = group_bandwidth(machine.link_levels(), stride, size, uses_gloo(machine))
     measured = machine.measured_collectives(size)
-    return dataclasses.replace(link, measured=tuple(sorted(measured.items()))) if measured else link
+    if measured:
+        link = dataclasses.replace(link, measured=tuple(sorted(measured.items())))
+    if size <= 1:
+        return link
+    return dataclasses.replace(
+        link, busy=machine.busy_seconds("all_reduce", size), busy_p2p=machine.busy_seconds("p2p", 2)
+    )
 
 
 def axis_links(machine: Machine, layout: GridLayout) -> dict[str, Link]:
@@ -380,8 +397,9 @@ def uses_gloo(machine: Machine) -> bool:
 
 
 def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
+    """A blocking collective (tp, the step's): its ring, and the wait for the group's ranks to run together."""
     cost = {"all_reduce": link.all_reduce, "reduce_scatter": link.reduce_scatter, "all_gather": link.all_gather}
-    return cost[op](n, nbytes)
+    return cost[op](n, nbytes) + (link.busy if n > 1 and nbytes > 0 else 0.0)
 
 
 def _layer_passes(
@@ -664,10 +682,10 @@ def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: di
     ranks). Latency-bound: a few bytes each."""
     sizes = {"tp": deck.parallel.tp, "pp": deck.parallel.pp, "dp": deck.dp}
     norm_axes = ("tp", "pp", "dp") if deck.optim.zero else ("tp", "pp")
-    seconds = sum(links[a].all_reduce(sizes[a], 8) for a in norm_axes)
-    seconds += sum(links[a].all_reduce(sizes[a], 8) for a in ("tp", "pp", "dp"))
+    seconds = sum(_cost(links[a], sizes[a], "all_reduce", 8) for a in norm_axes)
+    seconds += sum(_cost(links[a], sizes[a], "all_reduce", 8) for a in ("tp", "pp", "dp"))
     world = sizes["tp"] * sizes["pp"] * sizes["dp"]
-    return seconds + group_link(machine, 1, world).all_reduce(world, 8)
+    return seconds + _cost(group_link(machine, 1, world), world, "all_reduce", 8)
 
 
 def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, simulate: bool = True) -> Prediction:
@@ -677,6 +695,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     dev = device_of(machine, tr.precision)
+    requested = deck.parallel  # the overlap the deck asks for (gloo's dp reductions, below)
     if uses_gloo(machine):
         # CPU ranks: gloo's copies and reductions run on the same cores as the compute, so nothing
         # overlaps; every collective and transfer is charged in full.
@@ -709,11 +728,12 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     # dtype) into the fp32 (or compute-dtype) buffer: read both, write the buffer.
     stage_layers = [sum(chunks[s + c * pp] for c in range(v)) for s in range(pp)]
     params = [stage_params(m, tp, stage_layers[s], s == 0, s == pp - 1) for s in range(pp)]
-    accumulate = [dev.stream(p * (e + 2 * g)) for p in params]
+    # The buffer, as large as the stage's parameters, comes from memory and goes back each time.
+    accumulate = [dev.stream(p * (e + 2 * g)) + dev.from_memory(p * 2 * g) for p in params]
     per_stage_chunks = {c: c % pp for c in range(pp * v)}
     fwd = [p.total for p in fwd_parts]
     bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]
-    p2p = links["pp"].p2p(p2p_bytes(deck)) if pp > 1 else 0.0
+    p2p = links["pp"].p2p(p2p_bytes(deck)) + links["pp"].busy_p2p if pp > 1 else 0.0
     sharing = core_sharing(machine, pp)
     if simulate and pp * v * micro <= MAX_SIMULATED_PASSES and sharing is not None:
         finish = _simulate_shared(pp, v, micro, fwd, bwd, p2p, par.overlap_pp_comm, sharing)
@@ -744,10 +764,24 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         if gather:
             first_fwd = sum(fwd[c] for c in range(s, pp * v, pp))
             exposed += max(gather / buckets, gather - first_fwd) if par.overlap_param_gather else gather
+        if uses_gloo(machine):
+            # Gloo runs each bucket's collective on its own thread while the backward (the next
+            # forward, for the gather) computes: its copies and sums take the shared cores, charged
+            # in full, but its waits for the peers hide, all but the last bucket's.
+            op = "reduce_scatter" if opt.zero else "all_reduce"
+            hidden = (buckets - 1) * links["dp"].latency_part(op, dp) if requested.overlap_grad_reduce else 0.0
+            if gather and requested.overlap_param_gather:
+                hidden += (buckets - 1) * links["dp"].latency_part("all_gather", dp)
+            exposed = reduce + gather - hidden
         dp_exposed.append(exposed)
         shard = params[s] / dp if opt.zero and dp > 1 else params[s]
         tensors, matrices = param_tensors(stage_layers[s], s == 0, s == pp - 1, m)
-        norm.append(dev.stream(shard * grad_norm_bytes(g)) + (5 * tensors + buckets) * dev.op_seconds)
+        # The norm's first pass reads the reduced gradients from memory (they outgrew the cache).
+        norm.append(
+            dev.stream(shard * grad_norm_bytes(g))
+            + dev.from_memory(shard * g)
+            + (5 * tensors + buckets) * dev.op_seconds
+        )
         optimizer.append(
             dev.stream(shard * optimizer_bytes(deck))
             + dev.from_memory(shard * optimizer_state_bytes(deck))
@@ -755,7 +789,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         )
     if m.tie_embeddings and pp > 1:
         tied_link = group_link(machine, layout.stride("pp") * (pp - 1), 2)
-        tied = tied_link.all_reduce(2, (m.vocab_size // tp) * m.hidden * g)
+        tied = _cost(tied_link, 2, "all_reduce", (m.vocab_size // tp) * m.hidden * g)
     # Every stage waits for the slowest at the gradient norm's and the non-finite check's
     # all-reduces; then the update, and the stop-signal vote over all ranks.
     after = [finish[s] + dp_exposed[s] + (tied if s in (0, pp - 1) else 0.0) + norm[s] for s in range(pp)]
