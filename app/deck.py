@@ -157,7 +157,13 @@ class OptimConfig:
     name: str = _key(
         "adamw", "adamw, or lamb (layer-wise trust ratio on the full parameter)", choices=("adamw", "lamb")
     )
-    zero: int = _key(0, "1: shard fp32 master weights and optimizer moments over dp (ZeRO-1)", min=0, max=1)
+    zero: int = _key(
+        0,
+        "1: shard fp32 master weights and optimizer moments over dp (ZeRO-1); 2: the gradients as well, "
+        "reduce-scattered per micro-batch and never kept whole (ZeRO-2)",
+        min=0,
+        max=2,
+    )
     lr: float = _key(3e-4, "peak learning rate", min=0.0, max=10.0)
     min_lr: float = _key(3e-5, "learning rate at the end of the decay", min=0.0, max=10.0)
     warmup_steps: int = _key(0, "linear warm-up steps", min=0, max=MAX_STEPS)

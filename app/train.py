@@ -132,7 +132,7 @@ class Trainer:
             compute_dtype=compute,
             reduce_dtype=torch_dtype(reduce_precision(tr.precision, tr.grad_reduce_dtype)),
             bucket_mb=par.dp_bucket_mb,
-            zero=deck.optim.zero == 1,
+            zero=deck.optim.zero,
             overlap_grad_reduce=par.overlap_grad_reduce,
             overlap_param_gather=par.overlap_param_gather,
             tied=tied,

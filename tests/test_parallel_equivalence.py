@@ -126,7 +126,11 @@ CASES += [
     Case(2, 1, 2, extra=("optim.zero=1", "train.precision=bf16"), **BF16),
     Case(2, 2, 2, sp=True, extra=("train.precision=bf16", "train.grad_reduce_dtype=compute"), **BF16),
     Case(1, 2, 2, extra=("optim.zero=1", "train.precision=fp16"), **FP16),
-]
+    # ZeRO-2: dp alone (overlap on and off); with tp, pp and SP; with interleaving, recompute and bf16.
+    Case(1, 1, 2, extra=("optim.zero=2",)), Case(1, 1, 2, extra=("optim.zero=2", *OVERLAP_OFF[:2])),
+    Case(2, 2, 2, sp=True, extra=("optim.zero=2",)),
+    Case(1, 2, 2, virtual=2, extra=("optim.zero=2", "train.recompute=full", "train.precision=bf16"), **BF16),
+]  # fmt: skip
 
 
 _REFERENCES: dict = {}

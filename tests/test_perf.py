@@ -292,8 +292,9 @@ MESSAGE_GRIDS = [
     (2, 2, 1, ()),
     (2, 1, 2, ("parallel.sequence_parallel=true", "optim.zero=1")),
     (2, 2, 1, ("parallel.sequence_parallel=true", "train.recompute=full", "train.precision=bf16")),
-    (1, 2, 2, ("parallel.virtual_stages=2", "model.tie_embeddings=false", "train.grad_reduce_dtype=compute")),
-]
+    (1, 2, 2, ("parallel.virtual_stages=2", "model.tie_embeddings=false", "train.grad_reduce_dtype=compute",
+               "optim.zero=2")),
+]  # fmt: skip
 
 
 @pytest.mark.mpi(min_size=4)

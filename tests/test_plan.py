@@ -16,7 +16,7 @@ from app.plan.dryrun import make_plan
 from app.plan.estimate import estimate_stages, stage_layout, stage_param_list, stage_param_metas, stage_params
 from app.plan.machine import MachineError, load_machine, machine_names
 from app.runtime.grid import GridLayout
-from conftest import REPO, grid_trainer
+from conftest import REPO, grid_trainer, train_steps
 
 SMALL = ("model.vocab_size=128", "model.seq_len=16", "model.layers=5", "model.hidden=64", "model.heads=4")
 
@@ -272,11 +272,12 @@ MEMORY_CASES = [
     (),
     ("train.precision=bf16", "optim.zero=1"),
     ("train.precision=fp16", "train.grad_reduce_dtype=compute", "model.tie_embeddings=false"),
+    ("optim.zero=2",),
 ]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("overrides", MEMORY_CASES, ids=["fp32", "bf16-zero1", "fp16-untied"])
+@pytest.mark.parametrize("overrides", MEMORY_CASES, ids=["fp32", "bf16-zero1", "fp16-untied", "zero2"])
 def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, grids, overrides):
     """The plan's weights, gradients and optimizer state per rank are what `DataParallel` and the
     optimizer allocate, exactly: both come from the same `ParamLayout` (the plan's from the
@@ -285,15 +286,31 @@ def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, grids, 
         trainer = grid_trainer(grids, tp, pp, dp, (*overrides, "run.resume=none", "train.global_batch=16"))
         deck = trainer.deck
         stage = estimate_stages(deck)[trainer.grid.coords["pp"]]
-        planned = stage_layout(deck, sum(stage.layers), stage.first, stage.last, bool(deck.optim.zero))
+        zero = deck.optim.zero
+        planned = stage_layout(deck, sum(stage.layers), stage.first, stage.last, bool(zero))
         # The plan's is dp rank 0's: the same buckets, and shards of the same size.
         assert [(b.start, b.end, b.params, b.shard_hi - b.shard_lo) for b in planned.buckets] == [
             (b.start, b.end, b.params, b.shard_hi - b.shard_lo) for b in trainer.dp.layout.buckets
         ]
         buffers = trainer.dp.buffer_bytes()
-        assert buffers["parameters"] == stage.weights and buffers["gradients"] == stage.gradients
-        zero = deck.optim.zero
+        assert buffers["parameters"] == stage.weights
+        # ZeRO-2 keeps no whole gradient buffer; its bucket buffers come and go (checked after a step below).
+        assert buffers["gradients"] == (0 if zero == 2 and dp > 1 else stage.gradients)
         held = trainer.optimizer.state_bytes()
         if zero and dp > 1:  # the plan's ZeRO-1 line also counts the reduce-scatter's gradient shard
             held += sum(f.grad_shard.numel() * f.grad_shard.element_size() for f in trainer.dp.flight)
         assert held == stage.optimizer[f"zero{zero}"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero2_holds_bucket_buffers_within_the_plan_and_never_the_whole_gradient(runtime, grids):
+    """ZeRO-2 over a step of 4 micro-batches: the bucket buffers a rank held at once (with their
+    output shards) stay within the plan's bound and below the whole gradient buffer ZeRO-1 keeps."""
+    dp = runtime.world_size if runtime.world_size in (2, 4) else 2
+    trainer = grid_trainer(grids, 1, 1, dp, ("optim.zero=2", "run.resume=none", f"train.global_batch={4 * 4 * dp}"))
+    if grids.trains(dp):
+        train_steps(trainer, 1)
+        stage = estimate_stages(trainer.deck)[0]
+        peak = trainer.dp.bucket_peak_bytes
+        assert trainer.dp.bucket_bytes == 0  # every buffer released after the step
+        assert 0 < peak <= stage.gradient_buckets < stage.gradients, (peak, stage.gradient_buckets, stage.gradients)

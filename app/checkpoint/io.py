@@ -157,7 +157,7 @@ def grid_signature(state: TrainingState) -> dict[str, Any]:
     return {
         "tp": g.size("tp"), "pp": g.size("pp"), "dp": g.size("dp"), "order": par.order,
         "virtual_stages": par.virtual_stages, "sequence_parallel": par.sequence_parallel,
-        "zero": int(state.dp.zero), "world_size": state.runtime.world_size,
+        "zero": state.dp.level, "world_size": state.runtime.world_size,
     }  # fmt: skip
 
 

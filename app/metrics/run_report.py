@@ -44,7 +44,7 @@ class Built:
     layers_per_chunk: list[int]
     micro_batches: int  # per dp rank and step
     dp_buckets: int
-    zero_sharded: bool  # ZeRO-1 in effect (optim.zero = 1 and dp > 1)
+    zero_sharded: bool  # ZeRO in effect (optim.zero >= 1 and dp > 1)
 
 
 def mean_timings(timings: list[dict[str, Any]]) -> TimersInfo:
@@ -104,7 +104,8 @@ class RunReport:
         opt = deck.optim
         overlaps = ", ".join(f"{k.removeprefix('overlap_').replace('_', '-')} {'on' if getattr(par, k) else 'off'}"
                              for k in OVERLAP_KEYS)  # fmt: skip
-        zero = (" ZeRO-1" if built.zero_sharded else " (ZeRO-1 has no effect at dp = 1)") if opt.zero else ""
+        zero = f"ZeRO-{opt.zero}"
+        zero = (f" {zero}" if built.zero_sharded else f" ({zero} has no effect at dp = 1)") if opt.zero else ""
         rt.log(
             f"gridlm: precision {tr.precision} (gradients reduced in "
             f"{reduce_precision(tr.precision, tr.grad_reduce_dtype)}) | optimizer {opt.name}"

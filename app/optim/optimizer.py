@@ -51,7 +51,7 @@ def grad_norm(dp: DataParallel, grid: ProcessGrid) -> float:
     (`ParamLayout.owned`); the sum is reduced over tp and pp, and over dp when ZeRO-1
     shards the gradients (otherwise dp replicas hold the same values). inf/nan propagate.
     """
-    local = torch.zeros((), dtype=torch.float64, device=dp.grad_buffer.device)
+    local = torch.zeros((), dtype=torch.float64, device=dp.device)
     for s, _, g in dp.held_grads():
         if dp.layout.owned[s.param]:
             local += g.double().pow(2).sum()
@@ -235,7 +235,7 @@ class ShardedOptimizer:
         """w <- w - lr * (||w|| / ||u||) * u, the norms over each whole logical parameter."""
         dp, grid = self.dp, self.grid
         tp_rank = grid.coords["tp"]
-        sums = torch.zeros(len(dp.params), 2, dtype=torch.float64, device=dp.grad_buffer.device)
+        sums = torch.zeros(len(dp.params), 2, dtype=torch.float64, device=dp.device)
         for b in range(len(dp.buckets)):
             for s in dp.layout.segments(b):
                 if dp.layout.metas[s.param].replicated_over("tp") and tp_rank != 0:

@@ -1,5 +1,5 @@
 """Data parallelism: flat parameter/gradient buffers, bucketed and overlapped reductions,
-and ZeRO-1 sharding of the fp32 master weights.
+ZeRO-1 sharding of the fp32 master weights and ZeRO-2 sharding of the gradients.
 
 Layout. All parameters of this rank's model live in one flat parameter buffer (the
 compute dtype: fp32, bf16 or fp16) and accumulate their gradients in one flat gradient
@@ -17,8 +17,19 @@ reduction is launched asynchronously — an all-reduce, or a reduce-scatter unde
 and only `finish_grad_reduce` (before the optimizer step) waits for them. With
 `parallel.overlap_grad_reduce: false` the same reductions run after backward, one by one.
 
+ZeRO-2 (`optim.zero: 2`). No whole gradient buffer: a bucket's gradients accumulate in a
+buffer of the bucket's size, allocated at its first gradient; once every parameter of the
+bucket has added one gradient, it is reduce-scattered into this rank's 1/dp shard
+(asynchronously) and the buffer is released, to be allocated again by the next micro-batch.
+So each micro-batch reduces its gradients (micro-batches x the ZeRO-1 traffic), and a rank
+holds its gradient shard plus the buckets being filled or reduced. Sums are linear, so it
+does not matter whether the gradients a bucket reduces come from one micro-batch or two
+(interleaved chunks): each one is reduced exactly once. At most ZERO2_IN_FLIGHT reductions
+are in flight (launching one more waits for the oldest), so their buffers are released in
+step with the backward instead of piling up.
+
 Shards. Each rank updates a shard of every bucket: the whole bucket without ZeRO, its
-1/dp slice with ZeRO-1 (`optim.zero: 1`). Its fp32 master weights (`master`) and the
+1/dp slice with ZeRO-1 and ZeRO-2 (`optim.zero: 1`, `2`). Its fp32 master weights (`master`) and the
 optimizer moments cover only that shard, so their memory drops ~dp x. After the update
 each bucket's shards are all-gathered into the parameter buffer: asynchronously, with
 each bucket waited for by a forward pre-hook of the first module that uses it in the next
@@ -31,6 +42,7 @@ ranks), and the tied embedding summed between the first and last stage.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -40,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
-from app.parallel.layout import ParamLayout, Segment
+from app.parallel.layout import ZERO2_IN_FLIGHT, ParamLayout, Segment
 from app.runtime.grid import ProcessGrid
 from app.shards import ShardState
 
@@ -74,6 +86,9 @@ class InFlight:
     gather: Optional[Pending] = None
     launched: bool = False
     grad_shard: Optional[torch.Tensor] = None  # ZeRO: the reduce-scatter output
+    # ZeRO-2: the bucket's gradients being accumulated, and the arrivals since its last reduction.
+    full: Optional[torch.Tensor] = None
+    count: int = 0
 
 
 class DataParallel:
@@ -93,7 +108,7 @@ class DataParallel:
         compute_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         bucket_mb: float = 25.0,
-        zero: bool = False,
+        zero: int = 0,
         overlap_grad_reduce: bool = True,
         overlap_param_gather: bool = True,
         tied: Optional[tuple[torch.Tensor, Any]] = None,
@@ -102,14 +117,18 @@ class DataParallel:
         self.timers = timers
         self.dp, self.dp_rank = grid.size("dp"), grid.coords["dp"]
         self.group = grid.group["dp"] if self.dp > 1 else None
-        self.zero = zero and self.dp > 1
+        # zero >= 1: the optimizer state is sharded over dp; 2: the gradients as well (no whole buffer).
+        self.zero = zero >= 1 and self.dp > 1
+        self.shard_grads = zero >= 2 and self.dp > 1
+        self.level = zero if self.dp > 1 else 0  # the ZeRO stage in effect (checkpoint header, reports)
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.tied_param, self.tied_group = tied if tied is not None else (None, None)
         self.params: list[nn.Parameter] = list(reversed(list(model.parameters())))
         names = {id(p): name for name, p in model.named_parameters()}
         self.names = [names[id(p)] for p in self.params]  # the 1-rank model's names
         self.tp_rank = grid.coords["tp"]
-        device = self.params[0].device
+        device = self.device = self.params[0].device
+        self.reduce_dtype = reduce_dtype
         element = torch.empty((), dtype=reduce_dtype).element_size()
         tied_index = next((i for i, p in enumerate(self.params) if p is self.tied_param), None)
         metas = [p.meta for p in self.params]  # type: ignore[attr-defined]
@@ -140,34 +159,55 @@ class DataParallel:
         if not self.master_is_param:
             self.master = [m.clone() for m in self.master]  # only the shards outlive `fp32`
         del fp32
-        self.grad_buffer = torch.zeros_like(self.param_buffer, dtype=reduce_dtype)
+        # ZeRO-2 keeps no whole gradient buffer: per-bucket buffers come and go (`_open`).
+        self.grad_buffer: Optional[torch.Tensor] = (
+            None if self.shard_grads else torch.zeros_like(self.param_buffer, dtype=reduce_dtype)
+        )
         if self.zero:
             for b, f in zip(self.buckets, self.flight):
                 f.grad_shard = torch.zeros(b.shard_hi - b.shard_lo, dtype=reduce_dtype, device=device)
         # The model's parameters and their gradient accumulators become views of the buffers.
         for p, off in zip(self.params, self.offsets):
             p.data = self.param_buffer[off : off + p.numel()].view(p.shape)
-            p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
+            if self.grad_buffer is not None:
+                p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.micro_batches, self.reduced = 1, False
+        # ZeRO-2: (bucket, reduction, the shard it writes), oldest first; each shard is added into
+        # the bucket's grad_shard once its reduction completes.
+        self.reducing: deque[tuple[int, Pending, torch.Tensor]] = deque()
+        # ZeRO-2: bytes of bucket buffers (and their output shards) alive now, and the most so far.
+        self.bucket_bytes, self.bucket_peak_bytes = 0, 0
 
     # ---- gradients -------------------------------------------------------------------
 
     def start_step(self, micro_batches: int) -> None:
         """Zero the gradient buffer; the buckets wait for `micro_batches` gradients per parameter."""
-        if any(f.reduce is not None for f in self.flight):
+        if self.reducing or any(f.reduce is not None or f.full is not None for f in self.flight):
             raise RuntimeError("start_step before finish_grad_reduce: a reduction is still in flight")
         self.micro_batches, self.reduced = micro_batches, False
-        self.grad_buffer.zero_()
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
         for f in self.flight:
-            f.ready, f.launched = 0, False
+            f.ready, f.launched, f.count = 0, False, 0
+            if self.shard_grads:
+                f.grad_shard.zero_()  # type: ignore[union-attr]  # the micro-batches' reductions add into it
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
-        p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
-        p.grad = None
         k = self.bucket_of[id(p)]
         flight = self.flight[k]
+        if self.shard_grads:
+            if flight.full is None:
+                self._open(k)
+            p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+            p.grad = None
+            flight.count += 1
+            if flight.count == len(self.buckets[k].params):
+                self._reduce_partial(k)
+            return
+        p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+        p.grad = None
         flight.ready += 1
         if self.overlap_grad_reduce and flight.ready == len(self.buckets[k].params) * self.micro_batches:
             self._launch_reduce(k)
@@ -177,6 +217,7 @@ class DataParallel:
         f.launched = True
         if self.dp == 1:
             return
+        assert self.grad_buffer is not None  # ZeRO-2 reduces its bucket buffers (_reduce_partial)
         grads = self.grad_buffer[b.start : b.end]
         grads.div_(self.dp)  # the mean; dividing first keeps low-precision sums in range
         if self.zero:
@@ -185,6 +226,46 @@ class DataParallel:
             work = dist.all_reduce(grads, group=self.group, async_op=True)
         f.reduce = launch(self.timers, "dp", work, "gradient reduction")
 
+    def _open(self, k: int) -> None:
+        """ZeRO-2: a zeroed buffer for bucket k's gradients, and its parameters' accumulators in it."""
+        b, f = self.buckets[k], self.flight[k]
+        f.full = torch.zeros(b.end - b.start, dtype=self.reduce_dtype, device=self.device)
+        self._count_bytes(f.full)
+        for i in b.params:
+            p, lo = self.params[i], self.offsets[i] - b.start
+            p.main_grad = f.full[lo : lo + p.numel()].view(p.shape)  # type: ignore[attr-defined]
+
+    def _reduce_partial(self, k: int) -> None:
+        """ZeRO-2: reduce-scatter bucket k's accumulated gradients (the mean over dp) into a shard
+        added to grad_shard once it completes; the bucket's buffer goes with the reduction."""
+        f = self.flight[k]
+        while len(self.reducing) >= ZERO2_IN_FLIGHT:
+            self._retire()
+        full, f.full, f.count = f.full, None, 0
+        assert full is not None and f.grad_shard is not None
+        full.div_(self.dp)
+        shard = torch.empty_like(f.grad_shard)
+        self._count_bytes(shard)
+        work = dist.reduce_scatter_single(shard, full, group=self.group, async_op=True)
+        pending = launch(self.timers, "dp", work, "gradient reduce_scatter")
+        pending.keep = full  # alive until the reduction completes
+        self.reducing.append((k, pending, shard))
+        if not self.overlap_grad_reduce:
+            self._retire()
+
+    def _retire(self) -> None:
+        """ZeRO-2: wait for the oldest reduction in flight and add its shard into its bucket's."""
+        k, pending, shard = self.reducing.popleft()
+        wait(self.timers, pending)
+        self.flight[k].grad_shard.add_(shard)  # type: ignore[union-attr]
+        self._count_bytes(pending.keep, -1)
+        self._count_bytes(shard, -1)
+        pending.keep = None
+
+    def _count_bytes(self, t: torch.Tensor, sign: int = 1) -> None:
+        self.bucket_bytes += sign * t.numel() * t.element_size()
+        self.bucket_peak_bytes = max(self.bucket_peak_bytes, self.bucket_bytes)
+
     @torch.no_grad()
     def finish_grad_reduce(self, sp_group: Any = None) -> None:
         """Launch what backward did not, wait for every bucket, then sum the sequence-parallel
@@ -192,8 +273,14 @@ class DataParallel:
         if self.reduced:
             return
         self.reduced = True
+        if self.shard_grads:
+            for k, f in enumerate(self.flight):
+                if f.full is not None:  # gradients not yet reduced (a parameter without one this step)
+                    self._reduce_partial(k)
+            while self.reducing:
+                self._retire()
         for k, f in enumerate(self.flight):
-            if not f.launched:
+            if not f.launched and not self.shard_grads:
                 self._launch_reduce(k)
                 if not self.overlap_grad_reduce and f.reduce is not None:
                     wait(self.timers, f.reduce)
@@ -214,7 +301,10 @@ class DataParallel:
     def grads(self, b: int) -> torch.Tensor:
         """The reduced gradient of this rank's shard of bucket b (reduce dtype)."""
         bucket, grad_shard = self.buckets[b], self.flight[b].grad_shard
-        return grad_shard if grad_shard is not None else self.grad_buffer[bucket.shard_lo : bucket.shard_hi]
+        if grad_shard is not None:
+            return grad_shard
+        assert self.grad_buffer is not None
+        return self.grad_buffer[bucket.shard_lo : bucket.shard_hi]
 
     def held_grads(self) -> Iterator[tuple[Segment, nn.Parameter, torch.Tensor]]:
         """(segment, parameter, reduced-gradient view) for every parameter part this rank updates."""
@@ -311,7 +401,10 @@ class DataParallel:
         return 0 if self.master_is_param else sum(m.numel() * m.element_size() for m in self.master)
 
     def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of the persistent buffers: the parameters, and the whole gradient buffer (ZeRO-2:
+        none; its shard is the optimizer's and its bucket buffers are transient)."""
+        grads = self.grad_buffer
         return {
             "parameters": self.param_buffer.numel() * self.param_buffer.element_size(),
-            "gradients": self.grad_buffer.numel() * self.grad_buffer.element_size(),
+            "gradients": 0 if grads is None else grads.numel() * grads.element_size(),
         }

@@ -26,6 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+# ZeRO-2: bucket reductions in flight at once; launching one more first waits for the oldest,
+# so a rank holds at most this many bucket buffers being reduced (DataParallel, estimate.py).
+ZERO2_IN_FLIGHT = 2
+
 
 @dataclass(frozen=True)
 class ParamMeta:

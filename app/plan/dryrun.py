@@ -194,7 +194,7 @@ def _check_memory(plan: Plan) -> None:
     peak = plan.peak_stage()
     need = peak.total(zero, recompute)
     # What the usual memory switches would give, on the stage that needs the most.
-    options = [("optim.zero=1", 1, recompute), ("train.recompute=full", zero, "full")]
+    options = [("optim.zero=1", 1, recompute), ("optim.zero=2", 2, recompute), ("train.recompute=full", zero, "full")]
     if zero == 0 and recompute != "full":
         options.append(("both", 1, "full"))
     for key, z, r in options:
@@ -288,7 +288,7 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
                 "params_per_rank": s.params,
                 "memory_gib": {
                     "weights": _gib(s.weights),
-                    "gradients": _gib(s.gradients),
+                    "gradients": _gib(s.grads(deck.optim.zero)),
                     "optimizer": {k: _gib(v) for k, v in s.optimizer.items()},
                     "activations": {k: _gib(v) for k, v in s.activations.items()},
                     "total": _gib(s.total(deck.optim.zero, tr.recompute)),
@@ -392,7 +392,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         extra = ("+emb " if s.first else "") + ("+head" if s.last else "")
         lines.append(
             f"    {name:<10} {'+'.join(map(str, s.layers)) + ' ' + extra:<12} {s.params:>15,} "
-            f"{s.weights / GiB:>9.2f} {s.gradients / GiB:>9.2f} {s.optimizer[f'zero{deck.optim.zero}'] / GiB:>10.2f} "
+            f"{s.weights / GiB:>9.2f} {s.grads(deck.optim.zero) / GiB:>9.2f} {s.optimizer[f'zero{deck.optim.zero}'] / GiB:>10.2f} "
             f"{s.activations[tr.recompute] / GiB:>12.2f} {s.total(deck.optim.zero, tr.recompute) / GiB:>9.2f}"
         )
     mem = j["memory"]

@@ -15,7 +15,10 @@ buffers, their padding and the ZeRO-1 shards are counted as they are allocated:
 * bytes per parameter: weights in the compute dtype; the gradient buffer in
   `train.grad_reduce_dtype`; fp32 master weights only for bf16/fp16; two fp32 moments
   (AdamW and LAMB). ZeRO-1 (`optim.zero: 1`) divides master weights and moments by dp and
-  adds a 1/dp gradient shard; each bucket is padded to a multiple of dp elements.
+  adds a 1/dp gradient shard; each bucket is padded to a multiple of dp elements. ZeRO-2
+  (`optim.zero: 2`) keeps the same shards but no whole gradient buffer: at most
+  ZERO2_IN_FLIGHT bucket buffers being reduced (with their output shards) and one being
+  filled per model chunk, each counted at the largest bucket's size (a bound, not exact).
 
 Activations are an estimate, after Korthikanti et al., "Reducing Activation Recomputation
 in Large Transformer Models" (MLSys 2023), eq. 1-2, adapted to this implementation: per
@@ -49,7 +52,7 @@ from typing import Callable, Optional
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, reduce_precision
-from app.parallel.layout import ParamLayout, ParamMeta, tp_box
+from app.parallel.layout import ZERO2_IN_FLIGHT, ParamLayout, ParamMeta, tp_box
 from app.parallel.schedule import partition_layers
 
 
@@ -209,13 +212,18 @@ class StageEstimate:
     last: bool
     params: int
     weights: float
-    gradients: float
-    optimizer: dict[str, float]  # "zero0" / "zero1": master weights + moments (+ ZeRO gradient shard)
+    gradients: float  # the whole gradient buffer (ZeRO 0 and 1)
+    gradient_buckets: float  # ZeRO-2: the most bucket buffers held at once (a bound; see the module docstring)
+    optimizer: dict[str, float]  # "zero0" / "zero1" / "zero2": master weights + moments (+ ZeRO gradient shard)
     activations: dict[str, float]  # by train.recompute: "none", "selective", "full"
     flops_per_micro_batch: float  # forward + backward model FLOPs of this stage's chunks, one micro-batch
 
+    def grads(self, zero: int) -> float:
+        """Gradient bytes outside the optimizer's shard: the whole buffer, or ZeRO-2's buckets."""
+        return self.gradient_buckets if zero >= 2 else self.gradients
+
     def total(self, zero: int, recompute: str) -> float:
-        return self.weights + self.gradients + self.optimizer[f"zero{zero}"] + self.activations[recompute]
+        return self.weights + self.grads(zero) + self.optimizer[f"zero{zero}"] + self.activations[recompute]
 
 
 def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[StageEstimate]:
@@ -258,6 +266,9 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             "zero0": whole.shard_elements() * (master + 8.0),
             "zero1": sharded.shard_elements() * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
         }
+        optimizer["zero2"] = optimizer["zero1"]  # the same shards; the whole gradient buffer goes
+        largest = max(b.end - b.start for b in whole.buckets)
+        buckets = ((ZERO2_IN_FLIGHT + v) * largest + ZERO2_IN_FLIGHT * largest / dp) * grad_bytes
         stages.append(
             StageEstimate(
                 stage=stage,
@@ -267,6 +278,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
                 params=params,
                 weights=whole.size * float(e),
                 gradients=whole.size * float(grad_bytes),
+                gradient_buckets=float(buckets) if dp > 1 else whole.size * float(grad_bytes),
                 optimizer=optimizer,
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),

@@ -355,7 +355,8 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
     if deck.dp > 1:
         params = stage_params(m, par.tp, layers, first, last)
         if deck.optim.zero:
-            add("dp", "reduce_scatter", params * g)
+            # ZeRO-2: once per micro-batch (every bucket reduces each time all its parameters added one gradient).
+            add("dp", "reduce_scatter", (micro if deck.optim.zero >= 2 else 1) * params * g)
             add("dp", "all_gather", params * e)
         else:
             add("dp", "all_reduce", params * g)
@@ -751,15 +752,17 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         grads = params[s] * g
         buckets = max(1, math.ceil(grads / bucket))
         per_bucket = grads / buckets
+        # ZeRO-2 reduce-scatters every micro-batch's gradients, each during that micro-batch's backward.
+        reductions = micro if opt.zero >= 2 else 1
         if opt.zero:
-            reduce = buckets * links["dp"].reduce_scatter(dp, per_bucket)
+            reduce = reductions * buckets * links["dp"].reduce_scatter(dp, per_bucket)
             gather = buckets * links["dp"].all_gather(dp, per_bucket / g * e)
         else:
             reduce, gather = buckets * links["dp"].all_reduce(dp, per_bucket), 0.0
         # Overlap: the reductions start as the last micro-batch's backward produces each bucket;
         # the last bucket cannot be hidden. The ZeRO-1 gather overlaps the next forward likewise.
-        window = sum(bwd[c] for c in range(s, pp * v, pp)) if par.overlap_grad_reduce else 0.0
-        last_bucket = reduce / buckets
+        window = reductions * sum(bwd[c] for c in range(s, pp * v, pp)) if par.overlap_grad_reduce else 0.0
+        last_bucket = reduce / (reductions * buckets)
         exposed = max(last_bucket, reduce - window) if par.overlap_grad_reduce else reduce
         if gather:
             first_fwd = sum(fwd[c] for c in range(s, pp * v, pp))
@@ -769,7 +772,8 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
             # forward, for the gather) computes: its copies and sums take the shared cores, charged
             # in full, but its waits for the peers hide, all but the last bucket's.
             op = "reduce_scatter" if opt.zero else "all_reduce"
-            hidden = (buckets - 1) * links["dp"].latency_part(op, dp) if requested.overlap_grad_reduce else 0.0
+            overlapped = reductions * buckets - 1
+            hidden = overlapped * links["dp"].latency_part(op, dp) if requested.overlap_grad_reduce else 0.0
             if gather and requested.overlap_param_gather:
                 hidden += (buckets - 1) * links["dp"].latency_part("all_gather", dp)
             exposed = reduce + gather - hidden
