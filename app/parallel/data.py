@@ -401,10 +401,13 @@ class DataParallel:
         return 0 if self.master_is_param else sum(m.numel() * m.element_size() for m in self.master)
 
     def buffer_bytes(self) -> dict[str, int]:
-        """Bytes of the persistent buffers: the parameters, and the whole gradient buffer (ZeRO-2:
-        none; its shard is the optimizer's and its bucket buffers are transient)."""
+        """Bytes of the parameter buffer, the whole gradient buffer (none under ZeRO-2), the ZeRO
+        gradient shards, and the most ZeRO-2 bucket buffers held at once so far."""
         grads = self.grad_buffer
+        shards = [f.grad_shard for f in self.flight if f.grad_shard is not None]
         return {
             "parameters": self.param_buffer.numel() * self.param_buffer.element_size(),
             "gradients": 0 if grads is None else grads.numel() * grads.element_size(),
+            "gradient_shard": sum(t.numel() * t.element_size() for t in shards),
+            "gradient_buckets_peak": self.bucket_peak_bytes,
         }
