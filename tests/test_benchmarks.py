@@ -49,3 +49,18 @@ def test_the_checkpoint_benchmark_compares_hdf5_torch_save_and_dd(tmp_path, caps
     assert abs(torch_save / hdf5 - 1) < 0.05  # the same tensor bytes, one file per rank
     assert not (tmp_path / "files").exists()  # every checkpoint and dd file removed
     assert "| dd conv=fsync | 1 |" in capsys.readouterr().out
+
+
+def test_the_zero_memory_benchmark_measures_bytes_against_the_plan(tmp_path):
+    """benchmarks/zero_memory_bench.py on a real 2-rank run: ZeRO-1's optimizer state and shard are
+    the plan's exactly; ZeRO-2's bucket buffers are above zero and within the plan's bound."""
+    import zero_memory_bench
+
+    rc = zero_memory_bench.main(["--zero", "1", "2", "--dp", "2", "--steps", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    table = csv.DictReader((tmp_path / "table.csv").read_text().splitlines())
+    rows = {r["zero"]: {k: float(v) for k, v in r.items() if k != "error"} for r in table}
+    for r in rows.values():
+        assert r["parameters"] == r["planned_parameters"] and r["optimizer"] == r["planned_optimizer"], r
+    assert rows["1"]["gradients"] == rows["1"]["planned_gradients"]
+    assert 0 < rows["2"]["gradients"] <= rows["2"]["planned_gradients"] < rows["1"]["gradients"]
