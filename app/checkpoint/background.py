@@ -24,9 +24,7 @@ only for the copy. Rules:
   thread ran on through a 200 MB write, its longest wait 9 ms), and numpy inside each
   checksum chunk. The writer's communicator waits asleep (`sleeping_comm`): a rank that
   reaches a collective early sleeps in an MPI_Ibarrier loop instead of spinning in Open
-  MPI's polling on the cores the training threads need; and the writer thread runs at a
-  lower CPU priority (`NICE`), so that on cores the ranks share, it takes a smaller part
-  of more steps.
+  MPI's polling on the cores the training threads need.
 """
 
 from __future__ import annotations
@@ -43,9 +41,11 @@ from app.checkpoint.io import Saved, Snapshot, TrainingState, snapshot, write
 from app.runtime.mpi import Runtime
 from app.runtime.watchdog import NullWatchdog, Watchdog
 
-# The writer thread's nice value (Linux: per thread). Measured here (4 ranks on 2 cores): at 10 the
-# write spreads over ~2 steps, each +17% (at 0: one step, +55%); training loses about as much in all.
-NICE = 10
+# The writer thread's nice value (Linux: per thread), 0: training's. Measured here (4 ranks on 2
+# cores, three runs): nice 10 spread the write over 2-4 steps (+17-25% each) but training lost
+# as much in all (1.3-2.4 s, against 0.9-1.6 s at 0, one step +26-55%) and the write took 4x
+# longer (docs/CHECKPOINT.md); `BackgroundWriter(nice=...)` to compare.
+NICE = 0
 THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED", "MPI_THREAD_MULTIPLE")
 
 
