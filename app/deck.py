@@ -17,6 +17,7 @@ ends in a value or a DeckError, quickly.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,6 +255,12 @@ class CheckpointConfig:
     alignment_interval: int = _key(
         1048576, "HDF5: alignment in bytes (match the file system's stripe or block size)", min=1, max=2**30
     )
+    # The deck key `async` (a Python keyword: the field carries PEP 8's trailing underscore, `key_name`).
+    async_: bool = _key(
+        False, "write checkpoints in the background: the step loop waits only while this rank's state is copied "
+        "to host memory, one write in flight at a time (needs MPI_THREAD_MULTIPLE, else synchronous with a "
+        "warning; docs/CHECKPOINT.md)",
+    )  # fmt: skip
 
 
 SECTIONS: dict[str, type] = {
@@ -278,7 +285,13 @@ class Deck:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        """section -> deck key -> value (what a deck file would say)."""
+        out = {}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            values = dataclasses.asdict(section)
+            out[name] = {key_name(f): values[f.name] for f in dataclasses.fields(section)}
+        return out
 
     @property
     def dp(self) -> int:
@@ -293,11 +306,24 @@ class Deck:
         return self.train.global_batch // (self.train.micro_batch * self.dp)
 
 
+def key_name(f: dataclasses.Field) -> str:
+    """A section field's deck key: its name, less the trailing underscore of a field named after a
+    Python keyword (`checkpoint.async` is the field `async_`)."""
+    name = f.name.removesuffix("_")
+    return name if name != f.name and keyword.iskeyword(name) else f.name
+
+
 def _section_keys(cls: type) -> dict[str, Key]:
     """The schema engine's declaration of a section's keys: its dataclass fields' types, defaults
     and `_key` rules. Every deck string is text (printable, of a sane length)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: Key(hints[f.name], f.default, text=True, **f.metadata) for f in dataclasses.fields(cls)}
+    return {key_name(f): Key(hints[f.name], f.default, text=True, **f.metadata) for f in dataclasses.fields(cls)}
+
+
+def _section(cls: type, values: dict[str, Any]) -> Any:
+    """A section from its checked keys (deck key -> value)."""
+    fields = {key_name(f): f.name for f in dataclasses.fields(cls)}
+    return cls(**{fields[key]: value for key, value in values.items()})
 
 
 KEYS: dict[str, dict[str, Key]] = {name: _section_keys(cls) for name, cls in SECTIONS.items()}
@@ -363,7 +389,7 @@ def load_deck(path: Union[str, Path, None], overrides: tuple[str, ...] = ()) -> 
     file = "--set" if path is None else f"deck file {path}"
     sections = _checked(raw, SECTION_KEYS, file, given, noun="section")
     deck = Deck(**{
-        name: cls(**_checked(sections.get(name) or {}, KEYS[name], file, given, prefix=f"{name}."))
+        name: _section(cls, _checked(sections.get(name) or {}, KEYS[name], file, given, prefix=f"{name}."))
         for name, cls in SECTIONS.items()
     })  # fmt: skip
     if deck.run.dir is None:

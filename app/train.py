@@ -23,15 +23,16 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import yaml
 
+from app.checkpoint.background import background_writer, describe
 from app.checkpoint.io import Saved
 from app.checkpoint.io import load as load_checkpoint
 from app.checkpoint.io import save as save_checkpoint
-from app.checkpoint.store import checkpoint_dir, read_latest, resolve_resume
+from app.checkpoint.store import checkpoint_dir, read_latest, resolve_resume, step_file
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.data.memmap import MemmapTokens
 from app.deck import Deck
@@ -151,6 +152,8 @@ class Trainer:
         self.steps_done = 0
         self.resumed: Optional[dict[str, Any]] = None  # what `resume` loaded
         self.checkpoints: list[CheckpointInfo] = []  # what `save` wrote
+        # checkpoint.async: the writer thread and its communicator (collective: every rank, here).
+        self.writer = background_writer(runtime) if deck.checkpoint.async_ else None
         built = Built(
             parameters=self.model.num_parameters(),
             parameters_rank0=sum(p.numel() for p in self.model.parameters()),
@@ -252,27 +255,62 @@ class Trainer:
         (exit 2) unless checkpoint.on_error is `continue`: then rank 0 logs one warning line,
         this returns None, and the next interval tries again — except for a `final` save (end of
         training, stop signal), which has no next interval. A NaN/Inf in the state
-        (NonFiniteError) always ends it."""
+        (NonFiniteError) always ends it.
+
+        checkpoint.async: after waiting for the write in flight, if any, this copies the state and
+        returns while the write goes on (the returned Saved's `seconds` is the copy's); a `final`
+        save waits for its write. The write's outcome is handled as above when `finish_save` takes it."""
+        directory = checkpoint_dir(self.deck)
+        if self.writer is None:
+            return self._outcome(lambda: save_checkpoint(self, directory), self.steps_done, reason, final)
+        self.finish_save()  # one write in flight at most
+        copied = self.writer.start(self, directory, reason, final)
+        if final:
+            return self.finish_save()
+        return Saved(
+            step_file(directory, self.steps_done), self.steps_done, 0, copied, blocked=copied
+        )  # not written yet
+
+    def finish_save(self) -> Optional[Saved]:
+        """Wait for the background write in flight, if any, and take its outcome as `save` does (every
+        rank at the same step: the next save, a stop, the end, a rollback, or once all are done)."""
+        if self.writer is None or not self.writer.in_flight:
+            return None
+        return self._outcome(self.writer.wait, self.writer.step, self.writer.reason, self.writer.final)
+
+    def _outcome(self, write: Callable[[], Saved], step: int, reason: str, final: bool) -> Optional[Saved]:
+        """Run `write` (a save, or the wait for one) and record or report what it ended in (`save`)."""
         try:
-            saved = save_checkpoint(self, checkpoint_dir(self.deck))
+            saved = write()
         except NonFiniteError:
             raise
         except CheckpointError as err:
             if self.deck.checkpoint.on_error != "continue" or final:
                 raise  # a final save (end of training, stop signal) has no later interval to retry in
             self.runtime.log(
-                f"gridlm: warning: checkpoint step {self.steps_done} ({reason}) failed, training goes on "
+                f"gridlm: warning: checkpoint step {step} ({reason}) failed, training goes on "
                 f"(checkpoint.on_error: continue): {err}"
             )
             return None
+        blocked = saved.seconds if saved.blocked is None else saved.blocked
         record = CheckpointInfo(step=saved.step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
+                                blocked_seconds=blocked, background=saved.blocked is not None,
                                 reason=reason)  # fmt: skip
         self.checkpoints.append(record)
         self.runtime.log(
             f"gridlm: checkpoint step {saved.step} ({reason}) -> {saved.path} | {saved.bytes / 1e6:.1f} MB in "
             f"{saved.seconds:.2f} s ({saved.bytes / max(saved.seconds, 1e-9) / 1e9:.2f} GB/s)"
+            + ("" if saved.blocked is None else f", {describe(saved)}")
         )
         return saved
+
+    def close(self) -> None:
+        """Wait for a checkpoint write still in flight and release its communicator (every rank, however
+        `run` ended; `train` calls it). Its failure after another error is only logged."""
+        if self.writer is not None:
+            error = self.writer.close()
+            if error is not None:
+                self.runtime.log(f"gridlm: checkpoint step {self.writer.step} ({self.writer.reason}): {error}")
 
     def run(self) -> dict[str, Any]:
         """Train to deck.train.steps, logging every run.log_every steps; returns the summary."""
@@ -298,6 +336,8 @@ class Trainer:
                     self._rollback()
                     continue
                 step = self.steps_done
+                if self.writer is not None and self.writer.done_everywhere():
+                    self.finish_save()  # the background write ended on every rank: log it now
                 # A skipped step (train.nonfinite: skip, a replayed bad batch) left the state as it was:
                 # finite, so it may be saved (and save refuses anything non-finite anyway).
                 # None: it failed under checkpoint.on_error: continue; a stop or the end saves again.
@@ -305,7 +345,7 @@ class Trainer:
                 received = signals.agreed(rt.comm, rt.watchdog)
                 if received:
                     interrupted = signal_name(received)
-                    if not saved_now:
+                    if not self._committed(saved_now):
                         self.save(interrupted, final=True)
                     rt.log(
                         f"gridlm: {interrupted} received: stopped after step {step} of {steps} with a checkpoint; "
@@ -313,8 +353,9 @@ class Trainer:
                     )
                     break
             else:
-                if deck.checkpoint.at_exit and not saved_now:
+                if deck.checkpoint.at_exit and not self._committed(saved_now):
                     self.save("end of training", final=True)
+        self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
         self.dp.wait_params()  # no all-gather left in flight: the parameters are complete
         summary = report.finish(
             memory_bytes={**self.dp.buffer_bytes(), "optimizer_state": self.optimizer.state_bytes()},
@@ -327,6 +368,14 @@ class Trainer:
             checkpoints=self.checkpoints,
         )
         return summary.to_dict()
+
+    def _committed(self, saved_now: bool) -> bool:
+        """Whether a checkpoint of this step is committed (saved_now: one was started): a background
+        write in flight is waited for first (it failed, under checkpoint.on_error: continue: False)."""
+        if self.writer is not None and self.writer.in_flight:
+            writing = self.writer.step
+            return self.finish_save() is not None and saved_now and writing == self.steps_done
+        return saved_now
 
     def _train_step(self) -> None:
         """One timed step, reported when it is due."""
@@ -377,6 +426,7 @@ class Trainer:
         checkpoint's step so that no step is recorded twice."""
         rt, step, what = self.runtime, self.steps_done, self.step_nonfinite
         directory = checkpoint_dir(self.deck)
+        self.finish_save()  # `latest` as the write in flight leaves it
         path = on_root(rt, lambda: read_latest(directory))
         if path is None:
             raise NonFiniteError(self.guard.no_checkpoint(step, what, directory))
@@ -402,5 +452,6 @@ def train(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> dict[str, Any]:
     try:
         return trainer.run()
     finally:
+        trainer.close()
         if trainer.run_lock is not None:
             trainer.run_lock.release()

@@ -64,3 +64,31 @@ def test_the_zero_memory_benchmark_measures_bytes_against_the_plan(tmp_path):
         assert r["parameters"] == r["planned_parameters"] and r["optimizer"] == r["planned_optimizer"], r
     assert rows["1"]["gradients"] == rows["1"]["planned_gradients"]
     assert 0 < rows["2"]["gradients"] <= rows["2"]["planned_gradients"] < rows["1"]["gradients"]
+
+
+def test_the_async_checkpoint_benchmark_measures_blocked_and_step_times(tmp_path, capsys):
+    import checkpoint_async_bench
+
+    tiny = ["model.hidden=64", "model.layers=2", "model.heads=4", "model.vocab_size=128", "model.seq_len=32",
+            "parallel.tp=1"]  # fmt: skip
+    rc = checkpoint_async_bench.main(
+        [
+            "--ranks",
+            "2",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path),
+            *(a for s in tiny for a in ("--set", s)),
+        ]
+    )
+    assert rc == 0
+    rows = {r["variant"]: r for r in csv.DictReader((tmp_path / "table.csv").read_text().splitlines())}
+    assert list(rows) == ["sync", "async", "async nice 10"]
+    assert float(rows["sync"]["blocked_vs_sync"]) == 1.0
+    for r in rows.values():
+        assert 0 < float(r["blocked_s"]) <= float(r["save_s"]) + 0.01 and float(r["step_s"]) > 0, r
+    assert not (tmp_path / "files").exists()  # every checkpoint removed
+    assert "| async nice 10 |" in capsys.readouterr().out

@@ -3,7 +3,8 @@ file, the cause and the free space; no .tmp left; the previous checkpoint stays 
 loads. Serial: retention keeps the last checkpoint before a non-finite event, causes in
 words, the size estimate. MPI (>= 2 ranks; rank 0 mounts a small tmpfs, so root): a disk too
 full for the pre-check, a disk that fills up mid-write (20 times, at different points; none
-may hang), a read-only file system, a NaN / Inf in the state, checkpoint.on_error: continue."""
+may hang; and under a background write, checkpoint.async), a read-only file system, a NaN /
+Inf in the state, checkpoint.on_error: continue."""
 
 from __future__ import annotations
 
@@ -249,6 +250,40 @@ def test_a_disk_that_fills_up_mid_write_ends_every_rank_cleanly_twenty_times(run
                 print(f"attempt {attempt}: {message}")
         assert load(_trainer(grids, shared_tmp / "fresh", *WIDE), good)["step"] == 1
         assert save(trainer, disk).path == step_file(disk, 2)  # with room again, the next save commits
+        _all_ranks_ok(runtime, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(180)
+def test_a_background_write_that_fails_is_agreed_and_named_when_waited_for(runtime, grids, shared_tmp):
+    """checkpoint.async: the disk fills up under the writer thread after its free-space check (no
+    reservation: the MPI-IO writes themselves fail, on some ranks) while the step loop trains on.
+    Waiting for the write raises the synchronous save's error on every rank; `latest` stays on
+    the previous checkpoint, no .tmp is left, and the next background save commits."""
+    with tmpfs(runtime, shared_tmp / "disk", 4 * TMPFS_KIB) as disk:
+        trainer = _trainer(grids, shared_tmp / "run", f"checkpoint.dir={disk}", "checkpoint.async=true", *WIDE)
+        assert trainer.writer is not None
+        train_steps(trainer, 1)
+        trainer.save("test")
+        good = trainer.finish_save().path
+        size = runtime.comm.bcast(good.stat().st_size if runtime.rank == 0 else 0, root=0)
+        problems: list[str] = []
+        for leave in (0, size // 3, 2 * size // 3):
+            train_steps(trainer, 1)
+            step = trainer.steps_done
+            trainer.writer.start(trainer, disk, "test", before_write=partial(fill, disk, leave), reserve_space=False)
+            train_steps(trainer, 1)  # training goes on while the write fails
+            message = _raises_everywhere(
+                runtime, CheckpointError, trainer.finish_save,
+                "no space left on device", str(step_file(disk, step)) + ".tmp", "free on", "stays latest",
+            )  # fmt: skip
+            if runtime.rank == 0:
+                (disk / "filler").unlink()
+                print(f"leave {leave} B: {message}")
+            problems += [f"leave {leave} B: {p}" for p in _clean(runtime, disk, good)]
+        assert [c["step"] for c in trainer.checkpoints] == [1]  # the failures are not recorded
+        trainer.save("test")
+        assert trainer.finish_save().path == step_file(disk, trainer.steps_done) == read_latest(disk)
         _all_ranks_ok(runtime, problems)
 
 

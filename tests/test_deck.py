@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from app.deck import MAX_RANKS, SECTIONS, Deck, TrainConfig, deck_reference, load_deck, resolve_for_world
+from app.deck import MAX_RANKS, SECTIONS, Deck, TrainConfig, deck_reference, key_name, load_deck, resolve_for_world
 from app.deck_paths import check_paths
 from app.errors import DeckError
 from conftest import REPO
@@ -204,8 +204,8 @@ def keys_of(kind: str) -> list[tuple[str, dict]]:
     for section, cls in SECTIONS.items():
         types = dict((k.split(".")[1], t) for k, t, *_ in deck_reference() if k.startswith(section + "."))
         for f in dataclasses.fields(cls):
-            if kind in types[f.name].replace("list of ", "").split(" | "):
-                rows.append((f"{section}.{f.name}", dict(f.metadata)))
+            if kind in types[key_name(f)].replace("list of ", "").split(" | "):
+                rows.append((f"{section}.{key_name(f)}", dict(f.metadata)))
     return rows
 
 

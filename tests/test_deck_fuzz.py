@@ -23,7 +23,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.deck import SECTIONS, load_deck
+from app.deck import SECTIONS, key_name, load_deck
 from app.errors import GridlmError
 from app.parallel.schedule import build_schedule
 from app.plan.dryrun import dump_json, format_text, make_plan, world_for
@@ -46,7 +46,7 @@ BASE = {
     "run": {"dir": "runs/fuzz"},
 }
 KEYS = [
-    (section, f.name, typing.get_type_hints(cls)[f.name], dict(f.metadata))
+    (section, key_name(f), typing.get_type_hints(cls)[f.name], dict(f.metadata))
     for section, cls in SECTIONS.items()
     for f in dataclasses.fields(cls)
 ]

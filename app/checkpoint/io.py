@@ -56,7 +56,7 @@ from app.checkpoint.store import (
     spare_file,
     step_file,
 )
-from app.deck import Deck
+from app.deck import CheckpointConfig, Deck
 from app.errors import CheckpointError, NonFiniteError
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, on_root
@@ -187,7 +187,64 @@ class Saved:
     path: Path
     step: int
     bytes: int  # tensor bytes written
-    seconds: float
+    seconds: float  # the whole save, from the snapshot to the commit
+    blocked: Optional[float] = None  # of which the step loop waited (None: all of it, a synchronous save)
+
+
+@dataclass
+class Snapshot:
+    """One checkpoint's content on this rank, taken from the training state (`snapshot`), so that
+    `write` needs nothing else: the values this rank writes, the file's catalogue and header."""
+
+    step: int
+    config: CheckpointConfig
+    header: dict[str, Any]
+    health: tuple[int, int]  # nonfinite_events, nonfinite_in_a_row (store.protected)
+    catalogue: list[tuple[str, str, tuple[int, ...]]]  # every tensor of the model's state, in file order
+    stored_of: dict[str, tuple[str, Any]]  # group -> (logical dtype, stored numpy dtype)
+    slices: dict[tuple[str, str], tuple[list, np.ndarray]]  # (group, name) -> (boxes, values) this rank writes
+    rows: dict[str, np.ndarray]  # this rank's RNG states
+    started: float  # perf_counter() when it was taken
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the values hold (a copy: `snapshot(copy=True)`; else views of the state)."""
+        return sum(values.nbytes for _, values in self.slices.values())
+
+
+def snapshot(state: TrainingState, copy: bool = False) -> Snapshot:
+    """This rank's part of a checkpoint of `state` (collective: every rank, same step). With
+    `copy`, the values are copied to host memory, so that training may go on while they are
+    written (checkpoint.async); without, they are views of the state (NumPy views of CPU
+    tensors; device tensors are copied to the host either way)."""
+    rt = state.runtime
+    started = time.perf_counter()
+    state.dp.wait_params()  # no all-gather in flight: the parameter buffer is complete
+    if state.runtime.device.type == "cuda":
+        torch.cuda.synchronize(state.runtime.device)
+    shards = _shard_states(state)
+    catalogue, dtypes = _catalogue(rt, shards)
+    header = rt.comm.bcast(_header(state) if rt.rank == 0 else None, root=0)
+    slices = {}
+    for key, shard in shards.items():
+        if shard.writes:
+            held = shard.view(*shard.write)
+            values = _numpy(held)
+            if copy and held.device.type == "cpu":  # a device tensor's host copy is already a copy
+                values = values.copy()
+            slices[key] = (_boxes(shard, *shard.write), values)
+    return Snapshot(
+        step=state.steps_done,
+        config=state.deck.checkpoint,
+        header=header,
+        # For retention (store.protected): non-finite steps so far, and in the current streak.
+        health=(int(getattr(state, "nonfinite_events", 0)), int(getattr(state, "nonfinite_in_a_row", 0))),
+        catalogue=catalogue,
+        stored_of={group: STORED[dtype] for group, dtype in dtypes.items()},
+        slices=slices,
+        rows=_rng_rows(rt),
+        started=started,
+    )
 
 
 def save(
@@ -199,27 +256,37 @@ def save(
     reserve_space: bool = True,
 ) -> Saved:
     """Write the training state to directory/step_NNNNNNN.h5 (all ranks), commit it, apply
-    retention. Raises, on every rank alike, CheckpointError when it cannot be written (no
-    space, I/O or permission error) and NonFiniteError for a NaN/Inf in any saved tensor;
-    then the .tmp file is gone and `latest` is unchanged (docs/CHECKPOINT.md, "When a save
-    fails"). Tests only: `before_write` runs on rank 0 after the free-space check,
+    retention: `write` of a `snapshot` (see there)."""
+    return write(
+        snapshot(state), state.runtime, directory,
+        before_commit=before_commit, before_write=before_write, reserve_space=reserve_space,
+    )  # fmt: skip
+
+
+def write(
+    snap: Snapshot,
+    rt: Runtime,
+    directory: Path,
+    *,
+    before_commit: Optional[Callable[[], None]] = None,
+    before_write: Optional[Callable[[], None]] = None,
+    reserve_space: bool = True,
+) -> Saved:
+    """Write a snapshot to directory/step_NNNNNNN.h5 (all ranks of `rt.comm`, every HDF5 and MPI
+    call on that communicator: `app/checkpoint/background.py` gives a thread of its own one),
+    commit it, apply retention. Raises, on every rank alike, CheckpointError when it cannot be
+    written (no space, I/O or permission error) and NonFiniteError for a NaN/Inf in any saved
+    tensor; then the .tmp file is gone and `latest` is unchanged (docs/CHECKPOINT.md, "When a
+    save fails"). Tests only: `before_write` runs on rank 0 after the free-space check,
     `reserve_space=False` skips the fallocate (to meet a full disk mid-write), and
     `before_commit` runs on rank 0 between the flushed write and the rename."""
     import h5py
     from mpi4py import MPI
 
-    rt, cfg = state.runtime, state.deck.checkpoint
-    state.dp.wait_params()  # no all-gather in flight: the parameter buffer is complete
-    if state.runtime.device.type == "cuda":
-        torch.cuda.synchronize(state.runtime.device)
-    final = step_file(directory, state.steps_done)
+    cfg, catalogue, rows, stored_of, slices = snap.config, snap.catalogue, snap.rows, snap.stored_of, snap.slices
+    final = step_file(directory, snap.step)
     tmp = final.with_name(final.name + ".tmp")
-    t0 = time.perf_counter()
-    shards = _shard_states(state)
-    catalogue, dtypes = _catalogue(rt, shards)
-    header = rt.comm.bcast(_header(state) if rt.rank == 0 else None, root=0)
-    rows = _rng_rows(rt)
-    stored_of = {group: STORED[dtype] for group, dtype in dtypes.items()}
+    header = snap.header
     layout = [(math.prod(shape), np.dtype(stored_of[group][1]).itemsize) for group, _, shape in catalogue]
     layout += [(rt.world_size * row.size, 1) for row in rows.values()]
     nbytes = sum(n * size for n, size in layout)
@@ -231,9 +298,8 @@ def save(
     def check_finite() -> None:
         """A NaN/Inf in any slice this rank would write: refused before the disk is touched."""
         for group, name, _ in catalogue:
-            shard = shards.get((group, name))
-            if shard is not None and shard.writes:
-                bad = count_nonfinite(shard.view(*shard.write), stored_of[group][0])
+            if (group, name) in slices:
+                bad = count_nonfinite(slices[(group, name)][1], stored_of[group][0])
                 if bad:
                     raise NonFiniteError(f"/{group}/{name} has {bad} non-finite value{'s' if bad > 1 else ''}")
 
@@ -261,9 +327,7 @@ def save(
         """All metadata first, every attribute at its final size (`committed` false, checksums
         0), so that after the first flush the close only rewrites blocks the file already has."""
         f.attrs.update(header)
-        # For retention (store.protected): non-finite steps so far, and in the current streak.
-        f.attrs["nonfinite_events"] = int(getattr(state, "nonfinite_events", 0))
-        f.attrs["nonfinite_in_a_row"] = int(getattr(state, "nonfinite_in_a_row", 0))
+        f.attrs["nonfinite_events"], f.attrs["nonfinite_in_a_row"] = snap.health
         f.attrs["committed"] = False  # true last: a copy of a half-written file is refused
         created = []
         for group, name, shape in catalogue:
@@ -280,7 +344,7 @@ def save(
             spare_file(tmp).unlink(missing_ok=True)  # its blocks are the metadata's room in the flush that follows
         return created
 
-    def write(index: int, dset: Any, kind: str, name: str, shape: tuple[int, ...]) -> None:
+    def write_one(index: int, dset: Any, kind: str, name: str, shape: tuple[int, ...]) -> None:
         """This rank's slice of one dataset: one H5Dwrite on every rank, even with nothing to
         write (collective I/O needs every rank's call)."""
         stages.doing = f"writing /{kind}/{name}"
@@ -289,17 +353,14 @@ def save(
             sums[index] = checksum(rows[name], box, shape)
             write_boxes(dset.id, box, rows[name], dxpl)
             return
-        shard = shards.get((kind, name))
-        boxes, values = [], np.empty(0, dtype=stored_of[kind][1])
-        if shard is not None and shard.writes:
-            boxes = _boxes(shard, *shard.write)
-            values = _numpy(shard.view(*shard.write))
+        boxes, values = slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
+        if boxes:
             sums[index] = checksum(values, boxes, shape)
         write_boxes(dset.id, boxes, values, dxpl)
 
     def write_all(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
         for index, item in enumerate(datasets):
-            write(index, *item)
+            write_one(index, *item)
 
     def attributes(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
         for (dset, *_), value in zip(datasets, sums):
@@ -319,7 +380,7 @@ def save(
         metadata_on_disk = True
         if cfg.io == "collective":  # every H5Dwrite is collective: agree before the next one
             for index, (dset, kind, name, shape) in enumerate(datasets):
-                stages.run("H5Dwrite", f"writing /{kind}/{name}", write, index, dset, kind, name, shape)
+                stages.run("H5Dwrite", f"writing /{kind}/{name}", write_one, index, dset, kind, name, shape)
         else:  # independent I/O makes no collective call: one agreement after the last write
             stages.run(None, "writing the datasets", write_all, datasets)
         with rt.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
@@ -349,7 +410,7 @@ def save(
             rt.log(f"gridlm: warning: checkpoint {final} committed, but retention failed: {err}")
 
     on_root(rt, finish)
-    return Saved(final, state.steps_done, nbytes, time.perf_counter() - t0)
+    return Saved(final, snap.step, nbytes, time.perf_counter() - snap.started)
 
 
 # HDF5 metadata per dataset (object header with the dtype and checksum attributes, its link

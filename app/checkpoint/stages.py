@@ -78,6 +78,9 @@ class Stages:
         error: Optional[BaseException] = None
         result = None
         self.doing = doing
+        settle = getattr(self.runtime.comm, "settle", None)  # a background writer's (background.sleeping_comm)
+        if op and settle is not None:
+            settle()  # the ranks meet asleep before a collective HDF5 / MPI-IO call, not spinning in it
         with self.runtime.watchdog.blocking(op, axis="world") if op else nullcontext():
             try:
                 result = fn(*args)

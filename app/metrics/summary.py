@@ -51,7 +51,9 @@ class CheckpointInfo(TypedDict):
     step: int
     path: str
     bytes: int
-    seconds: float
+    seconds: float  # the whole save, from copying the state to the commit
+    blocked_seconds: float  # of which the step loop waited: all of it, unless written in the background
+    background: bool  # written by the writer thread (checkpoint.async)
     reason: str  # "every N steps", "end of training", a signal's name
 
 
