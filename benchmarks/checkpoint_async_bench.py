@@ -44,7 +44,7 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's app, before grid_bench imports it
 
-from checkpoint_bench import SIZE  # noqa: E402
+from checkpoint_bench import SIZE, build_trainer  # noqa: E402
 from grid_bench import mpi_env, write_tables  # noqa: E402
 
 VARIANTS = ("sync", "async", "async nice 10")
@@ -73,19 +73,11 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
 
     from app.checkpoint import io
     from app.checkpoint.background import BackgroundWriter
-    from app.deck import load_deck, resolve_for_world
-    from app.runtime.grid import ProcessGrid
-    from app.runtime.mpi import agree, bind_device, init_torch_distributed, set_threads, shutdown
-    from app.train import Trainer
+    from app.runtime.mpi import shutdown
 
     comm = rt.comm
-    deck = agree(rt, lambda: resolve_for_world(load_deck(REPO / args.deck, tuple(args.set)), rt.world_size))
-    agree(rt, lambda: bind_device(rt, deck.run.device))
-    threads = set_threads(rt, deck.run.threads)
-    agree(rt, lambda: init_torch_distributed(rt, deck.parallel.backend))
-    par = deck.parallel
-    grid = ProcessGrid(rt, par.tp, par.pp, deck.dp, par.order)
-    trainer = Trainer(deck, rt, grid)
+    trainer, threads = build_trainer(rt, args.deck, args.set)
+    grid = trainer.grid
     writers = {"async": BackgroundWriter(rt), "async nice 10": BackgroundWriter(rt, nice=10)}
     directory = Path(args.dir)
     trainer.model.train()

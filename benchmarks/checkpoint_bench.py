@@ -141,24 +141,32 @@ def worker(args: argparse.Namespace) -> int:
     return 1
 
 
+def build_trainer(rt: Any, deck_path: str, sets: list[str]) -> tuple[Any, int]:
+    """A `Trainer` of the deck with `sets` on every rank (device, threads, torch.distributed and
+    the grid as `python -m app` makes them), and the torch threads per rank."""
+    from app.deck import load_deck, resolve_for_world
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import agree, bind_device, init_torch_distributed, set_threads
+    from app.train import Trainer
+
+    deck = agree(rt, lambda: resolve_for_world(load_deck(REPO / deck_path, tuple(sets)), rt.world_size))
+    agree(rt, lambda: bind_device(rt, deck.run.device))
+    threads = set_threads(rt, deck.run.threads)
+    agree(rt, lambda: init_torch_distributed(rt, deck.parallel.backend))
+    par = deck.parallel
+    return Trainer(deck, rt, ProcessGrid(rt, par.tp, par.pp, deck.dp, par.order)), threads
+
+
 def _measure(rt: Any, args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
     from app.checkpoint import io
-    from app.deck import load_deck, resolve_for_world
-    from app.runtime.grid import ProcessGrid
-    from app.runtime.mpi import agree, bind_device, init_torch_distributed, set_threads, shutdown
-    from app.train import Trainer
+    from app.runtime.mpi import shutdown
 
     comm = rt.comm
-    deck = agree(rt, lambda: resolve_for_world(load_deck(REPO / args.deck, tuple(args.set)), rt.world_size))
-    agree(rt, lambda: bind_device(rt, deck.run.device))
-    threads = set_threads(rt, deck.run.threads)
-    agree(rt, lambda: init_torch_distributed(rt, deck.parallel.backend))
-    par = deck.parallel
-    grid = ProcessGrid(rt, par.tp, par.pp, deck.dp, par.order)
-    trainer = Trainer(deck, rt, grid)
+    trainer, threads = build_trainer(rt, args.deck, args.set)
+    deck, grid = trainer.deck, trainer.grid
     directory = Path(args.dir)
     h5dir = directory / "hdf5"
     torch_file = directory / f"torch_rank{rt.rank}.pt"

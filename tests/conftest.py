@@ -272,6 +272,22 @@ def grid_trainer(grids: GridPool, tp: int, pp: int, dp: int, overrides: tuple[st
     return Trainer(deck, grids.runtime(tp * pp * dp), grids.grid(tp, pp, dp, deck.parallel.order))
 
 
+def sigterm_after_step(trainer, runtime, step: int) -> None:
+    """Make the last rank of `runtime` send itself SIGTERM once `trainer` finished step `step`,
+    as a scheduler would to one rank only."""
+    import signal
+
+    run_step = trainer.step
+
+    def step_then_signal():
+        out = run_step()
+        if trainer.steps_done == step and runtime.rank == runtime.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.step = step_then_signal
+
+
 def settle(comm) -> None:
     """Wait until every rank of `comm` gets here, sleeping between checks: a rank blocked in an
     MPI collective spins (OpenMPI polls, yielding), and ranks that wait while others compute on

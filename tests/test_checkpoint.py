@@ -24,7 +24,7 @@ from app.deck import load_deck
 from app.errors import CheckpointError
 from app.metrics.report import MetricsWriter
 from app.train import Trainer
-from conftest import REPO, app_env, grid_trainer, read_metrics, train_steps
+from conftest import REPO, app_env, grid_trainer, read_metrics, sigterm_after_step, train_steps
 
 SMALL = (
     "model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
@@ -322,15 +322,7 @@ def test_ranks_with_empty_selections_take_part_without_hanging(runtime, shared_t
 @pytest.mark.mpi
 def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(runtime, grids, shared_tmp):
     trainer = _trainer(grids, shared_tmp, "train.steps=20")
-    step = trainer.step
-
-    def step_then_signal():
-        out = step()
-        if trainer.steps_done == 2 and runtime.rank == runtime.world_size - 1:
-            os.kill(os.getpid(), signal.SIGTERM)  # as the scheduler would, on one rank only
-        return out
-
-    trainer.step = step_then_signal
+    sigterm_after_step(trainer, runtime, 2)
     summary = trainer.run()
     assert trainer.steps_done == 2
     assert summary["interrupted"] == "SIGTERM" and [c["step"] for c in summary["checkpoints"]] == [2]

@@ -8,7 +8,6 @@ that fails is in tests/test_checkpoint_failures.py."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,19 +17,14 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from test_checkpoint import SMALL  # the same tiny model as the synchronous checkpoint tests
 
 import app.checkpoint.background as background
 from app.checkpoint.io import load, read_header, save
 from app.checkpoint.slabs import dataset_checksum
 from app.checkpoint.store import read_latest, step_file
-from conftest import REPO, app_env, grid_trainer, read_metrics, train_steps
+from conftest import REPO, app_env, grid_trainer, read_metrics, sigterm_after_step, train_steps
 
-SMALL = (
-    "model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
-    "train.steps=8", "train.global_batch=16", "train.micro_batch=2", "optim.lr=3.0e-3", "optim.warmup_steps=2",
-    "data.noise=0.1", "run.log_every=100", "parallel.dp_bucket_mb=0.02", "run.resume=none",
-    "checkpoint.at_exit=false",
-)  # fmt: skip
 GRIDS = {2: (1, 2, 1), 4: (2, 1, 2)}  # tp, pp, dp: pp at 2 ranks, tp and dp (ZeRO-1 below) at 4
 ASYNC = "checkpoint.async=true"
 
@@ -155,15 +149,7 @@ def test_a_stop_signal_waits_for_the_write_in_flight_and_latest_loads(runtime, g
     step 2 once that write committed, and writes no second checkpoint of the step."""
     _slow_writes(monkeypatch, 0.5)
     trainer = _trainer(grids, shared_tmp, ASYNC, "checkpoint.every=2", "train.steps=20")
-    step = trainer.step
-
-    def step_then_signal():
-        out = step()
-        if trainer.steps_done == 2 and runtime.rank == runtime.world_size - 1:
-            os.kill(os.getpid(), signal.SIGTERM)  # as the scheduler would, on one rank only
-        return out
-
-    trainer.step = step_then_signal
+    sigterm_after_step(trainer, runtime, 2)
     summary = trainer.run()
     assert trainer.steps_done == 2 and summary["interrupted"] == "SIGTERM"
     assert [(c["step"], c["background"]) for c in summary["checkpoints"]] == [(2, True)]
