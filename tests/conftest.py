@@ -9,10 +9,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+
+from app.runtime.mpi import settle  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -286,15 +287,6 @@ def sigterm_after_step(trainer, runtime, step: int) -> None:
         return out
 
     trainer.step = step_then_signal
-
-
-def settle(comm) -> None:
-    """Wait until every rank of `comm` gets here, sleeping between checks: a rank blocked in an
-    MPI collective spins (OpenMPI polls, yielding), and ranks that wait while others compute on
-    the same shared cores would take those cores' time from them."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
 
 
 def reference_run(grids: GridPool, deck_sets: tuple[str, ...], steps: int, cache: dict) -> tuple[list[float], dict]:

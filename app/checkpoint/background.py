@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from app.checkpoint.io import Saved, Snapshot, TrainingState, snapshot, write
-from app.runtime.mpi import Runtime
+from app.runtime.mpi import Runtime, settle
 from app.runtime.watchdog import NullWatchdog, Watchdog
 
 # The writer thread's nice value (Linux: per thread), 0: training's. Measured here (4 ranks on 2
@@ -58,9 +58,7 @@ def sleeping_comm(comm: Any, interval: float = 0.002) -> Any:
 
     class Sleeping(MPI.Intracomm):
         def settle(self) -> None:
-            request = self.Ibarrier()
-            while not request.Test():
-                time.sleep(interval)
+            settle(self, interval)
 
         def Barrier(self) -> None:
             self.settle()

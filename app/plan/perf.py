@@ -168,7 +168,7 @@ class Link:
     def _ring(self, op: str, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
-        bandwidth, latency = dict(self.measured).get(op, (self.bandwidth, self.latency))
+        bandwidth, latency = self._fit(op)
         a, c = ring_terms(op, n, self.gloo)
         return a * nbytes / bandwidth + c * latency
 
@@ -176,7 +176,11 @@ class Link:
         """The latency terms of one ring `op` over `n` ranks (its waits for the peers)."""
         if n <= 1:
             return 0.0
-        return ring_terms(op, n, self.gloo)[1] * dict(self.measured).get(op, (self.bandwidth, self.latency))[1]
+        return ring_terms(op, n, self.gloo)[1] * self._fit(op)[1]
+
+    def _fit(self, op: str) -> tuple[float, float]:
+        """(bandwidth, latency) of `op`: the calibration's for this group size, else the level's."""
+        return dict(self.measured).get(op, (self.bandwidth, self.latency))
 
     def all_reduce(self, n: int, nbytes: float) -> float:
         ring = self._ring("all_reduce", n, nbytes)

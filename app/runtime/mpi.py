@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
@@ -223,6 +224,15 @@ def _raise(kind: type, message: str) -> None:
     except TypeError:
         error = GridlmError(message)
     raise error
+
+
+def settle(comm: Any, interval: float = 0.002) -> None:
+    """Wait until every rank of `comm` gets here, sleeping `interval` seconds between checks of an
+    MPI_Ibarrier: a rank blocked in an Open MPI collective spins, and ranks that wait while others
+    compute on the same cores would take those cores' time from them."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(interval)
 
 
 def on_root(runtime: Runtime, fn: Callable[[], T]) -> T:
