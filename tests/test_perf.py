@@ -399,6 +399,7 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
                 | {"p2p": {2: {"bandwidth_bytes_s": 3e9, "latency_s": 5e-5, "seconds": (1e-4, 3e-3), "busy_s": 8e-4}}},
                 "world": 4, "ranks_per_node": 4}  # fmt: skip
     measured["collectives"]["all_reduce"][2]["busy_s"] = 4e-4
+    measured["collectives"]["reduce_scatter"][2]["busy_s"] = 6e-4
     data = machine_file(base, "cal", measured, "mpirun -n 4 python -m app.plan.calibrate")
     path = tmp_path / "cal.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -415,8 +416,9 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     assert pairs["all_gather"] == pytest.approx((5e8, 2e-4)) and pairs["p2p"] == pytest.approx((3e9, 5e-5))
     # Groups of 8 were not measured: the level's figures, but the pairs' p2p serves every group.
     assert list(machine.measured_collectives(8)) == ["p2p"]
-    # A blocking collective's wait while others compute: the all-reduce's for its group size (any
-    # op), the pairs' p2p for transfers; none measured on groups of 4.
+    # A blocking collective's wait while others compute: its own for its group size where timed,
+    # else the all-reduce's; the pairs' p2p for transfers; none measured on groups of 4.
+    assert machine.busy_seconds("reduce_scatter", 2) == pytest.approx(6e-4)
     assert machine.busy_seconds("all_gather", 2) == pytest.approx(4e-4) and machine.busy_seconds("all_reduce", 4) == 0
     assert machine.busy_seconds("p2p", 8) == pytest.approx(8e-4)
     assert "after a 2 ms compute block" in machine.sources[0]
@@ -515,3 +517,25 @@ def test_busy_collectives_are_charged_where_the_code_waits_for_them(tmp_path):
     count = deck.num_micro_batches * (deck.model.layers * per_layer + ends)
     tp_grown = grown(("parallel.tp=2", "parallel.dp=2"), "tp_exposed")
     assert math.isclose(tp_grown, count * 400e-6, rel_tol=1e-9), (tp_grown, count)
+    # Sequence parallelism: each op its own busy_us where the calibration timed it (gloo's
+    # gathers and scatters wait on more messages), the all-reduce's where it did not.
+    raw["collectives"]["all_gather"] = {2: {**fits[2], "busy_us": 700.0}}
+    raw["collectives"]["reduce_scatter"] = {2: dict(fits[2])}
+    (busy_dir / "local.yaml").write_text(yaml.safe_dump(raw))
+    busy = load_machine(busy_dir / "local.yaml")
+    del raw["collectives"]["all_gather"][2]["busy_us"]
+    for op in ("all_reduce", "p2p"):
+        for fit in raw["collectives"][op].values():
+            fit.pop("busy_us")
+    plain_path.write_text(yaml.safe_dump(raw))
+    plain = load_machine(plain_path)
+    sets = ("parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true")
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), 4)
+    msgs = tp_collectives(deck)
+    want = {"all_gather": 700e-6, "reduce_scatter": 400e-6, "all_reduce": 400e-6}
+    kinds = ("layer_forward", "layer_backward", "layer_backward_overlapped")
+    per_layer = sum(want[op] for k in kinds for op, _ in msgs[k])
+    ends = sum(want[op] for k in ("head_forward", "head_backward", "embedding_forward", "embedding_backward")
+               for op, _ in msgs[k])  # fmt: skip
+    tp_grown = grown(sets, "tp_exposed")
+    assert math.isclose(tp_grown, deck.num_micro_batches * (deck.model.layers * per_layer + ends), rel_tol=1e-9)

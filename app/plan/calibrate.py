@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -168,25 +169,18 @@ def _collectives(
         for nbytes in (SMALL, LARGE):
             full = torch.ones(nbytes // 4, device=dev)
             shard = torch.ones(nbytes // 4 // g, device=dev)
-            calls = {
-                "all_reduce": lambda full=full, group=group: dist.all_reduce(full, group=group),
-                "all_gather": lambda full=full, shard=shard, group=group: dist.all_gather_single(
-                    full, shard, group=group
-                ),
-                "reduce_scatter": lambda full=full, shard=shard, group=group: dist.reduce_scatter_single(
-                    shard, full, group=group
-                ),
-            }
-            for op, fn in calls.items():
-                times[op].append(agreed(_timed(fn, comm, sync, repeat)))
+            for op in times:
+                times[op].append(agreed(_timed(partial(_call, op, full, shard, group), comm, sync, repeat)))
         for op, (t_small, t_large) in times.items():
             out[op][g] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring(op, g, t_small, t_large, gloo)))
             out[op][g]["seconds"] = (t_small, t_large)
         if gloo:  # GPU ranks do not share cores: nothing to wait for
-            tensors = [torch.ones(n // 4, device=dev) for n in (SMALL, MID)]
-            out["all_reduce"][g]["busy_s"] = statistics.mean(
-                busy(lambda t=t, group=group: dist.all_reduce(t, group=group)) for t in tensors
-            )
+            for op in times:  # each op its own: gloo's gathers and scatters wait on more messages
+                waits = []
+                for nbytes in (SMALL, MID):
+                    full, shard = torch.ones(nbytes // 4, device=dev), torch.ones(nbytes // 4 // g, device=dev)
+                    waits.append(busy(partial(_call, op, full, shard, group)))
+                out[op][g]["busy_s"] = statistics.mean(waits)
     if world >= 2 and world % 2 == 0:
         peer, first = rank ^ 1, rank % 2 == 0
         pair: list[float] = []
@@ -204,6 +198,19 @@ def _collectives(
             x = torch.ones(MID // 4, device=dev)
             out["p2p"][2]["busy_s"] = busy(lambda x=x: ping_pong(x)) / 2
     return out
+
+
+def _call(op: str, full: Any, shard: Any, group: Any) -> None:
+    """One collective `op` of COLLECTIVE_OPS (not p2p) over `group`: `full` the whole tensor, `shard`
+    this rank's 1/n of it."""
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        dist.all_reduce(full, group=group)
+    elif op == "all_gather":
+        dist.all_gather_single(full, shard, group=group)
+    else:
+        dist.reduce_scatter_single(shard, full, group=group)
 
 
 def _compute_block(dev: Any, comm: Any, sync: Callable[[], None]) -> Callable[[], None]:

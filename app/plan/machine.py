@@ -251,12 +251,18 @@ class Machine:
 
     def busy_seconds(self, op: str, size: int) -> float:
         """The extra time of one blocking `op` on a group of `size` ranks while the other ranks
-        compute (`busy_us`, measured by app.plan.calibrate for all_reduce and p2p; 0 where not
-        measured, as on GPUs, whose ranks do not share cores). Other collectives of the size take
-        the all-reduce's: the wait is for the group's ranks to run together, whatever the op."""
-        by_size = (self.collectives or {}).get("p2p" if op == "p2p" else "all_reduce", {})
-        fit = by_size.get(2 if op == "p2p" else size) or {}
-        return float(fit.get("busy_us") or 0.0) * 1e-6
+        compute (`busy_us`, measured by app.plan.calibrate for each collective and p2p; 0 where
+        not measured, as on GPUs, whose ranks do not share cores). A collective without its own
+        figure (machine files calibrated before it was timed per op) takes the all-reduce's: the
+        wait is for the group's ranks to run together, whatever the op."""
+        collectives = self.collectives or {}
+        if op == "p2p":
+            return float((collectives.get("p2p", {}).get(2) or {}).get("busy_us") or 0.0) * 1e-6
+        for source in (op, "all_reduce"):
+            fit = collectives.get(source, {}).get(size) or {}
+            if fit.get("busy_us") is not None:
+                return float(fit["busy_us"]) * 1e-6
+        return 0.0
 
     def missing_for_prediction(self, precision: str) -> list[str]:
         """The keys the performance model needs that this file lacks (empty: it can predict)."""

@@ -159,11 +159,16 @@ class Link:
     level: str  # the outermost level the group crosses
     gloo: bool = False  # gloo (CPU ranks): no tree all-reduce, and a reduce-scatter costs an all-reduce
     measured: tuple[tuple[str, tuple[float, float]], ...] = ()
-    # The extra time of one blocking collective (`busy`) or transfer (`busy_p2p`) while the node's
-    # other ranks compute: CPU ranks sharing cores wait for their group to be scheduled together
-    # (Machine.busy_seconds; 0 on GPUs). Charged only where the code waits for the op at once.
-    busy: float = 0.0
+    # The extra time of one blocking collective (`busy`, (op, seconds) per op) or transfer
+    # (`busy_p2p`) while the node's other ranks compute: CPU ranks sharing cores wait for their
+    # group to be scheduled together (Machine.busy_seconds; 0 on GPUs). Charged only where the
+    # code waits for the op at once.
+    busy: tuple[tuple[str, float], ...] = ()
     busy_p2p: float = 0.0
+
+    def busy_wait(self, op: str) -> float:
+        """`busy` of one blocking `op` (0 where not measured)."""
+        return dict(self.busy).get(op, 0.0)
 
     def _ring(self, op: str, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
@@ -386,9 +391,8 @@ def group_link(machine: Machine, stride: int, size: int) -> Link:
         link = dataclasses.replace(link, measured=tuple(sorted(measured.items())))
     if size <= 1:
         return link
-    return dataclasses.replace(
-        link, busy=machine.busy_seconds("all_reduce", size), busy_p2p=machine.busy_seconds("p2p", 2)
-    )
+    busy = tuple((op, machine.busy_seconds(op, size)) for op in ("all_reduce", "all_gather", "reduce_scatter"))
+    return dataclasses.replace(link, busy=busy, busy_p2p=machine.busy_seconds("p2p", 2))
 
 
 def axis_links(machine: Machine, layout: GridLayout) -> dict[str, Link]:
@@ -404,7 +408,7 @@ def uses_gloo(machine: Machine) -> bool:
 def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
     """A blocking collective (tp, the step's): its ring, and the wait for the group's ranks to run together."""
     cost = {"all_reduce": link.all_reduce, "reduce_scatter": link.reduce_scatter, "all_gather": link.all_gather}
-    return cost[op](n, nbytes) + (link.busy if n > 1 and nbytes > 0 else 0.0)
+    return cost[op](n, nbytes) + (link.busy_wait(op) if n > 1 and nbytes > 0 else 0.0)
 
 
 def _layer_passes(
