@@ -161,9 +161,10 @@ class OptimConfig:
     zero: int = _key(
         0,
         "1: shard fp32 master weights and optimizer moments over dp (ZeRO-1); 2: the gradients as well, "
-        "reduce-scattered per micro-batch and never kept whole (ZeRO-2)",
+        "reduce-scattered per micro-batch and never kept whole (ZeRO-2); 3: the parameters as well, each block's "
+        "all-gathered before its forward and its backward and freed after (ZeRO-3)",
         min=0,
-        max=2,
+        max=3,
     )
     lr: float = _key(3e-4, "peak learning rate", min=0.0, max=10.0)
     min_lr: float = _key(3e-5, "learning rate at the end of the decay", min=0.0, max=10.0)

@@ -29,6 +29,9 @@ from typing import Optional
 # ZeRO-2: bucket reductions in flight at once; launching one more first waits for the oldest,
 # so a rank holds at most this many bucket buffers being reduced (DataParallel, estimate.py).
 ZERO2_IN_FLIGHT = 2
+# ZeRO-3: units (a transformer block, the embedding, the head) whose parameter all-gathers are
+# in flight ahead of the unit computing, in execution order (forward and backward).
+ZERO3_PREFETCH = 1
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,13 @@ class ParamLayout:
         zero: bool,
         bucket_elements: float,
         alone: Optional[int] = None,
+        units: Optional[Sequence[str]] = None,
     ) -> ParamLayout:
         """The parameters `metas` (buffer order) of tp rank `tp_rank` in buckets of whole
         parameters of at least `bucket_elements` (the last may be smaller), parameter `alone`
-        (the tied embedding) in a bucket of its own. `zero` takes effect only when dp > 1."""
+        (the tied embedding) in a bucket of its own. `zero` takes effect only when dp > 1.
+        `units` (ZeRO-3: each parameter's gather unit, see `GPT.param_units`): a bucket never
+        holds parameters of two units, so a unit's gather moves only its own buckets."""
         zero = zero and dp > 1
         numels = [m.numel for m in metas]
         offsets: list[int] = []
@@ -167,7 +173,7 @@ class ParamLayout:
                 start, size, current = end, 0, []
 
         for i, n in enumerate(numels):
-            if i == alone:
+            if i == alone or (units is not None and i > 0 and units[i] != units[i - 1]):
                 close()
             offsets.append(start + size)
             current.append(i)
