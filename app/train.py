@@ -138,8 +138,11 @@ class Trainer:
             overlap_param_gather=par.overlap_param_gather,
             tied=tied,
             timers=self.timers,
+            units=self.model.param_units(),
         )
         self.dp.prefetch_hooks(self.model.first_uses())
+        if self.dp.shard_params:  # ZeRO-3: the model gathers each unit's parameters through DataParallel
+            self.model.set_gate(self.dp)
         self.sp_group = grid.group["tp"] if par.sequence_parallel and grid.size("tp") > 1 else None
         self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid)
         self.scaler = (
@@ -201,7 +204,8 @@ class Trainer:
                          for x, y in batches]  # fmt: skip
         self.dp.start_step(len(micro_batches))
         # Mean over micro-batches in the pipeline, mean over dp in the reduction: the global-batch mean.
-        return self.pipeline.run(self.model, micro_batches, self.scaler.scale if self.scaler else 1.0)
+        with self.dp.saving():
+            return self.pipeline.run(self.model, micro_batches, self.scaler.scale if self.scaler else 1.0)
 
     def update(self, lr: float, loss_sum: Optional[torch.Tensor] = None) -> float:
         """Finish the gradient reductions, check `loss_sum` (this rank's; None: unchecked) and the

@@ -38,7 +38,8 @@ TINY = (
 )  # fmt: skip
 # Written with collective MPI-IO, read with the default (independent).
 SAVED_GRID = (2, 2, 2, ("parallel.sequence_parallel=true", "optim.zero=1", "checkpoint.io=collective"))
-# (tp, pp, dp, extra): one rank; dp 4 with ZeRO-1; tp 4 with SP; pp 4; interleaved stages; ZeRO-1 off.
+# (tp, pp, dp, extra): one rank; dp 4 with ZeRO-1; tp 4 with SP; pp 4; interleaved stages; ZeRO-1
+# off; ZeRO-3 (each rank loads only its shard of the parameters).
 LOADS = [
     (1, 1, 1, ()),
     (1, 1, 4, ("optim.zero=1",)),
@@ -46,6 +47,7 @@ LOADS = [
     (1, 4, 1, ()),
     (1, 2, 2, ("parallel.virtual_stages=2",)),
     (2, 2, 2, ("optim.zero=0",)),
+    (2, 1, 4, ("optim.zero=3",)),
 ]
 
 
@@ -89,7 +91,8 @@ def test_a_checkpoint_reshards_to_another_grid_and_training_continues(runtime, g
         trainer = _trainer(grids, tp, pp, dp, extra, run_dir)
         info = load(trainer, path)
         losses = _train(trainer, STEPS - SAVE_AT)
-        problems, _ = shard_errors(trainer.model, ref_params, PARAM_ATOL, runtime.rank)
+        with trainer.dp.gathered():
+            problems, _ = shard_errors(trainer.model, ref_params, PARAM_ATOL, runtime.rank)
     else:
         grids.stand_by(grids.grid(tp, pp, dp), 2 if "parallel.virtual_stages=2" in extra else 1)
     settle(runtime.comm)  # the copies that stood by wait for the one that trains
@@ -97,4 +100,35 @@ def test_a_checkpoint_reshards_to_another_grid_and_training_continues(runtime, g
     info, losses = next(x for x in runtime.comm.allgather((info, losses)) if x[0] is not None)  # the loading copy's
     assert info["resharded"] and info["step"] == SAVE_AT
     assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=LOSS_RTOL), f"{losses} vs {ref_losses[SAVE_AT:]}"
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_a_zero3_checkpoint_loads_on_one_rank(runtime, grids, tmp_path):
+    """Written by tp2 x pp2 x dp2 under ZeRO-3 (each rank writes its parameter shard, bf16, so the
+    fp32 masters are their own datasets), loaded on one rank: training continues as the 1-rank
+    run of the same precision does (tolerances of the bf16 cases in test_parallel_equivalence:
+    loss 5e-4 relative, an element 2e-2)."""
+    bf16 = ("train.precision=bf16",)
+    ref_losses, ref_params = reference_run(grids, (*TINY, *bf16, f"run.dir={tmp_path / 'solo'}"), STEPS, _CACHE)
+    saved = runtime.comm.bcast(str(tmp_path / "zero3"), root=0)
+    trainer = _trainer(grids, 2, 2, 2, (*bf16, "optim.zero=3", "parallel.sequence_parallel=true"), saved)
+    first = _train(trainer, SAVE_AT)
+    path = trainer.save("test").path
+    assert trainer.dp.shard_params and first == pytest.approx(ref_losses[:SAVE_AT], rel=5e-4)
+    sub = grids.runtime(1)
+    run_dir = sub.comm.bcast(str(tmp_path / "one"), root=0)
+    losses, problems = None, []
+    if grids.trains(1):
+        solo = _trainer(grids, 1, 1, 1, bf16, run_dir)
+        info = load(solo, path)
+        assert info["resharded"] and info["step"] == SAVE_AT
+        losses = _train(solo, STEPS - SAVE_AT)
+        problems, _ = shard_errors(solo.model, ref_params, 2e-2, runtime.rank)
+    else:
+        grids.stand_by(grids.grid(1, 1, 1), 1)
+    settle(runtime.comm)
+    problems = sum(runtime.comm.allgather(problems), [])
+    losses = next(x for x in runtime.comm.allgather(losses) if x is not None)
+    assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=5e-4), f"{losses} vs {ref_losses[SAVE_AT:]}"
     assert not problems, "\n".join(problems)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,18 @@ from app.tensor_parallel.layers import (
 from app.tensor_parallel.mappings import TensorParallel
 
 SINGLE = TensorParallel()
+
+
+class ParamGate(Protocol):
+    """Where a sharded-parameter scheme (ZeRO-3, `DataParallel`) gathers and frees: the model calls
+    `plan` with the units a chunk pass will run, in order, `enter` before a unit reads its
+    parameters (also when recomputation runs it again in backward) and `exit` after its forward."""
+
+    def plan(self, units: list[str]) -> None: ...
+
+    def enter(self, unit: str) -> None: ...
+
+    def exit(self, unit: str) -> None: ...
 
 
 def _recomputing(module: nn.Module) -> bool:
@@ -111,13 +123,23 @@ class Block(nn.Module):
         self.ln2 = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
         self.mlp = MLP(cfg, tp, device)
         self.dropout = nn.Dropout(cfg.dropout)
+        # ZeRO-3 (`GPT.gate`): this block's unit is gathered where its forward starts, so the
+        # recomputation of a checkpointed block in backward gathers it too.
+        self.gate: Optional[ParamGate] = None
+        self.unit = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and _recomputing(self):
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            y = checkpoint(self._forward, x, use_reentrant=False)
+        else:
+            y = self._forward(x)
+        if self.gate is not None:
+            self.gate.exit(self.unit)
+        return y
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            self.gate.enter(self.unit)
         x = x + self.dropout(self.attn(self.ln1(x)))
         return x + self.dropout(self.mlp(self.ln2(x)))
 
@@ -163,21 +185,55 @@ class GPT(nn.Module):
             if not cfg.tie_embeddings:
                 self.head = tp_param(ParamMeta((cfg.vocab_size, cfg.hidden), std=cfg.init_std), tp, 0, device)
         init_parameters(self, seed)
+        self.gate: Optional[ParamGate] = None
+
+    def set_gate(self, gate: Optional[ParamGate]) -> None:
+        """Route every unit's parameter reads through `gate` (ZeRO-3), or none."""
+        self.gate = gate
+        for i, block in self.blocks.items():
+            block.gate, block.unit = gate, f"blocks.{i}"
+
+    def param_units(self) -> list[tuple[str, list[nn.Parameter]]]:
+        """(unit, parameters) in forward order: the gather units of ZeRO-3. "embed" (the embedding
+        and the positions), "blocks.<i>", "head" (the final LayerNorm and the head: the untied
+        head, the tied embedding itself where this rank also embeds, or the last stage's copy)."""
+        units: list[tuple[str, list[nn.Parameter]]] = []
+        if self.first:
+            units.append(("embed", [self.wte.weight, self.wpe]))
+        units += [(f"blocks.{i}", list(block.parameters())) for i, block in self.blocks.items()]
+        if self.last:
+            head = self.wte.weight if self.cfg.tie_embeddings else self.head
+            units.append(("head", [*self.ln_f.parameters(), head]))
+        return units
+
+    def _enter(self, unit: str) -> None:
+        if self.gate is not None:
+            self.gate.enter(unit)
+
+    def _exit(self, unit: str) -> None:
+        if self.gate is not None:
+            self.gate.exit(unit)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) -> hidden states (B, S, H), or (B, S / tp, H) under SP."""
+        self._enter("embed")
         positions = self.wpe[: tokens.shape[1]]
         if self.tp.sequence_parallel:
             positions = self.tp.split(positions, 0)  # this rank's sequence chunk, like the embedding's
-        return self.drop(self.wte(tokens) + positions)
+        x = self.drop(self.wte(tokens) + positions)
+        self._exit("embed")
+        return x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final LayerNorm, vocab-parallel head and mean cross-entropy over the (B, S) positions."""
         return vocab_parallel_cross_entropy(self._logits(x), targets, self.tp)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        self._enter("head")
         weight = self.wte.weight if self.cfg.tie_embeddings else self.head
-        return column_parallel_linear(self.ln_f(x), weight, None, self.tp)
+        logits = column_parallel_linear(self.ln_f(x), weight, None, self.tp)
+        self._exit("head")
+        return logits
 
     def forward_chunk(
         self,
@@ -188,6 +244,9 @@ class GPT(nn.Module):
         targets: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Run one pipeline chunk: [embedding] -> blocks `layers` -> [head and loss]."""
+        if self.gate is not None:
+            layers = list(layers)
+            self.gate.plan((["embed"] if first else []) + [f"blocks.{i}" for i in layers] + (["head"] if last else []))
         if first:
             x = self.embed(x)
         for i in layers:

@@ -28,6 +28,19 @@ does not matter whether the gradients a bucket reduces come from one micro-batch
 are in flight (launching one more waits for the oldest), so their buffers are released in
 step with the backward instead of piling up.
 
+ZeRO-3 (`optim.zero: 3`). The parameters are sharded too: a rank keeps only its 1/dp shard of
+every bucket (`param_shards`, the fp32 master itself in fp32 runs). Buckets never mix the
+model's gather units (`GPT.param_units`: the embedding, each block, the head); each bucket has
+a full buffer whose storage exists only while the bucket is gathered, and the parameters are
+views of it. The model calls `enter(unit)` before a unit reads its parameters (the gather,
+waited for) and `exit(unit)` after its forward (the storage is freed); the next unit of the
+chunk pass (`plan`) is gathered ahead, ZERO3_PREFETCH units. In backward, the saved-tensor
+hooks (`saving`) stand a marker in for a saved parameter, and unpacking it gathers its bucket
+again (and the previous unit ahead); a full recomputation's forward gathers through `enter`. A
+bucket's storage is freed again once every parameter of it has its gradient of the
+micro-batch, when the gradients are reduce-scattered as under ZeRO-2. Nothing is gathered
+after the optimizer step: the next forward gathers the updated shards.
+
 Shards. Each rank updates a shard of every bucket: the whole bucket without ZeRO, its
 1/dp slice with ZeRO-1 and ZeRO-2 (`optim.zero: 1`, `2`). Its fp32 master weights (`master`) and the
 optimizer moments cover only that shard, so their memory drops ~dp x. After the update
@@ -44,6 +57,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -52,7 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
-from app.parallel.layout import ZERO2_IN_FLIGHT, ParamLayout, Segment
+from app.parallel.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, Segment
 from app.runtime.grid import ProcessGrid
 from app.shards import ShardState
 
@@ -89,6 +103,20 @@ class InFlight:
     # ZeRO-2: the bucket's gradients being accumulated, and the arrivals since its last reduction.
     full: Optional[torch.Tensor] = None
     count: int = 0
+    resident: bool = False  # ZeRO-3: the bucket's parameter storage exists (gathered or being gathered)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """ZeRO-3: a parameter (or a view of one) autograd saved for backward, by bucket."""
+
+    bucket: int
+    tensor: torch.Tensor
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recomputation too)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class DataParallel:
@@ -113,6 +141,7 @@ class DataParallel:
         overlap_param_gather: bool = True,
         tied: Optional[tuple[torch.Tensor, Any]] = None,
         timers: Optional[StepTimers] = None,
+        units: Optional[Sequence[tuple[str, Sequence[torch.Tensor]]]] = None,
     ) -> None:
         self.timers = timers
         self.dp, self.dp_rank = grid.size("dp"), grid.coords["dp"]
@@ -120,6 +149,9 @@ class DataParallel:
         # zero >= 1: the optimizer state is sharded over dp; 2: the gradients as well (no whole buffer).
         self.zero = zero >= 1 and self.dp > 1
         self.shard_grads = zero >= 2 and self.dp > 1
+        self.shard_params = zero >= 3 and self.dp > 1
+        if self.shard_params and units is None:
+            raise ValueError("ZeRO-3 needs the model's gather units (GPT.param_units)")
         self.level = zero if self.dp > 1 else 0  # the ZeRO stage in effect (checkpoint header, reports)
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.tied_param, self.tied_group = tied if tied is not None else (None, None)
@@ -135,6 +167,10 @@ class DataParallel:
         wrong = [n for n, p, m in zip(self.names, self.params, metas) if tuple(p.shape) != m.local_shape]
         if wrong:  # a layer that built a parameter outside its own ParamMeta's box
             raise RuntimeError(f"parameters whose shape is not their ParamMeta's local shape: {wrong}")
+        unit_of: dict[int, str] = {}
+        for unit, members in units or ():
+            for q in members:
+                unit_of.setdefault(id(q), unit)  # the tied embedding: its first unit
         self.layout = ParamLayout.build(
             metas,
             tp_rank=self.tp_rank,
@@ -143,32 +179,48 @@ class DataParallel:
             zero=self.zero,
             bucket_elements=bucket_mb * 1e6 / element,
             alone=tied_index,
+            units=[unit_of[id(q)] for q in self.params] if self.shard_params else None,
         )
         self.offsets, self.buckets = self.layout.offsets, self.layout.buckets
         self.flight = [InFlight() for _ in self.buckets]
         self.bucket_of = {id(self.params[i]): k for i, k in self.layout.bucket_of().items()}
-        # The fp32 initial values, flat: the master weights come from them, not from a rounded copy.
-        fp32 = torch.zeros(self.layout.size, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
-                fp32[off : off + p.numel()].copy_(p.detach().reshape(-1))
         # fp32 compute: the master shard is the parameter buffer's own slice (no second copy).
         self.master_is_param = compute_dtype == torch.float32
-        self.param_buffer = fp32 if self.master_is_param else fp32.to(compute_dtype)
-        self.master = [fp32[b.shard_lo : b.shard_hi] for b in self.buckets]
-        if not self.master_is_param:
-            self.master = [m.clone() for m in self.master]  # only the shards outlive `fp32`
-        del fp32
+        # ZeRO-3: per bucket, the shard this rank keeps and the full buffer gathered into.
+        self.param_shards: list[torch.Tensor] = []
+        self.full: list[torch.Tensor] = []
+        self.param_buffer: Optional[torch.Tensor] = None
+        if self.shard_params:
+            # Bucket by bucket, so start-up holds the model once plus one bucket, never a flat copy.
+            self.master = []
+            for b in self.buckets:
+                values = self._initial(b.start, b.end, b.params)
+                self.master.append(values[b.shard_lo - b.start : b.shard_hi - b.start].clone())
+                self.full.append(torch.empty(b.end - b.start, dtype=compute_dtype, device=device))
+            self.param_shards = self.master if self.master_is_param else [m.to(compute_dtype) for m in self.master]
+        else:
+            fp32 = self._initial(0, self.layout.size, range(len(self.params)))
+            self.master = [fp32[b.shard_lo : b.shard_hi] for b in self.buckets]
+            self.param_buffer = fp32 if self.master_is_param else fp32.to(compute_dtype)
+            if not self.master_is_param:
+                self.master = [m.clone() for m in self.master]  # only the shards outlive `fp32`
+            del fp32
         # ZeRO-2 keeps no whole gradient buffer: per-bucket buffers come and go (`_open`).
         self.grad_buffer: Optional[torch.Tensor] = (
-            None if self.shard_grads else torch.zeros_like(self.param_buffer, dtype=reduce_dtype)
+            None if self.shard_grads else torch.zeros(self.layout.size, dtype=reduce_dtype, device=device)
         )
         if self.zero:
             for b, f in zip(self.buckets, self.flight):
                 f.grad_shard = torch.zeros(b.shard_hi - b.shard_lo, dtype=reduce_dtype, device=device)
         # The model's parameters and their gradient accumulators become views of the buffers.
         for p, off in zip(self.params, self.offsets):
-            p.data = self.param_buffer[off : off + p.numel()].view(p.shape)
+            if self.shard_params:
+                k = self.bucket_of[id(p)]
+                lo = off - self.buckets[k].start
+                p.data = self.full[k][lo : lo + p.numel()].view(p.shape)
+            else:
+                assert self.param_buffer is not None
+                p.data = self.param_buffer[off : off + p.numel()].view(p.shape)
             if self.grad_buffer is not None:
                 p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -178,6 +230,35 @@ class DataParallel:
         self.reducing: deque[tuple[int, Pending, torch.Tensor]] = deque()
         # ZeRO-2: bytes of bucket buffers (and their output shards) alive now, and the most so far.
         self.bucket_bytes, self.bucket_peak_bytes = 0, 0
+        # ZeRO-3: each unit's buckets, the units a chunk pass runs next and before (`plan`), the
+        # bucket of each storage the parameters view, and the gathered bytes now and at most.
+        self.unit_buckets: dict[str, tuple[int, ...]] = {}
+        self.next_unit: dict[str, str] = {}
+        self.prev_unit: dict[str, str] = {}
+        self.unit_of_bucket: dict[int, str] = {}
+        self.storage_bucket: dict[int, int] = {}
+        self.gathered_bytes, self.gathered_peak_bytes = 0, 0
+        if self.shard_params:
+            for unit, members in units or ():
+                ks = sorted({self.bucket_of[id(q)] for q in members})
+                self.unit_buckets[unit] = tuple(ks)
+                for k in ks:
+                    self.unit_of_bucket.setdefault(k, unit)
+            for k, full in enumerate(self.full):
+                self.storage_bucket[full.untyped_storage()._cdata] = k
+                full.untyped_storage().resize_(0)  # gathered when a unit enters
+
+    @torch.no_grad()
+    def _initial(self, start: int, end: int, indices: Sequence[int]) -> torch.Tensor:
+        """The fp32 initial values of parameters `indices` in buffer range [start, end) (padding
+        zero): the master weights come from them, not from a rounded copy."""
+        out = torch.zeros(end - start, dtype=torch.float32, device=self.device)
+        for i in indices:
+            lo, hi = self.layout.local_range(i, (start, end))
+            if lo < hi:
+                at = self.offsets[i] + lo - start
+                out[at : at + hi - lo].copy_(self.params[i].detach().reshape(-1)[lo:hi])
+        return out
 
     # ---- gradients -------------------------------------------------------------------
 
@@ -205,6 +286,8 @@ class DataParallel:
             flight.count += 1
             if flight.count == len(self.buckets[k].params):
                 self._reduce_partial(k)
+                if self.shard_params:
+                    self._free(k)  # no later node of this backward reads its parameters
             return
         p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
         p.grad = None
@@ -289,6 +372,7 @@ class DataParallel:
             if f.reduce is not None:
                 wait(self.timers, f.reduce)
                 f.reduce = None
+        self.release()  # ZeRO-3: nothing gathered or in flight across the update
         if sp_group is not None:
             views = [v for s, _, v in self.held_grads() if self.layout.metas[s.param].sequence_parallel]
             if views:
@@ -317,12 +401,19 @@ class DataParallel:
 
     @torch.no_grad()
     def publish_params(self) -> None:
-        """Copy the updated master shards into the parameter buffer and all-gather them over dp."""
+        """Copy the updated master shards into the parameter buffer and all-gather them over dp
+        (ZeRO-3: into the kept shards; the next forward gathers them)."""
+        if self.shard_params:
+            if not self.master_is_param:
+                for shard, master in zip(self.param_shards, self.master):
+                    shard.copy_(master)
+            return
         if not self.zero:
             if not self.master_is_param:
                 for b, master in zip(self.buckets, self.master):
                     self.param_buffer[b.shard_lo : b.shard_hi].copy_(master)
             return
+        assert self.param_buffer is not None
         for b, f, master in zip(self.buckets, self.flight, self.master):
             if f.gather is not None:
                 raise RuntimeError("publish_params before the previous gather was waited for")
@@ -339,7 +430,11 @@ class DataParallel:
             f.gather = None
 
     def wait_params(self, params: Optional[Sequence[torch.Tensor]] = None) -> None:
-        """Wait for the all-gathers of the buckets holding `params` (all buckets by default)."""
+        """Wait for the all-gathers of the buckets holding `params` (all buckets by default;
+        ZeRO-3: every gather, and the buckets are freed)."""
+        if self.shard_params:
+            self.release()
+            return
         if params is None:
             for f in self.flight:
                 self._wait_gather(f)
@@ -350,21 +445,138 @@ class DataParallel:
     def prefetch_hooks(self, first_uses: Sequence[tuple[nn.Module, Sequence[torch.Tensor]]]) -> None:
         """Forward pre-hooks: before `module` runs, wait for the buckets of the parameters it is
         the first to use (the overlapped ZeRO-1 all-gather)."""
-        if not (self.zero and self.overlap_param_gather):
+        if not (self.zero and self.overlap_param_gather) or self.shard_params:
             return
         for module, params in first_uses:
             module.register_forward_pre_hook(lambda _m, _a, ps=tuple(params): self.wait_params(ps))
+
+    # ---- ZeRO-3: gathered parameters ---------------------------------------------------
+
+    def _gather(self, k: int) -> None:
+        """Launch bucket k's parameter all-gather into its full buffer, unless it is there."""
+        f, full = self.flight[k], self.full[k]
+        if f.resident:
+            return
+        f.resident = True
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        self._count_gathered(full, 1)
+        work = dist.all_gather_single(full, self.param_shards[k], group=self.group, async_op=True)
+        f.gather = launch(self.timers, "dp", work, "parameter all_gather")
+        if not self.overlap_param_gather:
+            self._wait_gather(f)
+
+    def _ensure(self, k: int) -> None:
+        """Bucket k's parameters gathered and complete."""
+        self._gather(k)
+        self._wait_gather(self.flight[k])
+
+    def _free(self, k: int) -> None:
+        """Release bucket k's full buffer (its storage; the parameters' views stay)."""
+        f, full = self.flight[k], self.full[k]
+        if not f.resident:
+            return
+        self._wait_gather(f)  # never free a buffer a gather still writes
+        full.untyped_storage().resize_(0)
+        f.resident = False
+        self._count_gathered(full, -1)
+
+    def _count_gathered(self, full: torch.Tensor, sign: int) -> None:
+        self.gathered_bytes += sign * full.numel() * full.element_size()
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
+
+    def _ahead(self, unit: str, links: dict[str, str]) -> list[int]:
+        """The buckets of the ZERO3_PREFETCH units after `unit` along `links` (next or previous)."""
+        out: list[int] = []
+        for _ in range(ZERO3_PREFETCH):
+            unit = links.get(unit, "")
+            out += self.unit_buckets.get(unit, ())
+        return out
+
+    def _prefetch(self, unit: str, links: dict[str, str]) -> None:
+        if self.overlap_param_gather:
+            for k in self._ahead(unit, links):
+                self._gather(k)
+
+    def plan(self, units: list[str]) -> None:
+        """The units one chunk pass runs, in order: whom each prefetches, forward and backward."""
+        for a, b in zip(units, units[1:]):
+            self.next_unit[a], self.prev_unit[b] = b, a
+
+    def enter(self, unit: str) -> None:
+        """Before `unit` reads its parameters: gather its buckets (waited for), and the next
+        unit's ahead (the previous one's in backward, where a recomputation runs it again)."""
+        if not self.shard_params:
+            return
+        ks = self.unit_buckets.get(unit, ())
+        for k in ks:
+            self._gather(k)
+        self._prefetch(unit, self.prev_unit if in_backward() else self.next_unit)
+        for k in ks:
+            self._wait_gather(self.flight[k])
+
+    def exit(self, unit: str) -> None:
+        """After `unit`'s forward: free its buckets, but not those the unit ahead already holds.
+        In backward (a recomputation) they stay: their gradients free them."""
+        if not self.shard_params or in_backward():
+            return
+        ahead = set(self._ahead(unit, self.next_unit))
+        for k in self.unit_buckets.get(unit, ()):
+            if k not in ahead:
+                self._free(k)
+
+    def release(self) -> None:
+        """Free every gathered bucket (ZeRO-3), waiting for gathers in flight."""
+        for k in range(len(self.full)):
+            self._free(k)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        k = self.storage_bucket.get(t.untyped_storage()._cdata)
+        return t if k is None else _Held(k, t)
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Held):
+            self._ensure(saved.bucket)
+            self._prefetch(self.unit_of_bucket[saved.bucket], self.prev_unit)
+            return saved.tensor
+        return saved
+
+    def saving(self) -> AbstractContextManager[Any]:
+        """The context of the passes of a step: under ZeRO-3, autograd saves a marker for a
+        parameter, and backward gathers its bucket when it needs it; otherwise nothing."""
+        if not self.shard_params:
+            return nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter complete inside (ZeRO-3 gathers all buckets, and frees them after):
+        for reading the model whole (tests, gathering to one rank). Collective over dp."""
+        if not self.shard_params:
+            self.wait_params()
+            yield
+            return
+        for k in range(len(self.full)):
+            self._ensure(k)
+        try:
+            yield
+        finally:
+            self.release()
 
     # ---- checkpoint state --------------------------------------------------------------
 
     def shard_states(self) -> list[ShardState]:
         """The parameters ("model", in the compute dtype) and, where they are apart from them,
         the fp32 master weights ("optimizer/master") as shard descriptors (`app.shards`)."""
+        if self.shard_params:  # ZeRO-3: each rank holds (and loads) its shard of the parameters
+            out = self.held_states("model", self.param_shards)
+            return out + ([] if self.master_is_param else self.held_states("optimizer/master", self.master))
         out = []
+        buffer = self.param_buffer
+        assert buffer is not None
         for i, p in enumerate(self.params):
             off = self.offsets[i]
-            out.append(self._shard_state("model", i, self.param_buffer.dtype, (0, p.numel()),
-                                         lambda lo, hi, off=off: self.param_buffer[off + lo : off + hi]))  # fmt: skip
+            out.append(self._shard_state("model", i, buffer.dtype, (0, p.numel()),
+                                         lambda lo, hi, off=off: buffer[off + lo : off + hi]))  # fmt: skip
         if not self.master_is_param:
             out += self.held_states("optimizer/master", self.master)
         return out
@@ -401,12 +613,15 @@ class DataParallel:
         return 0 if self.master_is_param else sum(m.numel() * m.element_size() for m in self.master)
 
     def buffer_bytes(self) -> dict[str, int]:
-        """Bytes of the parameter buffer, the whole gradient buffer (none under ZeRO-2), the ZeRO
-        gradient shards, and the most ZeRO-2 bucket buffers held at once so far."""
+        """Bytes of the parameter buffer (ZeRO-3: the kept shards), the whole gradient buffer
+        (none under ZeRO-2), the ZeRO gradient shards, the most ZeRO-2 bucket buffers held at
+        once so far, and the most ZeRO-3 gathered parameters."""
         grads = self.grad_buffer
         shards = [f.grad_shard for f in self.flight if f.grad_shard is not None]
+        params = [self.param_buffer] if self.param_buffer is not None else self.param_shards
         return {
-            "parameters": self.param_buffer.numel() * self.param_buffer.element_size(),
+            "parameters": sum(t.numel() * t.element_size() for t in params),
+            "parameters_gathered_peak": self.gathered_peak_bytes,
             "gradients": 0 if grads is None else grads.numel() * grads.element_size(),
             "gradient_shard": sum(t.numel() * t.element_size() for t in shards),
             "gradient_buckets_peak": self.bucket_peak_bytes,
