@@ -166,6 +166,18 @@ class OptimConfig:
         min=0,
         max=3,
     )
+    offload: str = _key(
+        "none",
+        "where the fp32 master shards and Adam moments live: none (the device), host (host memory; the update "
+        "runs on the CPU) or nvme (a file per rank under optim.offload_dir, streamed through optim.offload_buffer_mb)",
+        choices=("none", "host", "nvme"),
+    )
+    offload_dir: Optional[str] = _key(
+        None, "offload nvme: node-local directory of the per-rank state files; null means <run.dir>/offload", path=True
+    )
+    offload_buffer_mb: float = _key(
+        64.0, "offload nvme: host memory (MB) of the read-ahead/update/write-behind buffers", min=0.01, max=1e6
+    )
     lr: float = _key(3e-4, "peak learning rate", min=0.0, max=10.0)
     min_lr: float = _key(3e-5, "learning rate at the end of the decay", min=0.0, max=10.0)
     warmup_steps: int = _key(0, "linear warm-up steps", min=0, max=MAX_STEPS)
@@ -433,6 +445,18 @@ def _validate(deck: Deck) -> None:
         )
     if opt.min_lr > opt.lr:
         raise DeckError("optim.min_lr", opt.min_lr, f"must be <= optim.lr = {opt.lr}")
+    if opt.offload == "nvme" and opt.name == "lamb":
+        raise DeckError(
+            "optim.offload", opt.offload, "nvme streams the state once per step, and LAMB's trust ratio needs two "
+            "passes over it: use optim.offload = host with lamb, or adamw"
+        )  # fmt: skip
+    if opt.offload == "nvme" and deck.checkpoint.async_:
+        raise DeckError(
+            "optim.offload", opt.offload, "an asynchronous checkpoint snapshots the optimizer state into host memory, "
+            "which nvme offload exists to avoid: set checkpoint.async = false"
+        )  # fmt: skip
+    if opt.offload_dir and opt.offload != "nvme":
+        raise DeckError("optim.offload_dir", opt.offload_dir, "only used with optim.offload = nvme")
     if deck.data.kind == "memmap" and not deck.data.path:
         raise DeckError(
             "data.path", deck.data.path, "data.kind = memmap needs the PREFIX written by `python -m app.data.prepare`"

@@ -25,6 +25,8 @@ def check_paths(deck: Deck) -> None:
     run_dir = deck.run.dir or "runs/default"
     _check_directory("run.dir", run_dir)
     _check_directory("checkpoint.dir", deck.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+    if deck.optim.offload == "nvme":
+        _check_directory("optim.offload_dir", offload_dir(deck))
     if deck.data.kind == "memmap" and deck.data.path:
         for suffix in (".json", ".bin", ".idx.npy"):
             _check_data_file(deck.data.path, deck.data.path + suffix)
@@ -34,6 +36,11 @@ def check_paths(deck: Deck) -> None:
             "run.resume", resume, "does not exist; give a checkpoint file (.h5) or a checkpoint directory, "
             "or auto or none"
         )  # fmt: skip
+
+
+def offload_dir(deck: Deck) -> str:
+    """Where optim.offload = nvme keeps its per-rank files (default <run.dir>/offload)."""
+    return deck.optim.offload_dir or os.path.join(deck.run.dir or "runs/default", "offload")
 
 
 def _file_kind(mode: int) -> str:

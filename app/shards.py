@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ class ShardState:
     "optimizer/master", "optimizer/exp_avg", ...). `name`: the tensor's name in the 1-rank
     model. `write` and `hold` are [lo, hi) ranges of the local shard's flat elements; `write`
     lies inside `hold` (or is empty). `view(lo, hi)` is the local state of [lo, hi) inside
-    `hold`, writable in place."""
+    `hold`, writable in place (or, with `store`, a copy; `store` writes)."""
 
     group: str
     name: str
@@ -43,6 +43,9 @@ class ShardState:
     write: tuple[int, int]
     hold: tuple[int, int]
     view: Callable[[int, int], torch.Tensor]
+    # State not held in memory (an NVMe-offloaded optimizer's file): `view` returns a copy, and
+    # `store(lo, values)` sets the local elements from lo on; None: `view` is writable in place.
+    store: Optional[Callable[[int, torch.Tensor], None]] = None
 
     @property
     def writes(self) -> bool:

@@ -36,13 +36,14 @@ from app.checkpoint.store import checkpoint_dir, read_latest, resolve_resume, st
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.data.memmap import MemmapTokens
 from app.deck import Deck
-from app.deck_paths import check_paths
+from app.deck_paths import check_paths, offload_dir
 from app.errors import CheckpointError, GridlmError, NonFiniteError
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo
 from app.metrics.timers import StepTimers
 from app.model.gpt import GPT
 from app.names import reduce_precision, torch_dtype
+from app.optim.offload import offload_path
 from app.optim.optimizer import (
     LossScaler,
     NonFiniteGuard,
@@ -144,7 +145,8 @@ class Trainer:
         if self.dp.shard_params:  # ZeRO-3: the model gathers each unit's parameters through DataParallel
             self.model.set_gate(self.dp)
         self.sp_group = grid.group["tp"] if par.sequence_parallel and grid.size("tp") > 1 else None
-        self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid)
+        offload_file = offload_path(Path(offload_dir(deck)), runtime.rank) if deck.optim.offload == "nvme" else None
+        self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid, offload_file)
         self.scaler = (
             LossScaler(tr.loss_scale, tr.loss_scale_window, tr.min_loss_scale) if tr.precision == "fp16" else None
         )
@@ -315,6 +317,7 @@ class Trainer:
             error = self.writer.close()
             if error is not None:
                 self.runtime.log(f"gridlm: checkpoint step {self.writer.step} ({self.writer.reason}): {error}")
+        self.optimizer.close()  # an nvme offload's scratch file goes; the checkpoints hold the state
 
     def run(self) -> dict[str, Any]:
         """Train to deck.train.steps, logging every run.log_every steps; returns the summary."""

@@ -39,7 +39,8 @@ TINY = (
 # Written with collective MPI-IO, read with the default (independent).
 SAVED_GRID = (2, 2, 2, ("parallel.sequence_parallel=true", "optim.zero=1", "checkpoint.io=collective"))
 # (tp, pp, dp, extra): one rank; dp 4 with ZeRO-1; tp 4 with SP; pp 4; interleaved stages; ZeRO-1
-# off; ZeRO-3 (each rank loads only its shard of the parameters).
+# off; ZeRO-3 (each rank loads only its shard of the parameters) with the optimizer offloaded to
+# host memory and to a file (fp32: the offloaded masters are set from the loaded parameters).
 LOADS = [
     (1, 1, 1, ()),
     (1, 1, 4, ("optim.zero=1",)),
@@ -47,7 +48,8 @@ LOADS = [
     (1, 4, 1, ()),
     (1, 2, 2, ("parallel.virtual_stages=2",)),
     (2, 2, 2, ("optim.zero=0",)),
-    (2, 1, 4, ("optim.zero=3",)),
+    (2, 1, 4, ("optim.zero=3", "optim.offload=host")),
+    (1, 1, 2, ("optim.zero=3", "optim.offload=nvme", "optim.offload_buffer_mb=0.05")),
 ]
 
 
@@ -104,15 +106,17 @@ def test_a_checkpoint_reshards_to_another_grid_and_training_continues(runtime, g
 
 
 @pytest.mark.mpi(min_size=8)
-def test_a_zero3_checkpoint_loads_on_one_rank(runtime, grids, tmp_path):
-    """Written by tp2 x pp2 x dp2 under ZeRO-3 (each rank writes its parameter shard, bf16, so the
-    fp32 masters are their own datasets), loaded on one rank: training continues as the 1-rank
-    run of the same precision does (tolerances of the bf16 cases in test_parallel_equivalence:
-    loss 5e-4 relative, an element 2e-2)."""
+def test_a_zero3_offloaded_checkpoint_loads_on_one_rank(runtime, grids, tmp_path):
+    """Written by tp2 x pp2 x dp2 under ZeRO-3 with the optimizer offloaded to NVMe files (each
+    rank writes its parameter shard; bf16, so the fp32 masters, read from the files, are their
+    own datasets), loaded on one rank: training continues as the 1-rank run of the same
+    precision does (tolerances of the bf16 cases in test_parallel_equivalence: loss 5e-4
+    relative, an element 2e-2)."""
     bf16 = ("train.precision=bf16",)
     ref_losses, ref_params = reference_run(grids, (*TINY, *bf16, f"run.dir={tmp_path / 'solo'}"), STEPS, _CACHE)
     saved = runtime.comm.bcast(str(tmp_path / "zero3"), root=0)
-    trainer = _trainer(grids, 2, 2, 2, (*bf16, "optim.zero=3", "parallel.sequence_parallel=true"), saved)
+    offload = ("optim.offload=nvme", "optim.offload_buffer_mb=0.05")  # a few KB: many chunks per step
+    trainer = _trainer(grids, 2, 2, 2, (*bf16, "optim.zero=3", *offload, "parallel.sequence_parallel=true"), saved)
     first = _train(trainer, SAVE_AT)
     path = trainer.save("test").path
     assert trainer.dp.shard_params and first == pytest.approx(ref_losses[:SAVE_AT], rel=5e-4)

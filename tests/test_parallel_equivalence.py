@@ -135,6 +135,11 @@ CASES += [
     Case(2, 2, 2, sp=True, extra=("optim.zero=3",)),
     Case(1, 2, 2, virtual=2, extra=("optim.zero=3", "train.recompute=full", "train.precision=bf16"), **BF16),
     Case(2, 1, 2, extra=("optim.zero=3", "model.tie_embeddings=false", "train.recompute=selective")),
+    # Optimizer offload: host memory and NVMe files (a 0.05 MB buffer: many chunks per bucket).
+    Case(1, 1, 2, extra=("optim.offload=host",)), Case(2, 1, 2, extra=("optim.offload=host", "optim.zero=1")),
+    Case(1, 1, 2, extra=("optim.offload=nvme", "optim.offload_buffer_mb=0.05", "optim.zero=2")),
+    Case(2, 1, 2, extra=("optim.offload=nvme", "optim.offload_buffer_mb=0.05", "optim.zero=3")),
+    Case(2, 1, 2, extra=("optim.offload=host", "optim.name=lamb", "train.precision=bf16"), **BF16),
 ]  # fmt: skip
 
 

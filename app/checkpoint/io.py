@@ -89,6 +89,9 @@ class ParameterState(TensorState, Protocol):
 class OptimizerState(TensorState, Protocol):
     steps: int
 
+    def restored(self) -> None:
+        """Called once every descriptor is loaded (state derived from others is set again)."""
+
 
 class SamplerState(JsonState, Protocol):
     consumed_samples: int
@@ -629,9 +632,12 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             lo, values = read[key]
             for shard in states:
                 h0, h1 = shard.hold
-                if h0 < h1:
+                if h0 < h1 and shard.store is not None:
+                    shard.store(h0, values[h0 - lo : h1 - lo].to(shard.dtype))
+                elif h0 < h1:
                     target = shard.view(h0, h1)
                     target.copy_(values[h0 - lo : h1 - lo].to(target.device))
+        state.optimizer.restored()
     scaler = json.loads(header["loss_scaler"])
     if state.scaler is not None and scaler is not None:
         state.scaler.load_state_dict(scaler)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from app.deck import OptimConfig
 from app.errors import NonFiniteError
+from app.optim.offload import HostStore, NvmeStore, OffloadStore
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
 from app.shards import ShardState
@@ -179,24 +181,64 @@ def describe_nonfinite(what: list[str]) -> str:
 
 
 class ShardedOptimizer:
-    """AdamW or LAMB over the master shards of a `DataParallel`."""
+    """AdamW or LAMB over the master shards of a `DataParallel`, on the device, or offloaded
+    (`store`: `app.optim.offload`, which then keeps the masters and moments)."""
 
-    def __init__(self, dp: DataParallel, cfg: OptimConfig, grid: ProcessGrid) -> None:
+    def __init__(
+        self, dp: DataParallel, cfg: OptimConfig, grid: ProcessGrid, offload_file: Optional[Path] = None
+    ) -> None:
         self.dp, self.cfg, self.grid = dp, cfg, grid
-        self.exp_avg = [torch.zeros_like(m) for m in dp.master]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in dp.master]
+        self.store: Optional[OffloadStore] = None
+        self.exp_avg: list[torch.Tensor] = []
+        self.exp_avg_sq: list[torch.Tensor] = []
+        if cfg.offload == "none":
+            self.exp_avg = [torch.zeros_like(m) for m in dp.master]
+            self.exp_avg_sq = [torch.zeros_like(m) for m in dp.master]
+        elif cfg.offload == "host":
+            self.store = HostStore(dp.offload_master())
+        else:
+            if offload_file is None:
+                raise ValueError("optim.offload = nvme needs this rank's state file")
+            self.store = NvmeStore(dp.offload_master(), offload_file, int(cfg.offload_buffer_mb * 1e6))
         self.steps = 0
 
     def shard_states(self) -> list[ShardState]:
-        """The moments of the master shards, as shard descriptors (`app.shards`)."""
-        return self.dp.held_states("optimizer/exp_avg", self.exp_avg) + self.dp.held_states(
-            "optimizer/exp_avg_sq", self.exp_avg_sq
-        )
+        """The moments of the master shards (and, offloaded, the masters themselves unless the
+        parameters are them: fp32), as shard descriptors (`app.shards`)."""
+        if self.store is None:
+            return self.dp.held_states("optimizer/exp_avg", self.exp_avg) + self.dp.held_states(
+                "optimizer/exp_avg_sq", self.exp_avg_sq
+            )
+        store, fp32 = self.store, torch.float32
+        in_file = isinstance(store, NvmeStore)
+        groups = ([] if self.dp.master_is_param else [(0, "optimizer/master")]) + [
+            (1, "optimizer/exp_avg"), (2, "optimizer/exp_avg_sq")
+        ]  # fmt: skip
+        out = []
+        for which, group in groups:
+            write = (lambda b, lo, values, w=which: store.write(w, b, lo, values)) if in_file else None
+            out += self.dp.held_state_ranges(group, fp32, lambda b, lo, hi, w=which: store.read(w, b, lo, hi), write)
+        return out
+
+    @torch.no_grad()
+    def restored(self) -> None:
+        """After a checkpoint load: an offloaded fp32 run's masters are the parameters just read."""
+        if self.store is not None and self.dp.master_is_param:
+            for b in range(len(self.dp.buckets)):
+                self.store.write(0, b, 0, self.dp.param_shard(b).float())
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: the moments and any separate fp32 master copy."""
+        """Bytes of optimizer state in this rank's memory: the moments and any separate fp32
+        master copy (offloaded: what the store holds in host memory)."""
+        if self.store is not None:
+            return self.store.host_bytes()
         moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
         return moments + self.dp.master_bytes()
+
+    def close(self) -> None:
+        """Release an offload store's files and threads."""
+        if self.store is not None:
+            self.store.close()
 
     def _grad(self, b: int, grad_scale: float) -> torch.Tensor:
         g = self.dp.grads(b)
@@ -207,6 +249,9 @@ class ShardedOptimizer:
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One update with gradients multiplied by `grad_scale` (clipping and loss unscaling)."""
         self.steps += 1
+        if self.store is not None:
+            self._offloaded_step(self.store, lr, grad_scale)
+            return
         cfg = self.cfg
         bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
         updates = []
@@ -231,17 +276,56 @@ class ShardedOptimizer:
             self._lamb_apply(lr, updates)
         self.dp.publish_params()
 
-    def _lamb_apply(self, lr: float, updates: list[torch.Tensor]) -> None:
-        """w <- w - lr * (||w|| / ||u||) * u, the norms over each whole logical parameter."""
+    def _offloaded_step(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
+        """The same update, chunk by chunk on the host (`OffloadStore.stream`): each gradient range
+        copied from the device, the update on the CPU, the parameters copied back into the
+        device's shard. AdamW's arithmetic is element-wise, so chunks change no bit of it."""
+        cfg, dp = self.cfg, self.dp
+        bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
+        masters: list[torch.Tensor] = []
+        updates: list[torch.Tensor] = []
+        for chunk in store.stream(range(len(dp.buckets))):
+            b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
+            g = dp.grads(b)[lo:hi].to("cpu", torch.float32, copy=dp.device.type == "cpu")
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
+            p, m, v = chunk.master, chunk.exp_avg, chunk.exp_avg_sq
+            m.lerp_(g, 1 - cfg.beta1)
+            v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+            denom = v.sqrt().div_(math.sqrt(bc2)).add_(cfg.eps)
+            runs = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in dp.layout.decay_runs(b) if a < hi and z > lo]
+            if cfg.name == "adamw":
+                for a, z in runs:
+                    p[a:z].mul_(1 - lr * cfg.weight_decay)
+                p.addcdiv_(m, denom, value=-lr / bc1)
+                dp.param_shard(b)[lo:hi].copy_(p, non_blocking=True)
+            else:  # host only (the deck refuses LAMB with nvme): whole bucket shards
+                update = (m / bc1).div_(denom)
+                for a, z in runs:
+                    update[a:z].add_(p[a:z], alpha=cfg.weight_decay)
+                masters.append(p)
+                updates.append(update)
+        if cfg.name == "lamb":
+            self._lamb_apply(lr, updates, masters)
+            for b, p in enumerate(masters):
+                dp.param_shard(b).copy_(p, non_blocking=True)
+        if dp.device.type == "cuda":
+            torch.cuda.current_stream(dp.device).synchronize()  # the host buffers are reused next chunk/step
+        dp.publish_params()
+
+    def _lamb_apply(self, lr: float, updates: list[torch.Tensor], masters: Optional[list[torch.Tensor]] = None) -> None:
+        """w <- w - lr * (||w|| / ||u||) * u, the norms over each whole logical parameter
+        (`masters`: the fp32 master shards, the device's by default)."""
         dp, grid = self.dp, self.grid
+        masters = dp.master if masters is None else masters
         tp_rank = grid.coords["tp"]
         sums = torch.zeros(len(dp.params), 2, dtype=torch.float64, device=dp.device)
         for b in range(len(dp.buckets)):
             for s in dp.layout.segments(b):
                 if dp.layout.metas[s.param].replicated_over("tp") and tp_rank != 0:
                     continue  # the tp replicas hold the same values: count them once
-                sums[s.param, 0] += dp.master[b][s.lo : s.hi].double().pow(2).sum()
-                sums[s.param, 1] += updates[b][s.lo : s.hi].double().pow(2).sum()
+                sums[s.param, 0] += masters[b][s.lo : s.hi].double().pow(2).sum()
+                sums[s.param, 1] += updates[b][s.lo : s.hi].double().pow(2).sum().to(sums.device)
         grid.all_reduce(sums, ("tp", "dp") if dp.zero else ("tp",))
         norms = sums.sqrt()
         w_norm, u_norm = norms[:, 0], norms[:, 1]
@@ -249,7 +333,7 @@ class ShardedOptimizer:
         ratio = ratio.float().tolist()
         for b in range(len(dp.buckets)):
             for s in dp.layout.segments(b):
-                dp.master[b][s.lo : s.hi].add_(updates[b][s.lo : s.hi], alpha=-lr * ratio[s.param])
+                masters[b][s.lo : s.hi].add_(updates[b][s.lo : s.hi], alpha=-lr * ratio[s.param])
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -186,6 +186,7 @@ class DataParallel:
         self.bucket_of = {id(self.params[i]): k for i, k in self.layout.bucket_of().items()}
         # fp32 compute: the master shard is the parameter buffer's own slice (no second copy).
         self.master_is_param = compute_dtype == torch.float32
+        self.master_offloaded = False  # an offloaded optimizer keeps the masters (`offload_master`)
         # ZeRO-3: per bucket, the shard this rank keeps and the full buffer gathered into.
         self.param_shards: list[torch.Tensor] = []
         self.full: list[torch.Tensor] = []
@@ -399,25 +400,46 @@ class DataParallel:
 
     # ---- parameters ------------------------------------------------------------------
 
+    def param_shard(self, b: int) -> torch.Tensor:
+        """This rank's shard of bucket b's parameters on the device (compute dtype): where an
+        offloaded optimizer writes its update (ZeRO-3: the kept shard)."""
+        if self.shard_params:
+            return self.param_shards[b]
+        assert self.param_buffer is not None
+        bucket = self.buckets[b]
+        return self.param_buffer[bucket.shard_lo : bucket.shard_hi]
+
+    def offload_master(self) -> list[torch.Tensor]:
+        """Hand the fp32 master shards over to an offloaded optimizer (`app.optim.offload`): from
+        now on it keeps them, writes each update into `param_shard`, and checkpoints them; the
+        device keeps only the parameters. Returns the shards (their initial values)."""
+        masters, self.master, self.master_offloaded = self.master, [], True
+        if self.shard_params and self.master_is_param:  # fp32 ZeRO-3: the kept shards were the masters
+            self.param_shards = [m.clone() for m in masters]
+        return masters
+
     @torch.no_grad()
     def publish_params(self) -> None:
         """Copy the updated master shards into the parameter buffer and all-gather them over dp
-        (ZeRO-3: into the kept shards; the next forward gathers them)."""
+        (ZeRO-3: into the kept shards; the next forward gathers them). With the masters
+        offloaded, the optimizer has written the shards: only the all-gathers are left."""
         if self.shard_params:
-            if not self.master_is_param:
+            if not self.master_is_param and not self.master_offloaded:
                 for shard, master in zip(self.param_shards, self.master):
                     shard.copy_(master)
             return
+        assert self.param_buffer is not None
         if not self.zero:
-            if not self.master_is_param:
+            if not self.master_is_param and not self.master_offloaded:
                 for b, master in zip(self.buckets, self.master):
                     self.param_buffer[b.shard_lo : b.shard_hi].copy_(master)
             return
-        assert self.param_buffer is not None
-        for b, f, master in zip(self.buckets, self.flight, self.master):
+        for k, (b, f) in enumerate(zip(self.buckets, self.flight)):
             if f.gather is not None:
                 raise RuntimeError("publish_params before the previous gather was waited for")
-            send = master.to(self.param_buffer.dtype, copy=True)  # never gather from the output itself
+            # Never gather from the output itself: a copy of the shard.
+            source = self.param_shard(k) if self.master_offloaded else self.master[k]
+            send = source.to(self.param_buffer.dtype, copy=True)
             work = dist.all_gather_single(self.param_buffer[b.start : b.end], send, group=self.group, async_op=True)
             f.gather = launch(self.timers, "dp", work, "parameter all_gather")
             f.gather.keep = send  # alive until the gather completes
@@ -567,9 +589,10 @@ class DataParallel:
     def shard_states(self) -> list[ShardState]:
         """The parameters ("model", in the compute dtype) and, where they are apart from them,
         the fp32 master weights ("optimizer/master") as shard descriptors (`app.shards`)."""
+        separate = not self.master_is_param and not self.master_offloaded  # the masters are this object's
         if self.shard_params:  # ZeRO-3: each rank holds (and loads) its shard of the parameters
             out = self.held_states("model", self.param_shards)
-            return out + ([] if self.master_is_param else self.held_states("optimizer/master", self.master))
+            return out + (self.held_states("optimizer/master", self.master) if separate else [])
         out = []
         buffer = self.param_buffer
         assert buffer is not None
@@ -577,24 +600,44 @@ class DataParallel:
             off = self.offsets[i]
             out.append(self._shard_state("model", i, buffer.dtype, (0, p.numel()),
                                          lambda lo, hi, off=off: buffer[off + lo : off + hi]))  # fmt: skip
-        if not self.master_is_param:
+        if separate:
             out += self.held_states("optimizer/master", self.master)
         return out
 
     def held_states(self, group: str, shards: Sequence[torch.Tensor]) -> list[ShardState]:
         """Shard descriptors of per-bucket state over this rank's shard of each bucket (`shards[b]`
         for bucket b, like `master`: the optimizer's moments), one per parameter part it holds."""
+        return self.held_state_ranges(
+            group, torch.float32 if not shards else shards[0].dtype, lambda b, lo, hi: shards[b][lo:hi]
+        )
+
+    def held_state_ranges(
+        self,
+        group: str,
+        dtype: torch.dtype,
+        view: Callable[[int, int, int], torch.Tensor],
+        store: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+    ) -> list[ShardState]:
+        """As `held_states`, for state reached by range: `view(b, lo, hi)` is elements [lo, hi) of
+        bucket b's shard, `store(b, lo, values)` (state not in memory, e.g. a file) sets them."""
         out = []
         for b, bucket in enumerate(self.buckets):
             for i in bucket.params:
                 lo, hi = self.layout.local_range(i, (bucket.shard_lo, bucket.shard_hi))
                 base = self.offsets[i] - bucket.shard_lo
-                out.append(self._shard_state(group, i, shards[b].dtype, (lo, hi),
-                                             lambda lo, hi, t=shards[b], base=base: t[base + lo : base + hi]))  # fmt: skip
+                keep = None if store is None else (lambda lo, values, b=b, base=base: store(b, base + lo, values))
+                out.append(self._shard_state(group, i, dtype, (lo, hi),
+                                             lambda lo, hi, b=b, base=base: view(b, base + lo, base + hi), keep))  # fmt: skip
         return out
 
     def _shard_state(
-        self, group: str, i: int, dtype: torch.dtype, hold: tuple[int, int], view: Callable[[int, int], torch.Tensor]
+        self,
+        group: str,
+        i: int,
+        dtype: torch.dtype,
+        hold: tuple[int, int],
+        view: Callable[[int, int], torch.Tensor],
+        store: Optional[Callable[[int, torch.Tensor], None]] = None,
     ) -> ShardState:
         """Parameter i's state: the owner of its elements (`ParamLayout.owned`: every tp shard, tp
         rank 0 of a replicated tensor, never the tied head copy) writes its dp slice of the
@@ -604,7 +647,7 @@ class DataParallel:
         dp_slice = self.layout.dp_slice(self.bucket_of[id(self.params[i])])
         write = self.layout.local_range(i, dp_slice) if self.layout.owned[i] else (0, 0)
         return ShardState(group, self.names[i], tuple(meta.global_shape), tuple(meta.offset), meta.local_shape, dtype,
-                          write, hold, view)  # fmt: skip
+                          write, hold, view, store)  # fmt: skip
 
     # ---- reports ---------------------------------------------------------------------
 

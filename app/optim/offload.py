@@ -1,0 +1,215 @@
+"""Optimizer state off the device (`optim.offload`), after ZeRO-Offload (Ren et al., USENIX ATC
+2021) and ZeRO-Infinity (Rajbhandari et al., SC21).
+
+The state is, per dp bucket, this rank's fp32 master shard and the two Adam moments of it
+(1/dp of the bucket under ZeRO, the whole bucket without). A store holds it and hands it to
+the optimizer in chunks: `stream(buckets)` yields `Chunk`s (a bucket, an element range of its
+shard, and the three fp32 host tensors of that range) in order; the optimizer updates them in
+place, and the store keeps what it was given back when the next chunk is asked for.
+
+* `HostStore` (`host`): the state lives in host memory (pinned when CUDA is present, so the
+  gradient and parameter copies can run asynchronously); a chunk is a whole bucket shard.
+* `NvmeStore` (`nvme`): the state lives in one file per rank under `optim.offload_dir`
+  (node-local disk), laid out per bucket as [master | exp_avg | exp_avg_sq]. It is streamed
+  through three slot buffers of the same size, together at most `optim.offload_buffer_mb`: while
+  the optimizer updates chunk i in one slot, a reader thread fills the next slot with chunk
+  i + 1 (read-ahead) and a writer thread writes chunk i - 1 back from the third (write-behind).
+  The file is read and written with pread/pwrite, never mapped, so its pages are the page
+  cache's and not this process's resident memory.
+
+The checkpoint sees the state through shard descriptors (`app.shards`): the host store gives
+views of its tensors; the NVMe store's views read the file, and its `store` writes it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+FP32 = 4  # bytes per element of every state tensor
+STATE_TENSORS = 3  # master, exp_avg, exp_avg_sq
+SLOTS = 3  # the NVMe stream's buffers: read-ahead, update, write-behind
+
+
+@dataclass
+class Chunk:
+    """Elements [lo, hi) of bucket `bucket`'s shard: its fp32 master and moments on the host,
+    updated in place by the optimizer."""
+
+    bucket: int
+    lo: int
+    hi: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class OffloadStore:
+    """Where the master shards and the moments live; the optimizer's view of them."""
+
+    kind = "none"
+
+    def stream(self, buckets: Sequence[int]) -> Iterator[Chunk]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def read(self, which: int, b: int, lo: int, hi: int) -> torch.Tensor:  # pragma: no cover - interface
+        """A copy of state tensor `which` (0 master, 1 exp_avg, 2 exp_avg_sq) of bucket b, [lo, hi)."""
+        raise NotImplementedError
+
+    def write(self, which: int, b: int, lo: int, values: torch.Tensor) -> None:  # pragma: no cover
+        """Set state tensor `which` of bucket b from element lo on to `values`."""
+        raise NotImplementedError
+
+    def host_bytes(self) -> int:  # pragma: no cover - interface
+        """Bytes of host memory the store holds."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the store holds (files, threads)."""
+
+
+def _host_tensor(n: int, pin: bool) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+
+
+class HostStore(OffloadStore):
+    """The state in (pinned) host memory, one tensor of each kind per bucket."""
+
+    kind = "host"
+
+    def __init__(self, masters: Sequence[torch.Tensor]) -> None:
+        pin = torch.cuda.is_available()
+        self.tensors: list[list[torch.Tensor]] = []
+        for m in masters:
+            master = _host_tensor(m.numel(), pin)
+            master.copy_(m.reshape(-1))
+            self.tensors.append([master, _host_tensor(m.numel(), pin), _host_tensor(m.numel(), pin)])
+
+    def stream(self, buckets: Sequence[int]) -> Iterator[Chunk]:
+        for b in buckets:
+            master, exp_avg, exp_avg_sq = self.tensors[b]
+            yield Chunk(b, 0, master.numel(), master, exp_avg, exp_avg_sq)
+
+    def read(self, which: int, b: int, lo: int, hi: int) -> torch.Tensor:
+        return self.tensors[b][which][lo:hi]  # a view: the checkpoint may write into it
+
+    def write(self, which: int, b: int, lo: int, values: torch.Tensor) -> None:
+        self.tensors[b][which][lo : lo + values.numel()].copy_(values)
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * FP32 for ts in self.tensors for t in ts)
+
+
+class NvmeStore(OffloadStore):
+    """The state in a file per rank, streamed through SLOTS bounded buffers (module docstring)."""
+
+    kind = "nvme"
+
+    def __init__(self, masters: Sequence[torch.Tensor], path: Path, buffer_bytes: int) -> None:
+        self.path = path
+        self.sizes = [m.numel() for m in masters]
+        # Each bucket: [master | exp_avg | exp_avg_sq], fp32, one after the other.
+        self.base: list[int] = []
+        offset = 0
+        for n in self.sizes:
+            self.base.append(offset)
+            offset += STATE_TENSORS * n * FP32
+        self.chunk = max(1, buffer_bytes // (SLOTS * STATE_TENSORS * FP32))  # elements per chunk
+        self.slots = [torch.zeros(STATE_TENSORS, self.chunk, dtype=torch.float32) for _ in range(SLOTS)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self.fd, offset)  # the moments start at zero: a sparse file reads zeros
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="gridlm-offload-read")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="gridlm-offload-write")
+        for b, m in enumerate(masters):
+            flat = m.detach().reshape(-1).to("cpu", torch.float32)
+            for lo in range(0, flat.numel(), self.chunk):
+                self.write(0, b, lo, flat[lo : lo + self.chunk])
+
+    def _offset(self, which: int, b: int, lo: int) -> int:
+        return self.base[b] + (which * self.sizes[b] + lo) * FP32
+
+    def _pread(self, out: torch.Tensor, offset: int) -> None:
+        view = memoryview(out.numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"{self.path}: short read at byte {offset + done}: the offload file was truncated")
+            done += n
+
+    def _pwrite(self, values: torch.Tensor, offset: int) -> None:
+        view = memoryview(values.contiguous().numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwritev(self.fd, [view[done:]], offset + done)
+
+    def read(self, which: int, b: int, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        self._pread(out, self._offset(which, b, lo))
+        return out
+
+    def write(self, which: int, b: int, lo: int, values: torch.Tensor) -> None:
+        self._pwrite(values.detach().reshape(-1).to("cpu", torch.float32), self._offset(which, b, lo))
+
+    def _specs(self, buckets: Sequence[int]) -> list[tuple[int, int, int]]:
+        return [
+            (b, lo, min(lo + self.chunk, self.sizes[b])) for b in buckets for lo in range(0, self.sizes[b], self.chunk)
+        ]
+
+    def stream(self, buckets: Sequence[int]) -> Iterator[Chunk]:
+        specs = self._specs(buckets)
+        writes: list[Optional[Future]] = [None] * SLOTS
+
+        def fill(i: int) -> None:
+            b, lo, hi = specs[i]
+            slot = self.slots[i % SLOTS]
+            pending = writes[i % SLOTS]
+            if pending is not None:
+                pending.result()  # the slot's previous chunk is on disk before it is reused
+            for which in range(STATE_TENSORS):
+                self._pread(slot[which, : hi - lo], self._offset(which, b, lo))
+
+        def drain(i: int) -> None:
+            b, lo, hi = specs[i]
+            slot = self.slots[i % SLOTS]
+            for which in range(STATE_TENSORS):
+                self._pwrite(slot[which, : hi - lo], self._offset(which, b, lo))
+
+        ahead = self.reader.submit(fill, 0) if specs else None
+        try:
+            for i, (b, lo, hi) in enumerate(specs):
+                assert ahead is not None
+                ahead.result()
+                ahead = self.reader.submit(fill, i + 1) if i + 1 < len(specs) else None
+                slot = self.slots[i % SLOTS]
+                yield Chunk(b, lo, hi, slot[0, : hi - lo], slot[1, : hi - lo], slot[2, : hi - lo])
+                writes[i % SLOTS] = self.writer.submit(drain, i)
+        finally:
+            if ahead is not None:
+                ahead.result()
+            for pending in writes:
+                if pending is not None:
+                    pending.result()  # every chunk is on disk when the stream ends
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * FP32 for t in self.slots)
+
+    def close(self) -> None:
+        self.reader.shutdown()
+        self.writer.shutdown()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.path.unlink(missing_ok=True)  # scratch: the checkpoints hold the durable state
+
+
+def offload_path(directory: Path, rank: int) -> Path:
+    """This rank's NVMe offload file under `directory`."""
+    return directory / f"optimizer_rank{rank:05d}.bin"
