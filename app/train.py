@@ -365,7 +365,11 @@ class Trainer:
         self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
         self.dp.wait_params()  # no all-gather left in flight: the parameters are complete
         summary = report.finish(
-            memory_bytes={**self.dp.buffer_bytes(), "optimizer_state": self.optimizer.state_bytes()},
+            memory_bytes={
+                **self.dp.buffer_bytes(),
+                "optimizer_state": self.optimizer.state_bytes(),
+                **report.peak_memory(self.device),
+            },  # fmt: skip
             skipped_steps=self.scaler.skipped if self.scaler else 0,
             nonfinite_steps=self.nonfinite_events,
             rollbacks=self.guard.rollbacks,

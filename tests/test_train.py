@@ -168,6 +168,8 @@ def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
     memory = summary["memory_bytes_rank0"]
     assert memory["parameters"] >= 4 * summary["parameters_rank0"]  # fp32 buffer (+ bucket padding)
     assert memory["optimizer_state"] == 2 * memory["parameters"]  # Adam moments; fp32: no separate master
+    # The process's peak resident memory holds at least the buffers above (CPU ranks).
+    assert memory["peak_rss"] > memory["parameters"] + memory["gradients"] + memory["optimizer_state"]
     assert summary["hardware_flops_per_step"] == summary["flops_per_step"]  # no recomputation
     # Scaling studies group runs by this; FLOP/s say which count they are.
     assert summary["study"] == {"name": "demo", "kind": "weak", "point": runtime.world_size}

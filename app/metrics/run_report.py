@@ -8,6 +8,7 @@ rank 0 alone prints (`Runtime.log`) and writes files.
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -185,6 +186,15 @@ class RunReport:
         self.writer.truncate(step)
         self.board.truncate(step)
         self.records = [r for r in self.records if r["step"] <= step]
+
+    @staticmethod
+    def peak_memory(device: torch.device) -> dict[str, int]:
+        """This process's peak resident memory (`peak_rss`, bytes; Linux's ru_maxrss is in KiB) and,
+        on a GPU, the most memory torch allocated on it (`peak_device_allocated`)."""
+        out = {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if device.type == "cuda":
+            out["peak_device_allocated"] = int(torch.cuda.max_memory_allocated(device))
+        return out
 
     def finish(
         self,
