@@ -135,11 +135,12 @@ CASES += [
     Case(2, 2, 2, sp=True, extra=("optim.zero=3",)),
     Case(1, 2, 2, virtual=2, extra=("optim.zero=3", "train.recompute=full", "train.precision=bf16"), **BF16),
     Case(2, 1, 2, extra=("optim.zero=3", "model.tie_embeddings=false", "train.recompute=selective")),
-    # Optimizer offload: host memory and NVMe files (a 0.05 MB buffer: many chunks per bucket).
-    Case(1, 1, 2, extra=("optim.offload=host",)), Case(2, 1, 2, extra=("optim.offload=host", "optim.zero=1")),
-    Case(1, 1, 2, extra=("optim.offload=nvme", "optim.offload_buffer_mb=0.05", "optim.zero=2")),
+    # Optimizer offload to host memory and to NVMe files (a 0.05 MB buffer: many chunks per bucket),
+    # on dp2 and tp2 dp2; with LAMB (host only), bf16 masters, ZeRO-1, -2 and -3.
+    Case(1, 1, 2, extra=("optim.offload=host", "optim.zero=2")),
+    Case(2, 1, 2, extra=("optim.offload=host", "optim.zero=1", "optim.name=lamb", "train.precision=bf16"), **BF16),
+    Case(1, 1, 2, extra=("optim.offload=nvme", "optim.offload_buffer_mb=0.05")),
     Case(2, 1, 2, extra=("optim.offload=nvme", "optim.offload_buffer_mb=0.05", "optim.zero=3")),
-    Case(2, 1, 2, extra=("optim.offload=host", "optim.name=lamb", "train.precision=bf16"), **BF16),
 ]  # fmt: skip
 
 

@@ -498,9 +498,25 @@ class DataParallel:
         if not f.resident:
             return
         self._wait_gather(f)  # never free a buffer a gather still writes
-        full.untyped_storage().resize_(0)
+        if full.untyped_storage().resizable():
+            full.untyped_storage().resize_(0)
+        else:  # a reader pinned it (`.numpy()` does): the parameters move to a fresh buffer
+            self._rebind(k)
         f.resident = False
         self._count_gathered(full, -1)
+
+    def _rebind(self, k: int) -> None:
+        """Bucket k's parameters become views of a new, empty full buffer (the old storage is
+        left to whoever holds it)."""
+        old = self.full[k]
+        del self.storage_bucket[old.untyped_storage()._cdata]
+        new = self.full[k] = torch.empty_like(old)
+        start = self.buckets[k].start
+        for i in self.buckets[k].params:
+            p, lo = self.params[i], self.offsets[i] - start
+            p.data = new[lo : lo + p.numel()].view(p.shape)
+        self.storage_bucket[new.untyped_storage()._cdata] = k
+        new.untyped_storage().resize_(0)
 
     def _count_gathered(self, full: torch.Tensor, sign: int) -> None:
         self.gathered_bytes += sign * full.numel() * full.element_size()

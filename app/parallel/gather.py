@@ -27,7 +27,11 @@ def owned_shards(model: nn.Module, grid: ProcessGrid) -> dict[str, tuple[tuple[i
         if not meta.owned_by(grid.coords["tp"]):
             continue
         offset = meta.offset or (0,) * p.dim()
-        shards[name] = (meta.global_shape, offset, p.detach().float().cpu().numpy())  # numpy has no bf16
+        shards[name] = (
+            meta.global_shape,
+            offset,
+            p.detach().float().cpu().clone().numpy(),
+        )  # numpy has no bf16; a copy leaves ZeRO-3's buffer free
     return shards
 
 
