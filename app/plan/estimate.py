@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
@@ -147,9 +147,20 @@ def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) 
     return ends + (2 * h if last else 0) + layers * block_params(m, tp)
 
 
-# Layouts already built, keyed by every input of `stage_layout` (the model config whole). A
-# search passes one such dict to every plan, so the grids that share a stage shape share them.
-LayoutCache = dict[tuple, ParamLayout]
+@dataclass(frozen=True)
+class LayoutSizes:
+    """What the memory estimate reads off a stage's layout (`stage_sizes`), in elements."""
+
+    size: int  # the flat buffers, padding included
+    shard: int  # the shards this rank updates (`ParamLayout.shard_elements`)
+    largest_bucket: int
+    largest_unit: int  # ZeRO-3 layouts: the most one gather unit's buckets hold (0 for the others)
+
+
+# Layouts already built, and the sizes read off them, keyed by every input of `stage_layout`
+# (the model config whole). A search passes one such dict to every plan, so the grids that
+# share a stage shape share them.
+LayoutCache = dict[tuple, Union[ParamLayout, LayoutSizes]]
 
 
 def stage_layout(
@@ -165,15 +176,45 @@ def stage_layout(
     the same size): the parameters in reverse registration order, the tied embedding alone.
     `units`: ZeRO-3's layout, whose buckets are cut at the gather units (`stage_units`); build
     it with `zero=True`."""
-    m, par = deck.model, deck.parallel
-    bucket_elements = _bucket_elements(deck)
-    key = (m, par.tp, par.pp > 1, deck.dp, bucket_elements, layers, first, last, zero, units)
+    key = _layout_key(deck, layers, first, last, zero, units)
     if cache is not None and key in cache:
-        return cache[key]
-    layout = _build_layout(m, par.tp, par.pp > 1, deck.dp, bucket_elements, layers, first, last, zero, units)
+        return cache[key]  # type: ignore[return-value]  # the layouts' keys hold layouts
+    layout = _build_layout(*key)
     if cache is not None:
         cache[key] = layout
     return layout
+
+
+def stage_sizes(
+    deck: Deck,
+    layers: int,
+    first: bool,
+    last: bool,
+    zero: bool,
+    cache: Optional[LayoutCache] = None,
+    units: bool = False,
+) -> LayoutSizes:
+    """`LayoutSizes` of `stage_layout(...)` (the same arguments), kept in `cache` beside it: a
+    search reads them for thousands of plans."""
+    key = ("sizes", *_layout_key(deck, layers, first, last, zero, units))
+    if cache is not None and key in cache:
+        return cache[key]  # type: ignore[return-value]  # the sizes' keys hold sizes
+    layout = stage_layout(deck, layers, first, last, zero, cache, units)
+    largest_unit = (
+        max(unit_elements(layout, stage_units(deck.model, layers, first, last)[::-1]).values()) if units else 0
+    )
+    sizes = LayoutSizes(
+        layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit
+    )
+    if cache is not None:
+        cache[key] = sizes
+    return sizes
+
+
+def _layout_key(deck: Deck, layers: int, first: bool, last: bool, zero: bool, units: bool) -> tuple:
+    """Every input of a stage's layout (`_build_layout`'s arguments)."""
+    par = deck.parallel
+    return (deck.model, par.tp, par.pp > 1, deck.dp, _bucket_elements(deck), layers, first, last, zero, units)
 
 
 def _bucket_elements(deck: Deck) -> float:
@@ -338,16 +379,51 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     stages = []
     layouts = {} if layouts is None else layouts
 
-    def bucket_bound(layout: ParamLayout) -> float:
+    def bucket_bound(largest: int) -> float:
         """ZeRO-2's gradient buckets held at once: ZERO2_IN_FLIGHT being reduced (with their output
         shards) and one being filled per chunk, at the layout's largest bucket."""
-        largest = max(b.end - b.start for b in layout.buckets)
         return ((ZERO2_IN_FLIGHT + v) * largest + ZERO2_IN_FLIGHT * largest / dp) * grad_bytes
+
+    shapes: dict[tuple[int, bool, bool], dict[str, Any]] = {}  # the stages of one shape share their buffers
+
+    def buffers(layers: int, first: bool, last: bool) -> dict[str, Any]:
+        """Buffers and shards as DataParallel allocates them from the layout (padding included):
+        the fp32 master (apart from the parameters unless fp32) and two moments per shard
+        element, and under ZeRO-1/2 the reduce-scatter's gradient shard."""
+        if (layers, first, last) in shapes:
+            return shapes[(layers, first, last)]
+        whole = stage_sizes(deck, layers, first, last, zero=False, cache=layouts)  # middle stages share it
+        sharded = stage_sizes(deck, layers, first, last, zero=True, cache=layouts) if dp > 1 else whole
+        optimizer = {
+            "zero0": whole.shard * (master + 8.0),
+            "zero1": sharded.shard * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
+        }
+        optimizer["zero2"] = optimizer["zero1"]  # the same shards; the whole gradient buffer goes
+        buckets = bucket_bound(whole.largest_bucket) if dp > 1 else whole.size * float(grad_bytes)
+        # ZeRO-3: ZeRO-2's terms on its own layout (cut at the gather units, so padded apart), the
+        # parameters as a shard, and the units gathered at once at the largest unit's size.
+        weight_shard, gathered, buckets3 = whole.size * float(e), 0.0, buckets
+        optimizer["zero3"] = optimizer["zero0"]
+        if dp > 1:
+            z3 = stage_sizes(deck, layers, first, last, zero=True, cache=layouts, units=True)
+            weight_shard = z3.shard * float(e)
+            gathered = (2 + ZERO3_PREFETCH) * z3.largest_unit * float(e)
+            buckets3 = bucket_bound(z3.largest_bucket)
+            optimizer["zero3"] = z3.shard * (master + 8.0 + grad_bytes)
+        shapes[(layers, first, last)] = {
+            "weights": whole.size * float(e),
+            "gradients": whole.size * float(grad_bytes),
+            "gradient_buckets": float(buckets),
+            "optimizer": optimizer,
+            "weight_shard": weight_shard,
+            "gathered": gathered,
+            "zero3_gradient_buckets": float(buckets3),
+        }
+        return shapes[(layers, first, last)]
 
     for stage in range(pp):
         mine = [chunk_layers[stage + c * pp] for c in range(v)]
         first, last = stage == 0, stage == pp - 1
-        params = stage_params(m, tp, sum(mine), first, last)
         held = in_flight(pp, stage, micro, v, chunk_layers)
         head = logits if last else 0.0
         activations = {
@@ -356,44 +432,17 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             # Kept block inputs, plus one block's activations while its backward recomputes it.
             "full": held * block_input + per_layer + head,
         }
-        # Buffers and shards as DataParallel allocates them from the layout (padding included):
-        # the fp32 master (apart from the parameters unless fp32) and two moments per shard
-        # element, and under ZeRO-1 the reduce-scatter's gradient shard.
-        whole = stage_layout(deck, sum(mine), first, last, zero=False, cache=layouts)  # middle stages share it
-        sharded = stage_layout(deck, sum(mine), first, last, zero=True, cache=layouts) if dp > 1 else whole
-        optimizer = {
-            "zero0": whole.shard_elements() * (master + 8.0),
-            "zero1": sharded.shard_elements() * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
-        }
-        optimizer["zero2"] = optimizer["zero1"]  # the same shards; the whole gradient buffer goes
-        buckets = bucket_bound(whole) if dp > 1 else whole.size * float(grad_bytes)
-        # ZeRO-3: ZeRO-2's terms on its own layout (cut at the gather units, so padded apart), the
-        # parameters as a shard, and the units gathered at once at the largest unit's size.
-        weight_shard, gathered, buckets3 = whole.size * float(e), 0.0, buckets
-        optimizer["zero3"] = optimizer["zero0"]
-        if dp > 1:
-            z3 = stage_layout(deck, sum(mine), first, last, zero=True, cache=layouts, units=True)
-            largest_unit = max(unit_elements(z3, stage_units(m, sum(mine), first, last)[::-1]).values())
-            weight_shard = z3.shard_elements() * float(e)
-            gathered = (2 + ZERO3_PREFETCH) * largest_unit * float(e)
-            buckets3 = bucket_bound(z3)
-            optimizer["zero3"] = z3.shard_elements() * (master + 8.0 + grad_bytes)
+        memory = buffers(sum(mine), first, last)
         stages.append(
             StageEstimate(
                 stage=stage,
                 layers=mine,
                 first=first,
                 last=last,
-                params=params,
-                weights=whole.size * float(e),
-                gradients=whole.size * float(grad_bytes),
-                gradient_buckets=float(buckets),
-                optimizer=optimizer,
+                params=stage_params(m, tp, sum(mine), first, last),
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),
-                weight_shard=weight_shard,
-                gathered=gathered,
-                zero3_gradient_buckets=float(buckets3),
+                **{**memory, "optimizer": dict(memory["optimizer"])},
             )
         )
     return stages
