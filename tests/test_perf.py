@@ -607,13 +607,15 @@ def test_zero3_gathers_are_exposed_pass_by_pass():
     assert zero3_gathers(deck, gloo, [layers], [1.0], [2.0], True) == [(pytest.approx(slow - hidden),) * 2]
 
 
-def test_zero3_in_the_predicted_step():
-    """End to end on Selene: ZeRO-3 puts its gathers in the passes (none at dp = 1, where it is ZeRO 0
-    exactly), more of them exposed without overlap_param_gather; its fp32 update writes the shard
-    in place (no copy for a gather after the step, which ZeRO-1/2 make)."""
+def test_zero3_in_the_predicted_step(tmp_path):
+    """End to end on Selene (with a host time per op, so that bucket counts show): ZeRO-3 puts its
+    gathers in the passes (none at dp = 1, where it is ZeRO 0 exactly), more of them exposed
+    without overlap_param_gather; its fp32 update writes the shard in place (no copy for a gather
+    after the step, which ZeRO-1/2 make)."""
     from app.plan.perf import optimizer_bytes
 
-    machine = load_machine("selene")
+    raw = (REPO / "inputs/machines/selene.yaml").read_text()
+    machine = _machine_with(raw.replace("sources:", "op_overhead_us: 5\nsources:"), tmp_path)
 
     def run(world: int, *sets: str):
         return predict(resolve_for_world(load_deck(REPO / "inputs/megatron/gpt_7.5b.yaml", sets), world), machine)

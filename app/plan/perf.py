@@ -806,7 +806,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         grads = params[s] * g
         buckets = max(1, math.ceil(grads / bucket))
         per_bucket = grads / buckets
-        if opt.zero >= 3:  # its buckets are cut at the gather units
+        if opt.zero >= 3 and dp > 1:  # its buckets are cut at the gather units
             ends = (s == 0, s == pp - 1)
             if ends not in unit_kinds:
                 unit_kinds[ends] = unit_buckets(deck, *ends)
