@@ -539,3 +539,108 @@ def test_busy_collectives_are_charged_where_the_code_waits_for_them(tmp_path):
                for op, _ in msgs[k])  # fmt: skip
     tp_grown = grown(sets, "tp_exposed")
     assert math.isclose(tp_grown, deck.num_micro_batches * (deck.model.layers * per_layer + ends), rel_tol=1e-9)
+
+
+# -- ZeRO-3 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ("parallel.dp=4",),
+        ("parallel.dp=2", "parallel.pp=2", "parallel.virtual_stages=2", "train.recompute=full"),
+        ("parallel.dp=2", "parallel.tp=2", "train.precision=bf16", "model.tie_embeddings=false"),
+    ],
+)
+def test_zero3_sends_two_gathers_per_micro_batch_and_zero2_s_reduce_scatters(sets):
+    """Per step and stage on dp: every parameter all-gathered in the compute dtype before its
+    forward and again before its backward (full recompute reuses the backward's), each
+    micro-batch, and no gather after the step; the gradients reduce-scattered as ZeRO-2 does.
+    The other axes send what they send without ZeRO."""
+    from app.plan.estimate import stage_params
+    from app.plan.perf import step_messages
+
+    decks = {z: resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, f"optim.zero={z}")), 4)
+             for z in (0, 2, 3)}  # fmt: skip
+    deck = decks[3]
+    m, par, micro = deck.model, deck.parallel, deck.num_micro_batches
+    e = 2 if deck.train.precision == "bf16" else 4
+    for stage in range(par.pp):
+        layers = m.layers // par.pp
+        params = stage_params(m, par.tp, layers, stage == 0, stage == par.pp - 1)
+        three, two, none = (step_messages(decks[z], stage) for z in (3, 2, 0))
+        assert three[("dp", "all_gather")] == 2 * micro * params * e
+        assert two[("dp", "all_gather")] == params * e  # ZeRO-2's one gather, after the step
+        assert three[("dp", "reduce_scatter")] == two[("dp", "reduce_scatter")] == micro * params * 4
+        assert {k: b for k, b in three.items() if k[0] != "dp"} == {k: b for k, b in none.items() if k[0] != "dp"}
+
+
+def test_zero3_gathers_are_exposed_pass_by_pass():
+    """The exposed all-gathers of each chunk's passes: all of them without overlap_param_gather; on
+    GPUs with it, the first unit's (the embedding first in forward, the head first in backward)
+    or what outlasts the pass; on gloo every bandwidth term and the first bucket's latency."""
+    from app.plan.estimate import unit_buckets
+    from app.plan.perf import Link, zero3_gathers
+
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.dp=4", "optim.zero=3",
+                                                                       "parallel.dp_bucket_mb=0.5")), 4)  # fmt: skip
+    layers = deck.model.layers
+    units = unit_buckets(deck, True, True)
+    assert set(units) == {"embed", "block", "head"} and len(units["block"]) > 1  # blocks span buckets
+    nccl = Link(bandwidth=1e9, latency=1e-5, level="x")
+    gloo = dataclasses.replace(nccl, gloo=True)
+
+    def gathered(link: Link, kind: str) -> float:
+        return sum(link.all_gather(4, n * 4) for n in units[kind])
+
+    total = layers * gathered(nccl, "block") + gathered(nccl, "embed") + gathered(nccl, "head")
+    assert zero3_gathers(deck, nccl, [layers], [1.0], [2.0], False) == [(total, total)]
+    # Long passes hide all but the first unit's gathers; short ones expose what the pass cannot cover.
+    assert zero3_gathers(deck, nccl, [layers], [1.0], [2.0], True) == [
+        (gathered(nccl, "embed"), gathered(nccl, "head"))
+    ]
+    short = zero3_gathers(deck, nccl, [layers], [total / 4], [total / 2], True)
+    assert short == [(pytest.approx(total * 3 / 4), pytest.approx(total / 2))]
+    count = sum(len(u) for u in units.values()) + (layers - 1) * len(units["block"])
+    slow = layers * gathered(gloo, "block") + gathered(gloo, "embed") + gathered(gloo, "head")
+    hidden = (count - 1) * gloo.latency_part("all_gather", 4)
+    assert zero3_gathers(deck, gloo, [layers], [1.0], [2.0], True) == [(pytest.approx(slow - hidden),) * 2]
+
+
+def test_zero3_in_the_predicted_step(tmp_path):
+    """End to end on Selene (with a host time per op, so that bucket counts show): ZeRO-3 puts its
+    gathers in the passes (none at dp = 1, where it is ZeRO 0 exactly), more of them exposed
+    without overlap_param_gather; its fp32 update writes the shard in place (no copy for a gather
+    after the step, which ZeRO-1/2 make)."""
+    from app.plan.perf import optimizer_bytes
+
+    raw = (REPO / "inputs/machines/selene.yaml").read_text()
+    machine = _machine_with(raw.replace("sources:", "op_overhead_us: 5\nsources:"), tmp_path)
+
+    def run(world: int, *sets: str):
+        return predict(resolve_for_world(load_deck(REPO / "inputs/megatron/gpt_7.5b.yaml", sets), world), machine)
+
+    zero0, alone = run(4, "optim.zero=0", "parallel.dp=1"), run(4, "optim.zero=3", "parallel.dp=1")  # tp 4
+    assert alone.step_time_s == zero0.step_time_s and alone.breakdown["zero3_gathers"] == 0.0
+    three, two = run(64, "optim.zero=3", "parallel.dp=16"), run(64, "optim.zero=2", "parallel.dp=16")
+    hidden = run(64, "optim.zero=3", "parallel.dp=16", "parallel.overlap_param_gather=false")
+    assert 0 < three.breakdown["zero3_gathers"] < hidden.breakdown["zero3_gathers"]
+    assert two.breakdown["zero3_gathers"] == 0.0
+    fp32 = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.dp=4",)), 4)
+
+    def update_bytes(zero: int) -> int:
+        return optimizer_bytes(dataclasses.replace(fp32, optim=dataclasses.replace(fp32.optim, zero=zero)))
+
+    assert update_bytes(3) == update_bytes(0) == update_bytes(1) - (4 + 4) == update_bytes(2) - (4 + 4)
+
+
+def test_the_search_picks_zero3_where_only_it_fits():
+    """A 324B model of 16 wide blocks on 17 DGX nodes: tp 8 fills a node and 17 is prime, so every
+    grid that shards fewer than the parameters does not fit; the search ranks ZeRO-3 grids only."""
+    from app.plan.search import search
+
+    sets = ("model.layers=16", "model.hidden=40960", "train.global_batch=1088", "parallel.pp=1", "parallel.dp=17")
+    result = search(load_deck(REPO / "inputs/gpt_1t.yaml", sets), 136, load_machine("selene"), top=3)
+    assert result.best and all(c.sets["optim.zero"] == 3 for c in result.best)
+    assert "try --set optim.zero=3 (" in result.own.rejected
+    assert result.rejected["does not fit in device memory"] > 0

@@ -313,3 +313,139 @@ def test_zero2_holds_bucket_buffers_within_the_plan_and_never_the_whole_gradient
         peak = trainer.dp.buffer_bytes()["gradient_buckets_peak"]
         assert trainer.dp.bucket_bytes == 0  # every buffer released after the step
         assert 0 < peak <= stage.gradient_buckets < stage.gradients, (peak, stage.gradient_buckets, stage.gradients)
+
+
+# ---- ZeRO-3 --------------------------------------------------------------------------------------
+
+# Small buckets, so that a block's parameters span several of them and a unit's cut shows.
+ZERO3_CASES = [
+    ("parallel.dp_bucket_mb=0.01",),
+    ("parallel.dp_bucket_mb=0.01", "train.precision=bf16", "parallel.pp=2", "parallel.virtual_stages=2"),
+    ("train.precision=fp16", "train.grad_reduce_dtype=compute", "model.tie_embeddings=false", "parallel.tp=2"),
+    ("model.tie_embeddings=false", "parallel.pp=5", "parallel.dp_bucket_mb=0.003"),
+]
+
+
+def _unit_of(name: str, layers: list[int], first: bool) -> str:
+    """The gather unit a GPT parameter belongs to, by its name (the runtime's contract)."""
+    if name.startswith("blocks."):
+        return f"blocks.{layers.index(int(name.split('.')[1]))}"
+    if name == "wpe" or (name == "wte.weight" and first):
+        return "embed"
+    assert name in ("wte.weight", "head", "ln_f.weight", "ln_f.bias"), name
+    return "head"
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("pp,virtual", [(1, 1), (2, 1), (2, 2), (5, 1)])
+def test_stage_units_name_the_gather_unit_of_every_built_parameter(tie, pp, virtual):
+    """`stage_units` gives each parameter of a built GPT stage, in `parameters()` order, its unit:
+    the positions and the first stage's embedding "embed", a block's parameters that block's, the
+    final LayerNorm, an untied head and the last stage's tied copy "head"."""
+    import torch
+
+    from app.model.gpt import GPT
+    from app.parallel.schedule import partition_layers
+    from app.plan.estimate import stage_units
+
+    deck = load_deck(None, (*SMALL, f"model.tie_embeddings={tie}"))
+    chunks = partition_layers(deck.model.layers, pp * virtual)
+    for stage in range(pp):
+        layers = [i for c in range(virtual) for i in chunks[stage + c * pp]]
+        first, last = stage == 0, stage == pp - 1
+        model = GPT(deck.model, 1, torch.device("cpu"), layers=layers, first=first, last=last)
+        built = [_unit_of(name, layers, first) for name, _ in model.named_parameters()]
+        assert stage_units(deck.model, len(layers), first, last) == built, (stage, built)
+
+
+@pytest.mark.parametrize("overrides", ZERO3_CASES, ids=["fp32", "bf16-pp2-v2", "fp16-untied-tp2", "untied-pp5"])
+def test_zero3_memory_is_a_parameter_shard_plus_three_gathered_units(overrides):
+    """ZeRO-3 at dp = 4, by hand from its layout: buckets never hold two units and each unit starts
+    a bucket; the weights are the 1/dp shard of the padded buckets in the compute dtype plus
+    2 + ZERO3_PREFETCH of the largest unit's buckets; the optimizer keeps the fp32 master (not
+    when computing in fp32), two moments and the gradient shard per shard element; the gradients
+    are ZeRO-2's bucket bound on this layout."""
+    from app.parallel.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH
+    from app.plan.estimate import stage_units
+
+    deck = load_deck(None, (*SMALL, *overrides, "optim.zero=3", "train.global_batch=16", "train.micro_batch=1"))
+    deck = resolve_for_world(deck, deck.parallel.tp * deck.parallel.pp * 4)
+    tr, v, dp = deck.train, deck.parallel.virtual_stages, deck.dp
+    e = {"fp32": 4, "bf16": 2, "fp16": 2}[tr.precision]
+    g = e if tr.grad_reduce_dtype == "compute" else 4
+    for s in estimate_stages(deck):
+        layers = sum(s.layers)
+        layout = stage_layout(deck, layers, s.first, s.last, zero=True, units=True)
+        units = stage_units(deck.model, layers, s.first, s.last)[::-1]  # buffer order
+        per_unit: dict[str, int] = {}
+        for b in layout.buckets:
+            assert len({units[i] for i in b.params}) == 1, [units[i] for i in b.params]
+            per_unit[units[b.params[0]]] = per_unit.get(units[b.params[0]], 0) + b.end - b.start
+        starts = {b.params[0] for b in layout.buckets}
+        assert all(i in starts for i in range(1, len(units)) if units[i] != units[i - 1])
+        assert len(per_unit) == layers + int(s.first) + int(s.last)
+        shard = sum((b.end - b.start) // dp for b in layout.buckets)
+        assert shard == layout.shard_elements()
+        assert s.weights_for(3) == shard * e + (2 + ZERO3_PREFETCH) * max(per_unit.values()) * e
+        master = 0 if tr.precision == "fp32" else 4
+        assert s.optimizer["zero3"] == shard * (master + 8 + g)
+        largest = max(b.end - b.start for b in layout.buckets)
+        assert s.grads(3) == ((ZERO2_IN_FLIGHT + v) * largest + ZERO2_IN_FLIGHT * largest / dp) * g
+        assert s.total(3, "full") == s.weights_for(3) + s.grads(3) + s.optimizer["zero3"] + s.activations["full"]
+        # The other ZeRO stages keep their whole parameter buffer.
+        assert (
+            s.weights_for(0)
+            == s.weights_for(2)
+            == s.weights
+            == stage_layout(deck, layers, s.first, s.last, False).size * e
+        )
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8, 48])
+def test_zero3_weights_shrink_about_dp_times(dp):
+    """The 1T model on tp 8 x pp 8 (16 blocks a stage): the ZeRO-3 parameter shard is the whole
+    buffer / dp up to the padding, and with the gathered units still far below ZeRO-2's weights."""
+    deck = load_deck(REPO / "inputs/gpt_1t.yaml", ("parallel.pp=8", f"parallel.dp={dp}", "optim.zero=3",
+                                                   "train.global_batch=384"))  # fmt: skip
+    deck = resolve_for_world(deck, 8 * 8 * dp)
+    for s in estimate_stages(deck):
+        assert s.weights / dp <= s.weight_shard < s.weights / dp * 1.0001
+        assert s.gathered == pytest.approx(3 * s.weights / 16, rel=0.05)  # 3 blocks' worth, 1 of 16
+        assert s.weights_for(3) < s.weights_for(2) * (1 / dp + 0.2)
+        assert s.optimizer["zero3"] == pytest.approx(s.optimizer["zero2"], rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [(), ("train.precision=bf16", "parallel.pp=2", "model.tie_embeddings=false")])
+def test_zero3_at_dp1_is_no_zero(overrides):
+    """dp = 1 shards nothing: every ZeRO-3 term is ZeRO 0's."""
+    deck = resolve_for_world(load_deck(None, (*SMALL, *overrides, "optim.zero=3")), 2 if overrides else 1)
+    assert deck.dp == 1
+    for s in estimate_stages(deck):
+        assert s.weights_for(3) == s.weights and s.gathered == 0
+        assert s.grads(3) == s.gradients and s.optimizer["zero3"] == s.optimizer["zero0"]
+        for recompute in ("none", "selective", "full"):
+            assert s.total(3, recompute) == s.total(0, recompute)
+
+
+# A 324B model of 16 wide blocks on 17 DGX nodes: tp 8 fills a node and 17 is prime, so pp = 1
+# and dp = 17; only ZeRO-3 fits in 80 GB (with full recompute).
+ONLY_ZERO3 = ("--set", "model.layers=16", "--set", "model.hidden=40960", "--set", "train.global_batch=1088",
+              "--set", "parallel.pp=1", "--set", "parallel.dp=17")  # fmt: skip
+
+
+def test_the_dry_run_suggests_zero3_where_only_it_fits():
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", *ONLY_ZERO3)
+    assert out.returncode == 2
+    assert "try --set optim.zero=3 (" in out.stdout and "--set optim.zero=2 (" not in out.stdout
+    assert "optim.zero=2: " in out.stdout and "optim.zero=3: " in out.stdout  # the alternatives line
+    # Without recompute ZeRO-3 alone is not enough: the cheapest pair that fits is named.
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", *ONLY_ZERO3, "--set", "train.recompute=none")
+    assert out.returncode == 2 and "try --set optim.zero=3 --set train.recompute=full (" in out.stdout
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", "--json", *ONLY_ZERO3, "--set", "optim.zero=3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    plan = json.loads(out.stdout)
+    memory = plan["stages"][0]["memory_gib"]
+    assert 0 < memory["gathered_weights"] < memory["weights"] < memory["total"] <= plan["memory"]["usable_gib"]
+    assert plan["predicted"]["breakdown"]["zero3_gathers"] > 0
+    text = dry_run("inputs/gpt_1t.yaml", "--dry-run", *ONLY_ZERO3, "--set", "optim.zero=3").stdout
+    assert "ZeRO-3 weights: a " in text and "ZeRO-3 gathers" in text

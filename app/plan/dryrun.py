@@ -18,6 +18,7 @@ from typing import Any, Optional
 from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
 from app.names import SCHEDULES, schedule_key
+from app.parallel.layout import ZERO3_PREFETCH
 from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params, step_flops
 from app.plan.machine import Machine
 from app.plan.perf import Link, Prediction, axis_links, predict
@@ -193,10 +194,11 @@ def _check_memory(plan: Plan) -> None:
     zero, recompute = deck.optim.zero, deck.train.recompute
     peak = plan.peak_stage()
     need = peak.total(zero, recompute)
-    # What the usual memory switches would give, on the stage that needs the most.
-    options = [("optim.zero=1", 1, recompute), ("optim.zero=2", 2, recompute), ("train.recompute=full", zero, "full")]
-    if zero == 0 and recompute != "full":
-        options.append(("both", 1, "full"))
+    # What the usual memory switches would give, on the stage that needs the most: each alone, then
+    # a ZeRO stage with full recompute (keys: the --set overrides, space-separated).
+    options = [(f"optim.zero={z}", z, recompute) for z in (1, 2, 3)] + [("train.recompute=full", zero, "full")]
+    if recompute != "full":
+        options += [(f"optim.zero={z} train.recompute=full", z, "full") for z in (1, 2, 3) if z > zero]
     for key, z, r in options:
         if (z, r) != (zero, recompute) and (z == zero or deck.dp > 1):
             plan.alternatives[key] = max(s.total(z, r) for s in plan.stages)
@@ -206,9 +208,14 @@ def _check_memory(plan: Plan) -> None:
     if need <= usable:
         return
     assert plan.machine is not None
-    fixes = [f"--set {k} ({v / GiB:.1f} GiB)" for k, v in plan.alternatives.items() if v <= usable and k != "both"]
-    if not fixes and "both" in plan.alternatives and plan.alternatives["both"] <= usable:
-        fixes = [f"--set optim.zero=1 --set train.recompute=full ({plan.alternatives['both'] / GiB:.1f} GiB)"]
+
+    def sets(key: str) -> str:
+        return " ".join(f"--set {k}" for k in key.split())
+
+    fits = [(k, v) for k, v in plan.alternatives.items() if v <= usable]
+    # One switch where one is enough, else the cheapest pair (the lowest ZeRO stage) that fits.
+    fixes = [f"{sets(k)} ({v / GiB:.1f} GiB)" for k, v in fits if " " not in k]
+    fixes = fixes or [f"{sets(k)} ({v / GiB:.1f} GiB)" for k, v in fits][:1]
     fixes.append("more pipeline stages or a larger tp (fewer parameters per device)")
     if deck.train.micro_batch > 1:
         fixes.append("a smaller train.micro_batch (fewer activations)")
@@ -287,7 +294,9 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
                 "head": s.last,
                 "params_per_rank": s.params,
                 "memory_gib": {
-                    "weights": _gib(s.weights),
+                    "weights": _gib(s.weights_for(deck.optim.zero)),
+                    # ZeRO-3: the bound on the gathered units included in weights (0 otherwise).
+                    "gathered_weights": _gib(s.gathered if deck.optim.zero == 3 else 0.0),
                     "gradients": _gib(s.grads(deck.optim.zero)),
                     "optimizer": {k: _gib(v) for k, v in s.optimizer.items()},
                     "activations": {k: _gib(v) for k, v in s.activations.items()},
@@ -341,6 +350,7 @@ def _node_ranks(plan: Plan, node: int) -> list[dict[str, int]]:
 def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     j = to_json(plan, all_ranks)
     deck, m, par, tr = plan.deck, plan.deck.model, plan.deck.parallel, plan.deck.train
+    zero = deck.optim.zero
     lines = []
     where = f"on {plan.machine.name} ({plan.machine.description})" if plan.machine is not None else "(no machine given)"
     shape = f"{plan.nodes} node(s) x {plan.ranks_per_node}" if plan.ranks_per_node else "ranks"
@@ -368,7 +378,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         f"max/mean {plan.imbalance():.3f}"
     )
     lines.append(
-        f"  memory     per device, GiB (precision {tr.precision}, optim.zero {deck.optim.zero}, recompute "
+        f"  memory     per device, GiB (precision {tr.precision}, optim.zero {zero}, recompute "
         f"{tr.recompute}, micro_batch {tr.micro_batch})"
     )
     lines.append(
@@ -378,7 +388,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     runs = _stage_runs(plan.stages, deck)
     if len(runs) > 8:  # deep pipelines: the first and last stages; --json lists every stage
         hidden = runs[3:-2]
-        totals = [s.total(deck.optim.zero, tr.recompute) / GiB for s in plan.stages[hidden[0][0] : hidden[-1][1] + 1]]
+        totals = [s.total(zero, tr.recompute) / GiB for s in plan.stages[hidden[0][0] : hidden[-1][1] + 1]]
         skipped = (
             f"    {f'{hidden[0][0]}-{hidden[-1][1]}':<10} ... totals {min(totals):.2f} to {max(totals):.2f} (--json)"
         )
@@ -392,8 +402,8 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         extra = ("+emb " if s.first else "") + ("+head" if s.last else "")
         lines.append(
             f"    {name:<10} {'+'.join(map(str, s.layers)) + ' ' + extra:<12} {s.params:>15,} "
-            f"{s.weights / GiB:>9.2f} {s.grads(deck.optim.zero) / GiB:>9.2f} {s.optimizer[f'zero{deck.optim.zero}'] / GiB:>10.2f} "
-            f"{s.activations[tr.recompute] / GiB:>12.2f} {s.total(deck.optim.zero, tr.recompute) / GiB:>9.2f}"
+            f"{s.weights_for(zero) / GiB:>9.2f} {s.grads(zero) / GiB:>9.2f} {s.optimizer[f'zero{zero}'] / GiB:>10.2f} "
+            f"{s.activations[tr.recompute] / GiB:>12.2f} {s.total(zero, tr.recompute) / GiB:>9.2f}"
         )
     mem = j["memory"]
     fit = (
@@ -403,8 +413,16 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         else "(device memory not checked: no machine)"
     )
     lines.append(f"    peak {mem['peak_gib']:.2f} GiB on stage {mem['peak_stage']} {fit}")
-    if plan.alternatives:
-        alts = ", ".join(f"{k}: {v / GiB:.2f}" for k, v in plan.alternatives.items())
+    peak = plan.peak_stage()
+    if zero == 3 and peak.gathered:
+        lines.append(
+            f"    ZeRO-3 weights: a {peak.weight_shard / GiB:.2f} GiB shard + {peak.gathered / GiB:.2f} GiB for "
+            f"{2 + ZERO3_PREFETCH} gathered units at the largest unit's size (a bound)"
+        )
+    # Each switch alone; of the pairs with full recompute only the one that needs the least (--json: all).
+    shown = {k: v for k, v in plan.alternatives.items() if " " not in k or k.startswith("optim.zero=3 ")}
+    if shown:
+        alts = ", ".join(f"{k.replace(' ', ' + ')}: {v / GiB:.2f}" for k, v in shown.items())
         lines.append(f"    with {alts} GiB")
     f = j["flops"]
     lines.append(
@@ -440,7 +458,7 @@ def _predicted_lines(plan: Plan) -> list[str]:
     b = p.breakdown
     parts = [("gemm", "gemm"), ("attention", "attention"), ("elementwise", "element-wise"),
              ("grad_accumulation", "grad accumulation"), ("tp_exposed", "tp exposed"),
-             ("pp_bubble_and_p2p", "pp bubble + p2p"), ("dp_exposed", "dp exposed"),
+             ("pp_bubble_and_p2p", "pp bubble + p2p"), ("zero3_gathers", "ZeRO-3 gathers"), ("dp_exposed", "dp exposed"),
              ("tied_embedding", "tied embedding"), ("grad_norm", "grad norm"),
              ("step_collectives", "step collectives"), ("optimizer", "optimizer")]  # fmt: skip
     return [
@@ -448,7 +466,7 @@ def _predicted_lines(plan: Plan) -> list[str]:
         f"{p.hardware_tflops_per_device:.1f} TFLOP/s per device counting recompute, {p.tflops_per_device:.1f} "
         f"model (MFU {100 * p.mfu:.1f}%); {p.tokens_per_s:,.0f} tokens/s",
         "             slowest stage: "
-        + ", ".join(f"{label} {b[key]:.3g} s" for key, label in parts)
+        + ", ".join(f"{label} {b[key]:.3g} s" for key, label in parts if b[key] or key != "zero3_gathers")
         + (f" (recompute {b['recompute']:.3g} s of these)" if b["recompute"] else ""),
         "             links: "
         + ", ".join(f"{axis} {level}" for axis, level in p.levels.items())

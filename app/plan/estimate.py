@@ -19,6 +19,12 @@ buffers, their padding and the ZeRO-1 shards are counted as they are allocated:
   (`optim.zero: 2`) keeps the same shards but no whole gradient buffer: at most
   ZERO2_IN_FLIGHT bucket buffers being reduced (with their output shards) and one being
   filled per model chunk, each counted at the largest bucket's size (a bound, not exact).
+  ZeRO-3 (`optim.zero: 3`) keeps ZeRO-2's shards and gradient buckets on its own layout, whose
+  buckets never hold parameters of two gather units (`stage_units`: the embedding, each
+  block, the head), and no whole parameter buffer: a 1/dp parameter shard in the compute
+  dtype (the fp32 master itself when computing in fp32) plus the units gathered for compute,
+  at most 2 + ZERO3_PREFETCH at once, each counted at the largest unit's buckets (a bound,
+  not exact). At dp = 1 every ZeRO stage is ZeRO 0.
 
 Activations are an estimate, after Korthikanti et al., "Reducing Activation Recomputation
 in Large Transformer Models" (MLSys 2023), eq. 1-2, adapted to this implementation: per
@@ -47,13 +53,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, reduce_precision
-from app.parallel.layout import ZERO2_IN_FLIGHT, ParamLayout, ParamMeta, tp_box
+from app.parallel.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, ParamMeta, tp_box
 from app.parallel.schedule import partition_layers
+
+BLOCK_TENSORS = 12  # parameter tensors of a block (`_block_metas`)
 
 
 def block_params(m: ModelConfig, tp: int) -> int:
@@ -112,6 +120,25 @@ def stage_param_list(m: ModelConfig, tp: int, layers: int, first: bool, last: bo
     return [(meta.numel, meta.decay) for meta in stage_param_metas(m, tp, layers, first, last)]
 
 
+def stage_units(m: ModelConfig, layers: int, first: bool, last: bool) -> list[str]:
+    """The ZeRO-3 gather unit of every parameter of a stage, in `GPT.parameters()` order (that of
+    `stage_param_metas`): "embed" (the positions, and the embedding on the first stage),
+    "blocks.<i>" (every parameter of the stage's i-th block), "head" (an untied head, the last
+    stage's copy of a tied embedding held apart from the first stage, the final LayerNorm). The
+    same on every tp rank: tp splits parameters, never adds or removes one."""
+    out = []
+    if first:
+        out.append("embed")  # wpe
+    if last and not m.tie_embeddings:
+        out.append("head")
+    if first or (last and m.tie_embeddings):
+        out.append("embed" if first else "head")  # wte, or the last stage's tied copy of it
+    out += [f"blocks.{i}" for i in range(layers) for _ in range(BLOCK_TENSORS)]
+    if last:
+        out += ["head", "head"]  # ln_f weight and bias
+    return out
+
+
 def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
     """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head)."""
     h, v = m.hidden, m.vocab_size
@@ -120,35 +147,130 @@ def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) 
     return ends + (2 * h if last else 0) + layers * block_params(m, tp)
 
 
-# Layouts already built, keyed by every input of `stage_layout` (the model config whole). A
-# search passes one such dict to every plan, so the grids that share a stage shape share them.
-LayoutCache = dict[tuple, ParamLayout]
+@dataclass(frozen=True)
+class LayoutSizes:
+    """What the memory estimate reads off a stage's layout (`stage_sizes`), in elements."""
+
+    size: int  # the flat buffers, padding included
+    shard: int  # the shards this rank updates (`ParamLayout.shard_elements`)
+    largest_bucket: int
+    largest_unit: int  # ZeRO-3 layouts: the most one gather unit's buckets hold (0 for the others)
+
+
+# Layouts already built, and the sizes read off them, keyed by every input of `stage_layout`
+# (the model config whole). A search passes one such dict to every plan, so the grids that
+# share a stage shape share them.
+LayoutCache = dict[tuple, Union[ParamLayout, LayoutSizes]]
 
 
 def stage_layout(
-    deck: Deck, layers: int, first: bool, last: bool, zero: bool, cache: Optional[LayoutCache] = None
+    deck: Deck,
+    layers: int,
+    first: bool,
+    last: bool,
+    zero: bool,
+    cache: Optional[LayoutCache] = None,
+    units: bool = False,
 ) -> ParamLayout:
     """The `ParamLayout` a stage's `DataParallel` allocates (dp rank 0; every dp rank's shard is
-    the same size): the parameters in reverse registration order, the tied embedding alone."""
-    m, par, tr = deck.model, deck.parallel, deck.train
-    bucket_elements = par.dp_bucket_mb * 1e6 / BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
-    key = (m, par.tp, par.pp > 1, deck.dp, bucket_elements, layers, first, last, zero)
+    the same size): the parameters in reverse registration order, the tied embedding alone.
+    `units`: ZeRO-3's layout, whose buckets are cut at the gather units (`stage_units`); build
+    it with `zero=True`."""
+    key = _layout_key(deck, layers, first, last, zero, units)
     if cache is not None and key in cache:
-        return cache[key]
-    params = stage_param_metas(m, par.tp, layers, first, last)[::-1]
-    tied = m.tie_embeddings and par.pp > 1 and (first or last)
-    layout = ParamLayout.build(
+        return cache[key]  # type: ignore[return-value]  # the layouts' keys hold layouts
+    layout = _build_layout(*key)
+    if cache is not None:
+        cache[key] = layout
+    return layout
+
+
+def stage_sizes(
+    deck: Deck,
+    layers: int,
+    first: bool,
+    last: bool,
+    zero: bool,
+    cache: Optional[LayoutCache] = None,
+    units: bool = False,
+) -> LayoutSizes:
+    """`LayoutSizes` of `stage_layout(...)` (the same arguments), kept in `cache` beside it: a
+    search reads them for thousands of plans."""
+    key = ("sizes", *_layout_key(deck, layers, first, last, zero, units))
+    if cache is not None and key in cache:
+        return cache[key]  # type: ignore[return-value]  # the sizes' keys hold sizes
+    layout = stage_layout(deck, layers, first, last, zero, cache, units)
+    largest_unit = (
+        max(unit_elements(layout, stage_units(deck.model, layers, first, last)[::-1]).values()) if units else 0
+    )
+    sizes = LayoutSizes(
+        layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit
+    )
+    if cache is not None:
+        cache[key] = sizes
+    return sizes
+
+
+def _layout_key(deck: Deck, layers: int, first: bool, last: bool, zero: bool, units: bool) -> tuple:
+    """Every input of a stage's layout (`_build_layout`'s arguments)."""
+    par = deck.parallel
+    return (deck.model, par.tp, par.pp > 1, deck.dp, _bucket_elements(deck), layers, first, last, zero, units)
+
+
+def _bucket_elements(deck: Deck) -> float:
+    """`parallel.dp_bucket_mb` in gradient elements (DataParallel's bucket size)."""
+    tr = deck.train
+    return deck.parallel.dp_bucket_mb * 1e6 / BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
+
+
+def _build_layout(
+    m: ModelConfig,
+    tp: int,
+    pipelined: bool,
+    dp: int,
+    bucket_elements: float,
+    layers: int,
+    first: bool,
+    last: bool,
+    zero: bool,
+    units: bool,
+) -> ParamLayout:
+    params = stage_param_metas(m, tp, layers, first, last)[::-1]
+    tied = m.tie_embeddings and pipelined and (first or last)
+    return ParamLayout.build(
         params,
         tp_rank=0,
-        dp=deck.dp,
+        dp=dp,
         dp_rank=0,
         zero=zero,
         bucket_elements=bucket_elements,
         alone=len(params) - 1 - int(first) if tied else None,  # the embedding, after wpe on the first stage
+        units=stage_units(m, layers, first, last)[::-1] if units else None,
     )
-    if cache is not None:
-        cache[key] = layout
-    return layout
+
+
+def unit_buckets(deck: Deck, first: bool, last: bool) -> dict[str, list[int]]:
+    """ZeRO-3: the elements of each bucket of a stage's gather units, without the padding to dp
+    (the performance model's convention): "embed" (first stage), "block" (each block's; blocks
+    are alike, and a unit's buckets do not depend on its neighbours), "head" (last stage)."""
+    par = deck.parallel
+    layout = _build_layout(deck.model, par.tp, par.pp > 1, 1, _bucket_elements(deck), 1, first, last, True, True)
+    units = stage_units(deck.model, 1, first, last)[::-1]
+    out: dict[str, list[int]] = {}
+    for b in layout.buckets:
+        unit = units[b.params[0]]
+        out.setdefault("block" if unit.startswith("blocks.") else unit, []).append(b.end - b.start)
+    return out
+
+
+def unit_elements(layout: ParamLayout, units: list[str]) -> dict[str, int]:
+    """Elements of each gather unit's buckets in a ZeRO-3 layout (padding included): what one
+    unit's all-gathers write. `units`: each parameter's unit, in the layout's (buffer) order."""
+    out: dict[str, int] = {}
+    for b in layout.buckets:
+        unit = units[b.params[0]]  # a ZeRO-3 bucket holds one unit's parameters only
+        out[unit] = out.get(unit, 0) + b.end - b.start
+    return out
 
 
 def model_params(m: ModelConfig) -> int:
@@ -211,19 +333,30 @@ class StageEstimate:
     first: bool
     last: bool
     params: int
-    weights: float
+    weights: float  # the whole parameter buffer (ZeRO 0, 1 and 2)
     gradients: float  # the whole gradient buffer (ZeRO 0 and 1)
     gradient_buckets: float  # ZeRO-2: the most bucket buffers held at once (a bound; see the module docstring)
-    optimizer: dict[str, float]  # "zero0" / "zero1" / "zero2": master weights + moments (+ ZeRO gradient shard)
+    optimizer: dict[str, float]  # "zero0" ... "zero3": master weights + moments (+ ZeRO gradient shard)
     activations: dict[str, float]  # by train.recompute: "none", "selective", "full"
     flops_per_micro_batch: float  # forward + backward model FLOPs of this stage's chunks, one micro-batch
+    # ZeRO-3 (the whole buffers at dp = 1): the parameter shard in the compute dtype, the bound on the
+    # units gathered at once, and ZeRO-2's bucket bound on ZeRO-3's layout.
+    weight_shard: float = 0.0
+    gathered: float = 0.0
+    zero3_gradient_buckets: float = 0.0
+
+    def weights_for(self, zero: int) -> float:
+        """Parameter bytes: the whole buffer, or ZeRO-3's shard plus the gathered units' bound."""
+        return self.weight_shard + self.gathered if zero >= 3 else self.weights
 
     def grads(self, zero: int) -> float:
-        """Gradient bytes outside the optimizer's shard: the whole buffer, or ZeRO-2's buckets."""
+        """Gradient bytes outside the optimizer's shard: the whole buffer, or ZeRO-2/3's buckets."""
+        if zero >= 3:
+            return self.zero3_gradient_buckets
         return self.gradient_buckets if zero >= 2 else self.gradients
 
     def total(self, zero: int, recompute: str) -> float:
-        return self.weights + self.grads(zero) + self.optimizer[f"zero{zero}"] + self.activations[recompute]
+        return self.weights_for(zero) + self.grads(zero) + self.optimizer[f"zero{zero}"] + self.activations[recompute]
 
 
 def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[StageEstimate]:
@@ -245,10 +378,52 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / tp
     stages = []
     layouts = {} if layouts is None else layouts
+
+    def bucket_bound(largest: int) -> float:
+        """ZeRO-2's gradient buckets held at once: ZERO2_IN_FLIGHT being reduced (with their output
+        shards) and one being filled per chunk, at the layout's largest bucket."""
+        return ((ZERO2_IN_FLIGHT + v) * largest + ZERO2_IN_FLIGHT * largest / dp) * grad_bytes
+
+    shapes: dict[tuple[int, bool, bool], dict[str, Any]] = {}  # the stages of one shape share their buffers
+
+    def buffers(layers: int, first: bool, last: bool) -> dict[str, Any]:
+        """Buffers and shards as DataParallel allocates them from the layout (padding included):
+        the fp32 master (apart from the parameters unless fp32) and two moments per shard
+        element, and under ZeRO-1/2 the reduce-scatter's gradient shard."""
+        if (layers, first, last) in shapes:
+            return shapes[(layers, first, last)]
+        whole = stage_sizes(deck, layers, first, last, zero=False, cache=layouts)  # middle stages share it
+        sharded = stage_sizes(deck, layers, first, last, zero=True, cache=layouts) if dp > 1 else whole
+        optimizer = {
+            "zero0": whole.shard * (master + 8.0),
+            "zero1": sharded.shard * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
+        }
+        optimizer["zero2"] = optimizer["zero1"]  # the same shards; the whole gradient buffer goes
+        buckets = bucket_bound(whole.largest_bucket) if dp > 1 else whole.size * float(grad_bytes)
+        # ZeRO-3: ZeRO-2's terms on its own layout (cut at the gather units, so padded apart), the
+        # parameters as a shard, and the units gathered at once at the largest unit's size.
+        weight_shard, gathered, buckets3 = whole.size * float(e), 0.0, buckets
+        optimizer["zero3"] = optimizer["zero0"]
+        if dp > 1:
+            z3 = stage_sizes(deck, layers, first, last, zero=True, cache=layouts, units=True)
+            weight_shard = z3.shard * float(e)
+            gathered = (2 + ZERO3_PREFETCH) * z3.largest_unit * float(e)
+            buckets3 = bucket_bound(z3.largest_bucket)
+            optimizer["zero3"] = z3.shard * (master + 8.0 + grad_bytes)
+        shapes[(layers, first, last)] = {
+            "weights": whole.size * float(e),
+            "gradients": whole.size * float(grad_bytes),
+            "gradient_buckets": float(buckets),
+            "optimizer": optimizer,
+            "weight_shard": weight_shard,
+            "gathered": gathered,
+            "zero3_gradient_buckets": float(buckets3),
+        }
+        return shapes[(layers, first, last)]
+
     for stage in range(pp):
         mine = [chunk_layers[stage + c * pp] for c in range(v)]
         first, last = stage == 0, stage == pp - 1
-        params = stage_params(m, tp, sum(mine), first, last)
         held = in_flight(pp, stage, micro, v, chunk_layers)
         head = logits if last else 0.0
         activations = {
@@ -257,31 +432,17 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             # Kept block inputs, plus one block's activations while its backward recomputes it.
             "full": held * block_input + per_layer + head,
         }
-        # Buffers and shards as DataParallel allocates them from the layout (padding included):
-        # the fp32 master (apart from the parameters unless fp32) and two moments per shard
-        # element, and under ZeRO-1 the reduce-scatter's gradient shard.
-        whole = stage_layout(deck, sum(mine), first, last, zero=False, cache=layouts)  # middle stages share it
-        sharded = stage_layout(deck, sum(mine), first, last, zero=True, cache=layouts) if dp > 1 else whole
-        optimizer = {
-            "zero0": whole.shard_elements() * (master + 8.0),
-            "zero1": sharded.shard_elements() * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
-        }
-        optimizer["zero2"] = optimizer["zero1"]  # the same shards; the whole gradient buffer goes
-        largest = max(b.end - b.start for b in whole.buckets)
-        buckets = ((ZERO2_IN_FLIGHT + v) * largest + ZERO2_IN_FLIGHT * largest / dp) * grad_bytes
+        memory = buffers(sum(mine), first, last)
         stages.append(
             StageEstimate(
                 stage=stage,
                 layers=mine,
                 first=first,
                 last=last,
-                params=params,
-                weights=whole.size * float(e),
-                gradients=whole.size * float(grad_bytes),
-                gradient_buckets=float(buckets) if dp > 1 else whole.size * float(grad_bytes),
-                optimizer=optimizer,
+                params=stage_params(m, tp, sum(mine), first, last),
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),
+                **{**memory, "optimizer": dict(memory["optimizer"])},
             )
         )
     return stages

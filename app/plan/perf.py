@@ -47,7 +47,7 @@ from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, reduce_precision
 from app.parallel.schedule import Action, build_schedule, partition_layers
-from app.plan.estimate import stage_params
+from app.plan.estimate import stage_params, unit_buckets
 from app.plan.machine import LinkLevel, Machine
 from app.runtime.grid import GridLayout
 
@@ -366,11 +366,49 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
         if deck.optim.zero:
             # ZeRO-2: once per micro-batch (every bucket reduces each time all its parameters added one gradient).
             add("dp", "reduce_scatter", (micro if deck.optim.zero >= 2 else 1) * params * g)
-            add("dp", "all_gather", params * e)
+            # ZeRO-3 gathers every unit before its forward and again before its backward (the recompute
+            # reuses the backward's), each micro-batch, and nothing after the step; ZeRO-1/2 once after it.
+            add("dp", "all_gather", (2 * micro if deck.optim.zero >= 3 else 1) * params * e)
         else:
             add("dp", "all_reduce", params * g)
     if m.tie_embeddings and pp > 1 and (first or last):
         add("pp", "all_reduce", (m.vocab_size // par.tp) * m.hidden * g)
+    return out
+
+
+def zero3_gathers(
+    deck: Deck, link: Link, chunks: list[int], fwd: list[float], bwd: list[float], overlap: bool
+) -> list[tuple[float, float]]:
+    """ZeRO-3: the exposed all-gather seconds of each global chunk's forward and backward pass,
+    one micro-batch. A pass gathers every unit of its chunk (embedding, blocks, head), bucket by
+    bucket, in the compute dtype; `fwd[c]`, `bwd[c]`: the passes' own times.
+
+    With `overlap` (parallel.overlap_param_gather) the next unit's gather runs while a unit
+    computes: on GPUs a pass waits for its first unit's gathers, and for whatever of the rest
+    outlasts its compute; on gloo every ring's bandwidth terms are charged (its copies share the
+    cores) and the latency terms hide, all but the pass's first bucket's (as for the dp
+    reductions). Without it every gather is waited for."""
+    par, e, dp = deck.parallel, BYTES[deck.train.precision], deck.dp
+    pp, last = par.pp, len(chunks) - 1
+    ends = unit_buckets(deck, True, pp == 1), unit_buckets(deck, pp == 1, True)
+
+    def gather(buckets: list[int]) -> float:
+        return sum(link.all_gather(dp, n * e) for n in buckets)
+
+    block = ends[0]["block"]
+    embed, head, one = gather(ends[0]["embed"]), gather(ends[1]["head"]), gather(block)
+    out = []
+    for c, n in enumerate(chunks):
+        total = n * one + (embed if c == 0 else 0.0) + (head if c == last else 0.0)
+        count = n * len(block) + (len(ends[0]["embed"]) if c == 0 else 0) + (len(ends[1]["head"]) if c == last else 0)
+        if not overlap:
+            out.append((total, total))
+        elif link.gloo:
+            exposed = total - (count - 1) * link.latency_part("all_gather", dp)
+            out.append((exposed, exposed))
+        else:  # forward: the embedding or a block first; backward: the head or a block first
+            first_f, first_b = embed if c == 0 else one, head if c == last else one
+            out.append((max(first_f, total - fwd[c]), max(first_b, total - bwd[c])))
     return out
 
 
@@ -648,9 +686,10 @@ def grad_norm_bytes(g: int) -> int:
 
 
 def _updates_params_in_place(deck: Deck) -> bool:
-    """Whether the update writes the parameters themselves (fp32, no ZeRO-1): otherwise the fp32
-    master is written again to the parameters, or to the ZeRO-1 gather's send buffer."""
-    return deck.train.precision == "fp32" and not (deck.optim.zero and deck.dp > 1)
+    """Whether the update writes the parameters themselves (fp32, no ZeRO-1/2; under ZeRO-3 the
+    fp32 master is the parameter shard): otherwise the fp32 master is written again to the
+    parameters, or to the ZeRO-1/2 gather's send buffer."""
+    return deck.train.precision == "fp32" and not (deck.optim.zero in (1, 2) and deck.dp > 1)
 
 
 def optimizer_bytes(deck: Deck) -> int:
@@ -742,6 +781,12 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     per_stage_chunks = {c: c % pp for c in range(pp * v)}
     fwd = [p.total for p in fwd_parts]
     bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]
+    # ZeRO-3: the parameter all-gathers exposed in each pass (they delay the pipeline like compute).
+    gathers = [(0.0, 0.0)] * (pp * v)
+    if opt.zero >= 3 and dp > 1:
+        gathers = zero3_gathers(deck, links["dp"], chunks, fwd, bwd, requested.overlap_param_gather)
+        fwd = [t + f for t, (f, _) in zip(fwd, gathers)]
+        bwd = [t + b for t, (_, b) in zip(bwd, gathers)]
     p2p = links["pp"].p2p(p2p_bytes(deck)) + links["pp"].busy_p2p if pp > 1 else 0.0
     sharing = core_sharing(machine, pp)
     if simulate and pp * v * micro <= MAX_SIMULATED_PASSES and sharing is not None:
@@ -756,15 +801,24 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     # Data parallelism, per stage: bucketed reductions of the stage's gradients.
     bucket = par.dp_bucket_mb * 1e6
     dp_exposed, tied, norm, optimizer = [], 0.0, [], []
+    unit_kinds: dict[tuple[bool, bool], dict[str, list[int]]] = {}  # ZeRO-3: (first, last) -> unit_buckets
     for s in range(pp):
         grads = params[s] * g
         buckets = max(1, math.ceil(grads / bucket))
         per_bucket = grads / buckets
+        if opt.zero >= 3 and dp > 1:  # its buckets are cut at the gather units
+            ends = (s == 0, s == pp - 1)
+            if ends not in unit_kinds:
+                unit_kinds[ends] = unit_buckets(deck, *ends)
+            units = unit_kinds[ends]
+            buckets = stage_layers[s] * len(units["block"]) + len(units.get("embed", ())) + len(units.get("head", ()))
+            per_bucket = grads / buckets
         # ZeRO-2 reduce-scatters every micro-batch's gradients, each during that micro-batch's backward.
         reductions = micro if opt.zero >= 2 else 1
         if opt.zero:
             reduce = reductions * buckets * links["dp"].reduce_scatter(dp, per_bucket)
-            gather = buckets * links["dp"].all_gather(dp, per_bucket / g * e)
+            # ZeRO-3 gathers during the passes (above), not after the step.
+            gather = buckets * links["dp"].all_gather(dp, per_bucket / g * e) if opt.zero < 3 else 0.0
         else:
             reduce, gather = buckets * links["dp"].all_reduce(dp, per_bucket), 0.0
         # Overlap: the reductions start as the last micro-batch's backward produces each bucket;
@@ -814,7 +868,8 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     busy_f = sum((fwd_parts[c] for c in mine), _Pass()).scaled(micro)
     busy_b = sum((bwd_parts[c] for c in mine), _Pass()).scaled(micro)
     recompute = layer_r.scaled(sum(chunks[c] for c in mine) * micro).total if tr.recompute == "full" else 0.0
-    busy = busy_f.total + busy_b.total + accumulate[slowest] * micro
+    zero3 = micro * sum(sum(gathers[c]) for c in mine)
+    busy = busy_f.total + busy_b.total + accumulate[slowest] * micro + zero3
     breakdown = {
         "gemm": busy_f.gemm + busy_b.gemm,
         "attention": busy_f.attention + busy_b.attention,
@@ -824,6 +879,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         "tp_exposed": busy_f.tp + busy_b.tp,
         "host_overhead": busy_f.host + busy_b.host,
         "pp_bubble_and_p2p": finish[slowest] - busy,
+        "zero3_gathers": zero3,  # the parameter all-gathers the passes wait for
         "dp_exposed": dp_exposed[slowest],
         "tied_embedding": tied if slowest in (0, pp - 1) else 0.0,
         "grad_norm": norm[slowest],

@@ -29,6 +29,7 @@ from app.plan.machine import Machine
 
 MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (1, 2, 4)
+ZERO_STAGES = (0, 1, 2, 3)  # with dp > 1; at dp = 1 every stage is ZeRO 0
 
 
 @dataclass
@@ -84,7 +85,7 @@ def _grids(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]
                 for v in VIRTUAL_STAGES if pp > 1 else (1,):
                     for sp in (False, True) if tp > 1 else (False,):
                         for rc in RECOMPUTE:
-                            for zero in (0, 1, 2) if world // (tp * pp) > 1 else (0,):
+                            for zero in ZERO_STAGES if world // (tp * pp) > 1 else (0,):
                                 yield {
                                     "parallel.tp": tp, "parallel.pp": pp, "parallel.virtual_stages": v,
                                     "parallel.sequence_parallel": sp, "train.micro_batch": mb,
