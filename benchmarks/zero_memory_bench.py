@@ -1,17 +1,18 @@
 """Bytes per rank of parameters, gradients and optimizer state by ZeRO stage and dp, measured
 against the dry run's prediction.
 
-    .venv/bin/python benchmarks/zero_memory_bench.py [--deck inputs/gpt_tiny.yaml] [--zero 0 1 2]
+    .venv/bin/python benchmarks/zero_memory_bench.py [--deck inputs/gpt_tiny.yaml] [--zero 0 1 2 3]
         [--dp 1 2 4 8] [--steps 2] [--out runs/zero_memory_bench]
 
 Each (zero, dp) runs `mpirun -n DP python -m app DECK` (global batch 32, so that dp = 8 divides it)
 for --steps steps and reads rank 0's
-`memory_bytes_rank0` from summary.json: the parameter buffer, the whole gradient buffer, the
-ZeRO gradient shard, the most ZeRO-2 bucket buffers held at once, and the optimizer state
-(moments and any separate fp32 master). The dry run's figures come from app/plan/estimate.py
-on the same deck and grid: weights, gradients (ZeRO-2: its bound on the bucket buffers) and the
+`memory_bytes_rank0` from summary.json: the parameter buffer (ZeRO-3: the shard plus the most
+units gathered at once), the whole gradient buffer, the ZeRO gradient shard, the most ZeRO-2/3
+bucket buffers held at once, and the optimizer state (moments and any separate fp32 master). The
+dry run's figures come from app/plan/estimate.py on the same deck and grid: weights (ZeRO-3: its
+bound on the gathered units), gradients (ZeRO-2/3: its bound on the bucket buffers) and the
 optimizer line (ZeRO >= 1 with the gradient shard). Parameters and optimizer state are exact
-(the same ParamLayout); ZeRO-2's buckets are a bound. A benchmark, not a test.
+(the same ParamLayout) up to those bounds. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def measure(deck_path: str, zero: int, dp: int, steps: int, out: Path) -> dict:
     stage = estimate_stages(resolve_for_world(load_deck(REPO / deck_path, sets), dp))[0]
     return {
         **row,
-        "parameters": got["parameters"],
-        "planned_parameters": stage.weights,
+        # ZeRO-3: the kept shard plus the most units gathered at once, against the plan's bound.
+        "parameters": got["parameters"] + got.get("parameters_gathered_peak", 0),
+        "planned_parameters": stage.weights_for(zero),
         # ZeRO-2 keeps no whole buffer: its bucket buffers at their most, against the plan's bound.
         "gradients": got["gradients"] + got.get("gradient_buckets_peak", 0),
         "planned_gradients": stage.grads(zero),
@@ -78,7 +80,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--deck", default="inputs/gpt_tiny.yaml")
-    parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default="runs/zero_memory_bench")

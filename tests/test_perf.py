@@ -294,6 +294,7 @@ MESSAGE_GRIDS = [
     (2, 2, 1, ("parallel.sequence_parallel=true", "train.recompute=full", "train.precision=bf16")),
     (1, 2, 2, ("parallel.virtual_stages=2", "model.tie_embeddings=false", "train.grad_reduce_dtype=compute",
                "optim.zero=2")),
+    (2, 1, 2, ("optim.zero=3", "train.recompute=full", "train.precision=bf16")),
 ]  # fmt: skip
 
 
@@ -556,9 +557,10 @@ def test_zero3_sends_two_gathers_per_micro_batch_and_zero2_s_reduce_scatters(set
     """Per step and stage on dp: every parameter all-gathered in the compute dtype before its
     forward and again before its backward (full recompute reuses the backward's), each
     micro-batch, and no gather after the step; the gradients reduce-scattered as ZeRO-2 does.
-    The other axes send what they send without ZeRO."""
-    from app.plan.estimate import stage_params
-    from app.plan.perf import step_messages
+    A stage with both ends of a tied embedding gathers its bucket a third time (the head's
+    forward: the embedding freed it). The other axes send what they send without ZeRO."""
+    from app.plan.estimate import stage_params, unit_buckets
+    from app.plan.perf import step_messages, tied_here
 
     decks = {z: resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, f"optim.zero={z}")), 4)
              for z in (0, 2, 3)}  # fmt: skip
@@ -569,7 +571,10 @@ def test_zero3_sends_two_gathers_per_micro_batch_and_zero2_s_reduce_scatters(set
         layers = m.layers // par.pp
         params = stage_params(m, par.tp, layers, stage == 0, stage == par.pp - 1)
         three, two, none = (step_messages(decks[z], stage) for z in (3, 2, 0))
-        assert three[("dp", "all_gather")] == 2 * micro * params * e
+        first, last = stage == 0, stage == par.pp - 1
+        again = micro * unit_buckets(deck, True, True)["embed"][0] * e if tied_here(deck, first, last) else 0
+        assert three[("dp", "all_gather")] == 2 * micro * params * e + again
+        assert (again > 0) == (par.pp == 1 and m.tie_embeddings)
         assert two[("dp", "all_gather")] == params * e  # ZeRO-2's one gather, after the step
         assert three[("dp", "reduce_scatter")] == two[("dp", "reduce_scatter")] == micro * params * 4
         assert {k: b for k, b in three.items() if k[0] != "dp"} == {k: b for k, b in none.items() if k[0] != "dp"}
@@ -593,18 +598,23 @@ def test_zero3_gathers_are_exposed_pass_by_pass():
     def gathered(link: Link, kind: str) -> float:
         return sum(link.all_gather(4, n * 4) for n in units[kind])
 
+    def again(link: Link) -> float:  # tied, one stage: the head's forward gathers the embedding again
+        return link.all_gather(4, units["embed"][0] * 4)
+
     total = layers * gathered(nccl, "block") + gathered(nccl, "embed") + gathered(nccl, "head")
-    assert zero3_gathers(deck, nccl, [layers], [1.0], [2.0], False) == [(total, total)]
+    assert zero3_gathers(deck, nccl, [layers], [1.0], [2.0], False) == [(total + again(nccl), total)]
     # Long passes hide all but the first unit's gathers; short ones expose what the pass cannot cover.
     assert zero3_gathers(deck, nccl, [layers], [1.0], [2.0], True) == [
         (gathered(nccl, "embed"), gathered(nccl, "head"))
     ]
     short = zero3_gathers(deck, nccl, [layers], [total / 4], [total / 2], True)
-    assert short == [(pytest.approx(total * 3 / 4), pytest.approx(total / 2))]
+    assert short == [(pytest.approx(total * 3 / 4 + again(nccl)), pytest.approx(total / 2))]
     count = sum(len(u) for u in units.values()) + (layers - 1) * len(units["block"])
     slow = layers * gathered(gloo, "block") + gathered(gloo, "embed") + gathered(gloo, "head")
     hidden = (count - 1) * gloo.latency_part("all_gather", 4)
-    assert zero3_gathers(deck, gloo, [layers], [1.0], [2.0], True) == [(pytest.approx(slow - hidden),) * 2]
+    assert zero3_gathers(deck, gloo, [layers], [1.0], [2.0], True) == [
+        (pytest.approx(slow + again(gloo) - hidden), pytest.approx(slow - hidden))
+    ]
 
 
 def test_zero3_in_the_predicted_step(tmp_path):

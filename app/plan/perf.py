@@ -369,6 +369,9 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
             # ZeRO-3 gathers every unit before its forward and again before its backward (the recompute
             # reuses the backward's), each micro-batch, and nothing after the step; ZeRO-1/2 once after it.
             add("dp", "all_gather", (2 * micro if deck.optim.zero >= 3 else 1) * params * e)
+            if deck.optim.zero >= 3 and tied_here(deck, first, last):
+                # The head gathers the tied embedding's bucket again (the embedding freed it).
+                add("dp", "all_gather", micro * unit_buckets(deck, True, True)["embed"][0] * e)
         else:
             add("dp", "all_reduce", params * g)
     if m.tie_embeddings and pp > 1 and (first or last):
@@ -397,19 +400,27 @@ def zero3_gathers(
 
     block = ends[0]["block"]
     embed, head, one = gather(ends[0]["embed"]), gather(ends[1]["head"]), gather(block)
+    tied = tied_here(deck, True, pp == 1)  # the head's forward gathers the embedding's bucket again
+    head_forward = head + (gather(ends[0]["embed"][:1]) if tied else 0.0)
     out = []
     for c, n in enumerate(chunks):
         total = n * one + (embed if c == 0 else 0.0) + (head if c == last else 0.0)
+        total_f = total + (head_forward - head if c == last else 0.0)
         count = n * len(block) + (len(ends[0]["embed"]) if c == 0 else 0) + (len(ends[1]["head"]) if c == last else 0)
         if not overlap:
-            out.append((total, total))
+            out.append((total_f, total))
         elif link.gloo:
-            exposed = total - (count - 1) * link.latency_part("all_gather", dp)
-            out.append((exposed, exposed))
+            hidden = (count - 1) * link.latency_part("all_gather", dp)
+            out.append((total_f - hidden, total - hidden))
         else:  # forward: the embedding or a block first; backward: the head or a block first
             first_f, first_b = embed if c == 0 else one, head if c == last else one
-            out.append((max(first_f, total - fwd[c]), max(first_b, total - bwd[c])))
+            out.append((max(first_f, total_f - fwd[c]), max(first_b, total - bwd[c])))
     return out
+
+
+def tied_here(deck: Deck, first: bool, last: bool) -> bool:
+    """Whether a stage runs both the embedding and the head of one tied weight (pp = 1)."""
+    return deck.model.tie_embeddings and first and last
 
 
 def p2p_bytes(deck: Deck) -> float:
