@@ -12,7 +12,9 @@ import pytest
 
 from app.deck import load_deck, resolve_for_world
 from app.metrics.peaks import peak_tflops
-from app.plan.dryrun import make_plan
+from app.names import BYTES, reduce_precision
+from app.plan import estimate
+from app.plan.dryrun import make_plan, to_json
 from app.plan.estimate import estimate_stages, stage_layout, stage_param_list, stage_param_metas, stage_params
 from app.plan.machine import MachineError, load_machine, machine_names
 from app.runtime.grid import GridLayout
@@ -449,3 +451,84 @@ def test_the_dry_run_suggests_zero3_where_only_it_fits():
     assert plan["predicted"]["breakdown"]["zero3_gathers"] > 0
     text = dry_run("inputs/gpt_1t.yaml", "--dry-run", *ONLY_ZERO3, "--set", "optim.zero=3").stdout
     assert "ZeRO-3 weights: a " in text and "ZeRO-3 gathers" in text
+
+
+OFFLOAD_CASES = [("fp32", 0, 1), ("fp32", 1, 4), ("bf16", 2, 4), ("bf16", 3, 4), ("fp16", 3, 1)]
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+@pytest.mark.parametrize("precision,zero,dp", OFFLOAD_CASES)
+def test_offload_moves_the_master_and_moments_off_the_device(offload, precision, zero, dp):
+    """By hand from the layout: the fp32 master (a copy even in fp32) and two moments, 12 bytes per
+    shard element, go to the host (or the nvme file); the device's optimizer term keeps only the ZeRO
+    gradient shard; nvme's host memory is NvmeStore's three slots of 3 fp32 chunks."""
+    from app.optim import offload as runtime
+
+    assert (estimate.OFFLOAD_STATE_BYTES, estimate.OFFLOAD_SLOTS) == (
+        runtime.STATE_TENSORS * runtime.FP32,
+        runtime.SLOTS,
+    )
+    deck = load_deck(None, (*SMALL, f"train.precision={precision}", f"optim.zero={zero}", "parallel.dp_bucket_mb=0.01",
+                            f"optim.offload={offload}", "optim.offload_buffer_mb=0.1"))  # fmt: skip
+    deck = resolve_for_world(deck, dp)
+    g = BYTES[reduce_precision(precision, deck.train.grad_reduce_dtype)]
+    for s in estimate_stages(deck):
+        layout = stage_layout(
+            deck, sum(s.layers), s.first, s.last, zero=dp > 1 and zero > 0, units=dp > 1 and zero == 3
+        )
+        shard = layout.shard_elements()
+        sharded = dp > 1 and zero > 0
+        assert s.disk(zero, offload) == (shard * 12 if offload == "nvme" else 0)
+        assert s.host(zero, offload) == (shard * 12 if offload == "host" else 3 * 3 * 4 * (100_000 // 36))
+        grad_shard = shard * g if sharded else 0
+        assert s.optimizer_for(zero, offload) == grad_shard
+        assert (
+            s.total(zero, "none", offload) == s.weights_for(zero) + s.grads(zero) + grad_shard + s.activations["none"]
+        )
+        # Where host memory is the device's, the host part stays in the total.
+        assert s.total(zero, "none", offload, host_is_device=True) == s.total(zero, "none", offload) + s.host(
+            zero, offload
+        )
+        master = 0 if precision == "fp32" else 4
+        assert s.optimizer[f"zero{zero}"] == shard * (master + 8) + grad_shard
+
+
+def test_host_offload_saves_memory_on_a_gpu_machine_and_costs_it_on_a_cpu_one():
+    """fp32 at ZeRO 0: on a GPU machine host offload takes the two moments off the device (the master
+    was the parameter); on the CPU machine it adds the fp32 master copy; nvme saves there too."""
+    deck = load_deck(None, (*SMALL, "parallel.dp=1"))
+    size = stage_layout(deck, 5, True, True, zero=False).shard_elements()
+    for name, host_offload, nvme in (("selene", -8 * size, -8 * size), ("local", 4 * size, None)):
+        plans = {o: make_plan(load_deck(None, (*SMALL, "parallel.dp=1", f"optim.offload={o}")), 1, load_machine(name))
+                 for o in ("none", "host", "nvme")}  # fmt: skip
+        peak = {o: to_json(p)["stages"][0]["memory_gib"] for o, p in plans.items()}
+        need = {o: p.stage_total(p.peak_stage()) for o, p in plans.items()}
+        assert need["host"] - need["none"] == host_offload, name
+        buffers = estimate.nvme_buffer_bytes(64.0)
+        expect = nvme if nvme is not None else -8 * size + buffers
+        assert need["nvme"] - need["none"] == expect, name
+        assert peak["nvme"]["nvme_disk"] == round(12 * size / 2**30, 3)
+        assert to_json(plans["host"])["memory"]["host_in_total"] == (name == "local")
+
+
+# A 5.3B model in fp32 on one A100 (dp = 1, so no ZeRO): 16 bytes per parameter do not fit in 80 GB,
+# the parameters and gradients alone (8 bytes) do.
+ONLY_OFFLOAD = ("--machine", "selene", "--set", "model.layers=6", "--set", "model.hidden=8192", "--set", "model.heads=64",
+                "--set", "train.global_batch=8", "--set", "train.precision=fp32", "--set", "parallel.tp=1",
+                "--set", "parallel.pp=1", "--set", "parallel.dp=1", "--set", "train.recompute=full")  # fmt: skip
+
+
+def test_the_dry_run_suggests_offload_where_only_it_fits():
+    """Host offload is named on a GPU machine, nvme too where the deck allows it (not with an
+    asynchronous checkpoint); the offloaded run shows its host and disk bytes."""
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", *ONLY_OFFLOAD, "--set", "checkpoint.async=false")
+    assert out.returncode == 2
+    assert "try --set optim.offload=host (" in out.stdout and "; or --set optim.offload=nvme (" in out.stdout
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", *ONLY_OFFLOAD, "--set", "checkpoint.async=true")
+    assert "--set optim.offload=host (" in out.stdout and "optim.offload=nvme" not in out.stdout
+    args = (*ONLY_OFFLOAD, "--set", "checkpoint.async=false", "--set", "optim.offload=nvme")
+    out = dry_run("inputs/gpt_1t.yaml", "--dry-run", *args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "nvme disk " in out.stdout and "of stream buffers" in out.stdout and "optim.offload nvme" in out.stdout
+    memory = json.loads(dry_run("inputs/gpt_1t.yaml", "--dry-run", "--json", *args).stdout)["stages"][0]["memory_gib"]
+    assert memory["optimizer_on_device"] == 0 and memory["nvme_disk"] > memory["weights"] > memory["host"] > 0

@@ -59,9 +59,29 @@ class Plan:
     def usable_bytes(self) -> Optional[float]:
         return None if self.machine is None else self.machine.memory_per_device_bytes * USABLE_FRACTION
 
+    @property
+    def host_is_device(self) -> bool:
+        """A CPU machine: host memory is the device's, so offloading to the host saves nothing."""
+        return self.machine is not None and self.machine.device_name == "cpu"
+
+    def stage_total(
+        self,
+        s: StageEstimate,
+        zero: Optional[int] = None,
+        recompute: Optional[str] = None,
+        offload: Optional[str] = None,
+    ) -> float:
+        """Device bytes of stage `s` under the deck's settings, or the ones given."""
+        deck = self.deck
+        return s.total(
+            deck.optim.zero if zero is None else zero,
+            deck.train.recompute if recompute is None else recompute,
+            deck.optim.offload if offload is None else offload,
+            self.host_is_device,
+        )
+
     def peak_stage(self) -> StageEstimate:
-        zero, recompute = self.deck.optim.zero, self.deck.train.recompute
-        return max(self.stages, key=lambda s: s.total(zero, recompute))
+        return max(self.stages, key=self.stage_total)
 
     def imbalance(self) -> float:
         work = [s.flops_per_micro_batch for s in self.stages]
@@ -191,17 +211,24 @@ def _check_placement(plan: Plan) -> None:
 
 def _check_memory(plan: Plan) -> None:
     deck, usable = plan.deck, plan.usable_bytes
-    zero, recompute = deck.optim.zero, deck.train.recompute
+    zero, recompute, offload = deck.optim.zero, deck.train.recompute, deck.optim.offload
     peak = plan.peak_stage()
-    need = peak.total(zero, recompute)
+    need = plan.stage_total(peak)
     # What the usual memory switches would give, on the stage that needs the most: each alone, then
     # a ZeRO stage with full recompute (keys: the --set overrides, space-separated).
-    options = [(f"optim.zero={z}", z, recompute) for z in (1, 2, 3)] + [("train.recompute=full", zero, "full")]
+    options = [(f"optim.zero={z}", z, recompute, offload) for z in (1, 2, 3)]
+    options.append(("train.recompute=full", zero, "full", offload))
     if recompute != "full":
-        options += [(f"optim.zero={z} train.recompute=full", z, "full") for z in (1, 2, 3) if z > zero]
-    for key, z, r in options:
-        if (z, r) != (zero, recompute) and (z == zero or deck.dp > 1):
-            plan.alternatives[key] = max(s.total(z, r) for s in plan.stages)
+        options += [(f"optim.zero={z} train.recompute=full", z, "full", offload) for z in (1, 2, 3) if z > zero]
+    # Offload: host only where the host is not the device; nvme where the deck allows it (not with
+    # LAMB, nor with an asynchronous checkpoint: app.deck).
+    targets = [] if plan.host_is_device else ["host"]
+    if deck.optim.name != "lamb" and not deck.checkpoint.async_:
+        targets.append("nvme")
+    options += [(f"optim.offload={o}", zero, recompute, o) for o in targets]
+    for key, z, r, o in options:
+        if (z, r, o) != (zero, recompute, offload) and (z == zero or deck.dp > 1):
+            plan.alternatives[key] = max(plan.stage_total(s, z, r, o) for s in plan.stages)
     if usable is None:
         plan.warnings.append("no machine: device memory not checked; pass --machine NAME (inputs/machines/)")
         return
@@ -269,6 +296,7 @@ def _gib(x: float) -> float:
 
 def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
     deck, m, par, tr = plan.deck, plan.deck.model, plan.deck.parallel, plan.deck.train
+    zero, offload = deck.optim.zero, deck.optim.offload
     peak_tflops = plan.machine.peak(tr.precision) if plan.machine is not None else None
     hw = plan.flops["hardware"]
     ideal = hw / (plan.world_size * peak_tflops * 1e12) if peak_tflops else None
@@ -298,17 +326,25 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
                     # ZeRO-3: the bound on the gathered units included in weights (0 otherwise).
                     "gathered_weights": _gib(s.gathered if deck.optim.zero == 3 else 0.0),
                     "gradients": _gib(s.grads(deck.optim.zero)),
+                    # On the device by ZeRO stage, without offload; "optimizer_on_device": the column
+                    # that `total` counts (offloaded: the gradient shard, plus the host part on CPUs).
                     "optimizer": {k: _gib(v) for k, v in s.optimizer.items()},
+                    "optimizer_on_device": _gib(s.optimizer_for(zero, offload, plan.host_is_device)),
                     "activations": {k: _gib(v) for k, v in s.activations.items()},
-                    "total": _gib(s.total(deck.optim.zero, tr.recompute)),
+                    "total": _gib(plan.stage_total(s)),
+                    "host": _gib(s.host(zero, offload)),
+                    "nvme_disk": _gib(s.disk(zero, offload)),
                 },
                 "flops_per_micro_batch": s.flops_per_micro_batch,
             }
             for s in plan.stages
         ],
         "memory": {
-            "peak_gib": _gib(plan.peak_stage().total(deck.optim.zero, tr.recompute)),
+            "peak_gib": _gib(plan.stage_total(plan.peak_stage())),
             "peak_stage": plan.peak_stage().stage,
+            "offload": offload,
+            # Offloaded bytes in host memory are counted in the totals only where host = device.
+            "host_in_total": plan.host_is_device,
             "usable_gib": None if plan.usable_bytes is None else _gib(plan.usable_bytes),
             "device_gib": None if plan.machine is None else plan.machine.memory_per_device_gib,
             "alternatives_gib": {k: _gib(v) for k, v in plan.alternatives.items()},
@@ -350,7 +386,7 @@ def _node_ranks(plan: Plan, node: int) -> list[dict[str, int]]:
 def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     j = to_json(plan, all_ranks)
     deck, m, par, tr = plan.deck, plan.deck.model, plan.deck.parallel, plan.deck.train
-    zero = deck.optim.zero
+    zero, offload = deck.optim.zero, deck.optim.offload
     lines = []
     where = f"on {plan.machine.name} ({plan.machine.description})" if plan.machine is not None else "(no machine given)"
     shape = f"{plan.nodes} node(s) x {plan.ranks_per_node}" if plan.ranks_per_node else "ranks"
@@ -379,7 +415,9 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     )
     lines.append(
         f"  memory     per device, GiB (precision {tr.precision}, optim.zero {zero}, recompute "
-        f"{tr.recompute}, micro_batch {tr.micro_batch})"
+        f"{tr.recompute}, micro_batch {tr.micro_batch}"
+        + (f", optim.offload {offload}" if offload != "none" else "")
+        + ")"
     )
     lines.append(
         f"    {'stage':<10} {'layers':<12} {'params/rank':>15} {'weights':>9} {'grads':>9} {'optimizer':>10} "
@@ -388,7 +426,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     runs = _stage_runs(plan.stages, deck)
     if len(runs) > 8:  # deep pipelines: the first and last stages; --json lists every stage
         hidden = runs[3:-2]
-        totals = [s.total(zero, tr.recompute) / GiB for s in plan.stages[hidden[0][0] : hidden[-1][1] + 1]]
+        totals = [plan.stage_total(s) / GiB for s in plan.stages[hidden[0][0] : hidden[-1][1] + 1]]
         skipped = (
             f"    {f'{hidden[0][0]}-{hidden[-1][1]}':<10} ... totals {min(totals):.2f} to {max(totals):.2f} (--json)"
         )
@@ -402,8 +440,9 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         extra = ("+emb " if s.first else "") + ("+head" if s.last else "")
         lines.append(
             f"    {name:<10} {'+'.join(map(str, s.layers)) + ' ' + extra:<12} {s.params:>15,} "
-            f"{s.weights_for(zero) / GiB:>9.2f} {s.grads(zero) / GiB:>9.2f} {s.optimizer[f'zero{zero}'] / GiB:>10.2f} "
-            f"{s.activations[tr.recompute] / GiB:>12.2f} {s.total(zero, tr.recompute) / GiB:>9.2f}"
+            f"{s.weights_for(zero) / GiB:>9.2f} {s.grads(zero) / GiB:>9.2f} "
+            f"{s.optimizer_for(zero, offload, plan.host_is_device) / GiB:>10.2f} "
+            f"{s.activations[tr.recompute] / GiB:>12.2f} {plan.stage_total(s) / GiB:>9.2f}"
         )
     mem = j["memory"]
     fit = (
@@ -419,6 +458,22 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
             f"    ZeRO-3 weights: a {peak.weight_shard / GiB:.2f} GiB shard + {peak.gathered / GiB:.2f} GiB for "
             f"{2 + ZERO3_PREFETCH} gathered units at the largest unit's size (a bound)"
         )
+    if offload != "none":
+        where = "counted in the totals: host memory is the device's" if plan.host_is_device else "not in the totals"
+        if offload == "host":
+            lines.append(
+                f"    host       {peak.host(zero, offload) / GiB:.2f} GiB per rank on stage {peak.stage}: the offloaded "
+                f"fp32 master shard and two moments (12 bytes per shard element; {where})"
+            )
+        else:
+            lines.append(
+                f"    nvme disk  {peak.disk(zero, offload) / GiB:.2f} GiB per rank on stage {peak.stage}: the fp32 master "
+                f"shard and two moments (12 bytes per shard element) in its file under optim.offload_dir"
+            )
+            lines.append(
+                f"    host       {peak.host(zero, offload) / GiB:.3f} GiB per rank of stream buffers "
+                f"(optim.offload_buffer_mb; {where})"
+            )
     # Each switch alone; of the pairs with full recompute only the one that needs the least (--json: all).
     shown = {k: v for k, v in plan.alternatives.items() if " " not in k or k.startswith("optim.zero=3 ")}
     if shown:
@@ -482,7 +537,7 @@ def _stage_runs(stages: list[StageEstimate], deck: Deck) -> list[tuple[int, int,
     """Consecutive stages with identical figures, merged: (first stage, last stage, estimate)."""
     runs: list[tuple[int, int, StageEstimate]] = []
     for s in stages:
-        key = (s.layers, s.first, s.last, s.params, s.total(deck.optim.zero, deck.train.recompute))
+        key = (s.layers, s.first, s.last, s.params, s.total(deck.optim.zero, deck.train.recompute, deck.optim.offload))
         if runs:
             a, b, prev = runs[-1]
             if key == (
@@ -490,7 +545,7 @@ def _stage_runs(stages: list[StageEstimate], deck: Deck) -> list[tuple[int, int,
                 prev.first,
                 prev.last,
                 prev.params,
-                prev.total(deck.optim.zero, deck.train.recompute),
+                prev.total(deck.optim.zero, deck.train.recompute, deck.optim.offload),
             ):
                 runs[-1] = (a, s.stage, prev)
                 continue

@@ -51,6 +51,7 @@ copy of a stage's parameters at start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -62,6 +63,10 @@ from app.parallel.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, Pa
 from app.parallel.schedule import partition_layers
 
 BLOCK_TENSORS = 12  # parameter tensors of a block (`_block_metas`)
+# `app.optim.offload`'s state (fp32 master, exp_avg, exp_avg_sq) and its nvme stream slots; not
+# imported: the planner does not import torch.
+OFFLOAD_STATE_BYTES = 3 * 4
+OFFLOAD_SLOTS = 3
 
 
 def block_params(m: ModelConfig, tp: int) -> int:
@@ -273,6 +278,13 @@ def unit_elements(layout: ParamLayout, units: list[str]) -> dict[str, int]:
     return out
 
 
+def nvme_buffer_bytes(buffer_mb: float) -> float:
+    """Host bytes of the nvme offload's stream buffers, as `NvmeStore` allocates them: SLOTS
+    slots of the master and two moments, each a chunk of buffer_mb x 1e6 / 36 fp32 elements."""
+    chunk = max(1, int(buffer_mb * 1e6) // (OFFLOAD_SLOTS * OFFLOAD_STATE_BYTES))
+    return float(OFFLOAD_SLOTS * OFFLOAD_STATE_BYTES * chunk)
+
+
 def model_params(m: ModelConfig) -> int:
     """Parameters of the whole (1-rank) model."""
     return stage_params(m, 1, m.layers, True, True)
@@ -344,6 +356,12 @@ class StageEstimate:
     weight_shard: float = 0.0
     gathered: float = 0.0
     zero3_gradient_buckets: float = 0.0
+    # `optim.offload`, by ZeRO stage ("zero0" ... "zero3"): the fp32 master shard and two moments that
+    # leave the device (12 bytes per shard element, a master copy even in fp32 runs), the ZeRO gradient
+    # shard that stays (0 at ZeRO 0 or dp = 1); and nvme's host stream buffers (SLOTS x 3 fp32 chunks).
+    offloaded: dict[str, float] = dataclasses.field(default_factory=dict)
+    gradient_shard: dict[str, float] = dataclasses.field(default_factory=dict)
+    offload_buffers: float = 0.0
 
     def weights_for(self, zero: int) -> float:
         """Parameter bytes: the whole buffer, or ZeRO-3's shard plus the gathered units' bound."""
@@ -355,8 +373,30 @@ class StageEstimate:
             return self.zero3_gradient_buckets
         return self.gradient_buckets if zero >= 2 else self.gradients
 
-    def total(self, zero: int, recompute: str) -> float:
-        return self.weights_for(zero) + self.grads(zero) + self.optimizer[f"zero{zero}"] + self.activations[recompute]
+    def host(self, zero: int, offload: str) -> float:
+        """Host memory the offloaded optimizer holds: the state (host) or the stream buffers (nvme)."""
+        return {"none": 0.0, "host": self.offloaded[f"zero{zero}"], "nvme": self.offload_buffers}[offload]
+
+    def disk(self, zero: int, offload: str) -> float:
+        """Bytes of this rank's nvme state file."""
+        return self.offloaded[f"zero{zero}"] if offload == "nvme" else 0.0
+
+    def optimizer_for(self, zero: int, offload: str = "none", host_is_device: bool = False) -> float:
+        """Optimizer bytes in device memory: master + moments (+ gradient shard) on the device, or
+        offloaded only the gradient shard, plus the host part where host memory is the device's
+        (CPU machines)."""
+        if offload == "none":
+            return self.optimizer[f"zero{zero}"]
+        return self.gradient_shard[f"zero{zero}"] + (self.host(zero, offload) if host_is_device else 0.0)
+
+    def total(self, zero: int, recompute: str, offload: str = "none", host_is_device: bool = False) -> float:
+        """Device bytes (`host_is_device`: CPU machines, whose host memory the offload uses too)."""
+        return (
+            self.weights_for(zero)
+            + self.grads(zero)
+            + self.optimizer_for(zero, offload, host_is_device)
+            + self.activations[recompute]
+        )
 
 
 def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[StageEstimate]:
@@ -378,6 +418,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / tp
     stages = []
     layouts = {} if layouts is None else layouts
+    stream_buffers = nvme_buffer_bytes(deck.optim.offload_buffer_mb)
 
     def bucket_bound(largest: int) -> float:
         """ZeRO-2's gradient buckets held at once: ZERO2_IN_FLIGHT being reduced (with their output
@@ -410,6 +451,12 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             gathered = (2 + ZERO3_PREFETCH) * z3.largest_unit * float(e)
             buckets3 = bucket_bound(z3.largest_bucket)
             optimizer["zero3"] = z3.shard * (master + 8.0 + grad_bytes)
+        # Offloaded: the fp32 master (always a copy) and two moments per shard element, by ZeRO stage.
+        shards = {"zero0": whole.shard, "zero1": sharded.shard, "zero2": sharded.shard, "zero3": whole.shard}
+        if dp > 1:
+            shards["zero3"] = z3.shard
+        offloaded = {k: n * float(OFFLOAD_STATE_BYTES) for k, n in shards.items()}
+        gradient_shard = {k: (n * float(grad_bytes) if dp > 1 and k != "zero0" else 0.0) for k, n in shards.items()}
         shapes[(layers, first, last)] = {
             "weights": whole.size * float(e),
             "gradients": whole.size * float(grad_bytes),
@@ -418,6 +465,8 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             "weight_shard": weight_shard,
             "gathered": gathered,
             "zero3_gradient_buckets": float(buckets3),
+            "offloaded": offloaded,
+            "gradient_shard": gradient_shard,
         }
         return shapes[(layers, first, last)]
 
@@ -442,7 +491,8 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
                 params=stage_params(m, tp, sum(mine), first, last),
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),
-                **{**memory, "optimizer": dict(memory["optimizer"])},
+                offload_buffers=stream_buffers,
+                **{k: dict(v) if isinstance(v, dict) else v for k, v in memory.items()},
             )
         )
     return stages

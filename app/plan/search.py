@@ -190,7 +190,7 @@ def _row(c: Candidate) -> str:
     s, p = c.sets, c.plan
     assert p is not None and p.predicted is not None
     q = p.predicted
-    peak = p.peak_stage().total(p.deck.optim.zero, p.deck.train.recompute) / GiB
+    peak = p.stage_total(p.peak_stage()) / GiB
     return (
         f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  tp {s['parallel.tp']} pp "
         f"{s['parallel.pp']} dp {p.deck.dp} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
