@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -256,25 +257,43 @@ class ShardedOptimizer:
         bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
         updates = []
         for b, (p, m, v) in enumerate(zip(self.dp.master, self.exp_avg, self.exp_avg_sq)):
-            g = self._grad(b, grad_scale)
-            m.lerp_(g, 1 - cfg.beta1)
-            v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
-            # In place after the sqrt: one temporary per bucket, not two (on CPUs a second large
-            # temporary costs fresh pages every step); the same values, bit for bit.
-            denom = v.sqrt().div_(math.sqrt(bc2)).add_(cfg.eps)
             decay_runs = self.dp.layout.decay_runs(b)  # elements with weight decay, neighbours merged
-            if cfg.name == "adamw":
-                for lo, hi in decay_runs:
-                    p[lo:hi].mul_(1 - lr * cfg.weight_decay)
-                p.addcdiv_(m, denom, value=-lr / bc1)
-            else:
-                update = (m / bc1).div_(denom)
-                for lo, hi in decay_runs:
-                    update[lo:hi].add_(p[lo:hi], alpha=cfg.weight_decay)
+            update = self._update(p, m, v, self._grad(b, grad_scale), decay_runs, lr, bc1, bc2)
+            if update is not None:
                 updates.append(update)
         if cfg.name == "lamb":
             self._lamb_apply(lr, updates)
         self.dp.publish_params()
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        decay_runs: Sequence[tuple[int, int]],
+        lr: float,
+        bc1: float,
+        bc2: float,
+    ) -> Optional[torch.Tensor]:
+        """The element-wise part of one update of master `p` with moments `m`, `v` and gradient
+        `g` (weight decay on `decay_runs`): AdamW applies it to `p`; LAMB returns the update,
+        which its trust ratio scales (`_lamb_apply`)."""
+        cfg = self.cfg
+        m.lerp_(g, 1 - cfg.beta1)
+        v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+        # In place after the sqrt: one temporary per bucket, not two (on CPUs a second large
+        # temporary costs fresh pages every step); the same values, bit for bit.
+        denom = v.sqrt().div_(math.sqrt(bc2)).add_(cfg.eps)
+        if cfg.name == "adamw":
+            for lo, hi in decay_runs:
+                p[lo:hi].mul_(1 - lr * cfg.weight_decay)
+            p.addcdiv_(m, denom, value=-lr / bc1)
+            return None
+        update = (m / bc1).div_(denom)
+        for lo, hi in decay_runs:
+            update[lo:hi].add_(p[lo:hi], alpha=cfg.weight_decay)
+        return update
 
     def _offloaded_step(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
         """The same update, chunk by chunk on the host (`OffloadStore.stream`): each gradient range
@@ -289,20 +308,12 @@ class ShardedOptimizer:
             g = dp.grads(b)[lo:hi].to("cpu", torch.float32, copy=dp.device.type == "cpu")
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
-            p, m, v = chunk.master, chunk.exp_avg, chunk.exp_avg_sq
-            m.lerp_(g, 1 - cfg.beta1)
-            v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
-            denom = v.sqrt().div_(math.sqrt(bc2)).add_(cfg.eps)
+            p = chunk.master
             runs = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in dp.layout.decay_runs(b) if a < hi and z > lo]
-            if cfg.name == "adamw":
-                for a, z in runs:
-                    p[a:z].mul_(1 - lr * cfg.weight_decay)
-                p.addcdiv_(m, denom, value=-lr / bc1)
+            update = self._update(p, chunk.exp_avg, chunk.exp_avg_sq, g, runs, lr, bc1, bc2)
+            if update is None:
                 dp.param_shard(b)[lo:hi].copy_(p, non_blocking=True)
-            else:  # host only (the deck refuses LAMB with nvme): whole bucket shards
-                update = (m / bc1).div_(denom)
-                for a, z in runs:
-                    update[a:z].add_(p[a:z], alpha=cfg.weight_decay)
+            else:  # LAMB, host only (the deck refuses it with nvme): whole bucket shards
                 masters.append(p)
                 updates.append(update)
         if cfg.name == "lamb":

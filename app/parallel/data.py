@@ -214,13 +214,10 @@ class DataParallel:
             for b, f in zip(self.buckets, self.flight):
                 f.grad_shard = torch.zeros(b.shard_hi - b.shard_lo, dtype=reduce_dtype, device=device)
         # The model's parameters and their gradient accumulators become views of the buffers.
+        for k in range(len(self.full)):  # ZeRO-3: views of each bucket's full buffer
+            self._bind(k)
         for p, off in zip(self.params, self.offsets):
-            if self.shard_params:
-                k = self.bucket_of[id(p)]
-                lo = off - self.buckets[k].start
-                p.data = self.full[k][lo : lo + p.numel()].view(p.shape)
-            else:
-                assert self.param_buffer is not None
+            if self.param_buffer is not None:
                 p.data = self.param_buffer[off : off + p.numel()].view(p.shape)
             if self.grad_buffer is not None:
                 p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
@@ -400,6 +397,12 @@ class DataParallel:
 
     # ---- parameters ------------------------------------------------------------------
 
+    @property
+    def separate_master(self) -> bool:
+        """Whether this object keeps fp32 masters apart from the parameters (bf16/fp16, not offloaded):
+        they are copied into the parameters after an update and checkpointed as their own group."""
+        return not self.master_is_param and not self.master_offloaded
+
     def param_shard(self, b: int) -> torch.Tensor:
         """This rank's shard of bucket b's parameters on the device (compute dtype): where an
         offloaded optimizer writes its update (ZeRO-3: the kept shard)."""
@@ -424,13 +427,13 @@ class DataParallel:
         (ZeRO-3: into the kept shards; the next forward gathers them). With the masters
         offloaded, the optimizer has written the shards: only the all-gathers are left."""
         if self.shard_params:
-            if not self.master_is_param and not self.master_offloaded:
+            if self.separate_master:
                 for shard, master in zip(self.param_shards, self.master):
                     shard.copy_(master)
             return
         assert self.param_buffer is not None
         if not self.zero:
-            if not self.master_is_param and not self.master_offloaded:
+            if self.separate_master:
                 for b, master in zip(self.buckets, self.master):
                     self.param_buffer[b.shard_lo : b.shard_hi].copy_(master)
             return
@@ -510,13 +513,17 @@ class DataParallel:
         left to whoever holds it)."""
         old = self.full[k]
         del self.storage_bucket[old.untyped_storage()._cdata]
-        new = self.full[k] = torch.empty_like(old)
+        self.full[k] = torch.empty_like(old)
+        self._bind(k)
+        self.storage_bucket[self.full[k].untyped_storage()._cdata] = k
+        self.full[k].untyped_storage().resize_(0)
+
+    def _bind(self, k: int) -> None:
+        """ZeRO-3: bucket k's parameters become views of its full buffer."""
         start = self.buckets[k].start
         for i in self.buckets[k].params:
             p, lo = self.params[i], self.offsets[i] - start
-            p.data = new[lo : lo + p.numel()].view(p.shape)
-        self.storage_bucket[new.untyped_storage()._cdata] = k
-        new.untyped_storage().resize_(0)
+            p.data = self.full[k][lo : lo + p.numel()].view(p.shape)
 
     def _count_gathered(self, full: torch.Tensor, sign: int) -> None:
         self.gathered_bytes += sign * full.numel() * full.element_size()
@@ -605,10 +612,9 @@ class DataParallel:
     def shard_states(self) -> list[ShardState]:
         """The parameters ("model", in the compute dtype) and, where they are apart from them,
         the fp32 master weights ("optimizer/master") as shard descriptors (`app.shards`)."""
-        separate = not self.master_is_param and not self.master_offloaded  # the masters are this object's
         if self.shard_params:  # ZeRO-3: each rank holds (and loads) its shard of the parameters
             out = self.held_states("model", self.param_shards)
-            return out + (self.held_states("optimizer/master", self.master) if separate else [])
+            return out + (self.held_states("optimizer/master", self.master) if self.separate_master else [])
         out = []
         buffer = self.param_buffer
         assert buffer is not None
@@ -616,7 +622,7 @@ class DataParallel:
             off = self.offsets[i]
             out.append(self._shard_state("model", i, buffer.dtype, (0, p.numel()),
                                          lambda lo, hi, off=off: buffer[off + lo : off + hi]))  # fmt: skip
-        if separate:
+        if self.separate_master:
             out += self.held_states("optimizer/master", self.master)
         return out
 
