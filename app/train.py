@@ -125,7 +125,9 @@ class Trainer:
             grid, self.chunks, (tr.micro_batch, seq, m.hidden), self.timers, prefetch=par.overlap_pp_comm
         )
         pipe = self.pipeline
-        self.model = GPT(m, tr.seed, self.device, self.tp, pipe.layers, pipe.first, pipe.last, recompute=tr.recompute)
+        # Shapes only ("meta"): DataParallel computes each value straight into its buffers.
+        meta = torch.device("meta")
+        self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, recompute=tr.recompute)
         compute = torch_dtype(tr.precision)
         tied = (self.model.wte.weight, pipe.tied_group) if pipe.tied_group is not None and m.tie_embeddings else None
         self.dp = DataParallel(
@@ -140,6 +142,8 @@ class Trainer:
             tied=tied,
             timers=self.timers,
             units=self.model.param_units(),
+            seed=tr.seed,
+            device=self.device,
         )
         self.dp.prefetch_hooks(self.model.first_uses())
         if self.dp.shard_params:  # ZeRO-3: the model gathers each unit's parameters through DataParallel

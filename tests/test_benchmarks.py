@@ -92,3 +92,23 @@ def test_the_async_checkpoint_benchmark_measures_blocked_and_step_times(tmp_path
         assert 0 < float(r["blocked_s"]) <= float(r["save_s"]) + 0.01 and float(r["step_s"]) > 0, r
     assert not (tmp_path / "files").exists()  # every checkpoint removed
     assert "| async nice 10 |" in capsys.readouterr().out
+
+
+def test_the_variant_benchmark_alternates_variants_and_sets_rss_against_the_plan(tmp_path, capsys):
+    """Two variants (ZeRO-1 and ZeRO-3 at dp 2), one round: each row is a real run (its step time,
+    its exposed dp communication, its rank 0's peak RSS) beside the dry run's peak per rank for
+    that variant."""
+    import variant_bench
+
+    tiny = ["model.hidden=64", "model.layers=2", "model.heads=4", "model.vocab_size=128", "model.seq_len=32"]
+    argv = ["--ranks", "2", "--rounds", "1", "--steps", "3", "--out", str(tmp_path),
+            "--variant", "optim.zero=1", "--variant", "optim.zero=3 parallel.dp_bucket_mb=0.01"]  # fmt: skip
+    assert variant_bench.main([*argv, *(a for s in tiny for a in ("--set", s))]) == 0
+    rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
+    assert [r["variant"] for r in rows] == ["optim.zero=1", "optim.zero=3 parallel.dp_bucket_mb=0.01"]
+    for r in rows:
+        assert float(r["step_ms"]) > 0 and float(r["dp_comm_ms"]) > 0 and float(r["tp_comm_ms"]) == 0
+        assert 0.1 < float(r["peak_rss_gib"]) < 4  # a whole Python + torch + MPI process, not bytes of tensors
+    assert rows[0]["final_loss"][:5] == rows[1]["final_loss"][:5]  # ZeRO-3 trains the same model
+    assert 0 < float(rows[1]["planned_gib"]) != float(rows[0]["planned_gib"]) > 0  # each variant's own plan
+    assert "| optim.zero=3 parallel.dp_bucket_mb=0.01 |" in capsys.readouterr().out

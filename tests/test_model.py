@@ -48,6 +48,24 @@ def test_a_shard_initialises_to_the_same_slice_of_the_full_tensor(dim):
         assert torch.equal(shard, full.narrow(dim, k * size, size))
 
 
+def test_initial_values_of_a_range_equal_that_slice_of_the_shard():
+    """What a ZeRO shard built from a meta model relies on: any flat range of a tp shard's
+    values, computed alone, is bitwise the same slice of the whole shard's values (also across
+    the generator's chunk boundary of 2^22 elements), and zeros/ones inits fill their range."""
+    from app.model.init import initial_values
+
+    shard = ParamMeta((64, 50), std=0.5, offset=(32, 10), shape=(32, 20))
+    whole = counter_normal(5, "blocks.1.attn.qkv.weight", shard, (32, 20), CPU).reshape(-1)
+    for lo, hi in ((0, 640), (5, 600), (19, 21), (639, 640)):
+        assert torch.equal(initial_values(5, "blocks.1.attn.qkv.weight", shard, lo, hi, CPU), whole[lo:hi])
+    long = ParamMeta(((1 << 22) + 300,), std=0.1)
+    full = counter_normal(5, "wte.weight", long, long.local_shape, CPU)
+    lo, hi = (1 << 22) - 100, (1 << 22) + 200
+    assert torch.equal(initial_values(5, "wte.weight", long, lo, hi, CPU), full[lo:hi])
+    assert torch.equal(initial_values(5, "ln.bias", ParamMeta((9,), init="zeros"), 2, 7, CPU), torch.zeros(5))
+    assert torch.equal(initial_values(5, "ln.weight", ParamMeta((9,), init="ones"), 0, 9, CPU), torch.ones(9))
+
+
 def test_counter_normal_has_the_requested_moments():
     values = counter_normal(1, "w", ParamMeta((400, 500), std=0.02), (400, 500), CPU)
     # 200k samples: the standard error of the std estimate is ~0.02 / sqrt(4e5) ~ 3e-5.

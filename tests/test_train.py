@@ -123,6 +123,36 @@ def test_bucketed_dp_reduction_gives_the_mean_gradient(runtime, zero, overlap):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("zero,precision", [(0, "fp32"), (1, "bf16"), (3, "fp32"), (3, "bf16")])
+def test_a_meta_model_builds_the_same_buffers_as_a_materialised_one(runtime, zero, precision):
+    """The trainer builds its model on the meta device and DataParallel computes the values from
+    (seed, name) straight into its buffers, bucket by bucket (ZeRO-3: only this rank's shards).
+    Bitwise the same parameters and fp32 masters as building the whole model first, on a dp grid
+    of the world's size, with the parameter objects kept (the units and hooks refer to them)."""
+    from app.model.gpt import GPT
+    from app.names import torch_dtype
+
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", SMALL)
+    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    cpu, dtype = torch.device("cpu"), torch_dtype(precision)
+    built = {}
+    for device in (cpu, torch.device("meta")):
+        model = GPT(deck.model, 11, device)
+        before = {n: id(p) for n, p in model.named_parameters()}
+        dp = DataParallel(model, grid, compute_dtype=dtype, bucket_mb=0.01, zero=zero, units=model.param_units(),
+                          seed=11, device=cpu)  # fmt: skip
+        assert len(dp.buckets) > 2 and {n: id(p) for n, p in model.named_parameters()} == before
+        with dp.gathered():
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        built[device.type] = (params, [m.clone() for m in dp.master])
+    (a, master_a), (b, master_b) = built["cpu"], built["meta"]
+    assert all(p.device == cpu and p.dtype == dtype for p in b.values())
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert len(master_a) == len(master_b) and all(torch.equal(x, y) for x, y in zip(master_a, master_b))
+    assert all(m.dtype == torch.float32 for m in master_b)
+
+
+@pytest.mark.mpi
 def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
     deck = resolve_for_world(
         load_deck(

@@ -7,7 +7,9 @@ runs: the layers of its pipeline chunks (`layers`, global indices), the embeddin
 runs the first chunk, the final LayerNorm and head if it runs the last. Parameter names
 are those of the 1-rank model (`blocks.7.attn.qkv.weight` on whichever stage runs layer
 7), and every parameter is initialised from (seed, name) only (`app/model/init.py`), so
-any shard on any grid equals the same slice of the 1-rank model.
+any shard on any grid equals the same slice of the 1-rank model. Built on the "meta" device,
+the model holds shapes only: `DataParallel` then computes each rank's values straight into its
+buffers (`seed=`), so a rank never holds its whole stage in fp32 at start-up.
 The fused QKV weight is laid out as (heads, 3, head_dim) rows, so a contiguous split of
 its rows over tensor-parallel ranks hands each rank whole heads.
 
@@ -184,7 +186,8 @@ class GPT(nn.Module):
             self.ln_f = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
             if not cfg.tie_embeddings:
                 self.head = tp_param(ParamMeta((cfg.vocab_size, cfg.hidden), std=cfg.init_std), tp, 0, device)
-        init_parameters(self, seed)
+        if device is None or torch.device(device).type != "meta":
+            init_parameters(self, seed)
         self.gate: Optional[ParamGate] = None
 
     def set_gate(self, gate: Optional[ParamGate]) -> None:

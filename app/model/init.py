@@ -13,6 +13,7 @@ int64 torch ops (wrap-around multiply, masked logical shifts) on the target devi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 
@@ -60,24 +61,37 @@ def counter_normal(
     seed: int, name: str, meta: ParamMeta, local_shape: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
     """N(0, std^2) values of the local shard of parameter `name` (float32)."""
+    n = math.prod(local_shape)
+    return initial_values(seed, name, dataclasses.replace(meta, shape=tuple(local_shape)), 0, n, device).reshape(
+        local_shape
+    )
+
+
+def initial_values(seed: int, name: str, meta: ParamMeta, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """The initial float32 values of local flat elements [lo, hi) of parameter `name` (its tp shard
+    `meta`): what `init_parameters` writes there, computed without the rest of the parameter, so a
+    rank can build a ZeRO shard of a bucket directly."""
+    out = torch.empty(hi - lo, dtype=torch.float32, device=device)
+    if meta.init != "normal":
+        return out.fill_(0.0 if meta.init == "zeros" else 1.0)
     key = _key(seed, name)
-    offset = meta.offset or (0,) * len(local_shape)
-    strides = [math.prod(meta.global_shape[d + 1 :]) for d in range(len(local_shape))]
-    # Global flat index of every local element = sum over dims of (offset + i) * stride.
-    flat = torch.zeros((), dtype=torch.int64, device=device)
-    for d, n in enumerate(local_shape):
-        idx = (torch.arange(n, dtype=torch.int64, device=device) + offset[d]) * strides[d]
-        flat = flat.unsqueeze(-1) + idx
-    flat = flat.reshape(-1)
-    out = torch.empty(flat.numel(), dtype=torch.float32, device=device)
-    for start in range(0, flat.numel(), _CHUNK):
-        c = flat[start : start + _CHUNK]
+    shape, offset = meta.local_shape, meta.local_offset
+    strides = [math.prod(meta.global_shape[d + 1 :]) for d in range(len(shape))]
+    for start in range(lo, hi, _CHUNK):
+        # Global flat index of local elements [start, stop): unravel over the local shape, shift
+        # by the shard's offset, ravel over the global shape.
+        stop = min(start + _CHUNK, hi)
+        rest = torch.arange(start, stop, dtype=torch.int64, device=device)
+        c = torch.zeros_like(rest)
+        for d in reversed(range(len(shape))):
+            c += (rest % shape[d] + offset[d]) * strides[d]
+            rest = rest // shape[d]
         u1 = 1.0 - _uniform(key, 2 * c)  # (0, 1]: log is finite
         u2 = _uniform(key, 2 * c + 1)
-        out[start : start + _CHUNK] = (
+        out[start - lo : stop - lo] = (
             torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2) * meta.std
         ).float()
-    return out.reshape(local_shape)
+    return out
 
 
 @torch.no_grad()

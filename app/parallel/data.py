@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
+from app.model.init import initial_values
 from app.parallel.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, Segment
 from app.runtime.grid import ProcessGrid
 from app.shards import ShardState
@@ -142,6 +143,8 @@ class DataParallel:
         tied: Optional[tuple[torch.Tensor, Any]] = None,
         timers: Optional[StepTimers] = None,
         units: Optional[Sequence[tuple[str, Sequence[torch.Tensor]]]] = None,
+        seed: Optional[int] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
         self.timers = timers
         self.dp, self.dp_rank = grid.size("dp"), grid.coords["dp"]
@@ -159,7 +162,12 @@ class DataParallel:
         names = {id(p): name for name, p in model.named_parameters()}
         self.names = [names[id(p)] for p in self.params]  # the 1-rank model's names
         self.tp_rank = grid.coords["tp"]
-        device = self.device = self.params[0].device
+        # A model built on "meta" has shapes only: its values come from (seed, name) here, and
+        # its parameters become views of the buffers on `device`.
+        self.seed = seed
+        device = self.device = device if device is not None else self.params[0].device
+        if any(p.is_meta for p in self.params) and (seed is None or device.type == "meta"):
+            raise ValueError("a model built on the meta device needs DataParallel(seed=..., device=...)")
         self.reduce_dtype = reduce_dtype
         element = torch.empty((), dtype=reduce_dtype).element_size()
         tied_index = next((i for i, p in enumerate(self.params) if p is self.tied_param), None)
@@ -191,21 +199,23 @@ class DataParallel:
         self.param_shards: list[torch.Tensor] = []
         self.full: list[torch.Tensor] = []
         self.param_buffer: Optional[torch.Tensor] = None
+        # Bucket by bucket, so start-up holds one bucket's fp32 values beyond the buffers (ZeRO-3:
+        # its shard only), never a flat fp32 copy of the stage.
+        self.master = []
         if self.shard_params:
-            # Bucket by bucket, so start-up holds the model once plus one bucket, never a flat copy.
-            self.master = []
             for b in self.buckets:
-                values = self._initial(b.start, b.end, b.params)
-                self.master.append(values[b.shard_lo - b.start : b.shard_hi - b.start].clone())
+                self.master.append(self._initial(b.shard_lo, b.shard_hi, b.params))
                 self.full.append(torch.empty(b.end - b.start, dtype=compute_dtype, device=device))
             self.param_shards = self.master if self.master_is_param else [m.to(compute_dtype) for m in self.master]
         else:
-            fp32 = self._initial(0, self.layout.size, range(len(self.params)))
-            self.master = [fp32[b.shard_lo : b.shard_hi] for b in self.buckets]
-            self.param_buffer = fp32 if self.master_is_param else fp32.to(compute_dtype)
-            if not self.master_is_param:
-                self.master = [m.clone() for m in self.master]  # only the shards outlive `fp32`
-            del fp32
+            self.param_buffer = torch.zeros(self.layout.size, dtype=compute_dtype, device=device)
+            for b in self.buckets:
+                fp32 = self._initial(b.start, b.end, b.params)
+                self.param_buffer[b.start : b.end].copy_(fp32)  # rounded to the compute dtype
+                if self.master_is_param:
+                    self.master.append(self.param_buffer[b.shard_lo : b.shard_hi])
+                else:
+                    self.master.append(fp32[b.shard_lo - b.start : b.shard_hi - b.start].clone())
         # ZeRO-2 keeps no whole gradient buffer: per-bucket buffers come and go (`_open`).
         self.grad_buffer: Optional[torch.Tensor] = (
             None if self.shard_grads else torch.zeros(self.layout.size, dtype=reduce_dtype, device=device)
@@ -218,7 +228,7 @@ class DataParallel:
             self._bind(k)
         for p, off in zip(self.params, self.offsets):
             if self.param_buffer is not None:
-                p.data = self.param_buffer[off : off + p.numel()].view(p.shape)
+                self._view(p, self.param_buffer[off : off + p.numel()].view(p.shape))
             if self.grad_buffer is not None:
                 p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -249,14 +259,32 @@ class DataParallel:
     @torch.no_grad()
     def _initial(self, start: int, end: int, indices: Sequence[int]) -> torch.Tensor:
         """The fp32 initial values of parameters `indices` in buffer range [start, end) (padding
-        zero): the master weights come from them, not from a rounded copy."""
+        zero): the master weights come from them, not from a rounded copy. A meta parameter's
+        values are computed from (seed, name) (`app.model.init`), only the range's."""
         out = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         for i in indices:
             lo, hi = self.layout.local_range(i, (start, end))
             if lo < hi:
                 at = self.offsets[i] + lo - start
-                out[at : at + hi - lo].copy_(self.params[i].detach().reshape(-1)[lo:hi])
+                p = self.params[i]
+                if p.is_meta:
+                    assert self.seed is not None
+                    values = initial_values(self.seed, self.names[i], p.meta, lo, hi, self.device)  # type: ignore[attr-defined]
+                else:
+                    values = p.detach().reshape(-1)[lo:hi]
+                out[at : at + hi - lo].copy_(values)
         return out
+
+    @staticmethod
+    def _view(p: nn.Parameter, values: torch.Tensor) -> None:
+        """Parameter `p` becomes `values` (a view of a buffer), keeping its identity: a meta
+        parameter cannot take a real tensor's data, so the two objects swap contents."""
+        if not p.is_meta:
+            p.data = values
+            return
+        real = nn.Parameter(values, requires_grad=p.requires_grad)
+        real.__dict__.update(p.__dict__)  # `meta` and the other tags
+        torch.utils.swap_tensors(p, real)
 
     # ---- gradients -------------------------------------------------------------------
 
@@ -523,7 +551,7 @@ class DataParallel:
         start = self.buckets[k].start
         for i in self.buckets[k].params:
             p, lo = self.params[i], self.offsets[i] - start
-            p.data = self.full[k][lo : lo + p.numel()].view(p.shape)
+            self._view(p, self.full[k][lo : lo + p.numel()].view(p.shape))
 
     def _count_gathered(self, full: torch.Tensor, sign: int) -> None:
         self.gathered_bytes += sign * full.numel() * full.element_size()

@@ -45,8 +45,10 @@ for 1F1B); the last stage also holds the logits of one micro-batch in the comput
 and fp32 (s b V / t x (e + 8)).
 
 Not counted: the CUDA context and NCCL buffers, allocator fragmentation and temporary
-buffers (the dry run keeps 10% of device memory free for them), and the transient fp32
-copy of a stage's parameters at start-up.
+buffers (the dry run keeps 10% of device memory free for them). Start-up adds no peak of
+its own: the runtime builds the model on the meta device and computes the values bucket by
+bucket into the buffers (ZeRO-3: into the shards), so beyond the buffers it holds one bucket's
+fp32 values, before the gradient buffer and the optimizer moments exist.
 """
 
 from __future__ import annotations
