@@ -112,6 +112,19 @@ def test_published_decks_plan_without_problems(path):
     assert plan.node_span["tp"] == 1
 
 
+def test_the_823m_deck_fits_this_machine_only_with_zero3_or_offload():
+    """inputs/gpt_823m_zero3.yaml on 4 ranks of `local`: the plan fits with ZeRO-3 (and with ZeRO-2
+    plus offload), not with ZeRO 0-2 alone, and names what would make it fit."""
+    deck = load_deck(REPO / "inputs/gpt_823m_zero3.yaml")
+    machine = load_machine(deck.run.machine)
+    assert make_plan(deck, 4, machine).problems == []
+    for zero in (0, 1, 2):
+        plan = make_plan(load_deck(REPO / "inputs/gpt_823m_zero3.yaml", (f"optim.zero={zero}",)), 4, machine)
+        assert plan.problems and "does not fit" in plan.problems[0] and "optim.zero=3" in plan.problems[0]
+    offloaded = ("optim.zero=2", "optim.offload=nvme")
+    assert make_plan(load_deck(REPO / "inputs/gpt_823m_zero3.yaml", offloaded), 4, machine).problems == []
+
+
 # ---- the 1T dry run ----------------------------------------------------------------------------
 
 
