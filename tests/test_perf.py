@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from app.deck import load_deck, resolve_for_world
+from app.plan.estimate import stage_params
 from app.plan.machine import LinkLevel, MachineError, load_machine
-from app.plan.perf import Device, _simulate, _simulate_shared, core_sharing, group_bandwidth, predict
+from app.plan.perf import Device, _simulate, _simulate_shared, core_sharing, device_of, group_bandwidth, predict
 from conftest import REPO, run_mpi
 
 TABLE = REPO / "inputs/published/megatron_sc21_table1.csv"
@@ -383,14 +384,8 @@ def test_the_framework_op_counts_are_those_of_the_model():
     assert counts[1][1] - (OPS["layer_backward"] - 24) == OPS["other_backward"]
 
 
-def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
-    """app.plan.calibrate's file (from measured primitives; the measuring itself runs under mpirun
-    in benchmarks/perf_model_bench.py): it loads, and the tiny deck is predicted on it."""
-    import yaml
-
-    from app.plan.calibrate import machine_file
-
-    base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
+def _calibration_measured() -> dict:
+    """What app.plan.calibrate.measure returns, with round numbers (4 ranks on one node)."""
     measured = {"gemm_flops": {"256x256x256": 3e10, "512x512x512": 4e10}, "stream_bytes_s": 1e10, "op_seconds": 5e-6,
                 "memory_bytes_s": 2.5e9,
                 "attention_flops": {"forward": {"s": 1e10}, "backward": {"s": 5e9}},
@@ -401,6 +396,18 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
                 "world": 4, "ranks_per_node": 4}  # fmt: skip
     measured["collectives"]["all_reduce"][2]["busy_s"] = 4e-4
     measured["collectives"]["reduce_scatter"][2]["busy_s"] = 6e-4
+    return measured
+
+
+def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
+    """app.plan.calibrate's file (from measured primitives; the measuring itself runs under mpirun
+    in benchmarks/perf_model_bench.py): it loads, and the tiny deck is predicted on it."""
+    import yaml
+
+    from app.plan.calibrate import machine_file
+
+    base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
+    measured = _calibration_measured()
     data = machine_file(base, "cal", measured, "mpirun -n 4 python -m app.plan.calibrate")
     path = tmp_path / "cal.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -429,6 +436,37 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.tp=2",)), 4)
     prediction = predict(deck, machine)
     assert prediction.breakdown["host_overhead"] > 0 and prediction.step_time_s > 0
+
+
+def test_calibration_times_the_disk_and_writes_its_rates(tmp_path):
+    """The disk: `time_disk` writes a file with fsync and reads it back with its pages dropped from
+    the page cache (so from the drive), then removes it; `machine_file` writes the node's rates as
+    nvme_read_gbs / nvme_write_gbs with the method in the source line, and an nvme-offloaded deck is
+    predicted on the file (a CPU machine needs no host keys). Without a disk measured (a memory
+    file system), no key is written and the model names the missing ones."""
+    import yaml
+
+    from app.plan.calibrate import MEMORY_FILESYSTEMS, filesystem_type, machine_file, time_disk
+
+    write, read = time_disk(tmp_path / "disk", 2**20 + 3)
+    assert write > 0 and read > 0 and not (tmp_path / "disk").exists()
+    assert filesystem_type(Path("/proc")) == "proc" and "tmpfs" in MEMORY_FILESYSTEMS
+    base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("optim.offload=nvme",)), 4)
+    for disk, expect in (({"nvme_read_bytes_s": 2e9, "nvme_write_bytes_s": 1e9}, (2.0, 1.0)), ({}, (None, None))):
+        data = machine_file(
+            base, "cal", {**_calibration_measured(), **disk}, "mpirun -n 4 python -m app.plan.calibrate"
+        )
+        path = tmp_path / "cal.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        machine = load_machine(path)
+        assert (machine.nvme_read_gbs, machine.nvme_write_gbs) == expect
+        if disk:
+            assert "read with pread after POSIX_FADV_DONTNEED 2.0 GB/s per node" in machine.sources[0]
+            assert predict(deck, machine).breakdown["optimizer_offload"] > 0
+        else:
+            with pytest.raises(MachineError, match="missing nvme_read_gbs, nvme_write_gbs"):
+                predict(deck, machine)
 
 
 @pytest.mark.parametrize(
@@ -654,3 +692,143 @@ def test_the_search_picks_zero3_where_only_it_fits():
     assert result.best and all(c.sets["optim.zero"] == 3 for c in result.best)
     assert "try --set optim.zero=3 (" in result.own.rejected
     assert result.rejected["does not fit in device memory"] > 0
+
+
+# -- optimizer offload (optim.offload) ------------------------------------------------------------
+
+
+def _frontier_with(directory: Path, **keys: float):
+    """A copy of frontier.yaml with the offload keys given (None: left out), in `directory`."""
+    lines = [
+        line
+        for line in (REPO / "inputs/machines/frontier.yaml").read_text().splitlines()
+        if not line.startswith(("host_link_gbs:", "host_memory_gbs:", "nvme_read_gbs:", "nvme_write_gbs:"))
+    ]
+    lines += [f"{key}: {value}" for key, value in keys.items() if value is not None]
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "frontier.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return load_machine(path)
+
+
+OFFLOAD_DECK = ("train.precision=bf16", "parallel.dp=2", "optim.zero=1")  # gpt_tiny on 2 ranks, clipping on
+
+
+def test_the_offload_term_is_the_bytes_of_the_offloaded_step(tmp_path):
+    """The offloaded update of a bf16 ZeRO-1 gpt_tiny on 2 ranks of one node, counted by hand from
+    ShardedOptimizer._offloaded_step: the fp32 gradient shard to the host over the link (4 bytes an
+    element), the CPU's passes at the rank's half of the node's DRAM (8 the clip scaling, 12 + 8 +
+    12 the moments, 8 + 8 + 8 the denominator, 8 + 16 AdamW's decay and update), the fp32 master
+    back over the link (4) and converted to bf16 on the device (4 + 2), then ZeRO-1's copy of the
+    shard into the gather's send buffer (2 + 2); the device's own update is gone. On a CPU machine
+    the two copies are CPU passes; nvme adds the page cache's copies."""
+    from app.plan.optimizer_time import offload_state_bytes, offload_update_bytes
+
+    machine = _frontier_with(tmp_path, host_link_gbs=10, host_memory_gbs=80)
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*OFFLOAD_DECK, "optim.offload=host")), 2)
+    none = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", OFFLOAD_DECK), 2)
+    m = deck.model
+    shard = stage_params(m, 1, m.layers, True, True) / 2
+    cpu = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 8 + 16
+    assert offload_update_bytes(deck) == cpu == 88
+    stream = device_of(machine, "bf16").stream
+    expect = shard * 4 / 10e9 + shard * cpu / 40e9 + shard * 4 / 10e9 + stream(shard * 6) + stream(shard * 4)
+    predicted = predict(deck, machine)
+    assert math.isclose(predicted.breakdown["optimizer_offload"], expect, rel_tol=1e-12)
+    assert predicted.breakdown["optimizer"] == 0.0 < predict(none, machine).breakdown["optimizer"]
+    assert predict(none, machine).breakdown["optimizer_offload"] == 0.0
+    # A CPU machine: the gradient's conversion (4 + 4) and the parameter's (4 + 2) are CPU passes; the
+    # state that no cache holds is the gradient, master and moments in and out, the parameter out.
+    assert offload_update_bytes(deck, host_is_device=True) == (4 + 4) + cpu + (4 + 2)
+    assert offload_state_bytes(deck) == 4 + 12 + 12 + 2
+    nvme = dataclasses.replace(deck, optim=dataclasses.replace(deck.optim, offload="nvme"))
+    assert offload_update_bytes(nvme) == cpu + 2 * (12 + 12)  # pread and pwrite through the page cache
+
+
+def test_host_offload_over_a_slow_link_predicts_a_slower_step(tmp_path):
+    """The same deck offloaded is slower than on the device, and the slower the host link the
+    slower the step; a faster host memory makes it faster."""
+    decks = {o: resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*OFFLOAD_DECK, f"optim.offload={o}")), 2)
+             for o in ("none", "host")}  # fmt: skip
+    step = {}
+    for link, memory in ((1, 205), (36, 205), (36, 2000)):
+        machine = _frontier_with(tmp_path / f"{link}-{memory}", host_link_gbs=link, host_memory_gbs=memory)
+        step[(link, memory)] = predict(decks["host"], machine).step_time_s
+        assert step[(link, memory)] > predict(decks["none"], machine).step_time_s
+    assert step[(1, 205)] > step[(36, 205)] > step[(36, 2000)]
+
+
+def test_nvme_offload_is_slower_than_host_where_the_drive_is_slower_than_memory(tmp_path):
+    """Frontier's NVMe (8 GB/s read, 4 write per node) against its 205 GB/s DDR4: the state's 12
+    bytes an element read and written back take longer than the CPU update, so the step waits
+    for the drive: the write (the slower) plus one chunk read before the first update and one
+    written after the last. With a drive as fast as the memory it waits for the update again."""
+    from app.plan.optimizer_time import nvme_chunk_elements
+
+    sets = ("train.precision=bf16", "parallel.dp=8", "optim.zero=1", "train.micro_batch=2")
+    host, nvme = (resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, f"optim.offload={o}")), 8)
+                  for o in ("host", "nvme"))  # fmt: skip
+    machine = load_machine("frontier")
+    assert (machine.nvme_read_gbs, machine.nvme_write_gbs, machine.host_memory_gbs) == (8.0, 4.0, 205.0)
+    slow, fast = predict(nvme, machine), predict(host, machine)
+    assert slow.step_time_s > fast.step_time_s
+    m = nvme.model
+    shard = stage_params(m, 1, m.layers, True, True) / 8
+    chunk = min(shard, nvme_chunk_elements(nvme)) * 12
+    read, write = 8e9 / 8, 4e9 / 8  # the node's drive shared by its 8 ranks
+    after = device_of(machine, "bf16").stream(shard * 4)  # ZeRO-1's send buffer copy
+    expect = shard * 12 / write + chunk / read + chunk / write + after
+    assert math.isclose(slow.breakdown["optimizer_offload"], expect, rel_tol=1e-12)
+    quick = _frontier_with(tmp_path, host_link_gbs=36, host_memory_gbs=205, nvme_read_gbs=1e6, nvme_write_gbs=1e6)
+    assert predict(nvme, quick).breakdown["optimizer_offload"] < slow.breakdown["optimizer_offload"]
+    assert predict(nvme, quick).step_time_s > predict(host, quick).step_time_s  # the page cache's copies
+
+
+def test_an_offloaded_step_names_the_keys_a_machine_lacks(tmp_path):
+    """Nothing is guessed: without the host link or the host memory (GPU machines) or the node's
+    drive (nvme) the model refuses and names the keys; the dry run says so instead of a number,
+    and a CPU machine needs no host keys (its host is the device)."""
+    from app.plan.dryrun import make_plan
+
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*OFFLOAD_DECK, "optim.offload=host"))
+    nvme = load_deck(REPO / "inputs/gpt_tiny.yaml", (*OFFLOAD_DECK, "optim.offload=nvme"))
+    bare = _frontier_with(tmp_path / "bare")
+    with pytest.raises(MachineError, match="machine frontier: cannot predict step times: missing host_link_gbs, "
+                                           "host_memory_gbs"):  # fmt: skip
+        predict(resolve_for_world(deck, 2), bare)
+    plan = make_plan(nvme, 2, _frontier_with(tmp_path / "no-drive", host_link_gbs=36, host_memory_gbs=205))
+    assert plan.predicted is None and not plan.problems
+    assert plan.unpredicted == "machine frontier lacks nvme_read_gbs, nvme_write_gbs (docs/PERFORMANCE_MODEL.md)"
+    assert make_plan(deck, 2, load_machine("dgx_h100")).unpredicted.startswith("machine dgx_h100 lacks host_memory_gbs")
+    assert make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", OFFLOAD_DECK), 2, bare).predicted is not None
+    local = load_machine("local")
+    assert local.missing_for_prediction("fp32", "host") == local.missing_for_prediction("fp32")
+    assert local.missing_for_prediction("fp32", "nvme")[-2:] == ["nvme_read_gbs", "nvme_write_gbs"]
+
+
+# A 39B model (48 blocks of width 8192) in bf16 on Frontier GCDs: 18 bytes a parameter do not fit on
+# one node (dp = 1 at every grid, so no ZeRO sharding), the parameters and gradients alone do.
+BIG = ("model.layers=48", "model.hidden=8192", "model.heads=64", "model.seq_len=2048", "model.vocab_size=51200",
+       "train.global_batch=16", "train.micro_batch=1", "train.precision=bf16", "parallel.tp=8", "parallel.pp=1",
+       "parallel.dp=1")  # fmt: skip
+
+
+def test_the_search_offloads_only_where_nothing_fits_without_it(tmp_path):
+    """On one Frontier node nothing fits with the state on the device: the search ranks host-offloaded
+    grids only (the deck itself is rejected, naming the offload). On two nodes grids fit without it,
+    and the best are not offloaded, though offloaded ones were planned where their plain twin did not
+    fit. A machine file without the offload's constants gets no offloaded candidate."""
+    from app.plan.search import format_text, search
+
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", BIG)
+    one = search(deck, 8, load_machine("frontier"), top=3)
+    assert one.best and all(c.sets["optim.offload"] == "host" for c in one.best)
+    assert "try --set optim.offload=host (" in one.own.rejected
+    assert " offload host " in format_text(one, "big") and "--set optim.offload=host" in format_text(one, "big")
+    two = search(deck, 16, load_machine("frontier"), top=3)
+    assert two.best and all("optim.offload" not in c.sets for c in two.best)
+    assert two.best[0].step < one.best[0].step
+    bare = search(deck, 8, _frontier_with(tmp_path), top=3)
+    assert not bare.best
+    # Offloaded plans were made only of configurations that did not fit on the device.
+    assert 0 < one.tried - bare.tried <= bare.rejected["does not fit in device memory"]

@@ -237,6 +237,20 @@ def test_tiny_deck_on_the_local_machine():
 # ---- machine files -----------------------------------------------------------------------------
 
 
+def test_readme_machine_reference_is_the_declared_keys():
+    """README.md's machine file reference has a row for every key of `FIELDS`, as
+    `machine_reference()` writes it (regenerate the table when a key or its help changes)."""
+    from app.plan.machine import machine_reference
+
+    readme = (REPO / "README.md").read_text().splitlines()
+    rows = [f"| `{k}` | {t} | {'yes' if required else 'no'} | {h} |" for k, t, required, h in machine_reference()]
+    missing = [row for row in rows if row not in readme]
+    assert not missing, f"README.md machine file reference lacks or differs in {missing}"
+    assert {"host_link_gbs", "host_memory_gbs", "nvme_read_gbs", "nvme_write_gbs"} <= {
+        k for k, *_ in machine_reference()
+    }
+
+
 def test_every_machine_loads_and_its_peak_is_the_peak_table_s():
     """One source of peaks: a GPU machine file names its device and the table MFU uses gives its
     peak; only a CPU's calibrated file carries one of its own."""

@@ -9,7 +9,9 @@ the efficiency), causal attention forward and backward (its efficiency), an elem
 that allocates its result, at a size caches hold (`hbm_gbs`) and at STREAM's size, 4x the
 last-level cache (`memory_gbs`: on CPUs the first is a cache rate), the host time per framework operation of a
 chain of tiny modules, and the all-reduce of the job's ranks (gloo on CPUs, NCCL on GPUs) at
-a small and a large size, from which a ring's per-step latency and bus bandwidth follow.
+a small and a large size, from which a ring's per-step latency and bus bandwidth follow, and
+the node's disk under the temp directory (`nvme_read_gbs`, `nvme_write_gbs`, for optim.offload:
+nvme): every rank writes its share of DISK_BYTES with fsync and reads it back with pread.
 Only primitives are measured, never a training step, so a wrong step model cannot be hidden
 by the calibration. The file is the base machine file with these constants (and their date
 and command as the source) in place.
@@ -25,6 +27,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -56,6 +59,11 @@ MID = 256 * 2**10
 BLOCK = 2e-3
 ELEMENTWISE_TOKENS = 256  # tokens of the element-wise kinds timed (gpt_tiny's micro-batch of 4 x 64)
 MIN_SECONDS = 0.25  # per timed loop
+# The disk: bytes per node, split over its ranks (each writes its own file, as NvmeStore does), in
+# blocks of DISK_BLOCK. A few hundred MB: a second or two on an SSD.
+DISK_BYTES = 256 * 2**20
+DISK_BLOCK = 8 * 2**20
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")  # a file there is memory: no disk to measure
 
 
 def _timed(
@@ -258,8 +266,9 @@ def _elementwise(dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_
     return rates
 
 
-def measure(runtime: Runtime, repeat: int = 3) -> dict[str, Any]:
-    """The primitives, each the median over ranks of each rank's median."""
+def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -> dict[str, Any]:
+    """The primitives, each the median over ranks of each rank's median; the disk under `scratch`
+    (default: the temp directory) as the node's, all its ranks at once."""
     import torch
     import torch.nn.functional as F
 
@@ -307,7 +316,9 @@ def measure(runtime: Runtime, repeat: int = 3) -> dict[str, Any]:
         return statistics.median(comm.allgather(value))
 
     collectives = _collectives(runtime, repeat, agreed)
+    disk = _disk(runtime, scratch if scratch is not None else Path(tempfile.gettempdir()))
     return {
+        **disk,
         "gemm_flops": {shape: agreed(v) for shape, v in gemm.items()},
         "attention_flops": {
             part: {shape: agreed(v) for shape, v in rates.items()} for part, rates in attention.items()
@@ -320,6 +331,68 @@ def measure(runtime: Runtime, repeat: int = 3) -> dict[str, Any]:
         "world": runtime.world_size,
         "ranks_per_node": runtime.local_size,
     }
+
+
+def time_disk(path: Path, nbytes: int) -> tuple[float, float]:
+    """(seconds to write `nbytes` to a new file at `path` and fsync it, seconds to read them back
+    with pread once their pages are dropped from the page cache: posix_fadvise DONTNEED after the
+    fsync, so that the reads come from the drive, as NvmeStore's do once its file outgrows the
+    cache). The file is removed."""
+    block = os.urandom(min(DISK_BLOCK, nbytes))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0 = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(fd, block[: nbytes - done], done)
+        os.fsync(fd)
+        write = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        buffer = bytearray(len(block))
+        t0 = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [memoryview(buffer)[: nbytes - done]], done)
+            if got <= 0:
+                raise OSError(f"{path}: short read at byte {done}")
+            done += got
+        read = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return write, read
+
+
+def filesystem_type(directory: Path) -> str:
+    """The type of the file system holding `directory` (the longest mount point above it in
+    /proc/mounts), or "" where Linux does not say."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return ""
+    target = str(directory.resolve())
+    above = [(point, kind) for point, kind in mounts if target == point or target.startswith(point.rstrip("/") + "/")]
+    return max(above, key=lambda m: len(m[0]), default=("", ""))[1]
+
+
+def _disk(runtime: Runtime, directory: Path) -> dict[str, float]:
+    """The node's disk under `directory`, every rank of the node at once on its own file: bytes/s
+    per node written (with fsync) and read (from the drive), or nothing on a memory file system."""
+    from mpi4py import MPI
+
+    if filesystem_type(directory) in MEMORY_FILESYSTEMS:
+        return {}
+    comm = runtime.comm
+    nbytes = DISK_BYTES // runtime.local_size
+    comm.Barrier()
+    write, read = time_disk(directory / f"gridlm-calibrate-disk-{os.getpid()}-{runtime.rank}", nbytes)
+    slowest_write, slowest_read = comm.allreduce(write, op=MPI.MAX), comm.allreduce(read, op=MPI.MAX)
+    node = nbytes * runtime.local_size
+    return {"nvme_write_bytes_s": node / slowest_write, "nvme_read_bytes_s": node / slowest_read}
 
 
 def last_level_cache_bytes() -> int:
@@ -362,6 +435,15 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     out["hbm_gbs"] = round(measured["stream_bytes_s"] / 1e9, 3)
     if "memory_bytes_s" in measured:  # past the caches (STREAM-sized operands)
         out["memory_gbs"] = round(measured["memory_bytes_s"] / 1e9, 3)
+    disk = ""
+    if "nvme_read_bytes_s" in measured:  # the node's disk (optim.offload: nvme)
+        out["nvme_read_gbs"] = round(measured["nvme_read_bytes_s"] / 1e9, 3)
+        out["nvme_write_gbs"] = round(measured["nvme_write_bytes_s"] / 1e9, 3)
+        disk = (
+            f"; disk (the temp directory's, every rank of the node at once, {DISK_BYTES // 2**20} MiB a node): "
+            f"written with fsync {out['nvme_write_gbs']} GB/s, read with pread after POSIX_FADV_DONTNEED "
+            f"{out['nvme_read_gbs']} GB/s per node"
+        )
     # The model applies one efficiency to every GEMM: the median shape and layout's share of the best.
     # No waves on a CPU (one compute unit, tiles of one element).
     out["gemm"] = {
@@ -406,7 +488,7 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
         f"causal attention GFLOP/s {attention}; element-wise op "
         f"{measured['stream_bytes_s'] / 1e9:.2f} GB/s; element-wise kinds GB/s (model bytes) {kinds}; "
         f"{measured['op_seconds'] * 1e6:.1f} us per framework op; collectives of {SMALL} / {LARGE} bytes on "
-        f"groups of consecutive ranks side by side ({timed}; a ring's latency and bandwidth follow)",
+        f"groups of consecutive ranks side by side ({timed}; a ring's latency and bandwidth follow){disk}",
         *base.get("sources", []),
     ]
     return out
@@ -418,6 +500,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="output file (default: inputs/machines/<base>_calibrated.yaml)")
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed loops per primitive, the median reported (default 3)"
+    )
+    parser.add_argument(
+        "--scratch", default=None, help="directory on the disk whose rates to measure (default: the temp directory)"
     )
     args = parser.parse_args(argv)
     from app.errors import GridlmError
@@ -447,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     bind_device(runtime, "auto")
     set_threads(runtime, None)
     init_torch_distributed(runtime)
-    measured = measure(runtime, args.repeat)
+    measured = measure(runtime, args.repeat, None if args.scratch is None else Path(args.scratch))
     if runtime.is_root:
         base = yaml.safe_load(base_path.read_text())
         command = f"mpirun -n {runtime.world_size} python -m app.plan.calibrate --base {args.base}"

@@ -62,7 +62,7 @@ class Plan:
     @property
     def host_is_device(self) -> bool:
         """A CPU machine: host memory is the device's, so offloading to the host saves nothing."""
-        return self.machine is not None and self.machine.device_name == "cpu"
+        return self.machine is not None and self.machine.host_is_device
 
     def stage_total(
         self,
@@ -146,7 +146,7 @@ def make_plan(
     _check_placement(plan)
     _check_memory(plan)
     _check_balance(plan, max_imbalance)
-    missing = machine.missing_for_prediction(deck.train.precision) if machine is not None else []
+    missing = machine.missing_for_prediction(deck.train.precision, deck.optim.offload) if machine is not None else []
     if machine is not None:
         plan.links = axis_links(machine, layout)
     if machine is None:
@@ -515,13 +515,17 @@ def _predicted_lines(plan: Plan) -> list[str]:
              ("grad_accumulation", "grad accumulation"), ("tp_exposed", "tp exposed"),
              ("pp_bubble_and_p2p", "pp bubble + p2p"), ("zero3_gathers", "ZeRO-3 gathers"), ("dp_exposed", "dp exposed"),
              ("tied_embedding", "tied embedding"), ("grad_norm", "grad norm"),
-             ("step_collectives", "step collectives"), ("optimizer", "optimizer")]  # fmt: skip
+             ("step_collectives", "step collectives"), ("optimizer", "optimizer"),
+             ("optimizer_offload", "optimizer offload")]  # fmt: skip
+    # Lines of features the deck does not use are left out (ZeRO-3's gathers, the offloaded update;
+    # with offload the device's optimizer line is 0 and left out).
+    optional = {"zero3_gathers", "optimizer_offload"} | ({"optimizer"} if plan.deck.optim.offload != "none" else set())
     return [
         f"  predicted  step {p.step_time_s:.3g} s on {plan.machine.name}; "
         f"{p.hardware_tflops_per_device:.1f} TFLOP/s per device counting recompute, {p.tflops_per_device:.1f} "
         f"model (MFU {100 * p.mfu:.1f}%); {p.tokens_per_s:,.0f} tokens/s",
         "             slowest stage: "
-        + ", ".join(f"{label} {b[key]:.3g} s" for key, label in parts if b[key] or key != "zero3_gathers")
+        + ", ".join(f"{label} {b[key]:.3g} s" for key, label in parts if b[key] or key not in optional)
         + (f" (recompute {b['recompute']:.3g} s of these)" if b["recompute"] else ""),
         "             links: "
         + ", ".join(f"{axis} {level}" for axis, level in p.levels.items())

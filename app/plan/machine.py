@@ -20,7 +20,7 @@ import yaml
 
 from app.errors import InputError
 from app.metrics.peaks import peak_tflops
-from app.schema import Key, Problem, check, check_value
+from app.schema import Key, Problem, check, check_value, type_name
 
 MACHINES_DIR = Path(__file__).resolve().parents[2] / "inputs" / "machines"
 SCHEDULERS = ("slurm", "pbs")
@@ -35,7 +35,8 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 # model counts for them, forward and backward (perf._layer_passes, perf._head_passes).
 ELEMENTWISE_KINDS = ("layernorm", "gelu", "softmax")
 
-# The keys, declared for the schema engine (app/schema.py). The README's machine reference is built from it.
+# The keys, declared for the schema engine (app/schema.py). README.md's machine file reference is this
+# table (`machine_reference`; tests/test_plan.py checks that it lists every key).
 FIELDS: dict[str, Key] = {
     "name": Key(str, help="short name, = the file stem (used by --machine)"),
     "description": Key(str, help="one line: site, system, node type"),
@@ -73,6 +74,39 @@ FIELDS: dict[str, Key] = {
         "(CPUs: STREAM-sized operands, measured by app.plan.calibrate, where hbm_gbs is a cache rate); each "
         "step's first pass over the optimizer's state is charged at it. Leave it out where hbm_gbs is the "
         "memory (GPUs)",
+        min=0,
+        exclusive_min=True,
+    ),
+    "host_link_gbs": Key(
+        float,
+        None,
+        "device<->host bandwidth per device, GB/s per direction (PCIe, Infinity Fabric, NVLink-C2C; where devices "
+        "share an uplink, the share of each with all of them copying): the offloaded optimizer's gradient and "
+        "parameter copies (optim.offload); not used on CPU machines, where the host is the device",
+        min=0,
+        exclusive_min=True,
+    ),
+    "host_memory_gbs": Key(
+        float,
+        None,
+        "host DRAM bandwidth per node, GB/s, shared by the node's ranks: the offloaded optimizer's CPU update "
+        "(optim.offload) on GPU machines; CPU machines use their calibrated rates (hbm_gbs, memory_gbs)",
+        min=0,
+        exclusive_min=True,
+    ),
+    "nvme_read_gbs": Key(
+        float,
+        None,
+        "node-local NVMe read bandwidth per node, GB/s, shared by the node's ranks (optim.offload: nvme); "
+        "left out where nodes have none",
+        min=0,
+        exclusive_min=True,
+    ),
+    "nvme_write_gbs": Key(
+        float,
+        None,
+        "node-local NVMe write bandwidth per node, GB/s, shared by the node's ranks (optim.offload: nvme); "
+        "left out where nodes have none",
         min=0,
         exclusive_min=True,
     ),
@@ -207,6 +241,10 @@ class Machine:
     peak_tflops: Optional[dict[str, float]] = None
     hbm_gbs: Optional[float] = None
     memory_gbs: Optional[float] = None
+    host_link_gbs: Optional[float] = None
+    host_memory_gbs: Optional[float] = None
+    nvme_read_gbs: Optional[float] = None
+    nvme_write_gbs: Optional[float] = None
     gemm: Optional[dict[str, Any]] = None
     links: Optional[list[dict[str, Any]]] = None
     op_overhead_us: Optional[float] = None
@@ -264,18 +302,34 @@ class Machine:
                 return float(fit["busy_us"]) * 1e-6
         return 0.0
 
-    def missing_for_prediction(self, precision: str) -> list[str]:
-        """The keys the performance model needs that this file lacks (empty: it can predict)."""
+    @property
+    def host_is_device(self) -> bool:
+        """A CPU machine: the ranks compute in host memory, so there is no device<->host link."""
+        return self.device_name == "cpu"
+
+    def missing_for_prediction(self, precision: str, offload: str = "none") -> list[str]:
+        """The keys the performance model needs that this file lacks (empty: it can predict), for
+        a deck at `precision` with `optim.offload` = `offload`: an offloaded update needs the
+        host link and host memory (GPU machines; a CPU machine's calibrated rates serve) and, for
+        nvme, the node's drive."""
         missing = [] if self.peak(precision) is not None else [f"peak_tflops.{precision}"]
         missing += [] if self.hbm_gbs is not None else ["hbm_gbs"]
         missing += [f"gemm.{k}" for k in ("efficiency", "compute_units", "tile") if k not in (self.gemm or {})]
-        return missing
+        needed = [] if offload == "none" or self.host_is_device else ["host_link_gbs", "host_memory_gbs"]
+        needed += ["nvme_read_gbs", "nvme_write_gbs"] if offload == "nvme" else []
+        return missing + [key for key in needed if getattr(self, key) is None]
 
     def launch_line(self, nodes: int) -> str:
         """The launch line for `nodes` nodes, one rank per device."""
         return self.launch.format(
             nodes=nodes, ranks=nodes * self.devices_per_node, ranks_per_node=self.devices_per_node
         )
+
+
+def machine_reference() -> list[tuple[str, str, bool, str]]:
+    """(key, type, required, help) of every top-level machine key, in FIELDS order: README.md's
+    machine file reference."""
+    return [(name, type_name(key.type), key.required, key.help) for name, key in FIELDS.items()]
 
 
 def machine_names(directory: Path = MACHINES_DIR) -> list[str]:

@@ -25,7 +25,8 @@ out of the simulation. After the pipeline: the exposed part of the data-parallel
 reduction (overlapped with the last backward when `parallel.overlap_grad_reduce` is on), the
 tied-embedding sum, the gradient norm, the step's small all-reduces (norm, non-finite check,
 stop-signal vote) and the optimizer's passes, at HBM bandwidth as `app/optim/optimizer.py`
-runs them.
+runs them, or with `optim.offload` its copies to and from the host, its update on the CPU and
+nvme's file (`app/plan/optimizer_time.py`).
 
 Collectives use ring costs: all-reduce 2 (n-1)/n x bytes / B + 2 (n-1) x latency, all-gather
 and reduce-scatter half of that, or a tree's 2 log2(n) x latency for small messages
@@ -49,6 +50,13 @@ from app.names import BYTES, reduce_precision
 from app.parallel.schedule import Action, build_schedule, partition_layers
 from app.plan.estimate import stage_params, unit_buckets
 from app.plan.machine import LinkLevel, Machine
+from app.plan.optimizer_time import (
+    grad_norm_bytes,
+    offload_rates,
+    offload_time,
+    optimizer_bytes,
+    optimizer_state_bytes,
+)
 from app.runtime.grid import GridLayout
 
 # Bytes one element-wise backward moves per byte of its forward: it reads the output
@@ -690,50 +698,6 @@ def param_tensors(layers: int, first: bool, last: bool, m: ModelConfig) -> tuple
     return tensors, matrices
 
 
-def grad_norm_bytes(g: int) -> int:
-    """Bytes per gradient element of `grad_norm` (app/optim/optimizer.py): g.double() reads g and
-    writes 8 bytes, pow(2) reads and writes 8, sum() reads 8."""
-    return g + 8 + 16 + 8
-
-
-def _updates_params_in_place(deck: Deck) -> bool:
-    """Whether the update writes the parameters themselves (fp32, no ZeRO-1/2; under ZeRO-3 the
-    fp32 master is the parameter shard): otherwise the fp32 master is written again to the
-    parameters, or to the ZeRO-1/2 gather's send buffer."""
-    return deck.train.precision == "fp32" and not (deck.optim.zero in (1, 2) and deck.dp > 1)
-
-
-def optimizer_bytes(deck: Deck) -> int:
-    """Bytes per element of a rank's shard moved by `ShardedOptimizer.step`, pass by pass as it is
-    written (fp32 moments; every eager op reads its operands and writes its result)."""
-    tr, opt = deck.train, deck.optim
-    e = BYTES[tr.precision]
-    g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
-    total = (g + 4) if g != 4 else 0  # the gradient to fp32
-    if opt.grad_clip > 0 or tr.precision == "fp16":
-        total += 8  # times the clip coefficient (and the loss-scale inverse)
-    total += 12 + 8 + 12  # m.lerp_(g); v.mul_(); v.addcmul_(g, g)
-    total += 8 + 8 + 8  # v.sqrt(), / sqrt(bias correction), + eps: the denominator
-    if opt.name == "lamb":
-        # update = m / bc1 / denom (+ decay), the two norms per tensor (as grad_norm's passes), w += update
-        total += 8 + 12 + 12 + 2 * grad_norm_bytes(4) + 12
-    else:
-        total += 8 + 16  # the decay w *= 1 - lr wd; w += -lr m / denom
-    if not _updates_params_in_place(deck):
-        total += 4 + e  # the fp32 master written to the parameters (or to the ZeRO-1 gather's send buffer)
-    return total
-
-
-def optimizer_state_bytes(deck: Deck) -> int:
-    """Bytes per element of a rank's shard the update reads from memory and writes back once a
-    step: the reduced gradient, the fp32 master and both moments in, master and moments out (and
-    the parameter, where it is not the master). Each rank's shard outgrows its share of the
-    last-level cache as soon as a model is not tiny, so the step brings all of it in again."""
-    tr = deck.train
-    g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
-    return g + 12 + 12 + (0 if _updates_params_in_place(deck) else BYTES[tr.precision])
-
-
 def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: dict[str, Link]) -> float:
     """The small all-reduces every step makes after the backward: the gradient norm's (over tp
     and pp, and dp under ZeRO-1), the non-finite check's (over tp, pp and dp), one group at a
@@ -754,6 +718,9 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     dev = device_of(machine, tr.precision)
+    world = tp * pp * dp
+    # optim.offload: the rank's rates; a MachineError names the keys a machine file lacks.
+    rates = offload_rates(deck, machine, min(machine.devices_per_node, world)) if opt.offload != "none" else None
     requested = deck.parallel  # the overlap the deck asks for (gloo's dp reductions, below)
     if uses_gloo(machine):
         # CPU ranks: gloo's copies and reductions run on the same cores as the compute, so nothing
@@ -811,7 +778,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
 
     # Data parallelism, per stage: bucketed reductions of the stage's gradients.
     bucket = par.dp_bucket_mb * 1e6
-    dp_exposed, tied, norm, optimizer = [], 0.0, [], []
+    dp_exposed, tied, norm, optimizer, offloaded = [], 0.0, [], [], []
     unit_kinds: dict[tuple[bool, bool], dict[str, list[int]]] = {}  # ZeRO-3: (first, last) -> unit_buckets
     for s in range(pp):
         grads = params[s] * g
@@ -859,11 +826,16 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
             + dev.from_memory(shard * g)
             + (5 * tensors + buckets) * dev.op_seconds
         )
-        optimizer.append(
-            dev.stream(shard * optimizer_bytes(deck))
-            + dev.from_memory(shard * optimizer_state_bytes(deck))
-            + (10 * buckets + 2 * matrices) * dev.op_seconds
-        )
+        if rates is None:
+            optimizer.append(
+                dev.stream(shard * optimizer_bytes(deck))
+                + dev.from_memory(shard * optimizer_state_bytes(deck))
+                + (10 * buckets + 2 * matrices) * dev.op_seconds
+            )
+            offloaded.append(0.0)
+        else:  # the state lives in host memory or the rank's file: the update runs on the CPU
+            optimizer.append(0.0)
+            offloaded.append(offload_time(deck, dev, rates, shard, buckets, matrices, machine.host_is_device).total)
     if m.tie_embeddings and pp > 1:
         tied_link = group_link(machine, layout.stride("pp") * (pp - 1), 2)
         tied = _cost(tied_link, 2, "all_reduce", (m.vocab_size // tp) * m.hidden * g)
@@ -872,7 +844,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     after = [finish[s] + dp_exposed[s] + (tied if s in (0, pp - 1) else 0.0) + norm[s] for s in range(pp)]
     slowest = max(range(pp), key=lambda s: after[s])
     collectives = step_collectives(deck, machine, layout, links)
-    step = after[slowest] + optimizer[slowest] + collectives
+    step = after[slowest] + optimizer[slowest] + offloaded[slowest] + collectives
 
     # Breakdown of the slowest stage's step by kind.
     mine = [c for c in range(pp * v) if c % pp == slowest]
@@ -895,13 +867,14 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         "tied_embedding": tied if slowest in (0, pp - 1) else 0.0,
         "grad_norm": norm[slowest],
         "step_collectives": collectives,
-        "optimizer": optimizer[slowest],
+        "optimizer": optimizer[slowest],  # on the device
+        "optimizer_offload": offloaded[slowest],  # optim.offload: copies, the CPU update, the file
     }
     flops = gpt_step_flops(tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
     hardware = gpt_hardware_step_flops(
         tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn, tr.recompute
     )
-    devices = tp * pp * dp
+    devices = world
     return Prediction(
         step_time_s=step,
         tokens_per_s=tr.global_batch * m.seq_len / step,

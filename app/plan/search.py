@@ -8,12 +8,29 @@ one is rejected with its reason; the rest are ranked by the predicted step time
 (`app.plan.perf`, with the pipeline's steady state plus bubble), and the best `top` are
 predicted again with the schedule simulated pass by pass. The deck's own configuration goes
 through the same path, so the two can be compared.
+
+Optimizer offload (`optim.offload`) is tried only where it must be: a configuration that does
+not fit in device memory, and would fit with the state off the device by its dry run's own
+figure, is planned once more offloaded, as one more candidate ranked with the rest. Not as a
+fallback for the whole search (offload only where nothing fits without it): a grid that fits
+only offloaded may still be faster than the grids that fit with full recomputation or deep
+pipelines, and the ranking should see it. Not for every configuration either: offload only
+adds time to a configuration that fits (the copies and the CPU update replace the device's
+update, `app.plan.optimizer_time`), so those twins would never be ranked first, and the search
+would plan twice as many (on Frontier, gpt_640b's 32,768-GCD search plans 120 more, not 14,448).
+One kind is tried, the one that frees device memory on the machine: host on GPU machines; nvme
+on CPU machines, whose host memory is the device's, and only where the deck allows it (not with
+LAMB nor an asynchronous checkpoint, `app.deck.validate`). On a GPU machine nvme frees the same
+device memory as host and only adds the drive's time, and host memory is not checked against a
+capacity, so nvme could never rank above host there. A machine file that lacks the offload's
+constants (`Machine.missing_for_prediction`) gets no offloaded candidates.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -70,11 +87,13 @@ ORDERS = ("tp-dp-pp", "tp-pp-dp")
 
 def _configurations(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
     orders = list(dict.fromkeys((deck.parallel.order, *ORDERS)))
+    # Offload is tried where a configuration does not fit (`search`); the deck's own is not inherited.
+    offload = {"optim.offload": "none"} if deck.optim.offload != "none" else {}
     for sets in _grids(deck, world, machine):
         dp = world // (sets["parallel.tp"] * sets["parallel.pp"])
         # With pp or dp of 1 every order places the ranks alike: try the deck's only.
         for order in orders if sets["parallel.pp"] > 1 and dp > 1 else orders[:1]:
-            yield {"parallel.order": order, **sets}
+            yield {"parallel.order": order, **sets, **offload}
 
 
 def _grids(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
@@ -100,7 +119,19 @@ def _own(deck: Deck) -> dict[str, Any]:
         "parallel.tp": par.tp, "parallel.pp": par.pp, "parallel.virtual_stages": par.virtual_stages,
         "parallel.sequence_parallel": par.sequence_parallel, "train.micro_batch": tr.micro_batch,
         "train.recompute": tr.recompute, "optim.zero": deck.optim.zero,
+        **({"optim.offload": deck.optim.offload} if deck.optim.offload != "none" else {}),
     }  # fmt: skip
+
+
+def offload_kind(deck: Deck, machine: Machine) -> Optional[str]:
+    """The offload the search tries on a configuration that does not fit (module docstring): host
+    on a GPU machine, nvme on a CPU machine where the deck allows it; None where the machine file
+    cannot predict it."""
+    if machine.host_is_device:
+        kind = "nvme" if deck.optim.name != "lamb" and not deck.checkpoint.async_ else None
+    else:
+        kind = "host"
+    return kind if kind and not machine.missing_for_prediction(deck.train.precision, kind) else None
 
 
 def _apply(deck: Deck, sets: dict[str, Any]) -> Deck:
@@ -111,6 +142,8 @@ def _apply(deck: Deck, sets: dict[str, Any]) -> Deck:
     changes = {s: dataclasses.replace(getattr(deck, s), **kv) for s, kv in sections.items()}
     # dp follows from the world size; a balanced split (the deck's stage_layers fit its own pp only).
     changes["parallel"] = dataclasses.replace(changes["parallel"], dp="auto", stage_layers=None)
+    if changes.get("optim", deck.optim).offload != "nvme":  # the deck's nvme directory goes with nvme
+        changes["optim"] = dataclasses.replace(changes.get("optim", deck.optim), offload_dir=None)
     return dataclasses.replace(deck, **changes)
 
 
@@ -127,8 +160,21 @@ def _evaluate(
         return candidate
     if plan.problems:
         candidate.rejected = plan.problems[0]
+    elif plan.predicted is None:  # the machine file lacks what this configuration needs (offload)
+        candidate.rejected = plan.unpredicted
     candidate.plan = plan
     return candidate
+
+
+def _fits_offloaded(candidate: Candidate, kind: str) -> bool:
+    """Whether a configuration whose only problem is device memory fits with `kind` offload, by its
+    dry run's own alternative (`dryrun._check_memory`): the others are not planned again."""
+    plan = candidate.plan
+    if plan is None or plan.usable_bytes is None or len(plan.problems) != 1:
+        return False
+    if _reason(plan.problems[0]) != "does not fit in device memory":
+        return False
+    return plan.alternatives.get(f"optim.offload={kind}", math.inf) <= plan.usable_bytes
 
 
 def _reason(message: str) -> str:
@@ -151,19 +197,21 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResu
         raise MachineError(
             f"machine {machine.name}: the search needs predicted step times; missing {', '.join(missing)}"
         )
-    ranked, tried = [], 0
+    ranked: list[Candidate] = []
     result = SearchResult(world, machine, [], Candidate(_own(deck)), 0)
     fits_without_recompute: set[tuple] = set()
     layouts: LayoutCache = {}  # shared by every plan of this search
-    for sets in _configurations(deck, world, machine):
-        tried += 1
+
+    def consider(sets: dict[str, Any]) -> Optional[Candidate]:
+        """Plan one configuration and file it as ranked or rejected (None: dominated, not planned)."""
+        result.tried += 1
         # Recomputation only adds work: where a configuration fits without it, its recomputing
         # twins are slower by construction and are not planned (they are counted).
         twin = tuple(v for k, v in sets.items() if k != "train.recompute")
         if sets["train.recompute"] != "none" and twin in fits_without_recompute:
             result.rejected["dominated: fits without recompute"] += 1
             result.examples.setdefault("dominated: fits without recompute", "the same grid fits with recompute none")
-            continue
+            return None
         candidate = _evaluate(deck, sets, world, machine, simulate=False, layouts=layouts)
         if not candidate.rejected and sets["train.recompute"] == "none":
             fits_without_recompute.add(twin)
@@ -173,6 +221,14 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResu
             result.examples.setdefault(reason, candidate.rejected)
         else:
             ranked.append(candidate)
+        return candidate
+
+    offload = offload_kind(deck, machine)
+    for sets in _configurations(deck, world, machine):
+        candidate = consider(sets)
+        # Offloaded where it does not fit without, and the dry run's figure says it fits with.
+        if offload and candidate is not None and _fits_offloaded(candidate, offload):
+            consider({**sets, "optim.offload": offload})
     ranked.sort(key=lambda c: c.step)
     # The leaders again with the schedule simulated pass by pass (one more than shown, since the
     # simulation can reorder close ones).
@@ -181,7 +237,6 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResu
     if not result.own.rejected and all(c.sets != result.own.sets for c in best):
         best.append(result.own)  # so the best shown is never slower than the deck's own
     result.best = sorted(best, key=lambda c: c.step)[:top]
-    result.tried = tried
     result.seconds = time.perf_counter() - start
     return result
 
@@ -195,7 +250,8 @@ def _row(c: Candidate) -> str:
         f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  tp {s['parallel.tp']} pp "
         f"{s['parallel.pp']} dp {p.deck.dp} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
         f"{'y' if s['parallel.sequence_parallel'] else 'n'} recompute {s['train.recompute']} zero {s['optim.zero']}"
-        f" {s['parallel.order']}  {peak:.1f} GiB"
+        f"{'' if s.get('optim.offload', 'none') == 'none' else ' offload ' + s['optim.offload']} {s['parallel.order']}  "
+        f"{peak:.1f} GiB"
     )
 
 

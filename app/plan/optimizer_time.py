@@ -1,0 +1,222 @@
+"""The optimizer step's time in the performance model (`app.plan.perf`): bytes per element of a
+rank's shard as `app/optim/optimizer.py` moves them, on the device (`ShardedOptimizer.step`) or
+offloaded (`optim.offload`: `_offloaded_step`), and the seconds they take on a machine.
+
+Pure Python, like the rest of the model. N is the elements of the shard a rank updates (1/dp of
+its stage's parameters under ZeRO >= 1 with dp > 1, all of them otherwise), g the bytes of a
+reduced gradient element, e of a parameter in the compute dtype.
+
+The offloaded step, chunk by chunk (a whole bucket shard in host memory; a slot of
+`optim.offload_buffer_mb` / 36 elements streamed from the rank's file with nvme):
+
+* the gradient range is copied device -> host, blocking (N g over the host link; torch converts
+  a bf16/fp16 gradient to fp32 on the CPU after the copy);
+* the update runs on the CPU (`offload_update_bytes`), at the rank's share of the node's DRAM
+  bandwidth (host_memory_gbs / ranks on the node);
+* the fp32 master range is copied host -> device, non-blocking (N 4 over the link: with a
+  non-blocking copy torch converts to the compute dtype on the device, 4 + e device bytes).
+
+The three are serial: both copies run on the device's current stream, so the next chunk's
+blocking gradient copy waits behind this chunk's parameter copy, and the parameter copy hides
+behind nothing but Python. nvme adds the file: a reader thread reads the next chunk's 12 bytes
+per element and a writer thread writes the previous chunk back while the main thread updates,
+so per step the slowest of the three streams counts, plus one chunk read before the first
+update and one written after the last. ZeRO-1/2 then copy the parameter shard into the
+all-gather's send buffer on the device (2 e). docs/PERFORMANCE_MODEL.md, "Optimizer offload",
+has the equations, the constants' sources and what is left out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from app.deck import Deck
+from app.names import BYTES, reduce_precision
+from app.plan.estimate import OFFLOAD_SLOTS, OFFLOAD_STATE_BYTES
+from app.plan.machine import Machine, MachineError
+
+if TYPE_CHECKING:
+    from app.plan.perf import Device
+
+# Bytes per element of each eager pass of the element-wise update (`ShardedOptimizer._update`), the
+# same on the device and on the host: m.lerp_(g) 12, v.mul_() 8, v.addcmul_(g, g) 12; the
+# denominator v.sqrt() 8, .div_() 8, .add_(eps) 8.
+MOMENTS_BYTES = 12 + 8 + 12
+DENOMINATOR_BYTES = 8 + 8 + 8
+# pread and pwrite copy each chunk between the page cache and the slot: 12 bytes per element read
+# and written each way.
+PAGE_CACHE_BYTES = 2 * (OFFLOAD_STATE_BYTES + OFFLOAD_STATE_BYTES)
+# Framework ops of one offloaded chunk: two slices, the gradient's copy, its scaling, the six passes
+# of the moments and the denominator, the update, the parameter copy.
+OFFLOAD_CHUNK_OPS = 12
+
+
+def grad_norm_bytes(g: int) -> int:
+    """Bytes per gradient element of `grad_norm` (app/optim/optimizer.py): g.double() reads g and
+    writes 8 bytes, pow(2) reads and writes 8, sum() reads 8."""
+    return g + 8 + 16 + 8
+
+
+def _scaled(deck: Deck) -> bool:
+    """Whether the step multiplies the gradient by a scale (clipping; fp16's loss-scale inverse)."""
+    return deck.optim.grad_clip > 0 or deck.train.precision == "fp16"
+
+
+def _apply_bytes(deck: Deck) -> int:
+    """Bytes per element after the denominator: AdamW's decay w *= 1 - lr wd (8) and w += -lr m /
+    denom (16); LAMB's update m / bc1 / denom (+ decay), its two norms per tensor (as grad_norm's
+    passes over fp32) and w += ratio x update."""
+    if deck.optim.name == "lamb":
+        return 8 + 12 + 12 + 2 * grad_norm_bytes(4) + 12
+    return 8 + 16
+
+
+def _updates_params_in_place(deck: Deck) -> bool:
+    """Whether the update writes the parameters themselves (fp32, no ZeRO-1/2; under ZeRO-3 the
+    fp32 master is the parameter shard): otherwise the fp32 master is written again to the
+    parameters, or to the ZeRO-1/2 gather's send buffer."""
+    return deck.train.precision == "fp32" and not (deck.optim.zero in (1, 2) and deck.dp > 1)
+
+
+def _grad_bytes(deck: Deck) -> int:
+    tr = deck.train
+    return BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
+
+
+def optimizer_bytes(deck: Deck) -> int:
+    """Bytes per element of a rank's shard moved by `ShardedOptimizer.step`, pass by pass as it is
+    written (fp32 moments; every eager op reads its operands and writes its result)."""
+    e, g = BYTES[deck.train.precision], _grad_bytes(deck)
+    total = (g + 4) if g != 4 else 0  # the gradient to fp32
+    total += 8 if _scaled(deck) else 0  # times the clip coefficient (and the loss-scale inverse)
+    total += MOMENTS_BYTES + DENOMINATOR_BYTES + _apply_bytes(deck)
+    if not _updates_params_in_place(deck):
+        total += 4 + e  # the fp32 master written to the parameters (or to the ZeRO-1 gather's send buffer)
+    return total
+
+
+def optimizer_state_bytes(deck: Deck) -> int:
+    """Bytes per element of a rank's shard the update reads from memory and writes back once a
+    step: the reduced gradient, the fp32 master and both moments in, master and moments out (and
+    the parameter, where it is not the master). Each rank's shard outgrows its share of the
+    last-level cache as soon as a model is not tiny, so the step brings all of it in again."""
+    return _grad_bytes(deck) + 12 + 12 + (0 if _updates_params_in_place(deck) else BYTES[deck.train.precision])
+
+
+def offload_update_bytes(deck: Deck, host_is_device: bool = False) -> int:
+    """Bytes per element the CPU moves in `_offloaded_step`: the gradient converted to fp32 (g + 4:
+    on a GPU machine only when it is not fp32 already, since the copy from the device lands in a
+    g-byte tensor; on a CPU machine it is always a copy), its scaling, `_update`'s passes, on a CPU
+    machine the parameter written from the master (4 + e; on a GPU the host -> device copy), and
+    with nvme the page-cache copies of the state (`PAGE_CACHE_BYTES`)."""
+    e, g = BYTES[deck.train.precision], _grad_bytes(deck)
+    total = (g + 4) if g != 4 or host_is_device else 0
+    total += 8 if _scaled(deck) else 0
+    total += MOMENTS_BYTES + DENOMINATOR_BYTES + _apply_bytes(deck)
+    total += (4 + e) if host_is_device else 0
+    return total + (PAGE_CACHE_BYTES if deck.optim.offload == "nvme" else 0)
+
+
+def offload_state_bytes(deck: Deck) -> int:
+    """Bytes per element of the offloaded step that no cache holds (CPU machines, `memory_gbs`):
+    the gradient in, the master and both moments in and out, the parameter out (the store keeps
+    its own master, even in fp32)."""
+    return _grad_bytes(deck) + 2 * OFFLOAD_STATE_BYTES + BYTES[deck.train.precision]
+
+
+def nvme_chunk_elements(deck: Deck) -> int:
+    """Elements of one nvme stream slot, as `NvmeStore` cuts them from optim.offload_buffer_mb."""
+    return max(1, int(deck.optim.offload_buffer_mb * 1e6) // (OFFLOAD_SLOTS * OFFLOAD_STATE_BYTES))
+
+
+@dataclass(frozen=True)
+class OffloadRates:
+    """One rank's rates for the offloaded step, bytes/s: its device's host link, its share of the
+    node's DRAM bandwidth and of the node's drive (None where the machine gives none or the deck
+    does not use it)."""
+
+    link: Optional[float]
+    memory: Optional[float]
+    read: Optional[float] = None
+    write: Optional[float] = None
+
+
+def offload_rates(deck: Deck, machine: Machine, ranks_on_node: int) -> OffloadRates:
+    """The rates of `deck`'s offload on `machine` with `ranks_on_node` ranks sharing a node; a
+    `MachineError` names the keys the machine file lacks (nothing is guessed)."""
+    missing = machine.missing_for_prediction(deck.train.precision, deck.optim.offload)
+    if missing:
+        raise MachineError(
+            f"machine {machine.name}: cannot predict step times: missing {', '.join(missing)} "
+            "(see docs/PERFORMANCE_MODEL.md for each key and its source)"
+        )
+
+    def share(gbs: Optional[float]) -> Optional[float]:
+        return None if gbs is None else gbs * 1e9 / ranks_on_node
+
+    link = None if machine.host_link_gbs is None else machine.host_link_gbs * 1e9
+    nvme = deck.optim.offload == "nvme"
+    return OffloadRates(
+        link=link,
+        memory=share(machine.host_memory_gbs),
+        read=share(machine.nvme_read_gbs) if nvme else None,
+        write=share(machine.nvme_write_gbs) if nvme else None,
+    )
+
+
+@dataclass(frozen=True)
+class OffloadTime:
+    """Seconds of one rank's offloaded step, by part (`total` is what the step waits for)."""
+
+    to_host: float  # the gradient copies device -> host
+    update: float  # the CPU's passes
+    to_device: float  # the parameter copies host -> device, with their conversion on the device
+    read: float = 0.0  # nvme: the state read from the file
+    write: float = 0.0  # nvme: the state written back
+    fill: float = 0.0  # nvme: the first chunk's read and the last chunk's write, not overlapped
+    after: float = 0.0  # ZeRO-1/2: the parameter shard copied into the gather's send buffer
+    host: float = 0.0  # framework overhead per op
+
+    @property
+    def main(self) -> float:
+        """The main thread's chunks: copy in, update, copy out, one after the other."""
+        return self.to_host + self.update + self.to_device
+
+    @property
+    def total(self) -> float:
+        return max(self.main, self.read, self.write) + self.fill + self.after + self.host
+
+
+def offload_time(
+    deck: Deck, dev: Device, rates: OffloadRates, shard: float, buckets: int, matrices: int, host_is_device: bool
+) -> OffloadTime:
+    """The offloaded step of a rank that updates `shard` elements in `buckets` buckets, `matrices`
+    of its tensors weight matrices (their decay runs), on device `dev`; `host_is_device`: a CPU
+    machine, whose passes run at its calibrated rates (`dev.stream` and `dev.from_memory`)."""
+    e, g = BYTES[deck.train.precision], _grad_bytes(deck)
+    nvme = deck.optim.offload == "nvme"
+    chunks = max(buckets, math.ceil(shard / nvme_chunk_elements(deck))) if nvme else buckets
+    cpu = shard * offload_update_bytes(deck, host_is_device)
+    gather = 2 * e if deck.optim.zero in (1, 2) and deck.dp > 1 else 0  # the send buffer's copy
+    if host_is_device:
+        to_host = to_device = 0.0  # the copies are passes of the update (offload_update_bytes)
+        update = dev.stream(cpu) + dev.from_memory(shard * offload_state_bytes(deck))
+        after = dev.stream(shard * gather)
+    else:
+        assert rates.link is not None and rates.memory is not None
+        to_host = shard * g / rates.link
+        update = cpu / rates.memory
+        conversion = dev.stream(shard * (4 + e)) if e != 4 else 0.0
+        to_device = shard * 4 / rates.link + conversion
+        after = dev.stream(shard * gather)
+    read = write = fill = 0.0
+    if nvme:
+        assert rates.read is not None and rates.write is not None
+        state = shard * OFFLOAD_STATE_BYTES
+        first = min(shard, nvme_chunk_elements(deck)) * OFFLOAD_STATE_BYTES
+        read, write = state / rates.read, state / rates.write
+        fill = first / rates.read + first / rates.write
+    ops = (OFFLOAD_CHUNK_OPS * chunks + 2 * matrices) * dev.op_seconds
+    return OffloadTime(to_host, update, to_device, read, write, fill, after, ops)
