@@ -152,6 +152,35 @@ def test_a_meta_model_builds_the_same_buffers_as_a_materialised_one(runtime, zer
     assert all(m.dtype == torch.float32 for m in master_b)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero2_and_zero3_release_every_bucket_buffer_after_backward(runtime, zero):
+    """Under ZeRO-2/3 a bucket's gradient buffer lives from its first gradient to its reduction. A
+    parameter's `main_grad` view of it used to outlive the reduction, so after a backward every
+    bucket's buffer was still alive (found measuring the 823M deck's RSS: +1 block per backward
+    block). After the reduction no parameter points into a bucket buffer, and nothing is counted."""
+    from app.model.gpt import GPT
+
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", SMALL)
+    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    model = GPT(deck.model, 11, torch.device("meta"))
+    dp = DataParallel(model, grid, bucket_mb=0.01, zero=zero, units=model.param_units(), seed=11,
+                      device=torch.device("cpu"))  # fmt: skip
+    if dp.shard_params:
+        model.set_gate(dp)
+    tokens = torch.randint(
+        0, deck.model.vocab_size, (2, deck.model.seq_len + 1), generator=torch.Generator().manual_seed(3)
+    )
+    dp.start_step(1)
+    with dp.saving():
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    dp.finish_grad_reduce()
+    assert len(dp.buckets) > 2
+    assert all(getattr(p, "main_grad", None) is None for p in model.parameters())
+    assert dp.bucket_bytes == 0 and dp.gathered_bytes == 0
+    assert all(f.full is None for f in dp.flight)
+
+
 @pytest.mark.mpi
 def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
     deck = resolve_for_world(

@@ -352,6 +352,8 @@ class DataParallel:
             self._retire()
         full, f.full, f.count = f.full, None, 0
         assert full is not None and f.grad_shard is not None
+        for i in self.buckets[k].params:  # their views would keep the buffer alive past the reduction
+            self.params[i].main_grad = None  # type: ignore[attr-defined]
         full.div_(self.dp)
         shard = torch.empty_like(f.grad_shard)
         self._count_bytes(shard)
