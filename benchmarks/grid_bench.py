@@ -68,14 +68,9 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
         f"parallel.virtual_stages={virtual}", f"train.steps={args.steps}", "run.timers=true",
         f"run.log_every={args.steps}", f"run.dir={run_dir}", *FRESH, *args.set,
     ]  # fmt: skip
-    cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app", args.deck]
-    cmd += [arg for s in sets for arg in ("--set", s)]
-    print(f"grid_bench: {spec}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
-        return {"grid": spec, "ranks": ranks, "error": f"exit {out.returncode}"}
-    summary = Summary.from_dict(json.loads((REPO / run_dir / "summary.json").read_text()))
+    summary = run_deck(ranks, args.deck, sets, run_dir, f"grid_bench: {spec}")
+    if isinstance(summary, str):
+        return {"grid": spec, "ranks": ranks, "error": summary}
     comm = summary.timers["exposed_comm_s"] if summary.timers else {}
     return {
         "grid": spec,
@@ -88,6 +83,19 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
         "dp_comm_ms": 1e3 * comm.get("dp", 0.0),
         "final_loss": summary.final_loss,
     }
+
+
+def run_deck(ranks: int, deck: str, sets: list[str], run_dir: Path, label: str) -> Summary | str:
+    """`mpirun -n RANKS python -m app DECK --set ...` from the repository; its summary.json, or
+    "exit N" (its output's tail on stderr) when it failed."""
+    cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app", deck]
+    cmd += [arg for s in sets for arg in ("--set", s)]
+    print(f"{label}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
+        return f"exit {out.returncode}"
+    return Summary.from_dict(json.loads((REPO / run_dir / "summary.json").read_text()))
 
 
 def markdown(rows: list[dict]) -> str:

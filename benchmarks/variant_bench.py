@@ -36,8 +36,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import grid_bench  # noqa: E402
 
-from app.metrics.summary import Summary  # noqa: E402
-
 GiB = float(1 << 30)
 COLUMNS = ["variant", "round", "step_ms", "dp_comm_ms", "tp_comm_ms", "peak_rss_gib", "planned_gib", "final_loss"]
 
@@ -59,14 +57,9 @@ def run_once(args: argparse.Namespace, variant: str, index: int, round_: int) ->
     run_dir = Path(args.out) / f"v{index}_r{round_}"
     sets = [*variant.split(), *args.set, f"train.steps={args.steps}", "run.timers=true", f"run.log_every={args.steps}",
             f"run.dir={run_dir}", *grid_bench.FRESH]  # fmt: skip
-    cmd = ["mpirun", "-n", str(args.ranks), sys.executable, "-m", "app", args.deck]
-    cmd += [arg for s in sets for arg in ("--set", s)]
-    print(f"variant_bench: round {round_}: {variant}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, cwd=REPO, env=grid_bench.mpi_env(), capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
-        return {"variant": variant, "round": round_, "error": f"exit {out.returncode}"}
-    summary = Summary.from_dict(json.loads((REPO / run_dir / "summary.json").read_text()))
+    summary = grid_bench.run_deck(args.ranks, args.deck, sets, run_dir, f"variant_bench: round {round_}: {variant}")
+    if isinstance(summary, str):
+        return {"variant": variant, "round": round_, "error": summary}
     comm = summary.timers["exposed_comm_s"] if summary.timers else {}
     return {
         "variant": variant,
