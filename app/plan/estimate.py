@@ -184,12 +184,7 @@ def stage_layout(
     `units`: ZeRO-3's layout, whose buckets are cut at the gather units (`stage_units`); build
     it with `zero=True`."""
     key = _layout_key(deck, layers, first, last, zero, units)
-    if cache is not None and key in cache:
-        return cache[key]  # type: ignore[return-value]  # the layouts' keys hold layouts
-    layout = _build_layout(*key)
-    if cache is not None:
-        cache[key] = layout
-    return layout
+    return _cached(cache, key, lambda: _build_layout(*key))  # type: ignore[return-value]  # layouts' keys hold layouts
 
 
 def stage_sizes(
@@ -203,19 +198,29 @@ def stage_sizes(
 ) -> LayoutSizes:
     """`LayoutSizes` of `stage_layout(...)` (the same arguments), kept in `cache` beside it: a
     search reads them for thousands of plans."""
+
+    def sizes() -> LayoutSizes:
+        layout = stage_layout(deck, layers, first, last, zero, cache, units)
+        largest_unit = (
+            max(unit_elements(layout, stage_units(deck.model, layers, first, last)[::-1]).values()) if units else 0
+        )
+        return LayoutSizes(
+            layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit
+        )
+
     key = ("sizes", *_layout_key(deck, layers, first, last, zero, units))
-    if cache is not None and key in cache:
-        return cache[key]  # type: ignore[return-value]  # the sizes' keys hold sizes
-    layout = stage_layout(deck, layers, first, last, zero, cache, units)
-    largest_unit = (
-        max(unit_elements(layout, stage_units(deck.model, layers, first, last)[::-1]).values()) if units else 0
-    )
-    sizes = LayoutSizes(
-        layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit
-    )
-    if cache is not None:
-        cache[key] = sizes
-    return sizes
+    return _cached(cache, key, sizes)  # type: ignore[return-value]  # the sizes' keys hold sizes
+
+
+def _cached(
+    cache: Optional[LayoutCache], key: tuple, make: Callable[[], Union[ParamLayout, LayoutSizes]]
+) -> Union[ParamLayout, LayoutSizes]:
+    """`cache[key]`, made by `make` and kept there the first time (no cache: made each time)."""
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def _layout_key(deck: Deck, layers: int, first: bool, last: bool, zero: bool, units: bool) -> tuple:
