@@ -123,7 +123,16 @@ def run(argv: Optional[list[str]] = None) -> int:
     from app.deck import load_deck, resolve_for_world
     from app.errors import GridlmError
     from app.runtime.grid import ProcessGrid
-    from app.runtime.mpi import abort, agree, bind_device, init_mpi, init_torch_distributed, set_threads, shutdown
+    from app.runtime.mpi import (
+        abort,
+        agree,
+        bind_device,
+        init_mpi,
+        init_torch_distributed,
+        set_malloc_mmap_threshold,
+        set_threads,
+        shutdown,
+    )
     from app.runtime.watchdog import EXIT_CODE as WATCHDOG_EXIT
     from app.runtime.watchdog import start_watchdog
 
@@ -140,6 +149,7 @@ def run(argv: Optional[list[str]] = None) -> int:
         start_watchdog(runtime, deck.run.comm_timeout_s)
         agree(runtime, lambda: bind_device(runtime, deck.run.device))
         set_threads(runtime, deck.run.threads)
+        set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)
         # torch's own timeout comes after the watchdog's, which names the operation and the ranks.
         timeout = deck.run.comm_timeout_s + 60
         agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout))

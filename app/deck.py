@@ -211,6 +211,11 @@ class RunConfig:
     threads: Optional[int] = _key(
         None, "torch threads per rank; null means cores per node / ranks per node", min=1, max=1024
     )
+    malloc_mmap_threshold_kb: int = _key(
+        1024, "glibc malloc: host allocations of at least this many KiB are mmapped, so the memory of a freed "
+        "tensor goes back to the system at once; 0 keeps glibc's dynamic threshold, under which freed "
+        "temporaries up to 32 MiB can stay resident", min=0, max=32768,
+    )  # fmt: skip
     machine: Optional[str] = _key(
         None, "machine the deck is planned for (inputs/machines/NAME.yaml or a path): the default of --dry-run's "
         "and launch/submit.py's --machine",

@@ -4,11 +4,16 @@ communicators and torch groups of every grid that fits the launched ranks."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from app.runtime.grid import AXES, GridLayout, placement_warnings
 
+REPO = Path(__file__).resolve().parent.parent
 ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 2, 3), (8, 4, 2), (3, 5, 7)]
 
@@ -146,3 +151,43 @@ def test_groups_within_node_follow_the_measured_placement_not_the_layout():
     round_robin = [0, 1, 0, 1, 0, 1, 0, 1]
     assert not _groups_within_node(layout, "tp", round_robin)
     assert _groups_within_node(layout, "dp", [0] * 8)
+
+
+_FREED_PROBE = r"""
+import re, sys
+import torch
+from app.runtime.mpi import set_malloc_mmap_threshold
+
+def rss_mb():
+    return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
+
+fixed = set_malloc_mmap_threshold(int(sys.argv[1]))
+# glibc's dynamic threshold: freeing an mmapped 8 MiB block raises it to 8 MiB, so the next
+# 4 MiB tensors come from the heap, each followed by a 256 KiB tensor that stays (as a shard
+# built between temporaries does) and keeps the heap from trimming the hole below it.
+big = torch.ones(2 << 20); del big
+before = rss_mb()
+freed, kept = [], []
+for _ in range(16):
+    freed.append(torch.ones(1 << 20))  # 4 MiB, pages touched
+    kept.append(torch.ones(1 << 16))
+del freed
+print(fixed, round(rss_mb() - before, 1))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc (Linux)")
+def test_a_fixed_mmap_threshold_gives_freed_tensors_back_to_the_system(tmp_path):
+    """run.malloc_mmap_threshold_kb: with it, 64 MiB of freed 4 MiB tensors leave the resident
+    set; with glibc's dynamic threshold (0) they stay, which is what this guards against."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    out = {}
+    for kib in (1024, 0):
+        run = subprocess.run([sys.executable, "-c", _FREED_PROBE, str(kib)], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        fixed, kept = run.stdout.split()
+        out[kib] = (fixed, float(kept))
+    assert out[1024][0] == "True" and out[0][0] == "False"
+    assert out[1024][1] < 20, out  # 4 MiB kept and 64 MiB freed: at most a quarter of that may stay
+    assert out[0][1] > 48, out  # the control: without the fixed threshold most of it stays

@@ -149,6 +149,29 @@ def set_threads(runtime: Runtime, threads: Optional[int]) -> int:
     return threads
 
 
+def set_malloc_mmap_threshold(kib: int) -> bool:
+    """Fix glibc's mmap threshold at `kib` KiB (0: leave glibc's default); True if it was set.
+
+    glibc raises its threshold to the size of each mmapped block it frees, up to 32 MiB, and serves
+    later blocks below it from the heap, which it trims only from the top. Tensors of a few MiB
+    freed in a varying order (initialising a ZeRO-3 shard, gloo's collective temporaries) then stay
+    resident: measured 2.0 GB against 0.6 GB per rank when building a 218M-parameter ZeRO-3 model on
+    4 ranks. A fixed threshold (glibc `mallopt(M_MMAP_THRESHOLD)`) gives a freed tensor's pages back.
+    A user's MALLOC_MMAP_THRESHOLD_ wins; other C libraries are left alone.
+    """
+    if kib == 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    m_mmap_threshold = -3  # malloc.h
+    return bool(mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(kib * 1024)))
+
+
 def init_torch_distributed(runtime: Runtime, backend: str = "auto", timeout_s: float = 600.0) -> None:
     """Bootstrap torch.distributed from MPI: rank 0 hosts the TCPStore, MPI carries its address."""
     import torch.distributed as dist
