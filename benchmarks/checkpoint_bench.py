@@ -146,12 +146,13 @@ def build_trainer(rt: Any, deck_path: str, sets: list[str]) -> tuple[Any, int]:
     the grid as `python -m app` makes them), and the torch threads per rank."""
     from app.deck import load_deck, resolve_for_world
     from app.runtime.grid import ProcessGrid
-    from app.runtime.mpi import agree, bind_device, init_torch_distributed, set_threads
+    from app.runtime.mpi import agree, bind_device, init_torch_distributed, set_malloc_mmap_threshold, set_threads
     from app.train import Trainer
 
     deck = agree(rt, lambda: resolve_for_world(load_deck(REPO / deck_path, tuple(sets)), rt.world_size))
     agree(rt, lambda: bind_device(rt, deck.run.device))
     threads = set_threads(rt, deck.run.threads)
+    set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)
     agree(rt, lambda: init_torch_distributed(rt, deck.parallel.backend))
     par = deck.parallel
     return Trainer(deck, rt, ProcessGrid(rt, par.tp, par.pp, deck.dp, par.order)), threads

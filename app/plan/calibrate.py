@@ -505,9 +505,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--scratch", default=None, help="directory on the disk whose rates to measure (default: the temp directory)"
     )
     args = parser.parse_args(argv)
+    from app.deck import RunConfig
     from app.errors import GridlmError
     from app.plan.machine import MACHINES_DIR, load_machine, machine_path
-    from app.runtime.mpi import bind_device, init_mpi, init_torch_distributed, on_root, set_threads
+    from app.runtime.mpi import (
+        bind_device,
+        init_mpi,
+        init_torch_distributed,
+        on_root,
+        set_malloc_mmap_threshold,
+        set_threads,
+    )
 
     runtime = init_mpi()
     base_path = machine_path(args.base)
@@ -531,6 +539,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return err.exit_code
     bind_device(runtime, "auto")
     set_threads(runtime, None)
+    set_malloc_mmap_threshold(RunConfig().malloc_mmap_threshold_kb)  # the allocator a run has
     init_torch_distributed(runtime)
     measured = measure(runtime, args.repeat, None if args.scratch is None else Path(args.scratch))
     if runtime.is_root:
