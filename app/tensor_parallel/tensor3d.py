@@ -1,0 +1,103 @@
+"""AxoNN's 3D tensor parallelism (Singh, Bhatele et al., SC'24): the tp ranks as an X x Y x Z grid.
+
+A Linear's weight W (out, in) is split (out / Y, in / X) over the X x Y grid ("A" layout; the
+"B" layout, on every second Linear, swaps the roles: (out / X, in / Y)), and each such block
+is sharded 1/Z along its rows over Z, in a ZeRO-3-like way. The batch is split over dp x Z.
+
+    forward    gather W's rows over Z; y = x W^T (a partial sum over the in-features' axis);
+               all-reduce y over that axis
+    backward   gather W again; dx = dy W, all-reduced over the out-features' axis, overlapped
+               with the weight-gradient GEMM dW = dy^T x (OAR); dW reduce-scattered over Z
+               into the shard's gradient
+
+With A on the first Linear of a pair and B on the second, the first's output split (over Y)
+is the second's input split, and the second's output split (over X) is the first's input: no
+re-layout between them. In a block the residual stream is (b / Z, s, h / X), replicated over
+Y; the attention heads and the MLP's hidden features are split over Y, replicated over X
+(the attention core runs X times over); LayerNorm's statistics are summed over X.
+
+`Tensor3D` holds the three sub-axes' groups; each sub-axis is a `TensorParallel`, so the
+1D mappings (copy_to_tp, reduce_from_tp) are the 3D ones on a sub-axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from app.tensor_parallel.mappings import TensorParallel, copy_to_tp, reduce_from_tp
+
+SUB_AXES = ("tp_x", "tp_y", "tp_z")
+
+
+@dataclass(frozen=True)
+class Tensor3D:
+    """The X, Y and Z sub-axes of the tensor-parallel group (each a `TensorParallel`).
+
+    A tp rank r sits at x = r % X, y = (r // X) % Y, z = r // (X Y): X innermost, so that the
+    all-reduces of every Linear run between the nearest ranks. `overlap_all_reduce` (OAR): the
+    backward all-reduce of the input gradient runs during the weight-gradient GEMM.
+    """
+
+    x: TensorParallel = field(default_factory=TensorParallel)
+    y: TensorParallel = field(default_factory=TensorParallel)
+    z: TensorParallel = field(default_factory=TensorParallel)
+    overlap_all_reduce: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.x.size * self.y.size * self.z.size
+
+    def axes(self, transposed: bool) -> tuple[TensorParallel, TensorParallel]:
+        """(in-features axis, out-features axis) of a Linear in the A (or, transposed, B) layout."""
+        return (self.y, self.x) if transposed else (self.x, self.y)
+
+
+def coords3d(tp_rank: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(x, y, z) of tp rank `tp_rank` in an X x Y x Z grid (X innermost)."""
+    x, y, _ = shape
+    return tp_rank % x, (tp_rank // x) % y, tp_rank // (x * y)
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather a weight's Z shards along its rows; backward: reduce-scatter the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, z: TensorParallel) -> torch.Tensor:
+        ctx.z = z
+        return z.all_gather(shard, 0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.z.reduce_scatter(grad, 0), None
+
+
+def gather_rows(shard: torch.Tensor, z: TensorParallel) -> torch.Tensor:
+    """The whole (X x Y) block of a Z-sharded weight, for this pass."""
+    return shard if z.size == 1 else _GatherRows.apply(shard, z)
+
+
+def linear3d(
+    x: torch.Tensor, shard: torch.Tensor, bias: Optional[torch.Tensor], t3d: Tensor3D, transposed: bool
+) -> torch.Tensor:
+    """x W^T + b for this rank's Z shard of W's (X x Y) block. x: (..., in / |in axis|) replicated
+    over the out axis; returns (..., out / |out axis|) replicated over the in axis."""
+    in_axis, out_axis = t3d.axes(transposed)
+    y = F.linear(copy_to_tp(x, out_axis), gather_rows(shard, t3d.z))
+    y = reduce_from_tp(y, in_axis)
+    return y if bias is None else y + bias
+
+
+def tensor3d_from_grid(
+    grid: Any, shape: tuple[int, int, int], timers: Any = None, overlap_all_reduce: bool = False
+) -> Tensor3D:
+    """The `Tensor3D` of this rank's tp group on `grid` (a `ProcessGrid`) split as `shape`."""
+    groups = grid.tensor3d(shape)
+    axes = [
+        TensorParallel(n, groups[a][0], groups[a][1] if n > 1 else None, False, timers, overlap_all_reduce)
+        for a, n in zip(SUB_AXES, shape)
+    ]
+    return Tensor3D(*axes, overlap_all_reduce=overlap_all_reduce)
