@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.tensor_parallel.tensor3d import coords3d, linear3d, tensor3d_from_grid
+from app.tensor_parallel.tensor3d import coords3d, layer_norm3d, linear3d, tensor3d_from_grid
 
 ATOL = 1e-5
 
@@ -68,3 +68,21 @@ def test_linear3d_equals_the_1_rank_linear_forward_and_backward(grids, transpose
         # (summed over Z with the other replicated parameters' gradients, after dp).
         ref_bias = g[z * mb : (z + 1) * mb, :, r0 : r0 + rows].sum(dim=(0, 1))
         torch.testing.assert_close(bias.grad, ref_bias, atol=ATOL, rtol=0)
+
+
+@pytest.mark.mpi
+def test_layer_norm_over_a_hidden_split_equals_the_1_rank_layer_norm(grids):
+    n = grids.world.world_size
+    t3d = tensor3d_from_grid(grids.grid(n, 1, 1), (n, 1, 1))
+    hidden = 4 * n
+    x, w, b, g = _full((2, 3, hidden), 5) * 3 + 1, _full((hidden,), 6), _full((hidden,), 7), _full((2, 3, hidden), 8)
+    cols = slice(t3d.x.rank * 4, t3d.x.rank * 4 + 4)
+    xs, ws, bs = (t[..., cols].clone().requires_grad_() for t in (x, w, b))
+    y = layer_norm3d(xs, ws, bs, 1e-5, t3d.x)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    y_ref = F.layer_norm(xr, (hidden,), wr, br, 1e-5)
+    torch.testing.assert_close(y, y_ref[..., cols], atol=ATOL, rtol=0)
+    y.backward(g[..., cols])
+    y_ref.backward(g)
+    for mine, ref in ((xs, xr), (ws, wr), (bs, br)):
+        torch.testing.assert_close(mine.grad, ref.grad[..., cols], atol=ATOL, rtol=0)

@@ -101,3 +101,33 @@ def tensor3d_from_grid(
         for a, n in zip(SUB_AXES, shape)
     ]
     return Tensor3D(*axes, overlap_all_reduce=overlap_all_reduce)
+
+
+class _AllReduceBothWays(torch.autograd.Function):
+    """A sum over a sub-axis whose result each rank uses for its own slice: the gradient of each
+    rank's input is the sum of the ranks' gradients (an all-reduce in backward too)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t: TensorParallel) -> torch.Tensor:
+        ctx.t = t
+        return t.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.t.all_reduce(grad), None
+
+
+def layer_norm3d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, t: TensorParallel
+) -> torch.Tensor:
+    """LayerNorm over a hidden dimension split over the sub-axis `t` (X): each rank holds h / X
+    features and the matching slices of `weight` and `bias`; the mean and the variance are
+    summed over `t` (two passes, in fp32, as F.layer_norm computes them)."""
+    if t.size == 1:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    h = x.shape[-1] * t.size
+    xf = x.float()
+    mean = _AllReduceBothWays.apply(xf.sum(dim=-1, keepdim=True), t) / h
+    centred = xf - mean
+    var = _AllReduceBothWays.apply((centred * centred).sum(dim=-1, keepdim=True), t) / h
+    return (centred * torch.rsqrt(var + eps) * weight.float() + bias.float()).to(x.dtype)
