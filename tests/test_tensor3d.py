@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.tensor_parallel.tensor3d import coords3d, layer_norm3d, linear3d, tensor3d_from_grid
+from app.tensor_parallel.tensor3d import coords3d, embedding3d, layer_norm3d, linear3d, tensor3d_from_grid
 
 ATOL = 1e-5
 
@@ -86,3 +86,37 @@ def test_layer_norm_over_a_hidden_split_equals_the_1_rank_layer_norm(grids):
     y_ref.backward(g)
     for mine, ref in ((xs, xr), (ws, wr), (bs, br)):
         torch.testing.assert_close(mine.grad, ref.grad[..., cols], atol=ATOL, rtol=0)
+
+
+@pytest.mark.mpi
+def test_embedding3d_and_the_tied_head_equal_the_1_rank_lookup_and_loss(grids):
+    """The table's (vocab / Y, hidden / X) block, Z-sharded, serves both the lookup and the tied
+    head; the loss is the vocab-parallel cross-entropy over Y."""
+    from app.tensor_parallel.layers import vocab_parallel_cross_entropy
+
+    n = grids.world.world_size
+    grid = grids.grid(n, 1, 1)
+    vocab, hidden, batch, seq = 4 * n, 2 * n, 2 * n, 3
+    table = _full((vocab, hidden), 9)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(10))
+    targets = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(11))
+    tr = table.clone().requires_grad_()
+    h_ref = F.embedding(tokens, tr)
+    loss_ref = F.cross_entropy(F.linear(h_ref, tr).reshape(-1, vocab), targets.reshape(-1), reduction="sum")
+    loss_ref.backward()
+    for shape in factorisations(n):
+        t3d = tensor3d_from_grid(grid, shape)
+        z, zs = t3d.z.rank, t3d.z.size
+        rows, cols = vocab // t3d.y.size, hidden // t3d.x.size
+        r0, c0 = t3d.y.rank * rows, t3d.x.rank * cols
+        sr = rows // zs
+        shard = table[r0 + z * sr : r0 + (z + 1) * sr, c0 : c0 + cols].clone().requires_grad_()
+        mb = batch // zs
+        mine = slice(z * mb, (z + 1) * mb)
+        h = embedding3d(tokens[mine], shard, r0, t3d)
+        torch.testing.assert_close(h, h_ref[mine, :, c0 : c0 + cols].detach(), atol=ATOL, rtol=0)
+        logits = linear3d(h, shard, None, t3d, transposed=False)
+        loss = vocab_parallel_cross_entropy(logits, targets[mine], t3d.y) * (mb * seq)  # this Z rank's sum
+        loss.backward()
+        ref_shard = tr.grad[r0 + z * sr : r0 + (z + 1) * sr, c0 : c0 + cols]
+        torch.testing.assert_close(shard.grad, ref_shard, atol=ATOL, rtol=0)

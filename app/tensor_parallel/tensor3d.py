@@ -131,3 +131,16 @@ def layer_norm3d(
     centred = xf - mean
     var = _AllReduceBothWays.apply((centred * centred).sum(dim=-1, keepdim=True), t) / h
     return (centred * torch.rsqrt(var + eps) * weight.float() + bias.float()).to(x.dtype)
+
+
+def embedding3d(tokens: torch.Tensor, shard: torch.Tensor, row_start: int, t3d: Tensor3D) -> torch.Tensor:
+    """Token embedding from a (vocab, hidden) table split (vocab / Y, hidden / X) and Z-sharded
+    along its rows (the A layout of the tied head): each rank looks up the tokens in its row
+    range [row_start, row_start + rows) (zeros elsewhere) and the sum over Y is the embedding,
+    (..., hidden / X) replicated over Y."""
+    table = gather_rows(shard, t3d.z)
+    if t3d.y.size == 1:
+        return F.embedding(tokens, table)
+    outside = (tokens < row_start) | (tokens >= row_start + table.shape[0])
+    local = (tokens - row_start).masked_fill(outside, 0)
+    return reduce_from_tp(F.embedding(local, table).masked_fill(outside.unsqueeze(-1), 0.0), t3d.y)
