@@ -120,3 +120,41 @@ def test_embedding3d_and_the_tied_head_equal_the_1_rank_lookup_and_loss(grids):
         loss.backward()
         ref_shard = tr.grad[r0 + z * sr : r0 + (z + 1) * sr, c0 : c0 + cols]
         torch.testing.assert_close(shard.grad, ref_shard, atol=ATOL, rtol=0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_3d_gpt_gives_the_1_rank_loss_and_gradients(grids, tie):
+    """The whole model (blocks, tied or untied head) on every (x, y, z) of the launched ranks:
+    each Z rank runs its share of the batch; the mean of their losses is the 1-rank loss, and
+    each parameter's gradient, summed over Z where the parameter is replicated over Z (what
+    DataParallel does after dp), is the 1-rank gradient's block."""
+    from app.deck import ModelConfig
+    from app.model.gpt import GPT
+
+    n = grids.world.world_size
+    grid = grids.grid(n, 1, 1)
+    cfg = ModelConfig(vocab_size=16 * n, seq_len=8, layers=2, hidden=8 * n, heads=n, tie_embeddings=tie)
+    batch = 2 * n
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=torch.Generator().manual_seed(12))
+    targets = torch.roll(tokens, -1, dims=1)
+    ref = GPT(cfg, seed=5)
+    ref_loss = ref.loss(tokens, targets)
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    for shape in factorisations(n):
+        t3d = tensor3d_from_grid(grid, shape)
+        model = GPT(cfg, seed=5, tp=t3d)
+        zs, z = t3d.z.size, t3d.z.rank
+        mb = batch // zs
+        loss = model.loss(tokens[z * mb : (z + 1) * mb], targets[z * mb : (z + 1) * mb])
+        mean = t3d.z.all_reduce(loss.detach()) / zs if zs > 1 else loss.detach()
+        torch.testing.assert_close(mean, ref_loss.detach(), atol=ATOL, rtol=0)
+        (loss / zs).backward()
+        for name, p in model.named_parameters():
+            grad = p.grad
+            if "tp_z" not in p.meta.split and zs > 1:
+                grad = t3d.z.all_reduce(grad)
+            box = tuple(slice(o, o + s) for o, s in zip(p.meta.local_offset, p.meta.local_shape))
+            torch.testing.assert_close(p.detach(), ref_grads[name].detach()[box], atol=0, rtol=0, msg=name)
+            torch.testing.assert_close(grad, ref_grads[name].grad[box], atol=ATOL, rtol=0, msg=f"{name} {shape}")

@@ -57,6 +57,7 @@ class ParamMeta:
     sequence_parallel: bool = False
     tied: bool = False
     shape: tuple[int, ...] = ()
+    tensor3d: tuple[int, ...] = ()  # (X, Y, Z) under 3D tensor parallelism; split names tp_x/y/z
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -82,7 +83,35 @@ class ParamMeta:
         once (norms, gathering, checkpoints): tp shards are disjoint and all count; a tensor
         replicated over tp counts on tp rank 0; the tied head copy never (the first stage's
         counts). dp replicas are for the caller to skip."""
+        if self.tensor3d:  # counted on coordinate 0 of every sub-axis it is replicated over
+            coords = dict(zip(SUB_AXES, coords3d(tp_rank, self.tensor3d)))
+            return not self.tied and all(a in self.split or coords[a] == 0 for a in SUB_AXES)
         return not self.tied and (not self.replicated_over("tp") or tp_rank == 0)
+
+
+SUB_AXES = ("tp_x", "tp_y", "tp_z")  # 3D tensor parallelism's sub-axes of tp, innermost first
+
+
+def coords3d(tp_rank: int, shape: Sequence[int]) -> tuple[int, int, int]:
+    """(x, y, z) of tp rank `tp_rank` in an X x Y x Z tensor grid (X innermost)."""
+    x, y, _ = shape
+    return tp_rank % x, (tp_rank // x) % y, tp_rank // (x * y)
+
+
+def box3d(meta: ParamMeta, shape: Sequence[int], tp_rank: int, splits: Sequence[tuple[str, int]]) -> ParamMeta:
+    """`meta` for tp rank `tp_rank`'s block under 3D tensor parallelism of `shape` (X, Y, Z):
+    `splits` are (sub-axis, dim) in order, each cutting the current block along `dim` into
+    equal parts (the second cut of a dim splits the first's part: rows over Y, then Z)."""
+    coords = dict(zip(SUB_AXES, coords3d(tp_rank, shape)))
+    sizes = dict(zip(SUB_AXES, shape))
+    extent, offset = list(meta.global_shape), [0] * len(meta.global_shape)
+    split = {}
+    for axis, dim in splits:
+        if sizes[axis] > 1:
+            extent[dim] //= sizes[axis]
+            offset[dim] += coords[axis] * extent[dim]
+            split[axis] = dim
+    return dataclasses.replace(meta, offset=tuple(offset), shape=tuple(extent), split=split, tensor3d=tuple(shape))
 
 
 def tp_box(meta: ParamMeta, tp: int, tp_rank: int, dim: int) -> ParamMeta:

@@ -27,10 +27,11 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from app.model.init import new_param
+from app.parallel.layout import SUB_AXES, ParamMeta, box3d, coords3d  # noqa: F401  (coords3d re-exported)
 from app.tensor_parallel.mappings import TensorParallel, copy_to_tp, reduce_from_tp
-
-SUB_AXES = ("tp_x", "tp_y", "tp_z")
 
 
 @dataclass(frozen=True)
@@ -51,15 +52,20 @@ class Tensor3D:
     def size(self) -> int:
         return self.x.size * self.y.size * self.z.size
 
+    sequence_parallel = False  # not with 3D: the hidden is already split over X
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.x.size, self.y.size, self.z.size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in the tp group (X innermost)."""
+        return self.x.rank + self.x.size * (self.y.rank + self.y.size * self.z.rank)
+
     def axes(self, transposed: bool) -> tuple[TensorParallel, TensorParallel]:
         """(in-features axis, out-features axis) of a Linear in the A (or, transposed, B) layout."""
         return (self.y, self.x) if transposed else (self.x, self.y)
-
-
-def coords3d(tp_rank: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:
-    """(x, y, z) of tp rank `tp_rank` in an X x Y x Z grid (X innermost)."""
-    x, y, _ = shape
-    return tp_rank % x, (tp_rank // x) % y, tp_rank // (x * y)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -144,3 +150,60 @@ def embedding3d(tokens: torch.Tensor, shard: torch.Tensor, row_start: int, t3d: 
     outside = (tokens < row_start) | (tokens >= row_start + table.shape[0])
     local = (tokens - row_start).masked_fill(outside, 0)
     return reduce_from_tp(F.embedding(local, table).masked_fill(outside.unsqueeze(-1), 0.0), t3d.y)
+
+
+def param3d(
+    meta: ParamMeta, t3d: Tensor3D, splits: list[tuple[str, int]], device: Optional[torch.device]
+) -> nn.Parameter:
+    """This rank's block of the parameter `meta`, cut by `splits` (`box3d`)."""
+    return new_param(box3d(meta, t3d.shape, t3d.tp_rank, splits), device)
+
+
+def weight_splits(transposed: bool) -> list[tuple[str, int]]:
+    """A (out, in) weight's cuts: rows over the out axis and then Z, columns over the in axis."""
+    rows, cols = ("tp_x", "tp_y") if transposed else ("tp_y", "tp_x")
+    return [(rows, 0), ("tp_z", 0), (cols, 1)]
+
+
+class Linear3D(nn.Module):
+    """A Linear under 3D tensor parallelism, A layout (in over X, out over Y) or, `transposed`,
+    B (in over Y, out over X); the weight block Z-sharded by rows, the bias split like the
+    output and replicated over the in axis and Z."""
+
+    def __init__(
+        self, n_in: int, n_out: int, std: float, t3d: Tensor3D, transposed: bool, device: Optional[torch.device]
+    ) -> None:
+        super().__init__()
+        self.t3d, self.transposed = t3d, transposed
+        self.weight = param3d(ParamMeta((n_out, n_in), std=std), t3d, weight_splits(transposed), device)
+        out_axis = "tp_x" if transposed else "tp_y"
+        self.bias = param3d(ParamMeta((n_out,), init="zeros", decay=False), t3d, [(out_axis, 0)], device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear3d(x, self.weight, self.bias, self.t3d, self.transposed)
+
+
+class LayerNorm3D(nn.Module):
+    """LayerNorm of a hidden dimension split over X (`layer_norm3d`); replicated over Y and Z."""
+
+    def __init__(self, hidden: int, eps: float, t3d: Tensor3D, device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.eps, self.t3d = eps, t3d
+        self.weight = param3d(ParamMeta((hidden,), init="ones", decay=False), t3d, [("tp_x", 0)], device)
+        self.bias = param3d(ParamMeta((hidden,), init="zeros", decay=False), t3d, [("tp_x", 0)], device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm3d(x, self.weight, self.bias, self.eps, self.t3d.x)
+
+
+class Embedding3D(nn.Module):
+    """The (vocab, hidden) table in the head's A layout (`embedding3d`)."""
+
+    def __init__(self, vocab: int, hidden: int, std: float, t3d: Tensor3D, device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.t3d = t3d
+        self.weight = param3d(ParamMeta((vocab, hidden), std=std), t3d, weight_splits(False), device)
+        self.start = t3d.y.rank * (vocab // t3d.y.size)  # this Y rank's first row
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return embedding3d(tokens, self.weight, self.start, self.t3d)
