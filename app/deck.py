@@ -566,13 +566,13 @@ def resolve_for_world(deck: Deck, world_size: int) -> Deck:
                 f"tp x pp x dp = {par.tp} x {par.pp} x {dp} = {model_ranks * dp} must equal the world size "
                 f"{world_size}; use dp: auto or launch {model_ranks * dp} ranks",
             )
-    if tr.global_batch % (tr.micro_batch * dp):
+    z = par.tensor[2] if par.tensor is not None else 1  # 3D tensor parallelism splits the batch over Z too
+    if tr.global_batch % (tr.micro_batch * dp * z):
+        what = f"micro_batch x dp = {tr.micro_batch} x {dp}" + (f" x z = {z} (parallel.tensor)" if z > 1 else "")
         raise DeckError(
-            "train.global_batch",
-            tr.global_batch,
-            f"must be a multiple of micro_batch x dp = {tr.micro_batch} x {dp} = {tr.micro_batch * dp}",
+            "train.global_batch", tr.global_batch, f"must be a multiple of {what} = {tr.micro_batch * dp * z}"
         )
-    micro = tr.global_batch // (tr.micro_batch * dp)
+    micro = tr.global_batch // (tr.micro_batch * dp * z)
     if par.virtual_stages > 1 and micro % par.pp:
         # Interleaving walks the chunks in groups of pp micro-batches.
         good = tr.micro_batch * dp * par.pp * max(1, round(micro / par.pp))

@@ -44,7 +44,8 @@ class ParamMeta:
     parameter lives on the stage that runs its layer). `init`: 'normal' | 'zeros' | 'ones';
     `std`: for 'normal'; `decay`: weight decay applies. `sequence_parallel`: replicated over
     tp, but it acts on a sequence shard, so each tp rank holds a partial gradient that must be
-    summed over tp. `tied`: the last pipeline stage's copy of the tied embedding; its gradient
+    summed over tp (under 3D tensor parallelism: replicated over tp_z, where the batch is split,
+    summed over tp_z). `tied`: the last pipeline stage's copy of the tied embedding; its gradient
     is summed with the first stage's, and it is counted once (there) in norms and checkpoints.
     """
 
@@ -83,10 +84,16 @@ class ParamMeta:
         once (norms, gathering, checkpoints): tp shards are disjoint and all count; a tensor
         replicated over tp counts on tp rank 0; the tied head copy never (the first stage's
         counts). dp replicas are for the caller to skip."""
-        if self.tensor3d:  # counted on coordinate 0 of every sub-axis it is replicated over
+        return not self.tied and self.counts_on(tp_rank)
+
+    def counts_on(self, tp_rank: int) -> bool:
+        """Whether tp rank `tp_rank`'s copy is the one of its tp replicas that counts: every tp
+        shard; a tensor replicated over tp on tp rank 0; under 3D tensor parallelism, the copy
+        at coordinate 0 of every sub-axis it is replicated over."""
+        if self.tensor3d:
             coords = dict(zip(SUB_AXES, coords3d(tp_rank, self.tensor3d)))
-            return not self.tied and all(a in self.split or coords[a] == 0 for a in SUB_AXES)
-        return not self.tied and (not self.replicated_over("tp") or tp_rank == 0)
+            return all(a in self.split or coords[a] == 0 for a in SUB_AXES)
+        return not self.replicated_over("tp") or tp_rank == 0
 
 
 SUB_AXES = ("tp_x", "tp_y", "tp_z")  # 3D tensor parallelism's sub-axes of tp, innermost first
@@ -111,7 +118,12 @@ def box3d(meta: ParamMeta, shape: Sequence[int], tp_rank: int, splits: Sequence[
             extent[dim] //= sizes[axis]
             offset[dim] += coords[axis] * extent[dim]
             split[axis] = dim
-    return dataclasses.replace(meta, offset=tuple(offset), shape=tuple(extent), split=split, tensor3d=tuple(shape))
+    # Replicated over Z, where the batch is split: each Z rank holds a partial gradient, summed over
+    # tp_z like a sequence-parallel parameter's over tp (`DataParallel.finish_grad_reduce`).
+    partial = "tp_z" not in split and sizes["tp_z"] > 1
+    return dataclasses.replace(
+        meta, offset=tuple(offset), shape=tuple(extent), split=split, tensor3d=tuple(shape), sequence_parallel=partial
+    )
 
 
 def tp_box(meta: ParamMeta, tp: int, tp_rank: int, dim: int) -> ParamMeta:
