@@ -183,6 +183,20 @@ def test_without_thread_multiple_saves_are_synchronous_after_one_warning(tmp_pat
     assert read_latest(tmp_path / "checkpoints") == step_file(tmp_path / "checkpoints", 4)
 
 
+def test_a_rank_without_a_spare_core_for_the_writer_is_warned_about(tmp_path):
+    """Bound to one core each (mpirun --bind-to core), the writer thread would share it with
+    training: rank 0 warns once. Unbound (two cores, one torch thread each), it does not."""
+    logs = {}
+    for binding in ("core", "none"):
+        cmd = _command(tmp_path / binding, 1, "checkpoint.at_exit=false")
+        cmd[1:1] = ["--bind-to", binding]
+        job = subprocess.run(cmd, cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=180)
+        logs[binding] = job.stdout + job.stderr
+        assert job.returncode == 0, logs[binding]
+    assert logs["core"].count("checkpoint.async: 2 rank(s) may run on no more cores than their torch threads") == 1
+    assert "may run on no more cores" not in logs["none"], logs["none"]
+
+
 def test_sigusr1_through_mpirun_waits_for_the_background_write_and_the_next_job_resumes(tmp_path):
     """Every step starts a background write; SIGUSR1 to mpirun stops the job after a step whose
     write committed (exit 0), and the next job resumes from it and logs each step once."""

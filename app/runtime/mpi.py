@@ -137,10 +137,15 @@ def device_index(local_rank: int, local_size: int, visible: int, hostname: str =
     return local_rank
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def set_threads(runtime: Runtime, threads: Optional[int]) -> int:
     """Torch intra-op threads per rank: the deck's value, else cores per node / ranks per node."""
     if threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
         # Under mpirun the affinity mask may already be one core; never oversubscribe a node.
         threads = max(1, min(cores, (os.cpu_count() or 1) // max(1, runtime.local_size)))
     import torch
