@@ -118,6 +118,17 @@ class ParallelConfig:
     )
     overlap_pp_comm: bool = _key(True, "post the next pipeline receive before the current micro-batch's compute")
 
+    @property
+    def tensor3d(self) -> Optional[tuple[int, int, int]]:
+        """(x, y, z) under 3D tensor parallelism, None under 1D."""
+        return None if self.tensor is None else (self.tensor[0], self.tensor[1], self.tensor[2])
+
+    @property
+    def batch_split(self) -> int:
+        """The tensor ranks that hold different samples: z under 3D tensor parallelism (the batch
+        is split over dp x z), 1 under 1D."""
+        return 1 if self.tensor is None else self.tensor[2]
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -324,9 +335,14 @@ class Deck:
         return self.parallel.dp
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks of a stage that hold different samples: dp, times z under 3D tensor parallelism."""
+        return self.dp * self.parallel.batch_split
+
+    @property
     def num_micro_batches(self) -> int:
-        """Gradient-accumulation steps per optimizer step on each dp rank."""
-        return self.train.global_batch // (self.train.micro_batch * self.dp)
+        """Gradient-accumulation steps per optimizer step on each data rank (`data_ranks`)."""
+        return self.train.global_batch // (self.train.micro_batch * self.data_ranks)
 
 
 def key_name(f: dataclasses.Field) -> str:

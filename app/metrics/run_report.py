@@ -36,6 +36,11 @@ from app.runtime.mpi import Runtime, on_root
 OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "overlap_pp_comm")
 
 
+def _tensor3d_words(tensor: Optional[tuple[int, int, int]]) -> str:
+    """ " (3D x=.. y=.. z=..)" after the tp degree of a 3D tensor-parallel run; "" under 1D."""
+    return "" if tensor is None else " (3D x={} y={} z={})".format(*tensor)
+
+
 @dataclass(frozen=True)
 class Built:
     """What the trainer built, as the report tells it (this rank's share where ranks differ)."""
@@ -88,12 +93,14 @@ class RunReport:
         tr, par = deck.train, deck.parallel
         rt.log(
             f"gridlm: {built.parameters:,} parameters | world {rt.world_size} on {rt.nodes} node(s) | "
-            f"grid tp={grid.size('tp')} pp={grid.size('pp')} dp={grid.size('dp')} ({par.order}) | "
+            f"grid tp={grid.size('tp')}{_tensor3d_words(par.tensor3d)} pp={grid.size('pp')} dp={grid.size('dp')} "
+            f"({par.order}) | "
             f"device {self.device_name}"
         )
         rt.log(
             f"gridlm: global batch {tr.global_batch} = micro batch {tr.micro_batch} x "
-            f"{built.micro_batches} accumulation x dp {grid.size('dp')} | seq {deck.model.seq_len} | "
+            f"{built.micro_batches} accumulation x dp {grid.size('dp')}"
+            f"{f' x z {par.batch_split}' if par.batch_split > 1 else ''} | seq {deck.model.seq_len} | "
             f"{tr.steps} steps | data {deck.data.kind} | run dir {self.run_dir}"
         )
         schedule = SCHEDULES[schedule_key(par.virtual_stages)]
@@ -224,7 +231,7 @@ class RunReport:
             nodes=rt.nodes,
             ranks_per_node=rt.ranks_per_node,
             ranks_per_node_list=rt.ranks_per_node_list,
-            grid=GridInfo(**self.grid.describe()),
+            grid=GridInfo(**self.grid.describe(), tensor=list(par.tensor3d) if par.tensor3d else None),
             parameters=built.parameters,
             parameters_rank0=built.parameters_rank0,
             pipeline=PipelineInfo(

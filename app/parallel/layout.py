@@ -126,6 +126,13 @@ def box3d(meta: ParamMeta, shape: Sequence[int], tp_rank: int, splits: Sequence[
     )
 
 
+def weight_splits(transposed: bool) -> list[tuple[str, int]]:
+    """A (out, in) weight's cuts under 3D tensor parallelism (`box3d`): rows over the out axis (Y,
+    or X in the `transposed` B layout) and then Z, columns over the in axis."""
+    rows, cols = ("tp_x", "tp_y") if transposed else ("tp_y", "tp_x")
+    return [(rows, 0), ("tp_z", 0), (cols, 1)]
+
+
 def tp_box(meta: ParamMeta, tp: int, tp_rank: int, dim: int) -> ParamMeta:
     """`meta` for tp rank `tp_rank`'s shard of `tp` equal parts along `dim` (whole when tp = 1)."""
     shape = list(meta.global_shape)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.model.init import new_param
-from app.parallel.layout import SUB_AXES, ParamMeta, box3d, coords3d  # noqa: F401  (coords3d re-exported)
+from app.parallel.layout import SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
 from app.tensor_parallel.mappings import TensorParallel, copy_to_tp, reduce_from_tp
 
 
@@ -157,12 +157,6 @@ def param3d(
 ) -> nn.Parameter:
     """This rank's block of the parameter `meta`, cut by `splits` (`box3d`)."""
     return new_param(box3d(meta, t3d.shape, t3d.tp_rank, splits), device)
-
-
-def weight_splits(transposed: bool) -> list[tuple[str, int]]:
-    """A (out, in) weight's cuts: rows over the out axis and then Z, columns over the in axis."""
-    rows, cols = ("tp_x", "tp_y") if transposed else ("tp_y", "tp_x")
-    return [(rows, 0), ("tp_z", 0), (cols, 1)]
 
 
 class Linear3D(nn.Module):
