@@ -7,6 +7,8 @@ order 1: ATOL 1e-5.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,15 @@ ATOL = 1e-5
 
 def factorisations(n: int) -> list[tuple[int, int, int]]:
     return [(x, y, n // (x * y)) for x in range(1, n + 1) for y in range(1, n + 1) if n % (x * y) == 0]
+
+
+def _keep_shape(shapes: list, t: torch.Tensor) -> torch.Tensor:
+    shapes.append(tuple(t.shape))
+    return t
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _full(shape, seed):
@@ -32,8 +43,14 @@ def test_coordinates_put_x_innermost_and_cover_the_grid():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [False, True], ids=["oar-off", "oar-on"])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_linear3d_equals_the_1_rank_linear_forward_and_backward(grids, transposed):
+def test_linear3d_equals_the_1_rank_linear_forward_and_backward(grids, transposed, overlap):
+    """Forward, dx, dW and the bias gradient against F.linear, with the input gradient's all-reduce
+    overlapping the weight-gradient GEMM (OAR) or not. Forward keeps the input and the Z shard
+    for backward, never the gathered block (backward gathers it again). Mutation check (by hand,
+    2026-11-25): without the wait for the OAR all-reduce, both oar-on cases fail (dx is this
+    rank's partial sum) and the oar-off ones pass."""
     n = grids.world.world_size
     grid = grids.grid(n, 1, 1)
     batch, seq, n_in, n_out = 2 * n, 3, 4 * n, 2 * n * n
@@ -45,7 +62,7 @@ def test_linear3d_equals_the_1_rank_linear_forward_and_backward(grids, transpose
     )
     y_ref = F.linear(x, w, b)
     for shape in factorisations(n):
-        t3d = tensor3d_from_grid(grid, shape)
+        t3d = tensor3d_from_grid(grid, shape, overlap_all_reduce=overlap)
         in_axis, out_axis = t3d.axes(transposed)
         zs, z = t3d.z.size, t3d.z.rank
         rows, cols = n_out // out_axis.size, n_in // in_axis.size
@@ -55,7 +72,10 @@ def test_linear3d_equals_the_1_rank_linear_forward_and_backward(grids, transpose
         bias = b[r0 : r0 + rows].clone().requires_grad_()
         mb = batch // zs  # the batch is split over Z
         xs = x[z * mb : (z + 1) * mb, :, c0 : c0 + cols].clone().requires_grad_()
-        y = linear3d(xs, shard, bias, t3d, transposed)
+        saved: list[tuple[int, ...]] = []
+        with torch.autograd.graph.saved_tensors_hooks(partial(_keep_shape, saved), _same):
+            y = linear3d(xs, shard, bias, t3d, transposed)
+        assert (rows, cols) not in saved or zs == 1, (shape, saved)  # the gathered block is not kept
         torch.testing.assert_close(y, y_ref[z * mb : (z + 1) * mb, :, r0 : r0 + rows], atol=ATOL, rtol=0)
         y.backward(g[z * mb : (z + 1) * mb, :, r0 : r0 + rows])
         # The reference: the loss sum(y * g) over the whole batch, computed once.

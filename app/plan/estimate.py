@@ -41,9 +41,10 @@ output and the log-sum-exp, so selective recomputation saves little here. Full
 recomputation keeps only each block's input (s b h e / t_sp) plus one block's working set
 during its backward. Under 3D tensor parallelism (x, y, z) a rank's micro-batch is its own
 (the batch is split over dp x z), the first three terms are split over x (the residual
-stream's hidden), the last over y (heads and MLP features), and while z > 1 each Linear's
-weight block gathered over z, (4h^2 + 2fh) / (x y) x e per layer, stays with the micro-batch
-until its backward (`layer_activation_bytes`). A stage holds the activations of the forward passes in flight in its
+stream's hidden), the last over y (heads and MLP features); with z > 1 no Linear's weight
+block gathered over z is kept (each pass gathers it again), so the working set adds one block
+and its gradient, 2 max(3h, f, V) h / (x y) x e (`gathered_block_bytes`). A stage holds the
+activations of the forward passes in flight in its
 pipeline schedule (counted from `app.parallel.schedule`: min(pp - stage, m) micro-batches
 for 1F1B); the last stage also holds the logits of one micro-batch in the compute dtype
 and fp32 (s b V / t x (e + 8)).
@@ -369,16 +370,24 @@ def layer_activation_bytes(
 
     `tensor` (3D tensor parallelism, x y z): the residual stream and the LayerNorms' outputs are
     split over X, q, k, v, the attention output and the MLP's over Y (a rank's micro-batch is
-    its own: the batch is split over Z). Each Linear's weight block gathered over Z is kept for
-    backward too (autograd holds the all-gather's output), one per micro-batch in flight."""
+    its own: the batch is split over Z). The weight blocks gathered over Z are not kept (each
+    pass gathers its block again: `gathered_block_bytes`)."""
     sbh = m.seq_len * micro_batch * m.hidden
     e = element
     if tensor is not None:
-        x, y, z = tensor
-        gathered = (4 * m.hidden**2 + 2 * m.ffn * m.hidden) // (x * y) * e if z > 1 else 0
-        return sbh * ((4 * e + 2) / x + (4 * e + 2 * e * m.ffn / m.hidden) / y) + gathered
+        x, y, _ = tensor
+        return sbh * ((4 * e + 2) / x + (4 * e + 2 * e * m.ffn / m.hidden) / y)
     t, t_sp = tp, (tp if sp else 1)
     return sbh * (2 * e + (2 * e + 2) / t_sp + (4 * e + 2 * e * m.ffn / m.hidden) / t)
+
+
+def gathered_block_bytes(m: ModelConfig, tensor: Tensor3DShape, element: int) -> float:
+    """3D tensor parallelism with z > 1: the largest Linear's (x y) block gathered over Z and, in
+    its backward, the block's gradient before the reduce-scatter; one Linear at a time."""
+    if tensor is None or tensor[2] == 1:
+        return 0.0
+    x, y, _ = tensor
+    return 2.0 * max(3 * m.hidden, m.ffn, m.vocab_size) * m.hidden / (x * y) * element
 
 
 def in_flight(pp: int, stage: int, micro_batches: int, virtual: int, chunk_layers: list[int]) -> int:
@@ -566,7 +575,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
         mine = [chunk_layers[stage + c * pp] for c in range(v)]
         first, last = stage == 0, stage == pp - 1
         held = in_flight(pp, stage, micro, v, chunk_layers)
-        head = logits if last else 0.0
+        head = (logits if last else 0.0) + gathered_block_bytes(m, tensor, e)
         activations = {
             "none": held * per_layer + head,
             "selective": held * per_layer + head,

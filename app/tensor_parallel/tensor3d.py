@@ -12,12 +12,13 @@ is sharded 1/Z along its rows over Z, in a ZeRO-3-like way. The batch is split o
 
 With A on the first Linear of a pair and B on the second, the first's output split (over Y)
 is the second's input split, and the second's output split (over X) is the first's input: no
-re-layout between them. In a block the residual stream is (b / Z, s, h / X), replicated over
+re-layout between them. In a block the residual stream is (b, s, h / X) of the rank's own
+samples (the batch is split over Z), replicated over
 Y; the attention heads and the MLP's hidden features are split over Y, replicated over X
 (the attention core runs X times over); LayerNorm's statistics are summed over X.
 
 `Tensor3D` holds the three sub-axes' groups; each sub-axis is a `TensorParallel`, so the
-1D mappings (copy_to_tp, reduce_from_tp) are the 3D ones on a sub-axis.
+1D mapping reduce_from_tp is the 3D one on a sub-axis.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 
 from app.model.init import new_param
 from app.parallel.layout import SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
-from app.tensor_parallel.mappings import TensorParallel, copy_to_tp, reduce_from_tp
+from app.tensor_parallel.mappings import TensorParallel, reduce_from_tp
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,64 @@ def gather_rows(shard: torch.Tensor, z: TensorParallel) -> torch.Tensor:
     return shard if z.size == 1 else _GatherRows.apply(shard, z)
 
 
+class _Linear3D(torch.autograd.Function):
+    """x W^T for the (X x Y) block W gathered from its Z shards, as one step (the partial sum over
+    the in axis; `linear3d` all-reduces it).
+
+    Only the shard is kept for backward, not the gathered block: backward gathers it again
+    (AxoNN's order), so a stage holds one layer's block at a time instead of every layer's for
+    every micro-batch in flight. Backward computes dx and starts its all-reduce over the out axis,
+    computes dW meanwhile when the overlap is on (OAR, `parallel.overlap_tp_comm`), then
+    reduce-scatters dW over Z into the shard's gradient. The arithmetic is the same in either
+    order: results are bitwise equal with the overlap on or off."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shard: torch.Tensor, t3d: Tensor3D, transposed: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, shard)
+        ctx.t3d, ctx.transposed = t3d, transposed
+        return F.linear(x, _gathered(shard, t3d.z))
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, shard = ctx.saved_tensors
+        t3d: Tensor3D = ctx.t3d
+        _, out_axis = t3d.axes(ctx.transposed)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = handle = None
+        if need_x:
+            # Each rank holds the gradient through its out-features only: sum over the out axis.
+            grad_x = grad_out.matmul(_gathered(shard, t3d.z).to(grad_out.dtype))
+            if out_axis.size > 1:
+                grad_x, handle = out_axis.all_reduce_async(grad_x)
+                if not t3d.overlap_all_reduce:
+                    out_axis.wait(handle)
+                    handle = None
+        grad_w = None
+        if need_w:
+            flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_w = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]).to(grad_out.dtype)).to(shard.dtype)
+            if t3d.z.size > 1:  # each Z rank ran its own samples: sum over Z, keep this shard's rows
+                grad_w = t3d.z.reduce_scatter(grad_w, 0)
+        if handle is not None:
+            out_axis.wait(handle)
+        if grad_x is not None:
+            grad_x = grad_x.contiguous().to(x.dtype)
+        return grad_x, grad_w, None, None
+
+
+def _gathered(shard: torch.Tensor, z: TensorParallel) -> torch.Tensor:
+    """The whole (X x Y) block of a Z-sharded weight (no autograd: `_Linear3D` reduces its
+    gradient)."""
+    return shard if z.size == 1 else z.all_gather(shard, 0)
+
+
 def linear3d(
     x: torch.Tensor, shard: torch.Tensor, bias: Optional[torch.Tensor], t3d: Tensor3D, transposed: bool
 ) -> torch.Tensor:
     """x W^T + b for this rank's Z shard of W's (X x Y) block. x: (..., in / |in axis|) replicated
     over the out axis; returns (..., out / |out axis|) replicated over the in axis."""
-    in_axis, out_axis = t3d.axes(transposed)
-    y = F.linear(copy_to_tp(x, out_axis), gather_rows(shard, t3d.z))
-    y = reduce_from_tp(y, in_axis)
+    in_axis, _ = t3d.axes(transposed)
+    y = reduce_from_tp(_Linear3D.apply(x, shard, t3d, transposed), in_axis)
     return y if bias is None else y + bias
 
 
