@@ -29,11 +29,20 @@ from app.metrics.report import (
 )
 from app.metrics.summary import CheckpointInfo, GridInfo, PipelineInfo, StudyInfo, Summary, TimersInfo
 from app.metrics.timers import PHASES
-from app.names import AXES, SCHEDULES, reduce_precision, schedule_key
+from app.names import AXES, SCHEDULES, TP_SUB_AXES, reduce_precision, schedule_key
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, on_root
 
 OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "overlap_pp_comm")
+
+
+def _sub_axes_words(t: TimersInfo) -> str:
+    """ " | tp sub-axes: tp_x 1.0/0.5 ms ..." (communication / exposed) under 3D tensor parallelism."""
+    subs = [a for a in TP_SUB_AXES if a in t["comm_s"]]
+    if not subs:
+        return ""
+    each = ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}/{t['exposed_comm_s'][a] * 1e3:.1f}" for a in subs)
+    return f" | tp sub-axes (communication/exposed ms): {each}"
 
 
 def _tensor3d_words(tensor: Optional[tuple[int, int, int]]) -> str:
@@ -56,8 +65,9 @@ class Built:
 def mean_timings(timings: list[dict[str, Any]]) -> TimersInfo:
     """Per-step means of the `StepTimers.pop()` records (numbers and per-axis dicts)."""
     out: dict[str, Any] = {f"{p}_s": sum(t[f"{p}_s"] for t in timings) / len(timings) for p in PHASES}
+    subs = [a for a in TP_SUB_AXES if any(a in t["comm_s"] for t in timings)]  # 3D tensor parallelism
     for key in ("comm_s", "exposed_comm_s"):
-        out[key] = {a: sum(t[key][a] for t in timings) / len(timings) for a in AXES}
+        out[key] = {a: sum(t[key].get(a, 0.0) for t in timings) / len(timings) for a in (*AXES, *subs)}
     return TimersInfo(**out)
 
 
@@ -221,7 +231,7 @@ class RunReport:
         deck, rt, tr, par, built = self.deck, self.runtime, self.deck.train, self.deck.parallel, self.built
         mean_time, std_time, skipped = mean_step_time(self.step_times, deck.run.timing_warmup)
         timers = mean_timings(self.timings[skipped:]) if deck.run.timers else None
-        exposed = sum(timers["exposed_comm_s"].values()) / mean_time if timers else None
+        exposed = sum(timers["exposed_comm_s"][a] for a in AXES) / mean_time if timers else None
         tflops_per_rank = self.flops_per_step / mean_time / rt.world_size / 1e12
         hw_tflops_per_rank = self.hardware_flops_per_step / mean_time / rt.world_size / 1e12
         study = deck.run.study
@@ -309,4 +319,5 @@ class RunReport:
                 + " ms, exposed "
                 + ", ".join(f"{a} {t['exposed_comm_s'][a] * 1e3:.1f}" for a in AXES)
                 + f" ms ({100 * (s.exposed_comm_fraction or 0.0):.1f}% of the step)"
+                + _sub_axes_words(t)
             )

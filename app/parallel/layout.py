@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from app.names import TP_SUB_AXES
+
 # ZeRO-2: bucket reductions in flight at once; launching one more first waits for the oldest,
 # so a rank holds at most this many bucket buffers being reduced (DataParallel, estimate.py).
 ZERO2_IN_FLIGHT = 2
@@ -96,7 +98,7 @@ class ParamMeta:
         return not self.replicated_over("tp") or tp_rank == 0
 
 
-SUB_AXES = ("tp_x", "tp_y", "tp_z")  # 3D tensor parallelism's sub-axes of tp, innermost first
+SUB_AXES = TP_SUB_AXES  # 3D tensor parallelism's sub-axes of tp, innermost first
 
 
 def coords3d(tp_rank: int, shape: Sequence[int]) -> tuple[int, int, int]:

@@ -154,7 +154,7 @@ def tensor3d_from_grid(
     """The `Tensor3D` of this rank's tp group on `grid` (a `ProcessGrid`) split as `shape`."""
     groups = grid.tensor3d(shape)
     axes = [
-        TensorParallel(n, groups[a][0], groups[a][1] if n > 1 else None, False, timers, overlap_all_reduce)
+        TensorParallel(n, groups[a][0], groups[a][1] if n > 1 else None, False, timers, overlap_all_reduce, a)
         for a, n in zip(SUB_AXES, shape)
     ]
     return Tensor3D(*axes, overlap_all_reduce=overlap_all_reduce)
