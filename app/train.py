@@ -268,7 +268,8 @@ class Trainer:
         g = info["grid"]
         self.runtime.log(
             f"gridlm: resumed from {path} at step {info['step']} ({info['seconds']:.2f} s) | written on "
-            f"tp={g['tp']} pp={g['pp']} dp={g['dp']} zero={g['zero']} {info['precision']}"
+            f"tp={g['tp']}{' tensor=' + str(g['tensor']) if 'tensor' in g else ''} pp={g['pp']} dp={g['dp']} "
+            f"zero={g['zero']} {info['precision']}"
             + (" | resharded to this grid" if info["resharded"] else "")
             + ("" if info["rng_restored"] else " | RNG states not restored (other grid): dropout masks differ")
         )
