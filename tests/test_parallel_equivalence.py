@@ -158,9 +158,10 @@ def t3d(shape: tuple[int, int, int], pp: int, dp: int, *extra: str, **kwargs) ->
 
 # 3D tensor parallelism (parallel.tensor [x, y, z]): every factorisation of 2, 4 and 8 once, on all 8
 # ranks (product 2 with pp2 dp2, 4 with pp2 or dp2, 8 alone), with bf16, recompute (full, selective),
-# ZeRO-1, -2, -3 and an untied head among them. Y = 8 splits the heads: 8 of them (head size 4). Each
-# collective of 8 ranks on a couple of cores costs far more than the arithmetic, so the larger grids take
-# 2 micro-batches of 8 / z samples per step (accumulation 2) instead of 8 / z of 2.
+# ZeRO-1, -2, -3 and an untied head among them; then a few combinations again on a second shape.
+# Y = 8 splits the heads: 8 of them (head size 4). Each collective of 8 ranks on a couple of cores
+# costs far more than the arithmetic, so the larger grids take 2 micro-batches of 8 / z samples per
+# step (accumulation 2) instead of 8 / z of 2.
 MB8, MB4 = "train.micro_batch=8", "train.micro_batch=4"
 CASES += [
     t3d((2, 1, 1), 2, 2), t3d((1, 2, 1), 2, 2, "optim.zero=1"),
@@ -172,6 +173,9 @@ CASES += [
     t3d((4, 2, 1), 1, 1, MB8), t3d((4, 1, 2), 1, 1, MB4), t3d((2, 4, 1), 1, 1, MB8), t3d((1, 4, 2), 1, 1, MB4),
     t3d((2, 1, 4), 1, 1), t3d((1, 2, 4), 1, 1), t3d((2, 2, 2), 1, 1, MB4),
     t3d((2, 2, 1), 1, 2, MB4, "optim.zero=3", "model.tie_embeddings=false"),
+    # LAMB's trust ratio from 3D shards (some replicated over X or Y, counted once); fp16; overlaps off.
+    t3d((2, 1, 2), 1, 2, "optim.name=lamb", "optim.zero=1"),
+    t3d((1, 2, 2), 1, 2, "optim.zero=1", "train.precision=fp16", **FP16), t3d((2, 2, 1), 2, 1, *OVERLAP_OFF),
 ]  # fmt: skip
 
 
