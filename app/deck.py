@@ -325,8 +325,10 @@ class Deck:
 
     @property
     def num_micro_batches(self) -> int:
-        """Gradient-accumulation steps per optimizer step on each dp rank."""
-        return self.train.global_batch // (self.train.micro_batch * self.dp)
+        """Gradient-accumulation steps per optimizer step on each dp rank (3D tensor parallelism
+        splits the batch over dp x z: each Z rank of a dp rank runs its own micro-batches)."""
+        z = self.parallel.tensor[2] if self.parallel.tensor is not None else 1
+        return self.train.global_batch // (self.train.micro_batch * self.dp * z)
 
 
 def key_name(f: dataclasses.Field) -> str:
