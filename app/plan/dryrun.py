@@ -198,7 +198,9 @@ def _check_placement(plan: Plan) -> None:
         return
     if plan.world_size % rpn:
         plan.warnings.append(f"{plan.world_size} ranks do not fill nodes of {rpn}: the last node is partly empty")
-    if plan.node_span["tp"] and plan.node_span["tp"] > 1:
+    # 3D tensor parallelism may span nodes (AxoNN's Z sub-axis is meant to): the model charges the
+    # link each sub-axis crosses (perf.axis_links3d) instead.
+    if plan.node_span["tp"] and plan.node_span["tp"] > 1 and par.tensor is None:
         if par.tp > rpn or rpn % par.tp:
             fix = f"use a tp that divides the {rpn} devices per node (e.g. {math.gcd(par.tp, rpn)}) and more pp"
         else:
