@@ -53,7 +53,7 @@ def _axonn_block(h: int, f: int, tokens: int, e: int, shape: tuple[int, int, int
         out[(axis, op)] = out.get((axis, op), 0.0) + n
 
     for k, n, a in linears:
-        add("tp_z", "all_gather", k * n / (x * y) * e)
+        add("tp_z", "all_gather", 2 * k * n / (x * y) * e)  # forward, and again in backward
         add("tp_z", "reduce_scatter", k * n / (x * y) * e)
         if a:
             add("tp_x", "all_reduce", tokens * n / y * e)
@@ -88,10 +88,11 @@ def test_block_volumes_per_sub_axis_are_axonn_s_formulas(shape, precision):
     assert block.keys() == expected.keys()
     for key, value in expected.items():
         assert block[key] == pytest.approx(value), key
-    # One gather per Linear forward, one reduce-scatter backward; the recompute gathers again and
-    # stops before mlp.proj's forward all-reduce (no dropout), as in 1D.
+    # One gather per Linear in each pass (backward gathers again: the block is not kept), one
+    # reduce-scatter backward; the recompute gathers like the forward and stops before mlp.proj's
+    # forward all-reduce (no dropout), as in 1D.
     recompute = _sum(msgs["layer_recompute"])
-    assert recompute.get(("tp_z", "all_gather"), 0.0) == block.get(("tp_z", "all_gather"), 0.0)
+    assert recompute.get(("tp_z", "all_gather"), 0.0) == block.get(("tp_z", "all_gather"), 0.0) / 2
     if y > 1:
         forward_y = _sum(msgs["layer_forward"])[("tp_y", "all_reduce")]
         assert recompute[("tp_y", "all_reduce")] == pytest.approx(forward_y - tokens * m.hidden / x * e)
@@ -106,8 +107,9 @@ def test_step_messages_add_the_head_and_embedding_and_scale_with_the_micro_batch
     sent = step_messages(deck, 0)
     table = m.vocab_size / y * m.hidden / x * e
     per_micro = {k: v * m.layers for k, v in _axonn_block(m.hidden, m.ffn, tokens, e, shape).items()}
-    # tied, pp = 1: the embedding and the head each gather the (V/Y, h/X) block and reduce-scatter it
-    per_micro[("tp_z", "all_gather")] += 2 * table
+    # tied, pp = 1: the embedding and the head each gather the (V/Y, h/X) block (the head in both
+    # passes) and reduce-scatter it
+    per_micro[("tp_z", "all_gather")] += 3 * table
     per_micro[("tp_z", "reduce_scatter")] += 2 * table
     per_micro[("tp_y", "all_reduce")] += tokens * m.hidden / x * e * 2 + 3 * tokens * 4.0  # lookup, dx, CE
     per_micro[("tp_x", "all_reduce")] += tokens * m.vocab_size / y * e + 4 * tokens * 4.0  # logits, ln_f
@@ -172,7 +174,8 @@ def test_the_sub_axes_cross_the_links_of_their_strides():
 def test_large_tp_across_nodes_communicates_less_in_3d_than_in_1d():
     """AxoNN's point: at tp 64 (8 Frontier nodes) 1D all-reduces the whole activation across the
     network in every Linear, micro-batch after micro-batch; the 3D shapes the search ranks first put
-    most of the group on Z, which moves each weight block once per micro-batch and pass, while the
+    most of the group on Z, which moves each weight block once per micro-batch and pass (gathered in
+    forward and again in backward), while the
     batch split over Z leaves each rank 1/Z of the micro-batches."""
     machine = load_machine("frontier")
     sets = ("parallel.tp=64", "parallel.pp=1", "train.global_batch=4096", "train.recompute=full",
@@ -185,7 +188,7 @@ def test_large_tp_across_nodes_communicates_less_in_3d_than_in_1d():
         deck = _deck(AXONN_5B, 4096, *sets, _tensor(shape))
         three = predict(deck, machine)
         comm_3d = three.breakdown["tp_exposed"] + three.tensor3d["tp_z_grad_sum"]
-        assert comm_3d < 0.5 * one.breakdown["tp_exposed"], shape
+        assert comm_3d < 0.75 * one.breakdown["tp_exposed"], shape  # (1, 2, 32): 0.62 with the backward re-gather
         assert three.step_time_s < one.step_time_s
         assert three.levels["tp_z"] == "slingshot" and one.levels["tp"] == "slingshot"
         tp_sum = sum(three.tensor3d[a] for a in ("tp_x", "tp_y", "tp_z"))

@@ -600,12 +600,12 @@ def tensor_shape(deck: Deck) -> Optional[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class Overlap3D:
-    """Which 3D collectives run behind compute: AxoNN's OAR, ORS and OAG (TENSOR3D_PLAN.md, step 6).
+    """Which 3D collectives run behind compute: AxoNN's OAR, ORS and OAG.
 
-    The hook for the fused Function of that step. Today `linear3d` is the unfused composition:
-    the dx all-reduce is synchronous (autograd's copy_to_tp), the weight's all-gather runs where the
-    forward needs it and its reduce-scatter where the backward produces it, so all three are off
-    and every 3D collective is charged exposed, whatever `parallel.overlap_tp_comm` says."""
+    `linear3d` (one autograd Function) overlaps the dx all-reduce with its weight-gradient GEMM
+    under `parallel.overlap_tp_comm` (OAR); the weight's all-gathers (forward, and again in
+    backward) run where a pass needs the block and its reduce-scatter where the backward produces
+    it, so ORS and OAG are off until the code runs them."""
 
     all_reduce: bool = False  # OAR: a Linear's dx all-reduce during its own weight-gradient GEMM
     reduce_scatter: bool = False  # ORS: the block's dW reduce-scatters during the rest of its backward
@@ -613,13 +613,12 @@ class Overlap3D:
 
 
 def overlap3d(deck: Deck) -> Overlap3D:
-    """The overlaps gridlm runs for a 3D deck: none yet (`Overlap3D`). ORS and OAG follow the deck keys
-    TENSOR3D_PLAN.md names for them (`parallel.overlap_tensor_reduce_scatter`,
-    `parallel.overlap_tensor_all_gather`) once those exist; OAR must become `parallel.overlap_tp_comm`
-    when linear3d's backward honours it (the key exists, but the 3D code ignores it today)."""
+    """The overlaps gridlm runs for a 3D deck (`Overlap3D`): OAR under `parallel.overlap_tp_comm`;
+    ORS and OAG follow the deck keys named for them (`parallel.overlap_tensor_reduce_scatter`,
+    `parallel.overlap_tensor_all_gather`) once those exist."""
     par = deck.parallel
     return Overlap3D(
-        all_reduce=False,
+        all_reduce=par.overlap_tp_comm,
         reduce_scatter=bool(getattr(par, "overlap_tensor_reduce_scatter", False)),
         all_gather=bool(getattr(par, "overlap_tensor_all_gather", False)),
     )
@@ -658,7 +657,7 @@ def linears3d(m: ModelConfig, shape: tuple[int, int, int]) -> list[Linear3DShape
 def _tp3d_lists(deck: Deck) -> dict[str, list[tuple[str, str, float]]]:
     """`tp3d_collectives` with the collectives of one-rank sub-axes kept (they cost 0), in the order
     `_layer_passes3d` reads them: per Linear (all-gather, forward all-reduce) in the forward,
-    (dx all-reduce, reduce-scatter) in the backward."""
+    (all-gather again, dx all-reduce, reduce-scatter) in the backward."""
     m, tr = deck.model, deck.train
     shape = tensor_shape(deck)
     assert shape is not None
@@ -672,7 +671,8 @@ def _tp3d_lists(deck: Deck) -> dict[str, list[tuple[str, str, float]]]:
             forward += stats
         weight = float(lin.n * lin.k * e)
         forward += [("tp_z", "all_gather", weight), (lin.forward_axis, "all_reduce", tokens * lin.n * e)]
-        backward += [(lin.backward_axis, "all_reduce", tokens * lin.k * e), ("tp_z", "reduce_scatter", weight)]
+        backward += [("tp_z", "all_gather", weight), (lin.backward_axis, "all_reduce", tokens * lin.k * e),
+                     ("tp_z", "reduce_scatter", weight)]  # fmt: skip
     backward += stats * 2  # each LayerNorm3D's backward sums its two statistics' gradients again
     table = float((m.vocab_size // y) * (m.hidden // x) * e)  # the embedding's / head's (V/Y, h/X) block
     return {
@@ -685,8 +685,8 @@ def _tp3d_lists(deck: Deck) -> dict[str, list[tuple[str, str, float]]]:
         # cross-entropy's max, sum of exponentials and target logit over Y (one fp32 per token each).
         "head_forward": stats + [("tp_z", "all_gather", table), ("tp_x", "all_reduce", tokens * (m.vocab_size // y) * e)]
         + [("tp_y", "all_reduce", tokens * 4.0)] * 3,
-        "head_backward": [("tp_y", "all_reduce", tokens * (m.hidden // x) * e), ("tp_z", "reduce_scatter", table)]
-        + stats,
+        "head_backward": [("tp_z", "all_gather", table), ("tp_y", "all_reduce", tokens * (m.hidden // x) * e),
+                          ("tp_z", "reduce_scatter", table)] + stats,
         # The table block's gather; the lookup summed over Y (embedding3d). Backward: the reduce-scatter.
         "embedding_forward": [("tp_z", "all_gather", table), ("tp_y", "all_reduce", tokens * (m.hidden // x) * e)],
         "embedding_backward": [("tp_z", "reduce_scatter", table)],
@@ -700,7 +700,8 @@ def tp3d_collectives(deck: Deck) -> dict[str, list[tuple[str, str, float]]]:
     the batch is split over dp x Z), e bytes of the compute dtype, each Linear (n x k block):
 
         forward    all-gather over Z of n k e; all-reduce of the output T n e over its in axis
-        backward   all-reduce of dx, T k e, over its out axis; reduce-scatter over Z of n k e
+        backward   all-gather over Z of n k e again (the gathered block is not kept); all-reduce
+                   of dx, T k e, over its out axis; reduce-scatter over Z of n k e
         LayerNorm  all-reduce over X of 4 T bytes, twice forward (mean, variance), twice backward
 
     The head: the same for its (V/Y, h/X) block plus the cross-entropy's three 4 T all-reduces over
@@ -802,12 +803,12 @@ def _layer_passes3d(deck: Deck, dev: Device, links: dict[str, Link], ov: Overlap
     tp_rec = forward_comm(lists["layer_recompute"], compute_f)
     items_b = lists["layer_backward"]
     costs_b = _exposed3d(items_b, links, sizes)
-    if ov.all_reduce:  # OAR: each dx all-reduce (items 0, 2, 4, 6) behind its Linear's dW GEMM
+    if ov.all_reduce:  # OAR: each dx all-reduce (items 1, 4, 7, 10) behind its Linear's dW GEMM
         for i in range(len(lins)):
-            costs_b[2 * i] = max(0.0, costs_b[2 * i] - wgrad[i])
+            costs_b[3 * i + 1] = max(0.0, costs_b[3 * i + 1] - wgrad[i])
     bx, by, bz = _by_axis(items_b, costs_b)
     if ov.reduce_scatter:  # ORS: behind the block's remaining backward; the last one waited for
-        rs = [costs_b[2 * i + 1] for i in range(len(lins))]
+        rs = [costs_b[3 * i + 2] for i in range(len(lins))]
         bz = max(rs[-1], bz - (sum(dgrad) + sum(wgrad[:-1]) + attn_bwd))
     host_f, host_b = OPS["layer_forward"] * dev.op_seconds, OPS["layer_backward"] * dev.op_seconds
     forward = _Pass(fwd_gemm, attn_fwd, elem_fwd, host=host_f) + _comm_pass(tp_fwd)
