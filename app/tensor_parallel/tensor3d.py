@@ -24,7 +24,7 @@ Y; the attention heads and the MLP's hidden features are split over Y, replicate
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,10 @@ from torch import nn
 from app.model.init import new_param
 from app.parallel.layout import SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
 from app.tensor_parallel.mappings import TensorParallel, reduce_from_tp
+
+if TYPE_CHECKING:
+    from app.metrics.timers import StepTimers
+    from app.runtime.grid import ProcessGrid
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,12 @@ def linear3d(
 
 
 def tensor3d_from_grid(
-    grid: Any, shape: tuple[int, int, int], timers: Any = None, overlap_all_reduce: bool = False
+    grid: ProcessGrid,
+    shape: tuple[int, int, int],
+    timers: Optional[StepTimers] = None,
+    overlap_all_reduce: bool = False,
 ) -> Tensor3D:
-    """The `Tensor3D` of this rank's tp group on `grid` (a `ProcessGrid`) split as `shape`."""
+    """The `Tensor3D` of this rank's tp group on `grid` split as `shape`."""
     groups = grid.tensor3d(shape)
     axes = [
         TensorParallel(n, groups[a][0], groups[a][1] if n > 1 else None, False, timers, overlap_all_reduce, a)
