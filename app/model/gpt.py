@@ -257,10 +257,14 @@ class GPT(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) -> hidden states (B, S, H), or (B, S / tp, H) under SP."""
         self._enter("embed")
+        # wte's call is the first use of wte and wpe (`first_uses`): a sharded optimizer's overlapped
+        # gather of both ends there, so wpe is read after it. A view of wpe taken before could see
+        # the gather land in place, which autograd refuses for split's views (a SP run failed so).
+        embedded = self.wte(tokens)
         positions = self.wpe[: tokens.shape[1]]
         if self.tp.sequence_parallel:
             positions = self.tp.split(positions, 0)  # this rank's sequence chunk, like the embedding's
-        x = self.drop(self.wte(tokens) + positions)
+        x = self.drop(embedded + positions)
         self._exit("embed")
         return x
 
