@@ -7,13 +7,12 @@ import itertools
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from app.runtime.grid import AXES, GridLayout, placement_warnings
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 2, 3), (8, 4, 2), (3, 5, 7)]
 
