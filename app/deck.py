@@ -117,6 +117,12 @@ class ParallelConfig:
         True, "overlap the tp backward all-reduce (reduce-scatter under SP) with the weight-gradient GEMM"
     )
     overlap_pp_comm: bool = _key(True, "post the next pipeline receive before the current micro-batch's compute")
+    overlap_tensor_reduce_scatter: bool = _key(
+        True, "3D tensor: reduce-scatter each weight gradient over z behind the backward of the layers before it"
+    )
+    overlap_tensor_all_gather: bool = _key(
+        True, "3D tensor: all-gather the next Linear's weight over z during this Linear's GEMM (forward and backward)"
+    )
 
     @property
     def tensor3d(self) -> Optional[tuple[int, int, int]]:

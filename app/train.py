@@ -120,7 +120,16 @@ class Trainer:
         self.timers = StepTimers(self.device, deck.run.timers, runtime.watchdog)
         self.tp: TensorParallel | Tensor3D
         if par.tensor is not None:  # 3D: the batch is split over dp x Z, the hidden over X
-            self.tp = tensor3d_from_grid(grid, tuple(par.tensor), self.timers, par.overlap_tp_comm)
+            zero3 = deck.optim.zero >= 3 and grid.size("dp") > 1
+            self.tp = tensor3d_from_grid(
+                grid,
+                tuple(par.tensor),
+                self.timers,
+                overlap_all_reduce=par.overlap_tp_comm,
+                overlap_reduce_scatter=par.overlap_tensor_reduce_scatter,
+                overlap_all_gather=par.overlap_tensor_all_gather,
+                prefetch_backward=not zero3,
+            )
             z, z_size, hidden = self.tp.z.rank, self.tp.z.size, m.hidden // self.tp.x.size
         else:
             self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers, overlap=par.overlap_tp_comm)
@@ -158,6 +167,8 @@ class Trainer:
             device=self.device,
         )
         self.dp.prefetch_hooks(self.model.first_uses())
+        if isinstance(self.tp, Tensor3D):  # ORS: the deferred weight gradients go where autograd's go
+            self.tp.grads.sink = self.dp.accumulate
         if self.dp.shard_params:  # ZeRO-3: the model gathers each unit's parameters through DataParallel
             self.model.set_gate(self.dp)
         # Replicated parameters with partial gradients: over tp under SP, over Z under 3D.

@@ -176,6 +176,11 @@ CASES += [
     # LAMB's trust ratio from 3D shards (some replicated over X or Y, counted once); fp16.
     t3d((2, 1, 2), 1, 2, "optim.name=lamb", "optim.zero=1"),
     t3d((1, 2, 2), 1, 2, "optim.zero=1", "train.precision=fp16", **FP16),
+    # Every 3D overlap (OAR, ORS, OAG) is on above (the defaults); here all off, and on again with a
+    # full recomputation over Z (the recomputed forward prefetches the gathers backward takes).
+    t3d((2, 2, 2), 1, 1, MB4, "parallel.overlap_tp_comm=false", "parallel.overlap_tensor_reduce_scatter=false",
+        "parallel.overlap_tensor_all_gather=false"),
+    t3d((1, 2, 2), 2, 1, "train.recompute=full"),
 ]  # fmt: skip
 
 

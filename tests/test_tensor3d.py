@@ -143,14 +143,39 @@ def test_embedding3d_and_the_tied_head_equal_the_1_rank_lookup_and_loss(grids):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlaps-off", "overlaps-on"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_a_3d_gpt_gives_the_1_rank_loss_and_gradients(grids, tie):
+def test_a_3d_gpt_gives_the_1_rank_loss_and_gradients(grids, tie, overlap, monkeypatch):
     """The whole model (blocks, tied or untied head) on every (x, y, z) of the launched ranks:
     each Z rank runs its share of the batch; the mean of their losses is the 1-rank loss, and
     each parameter's gradient, summed over Z where the parameter is replicated over Z (what
-    DataParallel does after dp), is the 1-rank gradient's block."""
+    DataParallel does after dp), is the 1-rank gradient's block.
+
+    With the overlaps on (OAR, ORS, OAG) the results are the same, and each overlap is seen to
+    run: every block Linear's weight gradient goes through a deferred reduce-scatter (ORS: 4 per
+    block), retired by `finish_backward` (without it the gradients are missing), and every Linear
+    after a block's first prefetches its gather, in forward and in backward (OAG: 3 + 3 per block).
+    Mutation checks (by hand, 2026-11-25, 4 ranks): with the prefetch calls removed the OAG count
+    fails; with `finish_backward` not flushing, the in-flight check fails; with `GatherSlot.take`
+    not waiting for the prefetched gather, the loss check fails."""
     from app.deck import ModelConfig
     from app.model.gpt import GPT
+    from app.tensor_parallel.mappings import TensorParallel
+    from app.tensor_parallel.tensor3d import ZGradients
+
+    counts = {"gather": 0, "reduce_scatter": 0}
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(
+        TensorParallel, "all_gather_rows_async", counted("gather", TensorParallel.all_gather_rows_async)
+    )
+    monkeypatch.setattr(ZGradients, "launch", counted("reduce_scatter", ZGradients.launch))
 
     n = grids.world.world_size
     grid = grids.grid(n, 1, 1)
@@ -163,14 +188,21 @@ def test_a_3d_gpt_gives_the_1_rank_loss_and_gradients(grids, tie):
     ref_loss.backward()
     ref_grads = dict(ref.named_parameters())
     for shape in factorisations(n):
-        t3d = tensor3d_from_grid(grid, shape)
+        t3d = tensor3d_from_grid(
+            grid, shape, overlap_all_reduce=overlap, overlap_reduce_scatter=overlap, overlap_all_gather=overlap
+        )
         model = GPT(cfg, seed=5, tp=t3d)
         zs, z = t3d.z.size, t3d.z.rank
         mb = batch // zs
+        counts.update(gather=0, reduce_scatter=0)
         loss = model.loss(tokens[z * mb : (z + 1) * mb], targets[z * mb : (z + 1) * mb])
         mean = t3d.z.all_reduce(loss.detach()) / zs if zs > 1 else loss.detach()
         torch.testing.assert_close(mean, ref_loss.detach(), atol=ATOL, rtol=0)
         (loss / zs).backward()
+        model.finish_backward()
+        assert not t3d.grads.in_flight and all(slot.pending is None for slot in t3d.slots)
+        busy = overlap and zs > 1
+        assert counts == {"gather": 6 * cfg.layers * busy, "reduce_scatter": 4 * cfg.layers * busy}, (shape, counts)
         for name, p in model.named_parameters():
             grad = p.grad
             if "tp_z" not in p.meta.split and zs > 1:

@@ -33,7 +33,14 @@ from app.names import AXES, SCHEDULES, TP_SUB_AXES, reduce_precision, schedule_k
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, on_root
 
-OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "overlap_pp_comm")
+OVERLAP_KEYS = (
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "overlap_tp_comm",
+    "overlap_pp_comm",
+    "overlap_tensor_reduce_scatter",
+    "overlap_tensor_all_gather",
+)
 
 
 def _sub_axes_words(t: TimersInfo) -> str:
@@ -121,7 +128,7 @@ class RunReport:
         )
         opt = deck.optim
         overlaps = ", ".join(f"{k.removeprefix('overlap_').replace('_', '-')} {'on' if getattr(par, k) else 'off'}"
-                             for k in OVERLAP_KEYS)  # fmt: skip
+                             for k in OVERLAP_KEYS if par.tensor is not None or "tensor" not in k)  # fmt: skip
         zero = f"ZeRO-{opt.zero}"
         zero = (f" {zero}" if built.zero_sharded else f" ({zero} has no effect at dp = 1)") if opt.zero else ""
         rt.log(

@@ -51,6 +51,7 @@ from app.tensor_parallel.tensor3d import (
     LayerNorm3D,
     Linear3D,
     Tensor3D,
+    chain_gathers,
     linear3d,
     param3d,
     weight_splits,
@@ -151,6 +152,8 @@ class Block(nn.Module):
         self.ln2 = _layer_norm(cfg, tp, device)
         self.mlp = MLP(cfg, tp, device)
         self.dropout = nn.Dropout(cfg.dropout)
+        if isinstance(tp, Tensor3D):  # OAG: each Linear prefetches the next one's block (`_forward`'s order)
+            chain_gathers([lin.slot for lin in (self.attn.qkv, self.attn.proj, self.mlp.fc, self.mlp.proj)])  # type: ignore[union-attr]
         # ZeRO-3 (`GPT.gate`): this block's unit is gathered where its forward starts, so the
         # recomputation of a checkpointed block in backward gathers it too.
         self.gate: Optional[ParamGate] = None
@@ -301,6 +304,12 @@ class GPT(nn.Module):
         for i in layers:
             x = self.blocks[str(i)](x)
         return self.head_loss(x, targets) if last else x
+
+    def finish_backward(self) -> None:
+        """After each backward pass through a chunk: 3D's deferred work ends here (the ORS
+        reduce-scatters retire into the gradients, `Tensor3D.finish_backward`)."""
+        if isinstance(self.tp, Tensor3D):
+            self.tp.finish_backward()
 
     def _check_whole(self) -> None:
         if not (self.first and self.last and len(self.blocks) == self.cfg.layers):

@@ -600,27 +600,30 @@ def tensor_shape(deck: Deck) -> Optional[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class Overlap3D:
-    """Which 3D collectives run behind compute: AxoNN's OAR, ORS and OAG.
+    """Which 3D collectives run behind compute, as `linear3d` runs them: AxoNN's OAR, ORS and OAG.
 
-    `linear3d` (one autograd Function) overlaps the dx all-reduce with its weight-gradient GEMM
-    under `parallel.overlap_tp_comm` (OAR); the weight's all-gathers (forward, and again in
-    backward) run where a pass needs the block and its reduce-scatter where the backward produces
-    it, so ORS and OAG are off until the code runs them."""
+    OAR (`parallel.overlap_tp_comm`): a Linear's dx all-reduce during its own weight-gradient GEMM.
+    ORS (`parallel.overlap_tensor_reduce_scatter`): the blocks' dW reduce-scatters over Z retire
+    once newer ones are in flight or when the chunk's backward ends, so they run behind the
+    backward of the layers before them. OAG (`parallel.overlap_tensor_all_gather`): each Linear of
+    a block starts the next one's gather over Z before its GEMM, in forward and (not under ZeRO-3,
+    `gather_backward`) in backward; the block's first gather of a pass is waited for."""
 
-    all_reduce: bool = False  # OAR: a Linear's dx all-reduce during its own weight-gradient GEMM
-    reduce_scatter: bool = False  # ORS: the block's dW reduce-scatters during the rest of its backward
-    all_gather: bool = False  # OAG: the block's weight gathers prefetched during its forward compute
+    all_reduce: bool = False
+    reduce_scatter: bool = False
+    all_gather: bool = False
+    gather_backward: bool = False
 
 
 def overlap3d(deck: Deck) -> Overlap3D:
-    """The overlaps gridlm runs for a 3D deck (`Overlap3D`): OAR under `parallel.overlap_tp_comm`;
-    ORS and OAG follow the deck keys named for them (`parallel.overlap_tensor_reduce_scatter`,
-    `parallel.overlap_tensor_all_gather`) once those exist."""
+    """The overlaps gridlm runs for a 3D deck (`Overlap3D`), from its `parallel.overlap_*` keys."""
     par = deck.parallel
+    zero3 = deck.optim.zero >= 3 and deck.dp > 1
     return Overlap3D(
         all_reduce=par.overlap_tp_comm,
-        reduce_scatter=bool(getattr(par, "overlap_tensor_reduce_scatter", False)),
-        all_gather=bool(getattr(par, "overlap_tensor_all_gather", False)),
+        reduce_scatter=par.overlap_tensor_reduce_scatter,
+        all_gather=par.overlap_tensor_all_gather,
+        gather_backward=par.overlap_tensor_all_gather and not zero3,
     )
 
 
@@ -806,6 +809,9 @@ def _layer_passes3d(deck: Deck, dev: Device, links: dict[str, Link], ov: Overlap
     if ov.all_reduce:  # OAR: each dx all-reduce (items 1, 4, 7, 10) behind its Linear's dW GEMM
         for i in range(len(lins)):
             costs_b[3 * i + 1] = max(0.0, costs_b[3 * i + 1] - wgrad[i])
+    if ov.gather_backward:  # OAG in backward: mlp.proj's gather waited for, each other one behind the
+        for i in range(len(lins) - 1):  # GEMMs of the Linear after it (which backward runs first)
+            costs_b[3 * i] = max(0.0, costs_b[3 * i] - dgrad[i + 1] - wgrad[i + 1])
     bx, by, bz = _by_axis(items_b, costs_b)
     if ov.reduce_scatter:  # ORS: behind the block's remaining backward; the last one waited for
         rs = [costs_b[3 * i + 2] for i in range(len(lins))]

@@ -96,6 +96,16 @@ class TensorParallel:
         work = dist.all_reduce(out, group=self.group, async_op=True)
         return out, launch(self.timers, self.axis, work, "all_reduce")
 
+    def all_gather_rows_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+        """Start `all_gather(x, 0)`. Returns (out, handle): out holds the tp ranks' x stacked
+        along dim 0, in tp-rank order, after `wait(handle)`."""
+        x0 = x.contiguous()
+        out = torch.empty((self.size * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
+        work = dist.all_gather_single(out, x0, group=self.group, async_op=True)
+        pending = launch(self.timers, self.axis, work, "all_gather")
+        pending.keep = x0  # the shard it reads, alive until it completes
+        return out, pending
+
     def reduce_scatter_async(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Pending]:
         """Start `reduce_scatter(x, dim)`. Returns (out, handle): out, this rank's chunk
         along `dim` (not contiguous unless dim = 0), holds the sum after `wait(handle)`."""

@@ -8,7 +8,10 @@ is sharded 1/Z along its rows over Z, in a ZeRO-3-like way. The batch is split o
                all-reduce y over that axis
     backward   gather W again; dx = dy W, all-reduced over the out-features' axis, overlapped
                with the weight-gradient GEMM dW = dy^T x (OAR); dW reduce-scattered over Z
-               into the shard's gradient
+               into the shard's gradient, behind the backward of the layers before it (ORS)
+
+The gather of the next Linear of a block is started before this one's GEMM, in the order the
+pass runs them: forward qkv -> attn.proj -> mlp.fc -> mlp.proj, backward the reverse (OAG).
 
 With A on the first Linear of a pair and B on the second, the first's output split (over Y)
 is the second's input split, and the second's output split (over X) is the first's input: no
@@ -23,6 +26,8 @@ Y; the attention heads and the MLP's hidden features are split over Y, replicate
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -30,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.metrics.timers import Pending
 from app.model.init import new_param
 from app.parallel.layout import SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
 from app.tensor_parallel.mappings import TensorParallel, reduce_from_tp
@@ -39,19 +45,107 @@ if TYPE_CHECKING:
     from app.runtime.grid import ProcessGrid
 
 
+# ORS: reduce-scatters over Z in flight before the oldest is waited for. Each keeps a Linear's
+# whole (X x Y) weight-gradient block alive, so a few: enough to hide one behind the next
+# Linears' backward GEMMs, not a stage's worth of blocks.
+ORS_IN_FLIGHT = 4
+
+
+def add_to_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Accumulate `grad` into `param.grad`, as autograd would (without its gradient hooks)."""
+    param.grad = grad if param.grad is None else param.grad + grad
+
+
+class ZGradients:
+    """ORS: the weight gradients' reduce-scatters over Z in flight, oldest first.
+
+    `_Linear3D`'s backward launches each where it computes the gradient and returns none for the
+    shard; a reduction is retired (waited for, its shard of the sum handed to `sink`) when
+    ORS_IN_FLIGHT newer ones are in flight or at `flush`, which the pipeline calls after every
+    backward pass. `sink(param, grad)` does what autograd's accumulation would: in a run it is
+    DataParallel.accumulate (the work of its gradient hook), elsewhere `add_to_grad`."""
+
+    def __init__(self) -> None:
+        self.in_flight: deque[tuple[TensorParallel, Pending, torch.Tensor, nn.Parameter]] = deque()
+        self.sink: Callable[[nn.Parameter, torch.Tensor], None] = add_to_grad
+
+    def launch(self, z: TensorParallel, grad_w: torch.Tensor, shard: nn.Parameter) -> None:
+        out, pending = z.reduce_scatter_async(grad_w, 0)
+        pending.keep = grad_w  # read by the collective until it completes
+        self.in_flight.append((z, pending, out, shard))
+        while len(self.in_flight) > ORS_IN_FLIGHT:
+            self._retire()
+
+    def _retire(self) -> None:
+        z, pending, out, shard = self.in_flight.popleft()
+        z.wait(pending)
+        pending.keep = None
+        self.sink(shard, out)
+
+    def flush(self) -> None:
+        """Retire every reduction in flight (the end of a backward pass)."""
+        while self.in_flight:
+            self._retire()
+
+
+class GatherSlot:
+    """OAG: a Linear3D's weight block gathered over Z ahead of its use, by the Linear that runs
+    before it in the pass (`next` in forward, `prev` in backward). `take` returns the prefetched
+    block, or gathers it now."""
+
+    def __init__(self, shard_of: Callable[[], torch.Tensor]) -> None:
+        self.shard_of = shard_of  # the parameter as it is now (DataParallel rebinds its storage)
+        self.pending: Optional[tuple[torch.Tensor, Pending]] = None
+        self.next: Optional[GatherSlot] = None
+        self.prev: Optional[GatherSlot] = None
+
+    def start(self, z: TensorParallel) -> None:
+        if self.pending is None and z.size > 1:
+            self.pending = z.all_gather_rows_async(self.shard_of().detach())
+
+    def take(self, shard: torch.Tensor, z: TensorParallel) -> torch.Tensor:
+        if self.pending is None:
+            return _gathered(shard, z)
+        (block, pending), self.pending = self.pending, None
+        z.wait(pending)
+        return block
+
+    def drain(self, z: TensorParallel) -> None:
+        """Drop a prefetched block nobody took (a recomputation that stopped early)."""
+        if self.pending is not None:
+            z.wait(self.pending[1])
+            self.pending = None
+
+
+def chain_gathers(slots: list[GatherSlot]) -> None:
+    """Link Linears in the order a forward pass runs them (OAG prefetches along this chain)."""
+    for a, b in zip(slots, slots[1:]):
+        a.next, b.prev = b, a
+
+
 @dataclass(frozen=True)
 class Tensor3D:
     """The X, Y and Z sub-axes of the tensor-parallel group (each a `TensorParallel`).
 
     A tp rank r sits at x = r % X, y = (r // X) % Y, z = r // (X Y): X innermost, so that the
-    all-reduces of every Linear run between the nearest ranks. `overlap_all_reduce` (OAR): the
-    backward all-reduce of the input gradient runs during the weight-gradient GEMM.
+    all-reduces of every Linear run between the nearest ranks. The overlaps (AxoNN's names):
+    `overlap_all_reduce` (OAR), the backward all-reduce of the input gradient runs during the
+    weight-gradient GEMM; `overlap_reduce_scatter` (ORS), the weight gradient's reduce-scatter
+    over Z runs behind the backward of the layers before it (`grads`); `overlap_all_gather`
+    (OAG), the next Linear's gather over Z is started before this one's GEMM, in forward and,
+    with `prefetch_backward`, in backward (`GatherSlot`; not under ZeRO-3, whose dp gather of
+    the earlier Linear's parameters is not there yet when backward reaches the later one).
     """
 
     x: TensorParallel = field(default_factory=TensorParallel)
     y: TensorParallel = field(default_factory=TensorParallel)
     z: TensorParallel = field(default_factory=TensorParallel)
     overlap_all_reduce: bool = False
+    overlap_reduce_scatter: bool = False
+    overlap_all_gather: bool = False
+    prefetch_backward: bool = True
+    grads: ZGradients = field(default_factory=ZGradients, compare=False, repr=False)
+    slots: list[GatherSlot] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -71,6 +165,13 @@ class Tensor3D:
     def axes(self, transposed: bool) -> tuple[TensorParallel, TensorParallel]:
         """(in-features axis, out-features axis) of a Linear in the A (or, transposed, B) layout."""
         return (self.y, self.x) if transposed else (self.x, self.y)
+
+    def finish_backward(self) -> None:
+        """After a backward pass: every ORS reduction retired into its gradient, no block left
+        prefetched."""
+        self.grads.flush()
+        for slot in self.slots:
+            slot.drain(self.z)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -99,25 +200,36 @@ class _Linear3D(torch.autograd.Function):
     (AxoNN's order), so a stage holds one layer's block at a time instead of every layer's for
     every micro-batch in flight. Backward computes dx and starts its all-reduce over the out axis,
     computes dW meanwhile when the overlap is on (OAR, `parallel.overlap_tp_comm`), then
-    reduce-scatters dW over Z into the shard's gradient. The arithmetic is the same in either
-    order: results are bitwise equal with the overlap on or off."""
+    reduce-scatters dW over Z into the shard's gradient, asynchronously under ORS (`ZGradients`).
+    With a `slot` (OAG) the block comes from the gather the previous Linear of the pass started,
+    and this one starts the next's. The arithmetic is the same in any order: results are bitwise
+    equal with each overlap on or off."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, shard: torch.Tensor, t3d: Tensor3D, transposed: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, shard: torch.Tensor, t3d: Tensor3D, transposed: bool, slot: Optional[GatherSlot]
+    ) -> torch.Tensor:
+        block = slot.take(shard, t3d.z) if slot is not None else _gathered(shard, t3d.z)
+        if slot is not None and slot.next is not None and t3d.overlap_all_gather:
+            slot.next.start(t3d.z)  # during this GEMM
         ctx.save_for_backward(x, shard)
-        ctx.t3d, ctx.transposed = t3d, transposed
-        return F.linear(x, _gathered(shard, t3d.z))
+        ctx.t3d, ctx.transposed, ctx.slot = t3d, transposed, slot
+        return F.linear(x, block)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         x, shard = ctx.saved_tensors
         t3d: Tensor3D = ctx.t3d
+        slot: Optional[GatherSlot] = ctx.slot
         _, out_axis = t3d.axes(ctx.transposed)
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = handle = None
         if need_x:
+            block = slot.take(shard, t3d.z) if slot is not None else _gathered(shard, t3d.z)
+            if slot is not None and slot.prev is not None and t3d.overlap_all_gather and t3d.prefetch_backward:
+                slot.prev.start(t3d.z)  # during this Linear's GEMMs
             # Each rank holds the gradient through its out-features only: sum over the out axis.
-            grad_x = grad_out.matmul(_gathered(shard, t3d.z).to(grad_out.dtype))
+            grad_x = grad_out.matmul(block.to(grad_out.dtype))
             if out_axis.size > 1:
                 grad_x, handle = out_axis.all_reduce_async(grad_x)
                 if not t3d.overlap_all_reduce:
@@ -128,12 +240,18 @@ class _Linear3D(torch.autograd.Function):
             flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
             grad_w = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]).to(grad_out.dtype)).to(shard.dtype)
             if t3d.z.size > 1:  # each Z rank ran its own samples: sum over Z, keep this shard's rows
-                grad_w = t3d.z.reduce_scatter(grad_w, 0)
+                # ORS for the blocks' Linears (a slot), each used once per pass; the head's table
+                # may have a second gradient (the tied embedding) that autograd must sum first.
+                if t3d.overlap_reduce_scatter and slot is not None:
+                    t3d.grads.launch(t3d.z, grad_w, shard)
+                    grad_w = None  # it reaches the shard through `grads.sink`
+                else:
+                    grad_w = t3d.z.reduce_scatter(grad_w, 0)
         if handle is not None:
             out_axis.wait(handle)
         if grad_x is not None:
             grad_x = grad_x.contiguous().to(x.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def _gathered(shard: torch.Tensor, z: TensorParallel) -> torch.Tensor:
@@ -143,12 +261,18 @@ def _gathered(shard: torch.Tensor, z: TensorParallel) -> torch.Tensor:
 
 
 def linear3d(
-    x: torch.Tensor, shard: torch.Tensor, bias: Optional[torch.Tensor], t3d: Tensor3D, transposed: bool
+    x: torch.Tensor,
+    shard: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    t3d: Tensor3D,
+    transposed: bool,
+    slot: Optional[GatherSlot] = None,
 ) -> torch.Tensor:
     """x W^T + b for this rank's Z shard of W's (X x Y) block. x: (..., in / |in axis|) replicated
-    over the out axis; returns (..., out / |out axis|) replicated over the in axis."""
+    over the out axis; returns (..., out / |out axis|) replicated over the in axis. `slot`: the
+    Linear's place in the OAG chain (none: gathered where used)."""
     in_axis, _ = t3d.axes(transposed)
-    y = reduce_from_tp(_Linear3D.apply(x, shard, t3d, transposed), in_axis)
+    y = reduce_from_tp(_Linear3D.apply(x, shard, t3d, transposed, slot), in_axis)
     return y if bias is None else y + bias
 
 
@@ -157,14 +281,24 @@ def tensor3d_from_grid(
     shape: tuple[int, int, int],
     timers: Optional[StepTimers] = None,
     overlap_all_reduce: bool = False,
+    overlap_reduce_scatter: bool = False,
+    overlap_all_gather: bool = False,
+    prefetch_backward: bool = True,
 ) -> Tensor3D:
-    """The `Tensor3D` of this rank's tp group on `grid` split as `shape`."""
+    """The `Tensor3D` of this rank's tp group on `grid` split as `shape`, with the overlaps asked
+    for (OAR, ORS, OAG; `prefetch_backward` False under ZeRO-3)."""
     groups = grid.tensor3d(shape)
     axes = [
         TensorParallel(n, groups[a][0], groups[a][1] if n > 1 else None, False, timers, overlap_all_reduce, a)
         for a, n in zip(SUB_AXES, shape)
     ]
-    return Tensor3D(*axes, overlap_all_reduce=overlap_all_reduce)
+    return Tensor3D(
+        *axes,
+        overlap_all_reduce=overlap_all_reduce,
+        overlap_reduce_scatter=overlap_reduce_scatter,
+        overlap_all_gather=overlap_all_gather,
+        prefetch_backward=prefetch_backward,
+    )
 
 
 class _AllReduceBothWays(torch.autograd.Function):
@@ -230,9 +364,11 @@ class Linear3D(nn.Module):
         self.weight = param3d(ParamMeta((n_out, n_in), std=std), t3d, weight_splits(transposed), device)
         out_axis = "tp_x" if transposed else "tp_y"
         self.bias = param3d(ParamMeta((n_out,), init="zeros", decay=False), t3d, [(out_axis, 0)], device)
+        self.slot = GatherSlot(lambda: self.weight)
+        t3d.slots.append(self.slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear3d(x, self.weight, self.bias, self.t3d, self.transposed)
+        return linear3d(x, self.weight, self.bias, self.t3d, self.transposed, self.slot)
 
 
 class LayerNorm3D(nn.Module):
