@@ -31,6 +31,10 @@ from app.names import TP_SUB_AXES
 # ZeRO-2: bucket reductions in flight at once; launching one more first waits for the oldest,
 # so a rank holds at most this many bucket buffers being reduced (DataParallel, estimate.py).
 ZERO2_IN_FLIGHT = 2
+# 3D tensor parallelism's ORS: weight-gradient reduce-scatters over Z in flight before the oldest is
+# waited for. Each keeps a Linear's whole (x y) gradient block alive, so a few: enough to hide one
+# behind the next Linears' backward GEMMs, not a stage's worth of blocks (tensor3d, estimate.py).
+ORS_IN_FLIGHT = 4
 # ZeRO-3: units (a transformer block, the embedding, the head) whose parameter all-gathers are
 # in flight ahead of the unit computing, in execution order (forward and backward).
 ZERO3_PREFETCH = 1

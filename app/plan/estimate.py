@@ -42,8 +42,11 @@ recomputation keeps only each block's input (s b h e / t_sp) plus one block's wo
 during its backward. Under 3D tensor parallelism (x, y, z) a rank's micro-batch is its own
 (the batch is split over dp x z), the first three terms are split over x (the residual
 stream's hidden), the last over y (heads and MLP features); with z > 1 no Linear's weight
-block gathered over z is kept (each pass gathers it again), so the working set adds one block
-and its gradient, 2 max(3h, f, V) h / (x y) x e (`gathered_block_bytes`). A stage holds the
+block gathered over z is kept (each pass gathers it again), so the working set adds the blocks
+gathered and the gradient blocks not yet reduce-scattered: the head's (V/y, h/x) block and its
+gradient, or a block Linear's (largest B = max(3h, f) h / (x y) x e) plus the next one's
+prefetched (OAG) and its gradient plus ORS_IN_FLIGHT in flight (ORS), whichever is more
+(`gathered_block_bytes`). A stage holds the
 activations of the forward passes in flight in its
 pipeline schedule (counted from `app.parallel.schedule`: min(pp - stage, m) micro-batches
 for 1F1B); the last stage also holds the logits of one micro-batch in the compute dtype
@@ -67,6 +70,7 @@ from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, reduce_precision
 from app.parallel.layout import (
+    ORS_IN_FLIGHT,
     ZERO2_IN_FLIGHT,
     ZERO3_PREFETCH,
     ParamLayout,
@@ -381,13 +385,20 @@ def layer_activation_bytes(
     return sbh * (2 * e + (2 * e + 2) / t_sp + (4 * e + 2 * e * m.ffn / m.hidden) / t)
 
 
-def gathered_block_bytes(m: ModelConfig, tensor: Tensor3DShape, element: int) -> float:
-    """3D tensor parallelism with z > 1: the largest Linear's (x y) block gathered over Z and, in
-    its backward, the block's gradient before the reduce-scatter; one Linear at a time."""
+def gathered_block_bytes(
+    m: ModelConfig, tensor: Tensor3DShape, element: int, ors: bool = False, oag: bool = False
+) -> float:
+    """3D tensor parallelism with z > 1: the most weight blocks gathered over Z and weight-gradient
+    blocks (before their reduce-scatter) a rank holds at once. The head: its (V/y, h/x) block and
+    its gradient. A block Linear (largest block B = max(3h, f) h / (x y)): its block, and the next
+    one's with OAG (prefetched); its gradient, and with ORS the ORS_IN_FLIGHT still being reduced."""
     if tensor is None or tensor[2] == 1:
         return 0.0
     x, y, _ = tensor
-    return 2.0 * max(3 * m.hidden, m.ffn, m.vocab_size) * m.hidden / (x * y) * element
+    head = 2.0 * m.vocab_size * m.hidden / (x * y)
+    block = max(3 * m.hidden, m.ffn) * m.hidden / (x * y)
+    linear = block * ((2 if oag else 1) + (1 + ORS_IN_FLIGHT if ors else 1))
+    return max(head, linear) * element
 
 
 def in_flight(pp: int, stage: int, micro_batches: int, virtual: int, chunk_layers: list[int]) -> int:
@@ -575,7 +586,9 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
         mine = [chunk_layers[stage + c * pp] for c in range(v)]
         first, last = stage == 0, stage == pp - 1
         held = in_flight(pp, stage, micro, v, chunk_layers)
-        head = (logits if last else 0.0) + gathered_block_bytes(m, tensor, e)
+        head = (logits if last else 0.0) + gathered_block_bytes(
+            m, tensor, e, par.overlap_tensor_reduce_scatter, par.overlap_tensor_all_gather
+        )
         activations = {
             "none": held * per_layer + head,
             "selective": held * per_layer + head,

@@ -37,18 +37,12 @@ from torch import nn
 
 from app.metrics.timers import Pending
 from app.model.init import new_param
-from app.parallel.layout import SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
+from app.parallel.layout import ORS_IN_FLIGHT, SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
 from app.tensor_parallel.mappings import TensorParallel, reduce_from_tp
 
 if TYPE_CHECKING:
     from app.metrics.timers import StepTimers
     from app.runtime.grid import ProcessGrid
-
-
-# ORS: reduce-scatters over Z in flight before the oldest is waited for. Each keeps a Linear's
-# whole (X x Y) weight-gradient block alive, so a few: enough to hide one behind the next
-# Linears' backward GEMMs, not a stage's worth of blocks.
-ORS_IN_FLIGHT = 4
 
 
 def add_to_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
