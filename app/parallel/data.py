@@ -303,8 +303,8 @@ class DataParallel:
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
         grad, p.grad = p.grad, None
-        assert grad is not None
-        self.accumulate(p, grad)
+        if grad is not None:  # none: autograd got no gradient for p (3D's ORS delivers it via accumulate)
+            self.accumulate(p, grad)
 
     @torch.no_grad()
     def accumulate(self, p: torch.Tensor, grad: torch.Tensor) -> None:
