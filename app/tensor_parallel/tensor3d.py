@@ -207,7 +207,8 @@ class _Linear3D(torch.autograd.Function):
         if slot is not None and slot.next is not None and t3d.overlap_all_gather:
             slot.next.start(t3d.z)  # during this GEMM
         ctx.save_for_backward(x, shard)
-        ctx.t3d, ctx.transposed, ctx.slot = t3d, transposed, slot
+        # The parameter itself, for ORS's delivery: ZeRO-3's saved-tensor hooks unpack another tensor.
+        ctx.t3d, ctx.transposed, ctx.slot, ctx.param = t3d, transposed, slot, shard
         return F.linear(x, block)
 
     @staticmethod
@@ -237,7 +238,7 @@ class _Linear3D(torch.autograd.Function):
                 # ORS for the blocks' Linears (a slot), each used once per pass; the head's table
                 # may have a second gradient (the tied embedding) that autograd must sum first.
                 if t3d.overlap_reduce_scatter and slot is not None:
-                    t3d.grads.launch(t3d.z, grad_w, shard)
+                    t3d.grads.launch(t3d.z, grad_w, ctx.param)
                     grad_w = None  # it reaches the shard through `grads.sink`
                 else:
                     grad_w = t3d.z.reduce_scatter(grad_w, 0)
