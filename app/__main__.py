@@ -52,6 +52,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "and batch by predicted step time; needs --machine (or run.machine) and --nodes or --world-size",
     )  # fmt: skip
     plan.add_argument("--top", type=int, default=5, metavar="K", help="--search: configurations shown (default 5)")
+    plan.add_argument(
+        "--tensor", choices=("both", "1d", "3d"), default="both",
+        help="--search: 1D (Megatron) or 3D (AxoNN, parallel.tensor) tensor parallelism, or both (default)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.search:
         args.dry_run = True
@@ -107,7 +111,7 @@ def _search(args: argparse.Namespace, deck: Any, world: int, machine: Any) -> in
     if machine is None:
         print("gridlm: --search needs a machine: pass --machine NAME (inputs/machines/)", file=sys.stderr)
         return 2
-    result = search.search(deck, world, machine, args.top)
+    result = search.search(deck, world, machine, args.top, args.tensor)
     _emit(search.dump_json(result) if args.json else search.format_text(result, args.deck))
     if not result.best:
         print("gridlm: search: no configuration of this deck can run on this allocation", file=sys.stderr)

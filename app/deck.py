@@ -78,6 +78,11 @@ class ParallelConfig:
         "auto", "data-parallel degree; auto = world size / (tp x pp)", min=1, max=MAX_RANKS, words=("auto",)
     )
     order: str = _key("tp-dp-pp", "grid axes from innermost (neighbouring ranks) to outermost")
+    tensor: Optional[list[int]] = _key(
+        None, "3D tensor parallelism (AxoNN): [x, y, z] splits each weight (out / y, in / x) and shards it 1/z, "
+        "the batch split over dp x z; x y z must equal tp; null = 1D (Megatron) tensor parallelism",
+        min=1, max=4096,
+    )  # fmt: skip
     sequence_parallel: bool = _key(
         False, "shard LayerNorm/dropout regions along the sequence over tp (all-gather/reduce-scatter)"
     )
@@ -112,6 +117,23 @@ class ParallelConfig:
         True, "overlap the tp backward all-reduce (reduce-scatter under SP) with the weight-gradient GEMM"
     )
     overlap_pp_comm: bool = _key(True, "post the next pipeline receive before the current micro-batch's compute")
+    overlap_tensor_reduce_scatter: bool = _key(
+        True, "3D tensor: reduce-scatter each weight gradient over z behind the backward of the layers before it"
+    )
+    overlap_tensor_all_gather: bool = _key(
+        True, "3D tensor: all-gather the next Linear's weight over z during this Linear's GEMM (forward and backward)"
+    )
+
+    @property
+    def tensor3d(self) -> Optional[tuple[int, int, int]]:
+        """(x, y, z) under 3D tensor parallelism, None under 1D."""
+        return None if self.tensor is None else (self.tensor[0], self.tensor[1], self.tensor[2])
+
+    @property
+    def batch_split(self) -> int:
+        """The tensor ranks that hold different samples: z under 3D tensor parallelism (the batch
+        is split over dp x z), 1 under 1D."""
+        return 1 if self.tensor is None else self.tensor[2]
 
 
 @dataclass(frozen=True)
@@ -319,9 +341,14 @@ class Deck:
         return self.parallel.dp
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks of a stage that hold different samples: dp, times z under 3D tensor parallelism."""
+        return self.dp * self.parallel.batch_split
+
+    @property
     def num_micro_batches(self) -> int:
-        """Gradient-accumulation steps per optimizer step on each dp rank."""
-        return self.train.global_batch // (self.train.micro_batch * self.dp)
+        """Gradient-accumulation steps per optimizer step on each data rank (`data_ranks`)."""
+        return self.train.global_batch // (self.train.micro_batch * self.data_ranks)
 
 
 def key_name(f: dataclasses.Field) -> str:
@@ -470,15 +497,50 @@ def _validate(deck: Deck) -> None:
         raise DeckError("data.path", deck.data.path, "only used with data.kind = memmap")
 
 
+def _validate_tensor3d(m: ModelConfig, par: ParallelConfig) -> None:
+    """3D tensor parallelism: x y z = tp; every block of every weight splits evenly."""
+    t = par.tensor
+    assert t is not None
+    if len(t) != 3:
+        raise DeckError("parallel.tensor", t, "needs three entries [x, y, z], e.g. [2, 2, 1]")
+    x, y, z = t
+    if x * y * z != par.tp:
+        raise DeckError(
+            "parallel.tensor", t, f"x y z = {x * y * z} must equal parallel.tp = {par.tp}: set parallel.tp: {x * y * z}"
+        )
+    if par.sequence_parallel:
+        raise DeckError(
+            "parallel.sequence_parallel", True, "not with parallel.tensor: 3D tensor parallelism already splits "
+            "the hidden dimension of the LayerNorm and residual regions over x; set it to false",
+        )  # fmt: skip
+    h, f, v = m.hidden, m.ffn, m.vocab_size
+    needs = [
+        ("model.hidden", h, x * z, "hidden features (over x, each block's rows over z)"),
+        ("model.hidden", h, y, "hidden features of the transposed linears (over y)"),
+        ("model.heads", m.heads, y, "attention heads (over y)"),
+        ("model.ffn_hidden", f, y * z, "MLP columns (over y, each block's rows over z)"),
+        ("model.vocab_size", v, y * z, "vocabulary rows (over y, each block's rows over z)"),
+        ("model.hidden", 3 * h, y * z, "QKV rows 3 x hidden (over y, each block's rows over z)"),
+    ]
+    for key, value, parts, what in needs:
+        if value % parts:
+            raise DeckError(
+                key, value if key != "model.hidden" or parts != y * z else h, f"parallel.tensor = {t} splits the "
+                f"{what} into {parts} parts: use a multiple of {parts}, or another [x, y, z]",
+            )  # fmt: skip
+
+
 def _validate_model_split(m: ModelConfig, par: ParallelConfig) -> None:
     """tp must split heads, MLP and vocabulary evenly; pp x virtual_stages chunks need layers."""
     tp = par.tp
+    if par.tensor is not None:
+        _validate_tensor3d(m, par)
     for key, value, what in (
         ("model.heads", m.heads, "attention heads"),
         ("model.ffn_hidden", m.ffn, "MLP columns"),
         ("model.vocab_size", m.vocab_size, "vocabulary rows"),
     ):
-        if value % tp:
+        if value % tp and par.tensor is None:
             raise DeckError(
                 key, value, f"parallel.tp = {tp} splits the {what}, so it must be a multiple of {tp} "
                 f"(e.g. {value + tp - value % tp}), or choose a tp that divides {value}"
@@ -526,13 +588,13 @@ def resolve_for_world(deck: Deck, world_size: int) -> Deck:
                 f"tp x pp x dp = {par.tp} x {par.pp} x {dp} = {model_ranks * dp} must equal the world size "
                 f"{world_size}; use dp: auto or launch {model_ranks * dp} ranks",
             )
-    if tr.global_batch % (tr.micro_batch * dp):
+    z = par.tensor[2] if par.tensor is not None else 1  # 3D tensor parallelism splits the batch over Z too
+    if tr.global_batch % (tr.micro_batch * dp * z):
+        what = f"micro_batch x dp = {tr.micro_batch} x {dp}" + (f" x z = {z} (parallel.tensor)" if z > 1 else "")
         raise DeckError(
-            "train.global_batch",
-            tr.global_batch,
-            f"must be a multiple of micro_batch x dp = {tr.micro_batch} x {dp} = {tr.micro_batch * dp}",
+            "train.global_batch", tr.global_batch, f"must be a multiple of {what} = {tr.micro_batch * dp * z}"
         )
-    micro = tr.global_batch // (tr.micro_batch * dp)
+    micro = tr.global_batch // (tr.micro_batch * dp * z)
     if par.virtual_stages > 1 and micro % par.pp:
         # Interleaving walks the chunks in groups of pp micro-batches.
         good = tr.micro_batch * dp * par.pp * max(1, round(micro / par.pp))

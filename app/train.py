@@ -62,6 +62,7 @@ from app.runtime.lock import RunLock, acquire_run_lock
 from app.runtime.mpi import Runtime, agree, on_root
 from app.runtime.signals import StopSignals, signal_name
 from app.tensor_parallel.mappings import TensorParallel
+from app.tensor_parallel.tensor3d import Tensor3D, tensor3d_from_grid
 
 
 def _sync(device: torch.device) -> None:
@@ -92,10 +93,13 @@ def _make_run_dir(runtime: Runtime, deck: Deck) -> tuple[Path, Optional[RunLock]
     return run_dir, (held[0] if held else None)
 
 
-def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid) -> float:
-    """The global-batch mean loss: held by the last stage (summed over pp), averaged over dp."""
+def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid, tp: Optional[Tensor3D | TensorParallel] = None) -> float:
+    """The global-batch mean loss: held by the last stage (summed over pp), averaged over dp (and
+    under 3D tensor parallelism over Z, which splits the batch too)."""
     value = loss_sum.detach().clone()
     grid.all_reduce(value, ("pp", "dp"))
+    if isinstance(tp, Tensor3D) and tp.z.size > 1:
+        value = tp.z.all_reduce(value) / tp.z.size
     return float(value) / grid.size("dp")
 
 
@@ -112,17 +116,34 @@ class Trainer:
         self.device = runtime.device
         self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
         self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
-        self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, grid.coords["dp"], grid.size("dp"))
-        # Dropout masks differ between dp replicas and stages, but not between the tp ranks of a
-        # stage: their replicated activations (and so their replicated parameters) must stay equal.
-        torch.manual_seed(tr.seed + 1_000_003 * (grid.coords["dp"] * grid.size("pp") + grid.coords["pp"]))
         par = deck.parallel
         self.timers = StepTimers(self.device, deck.run.timers, runtime.watchdog)
-        self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers, overlap=par.overlap_tp_comm)
+        self.tp: TensorParallel | Tensor3D
+        if par.tensor is not None:  # 3D: the batch is split over dp x Z, the hidden over X
+            zero3 = deck.optim.zero >= 3 and grid.size("dp") > 1
+            self.tp = tensor3d_from_grid(
+                grid,
+                tuple(par.tensor),
+                self.timers,
+                overlap_all_reduce=par.overlap_tp_comm,
+                overlap_reduce_scatter=par.overlap_tensor_reduce_scatter,
+                overlap_all_gather=par.overlap_tensor_all_gather,
+                prefetch_backward=not zero3,
+            )
+            z, z_size, hidden = self.tp.z.rank, self.tp.z.size, m.hidden // self.tp.x.size
+        else:
+            self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers, overlap=par.overlap_tp_comm)
+            z, z_size, hidden = 0, 1, m.hidden
+        self.z_size = z_size
+        data_rank = grid.coords["dp"] * z_size + z
+        self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, data_rank, grid.size("dp") * z_size)
+        # Dropout masks differ between data ranks and stages, but not between the tp ranks of a
+        # stage: their replicated activations (and so their replicated parameters) must stay equal.
+        torch.manual_seed(tr.seed + 1_000_003 * (data_rank * grid.size("pp") + grid.coords["pp"]))
         self.chunks = partition_layers(m.layers, par.pp * par.virtual_stages, par.stage_layers)
         seq = m.seq_len // grid.size("tp") if par.sequence_parallel else m.seq_len
         self.pipeline = Pipeline(
-            grid, self.chunks, (tr.micro_batch, seq, m.hidden), self.timers, prefetch=par.overlap_pp_comm
+            grid, self.chunks, (tr.micro_batch, seq, hidden), self.timers, prefetch=par.overlap_pp_comm
         )
         pipe = self.pipeline
         # Shapes only ("meta"): DataParallel computes each value straight into its buffers.
@@ -146,9 +167,14 @@ class Trainer:
             device=self.device,
         )
         self.dp.prefetch_hooks(self.model.first_uses())
+        if isinstance(self.tp, Tensor3D):  # ORS: the deferred weight gradients go where autograd's go
+            self.tp.grads.sink = self.dp.accumulate
         if self.dp.shard_params:  # ZeRO-3: the model gathers each unit's parameters through DataParallel
             self.model.set_gate(self.dp)
+        # Replicated parameters with partial gradients: over tp under SP, over Z under 3D.
         self.sp_group = grid.group["tp"] if par.sequence_parallel and grid.size("tp") > 1 else None
+        if isinstance(self.tp, Tensor3D) and self.tp.z.size > 1:
+            self.sp_group = self.tp.z.group
         offload_file = offload_path(Path(offload_dir(deck)), runtime.rank) if deck.optim.offload == "nvme" else None
         self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid, offload_file)
         self.scaler = (
@@ -211,7 +237,9 @@ class Trainer:
         self.dp.start_step(len(micro_batches))
         # Mean over micro-batches in the pipeline, mean over dp in the reduction: the global-batch mean.
         with self.dp.saving():
-            return self.pipeline.run(self.model, micro_batches, self.scaler.scale if self.scaler else 1.0)
+            # 3D: the Z ranks' gradients are summed (reduce-scatter, `sp_group`), so each is 1/Z of the mean.
+            scale = (self.scaler.scale if self.scaler else 1.0) / self.z_size
+            return self.pipeline.run(self.model, micro_batches, scale)
 
     def update(self, lr: float, loss_sum: Optional[torch.Tensor] = None) -> float:
         """Finish the gradient reductions, check `loss_sum` (this rank's; None: unchecked) and the
@@ -251,7 +279,8 @@ class Trainer:
         g = info["grid"]
         self.runtime.log(
             f"gridlm: resumed from {path} at step {info['step']} ({info['seconds']:.2f} s) | written on "
-            f"tp={g['tp']} pp={g['pp']} dp={g['dp']} zero={g['zero']} {info['precision']}"
+            f"tp={g['tp']}{' tensor=' + str(g['tensor']) if 'tensor' in g else ''} pp={g['pp']} dp={g['dp']} "
+            f"zero={g['zero']} {info['precision']}"
             + (" | resharded to this grid" if info["resharded"] else "")
             + ("" if info["rng_restored"] else " | RNG states not restored (other grid): dropout masks differ")
         )
@@ -416,7 +445,7 @@ class Trainer:
             fp16 = self.scaler
             self.report.log_step(
                 step,
-                global_loss(loss_sum, self.grid),
+                global_loss(loss_sum, self.grid, self.tp),
                 lr,
                 norm,
                 self.sampler.consumed_samples,

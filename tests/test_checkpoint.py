@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.checkpoint.io import EXP_AVG, MASTER, load, read_header, save
+from app.checkpoint.io import EXP_AVG, MASTER, grid_signature, load, read_header, save
 from app.checkpoint.slabs import checksum, flat_boxes, global_boxes, read_boxes, transfer_plist, write_boxes
 from app.checkpoint.store import commit, read_latest, resolve_resume, retain, step_file
 from app.deck import load_deck
@@ -115,6 +115,25 @@ def test_resume_setting_resolves_and_refuses_bad_targets(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("step_0000009.h5\n")
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_resume(deck("auto"))
+
+
+def test_the_grid_signature_tells_a_3d_tensor_split_from_the_same_tp_in_1d():
+    """A checkpoint of parallel.tensor [2, 2, 2] loaded on tp 8 in 1D (same tp, pp, dp) is resharded:
+    the RNG states of its ranks (dropout seeded by data rank, over dp x z) are not restored."""
+    from types import SimpleNamespace
+
+    def signature(*sets):
+        deck = load_deck(None, ("parallel.tp=8", "model.heads=8", *sets))
+        grid = SimpleNamespace(size=lambda axis: {"tp": 8, "pp": 1, "dp": 1}[axis])
+        state = SimpleNamespace(
+            deck=deck, grid=grid, dp=SimpleNamespace(level=0), runtime=SimpleNamespace(world_size=8)
+        )
+        return grid_signature(state)
+
+    one_d, three_d = signature(), signature("parallel.tensor=[2, 2, 2]")
+    assert "tensor" not in one_d  # unchanged for 1D: older checkpoints still load as the same grid
+    assert three_d == {**one_d, "tensor": [2, 2, 2]} != one_d
+    assert signature("parallel.tensor=[1, 2, 4]") != three_d
 
 
 def test_metrics_log_keeps_the_records_up_to_the_resumed_step(tmp_path):

@@ -136,3 +136,38 @@ def test_a_zero3_offloaded_checkpoint_loads_on_one_rank(runtime, grids, tmp_path
     losses = next(x for x in runtime.comm.allgather(losses) if x is not None)
     assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=5e-4), f"{losses} vs {ref_losses[SAVE_AT:]}"
     assert not problems, "\n".join(problems)
+
+
+# 3D tensor parallelism <-> 1D: the (2, 2, 2) tensor grid (each weight's (Y, X) block Z-sharded along
+# its rows, `layout.box3d`) and tp4 x pp2 with sequence parallelism (8 ranks each) write and read the
+# same global tensors; each direction continues the uninterrupted 1-rank losses.
+GRIDS_3D_1D = {
+    "3d": (8, 1, 1, ("parallel.tensor=[2, 2, 2]",)),
+    "1d": (4, 2, 1, ("parallel.sequence_parallel=true",)),
+}
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize(
+    "saved, loaded", [("3d", "1d"), ("1d", "3d")], ids=["tp2x2x2-to-tp4-pp2", "tp4-pp2-to-tp2x2x2"]
+)
+def test_a_3d_tensor_checkpoint_loads_on_a_1d_grid_and_back(runtime, grids, tmp_path, saved, loaded):
+    ref_losses, ref_params = _reference(grids, tmp_path / "solo")
+    grids.runtime(8)
+    run_dir = runtime.comm.bcast(str(tmp_path / saved), root=0)
+    tp, pp, dp, extra = GRIDS_3D_1D[saved]
+    writer = _trainer(grids, tp, pp, dp, extra, run_dir)
+    first = _train(writer, SAVE_AT)
+    path = writer.save("test").path
+    tp, pp, dp, extra = GRIDS_3D_1D[loaded]
+    trainer = _trainer(grids, tp, pp, dp, extra, runtime.comm.bcast(str(tmp_path / loaded), root=0))
+    info = load(trainer, path)
+    assert (trainer.tp.shape if loaded == "3d" else trainer.tp.size) == ((2, 2, 2) if loaded == "3d" else 4)
+    losses = _train(trainer, STEPS - SAVE_AT)
+    with trainer.dp.gathered():
+        problems, _ = shard_errors(trainer.model, ref_params, PARAM_ATOL, runtime.rank)
+    problems = sum(runtime.comm.allgather(problems), [])
+    assert info["resharded"] and info["step"] == SAVE_AT and not info["rng_restored"]
+    assert first == pytest.approx(ref_losses[:SAVE_AT], rel=LOSS_RTOL), f"{first} vs {ref_losses[:SAVE_AT]}"
+    assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=LOSS_RTOL), f"{losses} vs {ref_losses[SAVE_AT:]}"
+    assert not problems, "\n".join(problems)

@@ -219,9 +219,12 @@ def refusal(overrides=(), path=TINY) -> DeckError:
     return err.value
 
 
+LIST_KEYS = ("parallel.stage_layers", "parallel.tensor")  # the list-of-int keys
+
+
 def set_value(key: str, text: str) -> str:
     """`--set` for `key`; list keys get a one-entry list."""
-    return f"{key}=[{text}]" if key == "parallel.stage_layers" else f"{key}={text}"
+    return f"{key}=[{text}]" if key in LIST_KEYS else f"{key}={text}"
 
 
 @pytest.mark.parametrize("text", ["nan", ".nan", ".NaN", "inf", ".inf", "-.inf", "1e999", "-1e999", "Infinity"])
@@ -246,7 +249,7 @@ def test_every_numeric_key_has_an_upper_bound():
 def test_huge_ints_are_refused_for_every_int_key(value):
     for key, meta in keys_of("int"):
         err = refusal([set_value(key, str(value))])
-        shown = f"{key}[0]" if key == "parallel.stage_layers" else key
+        shown = f"{key}[0]" if key in LIST_KEYS else key
         assert err.key == shown and f"must be <= {meta['max']}" in str(err), str(err)
 
 

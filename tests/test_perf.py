@@ -251,11 +251,13 @@ def test_dry_run_prints_and_writes_the_prediction():
 def test_the_search_finds_a_configuration_at_least_as_fast_as_the_published_one(row):
     """Every Megatron row: the search over the deck's model and batch on the same GPUs ranks a best
     configuration whose predicted step is no slower than the paper's own (the deck), and says why
-    where they differ. The deck's configuration goes through the same path."""
+    where they differ. The deck's configuration goes through the same path. Over 1D tensor
+    parallelism, the paper's own space (the 3D search, tests/test_perf3d.py, takes 3-4x as long:
+    132 s against 37 s for the 529.6B row on a quiet 2-core machine)."""
     from app.plan.search import format_text, search
 
     deck = load_deck(_deck_of(row))
-    result = search(deck, int(row["gpus"]), load_machine("selene"), top=3)
+    result = search(deck, int(row["gpus"]), load_machine("selene"), top=3, tensor="1d")
     assert not result.own.rejected and result.best
     assert result.best[0].step <= result.own.step
     assert [c.step for c in result.best] == sorted(c.step for c in result.best)

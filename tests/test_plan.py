@@ -75,6 +75,42 @@ def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual):
     assert whole == gpt_num_parameters(deck.model)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tensor,pp", [((2, 1, 1), 1), ((1, 2, 2), 2), ((2, 2, 1), 1), ((2, 1, 2), 2), ((1, 1, 4), 1)])
+def test_3d_stage_params_equal_the_built_shards(tie, tensor, pp):
+    """Under 3D tensor parallelism too, every tp rank's planned boxes (shapes, offsets, sub-axis
+    splits, decay) are those its built GPT shard holds, and the closed-form count is their sum."""
+    import torch
+
+    from app.model.gpt import GPT
+    from app.parallel.layout import coords3d
+    from app.parallel.schedule import partition_layers
+    from app.tensor_parallel.mappings import TensorParallel
+    from app.tensor_parallel.tensor3d import Tensor3D
+
+    x, y, z = tensor
+    tp = x * y * z
+    deck = load_deck(None, (*SMALL, f"model.tie_embeddings={tie}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                            f"parallel.tensor=[{x}, {y}, {z}]", "train.global_batch=16", "train.micro_batch=1"))  # fmt: skip
+    deck = resolve_for_world(deck, tp * pp)
+    chunks = partition_layers(deck.model.layers, pp)
+    stages = estimate_stages(deck)
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        for rank in range(tp):
+            xr, yr, zr = coords3d(rank, tensor)
+            t3d = Tensor3D(TensorParallel(x, xr), TensorParallel(y, yr), TensorParallel(z, zr))
+            model = GPT(deck.model, 1, torch.device("cpu"), t3d, chunks[stage], first, last)
+            made = [(p.meta.global_shape, p.meta.local_offset, tuple(p.shape), p.meta.split, p.meta.decay, p.meta.tied)
+                    for p in model.parameters()]  # fmt: skip
+            boxes = [(m.global_shape, m.local_offset, m.local_shape, m.split, m.decay, m.tied) for m in
+                     stage_param_metas(deck.model, tp, len(chunks[stage]), first, last, rank, tensor)]  # fmt: skip
+            assert boxes == made, (stage, rank)
+            assert stages[stage].params == sum(p.numel() for p in model.parameters()), (stage, rank)
+    # The batch is split over dp x z: each data rank runs global / (micro x dp x z) micro-batches.
+    assert deck.num_micro_batches == 16 // z
+
+
 def published_decks() -> list[Path]:
     return [REPO / "inputs/gpt_1t.yaml", *sorted((REPO / "inputs/megatron").glob("*.yaml"))]
 
@@ -192,6 +228,26 @@ def test_tp_spanning_nodes_is_a_problem():
     assert "tensor-parallel groups span 2 nodes" in out.stdout and "divides the 4 devices per node" in out.stdout
 
 
+def test_3d_tensor_groups_may_span_nodes_over_z_and_are_warned_about_over_x():
+    """3D tensor parallelism crosses nodes by design (Z moves weights, not activations): the tp
+    group spanning nodes is no problem; each sub-axis's span is reported, and an X or Y group
+    across nodes (activations all-reduced in every Linear) is warned about."""
+    base = ("inputs/gpt_tiny.yaml", "--dry-run", "--json", "--world", "16", "--set", "parallel.gpus_per_node=4",
+            "--set", "parallel.tp=8", "--set", "parallel.pp=2", "--set", "train.global_batch=32")  # fmt: skip
+    out = dry_run(*base, "--set", "parallel.tensor=[2, 2, 2]")
+    assert out.returncode == 0, out.stdout + out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["grid"]["tensor"] == [2, 2, 2] and plan["grid"]["data_ranks"] == 2
+    assert plan["micro_batches"] == 4  # 32 / (4 x dp 1 x z 2)
+    span = plan["placement"]["node_span"]
+    assert (span["tp"], span["tp_x"], span["tp_y"], span["tp_z"]) == (2, 1, 1, 2)
+    assert not any("span" in w for w in plan["warnings"])
+    out = dry_run(*base, "--set", "parallel.tensor=[8, 1, 1]")
+    plan = json.loads(out.stdout)
+    assert out.returncode == 0 and plan["placement"]["node_span"]["tp_x"] == 2
+    assert any("tp_x groups span 2 nodes" in w for w in plan["warnings"]), plan["warnings"]
+
+
 def test_order_putting_tp_outside_the_node_is_a_problem():
     out = dry_run("inputs/gpt_1t.yaml", "--dry-run", "--set", "parallel.order=dp-tp-pp")
     assert out.returncode == 2
@@ -230,7 +286,9 @@ def test_tiny_deck_on_the_local_machine():
     out = dry_run("inputs/gpt_tiny.yaml", "--dry-run", "--machine", "local", "--nodes", "1", "--json")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
-    assert plan["grid"] == {"tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "virtual_stages": 1}
+    assert plan["grid"] == {
+        "tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "virtual_stages": 1, "tensor": None, "data_ranks": 4
+    }  # fmt: skip
     assert plan["flops"]["peak_tflops_per_device"] is None and plan["flops"]["ideal_step_s"] is None
 
 

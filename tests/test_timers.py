@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from app.metrics.timers import StepTimers, union_length
@@ -29,6 +30,24 @@ def test_blocking_regions_are_exposed_and_pop_resets():
     assert out["forward_s"] >= out["comm_s"]["tp"] and out["backward_s"] == 0
     assert out["comm_s"]["dp"] == out["exposed_comm_s"]["pp"] == 0
     assert timers.pop()["comm_s"]["tp"] == 0  # reset
+
+
+def test_3d_sub_axes_are_timed_apart_and_within_tp():
+    """Under 3D tensor parallelism each sub-axis reports its own time, and tp's is their union;
+    a step without sub-axis collectives (1D) reports none."""
+    timers = StepTimers(torch.device("cpu"))
+    with timers.region("tp_x"):
+        time.sleep(0.01)
+    with timers.region("tp_z"):
+        time.sleep(0.02)
+    out = timers.pop()
+    assert set(out["comm_s"]) == {"tp", "pp", "dp", "tp_x", "tp_z"}
+    assert out["comm_s"]["tp_x"] >= 0.01 and out["exposed_comm_s"]["tp_z"] >= 0.02
+    assert out["comm_s"]["tp"] == pytest.approx(out["comm_s"]["tp_x"] + out["comm_s"]["tp_z"], abs=1e-6)
+    assert out["exposed_comm_s"]["tp"] == pytest.approx(out["comm_s"]["tp"], abs=1e-3)
+    with timers.region("tp"):
+        time.sleep(0.001)
+    assert set(timers.pop()["comm_s"]) == {"tp", "pp", "dp"}
 
 
 def test_disabled_timers_measure_nothing():

@@ -29,11 +29,32 @@ from app.metrics.report import (
 )
 from app.metrics.summary import CheckpointInfo, GridInfo, PipelineInfo, StudyInfo, Summary, TimersInfo
 from app.metrics.timers import PHASES
-from app.names import AXES, SCHEDULES, reduce_precision, schedule_key
+from app.names import AXES, SCHEDULES, TP_SUB_AXES, reduce_precision, schedule_key
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, on_root
 
-OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "overlap_pp_comm")
+OVERLAP_KEYS = (
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "overlap_tp_comm",
+    "overlap_pp_comm",
+    "overlap_tensor_reduce_scatter",
+    "overlap_tensor_all_gather",
+)
+
+
+def _sub_axes_words(t: TimersInfo) -> str:
+    """ " | tp sub-axes: tp_x 1.0/0.5 ms ..." (communication / exposed) under 3D tensor parallelism."""
+    subs = [a for a in TP_SUB_AXES if a in t["comm_s"]]
+    if not subs:
+        return ""
+    each = ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}/{t['exposed_comm_s'][a] * 1e3:.1f}" for a in subs)
+    return f" | tp sub-axes (communication/exposed ms): {each}"
+
+
+def _tensor3d_words(tensor: Optional[tuple[int, int, int]]) -> str:
+    """ " (3D x=.. y=.. z=..)" after the tp degree of a 3D tensor-parallel run; "" under 1D."""
+    return "" if tensor is None else " (3D x={} y={} z={})".format(*tensor)
 
 
 @dataclass(frozen=True)
@@ -51,8 +72,9 @@ class Built:
 def mean_timings(timings: list[dict[str, Any]]) -> TimersInfo:
     """Per-step means of the `StepTimers.pop()` records (numbers and per-axis dicts)."""
     out: dict[str, Any] = {f"{p}_s": sum(t[f"{p}_s"] for t in timings) / len(timings) for p in PHASES}
+    subs = [a for a in TP_SUB_AXES if any(a in t["comm_s"] for t in timings)]  # 3D tensor parallelism
     for key in ("comm_s", "exposed_comm_s"):
-        out[key] = {a: sum(t[key][a] for t in timings) / len(timings) for a in AXES}
+        out[key] = {a: sum(t[key].get(a, 0.0) for t in timings) / len(timings) for a in (*AXES, *subs)}
     return TimersInfo(**out)
 
 
@@ -88,12 +110,14 @@ class RunReport:
         tr, par = deck.train, deck.parallel
         rt.log(
             f"gridlm: {built.parameters:,} parameters | world {rt.world_size} on {rt.nodes} node(s) | "
-            f"grid tp={grid.size('tp')} pp={grid.size('pp')} dp={grid.size('dp')} ({par.order}) | "
+            f"grid tp={grid.size('tp')}{_tensor3d_words(par.tensor3d)} pp={grid.size('pp')} dp={grid.size('dp')} "
+            f"({par.order}) | "
             f"device {self.device_name}"
         )
         rt.log(
             f"gridlm: global batch {tr.global_batch} = micro batch {tr.micro_batch} x "
-            f"{built.micro_batches} accumulation x dp {grid.size('dp')} | seq {deck.model.seq_len} | "
+            f"{built.micro_batches} accumulation x dp {grid.size('dp')}"
+            f"{f' x z {par.batch_split}' if par.batch_split > 1 else ''} | seq {deck.model.seq_len} | "
             f"{tr.steps} steps | data {deck.data.kind} | run dir {self.run_dir}"
         )
         schedule = SCHEDULES[schedule_key(par.virtual_stages)]
@@ -104,7 +128,7 @@ class RunReport:
         )
         opt = deck.optim
         overlaps = ", ".join(f"{k.removeprefix('overlap_').replace('_', '-')} {'on' if getattr(par, k) else 'off'}"
-                             for k in OVERLAP_KEYS)  # fmt: skip
+                             for k in OVERLAP_KEYS if par.tensor is not None or "tensor" not in k)  # fmt: skip
         zero = f"ZeRO-{opt.zero}"
         zero = (f" {zero}" if built.zero_sharded else f" ({zero} has no effect at dp = 1)") if opt.zero else ""
         rt.log(
@@ -214,7 +238,7 @@ class RunReport:
         deck, rt, tr, par, built = self.deck, self.runtime, self.deck.train, self.deck.parallel, self.built
         mean_time, std_time, skipped = mean_step_time(self.step_times, deck.run.timing_warmup)
         timers = mean_timings(self.timings[skipped:]) if deck.run.timers else None
-        exposed = sum(timers["exposed_comm_s"].values()) / mean_time if timers else None
+        exposed = sum(timers["exposed_comm_s"][a] for a in AXES) / mean_time if timers else None
         tflops_per_rank = self.flops_per_step / mean_time / rt.world_size / 1e12
         hw_tflops_per_rank = self.hardware_flops_per_step / mean_time / rt.world_size / 1e12
         study = deck.run.study
@@ -224,7 +248,7 @@ class RunReport:
             nodes=rt.nodes,
             ranks_per_node=rt.ranks_per_node,
             ranks_per_node_list=rt.ranks_per_node_list,
-            grid=GridInfo(**self.grid.describe()),
+            grid=GridInfo(**self.grid.describe(), tensor=list(par.tensor3d) if par.tensor3d else None),
             parameters=built.parameters,
             parameters_rank0=built.parameters_rank0,
             pipeline=PipelineInfo(
@@ -302,4 +326,5 @@ class RunReport:
                 + " ms, exposed "
                 + ", ".join(f"{a} {t['exposed_comm_s'][a] * 1e3:.1f}" for a in AXES)
                 + f" ms ({100 * (s.exposed_comm_fraction or 0.0):.1f}% of the step)"
+                + _sub_axes_words(t)
             )

@@ -22,6 +22,7 @@ class GridInfo(TypedDict):
     dp: int
     order: str  # innermost axis first, e.g. "tp-dp-pp"
     within_node: dict[str, bool]  # axis -> every group of that axis is inside one node
+    tensor: Optional[list[int]]  # 3D tensor parallelism's [x, y, z] (x y z = tp); None: 1D
 
 
 class PipelineInfo(TypedDict):

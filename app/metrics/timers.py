@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from app.names import AXES
+from app.names import AXES, TP_SUB_AXES
 from app.runtime.watchdog import AnyWatchdog, NullWatchdog
 
 PHASES = ("forward", "backward", "optimizer")
@@ -60,12 +60,13 @@ class StepTimers:
 
     def _reset(self) -> None:
         self.phases = dict.fromkeys(PHASES, 0.0)
-        self.comm = dict.fromkeys(AXES, 0.0)
-        self.exposed = dict.fromkeys(AXES, 0.0)
+        self.comm = dict.fromkeys(AXES + TP_SUB_AXES, 0.0)
+        self.exposed = dict.fromkeys(AXES + TP_SUB_AXES, 0.0)
+        self._charged: set[str] = set()  # the axes charged this step (sub-axes are reported only then)
         # GPU: (bucket dict, key, start event, end event), summed in pop().
         self._events: list[tuple[dict[str, float], str, Any, Any]] = []
         # CPU: (start, end) of every collective per axis; comm_s is the length of their union.
-        self._spans: dict[str, list[tuple[float, float]]] = {a: [] for a in AXES}
+        self._spans: dict[str, list[tuple[float, float]]] = {a: [] for a in AXES + TP_SUB_AXES}
 
     @contextmanager
     def _timed(self, *targets: tuple[dict[str, float], str]) -> Iterator[None]:
@@ -96,6 +97,7 @@ class StepTimers:
     @contextmanager
     def region(self, axis: str, op: str = "collective") -> Iterator[None]:
         """Time a blocking collective: all of it is exposed."""
+        self._charged.add(axis)
         with self.watchdog.blocking(op, axis):
             if not self.enabled or self.cuda:
                 with self._timed((self.comm, axis), (self.exposed, axis)):
@@ -112,6 +114,7 @@ class StepTimers:
     def launched(self, axis: str, work: Any, op: str = "collective") -> Pending:
         """Register an asynchronous collective just launched; pass the result to `wait`."""
         pending = Pending(axis, work, time.perf_counter(), op)
+        self._charged.add(axis)
         if self.enabled and not self.cuda and work is not None:
             # gloo completes the future on its own thread: that instant ends the transfer.
             try:
@@ -147,13 +150,20 @@ class StepTimers:
             torch.cuda.synchronize(self.device)
             for bucket, key, start, end in self._events:
                 bucket[key] += start.elapsed_time(end) / 1e3
-        for axis in AXES:
+        subs = [a for a in TP_SUB_AXES if a in self._charged]
+        for sub in subs:  # a sub-axis's collectives are tp's too
+            self.exposed["tp"] += self.exposed[sub]
+            self._spans["tp"] += self._spans[sub]
+            if self.cuda:
+                self.comm["tp"] += self.comm[sub]
+        for axis in (*AXES, *subs):
             if self.cuda:  # overlapped durations are not measured on GPU: at least the exposed part
                 self.comm[axis] = max(self.comm[axis], self.exposed[axis])
             else:
                 self.comm[axis] = union_length(self._spans[axis])
         out = {f"{p}_s": self.phases[p] for p in PHASES}
-        out["comm_s"], out["exposed_comm_s"] = dict(self.comm), dict(self.exposed)
+        out["comm_s"] = {a: self.comm[a] for a in (*AXES, *subs)}
+        out["exposed_comm_s"] = {a: self.exposed[a] for a in (*AXES, *subs)}
         self._reset()
         return out
 

@@ -46,6 +46,16 @@ from app.tensor_parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from app.tensor_parallel.mappings import TensorParallel
+from app.tensor_parallel.tensor3d import (
+    Embedding3D,
+    LayerNorm3D,
+    Linear3D,
+    Tensor3D,
+    chain_gathers,
+    linear3d,
+    param3d,
+    weight_splits,
+)
 
 SINGLE = TensorParallel()
 
@@ -67,6 +77,12 @@ def _recomputing(module: nn.Module) -> bool:
     return module.training and torch.is_grad_enabled()
 
 
+def _layer_norm(cfg: ModelConfig, tp: TensorParallel | Tensor3D, device: Optional[torch.device]) -> nn.Module:
+    if isinstance(tp, Tensor3D):
+        return LayerNorm3D(cfg.hidden, cfg.layernorm_eps, tp, device)
+    return LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
+
+
 class Attention(nn.Module):
     """Causal self-attention; this tp rank runs heads / tp of the heads."""
 
@@ -74,12 +90,18 @@ class Attention(nn.Module):
         self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device], recompute_core: bool = False
     ) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.dropout = cfg.heads // tp.size, cfg.hidden // cfg.heads, cfg.dropout
+        self.head_dim, self.dropout = cfg.hidden // cfg.heads, cfg.dropout
         self.math = cfg.attention_kernel == "math"
         self.recompute_core = recompute_core
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
-        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.init_std, tp, device)
-        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, out_std, tp, device)
+        if isinstance(tp, Tensor3D):  # heads split over Y (the qkv's out axis, the proj's in axis)
+            self.heads = cfg.heads // tp.y.size
+            self.qkv: nn.Module = Linear3D(cfg.hidden, 3 * cfg.hidden, cfg.init_std, tp, False, device)
+            self.proj: nn.Module = Linear3D(cfg.hidden, cfg.hidden, out_std, tp, True, device)
+        else:
+            self.heads = cfg.heads // tp.size
+            self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.init_std, tp, device)
+            self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, out_std, tp, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, S, heads/tp x 3 x head_dim): full sequence even under SP
@@ -107,8 +129,13 @@ def _attention_core(
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
         super().__init__()
-        self.fc = ColumnParallelLinear(cfg.hidden, cfg.ffn, cfg.init_std, tp, device)
-        self.proj = RowParallelLinear(cfg.ffn, cfg.hidden, cfg.init_std / math.sqrt(2 * cfg.layers), tp, device)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        if isinstance(tp, Tensor3D):
+            self.fc: nn.Module = Linear3D(cfg.hidden, cfg.ffn, cfg.init_std, tp, False, device)
+            self.proj: nn.Module = Linear3D(cfg.ffn, cfg.hidden, out_std, tp, True, device)
+        else:
+            self.fc = ColumnParallelLinear(cfg.hidden, cfg.ffn, cfg.init_std, tp, device)
+            self.proj = RowParallelLinear(cfg.ffn, cfg.hidden, out_std, tp, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -120,11 +147,13 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.recompute = recompute
-        self.ln1 = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
+        self.ln1 = _layer_norm(cfg, tp, device)
         self.attn = Attention(cfg, tp, device, recompute_core=recompute == "selective")
-        self.ln2 = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
+        self.ln2 = _layer_norm(cfg, tp, device)
         self.mlp = MLP(cfg, tp, device)
         self.dropout = nn.Dropout(cfg.dropout)
+        if isinstance(tp, Tensor3D):  # OAG: each Linear prefetches the next one's block (`_forward`'s order)
+            chain_gathers([lin.slot for lin in (self.attn.qkv, self.attn.proj, self.mlp.fc, self.mlp.proj)])  # type: ignore[union-attr]
         # ZeRO-3 (`GPT.gate`): this block's unit is gathered where its forward starts, so the
         # recomputation of a checkpointed block in backward gathers it too.
         self.gate: Optional[ParamGate] = None
@@ -174,18 +203,29 @@ class GPT(nn.Module):
         self.cfg, self.tp, self.first, self.last, self.recompute = cfg, tp, first, last, recompute
         self.drop = nn.Dropout(cfg.dropout)
         if first or (last and cfg.tie_embeddings):
-            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, cfg.init_std, tp, device)
+            if isinstance(tp, Tensor3D):
+                self.wte: nn.Module = Embedding3D(cfg.vocab_size, cfg.hidden, cfg.init_std, tp, device)
+            else:
+                self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, cfg.init_std, tp, device)
             if not first:
                 self.wte.weight.meta = dataclasses.replace(self.wte.weight.meta, tied=True)
         if first:
             # Positions are added to the sequence shard under SP: a partial gradient per tp rank.
-            self.wpe = replicated_param(ParamMeta((cfg.seq_len, cfg.hidden), std=cfg.init_std), tp, device, True)
+            wpe = ParamMeta((cfg.seq_len, cfg.hidden), std=cfg.init_std)
+            if isinstance(tp, Tensor3D):  # the hidden split over X, like the residual stream
+                self.wpe = param3d(wpe, tp, [("tp_x", 1)], device)
+            else:
+                self.wpe = replicated_param(wpe, tp, device, True)
         ids = range(cfg.layers) if layers is None else layers
         self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device, recompute) for i in ids})
         if last:
-            self.ln_f = LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
+            self.ln_f = _layer_norm(cfg, tp, device)
             if not cfg.tie_embeddings:
-                self.head = tp_param(ParamMeta((cfg.vocab_size, cfg.hidden), std=cfg.init_std), tp, 0, device)
+                head = ParamMeta((cfg.vocab_size, cfg.hidden), std=cfg.init_std)
+                if isinstance(tp, Tensor3D):  # the embedding's layout: A
+                    self.head = param3d(head, tp, weight_splits(False), device)
+                else:
+                    self.head = tp_param(head, tp, 0, device)
         if device is None or torch.device(device).type != "meta":
             init_parameters(self, seed)
         self.gate: Optional[ParamGate] = None
@@ -232,13 +272,18 @@ class GPT(nn.Module):
         return x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Final LayerNorm, vocab-parallel head and mean cross-entropy over the (B, S) positions."""
-        return vocab_parallel_cross_entropy(self._logits(x), targets, self.tp)
+        """Final LayerNorm, vocab-parallel head and mean cross-entropy over the (B, S) positions
+        (3D: the vocabulary is split over Y)."""
+        vocab_axis = self.tp.y if isinstance(self.tp, Tensor3D) else self.tp
+        return vocab_parallel_cross_entropy(self._logits(x), targets, vocab_axis)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         self._enter("head")
         weight = self.wte.weight if self.cfg.tie_embeddings else self.head
-        logits = column_parallel_linear(self.ln_f(x), weight, None, self.tp)
+        if isinstance(self.tp, Tensor3D):
+            logits = linear3d(self.ln_f(x), weight, None, self.tp, False)
+        else:
+            logits = column_parallel_linear(self.ln_f(x), weight, None, self.tp)
         self._exit("head")
         return logits
 
@@ -259,6 +304,12 @@ class GPT(nn.Module):
         for i in layers:
             x = self.blocks[str(i)](x)
         return self.head_loss(x, targets) if last else x
+
+    def finish_backward(self) -> None:
+        """After each backward pass through a chunk: 3D's deferred work ends here (the ORS
+        reduce-scatters retire into the gradients, `Tensor3D.finish_backward`)."""
+        if isinstance(self.tp, Tensor3D):
+            self.tp.finish_backward()
 
     def _check_whole(self) -> None:
         if not (self.first and self.last and len(self.blocks) == self.cfg.layers):

@@ -333,7 +333,7 @@ class ShardedOptimizer:
         sums = torch.zeros(len(dp.params), 2, dtype=torch.float64, device=dp.device)
         for b in range(len(dp.buckets)):
             for s in dp.layout.segments(b):
-                if dp.layout.metas[s.param].replicated_over("tp") and tp_rank != 0:
+                if not dp.layout.metas[s.param].counts_on(tp_rank):
                     continue  # the tp replicas hold the same values: count them once
                 sums[s.param, 0] += masters[b][s.lo : s.hi].double().pow(2).sum()
                 sums[s.param, 1] += updates[b][s.lo : s.hi].double().pow(2).sum().to(sums.device)

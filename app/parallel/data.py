@@ -302,21 +302,28 @@ class DataParallel:
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
+        grad, p.grad = p.grad, None
+        if grad is not None:  # none: autograd got no gradient for p (3D's ORS delivers it via accumulate)
+            self.accumulate(p, grad)
+
+    @torch.no_grad()
+    def accumulate(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add one backward's gradient of parameter `p` into its bucket (what the gradient hook does
+        with autograd's; 3D's deferred reduce-scatters hand theirs here, `ZGradients.sink`), and
+        launch the bucket's reduction once it has all of them."""
         k = self.bucket_of[id(p)]
         flight = self.flight[k]
         if self.shard_grads:
             if flight.full is None:
                 self._open(k)
-            p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
-            p.grad = None
+            p.main_grad.add_(grad)  # type: ignore[attr-defined]
             flight.count += 1
             if flight.count == len(self.buckets[k].params):
                 self._reduce_partial(k)
                 if self.shard_params:
                     self._free(k)  # no later node of this backward reads its parameters
             return
-        p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
-        p.grad = None
+        p.main_grad.add_(grad)  # type: ignore[attr-defined]
         flight.ready += 1
         if self.overlap_grad_reduce and flight.ready == len(self.buckets[k].params) * self.micro_batches:
             self._launch_reduce(k)

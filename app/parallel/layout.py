@@ -26,9 +26,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from app.names import TP_SUB_AXES
+
 # ZeRO-2: bucket reductions in flight at once; launching one more first waits for the oldest,
 # so a rank holds at most this many bucket buffers being reduced (DataParallel, estimate.py).
 ZERO2_IN_FLIGHT = 2
+# 3D tensor parallelism's ORS: weight-gradient reduce-scatters over Z in flight before the oldest is
+# waited for. Each keeps a Linear's whole (x y) gradient block alive, so a few: enough to hide one
+# behind the next Linears' backward GEMMs, not a stage's worth of blocks (tensor3d, estimate.py).
+ORS_IN_FLIGHT = 4
 # ZeRO-3: units (a transformer block, the embedding, the head) whose parameter all-gathers are
 # in flight ahead of the unit computing, in execution order (forward and backward).
 ZERO3_PREFETCH = 1
@@ -44,7 +50,8 @@ class ParamMeta:
     parameter lives on the stage that runs its layer). `init`: 'normal' | 'zeros' | 'ones';
     `std`: for 'normal'; `decay`: weight decay applies. `sequence_parallel`: replicated over
     tp, but it acts on a sequence shard, so each tp rank holds a partial gradient that must be
-    summed over tp. `tied`: the last pipeline stage's copy of the tied embedding; its gradient
+    summed over tp (under 3D tensor parallelism: replicated over tp_z, where the batch is split,
+    summed over tp_z). `tied`: the last pipeline stage's copy of the tied embedding; its gradient
     is summed with the first stage's, and it is counted once (there) in norms and checkpoints.
     """
 
@@ -57,6 +64,7 @@ class ParamMeta:
     sequence_parallel: bool = False
     tied: bool = False
     shape: tuple[int, ...] = ()
+    tensor3d: tuple[int, ...] = ()  # (X, Y, Z) under 3D tensor parallelism; split names tp_x/y/z
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -82,7 +90,53 @@ class ParamMeta:
         once (norms, gathering, checkpoints): tp shards are disjoint and all count; a tensor
         replicated over tp counts on tp rank 0; the tied head copy never (the first stage's
         counts). dp replicas are for the caller to skip."""
-        return not self.tied and (not self.replicated_over("tp") or tp_rank == 0)
+        return not self.tied and self.counts_on(tp_rank)
+
+    def counts_on(self, tp_rank: int) -> bool:
+        """Whether tp rank `tp_rank`'s copy is the one of its tp replicas that counts: every tp
+        shard; a tensor replicated over tp on tp rank 0; under 3D tensor parallelism, the copy
+        at coordinate 0 of every sub-axis it is replicated over."""
+        if self.tensor3d:
+            coords = dict(zip(SUB_AXES, coords3d(tp_rank, self.tensor3d)))
+            return all(a in self.split or coords[a] == 0 for a in SUB_AXES)
+        return not self.replicated_over("tp") or tp_rank == 0
+
+
+SUB_AXES = TP_SUB_AXES  # 3D tensor parallelism's sub-axes of tp, innermost first
+
+
+def coords3d(tp_rank: int, shape: Sequence[int]) -> tuple[int, int, int]:
+    """(x, y, z) of tp rank `tp_rank` in an X x Y x Z tensor grid (X innermost)."""
+    x, y, _ = shape
+    return tp_rank % x, (tp_rank // x) % y, tp_rank // (x * y)
+
+
+def box3d(meta: ParamMeta, shape: Sequence[int], tp_rank: int, splits: Sequence[tuple[str, int]]) -> ParamMeta:
+    """`meta` for tp rank `tp_rank`'s block under 3D tensor parallelism of `shape` (X, Y, Z):
+    `splits` are (sub-axis, dim) in order, each cutting the current block along `dim` into
+    equal parts (the second cut of a dim splits the first's part: rows over Y, then Z)."""
+    coords = dict(zip(SUB_AXES, coords3d(tp_rank, shape)))
+    sizes = dict(zip(SUB_AXES, shape))
+    extent, offset = list(meta.global_shape), [0] * len(meta.global_shape)
+    split = {}
+    for axis, dim in splits:
+        if sizes[axis] > 1:
+            extent[dim] //= sizes[axis]
+            offset[dim] += coords[axis] * extent[dim]
+            split[axis] = dim
+    # Replicated over Z, where the batch is split: each Z rank holds a partial gradient, summed over
+    # tp_z like a sequence-parallel parameter's over tp (`DataParallel.finish_grad_reduce`).
+    partial = "tp_z" not in split and sizes["tp_z"] > 1
+    return dataclasses.replace(
+        meta, offset=tuple(offset), shape=tuple(extent), split=split, tensor3d=tuple(shape), sequence_parallel=partial
+    )
+
+
+def weight_splits(transposed: bool) -> list[tuple[str, int]]:
+    """A (out, in) weight's cuts under 3D tensor parallelism (`box3d`): rows over the out axis (Y,
+    or X in the `transposed` B layout) and then Z, columns over the in axis."""
+    rows, cols = ("tp_x", "tp_y") if transposed else ("tp_y", "tp_x")
+    return [(rows, 0), ("tp_z", 0), (cols, 1)]
 
 
 def tp_box(meta: ParamMeta, tp: int, tp_rank: int, dim: int) -> ParamMeta:

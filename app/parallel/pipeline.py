@@ -176,6 +176,7 @@ class Pipeline:
                         (out * loss_scale if loss_scale != 1.0 else out).backward()
                     else:
                         torch.autograd.backward(out, received(i))
+                    model.finish_backward()  # 3D's reduce-scatters still in flight (ORS) land first
                 if send is not None:
                     self._send(send.kind, x.grad, send.route(self.pp)[1], sends)
         with comm_region(self.timers, "pp", "wait for isends") if sends else nullcontext():

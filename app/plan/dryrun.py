@@ -18,7 +18,7 @@ from typing import Any, Optional
 from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
 from app.names import SCHEDULES, schedule_key
-from app.parallel.layout import ZERO3_PREFETCH
+from app.parallel.layout import SUB_AXES, ZERO3_PREFETCH
 from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params, step_flops
 from app.plan.machine import Machine
 from app.plan.perf import Link, Prediction, axis_links, predict
@@ -143,6 +143,8 @@ def make_plan(
         flops=step_flops(deck),
         node_span={axis: _node_span(layout, axis) for axis in AXES},
     )
+    if par.tensor3d is not None:
+        plan.node_span.update(_sub_axis_spans(layout, par.tensor3d))
     _check_placement(plan)
     _check_memory(plan)
     _check_balance(plan, max_imbalance)
@@ -163,10 +165,23 @@ def make_plan(
 
 def _node_span(layout: GridLayout, axis: str) -> Optional[int]:
     """The most nodes one group along `axis` spans (None without a node shape)."""
+    return _group_span(layout, layout.stride(axis), layout.size(axis))
+
+
+def _sub_axis_spans(layout: GridLayout, tensor: tuple[int, int, int]) -> dict[str, Optional[int]]:
+    """3D tensor parallelism: the most nodes one group of each tp sub-axis spans (tp rank
+    x + X (y + Y z), so within tp the strides are 1, X and X Y)."""
+    x, y, z = tensor
+    tp_stride = layout.stride("tp")
+    return {a: _group_span(layout, tp_stride * inner, n) for a, inner, n in zip(SUB_AXES, (1, x, x * y), tensor)}
+
+
+def _group_span(layout: GridLayout, stride: int, n: int) -> Optional[int]:
+    """The most nodes one group of `n` ranks `stride` apart spans, groups tiling the world as an
+    axis's do (None without a node shape)."""
     rpn = layout.ranks_per_node
     if rpn is None:
         return None
-    stride, n = layout.stride(axis), layout.size(axis)
     if n == 1:
         return 1  # without sampling: a world of 2^20 ranks has 2^20 groups of one
     # Groups start at multiples of stride x n (plus an offset < stride). Aligned cases in closed form:
@@ -176,19 +191,20 @@ def _node_span(layout: GridLayout, axis: str) -> Optional[int]:
         return 1  # the group's stride x n positions lie inside one node
     if (stride * n) % rpn == 0 and rpn % stride == 0:
         return stride * n // rpn  # whole nodes, rpn / stride members on each
-    return max(len({r // rpn for r in g}) for g in _sample_groups(layout, axis))
+    return max(len({r // rpn for r in g}) for g in _sample_groups(layout, stride, n))
 
 
-def _sample_groups(layout: GridLayout, axis: str) -> list[list[int]]:
-    """The groups whose first rank lies in the first lcm(ranks per node, stride x size) positions.
+def _sample_groups(layout: GridLayout, stride: int, n: int) -> list[list[int]]:
+    """The groups (of `n` ranks `stride` apart) whose first rank lies in the first lcm(ranks per
+    node, stride x n) positions.
 
     A group is base + i x stride; shifting its base by ranks_per_node shifts its nodes by one,
     so its node count depends on base mod ranks_per_node only, and every residue occurs there.
     """
-    stride, n, rpn = layout.stride(axis), layout.size(axis), layout.ranks_per_node or 1
+    rpn = layout.ranks_per_node or 1
     period = math.lcm(rpn, stride * n)
     bases = [b for b in range(min(period, layout.world_size)) if (b // stride) % n == 0]
-    return [layout.group_of(b, axis) for b in bases]
+    return [[b + i * stride for i in range(n)] for b in bases]
 
 
 def _check_placement(plan: Plan) -> None:
@@ -198,7 +214,16 @@ def _check_placement(plan: Plan) -> None:
         return
     if plan.world_size % rpn:
         plan.warnings.append(f"{plan.world_size} ranks do not fill nodes of {rpn}: the last node is partly empty")
-    if plan.node_span["tp"] and plan.node_span["tp"] > 1:
+    if par.tensor3d is not None:  # 3D: Z may cross nodes (it moves weights); X and Y had better not
+        for axis in ("tp_x", "tp_y"):
+            span = plan.node_span[axis]
+            if span and span > 1:
+                plan.warnings.append(
+                    f"3D tensor parallelism: {axis} groups span {span} nodes (parallel.tensor = {par.tensor}, {rpn} "
+                    f"devices per node): they all-reduce activations in every Linear; put the node-crossing "
+                    "factor in z (the weight all-gathers) where the heads and hidden allow"
+                )
+    elif plan.node_span["tp"] and plan.node_span["tp"] > 1:
         if par.tp > rpn or rpn % par.tp:
             fix = f"use a tp that divides the {rpn} devices per node (e.g. {math.gcd(par.tp, rpn)}) and more pp"
         else:
@@ -305,7 +330,16 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
         "machine": None if plan.machine is None else plan.machine.name,
         "nodes": plan.nodes,
         "ranks_per_node": plan.ranks_per_node,
-        "grid": {"tp": par.tp, "pp": par.pp, "dp": deck.dp, "order": par.order, "virtual_stages": par.virtual_stages},
+        "grid": {
+            "tp": par.tp,
+            "pp": par.pp,
+            "dp": deck.dp,
+            "order": par.order,
+            "virtual_stages": par.virtual_stages,
+            # 3D tensor parallelism's [x, y, z] (null: 1D); the ranks of a stage with different samples.
+            "tensor": list(par.tensor3d) if par.tensor3d else None,
+            "data_ranks": deck.data_ranks,
+        },  # fmt: skip
         "parameters": model_params(m),
         "micro_batches": deck.num_micro_batches,
         "placement": {
@@ -399,9 +433,15 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     )
     lines.append(
         f"  grid       tp {par.tp} x pp {par.pp} x dp {deck.dp}, order {par.order} (innermost first); "
-        f"{deck.num_micro_batches} micro-batch(es) of {tr.micro_batch} per dp rank per step, global batch "
-        f"{tr.global_batch}"
+        f"{deck.num_micro_batches} micro-batch(es) of {tr.micro_batch} per "
+        f"{'data rank (dp x z)' if deck.data_ranks != deck.dp else 'dp rank'} per step, global batch {tr.global_batch}"
     )
+    if par.tensor3d is not None:
+        x, y, z = par.tensor3d
+        lines.append(
+            f"             3D tensor parallelism: tp {par.tp} = x {x} (in-features of qkv/fc, hidden) x y {y} "
+            f"(out-features, heads, vocab) x z {z} (weight shards, batch), x innermost"
+        )
     lines.append(f"  placement  {_placement_line(plan)}")
     for node in range(min(2, plan.nodes or 1)):
         lines.append(f"             node {node}: {_describe_node(plan, node)}")
@@ -565,12 +605,23 @@ def _placement_line(plan: Plan) -> str:
         span, size = plan.node_span[axis], plan.layout.size(axis)
         if size == 1:
             continue
-        where = "inside one node" if span == 1 else f"span {span} nodes"
+        where = _span_words(span)
         if axis in plan.links:  # the outermost link level the groups cross (machine file's links)
             link = plan.links[axis]
             where += f" (link: {link.level}, {link.bandwidth / 1e9:g} GB/s per group)"
         parts.append(f"{axis} groups ({size}) {where}")
+    if plan.deck.parallel.tensor3d is not None:
+        subs = [
+            f"{a} ({n}) {_span_words(plan.node_span[a])}"
+            for a, n in zip(SUB_AXES, plan.deck.parallel.tensor3d)
+            if n > 1
+        ]
+        parts.append("tp sub-axes: " + ", ".join(subs))
     return f"{plan.ranks_per_node} ranks per node; " + ("; ".join(parts) if parts else "one rank per grid cell")
+
+
+def _span_words(span: Optional[int]) -> str:
+    return "inside one node" if span == 1 else f"span {span} nodes"
 
 
 def _describe_node(plan: Plan, node: int) -> str:

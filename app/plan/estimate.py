@@ -39,7 +39,15 @@ attention output, and the GELU input and output (split over tp). There is no s^2
 torch's scaled_dot_product_attention (flash / memory-efficient kernels) keeps only its
 output and the log-sum-exp, so selective recomputation saves little here. Full
 recomputation keeps only each block's input (s b h e / t_sp) plus one block's working set
-during its backward. A stage holds the activations of the forward passes in flight in its
+during its backward. Under 3D tensor parallelism (x, y, z) a rank's micro-batch is its own
+(the batch is split over dp x z), the first three terms are split over x (the residual
+stream's hidden), the last over y (heads and MLP features); with z > 1 no Linear's weight
+block gathered over z is kept (each pass gathers it again), so the working set adds the blocks
+gathered and the gradient blocks not yet reduce-scattered: the head's (V/y, h/x) block and its
+gradient, or a block Linear's (largest B = max(3h, f) h / (x y) x e) plus the next one's
+prefetched (OAG) and its gradient plus ORS_IN_FLIGHT in flight (ORS), whichever is more
+(`gathered_block_bytes`). A stage holds the
+activations of the forward passes in flight in its
 pipeline schedule (counted from `app.parallel.schedule`: min(pp - stage, m) micro-batches
 for 1F1B); the last stage also holds the logits of one micro-batch in the compute dtype
 and fp32 (s b V / t x (e + 8)).
@@ -61,7 +69,16 @@ from typing import Any, Callable, Optional, Union
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, reduce_precision
-from app.parallel.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, ParamMeta, tp_box
+from app.parallel.layout import (
+    ORS_IN_FLIGHT,
+    ZERO2_IN_FLIGHT,
+    ZERO3_PREFETCH,
+    ParamLayout,
+    ParamMeta,
+    box3d,
+    tp_box,
+    weight_splits,
+)
 from app.parallel.schedule import partition_layers
 
 BLOCK_TENSORS = 12  # parameter tensors of a block (`_block_metas`)
@@ -71,19 +88,48 @@ OFFLOAD_STATE_BYTES = 3 * 4
 OFFLOAD_SLOTS = 3
 
 
-def block_params(m: ModelConfig, tp: int) -> int:
+# (x, y, z) of 3D tensor parallelism (`parallel.tensor`), or None: 1D over the tp degree.
+Tensor3DShape = Optional[tuple[int, int, int]]
+
+
+def block_params(m: ModelConfig, tp: int, tensor: Tensor3DShape = None) -> int:
     """Parameters of one transformer block held by one tp rank: the sizes of `_block_metas`'
     boxes in closed form (the search counts them for every grid; tests compare the two)."""
     h, f = m.hidden, m.ffn
+    if tensor is not None:
+        x, y, z = tensor
+        # Four Linear weights of out x in / (x y z); LayerNorms and the B layout's biases over X,
+        # the A layout's (qkv, fc) over Y.
+        return (4 * h * h + 2 * f * h) // (x * y * z) + 6 * h // x + (3 * h + f) // y
     # Two LayerNorms; QKV and fc: column-parallel weight and bias; the projections: row-parallel
     # weight and a whole bias.
     return 4 * h + (3 * h // tp) * (h + 1) + h * (h // tp) + h + (f // tp) * (h + 1) + h * (f // tp) + h
 
 
-def _block_metas(m: ModelConfig, tp: int, tp_rank: int) -> list[ParamMeta]:
+def _block_metas3d(m: ModelConfig, shape: tuple[int, int, int], tp_rank: int) -> list[ParamMeta]:
+    """`_block_metas` under 3D tensor parallelism (`app.tensor_parallel.tensor3d`): the
+    LayerNorms over X; qkv and fc in the A layout, the projections in the transposed B layout,
+    each bias split like its output."""
+    h, f = m.hidden, m.ffn
+    norm = [box3d(ParamMeta((h,), decay=False), shape, tp_rank, [("tp_x", 0)]) for _ in range(2)]
+
+    def linear(n_out: int, n_in: int, transposed: bool) -> list[ParamMeta]:
+        out_axis = "tp_x" if transposed else "tp_y"
+        return [
+            box3d(ParamMeta((n_out, n_in)), shape, tp_rank, weight_splits(transposed)),
+            box3d(ParamMeta((n_out,), decay=False), shape, tp_rank, [(out_axis, 0)]),
+        ]
+
+    return [*norm, *linear(3 * h, h, False), *linear(h, h, True), *norm, *linear(f, h, False), *linear(h, f, True)]
+
+
+def _block_metas(m: ModelConfig, tp: int, tp_rank: int, tensor: Tensor3DShape = None) -> list[ParamMeta]:
     """The tp boxes of a block's parameters on tp rank `tp_rank`, as `Block` registers them:
     ln1, the column-parallel QKV and row-parallel output projection (weight, bias), ln2, the
-    column-parallel fc and row-parallel proj; row-parallel biases and LayerNorms are whole."""
+    column-parallel fc and row-parallel proj; row-parallel biases and LayerNorms are whole.
+    `tensor`: the 3D layout instead (`_block_metas3d`)."""
+    if tensor is not None:
+        return _block_metas3d(m, tensor, tp_rank)
     h, f = m.hidden, m.ffn
     norm = [ParamMeta((h,), decay=False), ParamMeta((h,), decay=False)]
 
@@ -100,31 +146,48 @@ def _block_metas(m: ModelConfig, tp: int, tp_rank: int) -> list[ParamMeta]:
 
 
 def stage_param_metas(
-    m: ModelConfig, tp: int, layers: int, first: bool, last: bool, tp_rank: int = 0
+    m: ModelConfig,
+    tp: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    tp_rank: int = 0,
+    tensor: Tensor3DShape = None,
 ) -> list[ParamMeta]:
     """The tp boxes of every parameter tp rank `tp_rank` of a pipeline stage holds, in the order
     `GPT.parameters()` yields them: its own tensors first (the positions on the first stage, an
     untied head on the last), then its modules' (the embedding, on the first stage or as the
     last stage's copy of a tied one; the blocks; the final LayerNorm). Only the fields a layout
-    reads are set (shapes, split, decay, tied), not the initialisation."""
+    reads are set (shapes, split, decay, tied), not the initialisation. `tensor`: the boxes of
+    3D tensor parallelism of that shape (x y z = `tp`)."""
     h, v = m.hidden, m.vocab_size
+
+    def table(tied: bool = False) -> ParamMeta:  # the embedding or head: vocab-parallel (3D: the A layout)
+        meta = ParamMeta((v, h), tied=tied)
+        return box3d(meta, tensor, tp_rank, weight_splits(False)) if tensor else tp_box(meta, tp, tp_rank, 0)
+
+    def over_x(meta: ParamMeta, dim: int) -> ParamMeta:  # the hidden split over X under 3D, else whole
+        return box3d(meta, tensor, tp_rank, [("tp_x", dim)]) if tensor else meta
+
     out = []
     if first:
-        out.append(ParamMeta((m.seq_len, h)))
+        out.append(over_x(ParamMeta((m.seq_len, h)), 1))
     if last and not m.tie_embeddings:
-        out.append(tp_box(ParamMeta((v, h)), tp, tp_rank, 0))
+        out.append(table())
     if first or (last and m.tie_embeddings):
-        out.append(tp_box(ParamMeta((v, h), tied=not first), tp, tp_rank, 0))
-    out += _block_metas(m, tp, tp_rank) * layers
+        out.append(table(tied=not first))
+    out += _block_metas(m, tp, tp_rank, tensor) * layers
     if last:
-        out += [ParamMeta((h,), decay=False), ParamMeta((h,), decay=False)]
+        out += [over_x(ParamMeta((h,), decay=False), 0), over_x(ParamMeta((h,), decay=False), 0)]
     return out
 
 
-def stage_param_list(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[tuple[int, bool]]:
+def stage_param_list(
+    m: ModelConfig, tp: int, layers: int, first: bool, last: bool, tensor: Tensor3DShape = None
+) -> list[tuple[int, bool]]:
     """(elements, weight decay) of every parameter one tp rank of a pipeline stage holds, in
     `GPT.parameters()` order (`stage_param_metas`)."""
-    return [(meta.numel, meta.decay) for meta in stage_param_metas(m, tp, layers, first, last)]
+    return [(meta.numel, meta.decay) for meta in stage_param_metas(m, tp, layers, first, last, 0, tensor)]
 
 
 def stage_units(m: ModelConfig, layers: int, first: bool, last: bool) -> list[str]:
@@ -146,12 +209,14 @@ def stage_units(m: ModelConfig, layers: int, first: bool, last: bool) -> list[st
     return out
 
 
-def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
+def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool, tensor: Tensor3DShape = None) -> int:
     """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head)."""
     h, v = m.hidden, m.vocab_size
-    ends = (m.seq_len * h if first else 0) + (v // tp * h if last and not m.tie_embeddings else 0)
-    ends += v // tp * h if first or (last and m.tie_embeddings) else 0
-    return ends + (2 * h if last else 0) + layers * block_params(m, tp)
+    x = 1 if tensor is None else tensor[0]  # 3D: the hidden of wpe, the table and ln_f split over X
+    table = v // tp * h if tensor is None else (v // (tensor[1] * tensor[2])) * (h // x)
+    ends = (m.seq_len * (h // x) if first else 0) + (table if last and not m.tie_embeddings else 0)
+    ends += table if first or (last and m.tie_embeddings) else 0
+    return ends + (2 * (h // x) if last else 0) + layers * block_params(m, tp, tensor)
 
 
 @dataclass(frozen=True)
@@ -226,7 +291,9 @@ def _cached(
 def _layout_key(deck: Deck, layers: int, first: bool, last: bool, zero: bool, units: bool) -> tuple:
     """Every input of a stage's layout (`_build_layout`'s arguments)."""
     par = deck.parallel
-    return (deck.model, par.tp, par.pp > 1, deck.dp, _bucket_elements(deck), layers, first, last, zero, units)
+    return (
+        deck.model, par.tp, par.tensor3d, par.pp > 1, deck.dp, _bucket_elements(deck), layers, first, last, zero, units
+    )  # fmt: skip
 
 
 def _bucket_elements(deck: Deck) -> float:
@@ -238,6 +305,7 @@ def _bucket_elements(deck: Deck) -> float:
 def _build_layout(
     m: ModelConfig,
     tp: int,
+    tensor: Tensor3DShape,
     pipelined: bool,
     dp: int,
     bucket_elements: float,
@@ -247,7 +315,7 @@ def _build_layout(
     zero: bool,
     units: bool,
 ) -> ParamLayout:
-    params = stage_param_metas(m, tp, layers, first, last)[::-1]
+    params = stage_param_metas(m, tp, layers, first, last, 0, tensor)[::-1]
     tied = m.tie_embeddings and pipelined and (first or last)
     return ParamLayout.build(
         params,
@@ -266,7 +334,9 @@ def unit_buckets(deck: Deck, first: bool, last: bool) -> dict[str, list[int]]:
     (the performance model's convention): "embed" (first stage), "block" (each block's; blocks
     are alike, and a unit's buckets do not depend on its neighbours), "head" (last stage)."""
     par = deck.parallel
-    layout = _build_layout(deck.model, par.tp, par.pp > 1, 1, _bucket_elements(deck), 1, first, last, True, True)
+    layout = _build_layout(
+        deck.model, par.tp, par.tensor3d, par.pp > 1, 1, _bucket_elements(deck), 1, first, last, True, True
+    )
     units = stage_units(deck.model, 1, first, last)[::-1]
     out: dict[str, list[int]] = {}
     for b in layout.buckets:
@@ -297,11 +367,38 @@ def model_params(m: ModelConfig) -> int:
     return stage_params(m, 1, m.layers, True, True)
 
 
-def layer_activation_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool, element: int) -> float:
-    """Activation bytes one block keeps for backward, per micro-batch (no recomputation)."""
+def layer_activation_bytes(
+    m: ModelConfig, micro_batch: int, tp: int, sp: bool, element: int, tensor: Tensor3DShape = None
+) -> float:
+    """Activation bytes one block keeps for backward, per micro-batch (no recomputation).
+
+    `tensor` (3D tensor parallelism, x y z): the residual stream and the LayerNorms' outputs are
+    split over X, q, k, v, the attention output and the MLP's over Y (a rank's micro-batch is
+    its own: the batch is split over Z). The weight blocks gathered over Z are not kept (each
+    pass gathers its block again: `gathered_block_bytes`)."""
     sbh = m.seq_len * micro_batch * m.hidden
-    e, t, t_sp = element, tp, (tp if sp else 1)
+    e = element
+    if tensor is not None:
+        x, y, _ = tensor
+        return sbh * ((4 * e + 2) / x + (4 * e + 2 * e * m.ffn / m.hidden) / y)
+    t, t_sp = tp, (tp if sp else 1)
     return sbh * (2 * e + (2 * e + 2) / t_sp + (4 * e + 2 * e * m.ffn / m.hidden) / t)
+
+
+def gathered_block_bytes(
+    m: ModelConfig, tensor: Tensor3DShape, element: int, ors: bool = False, oag: bool = False
+) -> float:
+    """3D tensor parallelism with z > 1: the most weight blocks gathered over Z and weight-gradient
+    blocks (before their reduce-scatter) a rank holds at once. The head: its (V/y, h/x) block and
+    its gradient. A block Linear (largest block B = max(3h, f) h / (x y)): its block, and the next
+    one's with OAG (prefetched); its gradient, and with ORS the ORS_IN_FLIGHT still being reduced."""
+    if tensor is None or tensor[2] == 1:
+        return 0.0
+    x, y, _ = tensor
+    head = 2.0 * m.vocab_size * m.hidden / (x * y)
+    block = max(3 * m.hidden, m.ffn) * m.hidden / (x * y)
+    linear = block * ((2 if oag else 1) + (1 + ORS_IN_FLIGHT if ors else 1))
+    return max(head, linear) * element
 
 
 def in_flight(pp: int, stage: int, micro_batches: int, virtual: int, chunk_layers: list[int]) -> int:
@@ -416,13 +513,21 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     e, grad_bytes = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     master = 0 if tr.precision == "fp32" else 4
     micro = deck.num_micro_batches
-    per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e)
-    t_sp = tp if par.sequence_parallel else 1
-    block_input = m.seq_len * tr.micro_batch * m.hidden * e / t_sp
-    logits = m.seq_len * tr.micro_batch * (m.vocab_size // tp) * (e + 8)
+    tensor = par.tensor3d
+    per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e, tensor)
     tokens = tr.micro_batch * m.seq_len
     layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn) / tp
-    head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / tp
+    if tensor is None:
+        hidden_split = tp if par.sequence_parallel else 1  # the block input's split (SP: its sequence)
+        vocab_split, gemm_split = tp, tp
+    else:  # 3D: a rank's own micro-batch; GEMMs over x y, heads and vocab over y, the hidden over x
+        x, y, _ = tensor
+        hidden_split, vocab_split, gemm_split = x, y, x * y
+        dense = 3.0 * tokens * (8 * m.hidden**2 + 4 * m.hidden * m.ffn)  # the Linears, forward and backward
+        layer_flops = dense / (x * y) + (layer_flops * tp - dense) / y  # the attention core, replicated over X
+    block_input = m.seq_len * tr.micro_batch * m.hidden * e / hidden_split
+    logits = m.seq_len * tr.micro_batch * (m.vocab_size // vocab_split) * (e + 8)
+    head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / gemm_split
     stages = []
     layouts = {} if layouts is None else layouts
     stream_buffers = nvme_buffer_bytes(deck.optim.offload_buffer_mb)
@@ -481,7 +586,9 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
         mine = [chunk_layers[stage + c * pp] for c in range(v)]
         first, last = stage == 0, stage == pp - 1
         held = in_flight(pp, stage, micro, v, chunk_layers)
-        head = logits if last else 0.0
+        head = (logits if last else 0.0) + gathered_block_bytes(
+            m, tensor, e, par.overlap_tensor_reduce_scatter, par.overlap_tensor_all_gather
+        )
         activations = {
             "none": held * per_layer + head,
             "selective": held * per_layer + head,
@@ -495,7 +602,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
                 layers=mine,
                 first=first,
                 last=last,
-                params=stage_params(m, tp, sum(mine), first, last),
+                params=stage_params(m, tp, sum(mine), first, last, tensor),
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),
                 offload_buffers=stream_buffers,

@@ -258,6 +258,10 @@ class Prediction:
     breakdown: dict[str, float]  # compute, recompute, attention, elementwise, exposed comm, bubble, ...
     levels: dict[str, str]  # axis -> the outermost link level its groups cross
     stage_times: list[float] = field(default_factory=list)  # pipeline finish time of each stage
+    # 3D tensor parallelism (parallel.tensor): the slowest stage's exposed tp seconds by sub-axis,
+    # tp_x + tp_y + tp_z = breakdown["tp_exposed"]; and tp_z_grad_sum, the Z sum of the replicated
+    # parameters' gradients after the step's backward (counted in breakdown["dp_exposed"]). Empty for 1D.
+    tensor3d: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -268,6 +272,7 @@ class Prediction:
             "mfu": self.mfu,
             "breakdown": dict(self.breakdown),
             "levels": dict(self.levels),
+            **({"tensor3d": dict(self.tensor3d)} if self.tensor3d else {}),
         }
 
 
@@ -280,6 +285,7 @@ class _Pass:
     elementwise: float = 0.0
     tp: float = 0.0  # exposed tensor-parallel communication
     host: float = 0.0  # framework overhead per op (op_overhead_us)
+    axes: tuple[float, float, float] = (0.0, 0.0, 0.0)  # 3D: `tp` by sub-axis (X, Y, Z); 1D: zeros
 
     @property
     def total(self) -> float:
@@ -292,10 +298,12 @@ class _Pass:
             self.elementwise + other.elementwise,
             self.tp + other.tp,
             self.host + other.host,
+            tuple(a + b for a, b in zip(self.axes, other.axes)),  # type: ignore[arg-type]
         )
 
     def scaled(self, k: float) -> _Pass:
-        return _Pass(self.gemm * k, self.attention * k, self.elementwise * k, self.tp * k, self.host * k)
+        axes = tuple(a * k for a in self.axes)
+        return _Pass(self.gemm * k, self.attention * k, self.elementwise * k, self.tp * k, self.host * k, axes)  # type: ignore[arg-type]
 
 
 def tp_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
@@ -344,8 +352,9 @@ def tp_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
 def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
     """Bytes one rank of pipeline `stage` sends per optimizer step, by (axis, op): the messages
     the time model charges (collectives by their full size, p2p sends by their payload).
-    Not included: scalar all-reduces (loss, gradient norm, the non-finite check) and, under
-    sequence parallelism, the tp sums of the replicated parameters' gradients."""
+    Under 3D tensor parallelism the tp messages are by sub-axis (tp_x, tp_y, tp_z: `tp3d_collectives`).
+    Not included: scalar all-reduces (loss, gradient norm, the non-finite check) and the tp sums of
+    the replicated parameters' gradients (under sequence parallelism over tp, under 3D over Z)."""
     m, par, tr = deck.model, deck.parallel, deck.train
     pp, v, micro = par.pp, par.virtual_stages, deck.num_micro_batches
     e, g = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
@@ -359,18 +368,27 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
         if nbytes:
             out[(axis, op)] = out.get((axis, op), 0.0) + nbytes
 
-    tp = tp_collectives(deck)
+    shape = tensor_shape(deck)
+    tp: dict[str, list[tuple[str, str, float]]]
+    if shape is None:
+        tp = {k: [("tp", op, n) for op, n in v] for k, v in tp_collectives(deck).items()}
+    else:  # by sub-axis, tp_x / tp_y / tp_z
+        tp = tp3d_collectives(deck)
     per_layer = tp["layer_forward"] + (tp["layer_recompute"] if tr.recompute == "full" else []) + tp["layer_backward"]
-    per_micro = per_layer * layers + tp["layer_backward_overlapped"] * layers
+    per_micro = per_layer * layers + tp.get("layer_backward_overlapped", []) * layers
     per_micro += (tp["embedding_forward"] + tp["embedding_backward"]) if first else []
     per_micro += (tp["head_forward"] + tp["head_backward"]) if last else []
-    for op, nbytes in per_micro:
-        add("tp", op, micro * nbytes)
+    for axis, op, nbytes in per_micro:
+        add(axis, op, micro * nbytes)
     if pp > 1:
         sends = sum(int(c < pp * v - 1) + int(c > 0) for c in mine)  # activations forward, gradients back
         add("pp", "send", micro * sends * p2p_bytes(deck))
     if deck.dp > 1:
-        params = stage_params(m, par.tp, layers, first, last)
+        params = (
+            stage_params(m, par.tp, layers, first, last)
+            if shape is None
+            else stage_params3d(m, shape, layers, first, last)[0]
+        )
         if deck.optim.zero:
             # ZeRO-2: once per micro-batch (every bucket reduces each time all its parameters added one gradient).
             add("dp", "reduce_scatter", (micro if deck.optim.zero >= 2 else 1) * params * g)
@@ -432,10 +450,12 @@ def tied_here(deck: Deck, first: bool, last: bool) -> bool:
 
 
 def p2p_bytes(deck: Deck) -> float:
-    """One pipeline message: a micro-batch's activation (or its gradient), sequence-sharded under SP."""
+    """One pipeline message: a micro-batch's activation (or its gradient), sequence-sharded under SP,
+    its hidden split over X under 3D tensor parallelism."""
     m, par, tr = deck.model, deck.parallel, deck.train
+    hidden = m.hidden // (par.tensor[0] if par.tensor is not None else 1)
     return float(
-        tr.micro_batch * (m.seq_len // (par.tp if par.sequence_parallel else 1)) * m.hidden * BYTES[tr.precision]
+        tr.micro_batch * (m.seq_len // (par.tp if par.sequence_parallel else 1)) * hidden * BYTES[tr.precision]
     )
 
 
@@ -506,8 +526,9 @@ def _layer_passes(
     return forward, backward, recompute
 
 
-def _attention(deck: Deck, dev: Device) -> tuple[float, float]:
-    """Seconds of the attention core (scores, softmax, context), forward and backward, one tp rank.
+def _attention(deck: Deck, dev: Device, split: Optional[int] = None) -> tuple[float, float]:
+    """Seconds of the attention core (scores, softmax, context), forward and backward, one tp rank
+    holding heads / `split` of the heads (tp; under 3D, Y).
 
     auto (flash kernels), causal: half of the 4 b s^2 h score + context FLOPs run in the forward,
     2.5x that in the backward (it recomputes the scores), at peak x attention_efficiency (the
@@ -515,7 +536,8 @@ def _attention(deck: Deck, dev: Device) -> tuple[float, float]:
     math (torch's reference backend): the two batched GEMMs of the full square, and the scores
     (b x heads/t x s x s elements) written, masked, softmaxed, dropped out and read again.
     """
-    m, tr, t = deck.model, deck.train, deck.parallel.tp
+    m, tr = deck.model, deck.train
+    t = deck.parallel.tp if split is None else split
     e, b, s, h = BYTES[tr.precision], tr.micro_batch, m.seq_len, m.hidden
     flops = 4.0 * b * s * s * h / t
     if m.attention_kernel == "auto":
@@ -561,6 +583,279 @@ def _embedding_passes(
     comm_bwd = sum(_cost(tp_link, par.tp, op, n) for op, n in msgs["embedding_backward"])
     # Token rows + positions gathered and added; backward scatter-adds into the tables.
     return _Pass(0.0, 0.0, dev.stream(4 * x), comm_fwd), _Pass(0.0, 0.0, dev.stream(6 * x), comm_bwd)
+
+
+# -- 3D tensor parallelism (parallel.tensor: app/tensor_parallel/tensor3d.py) ---------------------
+
+SUB_AXES3D = ("tp_x", "tp_y", "tp_z")
+_KEYS = ("layer_forward", "layer_recompute", "layer_backward", "head_forward", "head_backward",
+         "embedding_forward", "embedding_backward")  # fmt: skip
+
+
+def tensor_shape(deck: Deck) -> Optional[tuple[int, int, int]]:
+    """(X, Y, Z) of a 3D deck (`parallel.tensor`), None for 1D tensor parallelism."""
+    t = deck.parallel.tensor
+    return None if t is None else (int(t[0]), int(t[1]), int(t[2]))
+
+
+@dataclass(frozen=True)
+class Overlap3D:
+    """Which 3D collectives run behind compute, as `linear3d` runs them: AxoNN's OAR, ORS and OAG.
+
+    OAR (`parallel.overlap_tp_comm`): a Linear's dx all-reduce during its own weight-gradient GEMM.
+    ORS (`parallel.overlap_tensor_reduce_scatter`): the blocks' dW reduce-scatters over Z retire
+    once newer ones are in flight or when the chunk's backward ends, so they run behind the
+    backward of the layers before them. OAG (`parallel.overlap_tensor_all_gather`): each Linear of
+    a block starts the next one's gather over Z before its GEMM, in forward and (not under ZeRO-3,
+    `gather_backward`) in backward; the block's first gather of a pass is waited for."""
+
+    all_reduce: bool = False
+    reduce_scatter: bool = False
+    all_gather: bool = False
+    gather_backward: bool = False
+
+
+def overlap3d(deck: Deck) -> Overlap3D:
+    """The overlaps gridlm runs for a 3D deck (`Overlap3D`), from its `parallel.overlap_*` keys."""
+    par = deck.parallel
+    zero3 = deck.optim.zero >= 3 and deck.dp > 1
+    return Overlap3D(
+        all_reduce=par.overlap_tp_comm,
+        reduce_scatter=par.overlap_tensor_reduce_scatter,
+        all_gather=par.overlap_tensor_all_gather,
+        gather_backward=par.overlap_tensor_all_gather and not zero3,
+    )
+
+
+@dataclass(frozen=True)
+class Linear3DShape:
+    """One Linear's GEMM on a 3D rank, (tokens x k) @ (k x n), and the sub-axes of its collectives.
+
+    A layout (`transposed` False: qkv, mlp.fc, the head): W (out, in) split (out / Y, in / X), the
+    forward's output summed over X, the backward's dx over Y. B layout (attn.proj, mlp.proj): split
+    (out / X, in / Y), the roles swapped. The (n x k) block is Z-sharded by rows: gathered over Z for
+    the pass, its gradient reduce-scattered over Z."""
+
+    name: str
+    n: int  # out / |out axis|: the block's rows, gathered over Z
+    k: int  # in / |in axis|
+    forward_axis: str  # the in axis: all-reduce of the (tokens x n) output
+    backward_axis: str  # the out axis: all-reduce of the (tokens x k) input gradient
+
+
+def linears3d(m: ModelConfig, shape: tuple[int, int, int]) -> list[Linear3DShape]:
+    """A block's four Linears in forward order (qkv A, attn.proj B, mlp.fc A, mlp.proj B)."""
+    x, y, _ = shape
+    h, f = m.hidden, m.ffn
+
+    def a(name: str, out: int, inp: int) -> Linear3DShape:
+        return Linear3DShape(name, out // y, inp // x, "tp_x", "tp_y")
+
+    def b(name: str, out: int, inp: int) -> Linear3DShape:
+        return Linear3DShape(name, out // x, inp // y, "tp_y", "tp_x")
+
+    return [a("qkv", 3 * h, h), b("attn.proj", h, h), a("mlp.fc", f, h), b("mlp.proj", h, f)]
+
+
+def _tp3d_lists(deck: Deck) -> dict[str, list[tuple[str, str, float]]]:
+    """`tp3d_collectives` with the collectives of one-rank sub-axes kept (they cost 0), in the order
+    `_layer_passes3d` reads them: per Linear (all-gather, forward all-reduce) in the forward,
+    (all-gather again, dx all-reduce, reduce-scatter) in the backward."""
+    m, tr = deck.model, deck.train
+    shape = tensor_shape(deck)
+    assert shape is not None
+    x, y, _ = shape
+    e, tokens = BYTES[tr.precision], tr.micro_batch * m.seq_len
+    stats = [("tp_x", "all_reduce", tokens * 4.0)] * 2  # one LayerNorm3D: mean and variance, fp32
+    forward: list[tuple[str, str, float]] = []
+    backward: list[tuple[str, str, float]] = []
+    for i, lin in enumerate(linears3d(m, shape)):
+        if i in (0, 2):  # ln1 before qkv, ln2 before mlp.fc
+            forward += stats
+        weight = float(lin.n * lin.k * e)
+        forward += [("tp_z", "all_gather", weight), (lin.forward_axis, "all_reduce", tokens * lin.n * e)]
+        backward += [("tp_z", "all_gather", weight), (lin.backward_axis, "all_reduce", tokens * lin.k * e),
+                     ("tp_z", "reduce_scatter", weight)]  # fmt: skip
+    backward += stats * 2  # each LayerNorm3D's backward sums its two statistics' gradients again
+    table = float((m.vocab_size // y) * (m.hidden // x) * e)  # the embedding's / head's (V/Y, h/X) block
+    return {
+        "layer_forward": forward,
+        # Full recomputation stops once every saved tensor is rebuilt: without dropout, after mlp.proj's
+        # GEMM, before its forward all-reduce (as in 1D, `tp_collectives`).
+        "layer_recompute": forward if m.dropout > 0 else forward[:-1],
+        "layer_backward": backward,
+        # ln_f's statistics, the head block's gather, the logits' sum over X; the vocab-parallel
+        # cross-entropy's max, sum of exponentials and target logit over Y (one fp32 per token each).
+        "head_forward": stats + [("tp_z", "all_gather", table), ("tp_x", "all_reduce", tokens * (m.vocab_size // y) * e)]
+        + [("tp_y", "all_reduce", tokens * 4.0)] * 3,
+        "head_backward": [("tp_z", "all_gather", table), ("tp_y", "all_reduce", tokens * (m.hidden // x) * e),
+                          ("tp_z", "reduce_scatter", table)] + stats,
+        # The table block's gather; the lookup summed over Y (embedding3d). Backward: the reduce-scatter.
+        "embedding_forward": [("tp_z", "all_gather", table), ("tp_y", "all_reduce", tokens * (m.hidden // x) * e)],
+        "embedding_backward": [("tp_z", "reduce_scatter", table)],
+    }  # fmt: skip
+
+
+def tp3d_collectives(deck: Deck) -> dict[str, list[tuple[str, str, float]]]:
+    """The 3D tensor-parallel collectives gridlm runs per micro-batch, as (sub-axis, op, bytes), bytes
+    the full size (an all-gather's gathered block, a reduce-scatter's whole gradient), keyed like
+    `tp_collectives`. Per block and micro-batch of T = micro_batch x seq_len tokens (this rank's:
+    the batch is split over dp x Z), e bytes of the compute dtype, each Linear (n x k block):
+
+        forward    all-gather over Z of n k e; all-reduce of the output T n e over its in axis
+        backward   all-gather over Z of n k e again (the gathered block is not kept); all-reduce
+                   of dx, T k e, over its out axis; reduce-scatter over Z of n k e
+        LayerNorm  all-reduce over X of 4 T bytes, twice forward (mean, variance), twice backward
+
+    The head: the same for its (V/Y, h/X) block plus the cross-entropy's three 4 T all-reduces over
+    Y; the embedding: the gather of that block and the lookup's sum over Y (T h/X e); its backward
+    the reduce-scatter. Collectives over a sub-axis of one rank are left out. Not here: the sum over
+    Z of the replicated parameters' gradients after the backward (`predict`: dp_exposed)."""
+    sizes = dict(zip(SUB_AXES3D, tensor_shape(deck) or (1, 1, 1)))
+    return {k: [c for c in v if sizes[c[0]] > 1] for k, v in _tp3d_lists(deck).items()}
+
+
+def stage_params3d(
+    m: ModelConfig, shape: tuple[int, int, int], layers: int, first: bool, last: bool
+) -> tuple[int, int]:
+    """(parameters one 3D tp rank of a pipeline stage holds, those of them replicated over Z).
+
+    Each weight: its (X x Y) block's 1/Z rows (`tensor3d.weight_splits`); the embedding table and
+    the head, the A layout's (V/Y, h/X) block likewise. Replicated over Z (their gradients summed
+    over Z after the backward): LayerNorms (h/X each), the A biases (out/Y), the B biases (h/X), and
+    the positions (seq_len x h/X)."""
+    x, y, z = shape
+    h, v = m.hidden, m.vocab_size
+    lins = linears3d(m, shape)
+    sharded = layers * sum((lin.n // z) * lin.k for lin in lins)
+    replicated = layers * (2 * 2 * (h // x) + lins[0].n + lins[1].n + lins[2].n + lins[3].n)
+    table = (v // y // z) * (h // x)
+    if first:
+        sharded += table
+        replicated += m.seq_len * (h // x)
+    if last:
+        replicated += 2 * (h // x)
+        if not m.tie_embeddings or not first:
+            sharded += table
+    return sharded + replicated, replicated
+
+
+def axis_links3d(machine: Machine, layout: GridLayout, shape: tuple[int, int, int]) -> dict[str, Link]:
+    """The links of the 3D sub-axes. tp rank r = x + X (y + Y z), X innermost, so inside the tp axis
+    (stride s in the world) the X groups are s apart, the Y groups s X and the Z groups s X Y
+    (`group_link`: the same sharing of each level's links as the other axes)."""
+    s = layout.stride("tp")
+    x, y, z = shape
+    return {
+        "tp_x": group_link(machine, s, x),
+        "tp_y": group_link(machine, s * x, y),
+        "tp_z": group_link(machine, s * x * y, z),
+    }
+
+
+def _exposed3d(items: list[tuple[str, str, float]], links: dict[str, Link], sizes: dict[str, int]) -> list[float]:
+    return [_cost(links[a], sizes[a], op, n) for a, op, n in items]
+
+
+def _by_axis(items: list[tuple[str, str, float]], costs: list[float]) -> tuple[float, float, float]:
+    return tuple(sum(c for (a, _, _), c in zip(items, costs) if a == axis) for axis in SUB_AXES3D)  # type: ignore[return-value]
+
+
+def _comm_pass(axes: tuple[float, float, float]) -> _Pass:
+    return _Pass(tp=sum(axes), axes=axes)
+
+
+def _layer_passes3d(deck: Deck, dev: Device, links: dict[str, Link], ov: Overlap3D) -> tuple[_Pass, _Pass, _Pass]:
+    """(forward, backward, full recompute) of one transformer block on one micro-batch, one 3D rank."""
+    m, tr = deck.model, deck.train
+    shape = tensor_shape(deck)
+    assert shape is not None
+    x, y, _ = shape
+    sizes = dict(zip(SUB_AXES3D, shape))
+    e = BYTES[tr.precision]
+    tokens, h, f = tr.micro_batch * m.seq_len, m.hidden, m.ffn
+    lins = linears3d(m, shape)
+    fwd_gemm = sum(dev.gemm(tokens, lin.n, lin.k, e) for lin in lins)
+    dgrad = [dev.gemm(tokens, lin.k, lin.n, e) for lin in lins]
+    wgrad = [dev.gemm(lin.n, lin.k, tokens, e) for lin in lins]
+    attn_fwd, attn_bwd = _attention(deck, dev, y)  # heads / Y, replicated over X
+    # Element-wise bytes per token of one forward: the four bias adds after the all-reduces (each on
+    # its Linear's output), two residual adds on h/X, the attention output's transpose copy (h/Y),
+    # dropout (p > 0) x 2 on h/X with its mask; GELU on f/Y.
+    per_token = sum(2 * lin.n for lin in lins) * e + (3 + 3) * (h // x) * e + 2 * (h // y) * e
+    if m.dropout > 0:
+        per_token += 2 * (2 * (h // x) * e + (h // x))
+    # LayerNorm3D (X > 1) runs eager fp32 ops per element: the copy to fp32 (e + 4, none in fp32), the
+    # mean's sum (4), x - mean (8), its square (8) and sum (4), the scaling by rsqrt (8), by the weight
+    # (8), the bias add (8), the copy back (4 + e); with X = 1 it is F.layer_norm (2 e, as in 1D).
+    ln = 2 * e if x == 1 else 48 + (0 if e == 4 else 2 * (e + 4))
+    layernorm, gelu = tokens * 2 * ln * (h // x), tokens * 2 * f * e / y
+    elem_fwd = dev.stream(tokens * per_token) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
+    lists = _tp3d_lists(deck)
+
+    def forward_comm(items: list[tuple[str, str, float]], compute: float) -> tuple[float, float, float]:
+        costs = _exposed3d(items, links, sizes)
+        cx, cy, cz = _by_axis(items, costs)
+        if ov.all_gather:  # the gathers prefetched: the first waited for, the rest behind the compute
+            gathers = [c for (_, op, _), c in zip(items, costs) if op == "all_gather"]
+            cz = max(gathers[0], cz - compute) if gathers else cz
+        return cx, cy, cz
+
+    compute_f = fwd_gemm + attn_fwd + elem_fwd
+    tp_fwd = forward_comm(lists["layer_forward"], compute_f)
+    tp_rec = forward_comm(lists["layer_recompute"], compute_f)
+    items_b = lists["layer_backward"]
+    costs_b = _exposed3d(items_b, links, sizes)
+    if ov.all_reduce:  # OAR: each dx all-reduce (items 1, 4, 7, 10) behind its Linear's dW GEMM
+        for i in range(len(lins)):
+            costs_b[3 * i + 1] = max(0.0, costs_b[3 * i + 1] - wgrad[i])
+    if ov.gather_backward:  # OAG in backward: mlp.proj's gather waited for, each other one behind the
+        for i in range(len(lins) - 1):  # GEMMs of the Linear after it (which backward runs first)
+            costs_b[3 * i] = max(0.0, costs_b[3 * i] - dgrad[i + 1] - wgrad[i + 1])
+    bx, by, bz = _by_axis(items_b, costs_b)
+    if ov.reduce_scatter:  # ORS: behind the block's remaining backward; the last one waited for
+        rs = [costs_b[3 * i + 2] for i in range(len(lins))]
+        bz = max(rs[-1], bz - (sum(dgrad) + sum(wgrad[:-1]) + attn_bwd))
+    host_f, host_b = OPS["layer_forward"] * dev.op_seconds, OPS["layer_backward"] * dev.op_seconds
+    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd, host=host_f) + _comm_pass(tp_fwd)
+    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd, host=host_b) + _comm_pass(
+        (bx, by, bz)
+    )
+    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd, host=host_f) + _comm_pass(tp_rec)
+    return forward, backward, recompute
+
+
+def _head_passes3d(deck: Deck, dev: Device, links: dict[str, Link]) -> tuple[_Pass, _Pass]:
+    """(forward, backward) of the 3D head (the A layout's (V/Y, h/X) block) and the cross-entropy."""
+    m, tr = deck.model, deck.train
+    shape = tensor_shape(deck)
+    assert shape is not None
+    x, y, _ = shape
+    sizes = dict(zip(SUB_AXES3D, shape))
+    e, tokens, v, k = BYTES[tr.precision], tr.micro_batch * m.seq_len, m.vocab_size // y, m.hidden // x
+    lists = _tp3d_lists(deck)
+    comm_f = _by_axis(lists["head_forward"], _exposed3d(lists["head_forward"], links, sizes))
+    comm_b = _by_axis(lists["head_backward"], _exposed3d(lists["head_backward"], links, sizes))
+    host_f, host_b = OPS["other_forward"] * dev.op_seconds, OPS["other_backward"] * dev.op_seconds
+    fwd = _Pass(dev.gemm(tokens, v, k, e), 0.0, dev.stream(tokens * v * (e + 12), "softmax"), host=host_f)
+    bwd_gemm = dev.gemm(tokens, k, v, e) + dev.gemm(v, k, tokens, e)
+    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e), "softmax"), host=host_b)
+    return fwd + _comm_pass(comm_f), bwd + _comm_pass(comm_b)
+
+
+def _embedding_passes3d(deck: Deck, dev: Device, links: dict[str, Link]) -> tuple[_Pass, _Pass]:
+    m, tr = deck.model, deck.train
+    shape = tensor_shape(deck)
+    assert shape is not None
+    sizes = dict(zip(SUB_AXES3D, shape))
+    xb = tr.micro_batch * m.seq_len * (m.hidden // shape[0]) * BYTES[tr.precision]
+    lists = _tp3d_lists(deck)
+    comm_f = _by_axis(lists["embedding_forward"], _exposed3d(lists["embedding_forward"], links, sizes))
+    comm_b = _by_axis(lists["embedding_backward"], _exposed3d(lists["embedding_backward"], links, sizes))
+    # Token rows (masked to this Y rank's range) + positions, on h/X; backward scatter-adds.
+    return _Pass(elementwise=dev.stream(4 * xb)) + _comm_pass(comm_f), _Pass(
+        elementwise=dev.stream(6 * xb)
+    ) + _comm_pass(comm_b)
 
 
 def _chunk_and_input(a: Action, stage: int, pp: int, last: int) -> tuple[int, Optional[tuple[str, int, int]]]:
@@ -735,14 +1030,22 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     micro = deck.num_micro_batches
 
-    msgs = tp_collectives(deck)
-    layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"], msgs)
+    shape = tensor_shape(deck)
+    links3: dict[str, Link] = {}
+    if shape is None:
+        msgs = tp_collectives(deck)
+        layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"], msgs)
+        head_f, head_b = _head_passes(deck, dev, links["tp"], msgs)
+        emb_f, emb_b = _embedding_passes(deck, dev, links["tp"], msgs)
+    else:  # 3D: each collective on its sub-axis's link (axis_links3d)
+        links3 = axis_links3d(machine, layout, shape)
+        layer_f, layer_b, layer_r = _layer_passes3d(deck, dev, links3, overlap3d(deck))
+        head_f, head_b = _head_passes3d(deck, dev, links3)
+        emb_f, emb_b = _embedding_passes3d(deck, dev, links3)
     if tr.recompute == "full":
         layer_b = layer_b + layer_r  # the forward again, just before each block's backward
     elif tr.recompute == "selective":
         layer_b = layer_b + _Pass(attention=layer_f.attention, host=layer_f.host / OPS["layer_forward"])  # one op
-    head_f, head_b = _head_passes(deck, dev, links["tp"], msgs)
-    emb_f, emb_b = _embedding_passes(deck, dev, links["tp"], msgs)
     chunks = [len(c) for c in partition_layers(m.layers, pp * v, par.stage_layers)]
     last = pp * v - 1
     fwd_parts = [layer_f.scaled(n) + (emb_f if c == 0 else _Pass()) + (head_f if c == last else _Pass())
@@ -753,7 +1056,12 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     # Gradient accumulation: after each backward a hook adds every parameter's gradient (compute
     # dtype) into the fp32 (or compute-dtype) buffer: read both, write the buffer.
     stage_layers = [sum(chunks[s + c * pp] for c in range(v)) for s in range(pp)]
-    params = [stage_params(m, tp, stage_layers[s], s == 0, s == pp - 1) for s in range(pp)]
+    if shape is None:
+        params = [stage_params(m, tp, stage_layers[s], s == 0, s == pp - 1) for s in range(pp)]
+        replicated = [0] * pp
+    else:
+        params, replicated = map(list, zip(*(stage_params3d(m, shape, stage_layers[s], s == 0, s == pp - 1)
+                                             for s in range(pp))))  # fmt: skip
     # The buffer, as large as the stage's parameters, comes from memory and goes back each time.
     accumulate = [dev.stream(p * (e + 2 * g)) + dev.from_memory(p * 2 * g) for p in params]
     per_stage_chunks = {c: c % pp for c in range(pp * v)}
@@ -778,7 +1086,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
 
     # Data parallelism, per stage: bucketed reductions of the stage's gradients.
     bucket = par.dp_bucket_mb * 1e6
-    dp_exposed, tied, norm, optimizer, offloaded = [], 0.0, [], [], []
+    dp_exposed, tied, norm, optimizer, offloaded, z_sum = [], 0.0, [], [], [], []
     unit_kinds: dict[tuple[bool, bool], dict[str, list[int]]] = {}  # ZeRO-3: (first, last) -> unit_buckets
     for s in range(pp):
         grads = params[s] * g
@@ -817,8 +1125,15 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
             if gather and requested.overlap_param_gather:
                 hidden += (buckets - 1) * links["dp"].latency_part("all_gather", dp)
             exposed = reduce + gather - hidden
-        dp_exposed.append(exposed)
         shard = params[s] / dp if opt.zero and dp > 1 else params[s]
+        if shape is not None and shape[2] > 1:
+            # 3D: after the dp reduction, the gradients of the parameters replicated over Z (this rank's
+            # share of them under ZeRO) are summed over Z, one blocking all-reduce (finish_grad_reduce).
+            z_sum.append(_cost(links3["tp_z"], shape[2], "all_reduce", replicated[s] * g * shard / params[s]))
+            exposed += z_sum[-1]
+        else:
+            z_sum.append(0.0)
+        dp_exposed.append(exposed)
         tensors, matrices = param_tensors(stage_layers[s], s == 0, s == pp - 1, m)
         # The norm's first pass reads the reduced gradients from memory (they outgrew the cache).
         norm.append(
@@ -875,6 +1190,12 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn, tr.recompute
     )
     devices = world
+    levels = {axis: links[axis].level for axis in links}
+    tensor3d: dict[str, float] = {}
+    if shape is not None:
+        levels.update({axis: links3[axis].level for axis in SUB_AXES3D})
+        axes = [a + b for a, b in zip(busy_f.axes, busy_b.axes)]
+        tensor3d = {**dict(zip(SUB_AXES3D, axes)), "tp_z_grad_sum": z_sum[slowest]}
     return Prediction(
         step_time_s=step,
         tokens_per_s=tr.global_batch * m.seq_len / step,
@@ -882,6 +1203,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         hardware_tflops_per_device=hardware / step / devices / 1e12,
         mfu=flops / step / devices / dev.peak_flops,
         breakdown=breakdown,
-        levels={axis: links[axis].level for axis in links},
+        levels=levels,
         stage_times=after,
+        tensor3d=tensor3d,
     )

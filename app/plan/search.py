@@ -24,11 +24,24 @@ LAMB nor an asynchronous checkpoint, `app.deck.validate`). On a GPU machine nvme
 device memory as host and only adds the drive's time, and host memory is not checked against a
 capacity, so nvme could never rank above host there. A machine file that lacks the offload's
 constants (`Machine.missing_for_prediction`) gets no offloaded candidates.
+
+3D tensor parallelism (`parallel.tensor: [x, y, z]`, AxoNN's) is searched next to 1D (`tensor`:
+"both", the default; "1d" or "3d" for one kind): tp any divisor of the world up to
+TENSOR3D_MAX_RANKS (a 3D group may span nodes: its Z sub-axis is meant to), never with SP. For
+each tp, pp and micro-batch, every (x, y, z) with x y z = tp that the deck rules allow
+(`app.deck.validate`: the splits of hidden, heads, MLP and vocabulary, and the batch over dp x z)
+is ranked by one transformer block's predicted forward and backward per sample, (F + B) / z
+(`perf._layer_passes3d` on the sub-axes' links with tp innermost: the only part of the step the
+factorisation changes, besides memory and the small Z sum), and the SHAPES_PER_TP best are
+planned with every virtual stage, recompute and ZeRO choice: AxoNN picks its grid by the same
+kind of ranking of its communication model. All of them would be 28 to 45 shapes per tp of 64
+to 256 GCDs, each as many plans as a 1D tp.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -45,6 +58,11 @@ from app.plan.estimate import LayoutCache
 from app.plan.machine import Machine
 
 MICRO_BATCHES = (1, 2, 4, 8)
+# 3D tensor parallelism (module docstring): the largest tp searched, and the (x, y, z) planned per
+# (tp, pp, micro-batch), best first by one block's predicted time per sample.
+TENSOR3D_MAX_RANKS = 512
+SHAPES_PER_TP = 3
+TENSOR_KINDS = ("both", "1d", "3d")
 VIRTUAL_STAGES = (1, 2, 4)
 ZERO_STAGES = (0, 1, 2, 3)  # with dp > 1; at dp = 1 every stage is ZeRO 0
 
@@ -62,7 +80,16 @@ class Candidate:
         return self.plan.predicted.step_time_s if self.plan and self.plan.predicted else float("inf")
 
     def overrides(self) -> str:
-        return " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.sets.items())
+        return " ".join(f"--set {k}={_text(v)}" for k, v in self.sets.items())
+
+
+def _text(value: Any) -> str:
+    """A --set value as the shell takes it: booleans lower-case, a 3D shape [x,y,z] without spaces."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return "null" if value is None else str(value)
 
 
 @dataclass
@@ -85,11 +112,14 @@ def _divisors(n: int) -> list[int]:
 ORDERS = ("tp-dp-pp", "tp-pp-dp")
 
 
-def _configurations(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
+def _configurations(deck: Deck, world: int, machine: Machine, tensor: str = "both") -> Iterator[dict[str, Any]]:
     orders = list(dict.fromkeys((deck.parallel.order, *ORDERS)))
     # Offload is tried where a configuration does not fit (`search`); the deck's own is not inherited.
     offload = {"optim.offload": "none"} if deck.optim.offload != "none" else {}
-    for sets in _grids(deck, world, machine):
+    grids = _grids(deck, world, machine) if tensor != "3d" else iter(())
+    if tensor != "1d":
+        grids = itertools.chain(grids, _grids3d(deck, world, machine))
+    for sets in grids:
         dp = world // (sets["parallel.tp"] * sets["parallel.pp"])
         # With pp or dp of 1 every order places the ranks alike: try the deck's only.
         for order in orders if sets["parallel.pp"] > 1 and dp > 1 else orders[:1]:
@@ -98,6 +128,8 @@ def _configurations(deck: Deck, world: int, machine: Machine) -> Iterator[dict[s
 
 def _grids(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
     m = deck.model
+    # A 3D deck's 1D candidates drop its parallel.tensor (1D decks' candidates stay as they were).
+    flat = {"parallel.tensor": None} if deck.parallel.tensor is not None else {}
     for tp in _divisors(machine.devices_per_node):
         for pp in [p for p in _divisors(world // tp) if p <= m.layers] if world % tp == 0 else []:
             for mb in sorted({*MICRO_BATCHES, deck.train.micro_batch}):
@@ -108,18 +140,70 @@ def _grids(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]
                                 yield {
                                     "parallel.tp": tp, "parallel.pp": pp, "parallel.virtual_stages": v,
                                     "parallel.sequence_parallel": sp, "train.micro_batch": mb,
-                                    "train.recompute": rc, "optim.zero": zero,
+                                    "train.recompute": rc, "optim.zero": zero, **flat,
                                 }  # fmt: skip
+
+
+def _grids3d(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
+    """The 3D candidates (module docstring): tp up to TENSOR3D_MAX_RANKS dividing the world, and per
+    (tp, pp, micro-batch) the SHAPES_PER_TP best (x, y, z) the deck rules allow."""
+    m = deck.model
+    ranked: dict[tuple[int, int], list[tuple[float, tuple[int, int, int]]]] = {}  # (tp, mb) -> (key, shape)
+    for tp in [t for t in _divisors(world) if 2 <= t <= TENSOR3D_MAX_RANKS]:
+        for pp in [p for p in _divisors(world // tp) if p <= m.layers]:
+            dp = world // (tp * pp)
+            for mb in sorted({*MICRO_BATCHES, deck.train.micro_batch}):
+                if (tp, mb) not in ranked:
+                    ranked[tp, mb] = _rank_shapes(deck, machine, tp, mb)
+                fits = [s for _, s in ranked[tp, mb] if deck.train.global_batch % (mb * dp * s[2]) == 0]
+                for shape in fits[:SHAPES_PER_TP]:
+                    for v in VIRTUAL_STAGES if pp > 1 else (1,):
+                        for rc in RECOMPUTE:
+                            for zero in ZERO_STAGES if dp > 1 else (0,):
+                                yield {
+                                    "parallel.tp": tp, "parallel.pp": pp, "parallel.virtual_stages": v,
+                                    "parallel.sequence_parallel": False, "train.micro_batch": mb,
+                                    "train.recompute": rc, "optim.zero": zero, "parallel.tensor": shape,
+                                }  # fmt: skip
+
+
+def _shapes(tp: int) -> Iterator[tuple[int, int, int]]:
+    for x in _divisors(tp):
+        for y in _divisors(tp // x):
+            yield x, y, tp // (x * y)
+
+
+def _rank_shapes(deck: Deck, machine: Machine, tp: int, mb: int) -> list[tuple[float, tuple[int, int, int]]]:
+    """Every (x, y, z) of `tp` that the model's splits allow, by one block's predicted forward and
+    backward time per sample, (F + B) / z, on the sub-axes' links with tp innermost (best first)."""
+    from app.plan.perf import _layer_passes3d, axis_links3d, device_of, overlap3d
+    from app.runtime.grid import GridLayout
+
+    dev = device_of(machine, deck.train.precision)
+    layout = GridLayout.from_order_string(tp, 1, 1, "tp-dp-pp", machine.devices_per_node)
+    out = []
+    for shape in _shapes(tp):
+        par = dataclasses.replace(deck.parallel, tp=tp, pp=1, dp="auto", virtual_stages=1, stage_layers=None,
+                                  sequence_parallel=False, tensor=list(shape))  # fmt: skip
+        variant = dataclasses.replace(deck, parallel=par, train=dataclasses.replace(deck.train, micro_batch=mb))
+        try:
+            validate(variant)
+        except GridlmError:
+            continue
+        f, b, _ = _layer_passes3d(variant, dev, axis_links3d(machine, layout, shape), overlap3d(variant))
+        out.append(((f.total + b.total) / shape[2], shape))
+    return sorted(out)
 
 
 def _own(deck: Deck) -> dict[str, Any]:
     par, tr = deck.parallel, deck.train
+    tensor = {"parallel.tensor": tuple(par.tensor)} if par.tensor is not None else {}
     return {
         "parallel.order": par.order,
         "parallel.tp": par.tp, "parallel.pp": par.pp, "parallel.virtual_stages": par.virtual_stages,
         "parallel.sequence_parallel": par.sequence_parallel, "train.micro_batch": tr.micro_batch,
         "train.recompute": tr.recompute, "optim.zero": deck.optim.zero,
-        **({"optim.offload": deck.optim.offload} if deck.optim.offload != "none" else {}),
+        **({"optim.offload": deck.optim.offload} if deck.optim.offload != "none" else {}), **tensor,
     }  # fmt: skip
 
 
@@ -138,7 +222,7 @@ def _apply(deck: Deck, sets: dict[str, Any]) -> Deck:
     sections: dict[str, dict[str, Any]] = {}
     for key, value in sets.items():
         section, name = key.split(".")
-        sections.setdefault(section, {})[name] = value
+        sections.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
     changes = {s: dataclasses.replace(getattr(deck, s), **kv) for s, kv in sections.items()}
     # dp follows from the world size; a balanced split (the deck's stage_layers fit its own pp only).
     changes["parallel"] = dataclasses.replace(changes["parallel"], dp="auto", stage_layers=None)
@@ -187,8 +271,11 @@ def _reason(message: str) -> str:
     return message.split(":")[0][:60]
 
 
-def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResult:
-    """Rank every valid configuration of `deck` on `world` ranks of `machine`."""
+def search(deck: Deck, world: int, machine: Machine, top: int = 5, tensor: str = "both") -> SearchResult:
+    """Rank every valid configuration of `deck` on `world` ranks of `machine`; `tensor`: "both"
+    (1D and 3D tensor parallelism), "1d" or "3d" (module docstring)."""
+    if tensor not in TENSOR_KINDS:
+        raise ValueError(f"tensor={tensor!r}: expected one of {', '.join(TENSOR_KINDS)}")
     start = time.perf_counter()
     missing = machine.missing_for_prediction(deck.train.precision)
     if missing:
@@ -224,7 +311,7 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5) -> SearchResu
         return candidate
 
     offload = offload_kind(deck, machine)
-    for sets in _configurations(deck, world, machine):
+    for sets in _configurations(deck, world, machine, tensor):
         candidate = consider(sets)
         # Offloaded where it does not fit without, and the dry run's figure says it fits with.
         if offload and candidate is not None and _fits_offloaded(candidate, offload):
@@ -246,8 +333,10 @@ def _row(c: Candidate) -> str:
     assert p is not None and p.predicted is not None
     q = p.predicted
     peak = p.stage_total(p.peak_stage()) / GiB
+    shape = s.get("parallel.tensor")
+    tp = f"tp {s['parallel.tp']}" + (f" 3d {_text(shape)}" if shape else "")
     return (
-        f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  tp {s['parallel.tp']} pp "
+        f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  {tp} pp "
         f"{s['parallel.pp']} dp {p.deck.dp} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
         f"{'y' if s['parallel.sequence_parallel'] else 'n'} recompute {s['train.recompute']} zero {s['optim.zero']}"
         f"{'' if s.get('optim.offload', 'none') == 'none' else ' offload ' + s['optim.offload']} {s['parallel.order']}  "
@@ -281,7 +370,7 @@ def _why(best: Candidate, own: Candidate) -> str:
     """Where the best configuration's step differs most from the deck's, by breakdown line."""
     assert best.plan and own.plan and best.plan.predicted and own.plan.predicted
     a, b = best.plan.predicted.breakdown, own.plan.predicted.breakdown
-    gains = sorted(((b[k] - a[k], k) for k in a if k != "recompute"), reverse=True)[:2]
+    gains = sorted(((b.get(k, 0.0) - a[k], k) for k in a if k != "recompute"), reverse=True)[:2]
     return ", ".join(f"{k} {b[k]:.3g} -> {a[k]:.3g} s" for gain, k in gains if gain > 0)
 
 

@@ -160,6 +160,7 @@ class ProcessGrid:
         self.watchdog = runtime.watchdog
         self.watchdog.set_groups(self.ranks)
         self._pipeline_groups: dict[Any, Any] = {}
+        self._tensor3d_groups: dict[tuple[int, int, int], dict[str, tuple[int, Any, list[int]]]] = {}
         # From the measured placement (MPI's shared-memory split), not the layout's assumption:
         # do all members of every group of an axis share a node?
         node_of = [runtime.placement[r][0] for r in node_major]  # grid rank -> node
@@ -167,6 +168,32 @@ class ProcessGrid:
 
     def size(self, axis: str) -> int:
         return self.layout.size(axis)
+
+    def tensor3d(self, shape: tuple[int, int, int]) -> dict[str, tuple[int, Any, list[int]]]:
+        """The tp group as an X x Y x Z grid (X innermost, `app.tensor_parallel.tensor3d`):
+        `{sub-axis: (this rank's coordinate, torch group, torch ranks)}` for tp_x, tp_y, tp_z.
+
+        Made on first use by every rank of the tp group (each makes its three groups, so every
+        rank holds as many groups as its peers) and kept, like `pipeline_groups`'."""
+        import torch.distributed as dist
+
+        x, y, z = shape
+        if x * y * z != self.size("tp"):
+            raise LaunchError(f"tensor [{x}, {y}, {z}] is not the tp degree {self.size('tp')}")
+        if shape not in self._tensor3d_groups:
+            r = self.coords["tp"]
+            mine = {"tp_x": r % x, "tp_y": (r // x) % y, "tp_z": r // (x * y)}
+            strides = {"tp_x": 1, "tp_y": x, "tp_z": x * y}
+            sizes = {"tp_x": x, "tp_y": y, "tp_z": z}
+            out = {}
+            for axis in ("tp_x", "tp_y", "tp_z"):
+                base = r - mine[axis] * strides[axis]
+                ranks = [self.ranks["tp"][base + i * strides[axis]] for i in range(sizes[axis])]
+                with self.watchdog.blocking("new_group", axis):
+                    group = dist.new_group(ranks, use_local_synchronization=True)
+                out[axis] = (mine[axis], group, ranks)
+            self._tensor3d_groups[shape] = out
+        return self._tensor3d_groups[shape]
 
     def all_reduce(self, tensor: Any, axes: Sequence[str], op: Any = None) -> None:
         """In place: reduce `tensor` (sum by default) over each of `axes` in turn (a reduction

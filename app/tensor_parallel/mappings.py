@@ -51,6 +51,7 @@ class TensorParallel:
     sequence_parallel: bool = False
     timers: Optional[StepTimers] = None
     overlap: bool = False
+    axis: str = "tp"  # the timers' axis: tp, or a 3D sub-axis (tp_x, tp_y, tp_z)
 
     @classmethod
     def from_grid(
@@ -67,7 +68,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """A new tensor: x summed (or max-ed) over the tp group."""
         x = x.contiguous().clone()
-        with comm_region(self.timers, "tp", "all_reduce"):
+        with comm_region(self.timers, self.axis, "all_reduce"):
             dist.all_reduce(x, op=op, group=self.group)
         return x
 
@@ -75,7 +76,7 @@ class TensorParallel:
         """Concatenate the tp ranks' x along `dim`, in tp-rank order."""
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
-        with comm_region(self.timers, "tp", "all_gather"):
+        with comm_region(self.timers, self.axis, "all_gather"):
             dist.all_gather_single(out, x0, group=self.group)
         return out.movedim(0, dim).contiguous()
 
@@ -83,7 +84,7 @@ class TensorParallel:
         """Sum x over the tp group and keep this rank's chunk along `dim`."""
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((x0.shape[0] // self.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
-        with comm_region(self.timers, "tp", "reduce_scatter"):
+        with comm_region(self.timers, self.axis, "reduce_scatter"):
             dist.reduce_scatter_single(out, x0, group=self.group)
         return out.movedim(0, dim).contiguous()
 
@@ -93,7 +94,17 @@ class TensorParallel:
         the sum after `wait(handle)`."""
         out = x.contiguous()
         work = dist.all_reduce(out, group=self.group, async_op=True)
-        return out, launch(self.timers, "tp", work, "all_reduce")
+        return out, launch(self.timers, self.axis, work, "all_reduce")
+
+    def all_gather_rows_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+        """Start `all_gather(x, 0)`. Returns (out, handle): out holds the tp ranks' x stacked
+        along dim 0, in tp-rank order, after `wait(handle)`."""
+        x0 = x.contiguous()
+        out = torch.empty((self.size * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
+        work = dist.all_gather_single(out, x0, group=self.group, async_op=True)
+        pending = launch(self.timers, self.axis, work, "all_gather")
+        pending.keep = x0  # the shard it reads, alive until it completes
+        return out, pending
 
     def reduce_scatter_async(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Pending]:
         """Start `reduce_scatter(x, dim)`. Returns (out, handle): out, this rank's chunk
@@ -101,7 +112,7 @@ class TensorParallel:
         x0 = x.movedim(dim, 0).contiguous()
         out = torch.empty((x0.shape[0] // self.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
         work = dist.reduce_scatter_single(out, x0, group=self.group, async_op=True)
-        return out.movedim(0, dim), launch(self.timers, "tp", work, "reduce_scatter")
+        return out.movedim(0, dim), launch(self.timers, self.axis, work, "reduce_scatter")
 
     def wait(self, handle: Pending) -> None:
         """Block until an `*_async` collective has finished (charged to the timers' tp axis)."""
