@@ -1,7 +1,7 @@
 """3D against 1D tensor parallelism at the same tensor degree on this machine: bytes and time.
 
     .venv/bin/python benchmarks/tensor3d_bytes_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 8]
-        [--rounds 3] [--variants 1d:4 3d:2x2x1 3d:1x2x2 3d:2x1x2 1d:8 3d:2x2x2 1d:4/dp2 3d:2x2x1/dp2]
+        [--rounds 3] [--variants 1d:4 3d:2x2x1 3d:1x2x2 3d:2x1x2 1d:8 3d:2x2x2 3d:1x2x4 1d:4/dp2 3d:2x2x1/dp2]
         [--out runs/tensor3d_bytes_bench] [--set section.key=value ...]
 
 A variant is `1d:T` (parallel.tp = T, Megatron's 1D tensor parallelism) or `3d:XxYxZ`
@@ -24,7 +24,11 @@ table.md and table.csv in --out):
   sends what an all-reduce does: `Link.gloo`);
 - time: the median over the rounds of rank 0's mean step time and of its exposed communication
   per axis and 3D sub-axis (summary.json `timers.exposed_comm_s`; in 3D the `tp` timer holds the
-  sum over Z of the replicated gradients, charged to tp by `finish_grad_reduce`).
+  sum over Z of the replicated gradients, charged to tp by `finish_grad_reduce`). With
+  --calibrated DIR, next to each the model's (`perf.predict` on this machine calibrated at the
+  variant's rank count, DIR/local_RANKS.yaml, `python -m app.plan.calibrate` first where it is
+  missing), and the part of the predicted step the bytes cost: the step less the step predicted
+  with every link and collective of infinite bandwidth (latencies and busy waits kept).
 
 A benchmark, not a test: it reports; the exit status is 1 only if a run failed.
 """
@@ -32,7 +36,9 @@ A benchmark, not a test: it reports; the exit status is 1 only if a run failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -49,10 +55,11 @@ import grid_bench  # noqa: E402
 from app.deck import Deck, load_deck, resolve_for_world  # noqa: E402
 from app.names import BYTES, reduce_precision  # noqa: E402
 from app.parallel.schedule import partition_layers  # noqa: E402
-from app.plan.perf import ring_terms, stage_params3d, step_messages, tensor_shape  # noqa: E402
+from app.plan.machine import Machine, load_machine  # noqa: E402
+from app.plan.perf import predict, ring_terms, stage_params3d, step_messages, tensor_shape  # noqa: E402
 
 VARIANT = re.compile(r"^(1d:(\d+)|3d:(\d+)x(\d+)x(\d+))(?:/dp(\d+))?$")
-VARIANTS = ["1d:4", "3d:2x2x1", "3d:1x2x2", "3d:2x1x2", "1d:8", "3d:2x2x2", "1d:4/dp2", "3d:2x2x1/dp2"]
+VARIANTS = ["1d:4", "3d:2x2x1", "3d:1x2x2", "3d:2x1x2", "1d:8", "3d:2x2x2", "3d:1x2x4", "1d:4/dp2", "3d:2x2x1/dp2"]
 # The columns of the bytes table: grid axes and 3D sub-axes, the Z sum of the replicated gradients,
 # and the scalar all-reduces the model leaves out.
 COLUMNS = ["tp", "tp_x", "tp_y", "tp_z", "tp_z_sum", "dp", "pp", "scalars"]
@@ -141,16 +148,49 @@ def resolve(deck_path: str, spec: str, sets: list[str]) -> Deck:
     return resolve_for_world(load_deck(REPO / deck_path, (*sets, *variant_sets(spec))), tp * dp)
 
 
+def calibration(directory: Path, ranks: int) -> Machine:
+    """This machine calibrated on `ranks` ranks (`app.plan.calibrate`): directory/local_RANKS.yaml,
+    measured into it first if it is not there."""
+    path = directory / f"local_{ranks}.yaml"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app.plan.calibrate", "--out", str(path)]
+        print(f"tensor3d_bytes_bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, cwd=REPO, env=grid_bench.mpi_env(), check=True)
+    return load_machine(path)
+
+
+def free_bytes(machine: Machine) -> Machine:
+    """`machine` with every link and measured collective of infinite bandwidth (latencies and busy
+    waits kept): the step the model predicts if the bytes cost nothing."""
+    links = [{**level, "gbs": math.inf} for level in machine.links or []]
+    fits = {op: {n: {**fit, "gbs": math.inf} for n, fit in by_size.items()}
+            for op, by_size in (machine.collectives or {}).items()}  # fmt: skip
+    return dataclasses.replace(machine, links=links, collectives=fits)
+
+
+def predicted_time(deck: Deck, machine: Machine) -> dict[str, float]:
+    """The model's step and exposed communication (ms): tp_x, tp_y, tp_z; tp (1D's, or 3D's Z sum of
+    the replicated gradients, which `predict` counts in dp_exposed); dp; and `bytes`, the part of the
+    step the bytes cost (the step less the step with free bandwidth)."""
+    p, free = predict(deck, machine), predict(deck, free_bytes(machine))
+    z_sum = p.tensor3d.get("tp_z_grad_sum", 0.0)
+    out = {"step": p.step_time_s, "bytes": p.step_time_s - free.step_time_s, "dp": p.breakdown["dp_exposed"] - z_sum}
+    out.update({a: p.tensor3d.get(a, 0.0) for a in SUB_AXES})
+    out["tp"] = z_sum if p.tensor3d else p.breakdown["tp_exposed"]
+    return {k: 1e3 * v for k, v in out.items()}
+
+
 def run_once(spec: str, round_: int, args: argparse.Namespace) -> dict[str, Any]:
     """One run of a variant: its summary's times, each rank's counted bytes, the machine's load."""
     tp, _, dp = parse_variant(spec)
     name = spec.replace(":", "").replace("/", "_")
     run_dir = Path(args.out) / f"{name}_r{round_}"
-    counts = REPO / run_dir / "counts"
     sets = [*args.set, *variant_sets(spec), f"train.steps={args.steps}", "run.timers=true", "run.threads=1",
             f"run.log_every={args.steps}", f"run.dir={run_dir}", *grid_bench.FRESH]  # fmt: skip
     skip = resolve(args.deck, spec, args.set).run.timing_warmup
-    cmd = ["mpirun", "-n", str(tp * dp), sys.executable, "benchmarks/count_collectives.py", str(counts), str(skip)]
+    counts = str(run_dir / "counts")
+    cmd = ["mpirun", "-n", str(tp * dp), sys.executable, "benchmarks/count_collectives.py", counts, str(skip)]
     cmd += [args.deck, *(a for s in sets for a in ("--set", s))]
     print(f"tensor3d_bytes_bench: round {round_}: {spec}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     load_before = os.getloadavg()[0]
@@ -160,17 +200,23 @@ def run_once(spec: str, round_: int, args: argparse.Namespace) -> dict[str, Any]
     if out.returncode != 0:
         print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
         return {**row, "error": f"exit {out.returncode}"}
-    summary = json.loads((REPO / run_dir / "summary.json").read_text())
+    return {**row, **read_run(REPO / run_dir, tp * dp)}
+
+
+def read_run(run_dir: Path, ranks: int) -> dict[str, Any]:
+    """A finished run's figures: rank 0's times (summary.json) and every rank's counted bytes per
+    step by column (`counted_bytes`), socket bytes (`wire`) and counted calls at gloo's volumes."""
+    summary = json.loads((run_dir / "summary.json").read_text())
     exposed = summary["timers"]["exposed_comm_s"]
-    row.update(step_ms=1e3 * summary["step_time_s"], exposed_pct=100 * (summary["exposed_comm_fraction"] or 0.0),
-               micro_batches=summary["pipeline"]["micro_batches"])  # fmt: skip
+    row = {"step_ms": 1e3 * summary["step_time_s"], "exposed_pct": 100 * (summary["exposed_comm_fraction"] or 0.0),
+           "micro_batches": summary["pipeline"]["micro_batches"]}  # fmt: skip
     row.update({f"exposed_{a}_ms": 1e3 * exposed.get(a, 0.0) for a in ("tp", *SUB_AXES, "dp", "pp")})
-    ranks = [json.loads(p.read_text()) for p in sorted(counts.glob("rank*.json"))]
-    assert len(ranks) == tp * dp, f"{len(ranks)} count files for {tp * dp} ranks"
-    row["per_rank"] = [counted_bytes(r["records"], r["steps"]) for r in ranks]
-    row["wire"] = [r["wchar"] / r["steps"] for r in ranks]
-    row["gloo"] = [sum(counted_bytes(r["records"], r["steps"], gloo=True).values()) for r in ranks]
-    row["unknown"] = sorted({x["axis"] for r in ranks for x in r["records"] if x["axis"] in ("unknown", "world")})
+    counts = [json.loads(p.read_text()) for p in sorted((run_dir / "counts").glob("rank*.json"))]
+    assert len(counts) == ranks, f"{len(counts)} count files for {ranks} ranks in {run_dir}"
+    row["per_rank"] = [counted_bytes(r["records"], r["steps"]) for r in counts]
+    row["wire"] = [r["wchar"] / r["steps"] for r in counts]
+    row["gloo"] = [sum(counted_bytes(r["records"], r["steps"], gloo=True).values()) for r in counts]
+    row["unknown"] = sorted({x["axis"] for r in counts for x in r["records"] if x["axis"] in ("unknown", "world")})
     return row
 
 
@@ -220,26 +266,31 @@ def _median(rows: list[dict], key: str) -> str:
     return f"{statistics.median(values):.0f} ({' '.join(f'{v:.0f}' for v in values)})"
 
 
-def time_table(specs: list[str], rows: list[dict]) -> str:
+def time_table(specs: list[str], rows: list[dict], model: dict[str, dict[str, float]]) -> str:
+    """Medians over the rounds (each round's in brackets), then the model's where it was asked for."""
     axes = ("tp_x", "tp_y", "tp_z", "tp", "dp")
     lines = [
         "| variant | ranks | step ms (median; rounds) | exposed ms: tp_x | tp_y | tp_z | tp (1D; 3D: Z grad sum) | dp "
-        "| exposed % of step | load (1 min) |",
-        "|" + "---|" * 10,
+        "| exposed % of step | model: bytes' share of the step | load (1 min) |",
+        "|" + "---|" * 11,
     ]
     for spec in specs:
         ok = [r for r in rows if r["variant"] == spec and "error" not in r]
         if not ok:
-            lines.append(f"| {spec} | failed |" + " |" * 8)
+            lines.append(f"| {spec} | failed |" + " |" * 9)
             continue
         for r in ok:  # the tp timer holds its sub-axes too (StepTimers.pop): keep tp's own part
-            r["exposed_tp_own_ms"] = r["exposed_tp_ms"] - sum(r[f"exposed_{a}_ms"] for a in SUB_AXES)
-        cells = [_median(ok, f"exposed_{a}_ms" if a != "tp" else "exposed_tp_own_ms") for a in axes]
+            r["exposed_tp_own_ms"] = max(0.0, r["exposed_tp_ms"] - sum(r[f"exposed_{a}_ms"] for a in SUB_AXES))
+        mine = model.get(spec, {})
+        cells = [_median(ok, "step_ms") + (f" / {mine['step']:.0f}" if mine else "")]
+        for a in axes:
+            key = f"exposed_{a}_ms" if a != "tp" else "exposed_tp_own_ms"
+            cells.append(_median(ok, key) + (f" / {mine[a]:.0f}" if mine else ""))
+        cells.append(f"{statistics.median(r['exposed_pct'] for r in ok):.0f}")
+        cells.append(f"{mine['bytes']:.0f} ms ({100 * mine['bytes'] / mine['step']:.0f}%)" if mine else "")
         loads = [x for r in ok for x in (r["load_before"], r["load_after"])]
-        lines.append(
-            f"| {spec} | {ok[0]['ranks']} | {_median(ok, 'step_ms')} | " + " | ".join(cells)
-            + f" | {statistics.median(r['exposed_pct'] for r in ok):.0f} | {min(loads):.1f}-{max(loads):.1f} |"
-        )  # fmt: skip
+        cells.append(f"{min(loads):.1f}-{max(loads):.1f}")
+        lines.append(f"| {spec} | {ok[0]['ranks']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -253,8 +304,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=VARIANTS)
     parser.add_argument("--out", default="runs/tensor3d_bytes_bench")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for every variant")
+    parser.add_argument(
+        "--calibrated",
+        metavar="DIR",
+        help="also predict each step on this machine's calibration, DIR/local_RANKS.yaml (calibrated first if absent)",
+    )
     args = parser.parse_args(argv)
-    predicted = {spec: predicted_bytes(resolve(args.deck, spec, args.set)) for spec in args.variants}  # fails early
+    decks = {spec: resolve(args.deck, spec, args.set) for spec in args.variants}  # a bad variant fails here
+    predicted = {spec: predicted_bytes(deck) for spec, deck in decks.items()}
+    model: dict[str, dict[str, float]] = {}
+    if args.calibrated:
+        machines = {
+            n: calibration(REPO / args.calibrated, n) for n in sorted({d.parallel.tp * d.dp for d in decks.values()})
+        }
+        model = {spec: predicted_time(deck, machines[deck.parallel.tp * deck.dp]) for spec, deck in decks.items()}
     rows = [run_once(spec, round_, args) for round_ in range(args.rounds) for spec in args.variants]
     problems = []
     for spec in args.variants:
@@ -270,13 +333,16 @@ def main(argv: list[str] | None = None) -> int:
             base.update({f"{c}_bytes": max(b.get(c, 0.0) for b in r["per_rank"]) for c in COLUMNS})
             base.update({f"{c}_predicted": predicted[r["variant"]].get(c, 0.0) for c in COLUMNS if c != "scalars"})
             base.update(wire_bytes=max(r["wire"]), gloo_bytes=max(r["gloo"]))
+            base.update({f"model_{k}_ms": v for k, v in model.get(r["variant"], {}).items()})
         flat.append(base)
     text = (
         "Bytes one rank sends per step, kB (1e3 B): counted / model (ring volumes; the scalars are not "
         "in the model). On the wire: the rank's socket writes (the counted calls at gloo's volumes).\n\n"
         + bytes_table(args.variants, rows, predicted)
-        + "\n\nStep time and exposed communication, rank 0, ms per step (median of the rounds; each round):\n\n"
-        + time_table(args.variants, rows)
+        + "\n\nStep time and exposed communication, rank 0, ms per step (median of the rounds; each round)"
+        + (" / the model's on this machine's calibration" if model else "")
+        + ":\n\n"
+        + time_table(args.variants, rows, model)
         + "".join(f"\n\nproblem: {p}" for p in problems)
     )
     columns = [*{k: None for r in flat for k in r if k != "error"}]

@@ -83,3 +83,21 @@ def test_the_spied_calls_read_the_sizes_the_model_means():
         if name in args:
             bound = inspect.signature(real).bind(*args[name], group=None).arguments
             assert size(bound) == {"all_gather": 128, "reduce_scatter": 128}.get(op, 32), name
+
+
+def test_the_bytes_share_is_the_step_less_the_step_at_infinite_bandwidth():
+    from app.plan.machine import load_machine
+    from app.plan.perf import predict
+
+    deck = bench.resolve("inputs/gpt_tiny.yaml", "3d:2x2x2", [])
+    frontier = load_machine("frontier")
+    model = bench.predicted_time(deck, frontier)
+    p = predict(deck, frontier)
+    assert model["step"] == pytest.approx(1e3 * p.step_time_s)
+    assert model["tp_x"] == pytest.approx(1e3 * p.tensor3d["tp_x"]) and model["tp"] == pytest.approx(
+        1e3 * p.tensor3d["tp_z_grad_sum"]
+    )
+    free = predict(deck, bench.free_bytes(frontier))
+    assert model["bytes"] == pytest.approx(1e3 * (p.step_time_s - free.step_time_s))
+    assert 0 < model["bytes"] < model["step"]
+    assert free.breakdown["tp_exposed"] < p.breakdown["tp_exposed"]  # the latencies are left
