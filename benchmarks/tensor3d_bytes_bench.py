@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/tensor3d_bytes_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 8]
         [--rounds 3] [--variants 1d:4 3d:2x2x1 3d:1x2x2 3d:2x1x2 1d:8 3d:2x2x2 3d:1x2x4 1d:4/dp2 3d:2x2x1/dp2]
-        [--out runs/tensor3d_bytes_bench] [--set section.key=value ...]
+        [--out runs/tensor3d_bytes_bench] [--calibrated DIR] [--set section.key=value ...]
 
 A variant is `1d:T` (parallel.tp = T, Megatron's 1D tensor parallelism) or `3d:XxYxZ`
 (parallel.tensor = [X, Y, Z], tp = X Y Z, AxoNN's 3D), optionally `/dpD` (dp = D; 1 otherwise);
