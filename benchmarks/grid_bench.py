@@ -21,6 +21,7 @@ import csv
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,12 @@ def run_deck(ranks: int, deck: str, sets: list[str], run_dir: Path, label: str) 
         print(out.stdout[-2000:] + out.stderr[-4000:], file=sys.stderr)
         return f"exit {out.returncode}"
     return Summary.from_dict(json.loads((REPO / run_dir / "summary.json").read_text()))
+
+
+def median_cell(rows: list[dict], key: str, fmt: str = ".0f") -> str:
+    """A table cell: the median of `key` over the rows (rounds), then each round's value in brackets."""
+    values = [r[key] for r in rows]
+    return f"{statistics.median(values):{fmt}} ({' '.join(f'{v:{fmt}}' for v in values)})"
 
 
 def markdown(rows: list[dict]) -> str:

@@ -261,11 +261,6 @@ def bytes_table(specs: list[str], rows: list[dict], predicted: dict[str, dict[st
     return "\n".join(lines)
 
 
-def _median(rows: list[dict], key: str) -> str:
-    values = [r[key] for r in rows]
-    return f"{statistics.median(values):.0f} ({' '.join(f'{v:.0f}' for v in values)})"
-
-
 def time_table(specs: list[str], rows: list[dict], model: dict[str, dict[str, float]]) -> str:
     """Medians over the rounds (each round's in brackets), then the model's where it was asked for."""
     axes = ("tp_x", "tp_y", "tp_z", "tp", "dp")
@@ -282,10 +277,10 @@ def time_table(specs: list[str], rows: list[dict], model: dict[str, dict[str, fl
         for r in ok:  # the tp timer holds its sub-axes too (StepTimers.pop): keep tp's own part
             r["exposed_tp_own_ms"] = max(0.0, r["exposed_tp_ms"] - sum(r[f"exposed_{a}_ms"] for a in SUB_AXES))
         mine = model.get(spec, {})
-        cells = [_median(ok, "step_ms") + (f" / {mine['step']:.0f}" if mine else "")]
+        cells = [grid_bench.median_cell(ok, "step_ms") + (f" / {mine['step']:.0f}" if mine else "")]
         for a in axes:
             key = f"exposed_{a}_ms" if a != "tp" else "exposed_tp_own_ms"
-            cells.append(_median(ok, key) + (f" / {mine[a]:.0f}" if mine else ""))
+            cells.append(grid_bench.median_cell(ok, key) + (f" / {mine[a]:.0f}" if mine else ""))
         cells.append(f"{statistics.median(r['exposed_pct'] for r in ok):.0f}")
         cells.append(f"{mine['bytes']:.0f} ms ({100 * mine['bytes'] / mine['step']:.0f}%)" if mine else "")
         loads = [x for r in ok for x in (r["load_before"], r["load_after"])]

@@ -72,11 +72,6 @@ def run_once(args: argparse.Namespace, variant: str, index: int, round_: int) ->
     }
 
 
-def _median(rows: list[dict], key: str, fmt: str) -> str:
-    values = [r[key] for r in rows]
-    return f"{statistics.median(values):{fmt}} ({' '.join(f'{v:{fmt}}' for v in values)})"
-
-
 def markdown(variants: list[str], rows: list[dict], planned: dict[str, float]) -> str:
     lines = [
         "| variant | step ms (median; rounds) | exposed dp ms | exposed tp ms | peak RSS GiB, rank 0 | planned GiB "
@@ -89,11 +84,9 @@ def markdown(variants: list[str], rows: list[dict], planned: dict[str, float]) -
             lines.append(f"| {v} | failed | | | | {planned[v]:.2f} | |")
             continue
         rss = statistics.median(r["peak_rss_gib"] for r in ok)
-        lines.append(
-            f"| {v} | {_median(ok, 'step_ms', '.0f')} | {_median(ok, 'dp_comm_ms', '.0f')} | "
-            f"{_median(ok, 'tp_comm_ms', '.0f')} | {_median(ok, 'peak_rss_gib', '.2f')} | {planned[v]:.2f} | "
-            f"{100 * (rss / planned[v] - 1):+.0f}% |"
-        )
+        cells = [grid_bench.median_cell(ok, key) for key in ("step_ms", "dp_comm_ms", "tp_comm_ms")]
+        cells.append(grid_bench.median_cell(ok, "peak_rss_gib", ".2f"))
+        lines.append(f"| {v} | {' | '.join(cells)} | {planned[v]:.2f} | {100 * (rss / planned[v] - 1):+.0f}% |")
     return "\n".join(lines)
 
 
