@@ -341,6 +341,11 @@ class Deck:
         return self.parallel.dp
 
     @property
+    def zero3(self) -> bool:
+        """ZeRO-3 in effect: `optim.zero` >= 3 and dp > 1 (at dp = 1 nothing is sharded); resolved decks."""
+        return self.optim.zero >= 3 and self.dp > 1
+
+    @property
     def data_ranks(self) -> int:
         """The ranks of a stage that hold different samples: dp, times z under 3D tensor parallelism."""
         return self.dp * self.parallel.batch_split

@@ -120,7 +120,6 @@ class Trainer:
         self.timers = StepTimers(self.device, deck.run.timers, runtime.watchdog)
         self.tp: TensorParallel | Tensor3D
         if par.tensor is not None:  # 3D: the batch is split over dp x Z, the hidden over X
-            zero3 = deck.optim.zero >= 3 and grid.size("dp") > 1
             self.tp = tensor3d_from_grid(
                 grid,
                 tuple(par.tensor),
@@ -128,7 +127,7 @@ class Trainer:
                 overlap_all_reduce=par.overlap_tp_comm,
                 overlap_reduce_scatter=par.overlap_tensor_reduce_scatter,
                 overlap_all_gather=par.overlap_tensor_all_gather,
-                prefetch_backward=not zero3,
+                prefetch_backward=not deck.zero3,
             )
             z, z_size, hidden = self.tp.z.rank, self.tp.z.size, m.hidden // self.tp.x.size
         else:

@@ -618,12 +618,11 @@ class Overlap3D:
 def overlap3d(deck: Deck) -> Overlap3D:
     """The overlaps gridlm runs for a 3D deck (`Overlap3D`), from its `parallel.overlap_*` keys."""
     par = deck.parallel
-    zero3 = deck.optim.zero >= 3 and deck.dp > 1
     return Overlap3D(
         all_reduce=par.overlap_tp_comm,
         reduce_scatter=par.overlap_tensor_reduce_scatter,
         all_gather=par.overlap_tensor_all_gather,
-        gather_backward=par.overlap_tensor_all_gather and not zero3,
+        gather_backward=par.overlap_tensor_all_gather and not deck.zero3,
     )
 
 
@@ -1069,7 +1068,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]
     # ZeRO-3: the parameter all-gathers exposed in each pass (they delay the pipeline like compute).
     gathers = [(0.0, 0.0)] * (pp * v)
-    if opt.zero >= 3 and dp > 1:
+    if deck.zero3:
         gathers = zero3_gathers(deck, links["dp"], chunks, fwd, bwd, requested.overlap_param_gather)
         fwd = [t + f for t, (f, _) in zip(fwd, gathers)]
         bwd = [t + b for t, (_, b) in zip(bwd, gathers)]
@@ -1092,7 +1091,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         grads = params[s] * g
         buckets = max(1, math.ceil(grads / bucket))
         per_bucket = grads / buckets
-        if opt.zero >= 3 and dp > 1:  # its buckets are cut at the gather units
+        if deck.zero3:  # its buckets are cut at the gather units
             ends = (s == 0, s == pp - 1)
             if ends not in unit_kinds:
                 unit_kinds[ends] = unit_buckets(deck, *ends)
