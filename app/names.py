@@ -6,6 +6,7 @@ them; a new precision, recompute mode or schedule is added here first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 AXES = ("tp", "pp", "dp")  # the grid's axes, innermost-first in the default order tp-dp-pp
@@ -16,6 +17,14 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of each precision
 RECOMPUTE = ("none", "full", "selective")  # train.recompute
 # Pipeline schedules: the key summary.json and the reports use -> the name the logs print.
 SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
+
+
+def strides3d(shape: Sequence[int]) -> tuple[int, int, int]:
+    """The tp-rank strides of the X, Y and Z sub-axes of an X x Y x Z tensor grid: tp rank
+    r = x + X (y + Y z), X innermost (the grid's groups, `layout.coords3d`, the planner's node
+    spans and links)."""
+    x, y, _ = shape
+    return 1, x, x * y
 
 
 def reduce_precision(precision: str, grad_reduce_dtype: str) -> str:

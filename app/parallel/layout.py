@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from app.names import TP_SUB_AXES
+from app.names import TP_SUB_AXES, strides3d
 
 # ZeRO-2: bucket reductions in flight at once; launching one more first waits for the oldest,
 # so a rank holds at most this many bucket buffers being reduced (DataParallel, estimate.py).
@@ -106,9 +106,9 @@ SUB_AXES = TP_SUB_AXES  # 3D tensor parallelism's sub-axes of tp, innermost firs
 
 
 def coords3d(tp_rank: int, shape: Sequence[int]) -> tuple[int, int, int]:
-    """(x, y, z) of tp rank `tp_rank` in an X x Y x Z tensor grid (X innermost)."""
-    x, y, _ = shape
-    return tp_rank % x, (tp_rank // x) % y, tp_rank // (x * y)
+    """(x, y, z) of tp rank `tp_rank` in an X x Y x Z tensor grid (`strides3d`)."""
+    x, y, z = ((tp_rank // stride) % n for stride, n in zip(strides3d(shape), shape))
+    return x, y, z
 
 
 def box3d(meta: ParamMeta, shape: Sequence[int], tp_rank: int, splits: Sequence[tuple[str, int]]) -> ParamMeta:

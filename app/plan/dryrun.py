@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
-from app.names import SCHEDULES, schedule_key
+from app.names import SCHEDULES, schedule_key, strides3d
 from app.parallel.layout import SUB_AXES, ZERO3_PREFETCH
 from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params, step_flops
 from app.plan.machine import Machine
@@ -171,9 +171,8 @@ def _node_span(layout: GridLayout, axis: str) -> Optional[int]:
 def _sub_axis_spans(layout: GridLayout, tensor: tuple[int, int, int]) -> dict[str, Optional[int]]:
     """3D tensor parallelism: the most nodes one group of each tp sub-axis spans (tp rank
     x + X (y + Y z), so within tp the strides are 1, X and X Y)."""
-    x, y, z = tensor
     tp_stride = layout.stride("tp")
-    return {a: _group_span(layout, tp_stride * inner, n) for a, inner, n in zip(SUB_AXES, (1, x, x * y), tensor)}
+    return {a: _group_span(layout, tp_stride * inner, n) for a, inner, n in zip(SUB_AXES, strides3d(tensor), tensor)}
 
 
 def _group_span(layout: GridLayout, stride: int, n: int) -> Optional[int]:

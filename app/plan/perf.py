@@ -46,7 +46,7 @@ from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
-from app.names import BYTES, reduce_precision
+from app.names import BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule, partition_layers
 from app.plan.estimate import stage_params, unit_buckets
 from app.plan.machine import LinkLevel, Machine
@@ -587,7 +587,6 @@ def _embedding_passes(
 
 # -- 3D tensor parallelism (parallel.tensor: app/tensor_parallel/tensor3d.py) ---------------------
 
-SUB_AXES3D = ("tp_x", "tp_y", "tp_z")
 _KEYS = ("layer_forward", "layer_recompute", "layer_backward", "head_forward", "head_backward",
          "embedding_forward", "embedding_backward")  # fmt: skip
 
@@ -710,7 +709,7 @@ def tp3d_collectives(deck: Deck) -> dict[str, list[tuple[str, str, float]]]:
     Y; the embedding: the gather of that block and the lookup's sum over Y (T h/X e); its backward
     the reduce-scatter. Collectives over a sub-axis of one rank are left out. Not here: the sum over
     Z of the replicated parameters' gradients after the backward (`predict`: dp_exposed)."""
-    sizes = dict(zip(SUB_AXES3D, tensor_shape(deck) or (1, 1, 1)))
+    sizes = dict(zip(TP_SUB_AXES, tensor_shape(deck) or (1, 1, 1)))
     return {k: [c for c in v if sizes[c[0]] > 1] for k, v in _tp3d_lists(deck).items()}
 
 
@@ -744,12 +743,7 @@ def axis_links3d(machine: Machine, layout: GridLayout, shape: tuple[int, int, in
     (stride s in the world) the X groups are s apart, the Y groups s X and the Z groups s X Y
     (`group_link`: the same sharing of each level's links as the other axes)."""
     s = layout.stride("tp")
-    x, y, z = shape
-    return {
-        "tp_x": group_link(machine, s, x),
-        "tp_y": group_link(machine, s * x, y),
-        "tp_z": group_link(machine, s * x * y, z),
-    }
+    return {a: group_link(machine, s * inner, n) for a, inner, n in zip(TP_SUB_AXES, strides3d(shape), shape)}
 
 
 def _exposed3d(items: list[tuple[str, str, float]], links: dict[str, Link], sizes: dict[str, int]) -> list[float]:
@@ -757,7 +751,7 @@ def _exposed3d(items: list[tuple[str, str, float]], links: dict[str, Link], size
 
 
 def _by_axis(items: list[tuple[str, str, float]], costs: list[float]) -> tuple[float, float, float]:
-    return tuple(sum(c for (a, _, _), c in zip(items, costs) if a == axis) for axis in SUB_AXES3D)  # type: ignore[return-value]
+    return tuple(sum(c for (a, _, _), c in zip(items, costs) if a == axis) for axis in TP_SUB_AXES)  # type: ignore[return-value]
 
 
 def _comm_pass(axes: tuple[float, float, float]) -> _Pass:
@@ -770,7 +764,7 @@ def _layer_passes3d(deck: Deck, dev: Device, links: dict[str, Link], ov: Overlap
     shape = tensor_shape(deck)
     assert shape is not None
     x, y, _ = shape
-    sizes = dict(zip(SUB_AXES3D, shape))
+    sizes = dict(zip(TP_SUB_AXES, shape))
     e = BYTES[tr.precision]
     tokens, h, f = tr.micro_batch * m.seq_len, m.hidden, m.ffn
     lins = linears3d(m, shape)
@@ -830,7 +824,7 @@ def _head_passes3d(deck: Deck, dev: Device, links: dict[str, Link]) -> tuple[_Pa
     shape = tensor_shape(deck)
     assert shape is not None
     x, y, _ = shape
-    sizes = dict(zip(SUB_AXES3D, shape))
+    sizes = dict(zip(TP_SUB_AXES, shape))
     e, tokens, v, k = BYTES[tr.precision], tr.micro_batch * m.seq_len, m.vocab_size // y, m.hidden // x
     lists = _tp3d_lists(deck)
     comm_f = _by_axis(lists["head_forward"], _exposed3d(lists["head_forward"], links, sizes))
@@ -846,7 +840,7 @@ def _embedding_passes3d(deck: Deck, dev: Device, links: dict[str, Link]) -> tupl
     m, tr = deck.model, deck.train
     shape = tensor_shape(deck)
     assert shape is not None
-    sizes = dict(zip(SUB_AXES3D, shape))
+    sizes = dict(zip(TP_SUB_AXES, shape))
     xb = tr.micro_batch * m.seq_len * (m.hidden // shape[0]) * BYTES[tr.precision]
     lists = _tp3d_lists(deck)
     comm_f = _by_axis(lists["embedding_forward"], _exposed3d(lists["embedding_forward"], links, sizes))
@@ -1192,9 +1186,9 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     levels = {axis: links[axis].level for axis in links}
     tensor3d: dict[str, float] = {}
     if shape is not None:
-        levels.update({axis: links3[axis].level for axis in SUB_AXES3D})
+        levels.update({axis: links3[axis].level for axis in TP_SUB_AXES})
         axes = [a + b for a, b in zip(busy_f.axes, busy_b.axes)]
-        tensor3d = {**dict(zip(SUB_AXES3D, axes)), "tp_z_grad_sum": z_sum[slowest]}
+        tensor3d = {**dict(zip(TP_SUB_AXES, axes)), "tp_z_grad_sum": z_sum[slowest]}
     return Prediction(
         step_time_s=step,
         tokens_per_s=tr.global_batch * m.seq_len / step,

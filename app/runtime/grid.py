@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.errors import LaunchError
-from app.names import AXES
+from app.names import AXES, TP_SUB_AXES, strides3d
 
 if TYPE_CHECKING:
     from app.runtime.mpi import Runtime
@@ -182,11 +182,11 @@ class ProcessGrid:
             raise LaunchError(f"tensor [{x}, {y}, {z}] is not the tp degree {self.size('tp')}")
         if shape not in self._tensor3d_groups:
             r = self.coords["tp"]
-            mine = {"tp_x": r % x, "tp_y": (r // x) % y, "tp_z": r // (x * y)}
-            strides = {"tp_x": 1, "tp_y": x, "tp_z": x * y}
-            sizes = {"tp_x": x, "tp_y": y, "tp_z": z}
+            strides = dict(zip(TP_SUB_AXES, strides3d(shape)))
+            sizes = dict(zip(TP_SUB_AXES, shape))
+            mine = {a: (r // strides[a]) % sizes[a] for a in TP_SUB_AXES}
             out = {}
-            for axis in ("tp_x", "tp_y", "tp_z"):
+            for axis in TP_SUB_AXES:
                 base = r - mine[axis] * strides[axis]
                 ranks = [self.ranks["tp"][base + i * strides[axis]] for i in range(sizes[axis])]
                 with self.watchdog.blocking("new_group", axis):
