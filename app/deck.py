@@ -83,6 +83,10 @@ class ParallelConfig:
         "the batch split over dp x z; x y z must equal tp; null = 1D (Megatron) tensor parallelism",
         min=1, max=4096,
     )  # fmt: skip
+    tensor_order: str = _key(
+        "xyz", "3D tensor: the sub-axes' order inside the tp group, innermost (neighbouring ranks) first, "
+        "a permutation of x, y, z; xyz keeps x's all-reduces between the nearest ranks",
+    )  # fmt: skip
     sequence_parallel: bool = _key(
         False, "shard LayerNorm/dropout regions along the sequence over tp (all-gather/reduce-scatter)"
     )
@@ -470,6 +474,14 @@ def _validate(deck: Deck) -> None:
             "parallel.order", par.order, "a permutation of tp, pp, dp joined by '-', innermost first, e.g. tp-dp-pp"
         )
     _validate_model_split(m, par)
+    if sorted(par.tensor_order) != ["x", "y", "z"]:
+        raise DeckError(
+            "parallel.tensor_order", par.tensor_order, "a permutation of x, y, z, innermost first, e.g. xyz"
+        )
+    if par.tensor is None and par.tensor_order != "xyz":
+        raise DeckError(
+            "parallel.tensor_order", par.tensor_order, "only used with parallel.tensor (3D tensor parallelism)"
+        )
     ranks = par.tp * par.pp * (par.dp if isinstance(par.dp, int) else 1)
     if ranks > MAX_RANKS:
         raise DeckError(

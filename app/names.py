@@ -19,12 +19,23 @@ RECOMPUTE = ("none", "full", "selective")  # train.recompute
 SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
 
 
-def strides3d(shape: Sequence[int]) -> tuple[int, int, int]:
-    """The tp-rank strides of the X, Y and Z sub-axes of an X x Y x Z tensor grid: tp rank
-    r = x + X (y + Y z), X innermost (the grid's groups, `layout.coords3d`, the planner's node
-    spans and links)."""
-    x, y, _ = shape
-    return 1, x, x * y
+def strides3d(shape: Sequence[int], order: str = "xyz") -> tuple[int, int, int]:
+    """The tp-rank strides of the X, Y and Z sub-axes of an X x Y x Z tensor grid whose sub-axes
+    are laid out `order` (parallel.tensor_order: a permutation of "xyz", innermost first). The
+    default "xyz" puts X innermost: tp rank r = x + X (y + Y z). Read by the grid's groups,
+    `layout.coords3d`, the planner's node spans and links."""
+    check_tensor_order(order)
+    sizes = dict(zip("xyz", shape))
+    strides, inner = {}, 1
+    for axis in order:
+        strides[axis], inner = inner, inner * sizes[axis]
+    return strides["x"], strides["y"], strides["z"]
+
+
+def check_tensor_order(order: str) -> None:
+    """Raise ValueError unless `order` is a permutation of "xyz" (parallel.tensor_order)."""
+    if sorted(order) != ["x", "y", "z"]:
+        raise ValueError(f"tensor order {order!r} is not a permutation of x, y, z (innermost first, e.g. xyz)")
 
 
 def reduce_precision(precision: str, grad_reduce_dtype: str) -> str:

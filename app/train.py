@@ -123,6 +123,7 @@ class Trainer:
             self.tp = tensor3d_from_grid(
                 grid,
                 tuple(par.tensor),
+                par.tensor_order,
                 self.timers,
                 overlap_all_reduce=par.overlap_tp_comm,
                 overlap_reduce_scatter=par.overlap_tensor_reduce_scatter,

@@ -42,14 +42,14 @@ def test_one_rank_four_ranks_and_an_eight_rank_3d_grid_give_the_same_losses(tmp_
     assert losses["1"][-1] < losses["1"][0]
     summary = json.loads((tmp_path / "4" / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["nodes"] == 1 and summary["ranks_per_node"] == 4
-    assert summary["grid"] == {"tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "tensor": None,
+    assert summary["grid"] == {"tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "tensor": None, "tensor_order": None,
                                "within_node": {"tp": True, "pp": True, "dp": True}}  # fmt: skip
     assert summary["deck"]["train"]["steps"] == 6 and summary["steps"] == 6
     assert summary["final_loss"] == runs["4"][-1]["loss"]
     assert summary["aggregate_tflops"] == pytest.approx(4 * summary["tflops_per_rank"])
     assert summary["versions"]["mpi_library"].startswith(("Open MPI", "MPICH", "Intel"))
     grid = json.loads((tmp_path / "8" / "summary.json").read_text())
-    assert grid["grid"] == {"tp": 2, "pp": 2, "dp": 2, "order": "tp-dp-pp", "tensor": None,
+    assert grid["grid"] == {"tp": 2, "pp": 2, "dp": 2, "order": "tp-dp-pp", "tensor": None, "tensor_order": None,
                             "within_node": {"tp": True, "pp": True, "dp": True}}  # fmt: skip
     assert grid["pipeline"] == {"schedule": "1f1b", "virtual_stages": 1, "layers_per_chunk": [1, 1], "micro_batches": 2}
     # Rank 0 holds a quarter of the blocks' weights and half the embedding: far less than the model.

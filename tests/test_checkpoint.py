@@ -134,6 +134,8 @@ def test_the_grid_signature_tells_a_3d_tensor_split_from_the_same_tp_in_1d():
     assert "tensor" not in one_d  # unchanged for 1D: older checkpoints still load as the same grid
     assert three_d == {**one_d, "tensor": [2, 2, 2]} != one_d
     assert signature("parallel.tensor=[1, 2, 4]") != three_d
+    # Another order of the same split puts other blocks (and data ranks) on the ranks.
+    assert signature("parallel.tensor=[2, 2, 2]", "parallel.tensor_order=zyx") == {**three_d, "tensor_order": "zyx"}
 
 
 def test_metrics_log_keeps_the_records_up_to_the_resumed_step(tmp_path):

@@ -140,16 +140,20 @@ def test_a_zero3_offloaded_checkpoint_loads_on_one_rank(runtime, grids, tmp_path
 
 # 3D tensor parallelism <-> 1D: the (2, 2, 2) tensor grid (each weight's (Y, X) block Z-sharded along
 # its rows, `layout.box3d`) and tp4 x pp2 with sequence parallelism (8 ranks each) write and read the
-# same global tensors; each direction continues the uninterrupted 1-rank losses.
+# same global tensors; each direction continues the uninterrupted 1-rank losses. So does the same
+# split with its sub-axes in another order (parallel.tensor_order zyx: other blocks on each rank).
 GRIDS_3D_1D = {
     "3d": (8, 1, 1, ("parallel.tensor=[2, 2, 2]",)),
     "1d": (4, 2, 1, ("parallel.sequence_parallel=true",)),
+    "3d-zyx": (8, 1, 1, ("parallel.tensor=[2, 2, 2]", "parallel.tensor_order=zyx")),
 }
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize(
-    "saved, loaded", [("3d", "1d"), ("1d", "3d")], ids=["tp2x2x2-to-tp4-pp2", "tp4-pp2-to-tp2x2x2"]
+    "saved, loaded",
+    [("3d", "1d"), ("1d", "3d"), ("3d", "3d-zyx")],
+    ids=["tp2x2x2-to-tp4-pp2", "tp4-pp2-to-tp2x2x2", "tp2x2x2-to-zyx"],
 )
 def test_a_3d_tensor_checkpoint_loads_on_a_1d_grid_and_back(runtime, grids, tmp_path, saved, loaded):
     ref_losses, ref_params = _reference(grids, tmp_path / "solo")
@@ -162,7 +166,9 @@ def test_a_3d_tensor_checkpoint_loads_on_a_1d_grid_and_back(runtime, grids, tmp_
     tp, pp, dp, extra = GRIDS_3D_1D[loaded]
     trainer = _trainer(grids, tp, pp, dp, extra, runtime.comm.bcast(str(tmp_path / loaded), root=0))
     info = load(trainer, path)
-    assert (trainer.tp.shape if loaded == "3d" else trainer.tp.size) == ((2, 2, 2) if loaded == "3d" else 4)
+    three_d = loaded.startswith("3d")
+    assert (trainer.tp.shape if three_d else trainer.tp.size) == ((2, 2, 2) if three_d else 4)
+    assert not three_d or trainer.tp.order == ("zyx" if loaded == "3d-zyx" else "xyz")
     losses = _train(trainer, STEPS - SAVE_AT)
     with trainer.dp.gathered():
         problems, _ = shard_errors(trainer.model, ref_params, PARAM_ATOL, runtime.rank)

@@ -60,6 +60,12 @@ def test_deck_is_frozen():
         ("model:\n  dropout: 1.5\n", "model.dropout", "<= 0.99"),
         ("model:\n  hidden: 100\n  heads: 3\n", "model.heads", "must divide model.hidden = 100"),
         ("parallel:\n  order: tp-dp\n", "parallel.order", "permutation of tp, pp, dp"),
+        (
+            "parallel:\n  tp: 2\n  tensor: [2, 1, 1]\n  tensor_order: xxz\n",
+            "parallel.tensor_order",
+            "permutation of x, y, z",
+        ),
+        ("parallel:\n  tensor_order: zyx\n", "parallel.tensor_order", "only used with parallel.tensor"),
         ("parallel:\n  dp: many\n", "parallel.dp", "'auto'"),
         ("train:\n  global_batch: 10\n  micro_batch: 4\n", "train.global_batch", "multiple of train.micro_batch"),
         ("optim:\n  lr: 1.0e-4\n  min_lr: 1.0e-3\n", "optim.min_lr", "<= optim.lr"),

@@ -181,6 +181,10 @@ CASES += [
     t3d((2, 2, 2), 1, 1, MB4, "parallel.overlap_tp_comm=false", "parallel.overlap_tensor_reduce_scatter=false",
         "parallel.overlap_tensor_all_gather=false"),
     t3d((1, 2, 2), 2, 1, "train.recompute=full"),
+    # Another order of the sub-axes in the tp group (parallel.tensor_order, innermost first): the
+    # same blocks on other ranks, so the same sums.
+    t3d((2, 2, 2), 1, 1, MB4, "parallel.tensor_order=zyx"),
+    t3d((2, 1, 2), 1, 2, "parallel.tensor_order=zxy", "optim.zero=1"),
 ]  # fmt: skip
 
 
@@ -205,12 +209,15 @@ def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path
     )
     grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order)
     if case.tensor:  # the sub-axes' groups: made by every copy, like the pipeline's (GridPool.stand_by)
-        grid.tensor3d(case.tensor)
+        grid.tensor3d(case.tensor, deck.parallel.tensor_order)
     losses, problems, worst = None, [], 0.0
     if grids.trains(size):
         trainer = Trainer(deck, sub, grid)
-        if case.tensor and getattr(trainer.tp, "shape", None) != case.tensor:
-            problems.append(f"trained on tp {trainer.tp}, not the 3D grid {case.tensor}")
+        if case.tensor and (getattr(trainer.tp, "shape", None), getattr(trainer.tp, "order", None)) != (
+            case.tensor,
+            deck.parallel.tensor_order,
+        ):
+            problems.append(f"trained on tp {trainer.tp}, not the 3D grid {case.tensor} {deck.parallel.tensor_order}")
         losses = train_steps(trainer, STEPS)
         with trainer.dp.gathered():  # ZeRO-3 keeps only shards: the whole parameters for the checks
             found, worst = shard_errors(trainer.model, ref_params, case.param_atol, runtime.rank, case.param_mean_atol)

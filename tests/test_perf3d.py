@@ -169,6 +169,21 @@ def test_the_sub_axes_cross_the_links_of_their_strides():
     # tp outside dp: every sub-axis stride is scaled by tp's own
     outer = axis_links3d(machine, GridLayout.from_order_string(4, 1, 8, "dp-tp-pp", 8), (2, 2, 1))
     assert outer["tp_x"].level == "slingshot"
+    # parallel.tensor_order zxy: Z innermost (stride 1), then X (8), then Y (16).
+    links = axis_links3d(machine, layout, (2, 4, 8), "zxy")
+    assert [links[a].level for a in ("tp_x", "tp_y", "tp_z")] == ["slingshot", "slingshot", "node"]
+
+
+def test_the_predicted_step_follows_the_tensor_order():
+    """Putting z (weight gathers) innermost pushes x and y (activation all-reduces in every Linear)
+    across nodes: the model predicts more exposed tp time than the default order."""
+    machine = load_machine("frontier")
+    sets = ("parallel.tp=16", "parallel.pp=1", _tensor((2, 2, 4)))
+    default = _deck(REPO / "inputs/axonn/gpt_20b.yaml", 256, *sets)
+    flipped = _deck(REPO / "inputs/axonn/gpt_20b.yaml", 256, *sets, "parallel.tensor_order=zyx")
+    a, b = predict(default, machine), predict(flipped, machine)
+    assert b.breakdown["tp_exposed"] > a.breakdown["tp_exposed"]
+    assert b.step_time_s > a.step_time_s
 
 
 def test_large_tp_across_nodes_communicates_less_in_3d_than_in_1d():

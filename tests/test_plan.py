@@ -246,6 +246,13 @@ def test_3d_tensor_groups_may_span_nodes_over_z_and_are_warned_about_over_x():
     plan = json.loads(out.stdout)
     assert out.returncode == 0 and plan["placement"]["node_span"]["tp_x"] == 2
     assert any("tp_x groups span 2 nodes" in w for w in plan["warnings"]), plan["warnings"]
+    # parallel.tensor_order zyx: z innermost, x outermost, so now x crosses the nodes and z does not.
+    out = dry_run(*base, "--set", "parallel.tensor=[2, 2, 2]", "--set", "parallel.tensor_order=zyx")
+    plan = json.loads(out.stdout)
+    span = plan["placement"]["node_span"]
+    assert out.returncode == 0 and plan["grid"]["tensor_order"] == "zyx"
+    assert (span["tp"], span["tp_x"], span["tp_y"], span["tp_z"]) == (2, 2, 1, 1)
+    assert any("tp_x groups span 2 nodes" in w for w in plan["warnings"]), plan["warnings"]
 
 
 def test_order_putting_tp_outside_the_node_is_a_problem():
@@ -287,7 +294,7 @@ def test_tiny_deck_on_the_local_machine():
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["grid"] == {
-        "tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "virtual_stages": 1, "tensor": None, "data_ranks": 4
+        "tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "virtual_stages": 1, "tensor": None, "tensor_order": None, "data_ranks": 4
     }  # fmt: skip
     assert plan["flops"]["peak_tflops_per_device"] is None and plan["flops"]["ideal_step_s"] is None
 

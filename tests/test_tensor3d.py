@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from app.names import strides3d
 from app.tensor_parallel.tensor3d import coords3d, embedding3d, layer_norm3d, linear3d, tensor3d_from_grid
 
 ATOL = 1e-5
@@ -40,6 +41,62 @@ def test_coordinates_put_x_innermost_and_cover_the_grid():
         seen = {coords3d(r, shape) for r in range(8)}
         assert len(seen) == 8
         assert coords3d(1, shape) == ((1, 0, 0) if shape[0] > 1 else (0, 1, 0) if shape[1] > 1 else (0, 0, 1))
+
+
+ORDERS = ("xyz", "xzy", "yxz", "yzx", "zxy", "zyx")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_tensor_order_is_a_bijection_with_its_first_sub_axis_innermost(order):
+    """parallel.tensor_order: the sub-axis named first has stride 1, the next the first's size,
+    the last the product of the other two; every rank gets its own (x, y, z)."""
+    for shape in factorisations(12):
+        sizes = dict(zip("xyz", shape))
+        strides = dict(zip("xyz", strides3d(shape, order)))
+        a, b, c = order
+        assert (strides[a], strides[b], strides[c]) == (1, sizes[a], sizes[a] * sizes[b])
+        coords = [coords3d(r, shape, order) for r in range(12)]
+        assert len(set(coords)) == 12
+        for r, (x, y, z) in enumerate(coords):
+            assert x * strides["x"] + y * strides["y"] + z * strides["z"] == r
+
+
+def test_a_tensor_order_that_is_not_a_permutation_is_refused():
+    for bad in ("xy", "xxz", "xyzw", "abc"):
+        with pytest.raises(ValueError, match="not a permutation of x, y, z"):
+            strides3d((2, 2, 2), bad)
+
+
+@pytest.mark.mpi
+def test_sub_axis_groups_follow_the_tensor_order(grids):
+    """grid.tensor3d(shape, order): each sub-axis's group holds the ranks that differ only in its
+    coordinate, `strides3d` apart in the tp group (the first of `order` on neighbouring ranks); the
+    coordinate agrees with `coords3d` of this rank's place in tp, a sum over the group proves the
+    membership, and Tensor3D.tp_rank gives the place back."""
+    import torch.distributed as dist
+
+    n = grids.world.world_size
+    grid = grids.grid(n, 1, 1)
+    me = grid.coords["tp"]
+    shapes = [s for s in factorisations(n) if sum(k > 1 for k in s) >= 2] or factorisations(n)
+    for shape in shapes[:3]:
+        for order in ("xyz", "zyx", "yzx"):
+            groups = grid.tensor3d(shape, order)
+            mine = coords3d(me, shape, order)
+            for (axis, (coord, group, ranks)), own, stride, size in zip(
+                groups.items(), mine, strides3d(shape, order), shape
+            ):
+                assert coord == own, (shape, order, axis)
+                base = me - own * stride
+                assert ranks == [grid.ranks["tp"][base + i * stride] for i in range(size)], (shape, order, axis)
+                if order[0] == axis[-1] and size > 1:  # innermost: consecutive torch ranks
+                    assert ranks == list(range(ranks[0], ranks[0] + size))
+                if size > 1:
+                    onehot = torch.zeros(size)
+                    onehot[coord] = 1.0
+                    dist.all_reduce(onehot, group=group)
+                    assert onehot.tolist() == [1.0] * size
+            assert tensor3d_from_grid(grid, shape, order).tp_rank == me
 
 
 @pytest.mark.mpi

@@ -52,9 +52,9 @@ def _sub_axes_words(t: TimersInfo) -> str:
     return f" | tp sub-axes (communication/exposed ms): {each}"
 
 
-def _tensor3d_words(tensor: Optional[tuple[int, int, int]]) -> str:
-    """ " (3D x=.. y=.. z=..)" after the tp degree of a 3D tensor-parallel run; "" under 1D."""
-    return "" if tensor is None else " (3D x={} y={} z={})".format(*tensor)
+def _tensor3d_words(tensor: Optional[tuple[int, int, int]], order: str = "xyz") -> str:
+    """ " (3D x=.. y=.. z=.., order ...)" after the tp degree of a 3D tensor-parallel run; "" under 1D."""
+    return "" if tensor is None else " (3D x={} y={} z={}, {} innermost first)".format(*tensor, order)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class RunReport:
         tr, par = deck.train, deck.parallel
         rt.log(
             f"gridlm: {built.parameters:,} parameters | world {rt.world_size} on {rt.nodes} node(s) | "
-            f"grid tp={grid.size('tp')}{_tensor3d_words(par.tensor3d)} pp={grid.size('pp')} dp={grid.size('dp')} "
+            f"grid tp={grid.size('tp')}{_tensor3d_words(par.tensor3d, par.tensor_order)} pp={grid.size('pp')} dp={grid.size('dp')} "
             f"({par.order}) | "
             f"device {self.device_name}"
         )
@@ -248,7 +248,11 @@ class RunReport:
             nodes=rt.nodes,
             ranks_per_node=rt.ranks_per_node,
             ranks_per_node_list=rt.ranks_per_node_list,
-            grid=GridInfo(**self.grid.describe(), tensor=list(par.tensor3d) if par.tensor3d else None),
+            grid=GridInfo(
+                **self.grid.describe(),
+                tensor=list(par.tensor3d) if par.tensor3d else None,
+                tensor_order=par.tensor_order if par.tensor3d else None,
+            ),
             parameters=built.parameters,
             parameters_rank0=built.parameters_rank0,
             pipeline=PipelineInfo(

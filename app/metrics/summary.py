@@ -23,6 +23,7 @@ class GridInfo(TypedDict):
     order: str  # innermost axis first, e.g. "tp-dp-pp"
     within_node: dict[str, bool]  # axis -> every group of that axis is inside one node
     tensor: Optional[list[int]]  # 3D tensor parallelism's [x, y, z] (x y z = tp); None: 1D
+    tensor_order: Optional[str]  # 3D: the sub-axes' order in the tp group, innermost first; None: 1D
 
 
 class PipelineInfo(TypedDict):

@@ -65,6 +65,7 @@ class ParamMeta:
     tied: bool = False
     shape: tuple[int, ...] = ()
     tensor3d: tuple[int, ...] = ()  # (X, Y, Z) under 3D tensor parallelism; split names tp_x/y/z
+    tensor_order: str = "xyz"  # 3D: the sub-axes' order in the tp group, innermost first (`strides3d`)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -97,7 +98,7 @@ class ParamMeta:
         shard; a tensor replicated over tp on tp rank 0; under 3D tensor parallelism, the copy
         at coordinate 0 of every sub-axis it is replicated over."""
         if self.tensor3d:
-            coords = dict(zip(SUB_AXES, coords3d(tp_rank, self.tensor3d)))
+            coords = dict(zip(SUB_AXES, coords3d(tp_rank, self.tensor3d, self.tensor_order)))
             return all(a in self.split or coords[a] == 0 for a in SUB_AXES)
         return not self.replicated_over("tp") or tp_rank == 0
 
@@ -105,17 +106,20 @@ class ParamMeta:
 SUB_AXES = TP_SUB_AXES  # 3D tensor parallelism's sub-axes of tp, innermost first
 
 
-def coords3d(tp_rank: int, shape: Sequence[int]) -> tuple[int, int, int]:
-    """(x, y, z) of tp rank `tp_rank` in an X x Y x Z tensor grid (`strides3d`)."""
-    x, y, z = ((tp_rank // stride) % n for stride, n in zip(strides3d(shape), shape))
+def coords3d(tp_rank: int, shape: Sequence[int], order: str = "xyz") -> tuple[int, int, int]:
+    """(x, y, z) of tp rank `tp_rank` (its place in the tp group) in an X x Y x Z tensor grid laid
+    out `order` (`strides3d`)."""
+    x, y, z = ((tp_rank // stride) % n for stride, n in zip(strides3d(shape, order), shape))
     return x, y, z
 
 
-def box3d(meta: ParamMeta, shape: Sequence[int], tp_rank: int, splits: Sequence[tuple[str, int]]) -> ParamMeta:
-    """`meta` for tp rank `tp_rank`'s block under 3D tensor parallelism of `shape` (X, Y, Z):
-    `splits` are (sub-axis, dim) in order, each cutting the current block along `dim` into
-    equal parts (the second cut of a dim splits the first's part: rows over Y, then Z)."""
-    coords = dict(zip(SUB_AXES, coords3d(tp_rank, shape)))
+def box3d(
+    meta: ParamMeta, shape: Sequence[int], tp_rank: int, splits: Sequence[tuple[str, int]], order: str = "xyz"
+) -> ParamMeta:
+    """`meta` for tp rank `tp_rank`'s block under 3D tensor parallelism of `shape` (X, Y, Z) laid
+    out `order`: `splits` are (sub-axis, dim) in order, each cutting the current block along
+    `dim` into equal parts (the second cut of a dim splits the first's part: rows over Y, then Z)."""
+    coords = dict(zip(SUB_AXES, coords3d(tp_rank, shape, order)))
     sizes = dict(zip(SUB_AXES, shape))
     extent, offset = list(meta.global_shape), [0] * len(meta.global_shape)
     split = {}
@@ -128,7 +132,13 @@ def box3d(meta: ParamMeta, shape: Sequence[int], tp_rank: int, splits: Sequence[
     # tp_z like a sequence-parallel parameter's over tp (`DataParallel.finish_grad_reduce`).
     partial = "tp_z" not in split and sizes["tp_z"] > 1
     return dataclasses.replace(
-        meta, offset=tuple(offset), shape=tuple(extent), split=split, tensor3d=tuple(shape), sequence_parallel=partial
+        meta,
+        offset=tuple(offset),
+        shape=tuple(extent),
+        split=split,
+        tensor3d=tuple(shape),
+        tensor_order=order,
+        sequence_parallel=partial,
     )
 
 

@@ -144,7 +144,7 @@ def make_plan(
         node_span={axis: _node_span(layout, axis) for axis in AXES},
     )
     if par.tensor3d is not None:
-        plan.node_span.update(_sub_axis_spans(layout, par.tensor3d))
+        plan.node_span.update(_sub_axis_spans(layout, par.tensor3d, par.tensor_order))
     _check_placement(plan)
     _check_memory(plan)
     _check_balance(plan, max_imbalance)
@@ -168,11 +168,12 @@ def _node_span(layout: GridLayout, axis: str) -> Optional[int]:
     return _group_span(layout, layout.stride(axis), layout.size(axis))
 
 
-def _sub_axis_spans(layout: GridLayout, tensor: tuple[int, int, int]) -> dict[str, Optional[int]]:
-    """3D tensor parallelism: the most nodes one group of each tp sub-axis spans (tp rank
-    x + X (y + Y z), so within tp the strides are 1, X and X Y)."""
+def _sub_axis_spans(layout: GridLayout, tensor: tuple[int, int, int], order: str) -> dict[str, Optional[int]]:
+    """3D tensor parallelism: the most nodes one group of each tp sub-axis spans (within tp the
+    strides of parallel.tensor_order, `strides3d`: 1, X and X Y for the default xyz)."""
     tp_stride = layout.stride("tp")
-    return {a: _group_span(layout, tp_stride * inner, n) for a, inner, n in zip(SUB_AXES, strides3d(tensor), tensor)}
+    strides = strides3d(tensor, order)
+    return {a: _group_span(layout, tp_stride * inner, n) for a, inner, n in zip(SUB_AXES, strides, tensor)}
 
 
 def _group_span(layout: GridLayout, stride: int, n: int) -> Optional[int]:
@@ -219,8 +220,9 @@ def _check_placement(plan: Plan) -> None:
             if span and span > 1:
                 plan.warnings.append(
                     f"3D tensor parallelism: {axis} groups span {span} nodes (parallel.tensor = {par.tensor}, {rpn} "
-                    f"devices per node): they all-reduce activations in every Linear; put the node-crossing "
-                    "factor in z (the weight all-gathers) where the heads and hidden allow"
+                    f"devices per node, parallel.tensor_order {par.tensor_order}): they all-reduce activations in "
+                    "every Linear; put the node-crossing factor in z (the weight all-gathers) where the heads and "
+                    "hidden allow, and keep z outermost in parallel.tensor_order (xyz or yxz)"
                 )
     elif plan.node_span["tp"] and plan.node_span["tp"] > 1:
         if par.tp > rpn or rpn % par.tp:
@@ -337,6 +339,7 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
             "virtual_stages": par.virtual_stages,
             # 3D tensor parallelism's [x, y, z] (null: 1D); the ranks of a stage with different samples.
             "tensor": list(par.tensor3d) if par.tensor3d else None,
+            "tensor_order": par.tensor_order if par.tensor3d else None,
             "data_ranks": deck.data_ranks,
         },  # fmt: skip
         "parameters": model_params(m),
@@ -439,7 +442,8 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         x, y, z = par.tensor3d
         lines.append(
             f"             3D tensor parallelism: tp {par.tp} = x {x} (in-features of qkv/fc, hidden) x y {y} "
-            f"(out-features, heads, vocab) x z {z} (weight shards, batch), x innermost"
+            f"(out-features, heads, vocab) x z {z} (weight shards, batch), {par.tensor_order[0]} innermost "
+            f"(parallel.tensor_order {par.tensor_order})"
         )
     lines.append(f"  placement  {_placement_line(plan)}")
     for node in range(min(2, plan.nodes or 1)):

@@ -738,12 +738,16 @@ def stage_params3d(
     return sharded + replicated, replicated
 
 
-def axis_links3d(machine: Machine, layout: GridLayout, shape: tuple[int, int, int]) -> dict[str, Link]:
-    """The links of the 3D sub-axes. tp rank r = x + X (y + Y z), X innermost, so inside the tp axis
-    (stride s in the world) the X groups are s apart, the Y groups s X and the Z groups s X Y
+def axis_links3d(
+    machine: Machine, layout: GridLayout, shape: tuple[int, int, int], order: str = "xyz"
+) -> dict[str, Link]:
+    """The links of the 3D sub-axes laid out `order` (parallel.tensor_order). Inside the tp axis
+    (stride s in the world) a sub-axis of tp-rank stride `strides3d` t has its groups s t apart: by
+    default (xyz, X innermost) the X groups s apart, the Y groups s X and the Z groups s X Y
     (`group_link`: the same sharing of each level's links as the other axes)."""
     s = layout.stride("tp")
-    return {a: group_link(machine, s * inner, n) for a, inner, n in zip(TP_SUB_AXES, strides3d(shape), shape)}
+    strides = strides3d(shape, order)
+    return {a: group_link(machine, s * inner, n) for a, inner, n in zip(TP_SUB_AXES, strides, shape)}
 
 
 def _exposed3d(items: list[tuple[str, str, float]], links: dict[str, Link], sizes: dict[str, int]) -> list[float]:
@@ -1031,7 +1035,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         head_f, head_b = _head_passes(deck, dev, links["tp"], msgs)
         emb_f, emb_b = _embedding_passes(deck, dev, links["tp"], msgs)
     else:  # 3D: each collective on its sub-axis's link (axis_links3d)
-        links3 = axis_links3d(machine, layout, shape)
+        links3 = axis_links3d(machine, layout, shape, par.tensor_order)
         layer_f, layer_b, layer_r = _layer_passes3d(deck, dev, links3, overlap3d(deck))
         head_f, head_b = _head_passes3d(deck, dev, links3)
         emb_f, emb_b = _embedding_passes3d(deck, dev, links3)

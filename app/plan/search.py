@@ -129,7 +129,7 @@ def _configurations(deck: Deck, world: int, machine: Machine, tensor: str = "bot
 def _grids(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
     m = deck.model
     # A 3D deck's 1D candidates drop its parallel.tensor (1D decks' candidates stay as they were).
-    flat = {"parallel.tensor": None} if deck.parallel.tensor is not None else {}
+    flat = {"parallel.tensor": None, "parallel.tensor_order": "xyz"} if deck.parallel.tensor is not None else {}
     for tp in _divisors(machine.devices_per_node):
         for pp in [p for p in _divisors(world // tp) if p <= m.layers] if world % tp == 0 else []:
             for mb in sorted({*MICRO_BATCHES, deck.train.micro_batch}):
@@ -190,7 +190,8 @@ def _rank_shapes(deck: Deck, machine: Machine, tp: int, mb: int) -> list[tuple[f
             validate(variant)
         except GridlmError:
             continue
-        f, b, _ = _layer_passes3d(variant, dev, axis_links3d(machine, layout, shape), overlap3d(variant))
+        links = axis_links3d(machine, layout, shape, par.tensor_order)
+        f, b, _ = _layer_passes3d(variant, dev, links, overlap3d(variant))
         out.append(((f.total + b.total) / shape[2], shape))
     return sorted(out)
 
@@ -198,6 +199,8 @@ def _rank_shapes(deck: Deck, machine: Machine, tp: int, mb: int) -> list[tuple[f
 def _own(deck: Deck) -> dict[str, Any]:
     par, tr = deck.parallel, deck.train
     tensor = {"parallel.tensor": tuple(par.tensor)} if par.tensor is not None else {}
+    if par.tensor_order != "xyz":
+        tensor["parallel.tensor_order"] = par.tensor_order
     return {
         "parallel.order": par.order,
         "parallel.tp": par.tp, "parallel.pp": par.pp, "parallel.virtual_stages": par.virtual_stages,

@@ -160,7 +160,7 @@ class ProcessGrid:
         self.watchdog = runtime.watchdog
         self.watchdog.set_groups(self.ranks)
         self._pipeline_groups: dict[Any, Any] = {}
-        self._tensor3d_groups: dict[tuple[int, int, int], dict[str, tuple[int, Any, list[int]]]] = {}
+        self._tensor3d_groups: dict[tuple[tuple[int, int, int], str], dict[str, tuple[int, Any, list[int]]]] = {}
         # From the measured placement (MPI's shared-memory split), not the layout's assumption:
         # do all members of every group of an axis share a node?
         node_of = [runtime.placement[r][0] for r in node_major]  # grid rank -> node
@@ -169,9 +169,10 @@ class ProcessGrid:
     def size(self, axis: str) -> int:
         return self.layout.size(axis)
 
-    def tensor3d(self, shape: tuple[int, int, int]) -> dict[str, tuple[int, Any, list[int]]]:
-        """The tp group as an X x Y x Z grid (X innermost, `app.tensor_parallel.tensor3d`):
-        `{sub-axis: (this rank's coordinate, torch group, torch ranks)}` for tp_x, tp_y, tp_z.
+    def tensor3d(self, shape: tuple[int, int, int], order: str = "xyz") -> dict[str, tuple[int, Any, list[int]]]:
+        """The tp group as an X x Y x Z grid laid out `order` (innermost first, `names.strides3d`;
+        `app.tensor_parallel.tensor3d`): `{sub-axis: (this rank's coordinate, torch group, torch
+        ranks)}` for tp_x, tp_y, tp_z.
 
         Made on first use by every rank of the tp group (each makes its three groups, so every
         rank holds as many groups as its peers) and kept, like `pipeline_groups`'."""
@@ -180,9 +181,9 @@ class ProcessGrid:
         x, y, z = shape
         if x * y * z != self.size("tp"):
             raise LaunchError(f"tensor [{x}, {y}, {z}] is not the tp degree {self.size('tp')}")
-        if shape not in self._tensor3d_groups:
+        if (shape, order) not in self._tensor3d_groups:
             r = self.coords["tp"]
-            strides = dict(zip(TP_SUB_AXES, strides3d(shape)))
+            strides = dict(zip(TP_SUB_AXES, strides3d(shape, order)))
             sizes = dict(zip(TP_SUB_AXES, shape))
             mine = {a: (r // strides[a]) % sizes[a] for a in TP_SUB_AXES}
             out = {}
@@ -192,8 +193,8 @@ class ProcessGrid:
                 with self.watchdog.blocking("new_group", axis):
                     group = dist.new_group(ranks, use_local_synchronization=True)
                 out[axis] = (mine[axis], group, ranks)
-            self._tensor3d_groups[shape] = out
-        return self._tensor3d_groups[shape]
+            self._tensor3d_groups[(shape, order)] = out
+        return self._tensor3d_groups[(shape, order)]
 
     def all_reduce(self, tensor: Any, axes: Sequence[str], op: Any = None) -> None:
         """In place: reduce `tensor` (sum by default) over each of `axes` in turn (a reduction

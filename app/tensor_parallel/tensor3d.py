@@ -37,6 +37,7 @@ from torch import nn
 
 from app.metrics.timers import Pending
 from app.model.init import new_param
+from app.names import strides3d
 from app.parallel.layout import ORS_IN_FLIGHT, SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
 from app.tensor_parallel.mappings import TensorParallel, reduce_from_tp
 
@@ -121,8 +122,9 @@ def chain_gathers(slots: list[GatherSlot]) -> None:
 class Tensor3D:
     """The X, Y and Z sub-axes of the tensor-parallel group (each a `TensorParallel`).
 
-    A tp rank r sits at x = r % X, y = (r // X) % Y, z = r // (X Y): X innermost, so that the
-    all-reduces of every Linear run between the nearest ranks. The overlaps (AxoNN's names):
+    By default (`order` "xyz") a tp rank r sits at x = r % X, y = (r // X) % Y, z = r // (X Y):
+    X innermost, so that the all-reduces of every Linear run between the nearest ranks
+    (parallel.tensor_order puts another sub-axis innermost). The overlaps (AxoNN's names):
     `overlap_all_reduce` (OAR), the backward all-reduce of the input gradient runs during the
     weight-gradient GEMM; `overlap_reduce_scatter` (ORS), the weight gradient's reduce-scatter
     over Z runs behind the backward of the layers before it (`grads`); `overlap_all_gather`
@@ -138,6 +140,7 @@ class Tensor3D:
     overlap_reduce_scatter: bool = False
     overlap_all_gather: bool = False
     prefetch_backward: bool = True
+    order: str = "xyz"  # the sub-axes' order in the tp group, innermost first (parallel.tensor_order)
     grads: ZGradients = field(default_factory=ZGradients, compare=False, repr=False)
     slots: list[GatherSlot] = field(default_factory=list, compare=False, repr=False)
 
@@ -153,8 +156,8 @@ class Tensor3D:
 
     @property
     def tp_rank(self) -> int:
-        """This rank's place in the tp group (X innermost)."""
-        return self.x.rank + self.x.size * (self.y.rank + self.y.size * self.z.rank)
+        """This rank's place in the tp group (`strides3d` of the shape and order)."""
+        return sum(a.rank * s for a, s in zip((self.x, self.y, self.z), strides3d(self.shape, self.order)))
 
     def axes(self, transposed: bool) -> tuple[TensorParallel, TensorParallel]:
         """(in-features axis, out-features axis) of a Linear in the A (or, transposed, B) layout."""
@@ -274,15 +277,16 @@ def linear3d(
 def tensor3d_from_grid(
     grid: ProcessGrid,
     shape: tuple[int, int, int],
+    order: str = "xyz",
     timers: Optional[StepTimers] = None,
     overlap_all_reduce: bool = False,
     overlap_reduce_scatter: bool = False,
     overlap_all_gather: bool = False,
     prefetch_backward: bool = True,
 ) -> Tensor3D:
-    """The `Tensor3D` of this rank's tp group on `grid` split as `shape`, with the overlaps asked
-    for (OAR, ORS, OAG; `prefetch_backward` False under ZeRO-3)."""
-    groups = grid.tensor3d(shape)
+    """The `Tensor3D` of this rank's tp group on `grid` split as `shape` and laid out `order`,
+    with the overlaps asked for (OAR, ORS, OAG; `prefetch_backward` False under ZeRO-3)."""
+    groups = grid.tensor3d(shape, order)
     axes = [
         TensorParallel(n, groups[a][0], groups[a][1] if n > 1 else None, False, timers, overlap_all_reduce, a)
         for a, n in zip(SUB_AXES, shape)
@@ -293,6 +297,7 @@ def tensor3d_from_grid(
         overlap_reduce_scatter=overlap_reduce_scatter,
         overlap_all_gather=overlap_all_gather,
         prefetch_backward=prefetch_backward,
+        order=order,
     )
 
 
@@ -343,7 +348,7 @@ def param3d(
     meta: ParamMeta, t3d: Tensor3D, splits: list[tuple[str, int]], device: Optional[torch.device]
 ) -> nn.Parameter:
     """This rank's block of the parameter `meta`, cut by `splits` (`box3d`)."""
-    return new_param(box3d(meta, t3d.shape, t3d.tp_rank, splits), device)
+    return new_param(box3d(meta, t3d.shape, t3d.tp_rank, splits, t3d.order), device)
 
 
 class Linear3D(nn.Module):
