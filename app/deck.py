@@ -27,7 +27,7 @@ import yaml
 
 from app.deck_yaml import MAX_DECK_BYTES, deck_error, parse_yaml, read_deck_file
 from app.errors import DeckError
-from app.names import AXES, PRECISIONS, RECOMPUTE
+from app.names import ARCHS, AXES, PRECISIONS, RECOMPUTE
 from app.schema import Key, Problem, check, check_value, type_name
 
 # Upper bounds of the keys: what the code can honour, far above any real run.
@@ -46,12 +46,23 @@ def _key(default: Any, help: str, **rules: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    arch: str = _key(
+        "gpt2", "gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama (rotary positions, RMSNorm, "
+        "SwiGLU MLP, grouped-query attention, no biases)", choices=ARCHS,
+    )  # fmt: skip
     vocab_size: int = _key(512, "vocabulary size (byte-level data needs >= 257)", min=2, max=2**24)
-    seq_len: int = _key(128, "tokens per sample (also the number of learned positions)", min=1, max=2**20)
+    seq_len: int = _key(128, "tokens per sample (gpt2: also the number of learned positions)", min=1, max=2**20)
     layers: int = _key(4, "transformer blocks", min=1, max=MAX_LAYERS)
     hidden: int = _key(256, "model width h", min=1, max=2**17)
     heads: int = _key(4, "attention heads; must divide hidden", min=1, max=2**16)
-    ffn_hidden: Optional[int] = _key(None, "MLP width; null means 4 x hidden", min=1, max=2**20)
+    ffn_hidden: Optional[int] = _key(
+        None, "MLP width; null means 4 x hidden (gpt2), or 8/3 x hidden rounded up to a multiple of 64 (llama)",
+        min=1, max=2**20,
+    )  # fmt: skip
+    kv_heads: Optional[int] = _key(
+        None, "llama: key/value heads (grouped-query attention), dividing heads; null means heads", min=1, max=2**16
+    )
+    rope_theta: float = _key(10000.0, "llama: base of the rotary position embedding's frequencies", min=1.0, max=1e9)
     dropout: float = _key(0.0, "dropout probability (0 keeps runs grid-independent)", min=0.0, max=0.99)
     attention_kernel: str = _key(
         "auto",
@@ -59,15 +70,47 @@ class ModelConfig:
         "(scores materialised, as in Megatron-LM 2021: to reproduce such runs)",
         choices=("auto", "math"),
     )
-    layernorm_eps: float = _key(1e-5, "LayerNorm epsilon", min=0.0, max=1.0)
+    layernorm_eps: float = _key(1e-5, "LayerNorm (llama: RMSNorm) epsilon", min=0.0, max=1.0)
     init_std: float = _key(
         0.02, "std of the normal init (GPT-2); residual projections scaled by 1/sqrt(2 layers)", min=0.0, max=10.0
     )
-    tie_embeddings: bool = _key(True, "share the token embedding with the output head")
+    tie_embeddings: Optional[bool] = _key(
+        None, "share the token embedding with the output head; null means the arch's default: true for gpt2, "
+        "false for llama",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.tie_embeddings is None:  # the architecture's default, so that code reads a bool
+            object.__setattr__(self, "tie_embeddings", self.arch != "llama")
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 4 * self.hidden if self.arch != "llama" else -(-8 * self.hidden // (3 * 64)) * 64
+
+    @property
+    def llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads: kv_heads under llama's grouped-query attention, else heads."""
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of the fused QKV weight: (heads + 2 kv) x head_dim (3 hidden without GQA)."""
+        return (self.heads + 2 * self.kv) * self.head_dim
+
+    @property
+    def fc_rows(self) -> int:
+        """Rows of the MLP's first weight: the width, twice under llama's SwiGLU (gate and up)."""
+        return 2 * self.ffn if self.llama else self.ffn
 
 
 @dataclass(frozen=True)
@@ -474,6 +517,7 @@ def _validate(deck: Deck) -> None:
             "parallel.order", par.order, "a permutation of tp, pp, dp joined by '-', innermost first, e.g. tp-dp-pp"
         )
     _validate_model_split(m, par)
+    _validate_arch(m, par)
     if sorted(par.tensor_order) != ["x", "y", "z"]:
         raise DeckError(
             "parallel.tensor_order", par.tensor_order, "a permutation of x, y, z, innermost first, e.g. xyz"
@@ -512,6 +556,27 @@ def _validate(deck: Deck) -> None:
         )
     if deck.data.kind == "synthetic" and deck.data.path:
         raise DeckError("data.path", deck.data.path, "only used with data.kind = memmap")
+
+
+def _validate_arch(m: ModelConfig, par: ParallelConfig) -> None:
+    """llama's keys: kv_heads divides heads (and tp splits whole kv groups); not yet under 3D."""
+    if m.kv_heads is not None and not m.llama and m.kv_heads != m.heads:
+        raise DeckError(
+            "model.kv_heads", m.kv_heads, "grouped-query attention is llama's: set model.arch: llama, or "
+            "model.kv_heads: null",
+        )  # fmt: skip
+    if m.heads % m.kv:
+        raise DeckError("model.kv_heads", m.kv_heads, f"must divide model.heads = {m.heads}")
+    if m.llama and par.tensor is not None:
+        raise DeckError(
+            "model.arch", m.arch, "llama blocks run on 1D tensor parallelism (parallel.tp) only, not yet on "
+            "parallel.tensor: set parallel.tensor: null",
+        )  # fmt: skip
+    if m.kv != m.heads and par.tensor is None and m.kv % par.tp:
+        raise DeckError(
+            "model.kv_heads", m.kv, f"parallel.tp = {par.tp} splits the key/value heads (each rank whole groups "
+            f"of query heads sharing them), so it must divide kv_heads: choose a tp that divides {m.kv}",
+        )  # fmt: skip
 
 
 def _validate_tensor3d(m: ModelConfig, par: ParallelConfig) -> None:

@@ -101,10 +101,10 @@ def gridlm_model(path: Path, tmp_path: Path, source: str = "model") -> GPT:
     return model.eval()
 
 
-def hf_model(directory: Path):
+def hf_model(directory: Path, kind: str = "GPT2LMHeadModel"):
     import transformers
 
-    model, info = transformers.GPT2LMHeadModel.from_pretrained(directory, output_loading_info=True)
+    model, info = getattr(transformers, kind).from_pretrained(directory, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
@@ -239,6 +239,26 @@ def test_export_hf_loads_in_transformers_and_gives_our_logits(fp32_ckpt, tmp_pat
     hf = hf_model(tmp_path / "hf")
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied
     assert_same_logits(gridlm_model(fp32_ckpt, tmp_path), hf, vocab=128, seq=32)
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    # Grouped-query attention (2 key/value heads for 4 query heads), an untied head (llama's default).
+    return _checkpoint(tmp_path_factory, "llama", "model.arch=llama", "model.kv_heads=2", "model.rope_theta=500")
+
+
+def test_export_of_a_llama_checkpoint_is_a_llama_for_causal_lm_with_our_logits(llama_ckpt, tmp_path):
+    """model.arch: llama exports as LlamaForCausalLM: the fused QKV rows split into q/k/v_proj by
+    key/value group, the interleaved SwiGLU rows into gate_proj and up_proj. Tolerance as for
+    GPT-2 (`assert_same_logits`): the same fp32 weights, op order apart. Swapping gate and up, or
+    q/k rows within a group, moves the logits by far more (the model was trained away from init)."""
+    export_hf(llama_ckpt, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
+    assert (config["intermediate_size"], config["rope_theta"], config["tie_word_embeddings"]) == (192, 500.0, False)
+    hf = hf_model(tmp_path / "hf", "LlamaForCausalLM")
+    assert_same_logits(gridlm_model(llama_ckpt, tmp_path), hf, vocab=128, seq=32)
 
 
 def test_export_untied_writes_lm_head(bf16_untied_ckpt, tmp_path):

@@ -73,7 +73,32 @@ def read_verified(f: Any, key: str, path: Path) -> np.ndarray:
 
 
 def hf_config(model: dict[str, Any]) -> dict[str, Any]:
-    """GPT2Config fields (config.json) for a gridlm model section (see the module docstring)."""
+    """GPT2Config fields (config.json) for a gridlm model section (see the module docstring), or
+    LlamaConfig fields for `arch: llama`."""
+    if model.get("arch") == "llama":
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": model["vocab_size"],
+            "hidden_size": model["hidden"],
+            "intermediate_size": model["ffn"],
+            "num_hidden_layers": model["layers"],
+            "num_attention_heads": model["heads"],
+            "num_key_value_heads": model["kv"],
+            "head_dim": model["hidden"] // model["heads"],
+            "max_position_embeddings": model["seq_len"],
+            "hidden_act": "silu",
+            "rms_norm_eps": model["layernorm_eps"],
+            "rope_theta": model["rope_theta"],
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": model["dropout"],
+            "initializer_range": model["init_std"],
+            "tie_word_embeddings": bool(model["tie_embeddings"]),
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "torch_dtype": "float32",
+        }
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -105,6 +130,13 @@ def _qkv_rows(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, 3, -1, *rest).swapaxes(0, 1).reshape(x.shape)
 
 
+def _qkv_parts(x: np.ndarray, kv: int, d: int, part: slice) -> np.ndarray:
+    """Fused GQA QKV rows (kv head, q... k v, d) -> the heads `part` of each group, group-major
+    (q: query head g x group + i; k and v: key/value head g), as LlamaAttention's q/k/v_proj."""
+    rest = x.shape[1:]
+    return x.reshape(kv, -1, d, *rest)[:, part].reshape(-1, *rest)
+
+
 @dataclass(frozen=True)
 class Rule:
     hf: str  # Hugging Face name
@@ -114,6 +146,8 @@ class Rule:
 
 def mapping(model: dict[str, Any]) -> dict[str, Rule]:
     """gridlm parameter name -> Rule, for every parameter of the model (the table above)."""
+    if model.get("arch") == "llama":
+        return _llama_mapping(model)
     h, f, v, s, n = model["hidden"], model["ffn"], model["vocab_size"], model["seq_len"], model["heads"]
     same = lambda x: x  # noqa: E731
     t = lambda x: x.T  # noqa: E731
@@ -142,6 +176,43 @@ def mapping(model: dict[str, Any]) -> dict[str, Rule]:
             ours + "mlp.proj.bias": Rule(hf + "mlp.c_proj.bias", (h,), same),
         })  # fmt: skip
     return rules
+
+
+def _llama_mapping(model: dict[str, Any]) -> dict[str, Rule]:
+    """llama: gridlm name -> LlamaForCausalLM tensor (`nn.Linear` (out, in) both sides)."""
+    h, f, v, n, kv = model["hidden"], model["ffn"], model["vocab_size"], model["heads"], model["kv"]
+    d, group = h // n, n // kv
+    same = lambda x: x  # noqa: E731
+    rules = {
+        "wte.weight": Rule("model.embed_tokens.weight", (v, h), same),
+        "ln_f.weight": Rule("model.norm.weight", (h,), same),
+    }
+    if not model["tie_embeddings"]:
+        rules["head"] = Rule("lm_head.weight", (v, h), same)
+    qkv = (n + 2 * kv) * d
+    for i in range(model["layers"]):
+        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+        # One Rule per HF tensor: the fused gridlm tensors appear under the names "...#q" etc.
+        rules.update({
+            ours + "ln1.weight": Rule(hf + "input_layernorm.weight", (h,), same),
+            ours + "attn.qkv.weight#q": Rule(hf + "self_attn.q_proj.weight", (qkv, h),
+                                             lambda x: _qkv_parts(x, kv, d, slice(0, group))),
+            ours + "attn.qkv.weight#k": Rule(hf + "self_attn.k_proj.weight", (qkv, h),
+                                             lambda x: _qkv_parts(x, kv, d, slice(group, group + 1))),
+            ours + "attn.qkv.weight#v": Rule(hf + "self_attn.v_proj.weight", (qkv, h),
+                                             lambda x: _qkv_parts(x, kv, d, slice(group + 1, group + 2))),
+            ours + "attn.proj.weight": Rule(hf + "self_attn.o_proj.weight", (h, h), same),
+            ours + "ln2.weight": Rule(hf + "post_attention_layernorm.weight", (h,), same),
+            ours + "mlp.fc.weight#gate": Rule(hf + "mlp.gate_proj.weight", (2 * f, h), lambda x: x[0::2]),
+            ours + "mlp.fc.weight#up": Rule(hf + "mlp.up_proj.weight", (2 * f, h), lambda x: x[1::2]),
+            ours + "mlp.proj.weight": Rule(hf + "mlp.down_proj.weight", (h, f), same),
+        })  # fmt: skip
+    return rules
+
+
+def dataset_name(rule_key: str) -> str:
+    """The gridlm dataset a mapping key reads ("blocks.0.attn.qkv.weight#q" -> its fused tensor)."""
+    return rule_key.split("#")[0]
 
 
 @dataclass
@@ -178,14 +249,16 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
     rules = mapping(model)
     catalogue = header["datasets"]
     # Like io.load: the fp32 masters when the checkpoint has them, else the parameters.
-    source = MASTER if all(f"{MASTER}/{name}" in catalogue for name in rules) else MODEL
-    unknown = sorted(key for key in catalogue if key.startswith(f"{MODEL}/") and key[len(MODEL) + 1 :] not in rules)
+    names = {dataset_name(key) for key in rules}
+    source = MASTER if all(f"{MASTER}/{name}" in catalogue for name in names) else MODEL
+    unknown = sorted(key for key in catalogue if key.startswith(f"{MODEL}/") and key[len(MODEL) + 1 :] not in names)
     if unknown:
         raise CheckpointError(
-            f"{path} has dataset /{unknown[0]}, which the GPT-2 export does not know: not a checkpoint of the "
-            f"model its deck describes"
+            f"{path} has dataset /{unknown[0]}, which the {hf_config(model)['architectures'][0]} export does not "
+            f"know: not a checkpoint of the model its deck describes"
         )
-    for name, rule in rules.items():
+    for key, rule in rules.items():
+        name = dataset_name(key)
         entry = catalogue.get(f"{source}/{name}")
         if entry is None:
             raise CheckpointError(f"{path} has no dataset /{source}/{name}: not a complete checkpoint of this model")
@@ -196,10 +269,12 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
 
     tensors: dict[str, np.ndarray] = {}
     with h5py.File(path, "r") as f:
+        read: dict[str, np.ndarray] = {}  # a fused tensor is read once for its HF parts
         for name, rule in rules.items():
-            key = f"{source}/{name}"
-            values = decode(read_verified(f, key, path), catalogue[key]["dtype"]).numpy()
-            tensors[rule.hf] = np.ascontiguousarray(rule.convert(values), dtype=np.float32)
+            key = f"{source}/{dataset_name(name)}"
+            if key not in read:
+                read[key] = decode(read_verified(f, key, path), catalogue[key]["dtype"]).numpy()
+            tensors[rule.hf] = np.ascontiguousarray(rule.convert(read[key]), dtype=np.float32)
 
     _write(directory, hf_config(model), tensors, {"format": "pt", "gridlm_checkpoint": str(path)})
     return Exported(

@@ -32,6 +32,7 @@ write, so the ranks cover every element once).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -56,7 +57,7 @@ from app.checkpoint.store import (
     spare_file,
     step_file,
 )
-from app.deck import CheckpointConfig, Deck
+from app.deck import CheckpointConfig, Deck, ModelConfig
 from app.errors import CheckpointError, NonFiniteError
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, on_root
@@ -68,7 +69,7 @@ MODEL, MASTER = "model", "optimizer/master"
 EXP_AVG, EXP_AVG_SQ = "optimizer/exp_avg", "optimizer/exp_avg_sq"
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 # The model keys a checkpoint's tensors depend on (ffn_hidden compared resolved).
-SHAPE_KEYS = ("vocab_size", "seq_len", "layers", "hidden", "heads", "ffn", "tie_embeddings")
+SHAPE_KEYS = ("arch", "vocab_size", "seq_len", "layers", "hidden", "heads", "kv", "ffn", "tie_embeddings")
 CHECKSUM_DOC = (
     "sum over row-major element index i of mix64(mix64(K + i*G) XOR u_i) mod 2^64, u_i = element bits as unsigned "
     "int, mix64 = SplitMix64 finaliser (x ^= x>>30; x *= 0xBF58476D1CE4E5B9; x ^= x>>27; x *= 0x94D049BB133111EB; "
@@ -523,12 +524,16 @@ def read_header(path: Path) -> dict[str, Any]:
 
 
 def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The `model` section of the deck a checkpoint was written with, ffn resolved."""
+    """The `model` section of the deck a checkpoint was written with, the derived values resolved
+    as `ModelConfig` does (arch gpt2 in files older than model.arch; ffn; kv, the key/value heads;
+    tie_embeddings)."""
     try:
         model = dict(yaml.safe_load(header["deck"])["model"])
-        model["ffn"] = model.get("ffn_hidden") or 4 * model["hidden"]
         for key in ("vocab_size", "seq_len", "layers", "hidden", "heads"):
             int(model[key])
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
+        model.update(arch=cfg.arch, ffn=cfg.ffn, kv=cfg.kv, tie_embeddings=cfg.tie_embeddings)
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
         raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
     return model
@@ -540,7 +545,7 @@ def check_model(header: dict[str, Any], deck: Deck, path: Path) -> None:
     for key in SHAPE_KEYS:
         want = getattr(deck.model, key)
         if saved.get(key) != want:
-            shown = "ffn_hidden" if key == "ffn" else key
+            shown = {"ffn": "ffn_hidden", "kv": "kv_heads"}.get(key, key)
             raise CheckpointError(
                 f"{path} holds a model with model.{shown} = {saved.get(key)!r}, the deck has {want!r}: a checkpoint "
                 f"loads only into the same model shape (any grid); use its model keys (h5dump -a deck) or "

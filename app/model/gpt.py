@@ -1,4 +1,6 @@
-"""A GPT-2-style decoder (learned positions, pre-LayerNorm, GELU MLP, tied embeddings).
+"""A GPT-2-style decoder (learned positions, pre-LayerNorm, GELU MLP, tied embeddings), or with
+`model.arch: llama` a Llama-style one (rotary positions, pre-RMSNorm, SwiGLU MLP, grouped-query
+attention, no biases, an untied head by default).
 
 Shapes: tokens (B, S) int64 -> per-position logits (B, S, V / tp) -> mean loss. Built from
 the tensor-parallel layers in `app/tensor_parallel/layers.py`: attention heads and MLP columns are
@@ -10,8 +12,12 @@ are those of the 1-rank model (`blocks.7.attn.qkv.weight` on whichever stage run
 any shard on any grid equals the same slice of the 1-rank model. Built on the "meta" device,
 the model holds shapes only: `DataParallel` then computes each rank's values straight into its
 buffers (`seed=`), so a rank never holds its whole stage in fp32 at start-up.
-The fused QKV weight is laid out as (heads, 3, head_dim) rows, so a contiguous split of
-its rows over tensor-parallel ranks hands each rank whole heads.
+The fused QKV weight is laid out as (kv_heads, heads / kv_heads + 2, head_dim) rows: per key/value
+head, the query heads that share it, then its key, then its value ((heads, 3, head_dim) without
+grouped-query attention). A contiguous split of its rows over tensor-parallel ranks hands each
+rank whole groups. llama's SwiGLU MLP fuses gate and up the same way: row 2j is gate feature j,
+row 2j + 1 up feature j, so a contiguous split keeps each feature's pair on one rank. Both layouts
+are the global tensors, the same on every grid (Hugging Face export splits them apart).
 
 Activation recomputation (`recompute`, Korthikanti et al. 2022): "full" keeps only each
 block's input and re-runs the block in backward; "selective" re-runs only the attention
@@ -38,6 +44,7 @@ from app.names import RECOMPUTE
 from app.tensor_parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
+    RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
     column_parallel_linear,
@@ -80,7 +87,26 @@ def _recomputing(module: nn.Module) -> bool:
 def _layer_norm(cfg: ModelConfig, tp: TensorParallel | Tensor3D, device: Optional[torch.device]) -> nn.Module:
     if isinstance(tp, Tensor3D):
         return LayerNorm3D(cfg.hidden, cfg.layernorm_eps, tp, device)
+    if cfg.llama:
+        return RMSNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
     return LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding (Su et al. 2021) of q and k, (B, heads, S, head_dim), at positions
+    0 .. S-1: the two halves of each head's features rotate by angle position x theta^(-2i / d),
+    Hugging Face Llama's convention (rotate_half, not interleaved pairs), angles in fp32."""
+    d, s = q.shape[-1], q.shape[-2]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d))
+    angles = torch.arange(s, device=q.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 class Attention(nn.Module):
@@ -91,6 +117,8 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim, self.dropout = cfg.hidden // cfg.heads, cfg.dropout
+        self.group = cfg.heads // cfg.kv  # query heads per key/value head (grouped-query attention)
+        self.rope_theta = cfg.rope_theta if cfg.llama else None
         self.math = cfg.attention_kernel == "math"
         self.recompute_core = recompute_core
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
@@ -100,13 +128,24 @@ class Attention(nn.Module):
             self.proj: nn.Module = Linear3D(cfg.hidden, cfg.hidden, out_std, tp, True, device)
         else:
             self.heads = cfg.heads // tp.size
-            self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.init_std, tp, device)
-            self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, out_std, tp, device)
+            bias = not cfg.llama
+            self.qkv = ColumnParallelLinear(cfg.hidden, cfg.qkv_rows, cfg.init_std, tp, device, bias)
+            self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, out_std, tp, device, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, S, heads/tp x 3 x head_dim): full sequence even under SP
+        qkv = self.qkv(x)  # (B, S, kv/tp x (group + 2) x head_dim): full sequence even under SP
         b, s, _ = qkv.shape
-        q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, self.heads, 3, self.head_dim).unbind(dim=3))
+        if self.group == 1:
+            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, self.heads, 3, self.head_dim).unbind(dim=3))
+        else:
+            kv = self.heads // self.group
+            grouped = qkv.view(b, s, kv, self.group + 2, self.head_dim)
+            q = grouped[:, :, :, : self.group].reshape(b, s, self.heads, self.head_dim).transpose(1, 2)
+            k, v = (grouped[:, :, :, self.group + i].transpose(1, 2) for i in (0, 1))
+        if self.rope_theta is not None:
+            q, k = rotary(q, k, self.rope_theta)
+        if self.group > 1:  # query head g x group + i reads key/value head g
+            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         dropout = self.dropout if self.training else 0.0
         if self.recompute_core and _recomputing(self):
             y = checkpoint(_attention_core, q, k, v, dropout, self.math, use_reentrant=False)
@@ -127,17 +166,26 @@ def _attention_core(
 
 
 class MLP(nn.Module):
+    """GELU MLP (gpt2), or llama's SwiGLU: proj(silu(gate x) * (up x)), gate and up fused in `fc`
+    as interleaved rows (module docstring)."""
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
         super().__init__()
+        self.swiglu = cfg.llama
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         if isinstance(tp, Tensor3D):
             self.fc: nn.Module = Linear3D(cfg.hidden, cfg.ffn, cfg.init_std, tp, False, device)
             self.proj: nn.Module = Linear3D(cfg.ffn, cfg.hidden, out_std, tp, True, device)
         else:
-            self.fc = ColumnParallelLinear(cfg.hidden, cfg.ffn, cfg.init_std, tp, device)
-            self.proj = RowParallelLinear(cfg.ffn, cfg.hidden, out_std, tp, device)
+            bias = not cfg.llama
+            self.fc = ColumnParallelLinear(cfg.hidden, cfg.fc_rows, cfg.init_std, tp, device, bias)
+            self.proj = RowParallelLinear(cfg.ffn, cfg.hidden, out_std, tp, device, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            h = self.fc(x)
+            gate, up = h.view(*h.shape[:-1], -1, 2).unbind(dim=-1)
+            return self.proj(F.silu(gate) * up)
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -209,7 +257,7 @@ class GPT(nn.Module):
                 self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, cfg.init_std, tp, device)
             if not first:
                 self.wte.weight.meta = dataclasses.replace(self.wte.weight.meta, tied=True)
-        if first:
+        if first and not cfg.llama:  # llama's positions are rotary (in attention): no table
             # Positions are added to the sequence shard under SP: a partial gradient per tp rank.
             wpe = ParamMeta((cfg.seq_len, cfg.hidden), std=cfg.init_std)
             if isinstance(tp, Tensor3D):  # the hidden split over X, like the residual stream
@@ -242,12 +290,16 @@ class GPT(nn.Module):
         head, the tied embedding itself where this rank also embeds, or the last stage's copy)."""
         units: list[tuple[str, list[nn.Parameter]]] = []
         if self.first:
-            units.append(("embed", [self.wte.weight, self.wpe]))
+            units.append(("embed", [self.wte.weight, *self._positions()]))
         units += [(f"blocks.{i}", list(block.parameters())) for i, block in self.blocks.items()]
         if self.last:
             head = self.wte.weight if self.cfg.tie_embeddings else self.head
             units.append(("head", [*self.ln_f.parameters(), head]))
         return units
+
+    def _positions(self) -> list[nn.Parameter]:
+        """The learned position table, where there is one (gpt2's first stage)."""
+        return [self.wpe] if hasattr(self, "wpe") else []
 
     def _enter(self, unit: str) -> None:
         if self.gate is not None:
@@ -264,6 +316,10 @@ class GPT(nn.Module):
         # gather of both ends there, so wpe is read after it. A view of wpe taken before could see
         # the gather land in place, which autograd refuses for split's views (a SP run failed so).
         embedded = self.wte(tokens)
+        if self.cfg.llama:  # rotary positions, in attention
+            x = self.drop(embedded)
+            self._exit("embed")
+            return x
         positions = self.wpe[: tokens.shape[1]]
         if self.tp.sequence_parallel:
             positions = self.tp.split(positions, 0)  # this rank's sequence chunk, like the embedding's
@@ -330,7 +386,7 @@ class GPT(nn.Module):
         forward pass — where a sharded optimizer waits for their all-gather."""
         uses: list[tuple[nn.Module, list[nn.Parameter]]] = []
         if self.first:
-            uses.append((self.wte, [self.wte.weight, self.wpe]))
+            uses.append((self.wte, [self.wte.weight, *self._positions()]))
         uses += [(block, list(block.parameters())) for block in self.blocks.values()]
         if self.last:
             head = self.wte.weight if self.cfg.tie_embeddings else self.head
@@ -345,6 +401,9 @@ class GPT(nn.Module):
 def gpt_num_parameters(cfg: ModelConfig) -> int:
     """Parameters of the 1-rank model, from the shapes above."""
     h, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
+    if cfg.llama:  # no biases, RMSNorm weights only, no position table
+        per_block = 2 * h + cfg.qkv_rows * h + h * h + cfg.fc_rows * h + h * f
+        return v * h + cfg.layers * per_block + h + (0 if cfg.tie_embeddings else v * h)
     per_block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h)
     head = 0 if cfg.tie_embeddings else v * h
     return v * h + cfg.seq_len * h + cfg.layers * per_block + 2 * h + head

@@ -59,6 +59,21 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm over hidden (llama: a weight, no bias, no mean); replicated over tp like LayerNorm.
+    Computed in fp32 and cast back before the weight, as Hugging Face's LlamaRMSNorm does."""
+
+    def __init__(self, hidden: int, eps: float, tp: TensorParallel, device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = replicated_param(ParamMeta((hidden,), init="ones", decay=False), tp, device, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     """y = F.linear(copy_to_tp(x), W, b) — gather_from_sequence(x) under SP — as one step,
     so that backward can overlap the input gradient's tp collective with the
@@ -121,29 +136,34 @@ def column_parallel_linear(
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T + b_local: this rank's n_out / tp output features."""
+    """y_local = x W_local^T + b_local: this rank's n_out / tp output features (no b: `bias` False)."""
 
-    def __init__(self, n_in: int, n_out: int, std: float, tp: TensorParallel, device: Optional[torch.device]) -> None:
+    def __init__(
+        self, n_in: int, n_out: int, std: float, tp: TensorParallel, device: Optional[torch.device], bias: bool = True
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.weight = tp_param(ParamMeta((n_out, n_in), std=std), tp, 0, device)
-        self.bias = tp_param(ParamMeta((n_out,), init="zeros", decay=False), tp, 0, device)
+        self.bias = tp_param(ParamMeta((n_out,), init="zeros", decay=False), tp, 0, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.tp)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over tp of x_local W_local^T, + b (added once, after the reduction)."""
+    """y = sum over tp of x_local W_local^T, + b (added once, after the reduction; no b: `bias` False)."""
 
-    def __init__(self, n_in: int, n_out: int, std: float, tp: TensorParallel, device: Optional[torch.device]) -> None:
+    def __init__(
+        self, n_in: int, n_out: int, std: float, tp: TensorParallel, device: Optional[torch.device], bias: bool = True
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.weight = tp_param(ParamMeta((n_out, n_in), std=std), tp, 1, device)
-        self.bias = replicated_param(ParamMeta((n_out,), init="zeros", decay=False), tp, device, True)
+        self.bias = replicated_param(ParamMeta((n_out,), init="zeros", decay=False), tp, device, True) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return leave_tp_region(F.linear(x, self.weight), self.tp) + self.bias
+        y = leave_tp_region(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
