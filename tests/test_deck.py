@@ -38,6 +38,16 @@ def test_missing_keys_take_defaults_and_run_dir_from_file_stem(tmp_path):
     assert deck.model.ffn == 4 * deck.model.hidden
 
 
+def test_the_arch_sets_the_defaults_of_the_head_and_the_mlp_width():
+    gpt2, llama = load_deck(TINY).model, load_deck(TINY, ("model.arch=llama",)).model
+    assert (gpt2.tie_embeddings, gpt2.ffn, gpt2.kv) == (True, 4 * gpt2.hidden, gpt2.heads)
+    # 8/3 x 256 = 682.7, rounded up to a multiple of 64: 704; untied; kv_heads null = heads.
+    assert (llama.tie_embeddings, llama.ffn, llama.kv, llama.fc_rows) == (False, 704, llama.heads, 1408)
+    assert load_deck(TINY, ("model.arch=llama", "model.tie_embeddings=true")).model.tie_embeddings is True
+    gqa = load_deck(TINY, ("model.arch=llama", "model.kv_heads=2")).model
+    assert gqa.qkv_rows == (gqa.heads + 2 * 2) * gqa.head_dim
+
+
 def test_deck_is_frozen():
     deck = load_deck(TINY)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -60,6 +70,11 @@ def test_deck_is_frozen():
         ("model:\n  dropout: 1.5\n", "model.dropout", "<= 0.99"),
         ("model:\n  hidden: 100\n  heads: 3\n", "model.heads", "must divide model.hidden = 100"),
         ("parallel:\n  order: tp-dp\n", "parallel.order", "permutation of tp, pp, dp"),
+        ("model:\n  arch: llama\n  kv_heads: 3\n", "model.kv_heads", "must divide model.heads = 4"),
+        ("model:\n  kv_heads: 2\n", "model.kv_heads", "set model.arch: llama"),
+        ("model:\n  arch: llama\n  kv_heads: 2\nparallel:\n  tp: 4\n", "model.kv_heads", "must divide kv_heads"),
+        ("model:\n  arch: llama\nparallel:\n  tp: 2\n  tensor: [2, 1, 1]\n", "model.arch", "set parallel.tensor: null"),
+        ("model:\n  arch: bert\n", "model.arch", "accepted: gpt2, llama"),
         (
             "parallel:\n  tp: 2\n  tensor: [2, 1, 1]\n  tensor_order: xxz\n",
             "parallel.tensor_order",

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from app.deck import ModelConfig, OptimConfig
+from app.deck import ModelConfig, OptimConfig, load_deck
 from app.metrics.flops import (
     gpt_hardware_step_flops,
     gpt_step_flops,
@@ -258,3 +258,28 @@ def test_the_math_attention_kernel_computes_the_same_attention(recompute):
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
     for name, grad in grads.items():
         assert (grad - want_grads[name]).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "arch", [("model.arch=gpt2",), ("model.arch=llama", "model.kv_heads=2")], ids=["gpt2", "llama"]
+)
+def test_the_flop_count_is_what_the_model_multiplies(arch):
+    """`gpt_step_flops` (with `arch_flops_args`: llama's grouped-query QKV and three SwiGLU matrices)
+    against torch's FLOP counter on a real forward: the Linears and the head exactly. The counter
+    leaves out the CPU attention kernel, so the formula's attention term (4 s h per token and layer)
+    is taken off first. A wrong QKV width (3h under GQA) or a two-matrix MLP under llama misses by
+    thousands of FLOPs per token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from app.metrics.flops import arch_flops_args
+
+    b, s, layers, h, v, f = 3, 16, 2, 64, 128, 96
+    sizes = (f"model.hidden={h}", "model.heads=4", f"model.seq_len={s}", f"model.vocab_size={v}",
+             f"model.layers={layers}", f"model.ffn_hidden={f}")  # fmt: skip
+    m = load_deck(None, (*arch, *sizes)).model
+    model = GPT(m, seed=1)
+    tokens = torch.randint(0, v, (b, s), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model.loss(tokens, tokens)
+    attention = b * s * layers * 4 * s * h
+    assert counter.get_total_flops() == gpt_step_flops(b, s, layers, h, v, f, **arch_flops_args(m)) / 3 - attention

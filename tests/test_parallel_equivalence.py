@@ -188,6 +188,17 @@ CASES += [
 ]  # fmt: skip
 
 
+# llama blocks (model.arch: llama: RMSNorm, rotary positions, SwiGLU, no biases, untied head): grouped-
+# query attention (2 key/value heads for 4 query heads, tp 2 gives each rank one group) with SP, pp
+# and dp; with ZeRO-1 on dp 4; bf16; and without GQA, tied, ZeRO-1 over pp 2 (the tied head's copy).
+LLAMA = ("model.arch=llama", "model.kv_heads=2")
+CASES += [
+    Case(2, 2, 2, sp=True, extra=LLAMA),
+    Case(2, 1, 4, extra=(*LLAMA, "optim.zero=1")),
+    Case(2, 2, 2, extra=(*LLAMA, "train.precision=bf16"), **BF16),
+    Case(2, 2, 2, extra=("model.arch=llama", "model.tie_embeddings=true", "optim.zero=1")),
+]
+
 _REFERENCES: dict = {}
 
 

@@ -38,9 +38,10 @@ def megatron_params(layers: int, hidden: int, vocab: int, seq: int) -> int:
 # ---- parameter counts --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("tp,pp,virtual", [(1, 1, 1), (2, 1, 1), (4, 2, 1), (2, 2, 2), (1, 5, 1)])
-def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual):
+def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual, arch):
     """Every stage's parameter list (elements and weight decay, in registration order) is that of
     the GPT shard a rank of that stage builds, so the per-rank count is its numel."""
     import torch
@@ -51,7 +52,8 @@ def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual):
 
     if pp * virtual > 5:
         pytest.skip("5 layers")
-    deck = load_deck(None, (*SMALL, f"model.tie_embeddings={tie}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+    llama = ("model.arch=llama", f"model.kv_heads={max(tp, 2)}") if arch == "llama" else ()
+    deck = load_deck(None, (*SMALL, *llama, f"model.tie_embeddings={tie}", f"parallel.tp={tp}", f"parallel.pp={pp}",
                             f"parallel.virtual_stages={virtual}", "train.global_batch=16", "train.micro_batch=1"))  # fmt: skip
     deck = resolve_for_world(deck, tp * pp * 2)
     chunks = partition_layers(deck.model.layers, pp * virtual)

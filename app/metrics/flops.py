@@ -23,6 +23,11 @@ same counts for any MLP width.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from app.deck import ModelConfig
+
 # Said in every output that reports FLOP/s (log, summary.json, TensorBoard tags, dry run, postprocess).
 FLOPS_CONVENTION = (
     "model FLOPs (TFLOP/s, MFU): Megatron SC21 count, 2 FLOPs per multiply-add, backward = 2 x forward, "
@@ -42,8 +47,29 @@ def megatron_recompute_step_flops(global_batch: int, seq_len: int, layers: int, 
     return 96.0 * b * s * n * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * n * h))
 
 
+def arch_flops_args(model: ModelConfig) -> dict[str, Any]:
+    """The keyword arguments of `gpt_step_flops` and `gpt_hardware_step_flops` that describe a deck's
+    `model` beyond its sizes: the key/value width (grouped-query attention) and a gated (SwiGLU) MLP."""
+    return {"kv_hidden": model.kv * model.head_dim, "gated": bool(model.llama)}
+
+
+def _layer_forward(h: int, ffn: int, kv_hidden: Optional[int], gated: bool) -> float:
+    """Forward GEMM FLOPs per token of a layer's Linears: QKV 2 h (h + 2 kv), the output projection
+    2 h^2, the MLP 2 h ffn per matrix (2 matrices; 3 gated: gate, up and down)."""
+    kv = h if kv_hidden is None else kv_hidden
+    return 2.0 * h * (h + 2 * kv) + 2.0 * h * h + (3 if gated else 2) * 2.0 * h * ffn
+
+
 def gpt_step_flops(
-    global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int, causal: bool = False
+    global_batch: int,
+    seq_len: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    ffn: int,
+    causal: bool = False,
+    kv_hidden: Optional[int] = None,
+    gated: bool = False,
 ) -> float:
     """Model FLOPs per step term by term (forward x 3 for forward + backward).
 
@@ -52,16 +78,26 @@ def gpt_step_flops(
     Equals `megatron_step_flops` when ffn == 4h. `causal=True` halves the score and context
     GEMMs (only the lower triangle is needed), the convention of e.g. FlashAttention's and
     torchtitan's counts; gridlm reports the full count (`FLOPS_CONVENTION`), like Megatron.
+    llama (`arch_flops_args`): QKV 2 h (h + 2 kv_hidden) with grouped-query attention, and the
+    SwiGLU MLP's three matrices 3 x 2 h ffn.
     """
     b, s, n, h, v = global_batch, seq_len, layers, hidden, vocab
     attention = (2.0 if causal else 4.0) * s * h
-    per_token_layer = 8.0 * h * h + 4.0 * h * ffn + attention
+    per_token_layer = _layer_forward(h, ffn, kv_hidden, gated) + attention
     forward = b * s * (n * per_token_layer + 2.0 * h * v)
     return 3.0 * forward
 
 
 def gpt_hardware_step_flops(
-    global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int, recompute: str
+    global_batch: int,
+    seq_len: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    ffn: int,
+    recompute: str,
+    kv_hidden: Optional[int] = None,
+    gated: bool = False,
 ) -> float:
     """FLOPs executed per step: `gpt_step_flops` plus the forward work recomputation repeats.
 
@@ -70,8 +106,9 @@ def gpt_hardware_step_flops(
     """
     h = hidden
     core = 4.0 * seq_len * h  # per token and layer: scores q k^T and context p v, 2 s h each
-    again = {"none": 0.0, "full": 8.0 * h * h + 4.0 * h * ffn + core, "selective": core}
+    again = {"none": 0.0, "full": _layer_forward(h, ffn, kv_hidden, gated) + core, "selective": core}
     if recompute not in again:
         raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(again)}")
     tokens = global_batch * seq_len
-    return gpt_step_flops(global_batch, seq_len, layers, hidden, vocab, ffn) + tokens * layers * again[recompute]
+    model = gpt_step_flops(global_batch, seq_len, layers, hidden, vocab, ffn, kv_hidden=kv_hidden, gated=gated)
+    return model + tokens * layers * again[recompute]

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from app.deck import Deck, ModelConfig
-from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
+from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, reduce_precision
 from app.parallel.layout import (
     ORS_IN_FLIGHT,
@@ -81,7 +81,12 @@ from app.parallel.layout import (
 )
 from app.parallel.schedule import partition_layers
 
-BLOCK_TENSORS = 12  # parameter tensors of a block (`_block_metas`)
+
+def block_tensors(m: ModelConfig) -> int:
+    """Parameter tensors of a block (`_block_metas`): 12 for gpt2, 6 for llama (no biases, RMSNorm)."""
+    return 6 if m.llama else 12
+
+
 # `app.optim.offload`'s state (fp32 master, exp_avg, exp_avg_sq) and its nvme stream slots; not
 # imported: the planner does not import torch.
 OFFLOAD_STATE_BYTES = 3 * 4
@@ -96,6 +101,8 @@ def block_params(m: ModelConfig, tp: int, tensor: Tensor3DShape = None) -> int:
     """Parameters of one transformer block held by one tp rank: the sizes of `_block_metas`'
     boxes in closed form (the search counts them for every grid; tests compare the two)."""
     h, f = m.hidden, m.ffn
+    if m.llama:  # 1D only (deck rules): two RMSNorm weights, four column/row-parallel weights
+        return 2 * h + (m.qkv_rows // tp) * h + h * (h // tp) + (m.fc_rows // tp) * h + h * (f // tp)
     if tensor is not None:
         x, y, z = tensor
         # Four Linear weights of out x in / (x y z); LayerNorms and the B layout's biases over X,
@@ -131,6 +138,16 @@ def _block_metas(m: ModelConfig, tp: int, tp_rank: int, tensor: Tensor3DShape = 
     if tensor is not None:
         return _block_metas3d(m, tensor, tp_rank)
     h, f = m.hidden, m.ffn
+    if m.llama:  # RMSNorm weights; no biases; the fused QKV (GQA) and SwiGLU (gate, up) rows
+        weight = ParamMeta((h,), decay=False)
+        return [
+            weight,
+            tp_box(ParamMeta((m.qkv_rows, h)), tp, tp_rank, 0),
+            tp_box(ParamMeta((h, h)), tp, tp_rank, 1),
+            weight,
+            tp_box(ParamMeta((m.fc_rows, h)), tp, tp_rank, 0),
+            tp_box(ParamMeta((h, f)), tp, tp_rank, 1),
+        ]
     norm = [ParamMeta((h,), decay=False), ParamMeta((h,), decay=False)]
 
     def column(n_out: int, n_in: int) -> list[ParamMeta]:
@@ -170,15 +187,15 @@ def stage_param_metas(
         return box3d(meta, tensor, tp_rank, [("tp_x", dim)]) if tensor else meta
 
     out = []
-    if first:
+    if first and not m.llama:  # gpt2's learned positions (llama's are rotary)
         out.append(over_x(ParamMeta((m.seq_len, h)), 1))
     if last and not m.tie_embeddings:
         out.append(table())
     if first or (last and m.tie_embeddings):
         out.append(table(tied=not first))
     out += _block_metas(m, tp, tp_rank, tensor) * layers
-    if last:
-        out += [over_x(ParamMeta((h,), decay=False), 0), over_x(ParamMeta((h,), decay=False), 0)]
+    if last:  # the final norm: LayerNorm weight and bias, or RMSNorm weight
+        out += [over_x(ParamMeta((h,), decay=False), 0) for _ in range(1 if m.llama else 2)]
     return out
 
 
@@ -197,15 +214,15 @@ def stage_units(m: ModelConfig, layers: int, first: bool, last: bool) -> list[st
     stage's copy of a tied embedding held apart from the first stage, the final LayerNorm). The
     same on every tp rank: tp splits parameters, never adds or removes one."""
     out = []
-    if first:
+    if first and not m.llama:
         out.append("embed")  # wpe
     if last and not m.tie_embeddings:
         out.append("head")
     if first or (last and m.tie_embeddings):
         out.append("embed" if first else "head")  # wte, or the last stage's tied copy of it
-    out += [f"blocks.{i}" for i in range(layers) for _ in range(BLOCK_TENSORS)]
+    out += [f"blocks.{i}" for i in range(layers) for _ in range(block_tensors(m))]
     if last:
-        out += ["head", "head"]  # ln_f weight and bias
+        out += ["head"] * (1 if m.llama else 2)  # ln_f weight (and bias)
     return out
 
 
@@ -214,9 +231,11 @@ def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool, 
     h, v = m.hidden, m.vocab_size
     x = 1 if tensor is None else tensor[0]  # 3D: the hidden of wpe, the table and ln_f split over X
     table = v // tp * h if tensor is None else (v // (tensor[1] * tensor[2])) * (h // x)
-    ends = (m.seq_len * (h // x) if first else 0) + (table if last and not m.tie_embeddings else 0)
+    positions = m.seq_len * (h // x) if first and not m.llama else 0
+    ends = positions + (table if last and not m.tie_embeddings else 0)
     ends += table if first or (last and m.tie_embeddings) else 0
-    return ends + (2 * (h // x) if last else 0) + layers * block_params(m, tp, tensor)
+    norm = (1 if m.llama else 2) * (h // x)
+    return ends + (norm if last else 0) + layers * block_params(m, tp, tensor)
 
 
 @dataclass(frozen=True)
@@ -382,7 +401,12 @@ def layer_activation_bytes(
         x, y, _ = tensor
         return sbh * ((4 * e + 2) / x + (4 * e + 2 * e * m.ffn / m.hidden) / y)
     t, t_sp = tp, (tp if sp else 1)
-    return sbh * (2 * e + (2 * e + 2) / t_sp + (4 * e + 2 * e * m.ffn / m.hidden) / t)
+    # Split over tp: q, k, v and the attention output ((qkv rows + h) / h = 4 without GQA), the MLP's
+    # fc output and what its activation makes of it (gpt2: GELU's f; llama: silu(gate) and the
+    # product, 2f, beside the fused 2f rows).
+    attention = (m.qkv_rows + m.hidden) / m.hidden
+    mlp = (m.fc_rows + (2 if m.llama else 1) * m.ffn) / m.hidden
+    return sbh * (2 * e + (2 * e + 2) / t_sp + (attention + mlp) * e / t)
 
 
 def gathered_block_bytes(
@@ -516,7 +540,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     tensor = par.tensor3d
     per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e, tensor)
     tokens = tr.micro_batch * m.seq_len
-    layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn) / tp
+    layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn, **arch_flops_args(m)) / tp
     if tensor is None:
         hidden_split = tp if par.sequence_parallel else 1  # the block input's split (SP: its sequence)
         vocab_split, gemm_split = tp, tp
@@ -616,4 +640,5 @@ def step_flops(deck: Deck) -> dict[str, float]:
     """Model FLOPs (MFU) and hardware FLOPs (with the deck's recomputation) per optimizer step."""
     m, tr = deck.model, deck.train
     args = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
-    return {"model": gpt_step_flops(*args), "hardware": gpt_hardware_step_flops(*args, tr.recompute)}
+    arch = arch_flops_args(m)
+    return {"model": gpt_step_flops(*args, **arch), "hardware": gpt_hardware_step_flops(*args, tr.recompute, **arch)}

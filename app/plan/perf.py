@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
-from app.metrics.flops import gpt_hardware_step_flops, gpt_step_flops
+from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule, partition_layers
 from app.plan.estimate import stage_params, unit_buckets
@@ -497,7 +497,8 @@ def _layer_passes(
     e = BYTES[tr.precision]
     tokens, h, f = tr.micro_batch * m.seq_len, m.hidden, m.ffn
     t_sp = t if sp else 1
-    linears = [(3 * h // t, h), (h, h // t), (f // t, h), (h, f // t)]  # (n, k): QKV, out, fc, proj
+    # (n, k): QKV (GQA: (heads + 2 kv) x head_dim rows), out, fc (SwiGLU: gate and up), proj
+    linears = [(m.qkv_rows // t, h), (h, h // t), (m.fc_rows // t, h), (h, f // t)]
     fwd_gemm = sum(dev.gemm(tokens, n, k, e) for n, k in linears)
     # Backward: the input gradient (m x k from m x n) and the weight gradient (n x k from m).
     dgrad = [dev.gemm(tokens, k, n, e) for n, k in linears]
@@ -509,7 +510,8 @@ def _layer_passes(
     per_token = (2 + 2 + 3 + 3) * h * e / t_sp + 2 * h * e / t
     if m.dropout > 0:
         per_token += 2 * (2 * h * e + h) / t_sp
-    layernorm, gelu = tokens * (2 + 2) * h * e / t_sp, tokens * 2 * f * e / t
+    # GELU reads f and writes f; SwiGLU reads gate and up and writes silu(gate) and the product.
+    layernorm, gelu = tokens * (2 + 2) * h * e / t_sp, tokens * (4 if m.llama else 2) * f * e / t
     elem_fwd = dev.stream(tokens * per_token) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
     tp_fwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_forward"])
     tp_recompute = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_recompute"])
@@ -1182,10 +1184,9 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         "optimizer": optimizer[slowest],  # on the device
         "optimizer_offload": offloaded[slowest],  # optim.offload: copies, the CPU update, the file
     }
-    flops = gpt_step_flops(tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
-    hardware = gpt_hardware_step_flops(
-        tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn, tr.recompute
-    )
+    size = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
+    flops = gpt_step_flops(*size, **arch_flops_args(m))
+    hardware = gpt_hardware_step_flops(*size, tr.recompute, **arch_flops_args(m))
     devices = world
     levels = {axis: links[axis].level for axis in links}
     tensor3d: dict[str, float] = {}
