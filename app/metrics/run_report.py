@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from app.deck import Deck
+from app.deck import Deck, ModelConfig
 from app.metrics.flops import FLOPS_CONVENTION, arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
 from app.metrics.peaks import peak_tflops
 from app.metrics.report import (
@@ -50,6 +50,11 @@ def _sub_axes_words(t: TimersInfo) -> str:
         return ""
     each = ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}/{t['exposed_comm_s'][a] * 1e3:.1f}" for a in subs)
     return f" | tp sub-axes (communication/exposed ms): {each}"
+
+
+def _arch_words(m: ModelConfig) -> str:
+    """ " (llama, K key/value heads)" after the parameter count of a llama model; "" for gpt2."""
+    return f" (llama, {m.kv} key/value heads)" if m.llama else ""
 
 
 def _tensor3d_words(tensor: Optional[tuple[int, int, int]], order: str = "xyz") -> str:
@@ -108,7 +113,7 @@ class RunReport:
         deck, rt, grid, built = self.deck, self.runtime, self.grid, self.built
         tr, par = deck.train, deck.parallel
         rt.log(
-            f"gridlm: {built.parameters:,} parameters | world {rt.world_size} on {rt.nodes} node(s) | "
+            f"gridlm: {built.parameters:,} parameters{_arch_words(deck.model)} | world {rt.world_size} on {rt.nodes} node(s) | "
             f"grid tp={grid.size('tp')}{_tensor3d_words(par.tensor3d, par.tensor_order)} pp={grid.size('pp')} dp={grid.size('dp')} "
             f"({par.order}) | "
             f"device {self.device_name}"
