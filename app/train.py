@@ -112,18 +112,23 @@ class Trainer:
     numbers to the report, and returns the summary (written to run.dir/summary.json by rank 0).
     """
 
-    def __init__(self, deck: Deck, runtime: Runtime, grid: ProcessGrid, claim_run_dir: bool = True) -> None:
-        """`claim_run_dir` False (app.eval): leave run.dir alone (no lock, no deck.yaml written)."""
+    def __init__(self, deck: Deck, runtime: Runtime, grid: ProcessGrid, evaluate_only: bool = False) -> None:
+        """`evaluate_only` (app.eval): a model to load a checkpoint into and evaluate; run.dir is left
+        alone (no lock, no deck.yaml) and the training data is not opened (it need not be here)."""
         self.deck, self.runtime, self.grid = deck, runtime, grid
         m, tr = deck.model, deck.train
         self.device = runtime.device
-        if claim_run_dir:
-            self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
-        else:
+        if evaluate_only:
             self.run_dir, self.run_lock = Path(deck.run.dir or "runs/default"), None
-        self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
-        # The held-out data of eval.every (app.eval builds its own).
-        self.eval_data = agree(runtime, lambda: eval_dataset(deck)) if deck.eval.every else None
+        else:
+            self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
+        # The held-out data (eval.every, app.eval).
+        self.eval_data = agree(runtime, lambda: eval_dataset(deck)) if deck.eval.every or evaluate_only else None
+        if evaluate_only:
+            assert self.eval_data is not None
+            self.dataset = self.eval_data  # never trained on: the sampler state of a checkpoint is all it meets
+        else:
+            self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
         self.last_eval: Optional[EvalResult] = None
         # Targets of the last step's loss (Goldfish drops some) and of this job's steps: (counted, all).
         self.step_targets = (0, 0)

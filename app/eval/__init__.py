@@ -80,7 +80,12 @@ def eval_dataset(deck: Deck) -> SyntheticTokens | MemmapTokens:
     m, seed = deck.model, deck.train.seed
     eval_source(deck)  # raises if there is no held-out data
     if deck.eval.path:
-        return MemmapTokens(deck.eval.path, m.seq_len, m.vocab_size, seed)
+        try:
+            return MemmapTokens(deck.eval.path, m.seq_len, m.vocab_size, seed)
+        except DataError as err:  # its message names data.path's fix; this file is eval.path's
+            raise DataError(
+                f"eval.path = {deck.eval.path!r}: {err}".replace("set data.path", "set eval.path")
+            ) from None
     if deck.data.split:
         assert deck.data.path is not None  # the deck checks: data.split needs memmap, which needs a path
         return MemmapTokens(deck.data.path, m.seq_len, m.vocab_size, seed, deck.data.split, "val")
