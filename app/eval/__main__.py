@@ -63,9 +63,10 @@ def evaluate_checkpoint(deck: Any, runtime: Any, grid: Any, given: str, out: Opt
     from app.runtime.mpi import on_root
     from app.train import Trainer
 
-    path = on_root(runtime, lambda: checkpoint_file(given))
+    # The held-out data is opened first: its mistakes are the deck's, found before any file is read.
     trainer = Trainer(deck, runtime, grid, evaluate_only=True)
     try:
+        path = on_root(runtime, lambda: checkpoint_file(given))
         info = load(trainer, path)
         assert trainer.eval_data is not None
         result = evaluate(trainer, trainer.eval_data)
