@@ -327,7 +327,7 @@ class GPT(nn.Module):
         self._check_whole()
         return self._logits(self.forward_chunk(tokens, range(self.cfg.layers), True, False))
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, tokens: torch.Tensor, targets: Targets) -> torch.Tensor:
         """Mean next-token cross-entropy over the B x S positions (the whole model is here)."""
         self._check_whole()
         return self.forward_chunk(tokens, range(self.cfg.layers), True, True, targets)
