@@ -13,7 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from app.deck import Deck
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -123,7 +128,7 @@ def run(argv: Optional[list[str]] = None) -> int:
         return dry_run(args)
     from app.job import run_job
 
-    def body(deck: Any, runtime: Any, grid: Any) -> None:
+    def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
         # torch only once the deck is good: a deck mistake is reported before thousands of ranks
         # read torch's libraries from a parallel file system.
         from app.train import train

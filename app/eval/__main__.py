@@ -16,9 +16,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from app.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from app.deck import Deck
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -56,7 +61,9 @@ def checkpoint_file(given: str) -> Path:
     return path
 
 
-def evaluate_checkpoint(deck: Any, runtime: Any, grid: Any, given: str, out: Optional[str]) -> dict[str, Any]:
+def evaluate_checkpoint(
+    deck: Deck, runtime: Runtime, grid: ProcessGrid, given: str, out: Optional[str]
+) -> dict[str, Any]:
     """Load `given` onto this grid and evaluate it (every rank); rank 0 prints and writes the result."""
     from app.checkpoint.io import load
     from app.eval import evaluate
@@ -106,7 +113,7 @@ def run(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     from app.job import run_job
 
-    def body(deck: Any, runtime: Any, grid: Any) -> None:
+    def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
         evaluate_checkpoint(deck, runtime, grid, args.checkpoint, args.out)
 
     return run_job(args.deck, tuple(args.overrides), body)
