@@ -38,7 +38,7 @@ from app.data.memmap import MemmapTokens
 from app.deck import Deck
 from app.deck_paths import check_paths, offload_dir
 from app.errors import CheckpointError, GridlmError, NonFiniteError
-from app.eval import EvalResult, eval_dataset, evaluate
+from app.eval import EvalResult, eval_dataset, eval_source, evaluate
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo
 from app.metrics.timers import StepTimers
@@ -212,6 +212,7 @@ class Trainer:
             micro_batches=self.sampler.num_micro_batches,
             dp_buckets=len(self.dp.buckets),
             zero_sharded=self.dp.zero,
+            eval_source=eval_source(deck) if self.eval_data is not None else None,
         )
         self.report = RunReport(deck, runtime, grid, self.run_dir, built)
 

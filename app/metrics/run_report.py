@@ -79,6 +79,7 @@ class Built:
     micro_batches: int  # per dp rank and step
     dp_buckets: int
     zero_sharded: bool  # ZeRO in effect (optim.zero >= 1 and dp > 1)
+    eval_source: Optional[str] = None  # where eval.every's held-out data comes from (None: no evaluation)
 
 
 def mean_timings(timings: list[dict[str, Any]]) -> TimersInfo:
@@ -149,6 +150,18 @@ class RunReport:
             f"{zero} | recompute {tr.recompute} | {built.dp_buckets} dp bucket(s) "
             f"of <= {par.dp_bucket_mb:g} MB | overlap: {overlaps}"
         )
+        if tr.goldfish_k:
+            h = tr.goldfish_context
+            rt.log(
+                f"gridlm: goldfish loss k={tr.goldfish_k} h={h}: a target is left out of the loss when the hash of "
+                f"the {h} targets before it is 0 mod {tr.goldfish_k} (the first {h} of a sample always count)"
+            )
+        if built.eval_source is not None:
+            ev = deck.eval
+            rt.log(
+                f"gridlm: evaluation every {ev.every} steps and after the last: {ev.batches} x {tr.global_batch} "
+                f"samples of {built.eval_source}"
+            )
         for warning in placement_warnings(grid.within_node, rt.ranks_per_node, par.gpus_per_node):
             rt.log(f"gridlm: warning: {warning}")
         if self.peak is None:
