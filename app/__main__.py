@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
-from contextlib import suppress
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from app.deck import Deck
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -123,69 +126,16 @@ def run(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         return dry_run(args)
-    # Imported here so that `--help` answers without starting MPI or loading torch.
-    from app.deck import load_deck, resolve_for_world
-    from app.errors import GridlmError
-    from app.runtime.grid import ProcessGrid
-    from app.runtime.mpi import (
-        abort,
-        agree,
-        bind_device,
-        init_mpi,
-        init_torch_distributed,
-        set_malloc_mmap_threshold,
-        set_threads,
-        shutdown,
-    )
-    from app.runtime.watchdog import EXIT_CODE as WATCHDOG_EXIT
-    from app.runtime.watchdog import start_watchdog
+    from app.job import run_job
 
-    runtime = init_mpi()
-    try:
-        deck = agree(
-            runtime, lambda: resolve_for_world(load_deck(args.deck, tuple(args.overrides)), runtime.world_size)
-        )
+    def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
         # torch only once the deck is good: a deck mistake is reported before thousands of ranks
         # read torch's libraries from a parallel file system.
         from app.train import train
 
-        # From here on no rank waits forever: a blocked call past run.comm_timeout_s aborts the job.
-        start_watchdog(runtime, deck.run.comm_timeout_s)
-        agree(runtime, lambda: bind_device(runtime, deck.run.device))
-        set_threads(runtime, deck.run.threads)
-        set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)
-        # torch's own timeout comes after the watchdog's, which names the operation and the ranks.
-        timeout = deck.run.comm_timeout_s + 60
-        agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout))
-        runtime.watchdog.attach_store(*runtime.store_address)
-        par = deck.parallel
-        grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order)
         train(deck, runtime, grid)
-        runtime.watchdog.stop()
-        shutdown(runtime)
-        return 0
-    except GridlmError as err:
-        # Raised on every rank alike (see `agree`): one message, the same status everywhere.
-        if runtime.is_root:
-            print(f"gridlm: {err}", file=sys.stderr, flush=True)
-        # Join torch's communication threads before Python finalises: a gloo thread that
-        # releases a tensor (or runs a completion callback) during finalisation aborts the
-        # process (SIGABRT, status 134 instead of this error's). Still watched: it waits on peers.
-        with suppress(Exception), runtime.watchdog.blocking("destroy_process_group"):
-            shutdown(runtime)
-        runtime.watchdog.stop()
-        return err.exit_code
-    except KeyboardInterrupt:
-        abort(runtime, 130)
-    except BaseException as err:
-        lost = runtime.watchdog.explain(err)
-        if lost is not None:  # a peer died or its link broke: not a bug, name it and end the job
-            print(lost, file=sys.stderr, flush=True)
-            abort(runtime, WATCHDOG_EXIT)
-        print(f"gridlm: rank {runtime.rank}: internal error, aborting the job", file=sys.stderr)
-        traceback.print_exc()
-        abort(runtime, 1)
-    return 1
+
+    return run_job(args.deck, tuple(args.overrides), body)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The input deck: typed, frozen sections with defaults, validation and `--set` overrides.
 
-A deck is YAML with the sections `model`, `parallel`, `train`, `optim`, `data`, `run`,
+A deck is YAML with the sections `model`, `parallel`, `train`, `optim`, `data`, `eval`, `run`,
 `checkpoint`.
 Every key has a type, a default and a range (numbers: finite, with an upper bound the code
 can honour), a set of choices or a text rule (printable, no control characters), declared
@@ -220,6 +220,13 @@ class TrainConfig:
     min_loss_scale: float = _key(
         1.0, "fp16: abort when the dynamic loss scale would fall below this", min=0.0, max=MAX_LOSS_SCALE
     )
+    goldfish_k: int = _key(
+        0, "Goldfish loss (Hans et al. 2024): drop a target from the loss when a hash of the goldfish_context "
+        "targets before it is 0 mod k (about 1 in k); 0 = off", min=0, max=2**20,
+    )  # fmt: skip
+    goldfish_context: int = _key(
+        13, "Goldfish: h, the targets hashed before each one; the first h of a sample always count", min=1, max=2**20
+    )
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,23 @@ class DataConfig:
     )
     path: Optional[str] = _key(None, "memmap: PREFIX of PREFIX.bin/.json/.idx.npy from app.data.prepare", path=True)
     noise: float = _key(0.05, "synthetic: probability that a token is random", min=0.0, max=1.0)
+    split: float = _key(
+        0.0, "memmap: fraction of the documents held out for validation (the last ones in the file; training "
+        "never reads them); 0 = none", min=0.0, max=0.5,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = _key(0, "evaluate the validation loss every N steps and after the last; 0 = off", min=0, max=MAX_STEPS)
+    batches: int = _key(
+        4, "global batches (train.global_batch samples each) per evaluation, the same samples each time",
+        min=1, max=2**20,
+    )  # fmt: skip
+    path: Optional[str] = _key(
+        None, "PREFIX of a held-out token file (as data.path); null: the data.split part of data.path, or for "
+        "synthetic data a stream of its own", path=True,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -356,6 +380,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "optim": OptimConfig,
     "data": DataConfig,
+    "eval": EvalConfig,
     "run": RunConfig,
     "checkpoint": CheckpointConfig,
 }
@@ -368,6 +393,7 @@ class Deck:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -556,6 +582,30 @@ def _validate(deck: Deck) -> None:
         )
     if deck.data.kind == "synthetic" and deck.data.path:
         raise DeckError("data.path", deck.data.path, "only used with data.kind = memmap")
+    _validate_goldfish_eval(deck)
+
+
+def _validate_goldfish_eval(deck: Deck) -> None:
+    """Goldfish's k and h against the sample; where evaluation reads its held-out data."""
+    tr, data, ev = deck.train, deck.data, deck.eval
+    if tr.goldfish_k == 1:
+        raise DeckError("train.goldfish_k", 1, "k = 1 would drop every target after the first h: use 0 (off) or >= 2")
+    if tr.goldfish_k and tr.goldfish_context >= deck.model.seq_len:
+        raise DeckError(
+            "train.goldfish_context", tr.goldfish_context, f"must be below model.seq_len = {deck.model.seq_len}: the "
+            f"first goldfish_context targets of a sample always count, so nothing would be dropped"
+        )  # fmt: skip
+    if data.split and data.kind != "memmap":
+        raise DeckError("data.split", data.split, "holds out documents of a token file: only with data.kind = memmap")
+    if data.split and ev.path:
+        raise DeckError(
+            "data.split", data.split, f"evaluation reads eval.path = {ev.path!r}: set data.split: 0 or eval.path: null"
+        )
+    if ev.every and data.kind == "memmap" and not ev.path and not data.split:
+        raise DeckError(
+            "eval.every", ev.every, "evaluation needs held-out data: set eval.path to a token file PREFIX, or "
+            "data.split (e.g. 0.05) to hold out the last documents of data.path"
+        )  # fmt: skip
 
 
 def _validate_arch(m: ModelConfig, par: ParallelConfig) -> None:

@@ -18,7 +18,7 @@ from app.errors import DeckError
 def check_paths(deck: Deck) -> None:
     """File-system checks of the deck's paths before a real run writes anything (rank 0, no MPI;
     creates nothing). run.dir and checkpoint.dir must be writable directories or creatable in
-    one; memmap's PREFIX.bin/.json/.idx.npy must be readable files (the data module checks
+    one; memmap's (and eval.path's) PREFIX.bin/.json/.idx.npy must be readable files (the data module checks
     their contents); a run.resume path must exist. Not part of the dry run, which plans on one
     machine for another.
     """
@@ -30,6 +30,9 @@ def check_paths(deck: Deck) -> None:
     if deck.data.kind == "memmap" and deck.data.path:
         for suffix in (".json", ".bin", ".idx.npy"):
             _check_data_file(deck.data.path, deck.data.path + suffix)
+    if deck.eval.path:
+        for suffix in (".json", ".bin", ".idx.npy"):
+            _check_data_file(deck.eval.path, deck.eval.path + suffix, "eval.path")
     resume = deck.run.resume
     if resume not in ("auto", "none") and not os.path.exists(resume):
         raise DeckError(
@@ -91,15 +94,15 @@ def _check_directory(key: str, path: str) -> None:
         raise DeckError(key, path, f"cannot be created: this user cannot write in {ancestor}; {fix}")
 
 
-def _check_data_file(prefix: str, path: str) -> None:
+def _check_data_file(prefix: str, path: str, key: str = "data.path") -> None:
     fix = "write PREFIX.bin/.json/.idx.npy with `python -m app.data.prepare TEXT... --out PREFIX`"
     try:
         found = _stat(path)
     except OSError as err:
-        raise DeckError("data.path", prefix, f"{path} cannot be used ({err.strerror}); {fix}") from None
+        raise DeckError(key, prefix, f"{path} cannot be used ({err.strerror}); {fix}") from None
     if found is None:
-        raise DeckError("data.path", prefix, f"{path} does not exist; {fix}")
+        raise DeckError(key, prefix, f"{path} does not exist; {fix}")
     if not stat.S_ISREG(found.st_mode):
-        raise DeckError("data.path", prefix, f"{path} is {_file_kind(found.st_mode)}, not a file; {fix}")
+        raise DeckError(key, prefix, f"{path} is {_file_kind(found.st_mode)}, not a file; {fix}")
     if not os.access(path, os.R_OK):
-        raise DeckError("data.path", prefix, f"{path} is not readable by this user")
+        raise DeckError(key, prefix, f"{path} is not readable by this user")

@@ -38,10 +38,12 @@ from app.data.memmap import MemmapTokens
 from app.deck import Deck
 from app.deck_paths import check_paths, offload_dir
 from app.errors import CheckpointError, GridlmError, NonFiniteError
+from app.eval import EvalResult, eval_dataset, eval_source, evaluate
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo
 from app.metrics.timers import StepTimers
-from app.model.gpt import GPT
+from app.model.goldfish import CountedTargets, goldfish_keep
+from app.model.gpt import GPT, Targets
 from app.names import reduce_precision, torch_dtype
 from app.optim.offload import offload_path
 from app.optim.optimizer import (
@@ -110,12 +112,27 @@ class Trainer:
     numbers to the report, and returns the summary (written to run.dir/summary.json by rank 0).
     """
 
-    def __init__(self, deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
+    def __init__(self, deck: Deck, runtime: Runtime, grid: ProcessGrid, evaluate_only: bool = False) -> None:
+        """`evaluate_only` (app.eval): a model to load a checkpoint into and evaluate; run.dir is left
+        alone (no lock, no deck.yaml) and the training data is not opened (it need not be here)."""
         self.deck, self.runtime, self.grid = deck, runtime, grid
         m, tr = deck.model, deck.train
         self.device = runtime.device
-        self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
-        self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
+        if evaluate_only:
+            self.run_dir, self.run_lock = Path(deck.run.dir or "runs/default"), None
+        else:
+            self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
+        # The held-out data (eval.every, app.eval).
+        self.eval_data = agree(runtime, lambda: eval_dataset(deck)) if deck.eval.every or evaluate_only else None
+        if evaluate_only:
+            assert self.eval_data is not None
+            self.dataset = self.eval_data  # never trained on: the sampler state of a checkpoint is all it meets
+        else:
+            self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
+        self.last_eval: Optional[EvalResult] = None
+        # Targets of the last step's loss (Goldfish drops some) and of this job's steps: (counted, all).
+        self.step_targets = (0, 0)
+        self.job_targets = [0, 0]
         par = deck.parallel
         self.timers = StepTimers(self.device, deck.run.timers, runtime.watchdog)
         self.tp: TensorParallel | Tensor3D
@@ -135,7 +152,7 @@ class Trainer:
             self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers, overlap=par.overlap_tp_comm)
             z, z_size, hidden = 0, 1, m.hidden
         self.z_size = z_size
-        data_rank = grid.coords["dp"] * z_size + z
+        self.data_rank = data_rank = grid.coords["dp"] * z_size + z
         self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, data_rank, grid.size("dp") * z_size)
         # Dropout masks differ between data ranks and stages, but not between the tp ranks of a
         # stage: their replicated activations (and so their replicated parameters) must stay equal.
@@ -196,6 +213,7 @@ class Trainer:
             micro_batches=self.sampler.num_micro_batches,
             dp_buckets=len(self.dp.buckets),
             zero_sharded=self.dp.zero,
+            eval_source=eval_source(deck) if self.eval_data is not None else None,
         )
         self.report = RunReport(deck, runtime, grid, self.run_dir, built)
 
@@ -232,6 +250,7 @@ class Trainer:
         # A token id out of range on one dp rank (DataError) must end every rank, not strand the
         # others in the first collective; synthetic data is in range by construction.
         batches = agree(self.runtime, read) if isinstance(self.dataset, MemmapTokens) else read()
+        batches = self._goldfish(batches) if self.deck.train.goldfish_k else self._count_all(batches)
         micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                          for x, y in batches]  # fmt: skip
         self.dp.start_step(len(micro_batches))
@@ -240,6 +259,44 @@ class Trainer:
             # 3D: the Z ranks' gradients are summed (reduce-scatter, `sp_group`), so each is 1/Z of the mean.
             scale = (self.scaler.scale if self.scaler else 1.0) / self.z_size
             return self.pipeline.run(self.model, micro_batches, scale)
+
+    def _count_all(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, Targets]]:
+        """No Goldfish: every target of the global batch counts (and the loss path is untouched)."""
+        every = self.deck.train.global_batch * self.deck.model.seq_len
+        self._note_targets(every, every)
+        return list(batches)
+
+    def _goldfish(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, Targets]]:
+        """train.goldfish_k: each micro-batch's targets with their loss weights (`CountedTargets`).
+
+        The mask is computed from the targets on the host (`goldfish_keep`); the number N of
+        counted targets of the whole global batch is summed over dp (and Z, which splits the
+        batch under 3D), and a counted target weighs M / N (M micro-batches in the global batch):
+        after the pipeline's mean over this rank's micro-batches and the dp (and Z) mean of the
+        gradients, the loss and its gradient are the mean over the N counted targets, as on 1 rank."""
+        tr = self.deck.train
+        keeps = [goldfish_keep(y, tr.goldfish_k, tr.goldfish_context) for _, y in batches]
+        count = torch.tensor(sum(int(keep.sum()) for keep in keeps), dtype=torch.int64, device=self.device)
+        self.grid.all_reduce(count, ("dp",))
+        if isinstance(self.tp, Tensor3D) and self.tp.z.size > 1:
+            count = self.tp.z.all_reduce(count)
+        counted = int(count)
+        self._note_targets(counted, tr.global_batch * self.deck.model.seq_len)
+        weight = self.sampler.num_micro_batches * self.grid.size("dp") * self.z_size / max(counted, 1)
+        return [(x, CountedTargets(y, keep.to(torch.float32) * weight)) for (x, y), keep in zip(batches, keeps)]
+
+    def _note_targets(self, counted: int, every: int) -> None:
+        self.step_targets = (counted, every)
+        self.job_targets[0] += counted
+        self.job_targets[1] += every
+
+    def evaluate(self) -> EvalResult:
+        """The validation loss now (eval.every's held-out data; collective), logged on rank 0."""
+        assert self.eval_data is not None
+        self.runtime.watchdog.at(step=self.steps_done, micro=0)
+        result = evaluate(self, self.eval_data)
+        self.last_eval = result
+        return result
 
     def update(self, lr: float, loss_sum: Optional[torch.Tensor] = None) -> float:
         """Finish the gradient reductions, check `loss_sum` (this rank's; None: unchecked) and the
@@ -410,6 +467,8 @@ class Trainer:
             resumed_from=self.resumed,
             interrupted=interrupted,
             checkpoints=self.checkpoints,
+            job_targets=(self.job_targets[0], self.job_targets[1]),
+            evaluated=self.last_eval,
         )
         return summary.to_dict()
 
@@ -441,7 +500,9 @@ class Trainer:
                 f"gridlm: warning: non-finite {describe_nonfinite(self.step_nonfinite)} at step {step}: step skipped, "
                 f"parameters unchanged ({self.guard.in_a_row} in a row; train.max_skipped = {deck.train.max_skipped})"
             )
-        if self.report.due(step):  # the same steps on every rank: global_loss is a collective
+        every = deck.eval.every
+        evaluated = self.evaluate() if every and (step % every == 0 or step == deck.train.steps) else None
+        if self.report.due(step) or evaluated:  # the same steps on every rank: global_loss is a collective
             fp16 = self.scaler
             self.report.log_step(
                 step,
@@ -451,6 +512,8 @@ class Trainer:
                 self.sampler.consumed_samples,
                 loss_scale=fp16.scale if fp16 else None,
                 skipped_steps=fp16.skipped if fp16 else None,
+                loss_tokens=self.step_targets[0],
+                evaluated=evaluated,
             )
 
     def _skip_bad_batch(self) -> None:

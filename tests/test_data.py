@@ -245,13 +245,13 @@ def test_sampler_rejects_bad_sizes(args):
 
 def test_build_dataset_and_get_batch_give_shifted_int64_tensors(dataset_prefix):
     model = SimpleNamespace(vocab_size=257, seq_len=8)
-    synth = build_dataset(SimpleNamespace(kind="synthetic", path=None, noise=0.0), model, seed=0)
+    synth = build_dataset(SimpleNamespace(kind="synthetic", path=None, noise=0.0, split=0.0), model, seed=0)
     assert isinstance(synth, SyntheticTokens)
     x, y = get_batch(synth, [0, 1, 2])
     assert x.shape == y.shape == (3, 8) and x.dtype == y.dtype == torch.int64
     assert x.is_contiguous() and y.is_contiguous() and x.device.type == "cpu"
     assert torch.equal(x[:, 1:], y[:, :-1])
-    mm = build_dataset(SimpleNamespace(kind="memmap", path=dataset_prefix, noise=0.0), model, 0)
+    mm = build_dataset(SimpleNamespace(kind="memmap", path=dataset_prefix, noise=0.0, split=0.0), model, 0)
     assert isinstance(mm, MemmapTokens)
     x, y = get_batch(mm, [0, 5])
     assert torch.equal(torch.cat([x[0], y[0, -1:]]), torch.from_numpy(mm.sample(0)))

@@ -27,7 +27,8 @@ measured errors were 2.3e-7 relative on the loss and 9.0e-6 absolute on a parame
 same tolerances hold.
 
 The same holds with the overlaps on or off, with ZeRO-1, -2 and -3, gradient accumulation 1 or 4,
-LAMB and recomputation (all exact rearrangements of the same fp32 arithmetic).
+LAMB and recomputation (all exact rearrangements of the same fp32 arithmetic), and with the Goldfish
+loss mask (the same targets dropped on every grid; the weighted sum regroups like the mean).
 
 Mixed precision (bf16, fp16 with loss scaling) is compared with the 1-rank run in the same
 precision (and gradient-reduction dtype). Rounding to 8 (bf16) or 11 (fp16) significant bits
@@ -69,7 +70,11 @@ TINY = (
 )  # fmt: skip
 OVERLAP_OFF = tuple(f"parallel.overlap_{k}=false" for k in ("grad_reduce", "param_gather", "tp_comm", "pp_comm"))
 # Keys the 1-rank reference shares with the case (the model and the update rule).
-REFERENCE_KEYS = ("model.", "optim.name", "train.precision", "train.grad_reduce_dtype", "train.loss_scale")
+REFERENCE_KEYS = (
+    "model.", "optim.name", "train.precision", "train.grad_reduce_dtype", "train.loss_scale", "train.goldfish",
+)  # fmt: skip
+# The Goldfish loss mask: k = 3 drops about a third of the targets after the first h = 4 of a sample.
+GOLDFISH = ("train.goldfish_k=3", "train.goldfish_context=4")
 
 
 class Case(NamedTuple):
@@ -185,6 +190,12 @@ CASES += [
     # same blocks on other ranks, so the same sums.
     t3d((2, 2, 2), 1, 1, MB4, "parallel.tensor_order=zyx"),
     t3d((2, 1, 2), 1, 2, "parallel.tensor_order=zxy", "optim.zero=1"),
+]  # fmt: skip
+# Goldfish: the mask comes from the targets before any split, and the loss is the mean over the
+# global batch's counted targets (their count summed over dp and Z): the same on every grid.
+CASES += [
+    Case(2, 1, 1, extra=GOLDFISH), Case(1, 2, 1, extra=GOLDFISH), Case(1, 1, 2, extra=GOLDFISH),
+    Case(2, 1, 2, sp=True, extra=GOLDFISH), t3d((2, 1, 2), 1, 2, *GOLDFISH),
 ]  # fmt: skip
 
 

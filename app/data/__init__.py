@@ -38,7 +38,8 @@ def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> SyntheticTokens |
                 "to the PREFIX written by `python -m app.data.prepare TEXT... "
                 "--out PREFIX`"
             )
-        return MemmapTokens(data_cfg.path, model_cfg.seq_len, model_cfg.vocab_size, seed)
+        # data.split: training reads only the documents before the held-out ones.
+        return MemmapTokens(data_cfg.path, model_cfg.seq_len, model_cfg.vocab_size, seed, data_cfg.split, "train")
     raise DataError(f"data.kind = {data_cfg.kind!r}: use synthetic or memmap")
 
 

@@ -14,6 +14,10 @@ Samples are non-overlapping windows of seq_len + 1 tokens starting at multiples 
 num_samples = (N - 1) // seq_len. Index i >= 0 wraps over epochs: epoch = i // num_samples, and
 each epoch visits the windows in a permutation seeded by (seed, epoch).
 
+`data.split` = f holds out the last ceil(f x D) documents for validation (`split_point`): the
+"train" part reads windows of the tokens before the first held-out document only, the "val"
+part windows of the tokens from it on, so no window of one part reads a token of the other.
+
 Token ids must be < model.vocab_size (the embedding's rows). Three checks, cheapest first:
 the recorded `max_token_id` at open; at open, a fixed sample of the .bin (`sample_ranges`:
 evenly spaced chunks of ~1M tokens in all, the whole file when smaller), which is the only
@@ -25,6 +29,7 @@ DataError naming the file, the id and the fix.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -83,14 +88,25 @@ def load_metadata(prefix: str) -> dict:
     return meta
 
 
+def split_point(doc_offsets: np.ndarray, fraction: float) -> int:
+    """The first token of the held-out documents: the last ceil(fraction x D) of the D documents
+    (at least one when fraction > 0); the number of tokens when fraction is 0."""
+    documents = len(doc_offsets) - 1
+    held_out = math.ceil(fraction * documents) if fraction > 0 else 0
+    return int(doc_offsets[documents - min(held_out, documents)])
+
+
 class MemmapTokens:
     """Token windows from PREFIX.bin; `sample(index)` -> int64 array of shape (seq_len + 1,).
 
     `vocab_size` is the file's (its tokenizer's), `model_vocab_size` the deck's: every id
-    must be below the latter.
+    must be below the latter. `split` > 0: only the "train" or "val" `part` of the file
+    (module docstring).
     """
 
-    def __init__(self, prefix: str, seq_len: int, vocab_size: int, seed: int) -> None:
+    def __init__(
+        self, prefix: str, seq_len: int, vocab_size: int, seed: int, split: float = 0.0, part: str = "train"
+    ) -> None:
         self.prefix, self.seq_len, self.seed = prefix, seq_len, seed
         self.model_vocab_size = vocab_size
         meta = load_metadata(prefix)
@@ -143,7 +159,20 @@ class MemmapTokens:
 
         self.doc_offsets = idx.astype(np.int64)
         self.tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
-        self.num_samples = (n - 1) // seq_len
+        if part not in ("train", "val"):
+            raise ValueError(f"part must be train or val, got {part!r}")
+        boundary = split_point(self.doc_offsets, split)
+        self.split, self.part = split, part
+        # This part's tokens [start, stop): windows never cross `boundary`.
+        self.start, self.stop = (0, boundary) if part == "train" else (boundary, n)
+        self.num_samples = (self.stop - self.start - 1) // seq_len
+        if split and self.num_samples < 1:
+            held = len(idx) - 1 - int(np.searchsorted(self.doc_offsets, boundary))
+            raise DataError(
+                f"data.split = {split} of {prefix} leaves its {part} part {self.stop - self.start} tokens "
+                f"({held} of {meta['num_documents']} documents held out), fewer than model.seq_len + 1 = "
+                f"{seq_len + 1}; fix: choose a data.split that leaves both parts a window, or set eval.path"
+            )
         self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)  # this epoch's window order
         self._check_ids()
 
@@ -180,7 +209,7 @@ class MemmapTokens:
             return
         row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
         top, index = int(tokens[row, col]), int(indices[row])
-        at = self.window_of(index) * self.seq_len + int(col)
+        at = self.start + self.window_of(index) * self.seq_len + int(col)
         v = self.model_vocab_size
         raise DataError(
             f"data file {self.prefix}.bin holds token id {top} at token {at} (sample {index}) but "
@@ -189,8 +218,9 @@ class MemmapTokens:
         )
 
     def window(self, w: int) -> np.ndarray:
-        """Window w in file order: tokens [w * seq_len, w * seq_len + seq_len + 1) as int64."""
-        start = w * self.seq_len
+        """Window w of this part in file order: tokens [w * seq_len, w * seq_len + seq_len + 1) from the
+        part's start, as int64."""
+        start = self.start + w * self.seq_len
         return np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def window_of(self, index: int) -> int:
@@ -210,5 +240,6 @@ class MemmapTokens:
     def __repr__(self) -> str:
         return (
             f"MemmapTokens({self.prefix!r}, seq_len={self.seq_len}, "
-            f"num_tokens={len(self.tokens)}, num_samples={self.num_samples})"
+            f"num_tokens={len(self.tokens)}, num_samples={self.num_samples}"
+            + (f", split={self.split}, part={self.part!r})" if self.split else ")")
         )

@@ -1,9 +1,9 @@
 """Run reports: the per-step log line, `metrics.jsonl` and `summary.json` (rank 0 writes).
 
 Output contract (later tools read these):
-  metrics.jsonl — one object per logged step: step, loss, lr, step_time_s, tokens_per_s,
-                  tflops_per_rank, mfu (null when the device peak is unknown), grad_norm,
-                  consumed_samples.
+  metrics.jsonl — one object per logged step: step, loss, loss_tokens, lr, step_time_s,
+                  tokens_per_s, tflops_per_rank, mfu (null when the device peak is unknown),
+                  grad_norm, consumed_samples; val_loss and val_perplexity at an evaluation.
   summary.json  — the keys of `app/metrics/summary.Summary`, in its order (README's table).
 Both are strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as
 null and its key is listed in the object's `nonfinite` (`strict_json`).
@@ -88,6 +88,8 @@ TB_SCALARS = {
     "tflops_per_rank": "perf/model_tflops_per_gpu",
     "hw_tflops_per_rank": "perf/hardware_tflops_per_gpu",
     "mfu": "perf/mfu",
+    "val_loss": "eval/loss",
+    "val_perplexity": "eval/perplexity",
 }
 
 
@@ -140,15 +142,22 @@ class TensorBoardWriter:
             self.writer.close()
 
 
-def format_line(r: dict[str, Any], steps: int) -> str:
-    """The log line of a record (non-finite numbers print as nan / inf)."""
+def format_line(r: dict[str, Any], steps: int, targets: Optional[int] = None) -> str:
+    """The log line of a record (non-finite numbers print as nan / inf). `targets`: the targets of a
+    step's loss when Goldfish drops some (the line then says how many counted)."""
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     loss = "n/a" if r["loss"] is None else f"{r['loss']:.4f}"
+    if targets is not None and r.get("loss_tokens") is not None:
+        loss += f" on {r['loss_tokens']:,}/{targets:,} targets"
     gnorm = "n/a" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
+    val = ""
+    if "val_loss" in r:
+        v, ppl = r["val_loss"], r["val_perplexity"]
+        val = f" | val loss {'n/a' if v is None else f'{v:.4f}'} ppl {'n/a' if ppl is None else f'{ppl:.2f}'}"
     return (
         f"step {r['step']:>{len(str(steps))}}/{steps} | loss {loss} | lr {r['lr']:.2e} | "
         f"{r['step_time_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "
-        f"{r['tflops_per_rank']:.3f} TFLOP/s/rank | mfu {mfu} | gnorm {gnorm}"
+        f"{r['tflops_per_rank']:.3f} TFLOP/s/rank | mfu {mfu} | gnorm {gnorm}{val}"
     )
 
 

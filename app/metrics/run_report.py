@@ -11,7 +11,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -27,11 +27,23 @@ from app.metrics.report import (
     versions,
     write_summary,
 )
-from app.metrics.summary import CheckpointInfo, GridInfo, PipelineInfo, StudyInfo, Summary, TimersInfo
+from app.metrics.summary import (
+    CheckpointInfo,
+    EvalInfo,
+    GoldfishInfo,
+    GridInfo,
+    PipelineInfo,
+    StudyInfo,
+    Summary,
+    TimersInfo,
+)
 from app.metrics.timers import PHASES
 from app.names import AXES, SCHEDULES, TP_SUB_AXES, reduce_precision, schedule_key
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, on_root
+
+if TYPE_CHECKING:
+    from app.eval import EvalResult
 
 OVERLAP_KEYS = (
     "overlap_grad_reduce",
@@ -72,6 +84,7 @@ class Built:
     micro_batches: int  # per dp rank and step
     dp_buckets: int
     zero_sharded: bool  # ZeRO in effect (optim.zero >= 1 and dp > 1)
+    eval_source: Optional[str] = None  # where eval.every's held-out data comes from (None: no evaluation)
 
 
 def mean_timings(timings: list[dict[str, Any]]) -> TimersInfo:
@@ -141,6 +154,18 @@ class RunReport:
             f"{zero} | recompute {tr.recompute} | {built.dp_buckets} dp bucket(s) "
             f"of <= {par.dp_bucket_mb:g} MB | overlap: {overlaps}"
         )
+        if tr.goldfish_k:
+            h = tr.goldfish_context
+            rt.log(
+                f"gridlm: goldfish loss k={tr.goldfish_k} h={h}: a target is left out of the loss when the hash of "
+                f"the {h} targets before it is 0 mod {tr.goldfish_k} (the first {h} of a sample always count)"
+            )
+        if built.eval_source is not None:
+            ev = deck.eval
+            rt.log(
+                f"gridlm: evaluation every {ev.every} steps and after the last: {ev.batches} x {tr.global_batch} "
+                f"samples of {built.eval_source}"
+            )
         for warning in placement_warnings(grid.within_node, rt.ranks_per_node, par.gpus_per_node):
             rt.log(f"gridlm: warning: {warning}")
         if self.peak is None:
@@ -180,15 +205,19 @@ class RunReport:
         consumed_samples: int,
         loss_scale: Optional[float] = None,
         skipped_steps: Optional[int] = None,
+        loss_tokens: Optional[int] = None,
+        evaluated: Optional[EvalResult] = None,
     ) -> dict[str, Any]:
-        """The record of the step just `timed` (`loss`: the global-batch mean; `loss_scale` and
-        `skipped_steps` under fp16): metrics.jsonl, TensorBoard and the log line."""
+        """The record of the step just `timed` (`loss`: the global-batch mean over its `loss_tokens`
+        counted targets; `loss_scale` and `skipped_steps` under fp16; `evaluated`: the evaluation
+        after it): metrics.jsonl, TensorBoard and the log line."""
         step_time, world = self.step_times[-1], self.runtime.world_size
         tflops = self.flops_per_step / step_time / world / 1e12
         hw_tflops = self.hardware_flops_per_step / step_time / world / 1e12
         record: dict[str, Any] = {
             "step": step,
             "loss": loss,
+            "loss_tokens": self.tokens_per_step if loss_tokens is None else loss_tokens,
             "lr": lr,
             "step_time_s": step_time,
             "tokens_per_s": self.tokens_per_step / step_time,
@@ -201,10 +230,13 @@ class RunReport:
         if loss_scale is not None:
             record["loss_scale"] = loss_scale
             record["skipped_steps"] = skipped_steps
+        if evaluated is not None:
+            record["val_loss"], record["val_perplexity"] = evaluated.loss, evaluated.perplexity
         if self.deck.run.timers:
             record.update(self.timings[-1])  # rank 0's phase and communication seconds this step
         self.writer.write(record)
-        self.runtime.log(format_line(record, self.deck.train.steps))
+        goldfish = self.tokens_per_step if self.deck.train.goldfish_k else None
+        self.runtime.log(format_line(record, self.deck.train.steps, goldfish))
         self.records.append(record)
         self.board.write(record)
         return record
@@ -235,9 +267,12 @@ class RunReport:
         resumed_from: Optional[dict[str, Any]],
         interrupted: Optional[str],
         checkpoints: list[CheckpointInfo],
+        job_targets: tuple[int, int] = (0, 0),
+        evaluated: Optional[EvalResult] = None,
     ) -> Summary:
         """The summary (every rank), written to run.dir/summary.json and told in the end-of-run
-        lines by rank 0. `memory_bytes`: this rank's parameter, gradient and optimizer state."""
+        lines by rank 0. `memory_bytes`: this rank's parameter, gradient and optimizer state;
+        `job_targets`: (counted, all) targets of this job's steps; `evaluated`: the last evaluation."""
         self.board.close()
         deck, rt, tr, par, built = self.deck, self.runtime, self.deck.train, self.deck.parallel, self.built
         mean_time, std_time, skipped = mean_step_time(self.step_times, deck.run.timing_warmup)
@@ -301,6 +336,16 @@ class RunReport:
             hfu=None if self.peak is None else hw_tflops_per_rank / self.peak,
             initial_loss=self.records[0]["loss"] if self.records else None,
             final_loss=self.records[-1]["loss"] if self.records else None,
+            goldfish=None
+            if not tr.goldfish_k
+            else GoldfishInfo(
+                k=tr.goldfish_k,
+                context=tr.goldfish_context,
+                counted_targets=job_targets[0],
+                targets=job_targets[1],
+                counted_fraction=job_targets[0] / max(job_targets[1], 1),
+            ),
+            eval=None if evaluated is None else EvalInfo(**evaluated.record()),  # type: ignore[typeddict-item]
             consumed_samples=consumed_samples,
             torch_threads=torch.get_num_threads(),
             versions=versions(),
@@ -319,8 +364,17 @@ class RunReport:
         mfu = "n/a" if s.mfu is None else f"{100 * s.mfu:.1f}%"
         first, last = ("n/a" if x is None else f"{x:.4f}" for x in (s.initial_loss, s.final_loss))
         nonfinite = f" | {s.nonfinite_steps} non-finite step(s), {s.rollbacks} rollback(s)"
+        extra = ""
+        if s.goldfish is not None:
+            g = s.goldfish
+            extra += (
+                f" | goldfish k={g['k']} h={g['context']}: {g['counted_targets']:,} of {g['targets']:,} targets "
+                f"counted ({100 * g['counted_fraction']:.1f}%)"
+            )
+        if s.eval is not None:
+            extra += f" | val loss {s.eval['loss']:.4f} ppl {s.eval['perplexity']:.2f} (step {s.eval['step']})"
         rt.log(
-            f"gridlm: done | loss {first} -> {last}{nonfinite if s.nonfinite_steps else ''} | "
+            f"gridlm: done | loss {first} -> {last}{nonfinite if s.nonfinite_steps else ''}{extra} | "
             f"step {s.step_time_s * 1e3:.1f} ms (mean after {s.timing_warmup_steps} warm-up) | "
             f"{s.tokens_per_s:,.0f} tok/s | {s.tflops_per_rank:.3f} TFLOP/s/rank | "
             f"{s.aggregate_tflops:.3f} TFLOP/s total | mfu {mfu} | {path}"

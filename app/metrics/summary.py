@@ -59,6 +59,28 @@ class CheckpointInfo(TypedDict):
     reason: str  # "every N steps", "end of training", a signal's name
 
 
+class GoldfishInfo(TypedDict):
+    """train.goldfish_k: the targets this job's steps counted in the loss, of all their targets."""
+
+    k: int
+    context: int
+    counted_targets: int
+    targets: int
+    counted_fraction: float
+
+
+class EvalInfo(TypedDict):
+    """The last evaluation (eval.every): mean validation loss over `tokens` targets (app/eval)."""
+
+    step: int
+    loss: float
+    perplexity: float
+    samples: int
+    tokens: int
+    seconds: float
+    source: str
+
+
 # The keys postprocess/scaling.py cannot make a row without.
 REQUIRED_KEYS = (
     "world_size", "nodes", "grid", "tokens_per_step", "step_time_s", "step_time_std_s", "tokens_per_s",
@@ -117,6 +139,8 @@ class Summary:
     hfu: Optional[float]
     initial_loss: Optional[float]
     final_loss: Optional[float]
+    goldfish: Optional[GoldfishInfo]  # None: train.goldfish_k = 0
+    eval: Optional[EvalInfo]  # None: no evaluation ran
     consumed_samples: Optional[int]
     torch_threads: Optional[int]
     versions: Optional[dict[str, Union[str, bool, None]]]

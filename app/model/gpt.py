@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from app.deck import ModelConfig
+from app.model.goldfish import CountedTargets
 from app.model.init import ParamMeta, init_parameters
 from app.names import RECOMPUTE
 from app.tensor_parallel.layers import (
@@ -65,6 +66,8 @@ from app.tensor_parallel.tensor3d import (
 )
 
 SINGLE = TensorParallel()
+# A micro-batch's targets: (B, S) ids (every position counts equally), or ids with loss weights.
+Targets = Union[torch.Tensor, CountedTargets]
 
 
 class ParamGate(Protocol):
@@ -327,10 +330,14 @@ class GPT(nn.Module):
         self._exit("embed")
         return x
 
-    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def head_loss(self, x: torch.Tensor, targets: Targets) -> torch.Tensor:
         """Final LayerNorm, vocab-parallel head and mean cross-entropy over the (B, S) positions
-        (3D: the vocabulary is split over Y)."""
+        (3D: the vocabulary is split over Y); for `CountedTargets` (Goldfish) the weighted sum
+        sum(weights x CE) instead."""
         vocab_axis = self.tp.y if isinstance(self.tp, Tensor3D) else self.tp
+        if isinstance(targets, CountedTargets):
+            per_token = vocab_parallel_cross_entropy(self._logits(x), targets.ids, vocab_axis, reduction="none")
+            return (per_token * targets.weights).sum()
         return vocab_parallel_cross_entropy(self._logits(x), targets, vocab_axis)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,7 +356,7 @@ class GPT(nn.Module):
         layers: Iterable[int],
         first: bool,
         last: bool,
-        targets: Optional[torch.Tensor] = None,
+        targets: Optional[Targets] = None,
     ) -> torch.Tensor:
         """Run one pipeline chunk: [embedding] -> blocks `layers` -> [head and loss]."""
         if self.gate is not None:
@@ -376,7 +383,7 @@ class GPT(nn.Module):
         self._check_whole()
         return self._logits(self.forward_chunk(tokens, range(self.cfg.layers), True, False))
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, tokens: torch.Tensor, targets: Targets) -> torch.Tensor:
         """Mean next-token cross-entropy over the B x S positions (the whole model is here)."""
         self._check_whole()
         return self.forward_chunk(tokens, range(self.cfg.layers), True, True, targets)

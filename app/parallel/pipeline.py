@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from app.metrics.timers import StepTimers, comm_region, launch, wait
-from app.model.gpt import GPT
+from app.model.gpt import GPT, Targets
 from app.parallel.schedule import Action, Message, build_schedule, messages
 from app.runtime.grid import ProcessGrid
 
@@ -117,7 +117,7 @@ class Pipeline:
         return None if send is None else self._group(send.kind, self.stage)
 
     def run(
-        self, model: GPT, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float = 1.0
+        self, model: GPT, micro_batches: Sequence[tuple[torch.Tensor, Targets]], loss_scale: float = 1.0
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch through this stage's chunks.
 
@@ -182,6 +182,38 @@ class Pipeline:
         with comm_region(self.timers, "pp", "wait for isends") if sends else nullcontext():
             for work, _ in sends:
                 work.wait()
+        return loss_sum
+
+    def evaluate(self, model: GPT, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward passes only, without autograd (evaluation): every micro-batch through this
+        stage's chunks, micro-batch by micro-batch and each through the chunks in order, so that
+        every pass waits only for an earlier one (no deadlock, no schedule needed). Returns the
+        sum of the micro-batch mean losses / n on the last stage, zero elsewhere."""
+        n = len(micro_batches)
+        last_chunk = self.pp * self.virtual - 1
+        dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+        loss_sum = torch.zeros((), device=device)
+        sends: list[tuple[Any, torch.Tensor]] = []
+        with torch.no_grad():
+            for micro, (tokens, targets) in enumerate(micro_batches):
+                for virtual in range(self.virtual):
+                    action = Action("F", micro, virtual)
+                    recv, send = self._messages(action)
+                    chunk = self._chunk(action)
+                    if recv is None:
+                        x = tokens
+                    else:
+                        pending, x = self._post_recv(recv.kind, recv.route(self.pp)[0], dtype, device)
+                        wait(self.timers, pending)
+                    last = chunk == last_chunk
+                    out = model.forward_chunk(x, self.chunks[chunk], chunk == 0, last, targets if last else None)
+                    if send is None:
+                        loss_sum += out.float() / n
+                    else:
+                        self._send(send.kind, out, send.route(self.pp)[1], sends)
+            with comm_region(self.timers, "pp", "wait for isends") if sends else nullcontext():
+                for work, _ in sends:
+                    work.wait()
         return loss_sum
 
     def _phase(self, name: str) -> Any:

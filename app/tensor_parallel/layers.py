@@ -222,8 +222,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits.mul_(grad.unsqueeze(-1)), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Mean cross-entropy over all positions; `logits` (B, S, V / tp) hold this rank's vocab rows."""
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel, reduction: str = "mean"
+) -> torch.Tensor:
+    """Mean cross-entropy over all positions (`reduction` "none": per position, (B, S));
+    `logits` (B, S, V / tp) hold this rank's vocab rows."""
     if tp.size == 1:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-    return _VocabParallelCrossEntropy.apply(logits, targets, tp).mean()
+        flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction=reduction)
+        return flat if reduction == "mean" else flat.view(targets.shape)
+    per_token = _VocabParallelCrossEntropy.apply(logits, targets, tp)
+    return per_token.mean() if reduction == "mean" else per_token

@@ -1,0 +1,133 @@
+"""Evaluation: the validation loss of the model as it is, on held-out data, on any grid.
+
+The held-out data (`eval_dataset`) is eval.path's token file, else the data.split part of
+data.path (its last documents, which training never reads), else, for synthetic data, a
+synthetic stream of its own seed. An evaluation reads eval.batches global batches of
+train.global_batch samples, samples 0, 1, ... of that dataset every time (so evaluations at
+different steps are comparable), split over the data ranks like a training batch
+(`GlobalBatchSampler`), and runs them forward only through the pipeline (`Pipeline.evaluate`:
+no autograd, no optimizer, dropout off). Every target counts (Goldfish is a training loss
+mask, not part of the measure). The result is the mean cross-entropy over all
+eval.batches x global_batch x seq_len targets, reduced like the training loss
+(`app.train.global_loss`), so it is the 1-rank value on every grid.
+
+`python -m app.eval DECK --checkpoint CKPT` (`app/eval/__main__.py`) runs it on a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from app.data import GlobalBatchSampler, MemmapTokens, SyntheticTokens, get_batch
+from app.deck import Deck
+from app.errors import DataError
+from app.runtime.mpi import agree
+
+if TYPE_CHECKING:
+    from app.train import Trainer
+
+# Synthetic data's held-out stream: the training seed plus this (samples are pure functions of
+# (seed, index), so another seed is another set of sequences of the same rule).
+SYNTHETIC_EVAL_SEED_OFFSET = 0x5EED_E7A1
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation: the mean validation loss over `tokens` targets and its perplexity."""
+
+    step: int
+    loss: float
+    perplexity: float
+    samples: int
+    tokens: int
+    seconds: float
+    source: str
+
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl / summary.json form."""
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "perplexity": self.perplexity,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "source": self.source,
+        }
+
+
+def eval_source(deck: Deck) -> str:
+    """Where the held-out data comes from, in words (the log and summary.json)."""
+    if deck.eval.path:
+        return f"eval.path {deck.eval.path}"
+    if deck.data.split:
+        return f"the last {deck.data.split:g} of the documents of {deck.data.path} (data.split)"
+    if deck.data.kind == "synthetic":
+        return f"synthetic, seed train.seed + {SYNTHETIC_EVAL_SEED_OFFSET:#x}"
+    raise DataError(
+        "evaluation needs held-out data: set eval.path to a token file PREFIX, or data.split (e.g. 0.05) to "
+        "hold out the last documents of data.path"
+    )
+
+
+def eval_dataset(deck: Deck) -> SyntheticTokens | MemmapTokens:
+    """The held-out dataset (module docstring); DataError naming the key when there is none."""
+    m, seed = deck.model, deck.train.seed
+    eval_source(deck)  # raises if there is no held-out data
+    if deck.eval.path:
+        try:
+            return MemmapTokens(deck.eval.path, m.seq_len, m.vocab_size, seed)
+        except DataError as err:  # its message names data.path's fix; this file is eval.path's
+            raise DataError(
+                f"eval.path = {deck.eval.path!r}: {err}".replace("set data.path", "set eval.path")
+            ) from None
+    if deck.data.split:
+        assert deck.data.path is not None  # the deck checks: data.split needs memmap, which needs a path
+        return MemmapTokens(deck.data.path, m.seq_len, m.vocab_size, seed, deck.data.split, "val")
+    return SyntheticTokens(m.vocab_size, m.seq_len, seed + SYNTHETIC_EVAL_SEED_OFFSET, deck.data.noise)
+
+
+def evaluate(trainer: Trainer, dataset: SyntheticTokens | MemmapTokens) -> EvalResult:
+    """The validation loss of `trainer`'s model now (collective: every rank of the grid)."""
+    from app.train import global_loss
+
+    deck, rt = trainer.deck, trainer.runtime
+    tr = deck.train
+    t0 = time.perf_counter()
+    data_ranks = trainer.grid.size("dp") * trainer.z_size
+    sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, trainer.data_rank, data_ranks)
+    device = trainer.device
+    total = torch.zeros((), device=device)
+    was_training = trainer.model.training
+    trainer.model.eval()  # no dropout
+    try:
+        for _ in range(deck.eval.batches):
+            indices = sampler.next_step()
+
+            def read(indices: list[list[int]] = indices) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                return [get_batch(dataset, i) for i in indices]
+
+            # An id out of range on one rank (DataError) ends every rank together.
+            batches = agree(rt, read) if isinstance(dataset, MemmapTokens) else read()
+            micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
+            total += trainer.pipeline.evaluate(trainer.model, micro)
+    finally:
+        trainer.model.train(was_training)
+        trainer.dp.wait_params()  # ZeRO-3: nothing gathered left behind
+        trainer.timers.pop()  # evaluation's communication is not the next step's
+    loss = global_loss(total, trainer.grid, trainer.tp) / deck.eval.batches
+    samples = deck.eval.batches * tr.global_batch
+    return EvalResult(
+        step=trainer.steps_done,
+        loss=loss,
+        perplexity=math.exp(loss) if loss < 700 else math.inf,
+        samples=samples,
+        tokens=samples * deck.model.seq_len,
+        seconds=time.perf_counter() - t0,
+        source=eval_source(deck),
+    )

@@ -1,0 +1,127 @@
+"""`python -m app.eval DECK --checkpoint CKPT [--set section.key=value ...] [--out FILE]`: the
+validation loss of a checkpoint, on any grid.
+
+Launch it like training (one rank, or under srun / mpirun / mpiexec on any grid the deck and
+the world size allow): the checkpoint loads resharded onto this grid as a resume does
+(`app/checkpoint/io.load`), then `app.eval.evaluate` runs eval.batches global batches of the
+held-out data (eval.path, data.split or synthetic) forward only. Rank 0 prints one line and
+writes the result as JSON to --out (default `<run.dir>/eval/step_NNNNNNN.json`). The exit status
+and the error contract are those of `python -m app` (`app/job.py`): 2 for a user mistake (a bad
+deck, no held-out data, a missing or corrupt checkpoint or data file), printed once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from app.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from app.deck import Deck
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.eval",
+        description="Evaluate a checkpoint's validation loss on held-out data, on any grid (launch like training).",
+        epilog="Example: mpirun -n 4 python -m app.eval inputs/gpt_tiny.yaml --checkpoint runs/gpt_tiny/checkpoints",
+    )
+    parser.add_argument("deck", help="the YAML input deck of the run (its model, eval and data sections)")
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="CKPT", help="a checkpoint file (.h5), or a directory: its `latest`"
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one deck key (repeatable), e.g. --set eval.batches=8 --set parallel.tp=2",
+    )  # fmt: skip
+    parser.add_argument("--out", metavar="FILE", help="where to write the result (default <run.dir>/eval/step_N.json)")
+    return parser.parse_args(argv)
+
+
+def checkpoint_file(given: str) -> Path:
+    """The checkpoint --checkpoint names (a directory: the one its `latest` names)."""
+    from app.checkpoint.store import read_latest
+
+    path = Path(given)
+    if path.is_dir():
+        latest = read_latest(path)
+        if latest is None:
+            raise CheckpointError(f"--checkpoint {given}: a directory without a `latest` checkpoint pointer")
+        return latest
+    if path.name.endswith(".tmp"):
+        raise CheckpointError(f"--checkpoint {given}: an uncommitted checkpoint (its write never finished)")
+    if not path.is_file():
+        raise CheckpointError(f"--checkpoint {given}: no such file; give a checkpoint file (.h5) or directory")
+    return path
+
+
+def evaluate_checkpoint(
+    deck: Deck, runtime: Runtime, grid: ProcessGrid, given: str, out: Optional[str]
+) -> dict[str, Any]:
+    """Load `given` onto this grid and evaluate it (every rank); rank 0 prints and writes the result."""
+    from app.checkpoint.io import load
+    from app.eval import evaluate
+    from app.runtime.mpi import on_root
+    from app.train import Trainer
+
+    # The held-out data is opened first: its mistakes are the deck's, found before any file is read.
+    trainer = Trainer(deck, runtime, grid, evaluate_only=True)
+    try:
+        path = on_root(runtime, lambda: checkpoint_file(given))
+        info = load(trainer, path)
+        assert trainer.eval_data is not None
+        result = evaluate(trainer, trainer.eval_data)
+    finally:
+        trainer.close()
+    g = info["grid"]
+    record = {
+        "checkpoint": str(path),
+        **result.record(),
+        "grid": grid.describe(),
+        "written_on": g,
+        "resharded": info["resharded"],
+        "deck_eval": deck.to_dict()["eval"],
+    }
+    target = Path(out) if out else Path(deck.run.dir or "runs/default") / "eval" / f"step_{result.step:07d}.json"
+
+    def write() -> None:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            tmp.replace(target)
+        except OSError as err:
+            raise CheckpointError(f"cannot write the evaluation to {target}: {err.strerror}; pass --out FILE") from None
+
+    on_root(runtime, write)
+    runtime.log(
+        f"gridlm: eval | {path} (step {result.step}, written on tp={g['tp']} pp={g['pp']} dp={g['dp']}"
+        f"{', resharded to this grid' if info['resharded'] else ''}) | val loss {result.loss:.4f} | "
+        f"ppl {result.perplexity:.2f} | {result.samples:,} samples, {result.tokens:,} targets from "
+        f"{result.source} | {result.seconds:.2f} s | {target}"
+    )
+    return record
+
+
+def run(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    from app.job import run_job
+
+    def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
+        evaluate_checkpoint(deck, runtime, grid, args.checkpoint, args.out)
+
+    return run_job(args.deck, tuple(args.overrides), body)
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

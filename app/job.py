@@ -1,0 +1,82 @@
+"""One MPI job of gridlm, from the deck to a status: the start-up order and the error contract.
+
+`run_job(DECK, overrides, body)` reads and resolves the deck on every rank (`agree`), starts
+the watchdog, binds the device, sets threads and the malloc threshold, bootstraps
+torch.distributed, builds the `ProcessGrid` and runs `body(deck, runtime, grid)`: training
+(`python -m app`) or evaluation (`python -m app.eval`). A user mistake (`GridlmError`) is
+printed once by rank 0 and every rank returns its `exit_code`; a lost peer is named and the
+job aborted (4); any other exception is a bug: its traceback, then MPI_Abort(1), so no rank is
+left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from contextlib import suppress
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from app.deck import Deck
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
+
+
+def run_job(deck_path: str, overrides: tuple[str, ...], body: Callable[[Deck, Runtime, ProcessGrid], None]) -> int:
+    """Start the job, run `body` on every rank, shut down; the exit status (module docstring)."""
+    from app.deck import load_deck, resolve_for_world
+    from app.errors import GridlmError
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import (
+        abort,
+        agree,
+        bind_device,
+        init_mpi,
+        init_torch_distributed,
+        set_malloc_mmap_threshold,
+        set_threads,
+        shutdown,
+    )
+    from app.runtime.watchdog import EXIT_CODE as WATCHDOG_EXIT
+    from app.runtime.watchdog import start_watchdog
+
+    runtime = init_mpi()
+    try:
+        deck = agree(runtime, lambda: resolve_for_world(load_deck(deck_path, overrides), runtime.world_size))
+        # From here on no rank waits forever: a blocked call past run.comm_timeout_s aborts the job.
+        start_watchdog(runtime, deck.run.comm_timeout_s)
+        agree(runtime, lambda: bind_device(runtime, deck.run.device))
+        set_threads(runtime, deck.run.threads)
+        set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)
+        # torch's own timeout comes after the watchdog's, which names the operation and the ranks.
+        timeout = deck.run.comm_timeout_s + 60
+        agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout))
+        runtime.watchdog.attach_store(*runtime.store_address)
+        par = deck.parallel
+        grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order)
+        body(deck, runtime, grid)
+        runtime.watchdog.stop()
+        shutdown(runtime)
+        return 0
+    except GridlmError as err:
+        # Raised on every rank alike (see `agree`): one message, the same status everywhere.
+        if runtime.is_root:
+            print(f"gridlm: {err}", file=sys.stderr, flush=True)
+        # Join torch's communication threads before Python finalises: a gloo thread that
+        # releases a tensor (or runs a completion callback) during finalisation aborts the
+        # process (SIGABRT, status 134 instead of this error's). Still watched: it waits on peers.
+        with suppress(Exception), runtime.watchdog.blocking("destroy_process_group"):
+            shutdown(runtime)
+        runtime.watchdog.stop()
+        return err.exit_code
+    except KeyboardInterrupt:
+        abort(runtime, 130)
+    except BaseException as err:
+        lost = runtime.watchdog.explain(err)
+        if lost is not None:  # a peer died or its link broke: not a bug, name it and end the job
+            print(lost, file=sys.stderr, flush=True)
+            abort(runtime, WATCHDOG_EXIT)
+        print(f"gridlm: rank {runtime.rank}: internal error, aborting the job", file=sys.stderr)
+        traceback.print_exc()
+        abort(runtime, 1)
+    return 1

@@ -1,0 +1,233 @@
+"""Evaluation (app/eval): held-out data kept apart from training (data.split), the validation loss
+equal on 1 rank and on grids, `python -m app.eval` on a checkpoint equal to the in-training value,
+and the mistakes it refuses.
+
+Tolerance of the grid comparisons (fp32): evaluation is the forward pass of training, so its
+values differ between grids only by the summation order of tp's partial sums and the softmax
+denominator over vocab shards (~1e-7 relative), after a few training steps that differ by the
+same (tests/test_parallel_equivalence.py measured 1.2e-7 relative on the loss); we allow 1e-5
+relative, as that file does. A wrong shard or a missing micro-batch moves the loss at the 1e-3
+level."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from test_goldfish import write_tokens
+from test_parallel_equivalence import TINY, Case, t3d
+
+from app.data.memmap import MemmapTokens, split_point
+from app.deck import load_deck, resolve_for_world
+from app.errors import DataError, DeckError
+from app.eval import evaluate
+from app.runtime.grid import ProcessGrid
+from app.train import Trainer
+from conftest import REPO, grid_trainer, read_metrics, run_mpi, settle, train_steps
+
+EVAL_RTOL = 1e-5
+STEPS = 3
+
+
+def documents(n: int, seed: int = 0) -> list[list[int]]:
+    """n byte-level documents of 20 to 120 tokens, each a different length."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=20 + 7 * i % 100).tolist() for i in range(n)]
+
+
+# ---- data.split: train and validation are disjoint ----
+
+
+def test_data_split_keeps_train_and_validation_apart(tmp_path):
+    prefix = str(tmp_path / "docs")
+    docs = documents(40)
+    write_tokens(prefix, docs)
+    seq = 8
+    train = MemmapTokens(prefix, seq, 257, seed=1, split=0.1, part="train")
+    val = MemmapTokens(prefix, seq, 257, seed=1, split=0.1, part="val")
+    whole = MemmapTokens(prefix, seq, 257, seed=1)
+    boundary = split_point(whole.doc_offsets, 0.1)
+    assert boundary == whole.doc_offsets[36]  # ceil(0.1 x 40) = 4 documents held out: a document boundary
+    assert (train.start, train.stop, val.start, val.stop) == (0, boundary, boundary, len(whole.tokens))
+
+    def tokens_read(data: MemmapTokens) -> set[int]:
+        """Positions of every token the part's samples read, over two epochs (index wraps)."""
+        read: set[int] = set()
+        for i in range(2 * data.num_samples):
+            w = data.window_of(i)
+            start = data.start + w * seq
+            read.update(range(start, start + seq + 1))
+            np.testing.assert_array_equal(data.sample(i), np.asarray(whole.tokens[start : start + seq + 1]))
+        return read
+
+    train_read, val_read = tokens_read(train), tokens_read(val)
+    assert max(train_read) < boundary <= min(val_read)
+    assert not train_read & val_read
+    assert train.num_samples == (boundary - 1) // seq and val.num_samples == (len(whole.tokens) - boundary - 1) // seq
+    assert whole.num_samples == MemmapTokens(prefix, seq, 257, seed=1, split=0.0).num_samples  # 0 = no split
+
+
+def test_data_split_that_leaves_a_part_without_a_window_names_the_key(tmp_path):
+    prefix = str(tmp_path / "docs")
+    write_tokens(prefix, [[1] * 200, [2] * 3])  # the held-out last document: 4 tokens
+    with pytest.raises(DataError, match=r"data.split = 0.1 .* val part 4 tokens .* fewer than model.seq_len"):
+        MemmapTokens(prefix, 16, 257, seed=1, split=0.1, part="val")
+
+
+@pytest.mark.parametrize(
+    "sets, key, match",
+    [
+        (("eval.every=5", "data.kind=memmap", "data.path=x"), "eval.every", "needs held-out data"),
+        (("data.split=0.1",), "data.split", "only with data.kind = memmap"),
+        (("data.split=0.1", "data.kind=memmap", "data.path=x", "eval.path=y"), "data.split", "reads eval.path"),
+        (("data.split=0.6", "data.kind=memmap", "data.path=x"), "data.split", "must be <= 0.5"),
+    ],
+)
+def test_deck_refuses_evaluation_without_held_out_data(sets, key, match):
+    with pytest.raises(DeckError, match=match) as err:
+        load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
+    assert err.value.key == key
+
+
+# ---- python -m app.eval: a checkpoint's loss equals the in-training evaluation ----
+
+SMALL = (
+    "--set", "model.vocab_size=320", "--set", "model.seq_len=16", "--set", "model.layers=2", "--set",
+    "model.hidden=32", "--set", "model.heads=4", "--set", "train.global_batch=8", "--set", "train.micro_batch=2",
+    "--set", "optim.lr=3.0e-3", "--set", "run.log_every=1", "--set", "eval.batches=2",
+)  # fmt: skip
+
+
+def test_app_eval_of_a_checkpoint_equals_the_in_training_evaluation_on_another_grid(tmp_path):
+    prefix = str(tmp_path / "docs")
+    write_tokens(prefix, documents(60, seed=3))
+    run_dir = tmp_path / "run"
+    data = ("--set", "data.kind=memmap", "--set", f"data.path={prefix}", "--set", "data.split=0.2")
+    train = run_mpi(
+        2, sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", *SMALL, *data, "--set", "train.steps=4",
+        "--set", "eval.every=2", "--set", f"run.dir={run_dir}", "--set", "checkpoint.every=2",
+        "--set", "checkpoint.keep=0",
+    )  # fmt: skip
+    assert train.returncode == 0, train.stderr[-3000:]
+    records = {r["step"]: r for r in read_metrics(run_dir)}
+    assert {s for s, r in records.items() if "val_loss" in r} == {2, 4}
+    assert records[2]["val_perplexity"] == pytest.approx(math.exp(records[2]["val_loss"]))
+    assert records[2]["val_loss"] != records[4]["val_loss"]  # the model changed in between
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval"]["step"] == 4 and summary["eval"]["loss"] == records[4]["val_loss"]
+    assert summary["eval"]["tokens"] == 2 * 8 * 16 and "data.split" in summary["eval"]["source"]
+    assert "| val loss" in train.stdout
+
+    # The step-2 checkpoint, written on dp 2, evaluated on pp 2 (dp 1) and on 1 rank.
+    checkpoint = run_dir / "checkpoints" / "step_0000002.h5"
+    for ranks, grid in ((2, ("--set", "parallel.pp=2")), (1, ())):
+        out_file = tmp_path / f"eval{ranks}.json"
+        out = run_mpi(
+            ranks, sys.executable, "-m", "app.eval", "inputs/gpt_tiny.yaml", *SMALL, *data, *grid,
+            "--set", f"run.dir={run_dir}", "--checkpoint", str(checkpoint), "--out", str(out_file),
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out_file.read_text())
+        assert result["step"] == 2 and result["checkpoint"] == str(checkpoint)
+        assert result["loss"] == pytest.approx(records[2]["val_loss"], rel=EVAL_RTOL)
+        assert f"val loss {result['loss']:.4f}" in out.stdout
+
+
+def test_app_eval_mistakes_end_every_rank_with_a_message(tmp_path):
+    prefix = str(tmp_path / "docs")
+    write_tokens(prefix, documents(10))
+    cases = [
+        # No checkpoint there.
+        (("--checkpoint", str(tmp_path / "none.h5")), "--checkpoint", "no such file"),
+        # Memmap data and nothing held out (found before the checkpoint is looked for).
+        (("--set", "data.kind=memmap", "--set", f"data.path={prefix}", "--checkpoint", str(tmp_path)),
+         "set eval.path", "needs held-out data"),
+        # An eval.path whose files are missing.
+        (("--set", f"eval.path={tmp_path / 'missing'}", "--checkpoint", str(tmp_path / "none.h5")),
+         "eval.path", "does not exist"),
+    ]  # fmt: skip
+    for args, key, says in cases:
+        out = run_mpi(2, sys.executable, "-m", "app.eval", "inputs/gpt_tiny.yaml", *SMALL, *args, timeout=120)
+        assert out.returncode == 2, (args, out.returncode, out.stderr[-2000:])
+        lines = [line for line in out.stderr.splitlines() if line.startswith("gridlm: ")]
+        assert len(lines) == 1 and key in lines[0] and says in lines[0], out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+
+
+# ---- the validation loss on a grid equals the 1-rank value ----
+
+_REFERENCES: dict = {}
+EVAL_CASES = [
+    Case(2, 2, 2, sp=True, virtual=2),
+    Case(1, 2, 2, extra=("optim.zero=3", "train.goldfish_k=3", "train.goldfish_context=4")),
+    t3d((1, 2, 2), 1, 2),
+]
+
+
+def _eval_sets(case: Case) -> tuple[str, ...]:
+    return (*TINY, "eval.every=1000", "eval.batches=2", *(e for e in case.extra if e.startswith("train.goldfish")))
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", EVAL_CASES, ids=[c.id for c in EVAL_CASES])
+def test_eval_loss_on_a_grid_matches_single_rank(runtime, grids, tmp_path, case):
+    shared = _eval_sets(case)
+    if shared not in _REFERENCES:  # the 1-rank reference on world rank 0, after STEPS steps
+        grids.grid(1, 1, 1)
+        value = None
+        if runtime.rank == 0:
+            solo = grid_trainer(grids, 1, 1, 1, (*shared, f"run.dir={tmp_path / 'solo'}"))
+            train_steps(solo, STEPS)
+            value = solo.evaluate().loss
+        settle(runtime.comm)
+        _REFERENCES[shared] = runtime.comm.bcast(value, root=0)
+    reference = _REFERENCES[shared]
+    size = case.tp * case.pp * case.dp
+    sub = grids.runtime(size)
+    run_dir = sub.comm.bcast(str(tmp_path / "grid"), root=0)
+    deck = resolve_for_world(
+        load_deck(REPO / "inputs/gpt_tiny.yaml", (*shared, *case.overrides(), f"run.dir={run_dir}")), size
+    )
+    grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order)
+    if case.tensor:
+        grid.tensor3d(case.tensor)
+    value = None
+    if grids.trains(size):
+        trainer = Trainer(deck, sub, grid)
+        train_steps(trainer, STEPS)
+        result = trainer.evaluate()
+        assert result.tokens == 2 * deck.train.global_batch * deck.model.seq_len
+        value = result.loss
+        again = trainer.evaluate().loss  # evaluating changes nothing: the same samples, the same model
+        assert again == value
+    else:
+        grids.stand_by(grid, deck.parallel.virtual_stages)
+    settle(runtime.comm)
+    value = next(x for x in runtime.comm.allgather(value) if x is not None)
+    if runtime.is_root:
+        print(f"\n{case.id}: eval loss {value:.6f} vs 1 rank {reference:.6f}")
+    assert value == pytest.approx(reference, rel=EVAL_RTOL)
+
+
+@pytest.mark.mpi
+def test_goldfish_drops_targets_from_training_but_not_from_evaluation(runtime, shared_tmp):
+    """The same model evaluated with and without train.goldfish_k gives the same loss over every
+    target, while the training losses of the first step differ."""
+    dp = runtime.world_size
+
+    def trainer(*sets: str) -> Trainer:
+        deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*TINY, "eval.every=1", "eval.batches=1", *sets))
+        deck = resolve_for_world(deck, dp)
+        return Trainer(deck, runtime, ProcessGrid(runtime, 1, 1, dp))
+
+    plain = trainer(f"run.dir={shared_tmp / 'plain'}")
+    goldfish = trainer(f"run.dir={shared_tmp / 'goldfish'}", "train.goldfish_k=2", "train.goldfish_context=3")
+    assert plain.eval_data is not None
+    a, b = evaluate(plain, plain.eval_data), evaluate(goldfish, plain.eval_data)
+    assert a.loss == b.loss and a.tokens == b.tokens == 16 * 16
+    losses = [train_steps(t, 1)[0] for t in (plain, goldfish)]
+    assert goldfish.step_targets[0] < goldfish.step_targets[1] == plain.step_targets[0] == 16 * 16
+    assert abs(losses[0] - losses[1]) > 1e-4
