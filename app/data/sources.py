@@ -151,8 +151,8 @@ def _field(line: bytes, field: Optional[str], source: Source, number: int) -> by
     text = record[field]
     if not isinstance(text, str):
         raise DataError(
-            f"JSONL line {where()}: field {field!r} is a {type(text).__name__}, not a string; fix: pass --field "
-            "NAME naming the text field"
+            f"JSONL line {where()}: field {field!r} is not a string (it is {json.dumps(text)[:40]}); fix: pass "
+            "--field NAME naming the text field, a string on every line"
         )
     try:
         return text.encode("utf-8")
