@@ -1,7 +1,7 @@
 """File-system checks of a deck's paths at the start of a real run (rank 0, no MPI, creates
 nothing): run.dir and checkpoint.dir writable directories (or creatable), not device files;
-memmap token files readable; a run.resume path that exists. Not part of the dry run, which
-plans on one machine for another.
+memmap token files (data.path or each of data.paths) readable; a run.resume path that exists.
+Not part of the dry run, which plans on one machine for another.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ def check_paths(deck: Deck) -> None:
     _check_directory("checkpoint.dir", deck.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
     if deck.optim.offload == "nvme":
         _check_directory("optim.offload_dir", offload_dir(deck))
-    if deck.data.kind == "memmap" and deck.data.path:
-        for suffix in (".json", ".bin", ".idx.npy"):
-            _check_data_file(deck.data.path, deck.data.path + suffix)
+    if deck.data.kind == "memmap":
+        keys = [f"data.paths[{i}].path" for i in range(len(deck.data.paths))] if deck.data.paths else ["data.path"]
+        for key, (_, prefix) in zip(keys, deck.data.blend):
+            for suffix in (".json", ".bin", ".idx.npy"):
+                _check_data_file(key, prefix, prefix + suffix)
     resume = deck.run.resume
     if resume not in ("auto", "none") and not os.path.exists(resume):
         raise DeckError(
@@ -91,15 +93,15 @@ def _check_directory(key: str, path: str) -> None:
         raise DeckError(key, path, f"cannot be created: this user cannot write in {ancestor}; {fix}")
 
 
-def _check_data_file(prefix: str, path: str) -> None:
+def _check_data_file(key: str, prefix: str, path: str) -> None:
     fix = "write PREFIX.bin/.json/.idx.npy with `python -m app.data.prepare TEXT... --out PREFIX`"
     try:
         found = _stat(path)
     except OSError as err:
-        raise DeckError("data.path", prefix, f"{path} cannot be used ({err.strerror}); {fix}") from None
+        raise DeckError(key, prefix, f"{path} cannot be used ({err.strerror}); {fix}") from None
     if found is None:
-        raise DeckError("data.path", prefix, f"{path} does not exist; {fix}")
+        raise DeckError(key, prefix, f"{path} does not exist; {fix}")
     if not stat.S_ISREG(found.st_mode):
-        raise DeckError("data.path", prefix, f"{path} is {_file_kind(found.st_mode)}, not a file; {fix}")
+        raise DeckError(key, prefix, f"{path} is {_file_kind(found.st_mode)}, not a file; {fix}")
     if not os.access(path, os.R_OK):
-        raise DeckError("data.path", prefix, f"{path} is not readable by this user")
+        raise DeckError(key, prefix, f"{path} is not readable by this user")
