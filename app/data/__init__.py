@@ -6,10 +6,9 @@ A dataset has `vocab_size`, `seq_len`, `num_samples` (None if infinite) and
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
-import torch
 
 from app.data.blend import BlendedTokens
 from app.data.memmap import MemmapTokens
@@ -17,6 +16,9 @@ from app.data.sampler import GlobalBatchSampler
 from app.data.synthetic import SyntheticTokens
 from app.data.tokenizer import ByteTokenizer
 from app.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BlendedTokens",
@@ -58,6 +60,8 @@ def get_batch(dataset: Dataset, indices: list[int]) -> tuple[torch.Tensor, torch
     are checked, so the verdict differs between ranks: callers agree on it (`agree`) before
     any collective. Synthetic ids are in range by construction and are not checked.
     """
+    import torch  # here: `python -m app.data.prepare` starts without loading torch
+
     batch = np.stack([dataset.sample(i) for i in indices]).astype(np.int64)
     if not isinstance(dataset, SyntheticTokens):
         dataset.check_batch(batch, indices)

@@ -290,7 +290,7 @@ def prepare(
     written = ", ".join(finals + ([tok_final] if train_tokenizer else []))
     say(
         f"prepared {num_docs} documents, {num_tokens} tokens ({dtype}, tokenizer {tok.name}, vocab {tok.vocab_size}) "
-        f"from {mb:.1f} MB in {seconds:.2f} s: {mb / seconds:.1f} MB/s on {comm.size} rank(s) -> {written}"
+        f"from {mb:.3g} MB in {seconds:.3f} s: {mb / seconds:.1f} MB/s on {comm.size} rank(s) -> {written}"
     )
     return meta
 
@@ -338,6 +338,32 @@ def _commit(meta: dict, finals: list[str], tmps: list[str], tok_final: Optional[
         os.replace(tmp, final)
 
 
+LAUNCHER_RANK = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")  # set by mpirun, mpiexec, srun
+
+
+def launched_comm() -> Any:
+    """COMM_WORLD under a launcher (its cores shared out, `share_cores`), else SerialComm: a plain
+    `python -m app.data.prepare` is one process and need not pay for MPI's singleton start-up."""
+    if not any(var in os.environ for var in LAUNCHER_RANK):
+        return SerialComm()
+    from mpi4py import MPI
+
+    share_cores(MPI.COMM_WORLD)
+    return MPI.COMM_WORLD
+
+
+def share_cores(comm: Any) -> None:
+    """The `tokenizers` library encodes on a thread per core; ranks sharing a node get an equal share
+    of its cores each (RAYON_NUM_THREADS, unless set), not all of them."""
+    if "RAYON_NUM_THREADS" in os.environ:
+        return
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    os.environ["RAYON_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // local.size))
+    local.Free()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Command line entry point (every rank); returns the exit status (2 on a user error)."""
     parser = argparse.ArgumentParser(
@@ -356,9 +382,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--include", default="*", metavar="GLOB", help="file names taken from directories")
     parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
     args = parser.parse_args(argv)
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+    comm = launched_comm()
     try:
         prepare(
             args.inputs,
@@ -375,9 +399,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except GridlmError as e:  # raised on every rank alike (agreed)
         if comm.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        comm.Barrier()  # rank 0 has printed before any rank's exit status ends the job
+        if comm.size > 1:
+            comm.Barrier()  # rank 0 has printed before any rank's exit status ends the job
         return 2
     except Exception:  # a bug: never leave the other ranks waiting in a collective
+        if comm.size == 1:
+            raise
         traceback.print_exc()
         sys.stderr.flush()
         comm.Abort(1)
