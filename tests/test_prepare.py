@@ -281,3 +281,15 @@ def test_a_bad_line_in_the_last_ranks_share_raises_the_same_error_on_every_rank(
     assert len(set(messages)) == 1 and f"{path}:200: field 'text' is not a string" in messages[0]
     comm.Barrier()
     assert os.listdir(shared_tmp / "out") == []
+
+
+def test_rank_0_reports_progress_lines_and_one_summary(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "PROGRESS_S", 0.0)  # a progress line after every source
+    lines: list[str] = []
+    meta = prepare([STDLIB_JSON], str(tmp_path / "t"), include="*.py", report=lines.append)
+    progress, summary = lines[:-1], lines[-1]
+    assert len(progress) == meta["num_documents"] and progress[-1].startswith(
+        f"prepare: rank 0: {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens, "
+    )
+    assert progress[-1].endswith("MB/s (100% of its share, 1/1 of the input)")
+    assert summary.startswith(f"prepared {meta['num_documents']} documents, {meta['num_tokens']} tokens (uint16")
