@@ -8,7 +8,7 @@ setup(
     description="MPI-launched tensor x pipeline x data parallel GPT training on PyTorch",
     packages=find_packages(include=["app", "app.*", "launch", "launch.*", "postprocess", "postprocess.*"]),
     python_requires=">=3.9",
-    install_requires=["torch", "numpy", "pyyaml", "mpi4py", "h5py"],
+    install_requires=["torch", "numpy", "pyyaml", "mpi4py", "h5py", "tokenizers"],
     extras_require={"test": ["pytest", "pytest-mpi", "pytest-timeout"]},
     entry_points={"console_scripts": ["gridlm=app.__main__:main"]},
 )

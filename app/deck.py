@@ -28,7 +28,7 @@ import yaml
 from app.deck_yaml import MAX_DECK_BYTES, deck_error, parse_yaml, read_deck_file
 from app.errors import DeckError
 from app.names import ARCHS, AXES, PRECISIONS, RECOMPUTE
-from app.schema import Key, Problem, check, check_value, type_name
+from app.schema import REQUIRED, Key, Problem, check, check_value, type_name
 
 # Upper bounds of the keys: what the code can honour, far above any real run.
 MAX_RANKS = 2**20  # tp x pp x dp; a dry run places every rank of the plan
@@ -271,11 +271,22 @@ class DataConfig:
         "synthetic", "synthetic (learnable, deterministic) or memmap (token files)", choices=("synthetic", "memmap")
     )
     path: Optional[str] = _key(None, "memmap: PREFIX of PREFIX.bin/.json/.idx.npy from app.data.prepare", path=True)
+    paths: Optional[list] = _key(
+        None, "memmap blend, instead of data.path: a list of {path: PREFIX, weight: W}; samples come from each "
+        "token file in proportion to W (the weights need not sum to 1), the same on any grid",
+    )  # fmt: skip
     noise: float = _key(0.05, "synthetic: probability that a token is random", min=0.0, max=1.0)
     split: float = _key(
         0.0, "memmap: fraction of the documents held out for validation (the last ones in the file; training "
         "never reads them); 0 = none", min=0.0, max=0.5,
     )  # fmt: skip
+
+    @property
+    def blend(self) -> list[tuple[float, str]]:
+        """(weight, PREFIX) of each token file: data.paths, or data.path with weight 1; [] for synthetic."""
+        if self.paths is not None:
+            return [(float(item["weight"]), str(item["path"])) for item in self.paths]
+        return [(1.0, self.path)] if self.path else []
 
 
 @dataclass(frozen=True)
@@ -576,13 +587,54 @@ def _validate(deck: Deck) -> None:
         )  # fmt: skip
     if opt.offload_dir and opt.offload != "nvme":
         raise DeckError("optim.offload_dir", opt.offload_dir, "only used with optim.offload = nvme")
-    if deck.data.kind == "memmap" and not deck.data.path:
-        raise DeckError(
-            "data.path", deck.data.path, "data.kind = memmap needs the PREFIX written by `python -m app.data.prepare`"
-        )
-    if deck.data.kind == "synthetic" and deck.data.path:
-        raise DeckError("data.path", deck.data.path, "only used with data.kind = memmap")
+    _validate_data(deck.data)
     _validate_goldfish_eval(deck)
+
+
+BLEND_ITEM = "a mapping {path: PREFIX, weight: W} with W > 0"
+BLEND_KEYS = {
+    "path": Key(str, text=True, path=True, help="PREFIX written by `python -m app.data.prepare`"),
+    "weight": Key(float, min=0.0, exclusive_min=True, max=1e9, help="share of the samples (relative)"),
+}
+
+
+def _validate_data(data: DataConfig) -> None:
+    """data.path xor data.paths for memmap, neither for synthetic; each blend entry a path and a weight."""
+    if data.path and data.paths is not None:
+        raise DeckError(
+            "data.paths", data.paths, "data.path is set as well: give one token file as data.path, or a blend as "
+            "data.paths, not both"
+        )  # fmt: skip
+    if data.kind == "memmap" and not data.path and data.paths is None:
+        raise DeckError(
+            "data.path", data.path, "data.kind = memmap needs the PREFIX written by `python -m app.data.prepare` "
+            "(or a blend of several as data.paths)"
+        )  # fmt: skip
+    if data.kind == "synthetic":
+        for key in ("path", "paths"):
+            if getattr(data, key) is not None:
+                raise DeckError(f"data.{key}", getattr(data, key), "only used with data.kind = memmap")
+    if data.paths is None:
+        return
+    if not data.paths:
+        raise DeckError("data.paths", data.paths, f"an empty blend; give at least one entry, each {BLEND_ITEM}")
+    seen: set[str] = set()
+    for i, item in enumerate(data.paths):
+        name = f"data.paths[{i}]"
+        try:
+            checked = check(item, BLEND_KEYS, "", prefix=name + ".")
+        except Problem as bad:
+            missing = bad.value is REQUIRED or not bad.key  # name the entry, not a key it lacks
+            raise DeckError(
+                name if missing else bad.key,
+                item if missing else bad.value,
+                f"{bad.expected}; each entry is {BLEND_ITEM}",
+            ) from None
+        if checked["path"] in seen:
+            raise DeckError(
+                f"{name}.path", checked["path"], "is listed twice; list each token file once, with the sum of its weights"
+            )  # fmt: skip
+        seen.add(checked["path"])
 
 
 def _validate_goldfish_eval(deck: Deck) -> None:
@@ -597,6 +649,11 @@ def _validate_goldfish_eval(deck: Deck) -> None:
         )  # fmt: skip
     if data.split and data.kind != "memmap":
         raise DeckError("data.split", data.split, "holds out documents of a token file: only with data.kind = memmap")
+    if data.split and data.paths is not None:
+        raise DeckError(
+            "data.split", data.split, "holds out the last documents of data.path, not of a blend (data.paths): "
+            "set data.split: 0 and give the held-out tokens as eval.path",
+        )  # fmt: skip
     if data.split and ev.path:
         raise DeckError(
             "data.split", data.split, f"evaluation reads eval.path = {ev.path!r}: set data.split: 0 or eval.path: null"

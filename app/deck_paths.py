@@ -1,7 +1,7 @@
 """File-system checks of a deck's paths at the start of a real run (rank 0, no MPI, creates
 nothing): run.dir and checkpoint.dir writable directories (or creatable), not device files;
-memmap token files readable; a run.resume path that exists. Not part of the dry run, which
-plans on one machine for another.
+memmap token files (data.path or each of data.paths) readable; a run.resume path that exists.
+Not part of the dry run, which plans on one machine for another.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ def check_paths(deck: Deck) -> None:
     _check_directory("checkpoint.dir", deck.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
     if deck.optim.offload == "nvme":
         _check_directory("optim.offload_dir", offload_dir(deck))
-    if deck.data.kind == "memmap" and deck.data.path:
-        for suffix in (".json", ".bin", ".idx.npy"):
-            _check_data_file(deck.data.path, deck.data.path + suffix)
+    if deck.data.kind == "memmap":
+        keys = [f"data.paths[{i}].path" for i in range(len(deck.data.paths))] if deck.data.paths else ["data.path"]
+        for key, (_, prefix) in zip(keys, deck.data.blend):
+            for suffix in (".json", ".bin", ".idx.npy"):
+                _check_data_file(key, prefix, prefix + suffix)
     if deck.eval.path:
         for suffix in (".json", ".bin", ".idx.npy"):
-            _check_data_file(deck.eval.path, deck.eval.path + suffix, "eval.path")
+            _check_data_file("eval.path", deck.eval.path, deck.eval.path + suffix)
     resume = deck.run.resume
     if resume not in ("auto", "none") and not os.path.exists(resume):
         raise DeckError(
@@ -94,7 +96,7 @@ def _check_directory(key: str, path: str) -> None:
         raise DeckError(key, path, f"cannot be created: this user cannot write in {ancestor}; {fix}")
 
 
-def _check_data_file(prefix: str, path: str, key: str = "data.path") -> None:
+def _check_data_file(key: str, prefix: str, path: str) -> None:
     fix = "write PREFIX.bin/.json/.idx.npy with `python -m app.data.prepare TEXT... --out PREFIX`"
     try:
         found = _stat(path)

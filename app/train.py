@@ -34,7 +34,7 @@ from app.checkpoint.io import load as load_checkpoint
 from app.checkpoint.io import save as save_checkpoint
 from app.checkpoint.store import checkpoint_dir, read_latest, resolve_resume, step_file
 from app.data import GlobalBatchSampler, build_dataset, get_batch
-from app.data.memmap import MemmapTokens
+from app.data.synthetic import SyntheticTokens
 from app.deck import Deck
 from app.deck_paths import check_paths, offload_dir
 from app.errors import CheckpointError, GridlmError, NonFiniteError
@@ -249,7 +249,7 @@ class Trainer:
 
         # A token id out of range on one dp rank (DataError) must end every rank, not strand the
         # others in the first collective; synthetic data is in range by construction.
-        batches = agree(self.runtime, read) if isinstance(self.dataset, MemmapTokens) else read()
+        batches = read() if isinstance(self.dataset, SyntheticTokens) else agree(self.runtime, read)
         batches = self._goldfish(batches) if self.deck.train.goldfish_k else self._count_all(batches)
         micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                          for x, y in batches]  # fmt: skip

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gridlm setup: MPI + parallel HDF5 (apt, when none is on PATH), the HDF5 command-line
 # tools (h5ls, h5dump), a .venv with torch, mpi4py, h5py built against parallel HDF5,
-# safetensors + transformers (checkpoint export), matplotlib (scaling plots), tensorboard, the test tools,
+# tokenizers (app.data.prepare), safetensors + transformers (checkpoint export), matplotlib (scaling plots), tensorboard, the test tools,
 # and the app (editable).
 # Idempotent and prompt-free; a second run with everything present takes seconds.
 #
@@ -28,7 +28,7 @@ venv_ok() {
   [ -x "$venv/bin/python" ] && command -v mpirun >/dev/null 2>&1 &&
     "$venv/bin/python" - <<'PY' >/dev/null 2>&1
 import importlib.util
-import h5py, hypothesis, matplotlib, mpi4py, numpy, pytest, safetensors, torch, xdist, yaml, app  # noqa: F401
+import h5py, hypothesis, matplotlib, mpi4py, numpy, pytest, safetensors, tokenizers, torch, xdist, yaml, app  # noqa: F401
 assert h5py.get_config().mpi and importlib.util.find_spec("transformers") and importlib.util.find_spec("tensorboard")
 PY
 }
@@ -78,8 +78,8 @@ if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
   say "installing $torch_spec"
   "${pip[@]}" install "$torch_spec"
 fi
-say "installing numpy, pyyaml, mpi4py, safetensors, transformers, matplotlib, tensorboard, pytest tools and h5py build tools"
-"${pip[@]}" install numpy pyyaml mpi4py safetensors transformers matplotlib tensorboard pytest pytest-mpi pytest-timeout pytest-xdist hypothesis ruff \
+say "installing numpy, pyyaml, mpi4py, safetensors, tokenizers, transformers, matplotlib, tensorboard, pytest tools and h5py build tools"
+"${pip[@]}" install numpy pyyaml mpi4py safetensors tokenizers transformers matplotlib tensorboard pytest pytest-mpi pytest-timeout pytest-xdist hypothesis ruff \
   "Cython>=3,<4" pkgconfig "setuptools>=77" wheel
 
 # --- 3. h5py against parallel HDF5 -----------------------------------------------------

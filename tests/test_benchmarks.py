@@ -111,3 +111,18 @@ def test_the_variant_benchmark_alternates_variants_and_sets_rss_against_the_plan
     assert rows[0]["final_loss"][:5] == rows[1]["final_loss"][:5]  # ZeRO-3 trains the same model
     assert all(float(r["planned_gib"]) > 0 for r in rows)  # the dry run's figure (GiB to 3 places)
     assert "| optim.zero=3 parallel.dp_bucket_mb=0.01 |" in capsys.readouterr().out
+
+
+def test_the_prepare_benchmark_measures_mb_s_per_rank_count_and_checks_the_bytes_agree(tmp_path, capsys):
+    """One round on a small corpus of this machine's text: bytes and a trained BPE, each at 1 and 2
+    ranks; every row a real mpirun of prepare, whose token file equals the 1-rank file's."""
+    import prepare_bench
+
+    argv = ["--ranks", "1", "2", "--rounds", "1", "--max-mb", "0.3", "--bpe-vocab", "300", "--out", str(tmp_path)]
+    assert prepare_bench.main(argv) == 0
+    rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
+    assert [(r["tokenizer"], r["ranks"]) for r in rows] == [("byte", "1"), ("byte", "2"), ("bpe", "1"), ("bpe", "2")]
+    assert all(r["same_bytes"] == "True" and float(r["prepare_mb_s"]) > float(r["job_mb_s"]) > 0 for r in rows)
+    byte, bpe = rows[0], rows[2]
+    assert byte["documents"] == bpe["documents"] and int(bpe["tokens"]) < 0.8 * int(byte["tokens"])  # BPE merges
+    assert "| bpe | 2 |" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Data: byte tokenizer, synthetic and memmapped token datasets, and the global batch sampler.
+"""Data: tokenizers, synthetic, memmapped and blended token datasets, and the global batch sampler.
 
 A dataset has `vocab_size`, `seq_len`, `num_samples` (None if infinite) and
 `sample(index) -> int64 array (seq_len + 1,)`, a pure function of the index and seed.
@@ -6,18 +6,22 @@ A dataset has `vocab_size`, `seq_len`, `num_samples` (None if infinite) and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
-import torch
 
+from app.data.blend import BlendedTokens
 from app.data.memmap import MemmapTokens
 from app.data.sampler import GlobalBatchSampler
 from app.data.synthetic import SyntheticTokens
 from app.data.tokenizer import ByteTokenizer
 from app.errors import DataError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
+    "BlendedTokens",
     "ByteTokenizer",
     "GlobalBatchSampler",
     "MemmapTokens",
@@ -27,11 +31,17 @@ __all__ = [
 ]
 
 
-def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> SyntheticTokens | MemmapTokens:
-    """The dataset named by the deck's data section (kind: synthetic | memmap)."""
+Dataset = Union[SyntheticTokens, MemmapTokens, BlendedTokens]
+
+
+def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> Dataset:
+    """The dataset named by the deck's data section: synthetic, one token file (data.path) or a
+    blend of several (data.paths)."""
     if data_cfg.kind == "synthetic":
         return SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_len, seed, data_cfg.noise)
     if data_cfg.kind == "memmap":
+        if getattr(data_cfg, "paths", None) is not None:
+            return BlendedTokens(data_cfg.blend, model_cfg.seq_len, model_cfg.vocab_size, seed)
         if data_cfg.path is None:
             raise DataError(
                 "data.kind is memmap but data.path is not set; fix: set data.path "
@@ -43,7 +53,7 @@ def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> SyntheticTokens |
     raise DataError(f"data.kind = {data_cfg.kind!r}: use synthetic or memmap")
 
 
-def get_batch(dataset: SyntheticTokens | MemmapTokens, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(dataset: Dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples -> (inputs, targets), each int64 CPU tensors of shape (B, seq_len).
 
     A memmap batch holding an id >= model.vocab_size raises DataError naming the file and the
@@ -51,8 +61,10 @@ def get_batch(dataset: SyntheticTokens | MemmapTokens, indices: list[int]) -> tu
     are checked, so the verdict differs between ranks: callers agree on it (`agree`) before
     any collective. Synthetic ids are in range by construction and are not checked.
     """
+    import torch  # here: `python -m app.data.prepare` starts without loading torch
+
     batch = np.stack([dataset.sample(i) for i in indices]).astype(np.int64)
-    if isinstance(dataset, MemmapTokens):
+    if not isinstance(dataset, SyntheticTokens):
         dataset.check_batch(batch, indices)
     tokens = torch.from_numpy(batch)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

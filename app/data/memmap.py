@@ -7,7 +7,9 @@ A dataset is three files sharing a PREFIX (written by `python -m app.data.prepar
 - `PREFIX.json`: metadata, e.g. `{"format": "gridlm-tokens", "version": 1, "dtype": "uint16",
   "vocab_size": 257, "num_tokens": N, "num_documents": D, "tokenizer": "byte", "eos": 256,
   "max_token_id": 256}`. `max_token_id` (the largest id in the .bin) is optional: files from
-  older versions of prepare lack it.
+  older versions of prepare lack it. A file tokenised with a Hugging Face tokenizer.json has
+  `"tokenizer": "huggingface"`, `"tokenizer_path"` (absolute) and `"tokenizer_sha256"` (of the
+  tokenizer.json's bytes); `vocab_size` and `eos` are that tokenizer's.
 - `PREFIX.idx.npy`: int64 array of length D + 1 with the document start offsets (last = N).
 
 Samples are non-overlapping windows of seq_len + 1 tokens starting at multiples of seq_len, so
@@ -85,6 +87,9 @@ def load_metadata(prefix: str) -> dict:
             raise DataError(
                 f"data file {path}: {key} = {meta.get(key)!r} is not a non-negative integer; {FIX_PREPARE} again"
             )
+    for key in ("tokenizer", "tokenizer_path", "tokenizer_sha256"):
+        if key in meta and not isinstance(meta[key], str):
+            raise DataError(f"data file {path}: {key} = {meta[key]!r} is not a string; {FIX_PREPARE} again")
     return meta
 
 
@@ -94,6 +99,11 @@ def split_point(doc_offsets: np.ndarray, fraction: float) -> int:
     documents = len(doc_offsets) - 1
     held_out = math.ceil(fraction * documents) if fraction > 0 else 0
     return int(doc_offsets[documents - min(held_out, documents)])
+
+
+def tokenizer_of(meta: dict) -> str:
+    """The tokenizer a token file's metadata names, in words: `byte`, or `huggingface PATH`."""
+    return " ".join(str(meta[k]) for k in ("tokenizer", "tokenizer_path") if k in meta) or "unknown"
 
 
 class MemmapTokens:
@@ -147,9 +157,10 @@ class MemmapTokens:
 
         if self.vocab_size > vocab_size:
             raise DataError(
-                f"data file {prefix}.json has vocab_size {self.vocab_size} but "
-                f"model.vocab_size is {vocab_size}; fix: set model.vocab_size >= "
-                f"{self.vocab_size} in the deck"
+                f"data file {prefix}.json has vocab_size {self.vocab_size} (its tokenizer: {tokenizer_of(meta)}) "
+                f"but model.vocab_size is {vocab_size}, which does not cover the tokenizer's ids; fix: set "
+                f"model.vocab_size >= {self.vocab_size} in the deck (a multiple of parallel.tp), or prepare the "
+                "text with a smaller tokenizer"
             )
         if n < seq_len + 1:
             raise DataError(

@@ -1,8 +1,31 @@
-"""Byte-level tokenizer: ids 0..255 are UTF-8 bytes, 256 is end-of-document. No download."""
+"""Tokenizers of `python -m app.data.prepare`: bytes (no file), or a Hugging Face `tokenizer.json`.
+
+`ByteTokenizer`: ids 0..255 are UTF-8 bytes, 256 is end-of-document; nothing to download.
+`HFTokenizer`: a `tokenizer.json` read with the `tokenizers` library, offline (from a file, never
+from the Hub). `train_bpe` trains a byte-level BPE on documents with the same library.
+
+Both encode a batch of documents given as UTF-8 bytes to uint32 id arrays (no EOS; prepare
+appends it) and describe themselves for the token file's metadata (`describe`): kind, path and
+sha256 of the tokenizer.json, vocab_size and EOS id. Token files blended in one run must agree
+on that identity (`identity`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from app.errors import DataError
+
+# End-of-document tokens looked for, in order, in a tokenizer.json's special tokens (GPT-2,
+# Llama 1/2, Llama 3, Gemma) when --eos does not name one.
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+BPE_EOS = "<|endoftext|>"  # the special token (id 0) of the BPE that train_bpe makes
+IDENTITY = ("tokenizer", "tokenizer_sha256", "vocab_size", "eos")  # metadata keys that name a tokenizer
 
 
 class ByteTokenizer:
@@ -12,6 +35,10 @@ class ByteTokenizer:
     vocab_size = 257
     name = "byte"
 
+    @property
+    def eos(self) -> int:
+        return self.EOS
+
     def encode(self, text: str) -> list[int]:
         """Text -> list of byte ids in [0, 256); no EOS appended."""
         return list(text.encode("utf-8"))
@@ -19,3 +46,136 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Byte ids -> text; EOS is skipped and invalid UTF-8 becomes U+FFFD."""
         return bytes(int(i) for i in ids if int(i) != self.EOS).decode("utf-8", errors="replace")
+
+    def encode_batch(self, documents: list[bytes]) -> list[np.ndarray]:
+        """UTF-8 documents (already validated) -> their ids, each a uint8 view of the bytes."""
+        return [np.frombuffer(doc, dtype=np.uint8) for doc in documents]
+
+    def describe(self) -> dict[str, Any]:
+        """The token file's metadata keys of this tokenizer."""
+        return {"tokenizer": self.name, "vocab_size": self.vocab_size, "eos": self.EOS}
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (any model the `tokenizers` library reads: BPE, Unigram,
+    WordPiece). `eos` is the id of the end-of-document token: `eos_token` if given, else the first
+    of EOS_NAMES that the file has. Encoding adds no special tokens (no BOS): prepare appends EOS."""
+
+    name = "huggingface"
+
+    def __init__(self, path: str, eos_token: Optional[str] = None, text: Optional[str] = None) -> None:
+        from tokenizers import Tokenizer
+
+        self.path = os.path.abspath(path)
+        if text is None:
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read()
+            except OSError as e:
+                raise DataError(
+                    f"tokenizer {path} cannot be read ({e.strerror}); fix: pass --tokenizer byte or the path of a "
+                    "Hugging Face tokenizer.json"
+                ) from None
+        else:
+            raw = text.encode("utf-8")
+        try:
+            self.tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # the library raises a bare Exception on a bad file
+            raise DataError(
+                f"tokenizer {path} is not a Hugging Face tokenizer.json ({e}); fix: pass --tokenizer byte or the "
+                "tokenizer.json of a model (e.g. from its Hugging Face directory), or --train-tokenizer N"
+            ) from None
+        self.sha256 = hashlib.sha256(raw).hexdigest()
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos = self._find_eos(eos_token)
+
+    def _find_eos(self, eos_token: Optional[str]) -> int:
+        if eos_token is not None:
+            found = self.tokenizer.token_to_id(eos_token)
+            if found is None:
+                raise DataError(
+                    f"--eos {eos_token!r} is not a token of {self.path}; fix: name one of its special tokens, e.g. "
+                    f"{', '.join(self.special_tokens()[:5]) or '(it has none)'}"
+                )
+            return int(found)
+        for name in EOS_NAMES:
+            found = self.tokenizer.token_to_id(name)
+            if found is not None:
+                return int(found)
+        raise DataError(
+            f"tokenizer {self.path} has none of the end-of-document tokens {', '.join(EOS_NAMES)}; fix: pass --eos "
+            f"TOKEN naming its end-of-document token (its special tokens: {', '.join(self.special_tokens()[:5]) or 'none'})"
+        )
+
+    def special_tokens(self) -> list[str]:
+        return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_batch(self, documents: list[bytes]) -> list[np.ndarray]:
+        """UTF-8 documents (already validated) -> their ids as uint32 arrays. The library spreads a
+        batch over its own threads; the ids of a document do not depend on the batch."""
+        texts = [doc.decode("utf-8") for doc in documents]
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "tokenizer": self.name,
+            "tokenizer_path": self.path,
+            "tokenizer_sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "eos": self.eos,
+        }
+
+
+AnyTokenizer = Union[ByteTokenizer, HFTokenizer]
+
+
+def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> AnyTokenizer:
+    """`byte`, or the path of a Hugging Face tokenizer.json."""
+    if spec == "byte":
+        if eos_token is not None:
+            raise DataError("--eos is for a tokenizer.json; the byte tokenizer's end-of-document id is 256")
+        return ByteTokenizer()
+    if not os.path.isfile(spec):
+        raise DataError(
+            f"--tokenizer {spec}: no such file; fix: pass --tokenizer byte or the path of a Hugging Face "
+            "tokenizer.json (nothing is downloaded)"
+        )
+    return HFTokenizer(spec, eos_token)
+
+
+def train_bpe(documents: Iterator[bytes], vocab_size: int) -> str:
+    """A byte-level BPE of `vocab_size` ids trained on the documents (UTF-8 bytes): the JSON text of
+    its tokenizer.json. Id 0 is the end-of-document token BPE_EOS, 1..256 the 256 byte symbols, the
+    rest merges. Deterministic: the same documents give the same file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    minimum = 1 + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < minimum:
+        raise DataError(
+            f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least {minimum} ids (256 bytes and the "
+            f"end-of-document token); fix: pass --train-tokenizer N with N >= {minimum}"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((doc.decode("utf-8") for doc in documents), trainer=trainer)
+    return tok.to_str()
+
+
+def identity(meta: dict[str, Any]) -> tuple[Any, ...]:
+    """What names the tokenizer of a token file's metadata: files with equal identities hold the
+    same ids for the same text."""
+    return tuple(meta.get(key) for key in IDENTITY)
