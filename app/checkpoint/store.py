@@ -83,19 +83,27 @@ def resolve_resume(deck: Deck) -> Optional[Path]:
         return None
     if want == "auto":
         return read_latest(checkpoint_dir(deck))
-    path = Path(want)
+    return named_checkpoint(
+        want, f"run.resume = {want!r}", "no such checkpoint file; use auto, none, or an existing .h5"
+    )
+
+
+def named_checkpoint(given: str, name: str, missing: str) -> Path:
+    """The checkpoint a user named (run.resume, app.eval's --checkpoint): a file, or the one a
+    directory's `latest` names. `name` says where it was given, `missing` what to say (and do)
+    when there is no such file; CheckpointError otherwise."""
+    path = Path(given)
     if path.is_dir():
         latest = read_latest(path)
         if latest is None:
-            raise CheckpointError(f"run.resume = {want!r} is a directory without a `latest` checkpoint pointer")
+            raise CheckpointError(f"{name} is a directory without a `latest` checkpoint pointer")
         return latest
     if path.name.endswith(".tmp"):
         raise CheckpointError(
-            f"run.resume = {want!r} is an uncommitted checkpoint (its write never finished); "
-            f"resume from the file `latest` names instead"
+            f"{name} is an uncommitted checkpoint (its write never finished); use the file `latest` names instead"
         )
     if not path.is_file():
-        raise CheckpointError(f"run.resume = {want!r}: no such checkpoint file; use auto, none, or an existing .h5")
+        raise CheckpointError(f"{name}: {missing}")
     return path
 
 

@@ -46,19 +46,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def checkpoint_file(given: str) -> Path:
     """The checkpoint --checkpoint names (a directory: the one its `latest` names)."""
-    from app.checkpoint.store import read_latest
+    from app.checkpoint.store import named_checkpoint
 
-    path = Path(given)
-    if path.is_dir():
-        latest = read_latest(path)
-        if latest is None:
-            raise CheckpointError(f"--checkpoint {given}: a directory without a `latest` checkpoint pointer")
-        return latest
-    if path.name.endswith(".tmp"):
-        raise CheckpointError(f"--checkpoint {given}: an uncommitted checkpoint (its write never finished)")
-    if not path.is_file():
-        raise CheckpointError(f"--checkpoint {given}: no such file; give a checkpoint file (.h5) or directory")
-    return path
+    return named_checkpoint(given, f"--checkpoint {given}", "no such file; give a checkpoint file (.h5) or directory")
 
 
 def evaluate_checkpoint(
