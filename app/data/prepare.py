@@ -59,16 +59,20 @@ class SerialComm:
         return [obj]
 
 
+def _attempt(fn: Callable[[], T]) -> tuple[Optional[T], Optional[str]]:
+    """(fn(), None), or (None, the message) of a user error or a failed write."""
+    try:
+        return fn(), None
+    except GridlmError as err:
+        return None, str(err)
+    except OSError as err:
+        return None, f"{err}; {FIX_WRITE}"
+
+
 def agreed(comm: Any, fn: Callable[[], T]) -> T:
     """`fn()` on every rank; a user error on any rank (the first in rank order, i.e. in document
     order) is raised on every rank. One allgather: prepare agrees a handful of times per run."""
-    result, error = None, None
-    try:
-        result = fn()
-    except GridlmError as err:
-        error = str(err)
-    except OSError as err:
-        error = f"{err}; {FIX_WRITE}"
+    result, error = _attempt(fn)
     errors = [e for e in comm.allgather(error) if e is not None]
     if errors:
         raise DataError(errors[0])
@@ -77,14 +81,7 @@ def agreed(comm: Any, fn: Callable[[], T]) -> T:
 
 def on_root(comm: Any, fn: Callable[[], T]) -> T:
     """`fn()` on rank 0 only, its result (or its user error) broadcast to every rank."""
-    result, error = None, None
-    if comm.rank == 0:
-        try:
-            result = fn()
-        except GridlmError as err:
-            error = str(err)
-        except OSError as err:
-            error = f"{err}; {FIX_WRITE}"
+    result, error = _attempt(fn) if comm.rank == 0 else (None, None)
     result, error = comm.bcast((result, error), root=0)
     if error is not None:
         raise DataError(error)
