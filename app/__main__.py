@@ -126,7 +126,7 @@ def run(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         return dry_run(args)
-    from app.job import run_job
+    from app.job import deck_file, run_job
 
     def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
         # torch only once the deck is good: a deck mistake is reported before thousands of ranks
@@ -135,7 +135,7 @@ def run(argv: Optional[list[str]] = None) -> int:
 
         train(deck, runtime, grid)
 
-    return run_job(args.deck, tuple(args.overrides), body)
+    return run_job(deck_file(args.deck, tuple(args.overrides)), body)
 
 
 def main() -> None:

@@ -517,17 +517,22 @@ def load_deck(path: Union[str, Path, None], overrides: tuple[str, ...] = ()) -> 
     YAML or its values is a DeckError naming the file or key, never another exception.
     """
     raw: Any = {} if path is None else read_deck_file(path)
-    if not isinstance(raw, dict):
-        raise DeckError("DECK", str(path), "expected a YAML mapping with sections " + ", ".join(SECTIONS))
-    given = {apply_override(raw, assignment) for assignment in overrides}
     file = "--set" if path is None else f"deck file {path}"
+    return build_deck(raw, str(path), file, Path(path).stem if path is not None else "default", overrides)
+
+
+def build_deck(raw: Any, origin: str, file: str, stem: str, overrides: tuple[str, ...] = ()) -> Deck:
+    """`load_deck` of a deck already parsed (`raw`, from `origin`: a file, or the deck a checkpoint
+    carries), named `file` in messages; run.dir defaults to runs/<stem>."""
+    if not isinstance(raw, dict):
+        raise DeckError("DECK", origin, "expected a YAML mapping with sections " + ", ".join(SECTIONS))
+    given = {apply_override(raw, assignment) for assignment in overrides}
     sections = _checked(raw, SECTION_KEYS, file, given, noun="section")
     deck = Deck(**{
         name: _section(cls, _checked(sections.get(name) or {}, KEYS[name], file, given, prefix=f"{name}."))
         for name, cls in SECTIONS.items()
     })  # fmt: skip
     if deck.run.dir is None:
-        stem = Path(path).stem if path is not None else "default"
         try:
             run_dir = check_value(KEYS["run"]["dir"], f"runs/{stem}", "run.dir", file)
         except Problem as bad:  # a deck file named with control characters

@@ -1,9 +1,10 @@
 """One MPI job of gridlm, from the deck to a status: the start-up order and the error contract.
 
-`run_job(DECK, overrides, body)` reads and resolves the deck on every rank (`agree`), starts
+`run_job(deck_file(DECK, overrides), body)` reads and resolves the deck on every rank (`agree`)
+(or the loader given: `python -m app.generate` takes the deck a checkpoint carries), starts
 the watchdog, binds the device, sets threads and the malloc threshold, bootstraps
 torch.distributed, builds the `ProcessGrid` and runs `body(deck, runtime, grid)`: training
-(`python -m app`) or evaluation (`python -m app.eval`). A user mistake (`GridlmError`) is
+(`python -m app`), evaluation (`python -m app.eval`) or generation (`python -m app.generate`). A user mistake (`GridlmError`) is
 printed once by rank 0 and every rank returns its `exit_code`; a lost peer is named and the
 job aborted (4); any other exception is a bug: its traceback, then MPI_Abort(1), so no rank is
 left waiting in a collective.
@@ -22,9 +23,20 @@ if TYPE_CHECKING:
     from app.runtime.mpi import Runtime
 
 
-def run_job(deck_path: str, overrides: tuple[str, ...], body: Callable[[Deck, Runtime, ProcessGrid], None]) -> int:
-    """Start the job, run `body` on every rank, shut down; the exit status (module docstring)."""
-    from app.deck import load_deck, resolve_for_world
+def deck_file(path: str, overrides: tuple[str, ...]) -> Callable[[int], Deck]:
+    """The loader of `run_job` for a deck file and its --set overrides: world size -> resolved deck."""
+
+    def load(world: int) -> Deck:
+        from app.deck import load_deck, resolve_for_world
+
+        return resolve_for_world(load_deck(path, overrides), world)
+
+    return load
+
+
+def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessGrid], None]) -> int:
+    """Start the job, run `body` on every rank, shut down; the exit status (module docstring).
+    `load(world_size)` gives the resolved deck (on every rank; `deck_file`)."""
     from app.errors import GridlmError
     from app.runtime.grid import ProcessGrid
     from app.runtime.mpi import (
@@ -42,7 +54,7 @@ def run_job(deck_path: str, overrides: tuple[str, ...], body: Callable[[Deck, Ru
 
     runtime = init_mpi()
     try:
-        deck = agree(runtime, lambda: resolve_for_world(load_deck(deck_path, overrides), runtime.world_size))
+        deck = agree(runtime, lambda: load(runtime.world_size))
         # From here on no rank waits forever: a blocked call past run.comm_timeout_s aborts the job.
         start_watchdog(runtime, deck.run.comm_timeout_s)
         agree(runtime, lambda: bind_device(runtime, deck.run.device))

@@ -671,3 +671,56 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "note": note,  # V1_NOTE for a format-version-1 file, else None
     }
+
+
+def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_rank: int, dp_rank: int) -> dict[str, Any]:
+    """Fill `model`'s parameters (each tagged with its `ParamMeta`: global shape, shard offset)
+    from checkpoint `path`, for inference on this grid: the fp32 masters when the file has them,
+    else /model, each rank reading its own shards with parallel HDF5 (every rank). Every element is
+    verified against its dataset's checksum (summed over the ranks whose copy counts, as `load`
+    does) before any parameter changes. Returns the header."""
+    import h5py
+    from mpi4py import MPI
+
+    header = on_root(runtime, lambda: read_header(path))
+    in_file = header["datasets"]
+    source = MODEL if header["precision"] == "fp32" else MASTER
+    params = list(model.named_parameters())
+    for name, p in params:  # the same checks on every rank: all raise or none does
+        entry = in_file.get(f"{source}/{name}")
+        if entry is None:
+            raise CheckpointError(f"{path} has no dataset /{source}/{name}: not a complete checkpoint of this model")
+        if entry["shape"] != tuple(p.meta.global_shape):  # type: ignore[attr-defined]
+            raise CheckpointError(
+                f"{path}: dataset /{source}/{name} has shape {entry['shape']}, the model needs {p.meta.global_shape}"  # type: ignore[attr-defined]
+            )
+    version = int(header["format_version"])
+    sum_of = checksum_for(version)
+    sums = np.zeros(len(params), dtype=np.uint32 if version < 2 else np.uint64)
+    values: list[torch.Tensor] = []
+    dxpl = transfer_plist(False)  # each rank its own shards, of sizes that differ: independent reads
+    with h5py.File(path, "r", driver="mpio", comm=runtime.comm) as f:
+        for k, (name, p) in enumerate(params):
+            meta = p.meta  # type: ignore[attr-defined]
+            key = f"{source}/{name}"
+            boxes = global_boxes(meta.local_shape, meta.local_offset, 0, meta.numel)
+            raw = read_boxes(f[key].id, boxes, f[key].dtype, dxpl)
+            if dp_rank == 0 and meta.owned_by(tp_rank):  # the copies that count cover each element once
+                sums[k] = sum_of(raw, boxes, meta.global_shape)
+            values.append(decode(raw, in_file[key]["dtype"]).view(meta.local_shape))
+    with runtime.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
+        runtime.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    bad = [
+        f"/{source}/{name}"
+        for (name, _), s in zip(params, sums)
+        if in_file[f"{source}/{name}"]["checksum"] not in (None, int(s))
+    ]
+    if bad:
+        raise CheckpointError(
+            f"{path}: checksum mismatch in dataset {bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}: "
+            f"the file is corrupt; use an older checkpoint (`python -m app.checkpoint inspect {path}` lists them)"
+        )
+    with torch.no_grad():
+        for (_, p), v in zip(params, values):
+            p.copy_(v.to(p.device, p.dtype))
+    return header

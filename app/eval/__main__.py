@@ -101,12 +101,12 @@ def evaluate_checkpoint(
 
 def run(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from app.job import run_job
+    from app.job import deck_file, run_job
 
     def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
         evaluate_checkpoint(deck, runtime, grid, args.checkpoint, args.out)
 
-    return run_job(args.deck, tuple(args.overrides), body)
+    return run_job(deck_file(args.deck, tuple(args.overrides)), body)
 
 
 def main() -> None:

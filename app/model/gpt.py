@@ -100,13 +100,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(q: torch.Tensor, k: torch.Tensor, theta: float, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding (Su et al. 2021) of q and k, (B, heads, S, head_dim), at positions
-    0 .. S-1: the two halves of each head's features rotate by angle position x theta^(-2i / d),
-    Hugging Face Llama's convention (rotate_half, not interleaved pairs), angles in fp32."""
+    start .. start + S - 1: the two halves of each head's features rotate by angle position x
+    theta^(-2i / d), Hugging Face Llama's convention (rotate_half, not interleaved pairs), angles in fp32."""
     d, s = q.shape[-1], q.shape[-2]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d))
-    angles = torch.arange(s, device=q.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    positions = torch.arange(start, start + s, device=q.device, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -135,7 +136,9 @@ class Attention(nn.Module):
             self.qkv = ColumnParallelLinear(cfg.hidden, cfg.qkv_rows, cfg.init_std, tp, device, bias)
             self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, out_std, tp, device, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, heads, S, head_dim) and k, v (B, kv heads, S, head_dim) of this rank's heads at
+        positions start .. start + S - 1 (rotated under llama)."""
         qkv = self.qkv(x)  # (B, S, kv/tp x (group + 2) x head_dim): full sequence even under SP
         b, s, _ = qkv.shape
         if self.group == 1:
@@ -146,15 +149,76 @@ class Attention(nn.Module):
             q = grouped[:, :, :, : self.group].reshape(b, s, self.heads, self.head_dim).transpose(1, 2)
             k, v = (grouped[:, :, :, self.group + i].transpose(1, 2) for i in (0, 1))
         if self.rope_theta is not None:
-            q, k = rotary(q, k, self.rope_theta)
+            q, k = rotary(q, k, self.rope_theta, start)
+        return q, k, v
+
+    def _expand(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.group > 1:  # query head g x group + i reads key/value head g
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+        return k, v
+
+    def _project(self, y: torch.Tensor) -> torch.Tensor:
+        b, _, s, _ = y.shape
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._heads(x)
+        k, v = self._expand(k, v)
         dropout = self.dropout if self.training else 0.0
         if self.recompute_core and _recomputing(self):
             y = checkpoint(_attention_core, q, k, v, dropout, self.math, use_reentrant=False)
         else:
             y = _attention_core(q, k, v, dropout, self.math)
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        return self._project(y)
+
+    def decode(self, x: torch.Tensor, cache: LayerCache, start: int) -> torch.Tensor:
+        """Inference on new positions start .. start + S - 1 (x: (B, S, H)), attending to the keys
+        and values of the earlier positions in `cache`, which gains the new ones."""
+        q, k, v = self._heads(x, start)
+        k, v = self._expand(*cache.append(k, v, start))
+        s, total = q.shape[2], k.shape[2]
+        if s == total:  # the prompt: causal over itself
+            y = _attention_core(q, k, v, 0.0, self.math)
+        elif s == 1:  # one new token: every cached position is before it
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:  # several new positions after cached ones: causal, offset
+            mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(start, total, device=q.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self._project(y)
+
+
+class LayerCache:
+    """One block's keys and values of the positions decoded so far (B, kv heads on this rank,
+    positions, head_dim), in buffers of `capacity` positions allocated at the first append."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store positions start .. start + S - 1; the keys and values of positions 0 .. start + S - 1."""
+        stop = start + k.shape[2]
+        if stop > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot hold position {stop - 1}")
+        if self.k is None or self.v is None:
+            b, heads, _, d = k.shape
+            self.k = k.new_empty(b, heads, self.capacity, d)
+            self.v = v.new_empty(b, heads, self.capacity, d)
+        self.k[:, :, start:stop] = k
+        self.v[:, :, start:stop] = v
+        return self.k[:, :, :stop], self.v[:, :, :stop]
+
+
+class KVCache:
+    """The `LayerCache` of every block of a model, for `GPT.decode`."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.layers: dict[str, LayerCache] = {}
+
+    def layer(self, i: str) -> LayerCache:
+        return self.layers.setdefault(i, LayerCache(self.capacity))
 
 
 def _attention_core(
@@ -224,6 +288,11 @@ class Block(nn.Module):
             self.gate.enter(self.unit)
         x = x + self.dropout(self.attn(self.ln1(x)))
         return x + self.dropout(self.mlp(self.ln2(x)))
+
+    def decode(self, x: torch.Tensor, cache: LayerCache, start: int) -> torch.Tensor:
+        """Inference (no dropout) on new positions from `start`, with the earlier ones in `cache`."""
+        x = x + self.attn.decode(self.ln1(x), cache, start)
+        return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
@@ -387,6 +456,24 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy over the B x S positions (the whole model is here)."""
         self._check_whole()
         return self.forward_chunk(tokens, range(self.cfg.layers), True, True, targets)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """Inference with a KV cache: tokens (B, S) at positions start .. start + S - 1 -> the fp32
+        logits (B, V) over the whole vocabulary (gathered over tp) of the last position. `cache`
+        holds the earlier positions' keys and values and gains these. No dropout, no SP, 1D tp."""
+        self._check_whole()
+        if self.tp.sequence_parallel or isinstance(self.tp, Tensor3D):
+            raise RuntimeError("decode runs on 1D tensor parallelism without sequence parallelism")
+        x = self.wte(tokens)
+        if not self.cfg.llama:
+            x = x + self.wpe[start : start + tokens.shape[1]]
+        for i, block in self.blocks.items():
+            x = block.decode(x, cache.layer(i), start)
+        logits = self._logits(x[:, -1:])  # (B, 1, V / tp): this rank's vocabulary rows
+        if self.tp.size > 1:
+            logits = self.tp.all_gather(logits, -1)
+        return logits[:, 0].float()
 
     def first_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """(module, parameters) pairs: calling `module` is the first use of those parameters in a

@@ -1,0 +1,211 @@
+"""Text generation from a checkpoint: the model on this tp grid, a KV cache, greedy or sampled decoding.
+
+`generation_deck` turns the deck a checkpoint carries into the deck of an inference job on N ranks:
+tensor parallelism over all of them (tp = N, pp = dp = 1, 1D, no sequence parallelism), the rest of
+the model section as trained. `load_model` builds this rank's shard of the model on the meta device,
+materialises it on the rank's device and fills it from the checkpoint with parallel HDF5
+(`app.checkpoint.io.read_parameters`: the fp32 masters where the file has them, every element
+verified against its checksum). `generate` runs the prompt once through the model (prefill), then one
+position at a time, each block attending to the keys and values it cached (`GPT.decode`); the logits
+of the last position are gathered over tp, so every rank picks the same next token (greedy: argmax;
+sampled: the tp group's first rank draws and broadcasts). Decoding runs in fp32.
+
+`python -m app.generate` (its `__main__`) is the command; `python -m app.memorization` uses
+`load_model` and `generate` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from app.errors import CheckpointError, DataError, DeckError, LaunchError
+
+if TYPE_CHECKING:
+    import torch
+
+    from app.data.tokenizer import AnyTokenizer
+    from app.deck import Deck
+    from app.model.gpt import GPT
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
+
+# The inference grid: the model split over every rank by 1D tensor parallelism, nothing else.
+INFERENCE_GRID = (
+    "parallel.pp=1", "parallel.dp=auto", "parallel.virtual_stages=1", "parallel.stage_layers=null",
+    "parallel.tensor=null", "parallel.tensor_order=xyz", "parallel.sequence_parallel=false",
+)  # fmt: skip
+
+
+def generation_deck(path: Path, world: int, overrides: tuple[str, ...] = ()) -> Deck:
+    """The deck of an inference job on `world` ranks from checkpoint `path`'s deck: tp = world,
+    the model as trained, then the user's --set `overrides` (run.* keys, e.g. run.device=cpu)."""
+    import yaml
+
+    from app.checkpoint.io import read_header
+    from app.deck import build_deck, resolve_for_world
+
+    header = read_header(path)
+    try:
+        raw = yaml.safe_load(header["deck"])
+    except (KeyError, yaml.YAMLError) as err:
+        raise CheckpointError(f"{path}: the deck attribute is not a usable deck ({err!r})") from None
+    for given in overrides:
+        if not given.startswith("run."):
+            raise DeckError(
+                "--set", given, "generation takes the model from the checkpoint and runs tp over every rank; "
+                "only run.* keys can be set (e.g. run.device=cpu)"
+            )  # fmt: skip
+    grid = (f"parallel.tp={world}", *INFERENCE_GRID, "train.global_batch=1", "train.micro_batch=1")
+    try:
+        deck = build_deck(raw, str(path), f"the deck of checkpoint {path}", "generate", (*grid, *overrides))
+        return resolve_for_world(deck, world)
+    except DeckError as err:
+        if err.key.startswith("parallel.") or err.key.startswith("model."):
+            raise LaunchError(
+                f"generation splits the model over all {world} ranks by tensor parallelism (tp = {world}), which "
+                f"this model cannot take: {err}; launch fewer ranks (e.g. 1, or a divisor of model.heads)"
+            ) from None
+        raise
+
+
+def load_model(deck: Deck, runtime: Runtime, grid: ProcessGrid, path: Path) -> tuple[GPT, dict[str, Any]]:
+    """This rank's shard of the checkpoint's model on the inference grid, in eval mode (fp32), and
+    the checkpoint's header."""
+    from app.checkpoint.io import read_parameters
+    from app.model.gpt import GPT
+    from app.tensor_parallel.mappings import TensorParallel
+
+    model = GPT(deck.model, seed=0, device="meta", tp=TensorParallel.from_grid(grid))  # shapes only: no init
+    metas = {name: p.meta for name, p in model.named_parameters()}  # type: ignore[attr-defined]
+    model.to_empty(device=runtime.device)  # new parameters: tagged again, for read_parameters to fill
+    for name, p in model.named_parameters():
+        p.meta = metas[name]  # type: ignore[attr-defined]
+    header = read_parameters(path, model, runtime, grid.coords["tp"], grid.coords["dp"])
+    return model.eval(), header
+
+
+def default_tokenizer(deck: Deck) -> Optional[AnyTokenizer]:
+    """The tokenizer of the run's training data, as its token file's metadata names it (the first
+    file of a blend), where that file and tokenizer are still readable; None for synthetic data."""
+    from app.data.memmap import load_metadata
+    from app.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    blend = deck.data.blend
+    if deck.data.kind != "memmap" or not blend:
+        return None
+    try:
+        meta = load_metadata(blend[0][1])
+    except DataError:
+        return None
+    if meta.get("tokenizer") == "huggingface":
+        tokenizer_path = meta.get("tokenizer_path", "")
+        if not os.path.isfile(tokenizer_path):
+            return None
+        tokenizer = HFTokenizer(tokenizer_path)
+        if tokenizer.sha256 != meta.get("tokenizer_sha256"):
+            raise DataError(
+                f"{tokenizer_path} is not the tokenizer the training data {blend[0][1]} was made with (its sha256 "
+                f"differs from the token file's); fix: pass --tokenizer with the tokenizer.json used by prepare"
+            )
+        tokenizer.eos = int(meta["eos"])
+        return tokenizer
+    return ByteTokenizer() if meta.get("tokenizer", "byte") == "byte" else None
+
+
+def resolve_tokenizer(spec: Optional[str], deck: Deck) -> Optional[AnyTokenizer]:
+    """--tokenizer byte|PATH, else the training data's (`default_tokenizer`); checked against the model's vocabulary."""
+    from app.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(spec) if spec is not None else default_tokenizer(deck)
+    if tokenizer is not None and tokenizer.vocab_size > deck.model.vocab_size:
+        raise DataError(
+            f"the tokenizer has {tokenizer.vocab_size:,} ids but the model's vocabulary is "
+            f"{deck.model.vocab_size:,}: it is not this model's tokenizer; pass the one it was trained with "
+            "(--tokenizer byte|PATH) or --prompt-ids"
+        )
+    return tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy (temperature None or 0), or drawn from
+    softmax(logits / temperature) over the top_k most likely (all when top_k is None)."""
+
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature
+
+
+def check_lengths(deck: Deck, prompt_tokens: int, max_new: int) -> None:
+    """A gpt2 model has learned positions 0 .. seq_len - 1 only (llama's rotary ones extend)."""
+    if prompt_tokens < 1:
+        raise DataError("the prompt is empty; give at least one token (--prompt TEXT or --prompt-ids 1,2,3)")
+    seq = deck.model.seq_len
+    if not deck.model.llama and prompt_tokens + max_new > seq:
+        raise DataError(
+            f"a prompt of {prompt_tokens} tokens and {max_new} new ones need {prompt_tokens + max_new} positions; "
+            f"this gpt2 model learned {seq} (model.seq_len); fix: --max-new-tokens {max(seq - prompt_tokens, 0)} "
+            "or a shorter prompt"
+        )
+
+
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    import torch
+
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    scaled = logits.cpu() / float(sampling.temperature or 1.0)
+    if sampling.top_k is not None and sampling.top_k < scaled.shape[-1]:
+        kth = scaled.topk(sampling.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+
+
+def generate(
+    model: GPT,
+    prompt: torch.Tensor,
+    max_new: int,
+    sampling: Sampling = Sampling(),
+    eos: Optional[int] = None,
+) -> torch.Tensor:
+    """The new tokens (B, N <= max_new) after prompts (B, P) of equal length, on every rank of the
+    tp group alike. With `eos`, stops once every sequence has produced it (the EOS is kept)."""
+    import torch
+    import torch.distributed as dist
+
+    from app.model.gpt import KVCache
+
+    tp = model.tp
+    generator = torch.Generator().manual_seed(sampling.seed)
+    cache = KVCache(prompt.shape[1] + max_new)
+    logits = model.decode(prompt, cache, 0)
+    new: list[torch.Tensor] = []
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for t in range(max_new):
+        token = _pick(logits, sampling, generator)
+        if not sampling.greedy and tp.size > 1:  # one draw for the tp group (greedy agrees by itself)
+            dist.broadcast(token, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+        new.append(token)
+        if eos is not None:
+            done |= token == eos
+            if bool(done.all()):
+                break
+        if t + 1 < max_new:
+            logits = model.decode(token[:, None], cache, prompt.shape[1] + t)
+    if not new:
+        return prompt.new_empty(prompt.shape[0], 0)
+    return torch.stack(new, dim=1)
+
+
+def result_line(record: dict[str, Any]) -> str:
+    """The --json line: one JSON object."""
+    return json.dumps(record, ensure_ascii=False)

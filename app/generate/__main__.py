@@ -1,0 +1,155 @@
+"""`python -m app.generate CKPT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]`:
+text from a checkpoint, on one rank or tensor parallel over all ranks (`mpirun -n 2 python -m
+app.generate ...`).
+
+CKPT is a checkpoint file or a checkpoint directory (its `latest`). The model comes from the deck
+the checkpoint carries; the tokenizer from its training data's token file (or --tokenizer
+byte|PATH). --prompt-ids 1,2,3 gives token ids instead of text. Rank 0 prints the prompt and its
+continuation, then one `gridlm: generate | ...` line with the speed; with --json the last line
+is one JSON object: the new token ids under "ids" (the prompt's not included), their text under
+"text" (null without a tokenizer), and the prompt's ids, the checkpoint, its step and the speed.
+Greedy (the default, no --temperature) equals Hugging Face `generate(do_sample=False)` on the
+checkpoint's export. Generation stops at --max-new-tokens, or at the tokenizer's end-of-document
+token unless --ignore-eos. Exit status as `python -m app` (2 for a user mistake, printed once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from app.errors import DataError
+
+if TYPE_CHECKING:
+    from app.deck import Deck
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return value
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.generate",
+        description="Generate text from a checkpoint with a KV cache, on one rank or tensor parallel over all ranks.",
+        epilog="Example: mpirun -n 2 python -m app.generate runs/gpt_tiny/checkpoints --prompt 'Once upon a time'",
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint file (.h5), or a directory: its `latest`")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the text to continue (encoded with the tokenizer)")
+    prompt.add_argument("--prompt-ids", metavar="IDS", help="token ids to continue, comma-separated, e.g. 1,2,3")
+    parser.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="at most N new tokens (64)")
+    parser.add_argument(
+        "--temperature", type=_nonnegative_float, default=None, metavar="T",
+        help="sample from softmax(logits / T); none or 0 = greedy (the default)",
+    )  # fmt: skip
+    parser.add_argument("--top-k", type=_positive, default=None, metavar="K", help="sample among the K likeliest")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (0)")
+    parser.add_argument(
+        "--tokenizer", metavar="byte|PATH", default=None,
+        help="byte, or a tokenizer.json; default: the one the training data was prepared with",
+    )  # fmt: skip
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-document token")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line (ids, text, speed)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="run.KEY=VALUE",
+        help="override a run key of the checkpoint's deck (repeatable), e.g. --set run.device=cpu",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.top_k is not None and not args.temperature:
+        parser.error("--top-k samples: give --temperature T > 0 with it (without one, decoding is greedy)")
+    return args
+
+
+def prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise DataError(f"--prompt-ids {text!r}: expected comma-separated token ids, e.g. 1,2,3") from None
+    return ids
+
+
+def run_generation(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argparse.Namespace, path: Path) -> None:
+    import torch
+
+    from app.generate import Sampling, check_lengths, generate, load_model, resolve_tokenizer, result_line
+    from app.runtime.mpi import agree
+
+    tokenizer = agree(runtime, lambda: resolve_tokenizer(args.tokenizer, deck))
+    if args.prompt is not None and tokenizer is None:
+        raise DataError(
+            "--prompt needs a tokenizer and this checkpoint's training data names none (synthetic data, or its token "
+            "file is gone); fix: pass --tokenizer byte|PATH, or token ids with --prompt-ids"
+        )
+    ids = tokenizer.encode(args.prompt) if args.prompt is not None else prompt_ids(args.prompt_ids)
+    vocab = deck.model.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise DataError(f"--prompt-ids: id {bad[0]} is outside the model's vocabulary 0 .. {vocab - 1}")
+    check_lengths(deck, len(ids), args.max_new_tokens)
+    t0 = time.perf_counter()
+    model, header = load_model(deck, runtime, grid, path)
+    loaded = time.perf_counter() - t0
+    sampling = Sampling(args.temperature, args.top_k, args.seed)
+    eos = None if args.ignore_eos or tokenizer is None else tokenizer.eos
+    prompt = torch.tensor([ids], dtype=torch.int64, device=runtime.device)
+    t1 = time.perf_counter()
+    new = generate(model, prompt, args.max_new_tokens, sampling, eos)[0].tolist()
+    seconds = time.perf_counter() - t1
+    text = None if tokenizer is None else tokenizer.decode(new)
+    if not args.json:
+        shown = tokenizer.decode(ids + new) if tokenizer is not None else f"{ids} -> {new}"
+        runtime.log(shown)
+    how = "greedy" if sampling.greedy else f"temperature {args.temperature}, top-k {args.top_k or 'all'}"
+    runtime.log(
+        f"gridlm: generate | {path} (step {header['step']}) | tp={grid.size('tp')} {runtime.device} | "
+        f"{len(ids)} prompt + {len(new)} new tokens, {how} | {len(new) / seconds:.1f} tokens/s "
+        f"(load {loaded:.2f} s)"
+    )
+    if args.json:
+        runtime.log(result_line({
+            "ids": new, "text": text, "prompt_ids": ids, "checkpoint": str(path), "step": int(header["step"]),
+            "tp": grid.size("tp"), "greedy": sampling.greedy, "tokens_per_s": len(new) / seconds,
+        }))  # fmt: skip
+
+
+def run(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    from app.eval.__main__ import checkpoint_file
+    from app.generate import generation_deck
+    from app.job import run_job
+
+    chosen: list[Path] = []
+
+    def load(world: int) -> Deck:
+        path = checkpoint_file(args.checkpoint)
+        chosen.append(path)
+        return generation_deck(path, world, tuple(args.overrides))
+
+    def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
+        run_generation(deck, runtime, grid, args, chosen[-1])
+
+    return run_job(load, body)
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

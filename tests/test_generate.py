@@ -1,0 +1,190 @@
+"""`python -m app.generate`: greedy decoding with a KV cache equal to Hugging Face's
+`generate(do_sample=False)` on the exported weights (gpt2 and llama with grouped-query attention),
+the same tokens on 1 rank and tensor parallel over 2, the cache equal to recomputing the whole
+sequence, sampling within the top k, and the mistakes it refuses.
+
+The checkpoints are small models with a wide initialisation (init_std 0.2) trained 3 steps at a
+high learning rate: their greedy continuations vary from token to token (a model near its init
+repeats one token, which any decoder reproduces), and their logits are spread enough that the
+argmax does not hinge on the last bits (the tp and Hugging Face sums differ in order only).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.model.gpt import GPT, KVCache
+from conftest import REPO, app_env, run_app, run_mpi
+
+TINY = "inputs/gpt_tiny.yaml"
+SMALL = tuple(arg for a in (
+    "model.hidden=64", "model.layers=2", "model.heads=4", "model.seq_len=32", "model.init_std=0.2",
+    "train.global_batch=4", "train.micro_batch=2", "train.steps=3", "run.resume=none",
+    "optim.lr=0.05", "optim.warmup_steps=0",
+) for arg in ("--set", a))  # fmt: skip
+PROMPT = "3,1,4,1,5,9,2,6"
+NEW = 20  # 8 + 20 positions of the 32 a gpt2 model learned
+
+
+def _checkpoint(tmp_path_factory: pytest.TempPathFactory, name: str, *overrides: str) -> Path:
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    sets = tuple(arg for a in overrides for arg in ("--set", a))
+    out = run_app(1, TINY, *SMALL, *sets, "--set", f"run.dir={run_dir}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return run_dir / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def gpt2_ckpt(tmp_path_factory):
+    return _checkpoint(
+        tmp_path_factory, "gpt2", "model.vocab_size=258"
+    )  # covers the byte tokenizer (257), splits over tp 2
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "llama", "model.arch=llama", "model.kv_heads=2", "model.vocab_size=128")
+
+
+def generate(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    return run_mpi(ranks, sys.executable, "-m", "app.generate", *map(str, args))
+
+
+def generated(ranks: int, *args: str) -> dict:
+    out = generate(ranks, *args, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def hf_greedy(ckpt: Path, tmp_path: Path, prompt: list[int], new: int) -> list[int]:
+    import transformers
+
+    from app.checkpoint.export import export_hf
+    from app.checkpoint.store import read_latest
+
+    path = read_latest(ckpt)
+    assert path is not None
+    export_hf(path, tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_greedy_equals_transformers_generate_on_one_rank_and_tp2(arch, gpt2_ckpt, llama_ckpt, tmp_path):
+    ckpt = gpt2_ckpt if arch == "gpt2" else llama_ckpt
+    prompt = [int(t) for t in PROMPT.split(",")]
+    theirs = hf_greedy(ckpt, tmp_path, prompt, NEW)
+    assert len(set(theirs)) >= 4, theirs  # a continuation that varies: a meaningful comparison
+    one = generated(1, ckpt, "--prompt-ids", PROMPT, "--max-new-tokens", NEW, "--ignore-eos")
+    assert one["ids"] == theirs
+    assert (one["prompt_ids"], one["tp"], one["greedy"], one["step"]) == (prompt, 1, True, 3)
+    # tp 2: the heads (llama: the 2 key/value groups) and the vocabulary split over the ranks.
+    two = generated(2, ckpt, "--prompt-ids", PROMPT, "--max-new-tokens", NEW, "--ignore-eos")
+    assert two["ids"] == theirs and two["tp"] == 2
+
+
+def test_text_prompt_with_the_byte_tokenizer_prints_prompt_and_continuation(gpt2_ckpt):
+    args = (gpt2_ckpt, "--prompt", "héllo", "--tokenizer", "byte", "--max-new-tokens", 5, "--ignore-eos")
+    out = generate(1, *args)
+    assert out.returncode == 0, out.stderr
+    shown, stats = out.stdout.rsplit("\ngridlm: generate | ", 1)  # the text may hold newlines
+    assert "6 prompt + 5 new tokens, greedy" in stats  # é is two UTF-8 bytes
+    record = generated(1, *args)
+    assert record["prompt_ids"] == list("héllo".encode()) and len(record["ids"]) == 5
+    assert record["text"] == bytes(i for i in record["ids"] if i < 256).decode("utf-8", errors="replace")
+    assert shown == bytes(i for i in record["prompt_ids"] + record["ids"] if i < 256).decode("utf-8", errors="replace")
+
+
+def test_sampling_is_reproducible_by_seed_and_the_same_on_tp2(llama_ckpt):
+    args = (llama_ckpt, "--prompt-ids", PROMPT, "--max-new-tokens", 12, "--temperature", "1.5", "--top-k", 20)
+    a = generated(1, *args, "--seed", 1)
+    assert a["greedy"] is False and len(a["ids"]) == 12
+    assert generated(1, *args, "--seed", 1)["ids"] == a["ids"]
+    assert generated(1, *args, "--seed", 2)["ids"] != a["ids"]
+    # tp 2 draws once (the group's first rank) and broadcasts: the ranks agree, and the draw is the
+    # 1-rank one (its logits differ from the 1-rank ones by summation order only).
+    assert generated(2, *args, "--seed", 1)["ids"] == a["ids"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--prompt", "hi"), "--prompt needs a tokenizer"),
+        (("--prompt-ids", "1,x"), "expected comma-separated token ids"),
+        (("--prompt-ids", "1,999"), "id 999 is outside the model's vocabulary 0 .. 127"),
+        (("--prompt-ids", "1", "--set", "parallel.tp=2"), "only run.* keys can be set"),
+        (("--prompt-ids", "1", "--tokenizer", "byte"), "the tokenizer has 257 ids but the model's vocabulary is 128"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_message(llama_ckpt, args, message):
+    out = generate(1, llama_ckpt, *args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_gpt2_positions_and_grids_the_model_cannot_take_are_refused(gpt2_ckpt, tmp_path):
+    out = generate(1, gpt2_ckpt, "--prompt-ids", PROMPT, "--max-new-tokens", 25)
+    assert out.returncode == 2 and "need 33 positions; this gpt2 model learned 32" in out.stderr, out.stderr
+    assert "--max-new-tokens 24" in out.stderr
+    out = generate(3, gpt2_ckpt, "--prompt-ids", PROMPT)  # 4 heads over 3 ranks
+    assert out.returncode == 2 and "splits the model over all 3 ranks" in out.stderr, out.stderr
+    assert out.stderr.count("gridlm:") == 1 and "Traceback" not in out.stderr
+    out = generate(1, tmp_path / "none", "--prompt-ids", "1")
+    assert out.returncode == 2 and "no such file" in out.stderr, out.stderr
+
+
+def test_help_answers_without_loading_mpi_or_torch():
+    code = "import sys; from app.generate.__main__ import parse_args; import app.generate; " \
+        "print(sorted(m for m in ('torch', 'mpi4py', 'h5py') if m in sys.modules))"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=app_env(), capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ---- the KV cache against recomputing the sequence (in process, 1 rank) ----
+
+
+def _model(arch: str) -> GPT:
+    from app.deck import ModelConfig
+
+    kv = {"kv_heads": 2} if arch == "llama" else {}
+    cfg = ModelConfig(arch=arch, vocab_size=96, seq_len=32, layers=2, hidden=64, heads=4, init_std=0.2, **kv)
+    return GPT(cfg, seed=3).eval()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_cached_decoding_equals_recomputing_the_whole_sequence(arch):
+    """Each position's logits from the cache equal those of a forward pass over the whole sequence
+    so far, within 1e-5 (fp32; only the attention's reduction order differs: one query row against
+    the cache instead of a causal block), for the prompt, one token at a time, and several tokens
+    after cached ones (the offset causal mask). A cache that lost a position, or rotary angles at
+    the wrong offset, moves them by 1e-1 and more."""
+    model = _model(arch)
+    tokens = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)  # (B, S, V): position t's logits see tokens 0 .. t
+    cache = KVCache(20)
+    steps = [(0, 8), (8, 9), (9, 10), (10, 15), (15, 20)]
+    for start, stop in steps:
+        logits = model.decode(tokens[:, start:stop], cache, start)
+        torch.testing.assert_close(logits, full[:, stop - 1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot hold position 20"):
+        model.decode(tokens[:, :1], cache, 20)
+
+
+def test_sampling_draws_only_among_the_top_k():
+    from app.generate import Sampling, _pick
+
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, -1.0, 2.0]])
+    gen = torch.Generator().manual_seed(0)
+    assert _pick(logits, Sampling(), gen).tolist() == [1]
+    drawn = {int(_pick(logits, Sampling(temperature=5.0, top_k=3), gen)) for _ in range(300)}
+    assert drawn == {1, 2, 3}  # a high temperature flattens them: all three drawn, nothing else
+    assert {int(_pick(logits, Sampling(temperature=1.0, top_k=1), gen)) for _ in range(20)} == {1}
