@@ -346,6 +346,11 @@ class RunConfig:
         "auto", "auto = continue from the latest checkpoint if there is one; none = start fresh; or a checkpoint "
         "file (.h5) or directory", path=True,
     )  # fmt: skip
+    init_from: Optional[str] = _key(
+        None, "a local Hugging Face GPT-2 or Llama directory (config.json, safetensors) whose weights start the run "
+        "(fine-tuning; the optimizer starts fresh); the model section must describe that model. A run that resumes "
+        "from its own checkpoint ignores it", path=True,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """File-system checks of a deck's paths at the start of a real run (rank 0, no MPI, creates
 nothing): run.dir and checkpoint.dir writable directories (or creatable), not device files;
-memmap token files (data.path or each of data.paths) readable; a run.resume path that exists.
+memmap token files (data.path or each of data.paths) readable; a run.resume path that exists; a
+run.init_from directory with a config.json.
 Not part of the dry run, which plans on one machine for another.
 """
 
@@ -40,6 +41,12 @@ def check_paths(deck: Deck) -> None:
         raise DeckError(
             "run.resume", resume, "does not exist; give a checkpoint file (.h5) or a checkpoint directory, "
             "or auto or none"
+        )  # fmt: skip
+    init = deck.run.init_from
+    if init is not None and not os.path.isfile(os.path.join(init, "config.json")):
+        raise DeckError(
+            "run.init_from", init, "is not a Hugging Face model directory (no config.json there); give a local "
+            "directory written by save_pretrained (config.json and model.safetensors), nothing is downloaded"
         )  # fmt: skip
 
 

@@ -343,6 +343,19 @@ class Trainer:
         )
         return info
 
+    def initialise_from_hf(self, directory: Path) -> None:
+        """Start from a Hugging Face model's weights (run.init_from), on any grid; the optimizer stays fresh."""
+        from app.checkpoint.hf_import import HFWeights
+        from app.checkpoint.io import initialise
+
+        t0 = time.perf_counter()
+        weights = agree(self.runtime, lambda: HFWeights(directory, self.deck.model))
+        agree(self.runtime, lambda: initialise(self, weights.tensor))
+        self.runtime.log(
+            f"gridlm: initial weights from {directory}: {weights.describe()} | {time.perf_counter() - t0:.2f} s | "
+            "optimizer fresh"
+        )
+
     def save(self, reason: str, final: bool = False) -> Optional[Saved]:
         """Write a checkpoint of the current step (all ranks); logs it and notes it for the summary.
 
@@ -415,6 +428,10 @@ class Trainer:
         steps = deck.train.steps
         report.banner()
         self.resume()
+        if deck.run.init_from and self.resumed is None:
+            self.initialise_from_hf(Path(deck.run.init_from))
+        elif deck.run.init_from:
+            rt.log(f"gridlm: run.init_from {deck.run.init_from} not used: the run continues from its checkpoint")
         start = self.steps_done
         if start >= steps:
             rt.log(

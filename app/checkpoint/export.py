@@ -1,4 +1,6 @@
-"""Export a gridlm checkpoint to a Hugging Face GPT-2 directory (`config.json` + `model.safetensors`).
+"""Export a gridlm checkpoint to a Hugging Face GPT-2 or Llama directory (`config.json` +
+`model.safetensors`). The name mapping (`mapping`) also serves the import (`run.init_from`,
+`app/checkpoint/hf_import.py`): each `Rule` has the export's `convert` and its inverse `place`.
 
 Serial and simple: one process opens the file with plain h5py, reads every parameter tensor
 whole into memory (from /optimizer/master, the fp32 masters, when the checkpoint has them;
@@ -130,6 +132,12 @@ def _qkv_rows(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, 3, -1, *rest).swapaxes(0, 1).reshape(x.shape)
 
 
+def _qkv_rows_back(x: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of `_qkv_rows`: rows (q/k/v, head, d) -> (head, q/k/v, d)."""
+    rest = x.shape[1:]
+    return x.reshape(3, heads, -1, *rest).swapaxes(0, 1).reshape(x.shape)
+
+
 def _qkv_parts(x: np.ndarray, kv: int, d: int, part: slice) -> np.ndarray:
     """Fused GQA QKV rows (kv head, q... k v, d) -> the heads `part` of each group, group-major
     (q: query head g x group + i; k and v: key/value head g), as LlamaAttention's q/k/v_proj."""
@@ -137,11 +145,25 @@ def _qkv_parts(x: np.ndarray, kv: int, d: int, part: slice) -> np.ndarray:
     return x.reshape(kv, -1, d, *rest)[:, part].reshape(-1, *rest)
 
 
+def _put(out: np.ndarray, x: np.ndarray) -> None:
+    out[...] = x
+
+
+def _put_t(out: np.ndarray, x: np.ndarray) -> None:
+    out[...] = x.T
+
+
 @dataclass(frozen=True)
 class Rule:
+    """One Hugging Face tensor of a gridlm parameter: `convert` makes it from the gridlm tensor
+    (export), `place` writes it into the gridlm tensor (import, `run.init_from`: the inverse)."""
+
     hf: str  # Hugging Face name
     shape: tuple[int, ...]  # gridlm (global) shape
     convert: Callable[[np.ndarray], np.ndarray]
+    hf_shape: tuple[int, ...]  # the Hugging Face tensor's shape
+    place: Callable[[np.ndarray, np.ndarray], None] = _put  # (gridlm tensor, HF tensor): fill its part
+    more_rows: bool = False  # the HF tensor may have more rows, of which the first are used (positions)
 
 
 def mapping(model: dict[str, Any]) -> dict[str, Rule]:
@@ -151,29 +173,41 @@ def mapping(model: dict[str, Any]) -> dict[str, Rule]:
     h, f, v, s, n = model["hidden"], model["ffn"], model["vocab_size"], model["seq_len"], model["heads"]
     same = lambda x: x  # noqa: E731
     t = lambda x: x.T  # noqa: E731
+
+    def first_rows(out: np.ndarray, x: np.ndarray) -> None:  # HF's n_positions may exceed seq_len
+        out[...] = x[: out.shape[0]]
+
+    def qkv_weight(out: np.ndarray, x: np.ndarray) -> None:
+        out[...] = _qkv_rows_back(x.T, n)
+
+    def qkv_bias(out: np.ndarray, x: np.ndarray) -> None:
+        out[...] = _qkv_rows_back(x, n)
+
     rules = {
-        "wte.weight": Rule("transformer.wte.weight", (v, h), same),
-        "wpe": Rule("transformer.wpe.weight", (s, h), same),
-        "ln_f.weight": Rule("transformer.ln_f.weight", (h,), same),
-        "ln_f.bias": Rule("transformer.ln_f.bias", (h,), same),
+        "wte.weight": Rule("transformer.wte.weight", (v, h), same, (v, h)),
+        "wpe": Rule("transformer.wpe.weight", (s, h), same, (s, h), first_rows, more_rows=True),
+        "ln_f.weight": Rule("transformer.ln_f.weight", (h,), same, (h,)),
+        "ln_f.bias": Rule("transformer.ln_f.bias", (h,), same, (h,)),
     }
     if not model["tie_embeddings"]:
-        rules["head"] = Rule("lm_head.weight", (v, h), same)
+        rules["head"] = Rule("lm_head.weight", (v, h), same, (v, h))
     for i in range(model["layers"]):
         ours, hf = f"blocks.{i}.", f"transformer.h.{i}."
         rules.update({
-            ours + "ln1.weight": Rule(hf + "ln_1.weight", (h,), same),
-            ours + "ln1.bias": Rule(hf + "ln_1.bias", (h,), same),
-            ours + "attn.qkv.weight": Rule(hf + "attn.c_attn.weight", (3 * h, h), lambda x: _qkv_rows(x, n).T),
-            ours + "attn.qkv.bias": Rule(hf + "attn.c_attn.bias", (3 * h,), lambda x: _qkv_rows(x, n)),
-            ours + "attn.proj.weight": Rule(hf + "attn.c_proj.weight", (h, h), t),
-            ours + "attn.proj.bias": Rule(hf + "attn.c_proj.bias", (h,), same),
-            ours + "ln2.weight": Rule(hf + "ln_2.weight", (h,), same),
-            ours + "ln2.bias": Rule(hf + "ln_2.bias", (h,), same),
-            ours + "mlp.fc.weight": Rule(hf + "mlp.c_fc.weight", (f, h), t),
-            ours + "mlp.fc.bias": Rule(hf + "mlp.c_fc.bias", (f,), same),
-            ours + "mlp.proj.weight": Rule(hf + "mlp.c_proj.weight", (h, f), t),
-            ours + "mlp.proj.bias": Rule(hf + "mlp.c_proj.bias", (h,), same),
+            ours + "ln1.weight": Rule(hf + "ln_1.weight", (h,), same, (h,)),
+            ours + "ln1.bias": Rule(hf + "ln_1.bias", (h,), same, (h,)),
+            ours + "attn.qkv.weight": Rule(hf + "attn.c_attn.weight", (3 * h, h), lambda x: _qkv_rows(x, n).T,
+                                           (h, 3 * h), qkv_weight),
+            ours + "attn.qkv.bias": Rule(hf + "attn.c_attn.bias", (3 * h,), lambda x: _qkv_rows(x, n), (3 * h,),
+                                         qkv_bias),
+            ours + "attn.proj.weight": Rule(hf + "attn.c_proj.weight", (h, h), t, (h, h), _put_t),
+            ours + "attn.proj.bias": Rule(hf + "attn.c_proj.bias", (h,), same, (h,)),
+            ours + "ln2.weight": Rule(hf + "ln_2.weight", (h,), same, (h,)),
+            ours + "ln2.bias": Rule(hf + "ln_2.bias", (h,), same, (h,)),
+            ours + "mlp.fc.weight": Rule(hf + "mlp.c_fc.weight", (f, h), t, (h, f), _put_t),
+            ours + "mlp.fc.bias": Rule(hf + "mlp.c_fc.bias", (f,), same, (f,)),
+            ours + "mlp.proj.weight": Rule(hf + "mlp.c_proj.weight", (h, f), t, (f, h), _put_t),
+            ours + "mlp.proj.bias": Rule(hf + "mlp.c_proj.bias", (h,), same, (h,)),
         })  # fmt: skip
     return rules
 
@@ -184,28 +218,40 @@ def _llama_mapping(model: dict[str, Any]) -> dict[str, Rule]:
     d, group = h // n, n // kv
     same = lambda x: x  # noqa: E731
     rules = {
-        "wte.weight": Rule("model.embed_tokens.weight", (v, h), same),
-        "ln_f.weight": Rule("model.norm.weight", (h,), same),
+        "wte.weight": Rule("model.embed_tokens.weight", (v, h), same, (v, h)),
+        "ln_f.weight": Rule("model.norm.weight", (h,), same, (h,)),
     }
     if not model["tie_embeddings"]:
-        rules["head"] = Rule("lm_head.weight", (v, h), same)
+        rules["head"] = Rule("lm_head.weight", (v, h), same, (v, h))
     qkv = (n + 2 * kv) * d
+
+    def qkv_part(part: slice) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray, np.ndarray], None]]:
+        def place(out: np.ndarray, x: np.ndarray) -> None:
+            out.reshape(kv, group + 2, d, h)[:, part] = x.reshape(kv, -1, d, h)
+
+        return (lambda x: _qkv_parts(x, kv, d, part)), place
+
+    def rows(start: int) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray, np.ndarray], None]]:
+        def place(out: np.ndarray, x: np.ndarray) -> None:
+            out[start::2] = x
+
+        return (lambda x: x[start::2]), place
+
+    q, k, vv = qkv_part(slice(0, group)), qkv_part(slice(group, group + 1)), qkv_part(slice(group + 1, group + 2))
+    gate, up = rows(0), rows(1)
     for i in range(model["layers"]):
         ours, hf = f"blocks.{i}.", f"model.layers.{i}."
         # One Rule per HF tensor: the fused gridlm tensors appear under the names "...#q" etc.
         rules.update({
-            ours + "ln1.weight": Rule(hf + "input_layernorm.weight", (h,), same),
-            ours + "attn.qkv.weight#q": Rule(hf + "self_attn.q_proj.weight", (qkv, h),
-                                             lambda x: _qkv_parts(x, kv, d, slice(0, group))),
-            ours + "attn.qkv.weight#k": Rule(hf + "self_attn.k_proj.weight", (qkv, h),
-                                             lambda x: _qkv_parts(x, kv, d, slice(group, group + 1))),
-            ours + "attn.qkv.weight#v": Rule(hf + "self_attn.v_proj.weight", (qkv, h),
-                                             lambda x: _qkv_parts(x, kv, d, slice(group + 1, group + 2))),
-            ours + "attn.proj.weight": Rule(hf + "self_attn.o_proj.weight", (h, h), same),
-            ours + "ln2.weight": Rule(hf + "post_attention_layernorm.weight", (h,), same),
-            ours + "mlp.fc.weight#gate": Rule(hf + "mlp.gate_proj.weight", (2 * f, h), lambda x: x[0::2]),
-            ours + "mlp.fc.weight#up": Rule(hf + "mlp.up_proj.weight", (2 * f, h), lambda x: x[1::2]),
-            ours + "mlp.proj.weight": Rule(hf + "mlp.down_proj.weight", (h, f), same),
+            ours + "ln1.weight": Rule(hf + "input_layernorm.weight", (h,), same, (h,)),
+            ours + "attn.qkv.weight#q": Rule(hf + "self_attn.q_proj.weight", (qkv, h), q[0], (n * d, h), q[1]),
+            ours + "attn.qkv.weight#k": Rule(hf + "self_attn.k_proj.weight", (qkv, h), k[0], (kv * d, h), k[1]),
+            ours + "attn.qkv.weight#v": Rule(hf + "self_attn.v_proj.weight", (qkv, h), vv[0], (kv * d, h), vv[1]),
+            ours + "attn.proj.weight": Rule(hf + "self_attn.o_proj.weight", (h, h), same, (h, h)),
+            ours + "ln2.weight": Rule(hf + "post_attention_layernorm.weight", (h,), same, (h,)),
+            ours + "mlp.fc.weight#gate": Rule(hf + "mlp.gate_proj.weight", (2 * f, h), gate[0], (f, h), gate[1]),
+            ours + "mlp.fc.weight#up": Rule(hf + "mlp.up_proj.weight", (2 * f, h), up[0], (f, h), up[1]),
+            ours + "mlp.proj.weight": Rule(hf + "mlp.down_proj.weight", (h, f), same, (h, f)),
         })  # fmt: skip
     return rules
 

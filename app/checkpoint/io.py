@@ -724,3 +724,27 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
         for (_, p), v in zip(params, values):
             p.copy_(v.to(p.device, p.dtype))
     return header
+
+
+def initialise(state: TrainingState, tensor: Callable[[str], np.ndarray]) -> None:
+    """Set `state`'s parameters and any fp32 masters to the whole (global) fp32 tensors `tensor(name)`
+    gives (`run.init_from`), each rank the part it holds; the optimizer's moments stay as built
+    (fresh). Each tensor is asked for once per rank, and only by ranks that hold some of it."""
+    local: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for (group, name), shard in _shard_states(state).items():
+            h0, h1 = shard.hold
+            if group not in (MODEL, MASTER) or h0 >= h1:
+                continue
+            if name not in local:
+                whole = tensor(name)
+                assert whole.shape == shard.global_shape, (name, whole.shape, shard.global_shape)
+                box = tuple(slice(o, o + n) for o, n in zip(shard.offset, shard.shape))
+                local[name] = torch.from_numpy(np.ascontiguousarray(whole[box], dtype=np.float32)).reshape(-1)
+            values = local[name][h0:h1]
+            if shard.store is not None:
+                shard.store(h0, values.to(shard.dtype))
+            else:
+                target = shard.view(h0, h1)
+                target.copy_(values.to(target.device))
+        state.optimizer.restored()
