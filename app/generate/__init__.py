@@ -20,7 +20,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from app.errors import CheckpointError, DataError, DeckError, LaunchError
 
@@ -70,6 +70,23 @@ def generation_deck(path: Path, world: int, overrides: tuple[str, ...] = ()) -> 
                 f"this model cannot take: {err}; launch fewer ranks (e.g. 1, or a divisor of model.heads)"
             ) from None
         raise
+
+
+def run_on_checkpoint(
+    given: str, overrides: tuple[str, ...], body: Callable[[Deck, Runtime, ProcessGrid, Path], None]
+) -> int:
+    """An inference job (`app.job.run_job`) on checkpoint `given` (a file, or a directory's latest):
+    the deck is `generation_deck`'s, and `body` gets the checkpoint's path too. The exit status."""
+    from app.eval.__main__ import checkpoint_file
+    from app.job import run_job
+
+    chosen: list[Path] = []
+
+    def load(world: int) -> Deck:
+        chosen.append(checkpoint_file(given))
+        return generation_deck(chosen[-1], world, overrides)
+
+    return run_job(load, lambda deck, runtime, grid: body(deck, runtime, grid, chosen[-1]))
 
 
 def load_model(deck: Deck, runtime: Runtime, grid: ProcessGrid, path: Path) -> tuple[GPT, dict[str, Any]]:

@@ -130,21 +130,13 @@ def run_generation(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argpar
 
 def run(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from app.eval.__main__ import checkpoint_file
-    from app.generate import generation_deck
-    from app.job import run_job
+    from app.generate import run_on_checkpoint
 
-    chosen: list[Path] = []
-
-    def load(world: int) -> Deck:
-        path = checkpoint_file(args.checkpoint)
-        chosen.append(path)
-        return generation_deck(path, world, tuple(args.overrides))
-
-    def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
-        run_generation(deck, runtime, grid, args, chosen[-1])
-
-    return run_job(load, body)
+    return run_on_checkpoint(
+        args.checkpoint,
+        tuple(args.overrides),
+        lambda deck, runtime, grid, path: run_generation(deck, runtime, grid, args, path),
+    )
 
 
 def main() -> None:

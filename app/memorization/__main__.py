@@ -1,0 +1,94 @@
+"""`python -m app.memorization CKPT --data PREFIX [--passages N] [--prefix-tokens P]
+[--continuation-tokens C] [--batch B] [--json]`: the share of training passages a checkpoint
+reproduces exactly (`app/memorization/__init__.py`).
+
+Launch it like `python -m app.generate`: one rank, or tensor parallel over all ranks (the model
+comes from the deck the checkpoint carries; only run.* keys can be --set). PREFIX is a token file
+from `app.data.prepare` (the training data, or any text to test). Rank 0 prints one line; with
+--json the last line is one JSON object (exact_share, token_share, passages, ...). Exit status as
+`python -m app`: 2 for a user mistake, printed once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from app.generate.__main__ import _positive
+
+if TYPE_CHECKING:
+    from app.deck import Deck
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.memorization",
+        description="Extractable memorization: the share of passages whose continuation a checkpoint reproduces "
+        "exactly under greedy decoding from their prefix (1 rank, or tp over all ranks).",
+        epilog="Example: python -m app.memorization runs/x/checkpoints --data /tmp/gridlm-data/corpus",
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint file (.h5), or a directory: its `latest`")
+    parser.add_argument("--data", required=True, metavar="PREFIX", help="token file (PREFIX.bin/.json/.idx.npy)")
+    parser.add_argument("--passages", type=_positive, default=256, metavar="N", help="passages to test (256)")
+    parser.add_argument("--prefix-tokens", type=_positive, default=32, metavar="P", help="prefix length (32)")
+    parser.add_argument(
+        "--continuation-tokens", type=_positive, default=32, metavar="C", help="tokens that must match (32)"
+    )
+    parser.add_argument("--batch", type=_positive, default=16, metavar="B", help="passages decoded together (16)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="run.KEY=VALUE",
+        help="override a run key of the checkpoint's deck, e.g. --set run.device=cpu",
+    )  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def run_measure(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argparse.Namespace, path: Path) -> None:
+    from app.data.memmap import MemmapTokens
+    from app.generate import check_lengths, load_model, result_line
+    from app.memorization import measure, passages
+    from app.runtime.mpi import agree
+
+    p, c = args.prefix_tokens, args.continuation_tokens
+    check_lengths(deck, p, c)
+    data = agree(runtime, lambda: MemmapTokens(args.data, 1, deck.model.vocab_size, seed=0))
+    windows = agree(runtime, lambda: passages(data.tokens, deck.model.seq_len, args.passages, p, c))
+    t0 = time.perf_counter()
+    model, header = load_model(deck, runtime, grid, path)
+    result = measure(model, windows, p, args.batch)
+    seconds = time.perf_counter() - t0
+    runtime.log(
+        f"gridlm: memorization | {path} (step {header['step']}) | {args.data}: {result.passages} passages of {p} "
+        f"prefix + {c} continuation tokens | exact {result.exact_share:.3f} ({result.exact}/{result.passages}) | "
+        f"tokens matched {result.token_share:.3f} | tp={grid.size('tp')} | {seconds:.2f} s"
+    )
+    if args.json:
+        runtime.log(result_line({
+            "exact_share": result.exact_share, "token_share": result.token_share, "passages": result.passages,
+            "exact": result.exact, "prefix_tokens": p, "continuation_tokens": c, "checkpoint": str(path),
+            "step": int(header["step"]), "data": args.data, "tp": grid.size("tp"),
+        }))  # fmt: skip
+
+
+def run(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    from app.generate import run_on_checkpoint
+
+    return run_on_checkpoint(
+        args.checkpoint,
+        tuple(args.overrides),
+        lambda deck, runtime, grid, path: run_measure(deck, runtime, grid, args, path),
+    )
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()
