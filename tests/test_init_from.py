@@ -6,7 +6,8 @@ a misplaced tensor shows. The token file holds exactly one global batch of windo
 reads all of them, in whatever order, and its loss is HF's mean cross-entropy over all windows.
 At lr 0 the run's step-1 loss must equal HF's within 1e-5: the same fp32 weights and math, the
 summation order apart (measured differences are ~1e-7 on losses ~5); a wrong layout moves it
-by 1e-2 or more. Checked on 1 rank and on tp 2 x pp 2 (the shards come from the same tensors).
+by 1e-2 or more. Checked on 1 rank, on tp 2 x pp 2, and on dp 2 with ZeRO-1 (the fp32 masters sharded
+over dp are set too).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def test_init_from_gives_the_hf_loss_on_one_rank_and_tp2_pp2(arch, data, tmp_pat
     prefix, tokens = data
     model = save_hf(arch, tmp_path / "hf")
     want = hf_loss(model, tokens)
-    for ranks, grid in ((1, ()), (4, ("--set", "parallel.tp=2", "--set", "parallel.pp=2"))):
+    grids = ((1, ()), (4, ("--set", "parallel.tp=2", "--set", "parallel.pp=2")), (2, ("--set", "optim.zero=1")))
+    for ranks, grid in grids:
         run_dir = tmp_path / f"run{ranks}"
         out = run_app(ranks, "inputs/gpt_tiny.yaml", *base_sets(tmp_path / "hf", prefix, run_dir, arch), *grid)
         assert out.returncode == 0, out.stdout + out.stderr

@@ -77,13 +77,14 @@ def run_on_checkpoint(
 ) -> int:
     """An inference job (`app.job.run_job`) on checkpoint `given` (a file, or a directory's latest):
     the deck is `generation_deck`'s, and `body` gets the checkpoint's path too. The exit status."""
-    from app.eval.__main__ import checkpoint_file
+    from app.checkpoint.store import named_checkpoint
     from app.job import run_job
 
     chosen: list[Path] = []
 
     def load(world: int) -> Deck:
-        chosen.append(checkpoint_file(given))
+        missing = "no such file; give a checkpoint file (.h5) or directory"
+        chosen.append(named_checkpoint(given, f"checkpoint {given}", missing))
         return generation_deck(chosen[-1], world, overrides)
 
     return run_job(load, lambda deck, runtime, grid: body(deck, runtime, grid, chosen[-1]))
