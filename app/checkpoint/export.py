@@ -288,7 +288,7 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
     check_target(directory, force)  # before the (possibly long) read, and before importing torch
     import h5py
 
-    from app.checkpoint.io import MASTER, MODEL, decode, model_section, read_header
+    from app.checkpoint.io import MASTER, MODEL, decode, model_section, read_header, require_dataset
 
     header = read_header(path)
     model = model_section(header, path)
@@ -304,14 +304,7 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
             f"know: not a checkpoint of the model its deck describes"
         )
     for key, rule in rules.items():
-        name = dataset_name(key)
-        entry = catalogue.get(f"{source}/{name}")
-        if entry is None:
-            raise CheckpointError(f"{path} has no dataset /{source}/{name}: not a complete checkpoint of this model")
-        if entry["shape"] != rule.shape:
-            raise CheckpointError(
-                f"{path}: dataset /{source}/{name} has shape {entry['shape']}, its deck's model needs {rule.shape}"
-            )
+        require_dataset(path, catalogue, f"{source}/{dataset_name(key)}", rule.shape, "its deck's model")
 
     tensors: dict[str, np.ndarray] = {}
     with h5py.File(path, "r") as f:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from app.checkpoint.export import dataset_name, mapping
+from app.checkpoint.export import Rule, dataset_name, mapping
 from app.deck import ModelConfig
 from app.errors import CheckpointError
 
@@ -179,7 +179,7 @@ class HFWeights:
         self.files = self._files()
         self.rules = mapping(model_section(m))
         self.prefix = BASE_PREFIX[m.arch]
-        self._check_tensors()
+        self.sources = self._sources()
 
     def _files(self) -> dict[str, Path]:
         """HF tensor name -> the safetensors file holding it."""
@@ -212,21 +212,25 @@ class HFWeights:
         bare = hf.removeprefix(self.prefix)
         return bare if bare in self.files else None
 
-    def _check_tensors(self) -> None:
-        used: set[str] = set()
+    def _sources(self) -> dict[str, list[tuple[str, Rule]]]:
+        """gridlm parameter -> (HF tensor name in this directory, its rule) for each of its parts;
+        CheckpointError for a tensor missing, or one the deck's model has no place for."""
+        sources: dict[str, list[tuple[str, Rule]]] = {}
         for key, rule in self.rules.items():
             name = self._name(rule.hf)
             if name is None and key == "head" and self.tied_source:
                 name = self._name(self.rules["wte.weight"].hf)  # a tied HF model: the head starts as the embedding
             if name is None:
                 raise _fail(self.directory, f"has no tensor {rule.hf} (for gridlm's {dataset_name(key)})")
-            used.add(name)
+            sources.setdefault(dataset_name(key), []).append((name, rule))
+        used = {name for parts in sources.values() for name, _ in parts}
         unused = sorted(n for n in self.files if n not in used and not n.endswith(IGNORED))
         if unused:
             raise _fail(
                 self.directory, f"holds tensors the deck's model has no place for ({', '.join(unused[:4])}"
                 f"{', ...' if len(unused) > 4 else ''}): not the model the deck describes"
             )  # fmt: skip
+        return sources
 
     def _read(self, name: str) -> np.ndarray:
         from safetensors import safe_open
@@ -239,15 +243,9 @@ class HFWeights:
 
     def tensor(self, name: str) -> np.ndarray:
         """gridlm parameter `name`'s whole fp32 tensor."""
-        rules = [rule for key, rule in self.rules.items() if dataset_name(key) == name]
-        if not rules:
-            raise KeyError(name)
-        out = np.empty(rules[0].shape, dtype=np.float32)
-        for rule in rules:
-            hf = self._name(rule.hf)
-            if hf is None:  # the untied head of a tied HF model
-                hf = self._name(self.rules["wte.weight"].hf)
-                assert hf is not None
+        parts = self.sources[name]
+        out = np.empty(parts[0][1].shape, dtype=np.float32)
+        for hf, rule in parts:
             x = self._read(hf)
             if rule.more_rows:
                 fits = x.shape[1:] == rule.hf_shape[1:] and x.shape[0] >= rule.hf_shape[0]

@@ -553,6 +553,38 @@ def check_model(header: dict[str, Any], deck: Deck, path: Path) -> None:
             )
 
 
+def require_dataset(
+    path: Path, catalogue: dict[str, Any], key: str, shape: tuple[int, ...], whose: str = "the model"
+) -> None:
+    """Dataset `key` (group/name) must be in the file's catalogue with `shape`; CheckpointError otherwise."""
+    entry = catalogue.get(key)
+    if entry is None:
+        raise CheckpointError(f"{path} has no dataset /{key}: not a complete checkpoint of this model")
+    if entry["shape"] != tuple(shape):
+        raise CheckpointError(f"{path}: dataset /{key} has shape {entry['shape']}, {whose} needs {tuple(shape)}")
+
+
+def _verify(path: Path, catalogue: dict[str, Any], keys: list[str], sums: np.ndarray, fix: str) -> None:
+    """The checksums summed over the ranks (`sums`, one per dataset of `keys`) against the file's;
+    CheckpointError naming the damaged datasets and `fix`."""
+    bad = ["/" + key for key, value in zip(keys, sums) if catalogue[key]["checksum"] not in (None, int(value))]
+    if bad:
+        more = (
+            f" and {len(bad) - 1} more ({', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if len(bad) > 1 else ""
+        )
+        raise CheckpointError(f"{path}: checksum mismatch in dataset {bad[0]}{more}: the file is corrupt; {fix}")
+
+
+def _fill(shard: ShardState, values: torch.Tensor) -> None:
+    """Set the held range of `shard` to `values` (its flat elements hold[0] .. hold[1])."""
+    h0, h1 = shard.hold
+    if shard.store is not None:
+        shard.store(h0, values.to(shard.dtype))
+    else:
+        target = shard.view(h0, h1)
+        target.copy_(values.to(target.device))
+
+
 def load(state: TrainingState, path: Path) -> dict[str, Any]:
     """Restore `state` from checkpoint `path` (all ranks), whatever grid wrote it. Everything is
     read and verified before the model, optimizer or sampler change; returns what was loaded."""
@@ -583,13 +615,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     for group, name, shape in catalogue:
         reads.setdefault((source_of(group), name), shape)
     for (group, name), shape in reads.items():  # the same checks on every rank: all raise or none does
-        entry = in_file.get(f"{group}/{name}")
-        if entry is None:
-            raise CheckpointError(f"{path} has no dataset /{group}/{name}: not a complete checkpoint of this model")
-        if entry["shape"] != shape:
-            raise CheckpointError(
-                f"{path}: dataset /{group}/{name} has shape {entry['shape']}, the model needs {shape}"
-            )
+        require_dataset(path, in_file, f"{group}/{name}", shape)
     readers: dict[tuple[str, str], list[ShardState]] = {}
     for (group, name), shard in shards.items():
         readers.setdefault((source_of(group), name), []).append(shard)
@@ -623,17 +649,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 keys.append(f"rng/{key}")
                 sums = np.append(sums, sum_of(rng[key], box, shape))
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-    bad = ["/" + key for key, value in zip(keys, sums) if in_file[key]["checksum"] not in (None, int(value))]
-    if bad:
-        raise CheckpointError(
-            f"{path}: checksum mismatch in dataset {bad[0]}"
-            + (
-                f" and {len(bad) - 1} more ({', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})"
-                if len(bad) > 1
-                else ""
-            )
-            + ": the file is corrupt; resume from an older checkpoint (run.resume: <file>) or run.resume: none"
-        )
+    _verify(path, in_file, keys, sums, "resume from an older checkpoint (run.resume: <file>) or run.resume: none")
     note = V1_NOTE if version < 2 else None
     if note is not None:
         rt.log(f"gridlm: {path}: {note}")
@@ -643,11 +659,8 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             lo, values = read[key]
             for shard in states:
                 h0, h1 = shard.hold
-                if h0 < h1 and shard.store is not None:
-                    shard.store(h0, values[h0 - lo : h1 - lo].to(shard.dtype))
-                elif h0 < h1:
-                    target = shard.view(h0, h1)
-                    target.copy_(values[h0 - lo : h1 - lo].to(target.device))
+                if h0 < h1:
+                    _fill(shard, values[h0 - lo : h1 - lo])
         state.optimizer.restored()
     scaler = json.loads(header["loss_scaler"])
     if state.scaler is not None and scaler is not None:
@@ -687,13 +700,7 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
     source = MODEL if header["precision"] == "fp32" else MASTER
     params = list(model.named_parameters())
     for name, p in params:  # the same checks on every rank: all raise or none does
-        entry = in_file.get(f"{source}/{name}")
-        if entry is None:
-            raise CheckpointError(f"{path} has no dataset /{source}/{name}: not a complete checkpoint of this model")
-        if entry["shape"] != tuple(p.meta.global_shape):  # type: ignore[attr-defined]
-            raise CheckpointError(
-                f"{path}: dataset /{source}/{name} has shape {entry['shape']}, the model needs {p.meta.global_shape}"  # type: ignore[attr-defined]
-            )
+        require_dataset(path, in_file, f"{source}/{name}", p.meta.global_shape)  # type: ignore[attr-defined]
     version = int(header["format_version"])
     sum_of = checksum_for(version)
     sums = np.zeros(len(params), dtype=np.uint32 if version < 2 else np.uint64)
@@ -710,16 +717,10 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
             values.append(decode(raw, in_file[key]["dtype"]).view(meta.local_shape))
     with runtime.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
         runtime.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-    bad = [
-        f"/{source}/{name}"
-        for (name, _), s in zip(params, sums)
-        if in_file[f"{source}/{name}"]["checksum"] not in (None, int(s))
-    ]
-    if bad:
-        raise CheckpointError(
-            f"{path}: checksum mismatch in dataset {bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}: "
-            f"the file is corrupt; use an older checkpoint (`python -m app.checkpoint inspect {path}` lists them)"
-        )
+    keys = [f"{source}/{name}" for name, _ in params]
+    _verify(
+        path, in_file, keys, sums, f"use an older checkpoint (`python -m app.checkpoint inspect {path}` lists them)"
+    )
     with torch.no_grad():
         for (_, p), v in zip(params, values):
             p.copy_(v.to(p.device, p.dtype))
@@ -741,10 +742,5 @@ def initialise(state: TrainingState, tensor: Callable[[str], np.ndarray]) -> Non
                 assert whole.shape == shard.global_shape, (name, whole.shape, shard.global_shape)
                 box = tuple(slice(o, o + n) for o, n in zip(shard.offset, shard.shape))
                 local[name] = torch.from_numpy(np.ascontiguousarray(whole[box], dtype=np.float32)).reshape(-1)
-            values = local[name][h0:h1]
-            if shard.store is not None:
-                shard.store(h0, values.to(shard.dtype))
-            else:
-                target = shard.view(h0, h1)
-                target.copy_(values.to(target.device))
+            _fill(shard, local[name][h0:h1])
         state.optimizer.restored()
