@@ -188,3 +188,37 @@ def test_sampling_draws_only_among_the_top_k():
     drawn = {int(_pick(logits, Sampling(temperature=5.0, top_k=3), gen)) for _ in range(300)}
     assert drawn == {1, 2, 3}  # a high temperature flattens them: all three drawn, nothing else
     assert {int(_pick(logits, Sampling(temperature=1.0, top_k=1), gen)) for _ in range(20)} == {1}
+
+
+def test_the_default_tokenizer_is_the_one_the_training_data_names(tmp_path):
+    """A token file's metadata names its tokenizer: byte, or a tokenizer.json (checked by sha256), whose
+    end-of-document id is the recorded one (prepare may have been given --eos)."""
+    import hashlib
+
+    from test_goldfish import write_tokens
+
+    from app.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
+    from app.deck import load_deck
+    from app.errors import DataError
+    from app.generate import default_tokenizer
+
+    prefix = tmp_path / "data"
+    write_tokens(str(prefix), [[1, 2, 3] * 20])
+
+    def deck(*sets: str):
+        return load_deck(REPO / "inputs/gpt_tiny.yaml", ("data.kind=memmap", f"data.path={prefix}", *sets))
+
+    assert isinstance(default_tokenizer(deck()), ByteTokenizer)
+    assert default_tokenizer(load_deck(REPO / "inputs/gpt_tiny.yaml")) is None  # synthetic data
+    # Its end-of-document token renamed to one of no standard name (as `prepare --eos '<|doc|>'` takes).
+    text = train_bpe(iter([b"hello world, hello gridlm"] * 10), 300).replace("<|endoftext|>", "<|doc|>")
+    (tmp_path / "tok.json").write_text(text)
+    meta = json.loads((tmp_path / "data.json").read_text())
+    meta.update(tokenizer="huggingface", tokenizer_path=str(tmp_path / "tok.json"), eos=0, vocab_size=300,
+                tokenizer_sha256=hashlib.sha256(text.encode()).hexdigest())  # fmt: skip
+    (tmp_path / "data.json").write_text(json.dumps(meta))
+    tokenizer = default_tokenizer(deck())
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.eos == 0 and tokenizer.tokenizer.id_to_token(0) == "<|doc|>"
+    (tmp_path / "tok.json").write_text(text + " ")  # another file at the recorded path
+    with pytest.raises(DataError, match="is not the tokenizer the training data"):
+        default_tokenizer(deck())

@@ -63,7 +63,9 @@ class HFTokenizer:
 
     name = "huggingface"
 
-    def __init__(self, path: str, eos_token: Optional[str] = None, text: Optional[str] = None) -> None:
+    def __init__(
+        self, path: str, eos_token: Optional[str] = None, text: Optional[str] = None, eos_id: Optional[int] = None
+    ) -> None:
         from tokenizers import Tokenizer
 
         self.path = os.path.abspath(path)
@@ -87,7 +89,8 @@ class HFTokenizer:
             ) from None
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos = self._find_eos(eos_token)
+        # eos_id: the id a token file's metadata recorded (prepare may have been given --eos).
+        self.eos = eos_id if eos_id is not None else self._find_eos(eos_token)
 
     def _find_eos(self, eos_token: Optional[str]) -> int:
         if eos_token is not None:

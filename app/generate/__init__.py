@@ -123,13 +123,12 @@ def default_tokenizer(deck: Deck) -> Optional[AnyTokenizer]:
         tokenizer_path = meta.get("tokenizer_path", "")
         if not os.path.isfile(tokenizer_path):
             return None
-        tokenizer = HFTokenizer(tokenizer_path)
+        tokenizer = HFTokenizer(tokenizer_path, eos_id=int(meta["eos"]))
         if tokenizer.sha256 != meta.get("tokenizer_sha256"):
             raise DataError(
                 f"{tokenizer_path} is not the tokenizer the training data {blend[0][1]} was made with (its sha256 "
                 f"differs from the token file's); fix: pass --tokenizer with the tokenizer.json used by prepare"
             )
-        tokenizer.eos = int(meta["eos"])
         return tokenizer
     return ByteTokenizer() if meta.get("tokenizer", "byte") == "byte" else None
 
