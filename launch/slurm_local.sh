@@ -4,6 +4,8 @@
 #   launch/slurm_local.sh start    install if missing (apt, root), start, print `export SLURM_CONF=...`
 #   launch/slurm_local.sh status   sinfo; exit 0 if up, 1 if not
 #   launch/slurm_local.sh stop     cancel the jobs, stop slurmd and slurmctld (exit 0 if nothing ran)
+#   launch/slurm_local.sh install  install Slurm and munge if missing (launch/cluster_local.sh uses it)
+#   launch/slurm_local.sh munge    start munged if it does not answer
 #   eval "$(launch/slurm_local.sh start)"
 # Messages go to stderr; stdout carries only the export line, so callers can eval it.
 # Exit status 3: Slurm cannot be provided here (missing and no root + apt-get): callers skip.
@@ -258,8 +260,11 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
+  # For launch/cluster_local.sh, which runs its own multi-node Slurm with the same packages and munge.
+  install) install_slurm ;;
+  munge) start_munge ;;
   *)
-    echo "usage: launch/slurm_local.sh start|stop|status   (GRIDLM_SLURM_DIR, default /tmp/gridlm-slurm)" >&2
+    echo "usage: launch/slurm_local.sh start|stop|status|install|munge   (GRIDLM_SLURM_DIR, default /tmp/gridlm-slurm)" >&2
     exit 2
     ;;
 esac
