@@ -62,7 +62,10 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)
         # torch's own timeout comes after the watchdog's, which names the operation and the ranks.
         timeout = deck.run.comm_timeout_s + 60
-        agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout))
+        # Reaching rank 0's store takes milliseconds; a minute covers a busy 32k-rank start, and a
+        # wrong GRIDLM_MASTER_ADDR fails within it rather than after torch's whole timeout.
+        connect = min(deck.run.comm_timeout_s, 60.0)
+        agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout, connect))
         runtime.watchdog.attach_store(*runtime.store_address)
         par = deck.parallel
         grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order)

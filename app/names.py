@@ -55,3 +55,18 @@ def torch_dtype(precision: str) -> Any:
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """Ranks as the short list a log line can carry: [0, 1, 2, 3, 6, 8, 9] -> "0-3, 6, 8-9"."""
+    parts: list[str] = []
+    ordered = sorted(set(ranks))
+    start = prev = None
+    for r in [*ordered, None]:
+        if start is not None and (r is None or r != prev + 1):
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if r is not None and start is None:
+            start = r
+        prev = r
+    return ", ".join(parts)

@@ -37,6 +37,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the tests marked slurm against a running Slurm (launch/slurm_local.sh start)",
     )
     parser.addoption(
+        "--with-cluster",
+        action="store_true",
+        default=False,
+        help="run the tests marked multinode against running simulated nodes (launch/cluster_local.sh start 2)",
+    )
+    parser.addoption(
         "--strict-skips",
         action="store_true",
         default=False,
@@ -69,12 +75,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kept = [item for item in items if _min_size(item) >= floor]
         config.hook.pytest_deselected(items=[item for item in items if _min_size(item) < floor])
         items[:] = kept
-    if config.getoption("--with-slurm"):
-        return
-    skip = pytest.mark.skip(reason="needs --with-slurm (launch/test.sh starts a local Slurm)")
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            item.add_marker(skip)
+    for marker, option, reason in (
+        ("slurm", "--with-slurm", "needs --with-slurm (launch/test.sh starts a local Slurm)"),
+        ("multinode", "--with-cluster", "needs --with-cluster (launch/test.sh starts 2 simulated nodes)"),
+    ):
+        if not config.getoption(option):
+            for item in items:
+                if item.get_closest_marker(marker):
+                    item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def pytest_configure(config: pytest.Config) -> None:

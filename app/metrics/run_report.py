@@ -40,7 +40,7 @@ from app.metrics.summary import (
 from app.metrics.timers import PHASES
 from app.names import AXES, SCHEDULES, TP_SUB_AXES, reduce_precision, schedule_key
 from app.runtime.grid import ProcessGrid, placement_warnings
-from app.runtime.mpi import Runtime, on_root
+from app.runtime.mpi import Runtime, node_summary, on_root
 
 if TYPE_CHECKING:
     from app.eval import EvalResult
@@ -131,6 +131,9 @@ class RunReport:
             f"({par.order}) | "
             f"device {self.device_name}"
         )
+        if rt.nodes > 1 or rt.store_source == "GRIDLM_MASTER_ADDR":
+            host, port = rt.store_address or ("?", 0)
+            rt.log(f"gridlm: nodes {node_summary(rt)} | rendezvous {host}:{port} ({rt.store_source})")
         rt.log(
             f"gridlm: global batch {tr.global_batch} = micro batch {tr.micro_batch} x "
             f"{built.micro_batches} accumulation x dp {grid.size('dp')}"

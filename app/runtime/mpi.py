@@ -31,7 +31,7 @@ class Runtime:
     `comm` is the job's communicator (COMM_WORLD, or a sub-communicator such as COMM_SELF
     for a 1-rank reference run inside a bigger job); `rank`/`world_size` refer to it.
     `placement[r]` is (node index, local rank) of rank r; nodes are numbered by the lowest
-    rank they hold. `global_ranks[r]` is the torch.distributed rank of rank r (torch ranks
+    rank they hold, and `node_hosts[n]` is node n's hostname. `global_ranks[r]` is the torch.distributed rank of rank r (torch ranks
     are COMM_WORLD ranks).
     """
 
@@ -46,10 +46,12 @@ class Runtime:
     placement: list[tuple[int, int]]
     ranks_per_node_list: list[int]
     global_ranks: list[int]
+    node_hosts: list[str] = field(default_factory=list)
     device: Optional[torch.device] = None  # set by bind_device (torch is imported only then)
     backend: str = "gloo"
     watchdog: AnyWatchdog = field(default_factory=NullWatchdog)  # app.runtime.watchdog; a no-op until started
     store_address: Optional[tuple[str, int]] = None  # the TCPStore (host, port), once torch is bootstrapped
+    store_source: str = ""  # where its host came from: GRIDLM_MASTER_ADDR, hostname or loopback
     # Objects that must outlive everything else, e.g. an HDF5 file whose close failed (HDF5 1.10
     # crashes when such a file is released again).
     keep_alive: list[Any] = field(default_factory=list)
@@ -79,9 +81,13 @@ def init_mpi(comm: Any = None) -> Runtime:
     # A node is named by the lowest world rank it holds; everyone learns everyone's placement.
     node_first = node_comm.allreduce(rank, op=MPI.MIN)
     node_comm.Free()
-    everyone = comm.allgather((node_first, local_rank))
-    node_ids = {r0: i for i, r0 in enumerate(sorted({first for first, _ in everyone}))}
-    placement = [(node_ids[first], local) for first, local in everyone]
+    hostname = socket.gethostname()
+    everyone = comm.allgather((node_first, local_rank, hostname))
+    node_ids = {r0: i for i, r0 in enumerate(sorted({first for first, _, _ in everyone}))}
+    placement = [(node_ids[first], local) for first, local, _ in everyone]
+    node_hosts = [""] * len(node_ids)
+    for first, _, host in everyone:
+        node_hosts[node_ids[first]] = host
     per_node = [0] * len(node_ids)
     for node, _ in placement:
         per_node[node] += 1
@@ -93,11 +99,25 @@ def init_mpi(comm: Any = None) -> Runtime:
         local_size=local_size,
         node=placement[rank][0],
         nodes=len(node_ids),
-        hostname=socket.gethostname(),
+        hostname=hostname,
         placement=placement,
         ranks_per_node_list=per_node,
         global_ranks=comm.allgather(MPI.COMM_WORLD.Get_rank()),
+        node_hosts=node_hosts,
     )
+
+
+def node_summary(runtime: Runtime, most: int = 4) -> str:
+    """The nodes and their ranks, for a log line: "gridlm-node1 (ranks 0-3), gridlm-node2 (ranks 4-7)";
+    the first `most` nodes, then how many more."""
+    from app.names import rank_ranges
+
+    ranks: list[list[int]] = [[] for _ in runtime.node_hosts]
+    for r, (node, _) in enumerate(runtime.placement):
+        ranks[node].append(r)
+    shown = [f"{host} (ranks {rank_ranges(rs)})" for host, rs in zip(runtime.node_hosts[:most], ranks)]
+    more = len(runtime.node_hosts) - most
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def bind_device(runtime: Runtime, want: str = "auto") -> None:
@@ -177,25 +197,45 @@ def set_malloc_mmap_threshold(kib: int) -> bool:
     return bool(mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(kib * 1024)))
 
 
-def init_torch_distributed(runtime: Runtime, backend: str = "auto", timeout_s: float = 600.0) -> None:
-    """Bootstrap torch.distributed from MPI: rank 0 hosts the TCPStore, MPI carries its address."""
+def init_torch_distributed(
+    runtime: Runtime, backend: str = "auto", timeout_s: float = 600.0, connect_s: float = 60.0
+) -> None:
+    """Bootstrap torch.distributed from MPI: rank 0 hosts the TCPStore, MPI carries its address.
+
+    The store's host is checked on rank 0 and reached by every rank within `connect_s` before any
+    rank waits in `init_process_group` (app.runtime.rendezvous); a failure is a LaunchError on
+    every rank."""
     import torch.distributed as dist
+
+    from app.runtime.rendezvous import ENV, choose_host, probe, unreachable_message
 
     if backend != "auto":
         if backend == "nccl" and runtime.device.type != "cuda":
             raise LaunchError("parallel.backend = nccl needs GPUs; use parallel.backend: auto or gloo")
         runtime.backend = backend
     timeout = timedelta(seconds=timeout_s)
+    store, chosen = None, None
     if runtime.rank == 0:
-        # A single node talks over loopback; across nodes ranks reach rank 0 by hostname
-        # (GRIDLM_MASTER_ADDR overrides when the hostname resolves to the wrong interface).
-        host = os.environ.get("GRIDLM_MASTER_ADDR") or ("127.0.0.1" if runtime.nodes == 1 else runtime.hostname)
-        store = dist.TCPStore(host, 0, runtime.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        address = (host, store.port)
-    else:
-        address = None
+        # A single node talks over loopback; across nodes ranks reach rank 0 by hostname, or at
+        # GRIDLM_MASTER_ADDR (when the hostname resolves to the wrong interface).
+        try:
+            chosen = choose_host(os.environ.get(ENV), runtime.nodes, runtime.hostname)
+            store = dist.TCPStore(
+                chosen.host, 0, runtime.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+            )
+            chosen = (chosen.host, store.port, chosen.source)
+        except LaunchError as err:
+            chosen = str(err)
     with runtime.watchdog.blocking("MPI_Bcast (TCPStore address)"):
-        host, port = runtime.comm.bcast(address, root=0)
+        chosen = runtime.comm.bcast(chosen, root=0)
+    if isinstance(chosen, str):  # rank 0 refused the address: the same error everywhere
+        raise LaunchError(chosen)
+    host, port, source = chosen
+    # Every rank reaches the store before any waits on it; MPI carries the verdict.
+    mine = None if runtime.rank == 0 else probe(host, port, connect_s)
+    failed = failures(runtime, None if mine is None else (runtime.hostname, mine), "MPI_Allreduce (rendezvous)")
+    if failed:
+        raise LaunchError(unreachable_message(host, port, source, failed))
     with runtime.watchdog.blocking("init_process_group"):
         if runtime.rank != 0:
             store = dist.TCPStore(host, port, runtime.world_size, is_master=False, timeout=timeout)
@@ -203,6 +243,7 @@ def init_torch_distributed(runtime: Runtime, backend: str = "auto", timeout_s: f
             runtime.backend, store=store, rank=runtime.rank, world_size=runtime.world_size, timeout=timeout
         )
     runtime.store_address = (host, port)
+    runtime.store_source = source
 
 
 def shutdown(runtime: Runtime) -> None:

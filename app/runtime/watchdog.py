@@ -43,6 +43,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext, supp
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TextIO, Union
 
+from app.names import rank_ranges
+
 if TYPE_CHECKING:
     from app.runtime.mpi import Runtime
 
@@ -233,9 +235,14 @@ class Watchdog:
             return ""
         host = self.procs[ranks[0]][0]
         named = ", ".join(f"rank {r} (pid {self.procs[r][1]})" for r in ranks[:MAX_NAMED])
-        return f"the lost peer is on {host} ({found.group(1)}): {named}" + (
-            " or another rank there" if len(ranks) > 1 else ""
+        return (
+            f"the lost peer is on {host} ({found.group(1)}): {named}"
+            + (" or another rank there" if len(ranks) > 1 else "")
+            + f"; {host} holds ranks {rank_ranges(self._ranks_on(host))}"
         )
+
+    def _ranks_on(self, host: str) -> list[int]:
+        return [r for r, (h, _) in enumerate(self.procs) if h == host]
 
     # ---- the thread -----------------------------------------------------------------------
 
@@ -325,27 +332,62 @@ class Watchdog:
                 out[r] = json.loads(raw) if raw else None
             except Exception:
                 raise TimeoutError(
-                    "rank 0 (it hosts the TCPStore) does not answer: it is stopped, dead or cut off"
+                    f"rank 0 on {self.procs[0][0]} (it hosts the TCPStore) does not answer: it is stopped, dead, "
+                    "or its node is cut off from this one"
                 ) from None
         return out
 
     def _silent_ranks(self) -> list[str]:
-        """Ranks whose heartbeat counter did not move over 1.5 intervals (at most 4096 looked at)."""
+        """Ranks whose heartbeat counter did not move over 1.5 intervals (at most 4096 looked at);
+        a node none of whose ranks beats is named once, as a node, with whether its address answers."""
         ranks = [r for r in range(self.world) if r != self.rank][:4096]
         try:
             before = self._read_beats(ranks)
-            time.sleep(1.5 * self.interval)
+            # Keep beating while waiting: the ranks that fire together (a lost node stalls every
+            # group it is in) must not take each other for silent.
+            for _ in range(3):
+                self._beat()
+                time.sleep(0.5 * self.interval)
             after = self._read_beats(ranks)
         except TimeoutError as err:
             return [str(err)]
-        silent = []
+        silent: dict[int, str] = {}
         for r in ranks:
             b, a = before.get(r), after.get(r)
             if a is None or (b is not None and a["seq"] == b["seq"]):
-                host, pid = self.procs[r]
-                last = "" if a is None else f", last seen{self._where(a.get('step'), a.get('micro'))} in {a.get('op')}"
-                silent.append(f"rank {r} (pid {pid} on {host}) sends no heartbeat: stopped, dead or cut off{last}")
-        return silent
+                silent[r] = (
+                    "" if a is None else f", last seen{self._where(a.get('step'), a.get('micro'))} in {a.get('op')}"
+                )
+        lines = []
+        for host in dict.fromkeys(self.procs[r][0] for r in silent):
+            on_host = self._ranks_on(host)
+            if host != self.host and len(on_host) > 1 and all(r in silent for r in on_host):
+                address = self.addresses[on_host[0]]
+                lines.append(
+                    f"node {host} sends no heartbeat from any of its ranks ({rank_ranges(on_host)}): the node is down "
+                    f"or cut off ({address_answers(address)}){silent[on_host[0]]}"
+                )
+                continue
+            for r in (r for r in on_host if r in silent):
+                pid = self.procs[r][1]
+                lines.append(f"rank {r} (pid {pid} on {host}) sends no heartbeat: stopped, dead or cut off{silent[r]}")
+        return lines
+
+
+def address_answers(address: Optional[str], port: int = 9, wait_s: float = 2.0) -> str:
+    """Whether a node's address answers on the network: a refused TCP connection (to the discard
+    port, closed almost everywhere) proves its kernel and link are up; silence does not prove them
+    down (a firewall may drop it), so the words say what was seen."""
+    if address is None:
+        return "its address is unknown"
+    try:
+        with socket.create_connection((address, port), timeout=wait_s):
+            return f"{address} answers"
+    except ConnectionRefusedError:
+        return f"{address} answers: its ranks, not its link, are stuck or dead"
+    except OSError as err:
+        why = "no answer" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__).lower()
+        return f"{address}: {why} within {wait_s:g} s, unreachable"
 
 
 # What a runtime carries: the real one once started, the no-op one before (and in tests).
