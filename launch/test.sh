@@ -2,7 +2,9 @@
 # Run the whole test suite: setup if needed, then the serial tests and the MPI tests under
 # mpirun -n 1, 2 and 4, the grid-equivalence and checkpoint-reshard tests under mpirun -n 8, and
 # the Slurm tests (srun, sbatch) against a local one-node Slurm (launch/slurm_local.sh; the group
-# is skipped where none can be had: not root, no apt-get). Extra arguments go to every pytest
+# is skipped where none can be had: not root, no apt-get), and the multinode tests across 2
+# simulated nodes (launch/cluster_local.sh: mpirun and sbatch -N 2, a killed node, a cut link;
+# skipped, with the reason, where namespaces cannot be made). Extra arguments go to every pytest
 # call (e.g. -k grid, -x). GRIDLM_TEST_WORKERS: the serial group's worker processes (default 3;
 # 0 runs it in one process).
 #   launch/test.sh
@@ -26,7 +28,9 @@ root=0 selected=$(( $# > 0 ))
 if [ "$(id -u)" = 0 ]; then pytest_args+=(--strict-skips); root=1; fi
 floor() {  # group name -> --min-tests N (as root only)
   local n
-  case "$1" in serial) n=923 ;; mpi-1) n=48 ;; mpi-2) n=72 ;; mpi-4) n=77 ;; mpi-8) n=103 ;; slurm) n=4 ;; *) n=0 ;; esac
+  case "$1" in serial) n=923 ;; mpi-1) n=48 ;; mpi-2) n=72 ;; mpi-4) n=77 ;; mpi-8) n=103 ;; slurm) n=4 ;; multinode) n=8 ;;
+    *) n=0 ;;
+  esac
   # Not with a selection of the caller's (-k, -x, a file): it runs fewer on purpose.
   if [ "$root" = 1 ] && [ "$selected" = 0 ]; then echo "--min-tests=$n"; else echo "--min-tests=0"; fi
 }
@@ -54,7 +58,7 @@ run_group() {  # name, limit in seconds, command...
 # 4-rank group took 3m00s instead of 38s.)
 workers="${GRIDLM_TEST_WORKERS:-3}"
 run_group serial 1500 python -m pytest "${pytest_args[@]}" "$(floor serial)" -n "$workers" --dist loadfile \
-  -m "not mpi and not slurm" tests/
+  -m "not mpi and not slurm and not multinode" tests/
 for n in 1 2 4; do
   run_group "mpi-$n" 600 mpirun -n "$n" python -m pytest "${pytest_args[@]}" "$(floor "mpi-$n")" "${mpi_args[@]}" tests/
 done
@@ -99,8 +103,43 @@ case $slurm_rc in
     ;;
 esac
 
+# Multinode: 2 simulated nodes (network + UTS namespaces on a bridge, a Slurm of one slurmd per
+# node), stopped on every way out unless they were up before this run.
+cluster_log="$(mktemp)"
+cluster_was_up=0
+"$here/cluster_local.sh" status >/dev/null 2>&1 && cluster_was_up=1
+stop_cluster() {
+  if [ "$cluster_was_up" = 0 ]; then
+    cluster_was_up=1  # once
+    "$here/cluster_local.sh" stop || echo "=== multinode: stopping the simulated nodes failed (see launch/cluster_local.sh stop)"
+  fi
+  rm -f "$cluster_log"
+}
+trap 'stop_slurm; stop_cluster' EXIT
+cluster_rc=0
+cluster_export="$("$here/cluster_local.sh" start 2 2>"$cluster_log")" || cluster_rc=$?
+cat "$cluster_log"
+multinode_done="multinode"
+case $cluster_rc in
+  0)
+    eval "$cluster_export"
+    run_group multinode 600 python -m pytest "${pytest_args[@]}" "$(floor multinode)" --with-cluster -m multinode \
+      tests/test_multinode.py
+    stop_cluster
+    ;;
+  3)
+    reason="$(sed -n 's/.*cannot provide simulated nodes here: //p' "$cluster_log" | head -n 1)"
+    echo "=== multinode: skipped: ${reason:-launch/cluster_local.sh start exited 3}"
+    multinode_done="multinode skipped"
+    ;;
+  *)
+    echo "=== multinode: launch/cluster_local.sh start failed (exit $cluster_rc)"
+    failed+=("multinode (start, exit $cluster_rc)")
+    ;;
+esac
+
 if [ ${#failed[@]} -gt 0 ]; then
   echo "=== FAILED: ${failed[*]}"
   exit 1
 fi
-echo "=== all test groups passed (serial, mpi-1, mpi-2, mpi-4, mpi-8, $slurm_done)"
+echo "=== all test groups passed (serial, mpi-1, mpi-2, mpi-4, mpi-8, $slurm_done, $multinode_done)"

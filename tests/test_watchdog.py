@@ -235,4 +235,74 @@ def test_lost_peer_on_another_node_is_named_by_the_address_in_the_error():
         raise error
     line = dog.explain(error)
     dog.stop()
-    assert "the lost peer is on node-b (10.0.0.2): rank 1 (pid 999999)" in line
+    assert "the lost peer is on node-b (10.0.0.2): rank 1 (pid 999999); node-b holds ranks 1" in line
+
+
+class TwoNodes:
+    """A 6-rank job: ranks 0-2 on node-a (rank 0 is this one), ranks 3-5 on node-b."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.hostname, self.global_ranks = 0, 6, "node-a", list(range(6))
+        self.comm = self
+
+    def allgather(self, mine):
+        if isinstance(mine, tuple):
+            return [mine, ("node-a", 999991), ("node-a", 999992)] + [("node-b", 999993 + i) for i in range(3)]
+        return [mine, mine, mine, "192.0.2.1", "192.0.2.1", "192.0.2.1"]  # node-b: TEST-NET-1, no route
+
+
+def test_a_node_none_of_whose_ranks_beats_is_named_once_as_a_node(monkeypatch):
+    import io
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from app.runtime import watchdog
+    from app.runtime.watchdog import HEARTBEAT_KEY, Watchdog
+
+    store = dist.TCPStore("127.0.0.1", 0, 6, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    dog = Watchdog(TwoNodes(), 60.0, interval_s=0.2, out=io.StringIO(), abort=lambda code: None)
+    dog.attach_store("127.0.0.1", store.port)
+    dog.stop()  # this test's calls are the store client's only user (see above)
+    beat = {"seq": 1, "step": 9, "micro": 1, "op": "all_reduce", "axis": "dp"}
+    for r in range(1, 6):
+        store.set(HEARTBEAT_KEY.format(r), json.dumps(beat))
+    # Rank 1 (this node) beats; rank 2 (this node) and all of node-b are silent.
+    store.set(HEARTBEAT_KEY.format(1), json.dumps({**beat, "seq": 1}))
+    before = dog._read_beats
+    calls = []
+
+    def read(ranks):
+        calls.append(1)
+        if len(calls) == 2:  # between the two reads rank 1's counter moves
+            store.set(HEARTBEAT_KEY.format(1), json.dumps({**beat, "seq": 2}))
+        return before(ranks)
+
+    dog._read_beats = read
+    # Whether an address answers depends on the network (this sandbox's refuses even TEST-NET-1);
+    # tests/test_multinode.py sees a real cut link. Here: what the line does with the answer.
+    asked = []
+    monkeypatch.setattr(watchdog, "address_answers", lambda a: asked.append(a) or f"{a}: no answer, unreachable")
+    lines = dog._silent_ranks()
+    assert asked == ["192.0.2.1"]
+    assert not any("rank 1 " in line for line in lines), lines
+    assert "rank 2 (pid 999992 on node-a) sends no heartbeat" in lines[0], lines
+    # node-b: one line for its three ranks, with what its address said.
+    assert len(lines) == 2 and lines[1].startswith("node node-b sends no heartbeat from any of its ranks (3-5)"), lines
+    assert "192.0.2.1" in lines[1] and "unreachable" in lines[1] and "last seen at step 9" in lines[1], lines
+    # While it waited, the checking rank kept its own heartbeat going (firing ranks must not take
+    # each other for silent).
+    assert json.loads(store.get(HEARTBEAT_KEY.format(0)))["seq"] >= 3
+
+
+def test_address_answers_says_a_refusing_host_answers():
+    import socket
+
+    from app.runtime.watchdog import address_answers
+
+    with socket.socket() as s:  # a port that was just free: the host refuses it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert "answers: its ranks, not its link" in address_answers("127.0.0.1", port)
+    assert address_answers(None) == "its address is unknown"
