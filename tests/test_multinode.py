@@ -54,7 +54,24 @@ def cluster() -> dict[str, str]:
     for node in NODES:
         if f"{node} " not in out.stderr:
             pytest.fail(f"--with-cluster but {node} is not up:\n{out.stderr}")
+        # The tests count and kill the ranks on the nodes: none may be left from an earlier run.
+        if node_processes(node):
+            pytest.fail(f"python processes left on {node}: {node_processes(node)}; {CLUSTER} stop, then start 2")
     return env
+
+
+@pytest.fixture
+def jobs():
+    """Start background jobs with `jobs(cmd, env)`; whatever a test leaves running is killed."""
+    started: list[Job] = []
+
+    def start(cmd: list[str], env: dict[str, str]) -> Job:
+        started.append(Job(cmd, env))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.kill()
 
 
 @pytest.fixture(scope="module")
@@ -241,31 +258,67 @@ def test_sbatch_runs_a_two_node_job_script_from_submit_py(cluster, tmp_path):
     assert (summary["world_size"], summary["nodes"], summary["steps"]) == (8, 2, 3)
 
 
-def test_killing_every_rank_of_a_node_ends_the_job_within_60_s_and_names_the_node(cluster, tmp_path):
-    job = Job(["mpirun", "-n", "8", "--host", HOSTS, *app_args(tmp_path / "run", "--set", "train.steps=100000",
-               "--set", "checkpoint.at_exit=false")], cluster)  # fmt: skip
+def kill_node_ranks(job: Job, node: str) -> float:
+    """Once the job trains, kill -9 every rank on `node`; when it was done."""
     job.wait_for(r"^step\s+3/", timeout=180)
-    victims = node_processes(NODES[1])
+    victims = node_processes(node)
     assert len(victims) == 4, victims
     for pid in victims:
         os.kill(pid, 9)
-    killed = time.monotonic()
+    return time.monotonic()
+
+
+def assert_no_ranks_left() -> None:
+    """No rank outlives its job: a process being torn down gets 30 s to go."""
+    deadline = time.monotonic() + 30
+    while any(node_processes(node) for node in NODES) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = {node: node_processes(node) for node in NODES}
+    assert not any(left.values()), f"ranks left after the job: {left}"
+
+
+def test_killing_every_rank_of_a_node_under_mpirun_ends_the_job_within_60_s_and_names_the_node(cluster, jobs, tmp_path):
+    sets = ("--set", "train.steps=100000", "--set", "checkpoint.at_exit=false", "--set", "run.log_every=1")
+    job = jobs(["mpirun", "-n", "8", "--host", HOSTS, *app_args(tmp_path / "run", *sets)], cluster)
+    killed = kill_node_ranks(job, NODES[1])
     rc = job.wait(timeout=60)
     took = time.monotonic() - killed
     assert rc != 0, job.text[-4000:]
-    assert took < 60, f"the job took {took:.0f} s to end"
-    lost = [line for _, line in job.lines if "lost its peer" in line]
-    assert lost, job.text[-4000:]
-    # Every line names the lost node and its ranks.
-    assert all("on gridlm-node2 (10.231.0.12)" in line and "gridlm-node2 holds ranks 4-7" in line for line in lost), (
-        lost
+    assert took < 60, f"the job took {took:.0f} s to end:\n{job.text[-4000:]}"
+    # Whoever speaks first names the node: the ranks of node 1 whose gloo peer on node 2 reset
+    # the connection ("the lost peer is on gridlm-node2 ...; gridlm-node2 holds ranks 4-7"), or
+    # mpirun, whose daemon on node 2 saw its ranks die and which then kills the others (a rank
+    # of node 1 may then see a node-1 peer go first, and name it: true, but not the cause).
+    remote = [line for _, line in job.lines if "lost its peer" in line and "the lost peer is on" in line]
+    assert all("on gridlm-node2 (10.231.0.12)" in line and "gridlm-node2 holds ranks 4-7" in line for line in remote), (
+        job.text[-6000:]
     )
-    assert not node_processes(NODES[0]) and not node_processes(NODES[1])
+    launcher = re.search(r"process rank [4-7] with PID \d+ on node gridlm-node2 exited on signal 9", job.text)
+    assert remote or launcher, job.text[-6000:]
+    assert_no_ranks_left()
 
 
-def test_a_node_whose_link_goes_down_is_named_and_the_run_resumes_on_one_rank(cluster, reference, tmp_path):
+def test_killing_every_rank_of_a_node_under_srun_ends_the_step_within_60_s_and_names_the_node(cluster, jobs, tmp_path):
+    # launch/jobs/common.sh exports SLURM_KILL_BAD_EXIT=1 for every job script: srun -K.
+    env = {**cluster, "SLURM_KILL_BAD_EXIT": "1"}
+    sets = ("--set", "train.steps=100000", "--set", "checkpoint.at_exit=false", "--set", "run.log_every=1")
+    name = f"gridlm-multinode-{os.getpid()}"
+    srun = ["srun", "-N", "2", "-n", "8", "--mpi=pmix", "-J", name, "-t", "5"]
+    job = jobs([*srun, *app_args(tmp_path / "run", *sets)], env)
+    try:
+        killed = kill_node_ranks(job, NODES[1])
+        rc = job.wait(timeout=60)
+    finally:
+        subprocess.run(["scancel", "--name", name], env=cluster, timeout=30, check=False)
+    took = time.monotonic() - killed
+    assert rc != 0 and took < 60, f"exit {rc} after {took:.0f} s:\n{job.text[-4000:]}"
+    assert "srun: error: gridlm-node2: tasks 4-7: Killed" in job.text, job.text[-4000:]
+    assert_no_ranks_left()
+
+
+def test_a_node_whose_link_goes_down_is_named_and_the_run_resumes_on_one_rank(cluster, jobs, reference, tmp_path):
     run_dir, timeout_s = tmp_path / "run", 15
-    job = Job(["mpirun", "-n", "8", "--host", HOSTS, *app_args(run_dir, "--set", "train.steps=300",
+    job = jobs(["mpirun", "-n", "8", "--host", HOSTS, *app_args(run_dir, "--set", "train.steps=300",
                "--set", "checkpoint.every=4", "--set", f"run.comm_timeout_s={timeout_s}")], cluster)  # fmt: skip
     link = [str(CLUSTER), "link", NODES[1]]
     try:
@@ -283,7 +336,7 @@ def test_a_node_whose_link_goes_down_is_named_and_the_run_resumes_on_one_rank(cl
     # mpirun reaches node 2's daemon again and ends (the ranks have aborted).
     rc = job.wait(timeout=120)
     assert rc == 4, job.text[-4000:]
-    assert not node_processes(NODES[0]) and not node_processes(NODES[1])
+    assert_no_ranks_left()
     one = subprocess.run(
         ["mpirun", "-n", "1", sys.executable, "-m", "app", str(TINY), *SMALL, "--set", f"train.steps={REF_STEPS}",
          "--set", f"run.dir={run_dir}", "--set", "run.resume=auto", "--set", "checkpoint.at_exit=false"],

@@ -11,6 +11,12 @@
 # (srun, mpirun and mpiexec all do); the app then finishes its step, writes a checkpoint and
 # exits 0. Safe under `set -euo pipefail`.
 
+# srun ends the whole step when a task dies or exits non-zero (srun -K, unless the job set it):
+# without it, a node's ranks that died leave the others blocked in an MPI collective until the
+# watchdog's run.comm_timeout_s (measured on launch/cluster_local.sh's nodes: still waiting after
+# 100 s; with it the step ended 10 s after the kill, srun naming "gridlm-node2: tasks 4-7: Killed").
+export SLURM_KILL_BAD_EXIT="${SLURM_KILL_BAD_EXIT:-1}"
+
 _gridlm_pid=""        # the launcher, once started
 _gridlm_caught=0      # set by the trap: `wait` was interrupted, wait again
 _gridlm_timer_pid=""  # gridlm_signal_before_end's timer
