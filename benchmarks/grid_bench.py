@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/grid_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 20]
         [--grids 1x1x4 2x1x2 1x2x2 2x2x1 4x1x1 1x4x1 2x2x1+sp 1x2x2+v2] [--out runs/grid_bench]
-        [--set section.key=value ...]
+        [--set section.key=value ...] [--hosts gridlm-node1:4,gridlm-node2:4]
 
-A grid is TPxPPxDP, optionally followed by +sp (sequence parallelism) and +vN (N virtual
-stages, interleaved 1F1B). Each grid runs `mpirun -n TP*PP*DP python -m app DECK` with
+A grid is TPxPPxDP, optionally followed by +sp (sequence parallelism), +vN (N virtual
+stages, interleaved 1F1B) and @ORDER (parallel.order, e.g. 2x2x2@tp-pp-dp). --hosts H passes
+`--host H` to mpirun (simulated nodes of launch/cluster_local.sh, with its exports). Each grid runs `mpirun -n TP*PP*DP python -m app DECK` with
 run.timers on, and the table (Markdown on stdout, plus table.md and table.csv in
 --out) reports from its summary.json: the mean step time after the warm-up steps (and
 its standard deviation), tokens/s, and the milliseconds per step rank 0 was blocked on
@@ -29,7 +30,7 @@ from pathlib import Path
 from app.metrics.summary import Summary
 
 REPO = Path(__file__).resolve().parent.parent
-GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+)*)$")
+GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+)*)(?:@([a-z]+-[a-z]+-[a-z]+))?$")
 COLUMNS = ["grid", "ranks", "step_ms", "step_std_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms",
            "final_loss"]  # fmt: skip
 
@@ -43,6 +44,17 @@ def parse_grid(spec: str) -> tuple[int, int, int, bool, int]:
     flags = match.group(4)
     virtual = re.search(r"\+v(\d+)", flags)
     return tp, pp, dp, "+sp" in flags, int(virtual.group(1)) if virtual else 1
+
+
+def grid_order(spec: str) -> tuple[str, ...]:
+    """The deck overrides of a grid's @ORDER ('2x2x2@tp-pp-dp' -> ('parallel.order=tp-pp-dp',))."""
+    match = GRID.match(spec)
+    return (f"parallel.order={match.group(5)}",) if match and match.group(5) else ()
+
+
+def host_args(hosts: str | None) -> list[str]:
+    """mpirun's `--host H` for --hosts, else nothing."""
+    return ["--host", hosts] if hosts else []
 
 
 def mpi_env() -> dict[str, str]:
@@ -63,13 +75,13 @@ FRESH = ("run.resume=none", "checkpoint.at_exit=false")
 def run_grid(spec: str, args: argparse.Namespace) -> dict:
     tp, pp, dp, sp, virtual = parse_grid(spec)
     ranks = tp * pp * dp
-    run_dir = Path(args.out) / spec.replace("+", "_")
+    run_dir = Path(args.out) / spec.replace("+", "_").replace("@", "_")
     sets = [
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.sequence_parallel={str(sp).lower()}",
         f"parallel.virtual_stages={virtual}", f"train.steps={args.steps}", "run.timers=true",
-        f"run.log_every={args.steps}", f"run.dir={run_dir}", *FRESH, *args.set,
+        f"run.log_every={args.steps}", f"run.dir={run_dir}", *FRESH, *grid_order(spec), *args.set,
     ]  # fmt: skip
-    summary = run_deck(ranks, args.deck, sets, run_dir, f"grid_bench: {spec}")
+    summary = run_deck(ranks, args.deck, sets, run_dir, f"grid_bench: {spec}", getattr(args, "hosts", None))
     if isinstance(summary, str):
         return {"grid": spec, "ranks": ranks, "error": summary}
     comm = summary.timers["exposed_comm_s"] if summary.timers else {}
@@ -86,10 +98,12 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
     }
 
 
-def run_deck(ranks: int, deck: str, sets: list[str], run_dir: Path, label: str) -> Summary | str:
-    """`mpirun -n RANKS python -m app DECK --set ...` from the repository; its summary.json, or
-    "exit N" (its output's tail on stderr) when it failed."""
-    cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app", deck]
+def run_deck(
+    ranks: int, deck: str, sets: list[str], run_dir: Path, label: str, hosts: str | None = None
+) -> Summary | str:
+    """`mpirun -n RANKS [--host HOSTS] python -m app DECK --set ...` from the repository; its
+    summary.json, or "exit N" (its output's tail on stderr) when it failed."""
+    cmd = ["mpirun", "-n", str(ranks), *host_args(hosts), sys.executable, "-m", "app", deck]
     cmd += [arg for s in sets for arg in ("--set", s)]
     print(f"{label}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     out = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, check=False)
@@ -133,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="runs/grid_bench")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="extra deck override")
+    parser.add_argument("--hosts", default=None, help="mpirun --host (simulated nodes: gridlm-node1:4,gridlm-node2:4)")
     args = parser.parse_args(argv)
     for spec in args.grids:
         parse_grid(spec)  # fail before running anything

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/perf_model_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 20]
         [--grids 1x1x4 2x1x2 ...] [--rounds 3] [--out runs/perf_model_bench]
+        [--hosts gridlm-node1:4,gridlm-node2:4 [--shape 200mbit]]
 
 Each of --rounds rounds first calibrates this machine at every world size among the grids
 (`mpirun -n N python -m app.plan.calibrate`: primitives only), then runs every grid once with
@@ -9,6 +10,12 @@ benchmarks/grid_bench.py's runner (step time after the warm-up, summary.json) an
 same deck on that round's calibration (app/plan/perf.py). The table gives the medians over the
 rounds of both, the error and the model's largest terms. A benchmark, not a test: it reports, it asserts
 nothing about time.
+
+Across simulated nodes (`eval "$(launch/cluster_local.sh start 2)"` first): --hosts passes mpirun's
+`--host` to the calibrations and the runs, so the calibration measures the links between the nodes
+too (its `network_collectives`), and --shape RATE limits every node's link for the whole benchmark
+(launch/cluster_local.sh shape; unshaped at the end). Grids may name an order: 2x2x2@tp-pp-dp puts dp
+across the nodes.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ GRIDS = ["1x1x4", "2x1x2", "1x2x2", "2x2x1", "2x1x2+sp", "1x2x2+v2", "2x2x2", "1
 EXTRA = {"2x1x2": ("optim.zero=1",), "1x2x4": ("train.recompute=full",), "1x1x8": ("train.micro_batch=2",)}
 
 
-def calibrate(ranks: int, out: Path, round_: int) -> Path:
+def calibrate(ranks: int, out: Path, round_: int, hosts: str | None = None) -> Path:
     path = out / f"local_{ranks}_round{round_}.yaml"
-    cmd = ["mpirun", "-n", str(ranks), sys.executable, "-m", "app.plan.calibrate", "--out", str(path)]
+    cmd = ["mpirun", "-n", str(ranks), *grid_bench.host_args(hosts), sys.executable, "-m", "app.plan.calibrate",
+           "--out", str(path)]  # fmt: skip
     print(f"perf_model_bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=REPO, env=grid_bench.mpi_env(), check=True)
     return path
@@ -48,7 +56,8 @@ def predicted(deck_path: str, spec: str, extra: tuple[str, ...], machine_path: P
 
     tp, pp, dp, sp, virtual = grid_bench.parse_grid(spec)
     sets = (f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
-            f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.virtual_stages={virtual}", *extra)  # fmt: skip
+            f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.virtual_stages={virtual}",
+            *grid_bench.grid_order(spec), *extra)  # fmt: skip
     deck = resolve_for_world(load_deck(REPO / deck_path, sets), tp * pp * dp)
     p = predict(deck, load_machine(machine_path))
     worst = sorted(((v, k) for k, v in p.breakdown.items() if k != "recompute"), reverse=True)[:3]
@@ -62,7 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grids", nargs="+", default=GRIDS)
     parser.add_argument("--rounds", type=int, default=3, help="runs of every grid, alternated; the median is reported")
     parser.add_argument("--out", default="runs/perf_model_bench")
+    parser.add_argument("--hosts", default=None, help="mpirun --host for every job (simulated nodes)")
+    parser.add_argument("--shape", default=None, help="with --hosts: limit every node's link to RATE (e.g. 200mbit)")
     args = parser.parse_args(argv)
+    if args.shape:
+        subprocess.run([str(REPO / "launch/cluster_local.sh"), "shape", args.shape], check=True)
+    try:
+        return run(args)
+    finally:
+        if args.shape:
+            subprocess.run([str(REPO / "launch/cluster_local.sh"), "unshape"], check=False)
+
+
+def run(args: argparse.Namespace) -> int:
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     # Every round calibrates, then runs the grids once each (alternated): a load burst from another
@@ -72,10 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     predictions: dict[str, list[dict]] = {spec: [] for spec in args.grids}
     errors: dict[str, str] = {}
     for round_ in range(args.rounds):
-        machines = {n: calibrate(n, out, round_) for n in sorted({ranks(s) for s in args.grids})}
+        machines = {n: calibrate(n, out, round_, args.hosts) for n in sorted({ranks(s) for s in args.grids})}
         for spec in args.grids:
             run_args = argparse.Namespace(
-                out=str(Path(args.out) / "runs"), steps=args.steps, deck=args.deck, set=list(EXTRA.get(spec, ()))
+                out=str(Path(args.out) / "runs"),
+                steps=args.steps,
+                deck=args.deck,
+                set=list(EXTRA.get(spec, ())),
+                hosts=args.hosts,
             )
             measured = grid_bench.run_grid(spec, run_args)
             if "error" in measured:
@@ -109,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r['error_pct']:+.0f}% | {r['terms']} |")  # fmt: skip
     within = [r for r in rows if "error_pct" in r and abs(r["error_pct"]) <= 25]
     lines.append(f"\n{len(within)} of {len(rows)} grids within ±25%.")
+    if args.hosts:
+        lines.append(f"Ranks on {args.hosts}; links {'shaped to ' + args.shape if args.shape else 'not shaped'}.")
     return grid_bench.write_tables(out, rows, ["grid", "ranks", "measured_ms", "rounds_ms", "predicted_ms", "predicted_rounds_ms", "error_pct", "terms"],
                                    "\n".join(lines))  # fmt: skip
 

@@ -401,6 +401,45 @@ def _calibration_measured() -> dict:
     return measured
 
 
+def test_a_calibration_across_nodes_gives_the_network_level_and_groups_that_cross_nodes_use_it(tmp_path):
+    """Calibrated on 2 nodes of 4 ranks (launch/cluster_local.sh): the network level is the
+    all-reduce of one rank per node, every rank at once; a group that crosses the nodes takes the
+    collectives measured across them, one inside a node those measured inside it."""
+    import yaml
+
+    from app.plan.calibrate import machine_file
+    from app.plan.perf import group_link
+
+    base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
+    measured = _calibration_measured()
+    fit = {"bandwidth_bytes_s": 2e7, "latency_s": 3e-4, "seconds": (1e-3, 4e-1), "busy_s": 1e-3}
+    measured.update(world=8, nodes=2, ranks_per_node=4,
+                    network_collectives={"all_reduce": {2: dict(fit), 8: {**fit, "bandwidth_bytes_s": 6e7}},
+                                         "all_gather": {}, "reduce_scatter": {},
+                                         "p2p": {2: {**fit, "bandwidth_bytes_s": 1e7}}})  # fmt: skip
+    data = machine_file(base, "cal2", measured, "mpirun -n 8 python -m app.plan.calibrate on 2 nodes: ...")
+    path = tmp_path / "cal2.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    machine = load_machine(path)
+    network = machine.link_levels()[-1]
+    assert (network.name, network.gbs, network.latency_us) == ("network", 0.02, 300.0)
+    assert "across 2 nodes: all_reduce 2 ranks" in machine.sources[0]
+    # dp across the 2 nodes (stride 4, 2 ranks): the pairs measured across nodes, their p2p and wait.
+    across = group_link(machine, 4, 2)
+    assert across.level == "network"
+    assert dict(across.measured) == {"all_reduce": pytest.approx((2e7, 3e-4)), "p2p": pytest.approx((1e7, 3e-4))}
+    assert across.busy_wait("all_reduce") == pytest.approx(1e-3) and across.busy_p2p == pytest.approx(1e-3)
+    # All 8 ranks (consecutive, so across the nodes): the 8-rank groups measured across them.
+    assert dict(group_link(machine, 1, 8).measured)["all_reduce"] == pytest.approx((6e7, 3e-4))
+    # A pair inside a node keeps what was measured inside one (the intra-node pairs).
+    inside = group_link(machine, 1, 2)
+    assert inside.level == "node" and dict(inside.measured)["all_reduce"] == pytest.approx((5e8, 2e-4))
+    # Without a calibration across nodes a crossing group takes the network level's figures, not the
+    # intra-node measurements of its size.
+    one_node = load_machine(REPO / "inputs/machines/local.yaml")
+    assert group_link(one_node, 4, 2).measured == ()
+
+
 def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     """app.plan.calibrate's file (from measured primitives; the measuring itself runs under mpirun
     in benchmarks/perf_model_bench.py): it loads, and the tiny deck is predicted on it."""

@@ -150,62 +150,121 @@ def group_sizes(world: int) -> list[int]:
 
 def _collectives(
     runtime: Runtime, repeat: int, agreed: Callable[[float], float]
-) -> dict[str, dict[int, dict[str, Any]]]:
-    """Every op of COLLECTIVE_OPS at SMALL and LARGE bytes, on the world split into groups of
-    consecutive ranks, all groups at once (as a grid's tp or dp groups run); p2p between pairs
-    (ping-pong, half of the round trip). Each fitted with the model's ring terms."""
-    import torch
-    import torch.distributed as dist
+) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, dict[int, dict[str, Any]]]]:
+    """(inside a node, across nodes): every op of COLLECTIVE_OPS at SMALL and LARGE bytes, on the
+    world split into groups of consecutive ranks, all groups at once (as a grid's tp or dp groups
+    run); p2p between pairs (ping-pong, half of the round trip). Each fitted with the model's ring
+    terms. A group whose ranks are on several nodes goes to the second table; across nodes, the
+    groups of one rank per node (the ranks of equal local rank: every rank of a node uses the
+    network at once, as a dp or pp axis over the nodes does) and the pairs between nodes are
+    timed too."""
+    world, placement = runtime.world_size, runtime.placement
+    inside: dict[str, dict[int, dict[str, Any]]] = {op: {} for op in COLLECTIVE_OPS}
+    across: dict[str, dict[int, dict[str, Any]]] = {op: {} for op in COLLECTIVE_OPS}
+    timer = _GroupTimer(runtime, repeat, agreed)
+    for g in group_sizes(world):
+        groups = [list(range(i, i + g)) for i in range(0, world, g)]
+        crosses = any(len({placement[r][0] for r in group}) > 1 for group in groups)
+        for op, fit in timer.collectives(groups).items():
+            (across if crosses else inside)[op][g] = fit
+    if world >= 2 and world % 2 == 0:
+        pairs = [[r, r + 1] for r in range(0, world, 2)]
+        if all(placement[a][0] == placement[b][0] for a, b in pairs):
+            inside["p2p"][2] = timer.p2p(pairs)
+        else:
+            across["p2p"][2] = timer.p2p(pairs)
+    uniform = len(set(runtime.ranks_per_node_list)) == 1
+    if runtime.nodes > 1 and uniform:
+        # One rank per node: the ranks of each local rank, in node order.
+        by_local = [sorted(r for r in range(world) if placement[r][1] == i) for i in range(runtime.ranks_per_node)]
+        for op, fit in timer.collectives(by_local).items():
+            across[op][runtime.nodes] = fit
+        if runtime.nodes % 2 == 0:  # pairs of nodes, every rank of both at once
+            across["p2p"][2] = timer.p2p([group[k : k + 2] for group in by_local for k in range(0, len(group), 2)])
+    return inside, across
 
-    dev, comm, rank, world = runtime.device, runtime.comm, runtime.rank, runtime.world_size
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    gloo = dev.type != "cuda"
-    out: dict[str, dict[int, dict[str, Any]]] = {op: {} for op in COLLECTIVE_OPS}
-    block = _compute_block(dev, comm, sync)
-    t_block = _timed(block, comm, sync, repeat)
 
-    def busy(fn: Callable[[], Any]) -> float:
+class _GroupTimer:
+    """Times collectives on a partition of the world into groups (every rank in one), all groups
+    at once; every rank makes every group (torch's new_group is collective)."""
+
+    def __init__(self, runtime: Runtime, repeat: int, agreed: Callable[[float], float]) -> None:
+        import torch
+
+        self.runtime, self.repeat, self.agreed = runtime, repeat, agreed
+        self.dev = runtime.device
+        self.sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
+        self.gloo = self.dev.type != "cuda"
+        self.block = _compute_block(self.dev, runtime.comm, self.sync)
+        self.t_block = _timed(self.block, runtime.comm, self.sync, repeat)
+
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        return _timed(fn, self.runtime.comm, self.sync, self.repeat)
+
+    def busy(self, fn: Callable[[], Any]) -> float:
         """The extra time of the blocking `fn` after a compute block, over the two timed alone:
         while the other ranks compute, a group's ranks wait to be scheduled together."""
-        both = _timed(lambda: (block(), fn()), comm, sync, repeat)
-        return max(0.0, agreed(both - t_block - _timed(fn, comm, sync, repeat)))
+        both = self._timed(lambda: (self.block(), fn()))
+        return max(0.0, self.agreed(both - self.t_block - self._timed(fn)))
 
-    for g in group_sizes(world):
-        groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]  # every rank makes each
-        group = groups[rank // g]
+    def collectives(self, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
+        import torch
+        import torch.distributed as dist
+
+        made = [dist.new_group(group) for group in groups]
+        rank = self.runtime.rank
+        group = next(made[i] for i, members in enumerate(groups) if rank in members)
+        g = len(groups[0])
         times: dict[str, list[float]] = {op: [] for op in COLLECTIVE_OPS if op != "p2p"}
         for nbytes in (SMALL, LARGE):
-            full = torch.ones(nbytes // 4, device=dev)
-            shard = torch.ones(nbytes // 4 // g, device=dev)
+            full = torch.ones(nbytes // 4, device=self.dev)
+            shard = torch.ones(nbytes // 4 // g, device=self.dev)
             for op in times:
-                times[op].append(agreed(_timed(partial(_call, op, full, shard, group), comm, sync, repeat)))
+                times[op].append(self.agreed(self._timed(partial(_call, op, full, shard, group))))
+        out: dict[str, dict[str, Any]] = {}
         for op, (t_small, t_large) in times.items():
-            out[op][g] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring(op, g, t_small, t_large, gloo)))
-            out[op][g]["seconds"] = (t_small, t_large)
-        if gloo:  # GPU ranks do not share cores: nothing to wait for
+            out[op] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring(op, g, t_small, t_large, self.gloo)))
+            out[op]["seconds"] = (t_small, t_large)
+        if self.gloo:  # GPU ranks do not share cores: nothing to wait for
             for op in times:  # each op its own: gloo's gathers and scatters wait on more messages
                 waits = []
                 for nbytes in (SMALL, MID):
-                    full, shard = torch.ones(nbytes // 4, device=dev), torch.ones(nbytes // 4 // g, device=dev)
-                    waits.append(busy(partial(_call, op, full, shard, group)))
-                out[op][g]["busy_s"] = statistics.mean(waits)
-    if world >= 2 and world % 2 == 0:
-        peer, first = rank ^ 1, rank % 2 == 0
-        pair: list[float] = []
+                    full, shard = (
+                        torch.ones(nbytes // 4, device=self.dev),
+                        torch.ones(nbytes // 4 // g, device=self.dev),
+                    )
+                    waits.append(self.busy(partial(_call, op, full, shard, group)))
+                out[op]["busy_s"] = statistics.mean(waits)
+        return out
+
+    def p2p(self, pairs: list[list[int]]) -> dict[str, Any]:
+        """Ping-pong between the ranks of each pair (all pairs at once): half the round trip."""
+        import torch
+        import torch.distributed as dist
+
+        rank = self.runtime.rank
+        a, b = next(pair for pair in pairs if rank in pair)
+        peer, first = (b if rank == a else a), rank == a
+        times: list[float] = []
         for nbytes in (SMALL, LARGE):
-            x = torch.ones(nbytes // 4, device=dev)
+            x = torch.ones(nbytes // 4, device=self.dev)
 
             def ping_pong(x: Any = x) -> None:
                 for send in (first, not first):
                     dist.send(x, peer) if send else dist.recv(x, peer)
 
-            pair.append(agreed(_timed(ping_pong, comm, sync, repeat)) / 2)
-        out["p2p"][2] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring("p2p", 2, *pair, gloo)))
-        out["p2p"][2]["seconds"] = tuple(pair)
-        if gloo:  # one block, then the round trip: two transfers
-            x = torch.ones(MID // 4, device=dev)
-            out["p2p"][2]["busy_s"] = busy(lambda x=x: ping_pong(x)) / 2
-    return out
+            times.append(self.agreed(self._timed(ping_pong)) / 2)
+        fit: dict[str, Any] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring("p2p", 2, *times, self.gloo)))
+        fit["seconds"] = tuple(times)
+        if self.gloo:  # one block, then the round trip: two transfers
+            x = torch.ones(MID // 4, device=self.dev)
+
+            def round_trip(x: Any = x) -> None:
+                for send in (first, not first):
+                    dist.send(x, peer) if send else dist.recv(x, peer)
+
+            fit["busy_s"] = self.busy(round_trip) / 2
+        return fit
 
 
 def _call(op: str, full: Any, shard: Any, group: Any) -> None:
@@ -315,7 +374,7 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
     def agreed(value: float) -> float:
         return statistics.median(comm.allgather(value))
 
-    collectives = _collectives(runtime, repeat, agreed)
+    collectives, network_collectives = _collectives(runtime, repeat, agreed)
     disk = _disk(runtime, scratch if scratch is not None else Path(tempfile.gettempdir()))
     return {
         **disk,
@@ -328,6 +387,8 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         "elementwise_bytes_s": {kind: agreed(v) for kind, v in elementwise.items()},
         "op_seconds": agreed(op),
         "collectives": collectives,
+        "network_collectives": network_collectives,
+        "nodes": runtime.nodes,
         "world": runtime.world_size,
         "ranks_per_node": runtime.local_size,
     }
@@ -422,8 +483,8 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     out = dict(base)
     best = max(measured["gemm_flops"].values())
     today = datetime.date.today().isoformat()
-    world = measured["world"]
-    ar = measured["collectives"]["all_reduce"].get(world)
+    # The node level: the all-reduce of all the ranks of one node (the whole world on one node).
+    ar = measured["collectives"]["all_reduce"].get(int(measured["ranks_per_node"]))
     out["name"] = name
     # The ranks measured share this node: that many devices per node, each with its share of memory.
     out["devices_per_node"] = int(measured["ranks_per_node"])
@@ -458,27 +519,49 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     if slower:  # the kinds a memory stream would under-charge (compute-bound on CPUs)
         out["elementwise_gbs"] = {k: round(v / 1e9, 3) for k, v in slower.items()}
     levels = []
-    if ar is not None:  # the node level: the all-reduce of all the ranks measured
+    if ar is not None:  # the node level: the all-reduce of all the ranks measured on one node
         levels.append({"name": "node", "devices": out["devices_per_node"],
                        "gbs": round(ar["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(ar["latency_s"] * 1e6, 3)})  # fmt: skip
-    # One node only here: the network level is the base file's placeholder.
-    levels.append({"name": "network", "devices": None, "gbs": float(base["inter_node_gbs"]) / int(base["devices_per_node"]),
-                   "latency_us": levels[0]["latency_us"] if levels else 10.0})  # fmt: skip
+    network = measured.get("network_collectives") or {}
+    nodes = int(measured.get("nodes", 1))
+    across = (network.get("all_reduce") or {}).get(nodes)
+    if across is not None:
+        # Measured across nodes: one rank per node, every rank of a node at once, so each group's bus
+        # bandwidth is one device's share of the node's link (the network level's `gbs`).
+        levels.append({"name": "network", "devices": None, "gbs": round(across["bandwidth_bytes_s"] / 1e9, 4),
+                       "latency_us": round(across["latency_s"] * 1e6, 3)})  # fmt: skip
+    else:  # one node only here: the network level is the base file's placeholder
+        levels.append({"name": "network", "devices": None,
+                       "gbs": float(base["inter_node_gbs"]) / int(base["devices_per_node"]),
+                       "latency_us": levels[0]["latency_us"] if levels else 10.0})  # fmt: skip
     out["links"] = levels
-    # Every op and group size, for the groups of that size (perf.group_link).
-    out["collectives"] = {
-        op: {g: {"gbs": round(fit["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(fit["latency_s"] * 1e6, 3),
-                 **({"busy_us": round(fit["busy_s"] * 1e6, 3)} if "busy_s" in fit else {})}
-             for g, fit in by_size.items()}
-        for op, by_size in measured["collectives"].items() if by_size
-    }  # fmt: skip
-    timed = "; ".join(
-        f"{op} " + ", ".join(f"{g} ranks {fit['seconds'][0] * 1e3:.3f} / {fit['seconds'][1] * 1e3:.3f} ms"
-                             + (f" (+{fit['busy_s'] * 1e3:.3f} ms after a {BLOCK * 1e3:.0f} ms compute block)"
-                                if "busy_s" in fit else "")
-                             for g, fit in by_size.items())
-        for op, by_size in measured["collectives"].items() if by_size
-    )  # fmt: skip
+
+    def table(by_op: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[int, dict[str, float]]]:
+        return {
+            op: {g: {"gbs": round(fit["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(fit["latency_s"] * 1e6, 3),
+                     **({"busy_us": round(fit["busy_s"] * 1e6, 3)} if "busy_s" in fit else {})}
+                 for g, fit in sizes.items()}
+            for op, sizes in by_op.items() if sizes
+        }  # fmt: skip
+
+    # Every op and group size, for the groups of that size (perf.group_link): inside a node, and
+    # (measured on several nodes) across nodes.
+    out["collectives"] = table(measured["collectives"])
+    if any(network.values()):
+        out["network_collectives"] = table(network)
+
+    def timings(by_op: dict[str, dict[int, dict[str, Any]]]) -> str:
+        return "; ".join(
+            f"{op} " + ", ".join(f"{g} ranks {fit['seconds'][0] * 1e3:.3f} / {fit['seconds'][1] * 1e3:.3f} ms"
+                                 + (f" (+{fit['busy_s'] * 1e3:.3f} ms after a {BLOCK * 1e3:.0f} ms compute block)"
+                                    if "busy_s" in fit else "")
+                                 for g, fit in sizes.items())
+            for op, sizes in by_op.items() if sizes
+        )  # fmt: skip
+
+    timed = timings(measured["collectives"])
+    if any(network.values()):
+        timed += f"; across {nodes} nodes: {timings(network)}"
     kinds = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in measured["elementwise_bytes_s"].items())
     shapes = ", ".join(f"{s} {v / 1e9:.1f}" for s, v in measured["gemm_flops"].items())
     attention = "; ".join(f"{part} " + ", ".join(f"{s} {v / 1e9:.1f}" for s, v in rates.items())
@@ -512,6 +595,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         bind_device,
         init_mpi,
         init_torch_distributed,
+        node_summary,
         on_root,
         set_malloc_mmap_threshold,
         set_threads,
@@ -545,6 +629,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if runtime.is_root:
         base = yaml.safe_load(base_path.read_text())
         command = f"mpirun -n {runtime.world_size} python -m app.plan.calibrate --base {args.base}"
+        if runtime.nodes > 1:
+            command += f" on {runtime.nodes} nodes: {node_summary(runtime)}"
         data = machine_file(base, out.stem, measured, command)
         header = f"# Written by app.plan.calibrate ({command}); primitives only, see its docstring.\n"
         out.write_text(header + yaml.safe_dump(data, sort_keys=False, width=120))

@@ -140,6 +140,13 @@ FIELDS: dict[str, Key] = {
         "running side by side, {op: {ranks: {gbs, latency_us}}} for op in all_reduce, all_gather, "
         "reduce_scatter, p2p (ranks 2: pairs); they replace the link level's figures for groups of that size",
     ),
+    "network_collectives": Key(
+        dict,
+        None,
+        "performance model: collectives measured by app.plan.calibrate across nodes (groups with ranks on "
+        "several nodes, every rank of a node at once; p2p between pairs of nodes), {op: {ranks: {gbs, "
+        "latency_us}}}; they replace the network level's figures for groups of that size that cross nodes",
+    ),
     "elementwise_gbs": Key(
         dict,
         None,
@@ -249,6 +256,7 @@ class Machine:
     links: Optional[list[dict[str, Any]]] = None
     op_overhead_us: Optional[float] = None
     collectives: Optional[dict[str, dict[int, dict[str, float]]]] = None
+    network_collectives: Optional[dict[str, dict[int, dict[str, float]]]] = None
     elementwise_gbs: Optional[dict[str, float]] = None
     defaults: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
@@ -277,23 +285,24 @@ class Machine:
             LinkLevel("network", None, self.inter_node_gbs / self.devices_per_node, NCCL_RING_LATENCY_US["network"]),
         ]
 
-    def measured_collectives(self, size: int) -> dict[str, tuple[float, float]]:
+    def measured_collectives(self, size: int, network: bool = False) -> dict[str, tuple[float, float]]:
         """(bandwidth bytes/s, latency s) of each collective measured on groups of `size` ranks,
-        and the pairs' p2p."""
+        and the pairs' p2p: inside a node, or across nodes (`network`: a group that crosses them)."""
         out = {}
-        for op, by_size in (self.collectives or {}).items():
+        for op, by_size in ((self.network_collectives if network else self.collectives) or {}).items():
             fit = by_size.get(2 if op == "p2p" else size)
             if fit is not None:
                 out[op] = (fit["gbs"] * 1e9, fit["latency_us"] * 1e-6)
         return out
 
-    def busy_seconds(self, op: str, size: int) -> float:
+    def busy_seconds(self, op: str, size: int, network: bool = False) -> float:
         """The extra time of one blocking `op` on a group of `size` ranks while the other ranks
         compute (`busy_us`, measured by app.plan.calibrate for each collective and p2p; 0 where
         not measured, as on GPUs, whose ranks do not share cores). A collective without its own
         figure (machine files calibrated before it was timed per op) takes the all-reduce's: the
-        wait is for the group's ranks to run together, whatever the op."""
-        collectives = self.collectives or {}
+        wait is for the group's ranks to run together, whatever the op. `network`: the figures
+        measured across nodes, where there are any (else those inside a node: the same cores wait)."""
+        collectives = (self.network_collectives if network else None) or self.collectives or {}
         if op == "p2p":
             return float((collectives.get("p2p", {}).get(2) or {}).get("busy_us") or 0.0) * 1e-6
         for source in (op, "all_reduce"):
@@ -377,19 +386,18 @@ def _nested(values: dict[str, Any], file: str) -> dict[str, Any]:
         out["links"] = [
             check(level, LINK_FIELDS, file, prefix=f"links[{i}].") for i, level in enumerate(values["links"])
         ]
-    if values.get("collectives") is not None:
-        ops = {op: Key(dict, None, "{ranks: {gbs, latency_us}}") for op in COLLECTIVE_OPS}
-        out["collectives"] = {
-            op: {
-                check_value(COLLECTIVE_RANKS, ranks, f"collectives.{op}.{ranks}", file): check(
-                    fit, FIT_FIELDS, file, prefix=f"collectives.{op}.{ranks}."
-                )
-                for ranks, fit in by_size.items()
+    ops = {op: Key(dict, None, "{ranks: {gbs, latency_us}}") for op in COLLECTIVE_OPS}
+    for key in ("collectives", "network_collectives"):
+        if values.get(key) is not None:
+            out[key] = {
+                op: {
+                    check_value(COLLECTIVE_RANKS, ranks, f"{key}.{op}.{ranks}", file): check(
+                        fit, FIT_FIELDS, file, prefix=f"{key}.{op}.{ranks}."
+                    )
+                    for ranks, fit in by_size.items()
+                }
+                for op, by_size in check(values[key], ops, file, prefix=f"{key}.", null_is_absent=True).items()
             }
-            for op, by_size in check(
-                values["collectives"], ops, file, prefix="collectives.", null_is_absent=True
-            ).items()
-        }
     return out
 
 

@@ -461,15 +461,20 @@ def p2p_bytes(deck: Deck) -> float:
 
 def group_link(machine: Machine, stride: int, size: int) -> Link:
     """The link of a group of `size` ranks `stride` apart (`group_bandwidth` on the machine's
-    levels), with the collectives a calibration measured on groups of that size, and its p2p."""
-    link = group_bandwidth(machine.link_levels(), stride, size, uses_gloo(machine))
-    measured = machine.measured_collectives(size)
+    levels), with the collectives a calibration measured on groups of that size, and its p2p:
+    those measured inside a node, or across nodes for a group that crosses them."""
+    levels = machine.link_levels()
+    link = group_bandwidth(levels, stride, size, uses_gloo(machine))
+    # A group that crosses nodes takes what was measured across nodes (none: the level's figures).
+    network = len(levels) > 1 and link.level == levels[-1].name
+    measured = machine.measured_collectives(size, network)
     if measured:
         link = dataclasses.replace(link, measured=tuple(sorted(measured.items())))
     if size <= 1:
         return link
-    busy = tuple((op, machine.busy_seconds(op, size)) for op in ("all_reduce", "all_gather", "reduce_scatter"))
-    return dataclasses.replace(link, busy=busy, busy_p2p=machine.busy_seconds("p2p", 2))
+    ops = ("all_reduce", "all_gather", "reduce_scatter")
+    busy = tuple((op, machine.busy_seconds(op, size, network)) for op in ops)
+    return dataclasses.replace(link, busy=busy, busy_p2p=machine.busy_seconds("p2p", 2, network))
 
 
 def axis_links(machine: Machine, layout: GridLayout) -> dict[str, Link]:
