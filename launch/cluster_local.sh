@@ -132,7 +132,13 @@ start() {
     fi
     die "a cluster of $(nodes) node(s) is up; launch/cluster_local.sh stop first"
   fi
+  if ip netns list 2>/dev/null | grep -qE '^gridlm-node[0-9]+( |$)'; then
+    die "simulated nodes are left without state in $dir ($(ip netns list | grep -oE '^gridlm-node[0-9]+' | tr '\n' ' ')); launch/cluster_local.sh stop removes them"
+  fi
   if ip -o addr show | grep -q " $net\."; then
+    if ip link show "$bridge" >/dev/null 2>&1; then
+      die "a cluster's bridge $bridge is up without state in $dir; launch/cluster_local.sh stop removes it"
+    fi
     die "the subnet $net.0/24 is already in use on this machine; set GRIDLM_CLUSTER_NET (e.g. 10.232.0)"
   fi
   mkdir -p "$dir/uts" "$dir/log"
@@ -189,6 +195,15 @@ stop() {
     ip netns del "$(node_name "$i")" 2>/dev/null || true
     umount "$(uts_file "$i")" 2>/dev/null || true
     rm -f "$(uts_file "$i")"
+  done
+  # Namespaces of a cluster whose state was lost (its directory removed): the names are fixed, so
+  # they are this script's and would block the next start.
+  local stale
+  for stale in $(ip netns list 2>/dev/null | awk '$1 ~ /^gridlm-node[0-9]+$/ {print $1}'); do
+    say "removing $stale, left without state"
+    ip netns pids "$stale" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
+    ip link del "gridlm-n${stale#gridlm-node}" 2>/dev/null || true
+    ip netns del "$stale" 2>/dev/null || true
   done
   ip link del "$bridge" 2>/dev/null || true
   if grep -qF "$hosts_begin" /etc/hosts 2>/dev/null; then

@@ -136,9 +136,10 @@ FIELDS: dict[str, Key] = {
     "collectives": Key(
         dict,
         None,
-        "performance model: collectives measured by app.plan.calibrate on groups of consecutive ranks "
-        "running side by side, {op: {ranks: {gbs, latency_us}}} for op in all_reduce, all_gather, "
-        "reduce_scatter, p2p (ranks 2: pairs); they replace the link level's figures for groups of that size",
+        "performance model: collectives measured by app.plan.calibrate inside a node on groups of consecutive "
+        "ranks running side by side, {op: {ranks: {gbs, latency_us}}} for op in all_reduce, all_gather, "
+        "reduce_scatter, p2p (ranks 2: pairs); they replace the link level's figures for groups of that size "
+        "inside a node",
     ),
     "network_collectives": Key(
         dict,

@@ -31,8 +31,8 @@ class Runtime:
     `comm` is the job's communicator (COMM_WORLD, or a sub-communicator such as COMM_SELF
     for a 1-rank reference run inside a bigger job); `rank`/`world_size` refer to it.
     `placement[r]` is (node index, local rank) of rank r; nodes are numbered by the lowest
-    rank they hold, and `node_hosts[n]` is node n's hostname. `global_ranks[r]` is the torch.distributed rank of rank r (torch ranks
-    are COMM_WORLD ranks).
+    rank they hold, and `node_hosts[n]` is node n's hostname. `global_ranks[r]` is the
+    torch.distributed rank of rank r (torch ranks are COMM_WORLD ranks).
     """
 
     comm: Any
@@ -226,6 +226,8 @@ def init_torch_distributed(
             chosen = (chosen.host, store.port, chosen.source)
         except LaunchError as err:
             chosen = str(err)
+        except RuntimeError as err:  # torch's DistNetworkError: no port, the address refused
+            chosen = f"rank 0 on {runtime.hostname} could not open the TCPStore at {chosen.host}: {err}"
     with runtime.watchdog.blocking("MPI_Bcast (TCPStore address)"):
         chosen = runtime.comm.bcast(chosen, root=0)
     if isinstance(chosen, str):  # rank 0 refused the address: the same error everywhere
