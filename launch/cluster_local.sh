@@ -35,7 +35,7 @@ hosts_end="# <<< gridlm launch/cluster_local.sh"
 export PATH="$PATH:/usr/sbin:/sbin"
 
 say() { echo "[cluster] $*" >&2; }
-die() { echo "[cluster] ERROR: $*" >&2; exit "${2:-1}"; }
+die() { echo "[cluster] ERROR: $1" >&2; exit "${2:-1}"; }
 cannot() { echo "[cluster] cannot provide simulated nodes here: $*" >&2; exit 3; }
 
 node_name() { echo "gridlm-node$1"; }
@@ -246,6 +246,12 @@ shape() {
     die "a delay needs tc netem, which this kernel lacks (CONFIG_NET_SCH_NETEM not set): links can be rate-limited (shape $rate) but not delayed"
   fi
   [ -n "$delay" ] && tc qdisc del dev lo root 2>/dev/null
+  # tbf's bucket: 1 ms at the rate (at least 32 KiB, a few packets): tbf needs a bucket it can fill
+  # between timer ticks to reach the rate, and a larger one lets bursts through unshaped (a bucket
+  # of 2 MB passed a pipeline's 1 MB sends at the bridge's own speed at 500 Mbit/s).
+  local burst
+  burst="$(rate_bytes_per_s "$rate")" || die "RATE '$rate' is not a tc rate (e.g. 500mbit, 10gbit)" 2
+  burst="$(( burst / 1000 > 32768 ? burst / 1000 : 32768 ))b"
   # Both ends of every node's link, so that each direction is limited: a node's sends leave by its
   # eth0, what it receives leaves the bridge by the host's end.
   for i in $(seq "$n"); do
@@ -255,12 +261,22 @@ shape() {
       tc -n "$name" qdisc replace dev eth0 root netem delay "$delay" rate "$rate"
       tc qdisc replace dev "$link" root netem delay "$delay" rate "$rate"
     else
-      # burst: at least one jiffy's worth at the rate (10 Gbit/s x 1 ms = 1.25 MB) so tbf can reach it.
-      tc -n "$name" qdisc replace dev eth0 root tbf rate "$rate" burst 2mb latency 50ms
-      tc qdisc replace dev "$link" root tbf rate "$rate" burst 2mb latency 50ms
+      tc -n "$name" qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms
+      tc qdisc replace dev "$link" root tbf rate "$rate" burst "$burst" latency 50ms
     fi
   done
   say "every node's link limited to $rate${delay:+ with $delay delay} each way"
+}
+
+# Bytes per second of a tc rate (500mbit, 10gbit, 1.5gbit, 100kbit, 12500000bps); fails on others.
+rate_bytes_per_s() {
+  awk -v r="$1" 'BEGIN {
+    if (!match(r, /^[0-9]+(\.[0-9]+)?/)) exit 1
+    n = substr(r, 1, RLENGTH); u = tolower(substr(r, RLENGTH + 1))
+    if (u == "bit") f = 1 / 8; else if (u == "kbit") f = 1e3 / 8; else if (u == "mbit") f = 1e6 / 8
+    else if (u == "gbit") f = 1e9 / 8; else if (u == "bps") f = 1; else if (u == "kbps") f = 1e3
+    else if (u == "mbps") f = 1e6; else if (u == "gbps") f = 1e9; else exit 1
+    printf "%d\n", n * f }'
 }
 
 unshape() {
