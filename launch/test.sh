@@ -66,80 +66,61 @@ done
 # rest already ran above.
 run_group mpi-8 2400 mpirun -n 8 python -m pytest "${pytest_args[@]}" "$(floor mpi-8)" "${mpi_args[@]}" --mpi-min-size 8 tests/
 
-# Slurm: srun and sbatch --wait of real jobs. Stopped on every way out (trap) unless it was
-# already up before this run (then it is someone else's, e.g. a developer's).
-slurm_log="$(mktemp)"
-slurm_was_up=0
-"$here/slurm_local.sh" status >/dev/null 2>&1 && slurm_was_up=1
-stop_slurm() {
-  if [ "$slurm_was_up" = 0 ]; then
-    slurm_was_up=1  # once
-    "$here/slurm_local.sh" stop || echo "=== slurm: stopping the local Slurm failed (see launch/slurm_local.sh stop)"
-  fi
-  rm -f "$slurm_log"
+# Groups that need a service this run starts: a one-node Slurm (srun, sbatch --wait of real jobs)
+# and 2 simulated nodes (namespaces on a bridge, a Slurm of one slurmd per node). Each is stopped
+# on every way out (trap) unless it was up before this run (then it is someone else's, e.g. a
+# developer's), and its group is skipped, with the script's reason, where it exits 3.
+started=()  # the service scripts this run started and has not stopped
+stop_started() {
+  local script
+  for script in "${started[@]}"; do
+    "$script" stop || echo "=== stopping the service of $script failed (see $script stop)"
+  done
+  started=()
 }
-trap stop_slurm EXIT
+trap stop_started EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-slurm_rc=0
-# stdout is the `export SLURM_CONF=...` line; the messages (stderr) are kept for a skip's reason.
-slurm_export="$("$here/slurm_local.sh" start 2>"$slurm_log")" || slurm_rc=$?
-cat "$slurm_log"
-slurm_done="slurm"
-case $slurm_rc in
-  0)
-    eval "$slurm_export"
-    run_group slurm 600 python -m pytest "${pytest_args[@]}" "$(floor slurm)" --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
-    stop_slurm
-    ;;
-  3)
-    reason="$(sed -n 's/.*cannot provide Slurm here: //p' "$slurm_log" | head -n 1)"
-    echo "=== slurm: skipped: ${reason:-launch/slurm_local.sh start exited 3}"
-    slurm_done="slurm skipped"
-    ;;
-  *)
-    echo "=== slurm: launch/slurm_local.sh start failed (exit $slurm_rc)"
-    failed+=("slurm (start, exit $slurm_rc)")
-    ;;
-esac
+done_groups=()
 
-# Multinode: 2 simulated nodes (network + UTS namespaces on a bridge, a Slurm of one slurmd per
-# node), stopped on every way out unless they were up before this run.
-cluster_log="$(mktemp)"
-cluster_was_up=0
-"$here/cluster_local.sh" status >/dev/null 2>&1 && cluster_was_up=1
-stop_cluster() {
-  if [ "$cluster_was_up" = 0 ]; then
-    cluster_was_up=1  # once
-    "$here/cluster_local.sh" stop || echo "=== multinode: stopping the simulated nodes failed (see launch/cluster_local.sh stop)"
-  fi
-  rm -f "$cluster_log"
+# service_group NAME SCRIPT "START ARGS" CANNOT_PREFIX PYTEST_ARGS...: start the service (its
+# stdout is export lines, its messages are kept for a skip's reason), run the group, stop it.
+service_group() {
+  local name="$1" script="$2" start_args="$3" cannot="$4" log rc=0 exports was_up=0 reason
+  shift 4
+  log="$(mktemp)"
+  "$script" status >/dev/null 2>&1 && was_up=1
+  # shellcheck disable=SC2086 # the start arguments are words
+  exports="$("$script" start $start_args 2>"$log")" || rc=$?
+  cat "$log"
+  case $rc in
+    0)
+      [ "$was_up" = 1 ] || started+=("$script")
+      eval "$exports"
+      run_group "$name" 600 python -m pytest "${pytest_args[@]}" "$(floor "$name")" "$@"
+      stop_started
+      done_groups+=("$name")
+      ;;
+    3)
+      reason="$(sed -n "s/.*$cannot: //p" "$log" | head -n 1)"
+      echo "=== $name: skipped: ${reason:-$script start exited 3}"
+      done_groups+=("$name skipped")
+      ;;
+    *)
+      echo "=== $name: $script start failed (exit $rc)"
+      failed+=("$name (start, exit $rc)")
+      ;;
+  esac
+  rm -f "$log"
 }
-trap 'stop_slurm; stop_cluster' EXIT
-cluster_rc=0
-cluster_export="$("$here/cluster_local.sh" start 2 2>"$cluster_log")" || cluster_rc=$?
-cat "$cluster_log"
-multinode_done="multinode"
-case $cluster_rc in
-  0)
-    eval "$cluster_export"
-    run_group multinode 600 python -m pytest "${pytest_args[@]}" "$(floor multinode)" --with-cluster -m multinode \
-      tests/test_multinode.py
-    stop_cluster
-    ;;
-  3)
-    reason="$(sed -n 's/.*cannot provide simulated nodes here: //p' "$cluster_log" | head -n 1)"
-    echo "=== multinode: skipped: ${reason:-launch/cluster_local.sh start exited 3}"
-    multinode_done="multinode skipped"
-    ;;
-  *)
-    echo "=== multinode: launch/cluster_local.sh start failed (exit $cluster_rc)"
-    failed+=("multinode (start, exit $cluster_rc)")
-    ;;
-esac
+
+service_group slurm "$here/slurm_local.sh" "" "cannot provide Slurm here" \
+  --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
+service_group multinode "$here/cluster_local.sh" "2" "cannot provide simulated nodes here" \
+  --with-cluster -m multinode tests/test_multinode.py
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "=== FAILED: ${failed[*]}"
   exit 1
 fi
-echo "=== all test groups passed (serial, mpi-1, mpi-2, mpi-4, mpi-8, $slurm_done, $multinode_done)"
+echo "=== all test groups passed (serial, mpi-1, mpi-2, mpi-4, mpi-8$(printf ', %s' "${done_groups[@]}"))"

@@ -78,13 +78,20 @@ def jobs():
 def reference(tmp_path_factory) -> list[float]:
     """The 1-rank losses of the small deck (no cluster: a plain local mpirun)."""
     run_dir = tmp_path_factory.mktemp("reference")
+    one_rank(run_dir)
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def one_rank(run_dir: Path, *sets: str) -> str:
+    """REF_STEPS steps of the small deck on 1 rank in `run_dir` (no cluster: a plain local mpirun),
+    its stdout; `sets` adds overrides (run.resume=auto continues a checkpoint there)."""
     out = subprocess.run(
         ["mpirun", "-n", "1", sys.executable, "-m", "app", str(TINY), *SMALL, "--set", f"train.steps={REF_STEPS}",
-         "--set", "checkpoint.at_exit=false", "--set", f"run.dir={run_dir}"],
+         "--set", "checkpoint.at_exit=false", "--set", f"run.dir={run_dir}", *sets],
         cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    return [r["loss"] for r in read_metrics(run_dir)]
+    return out.stdout
 
 
 def mpirun(env: dict[str, str], *args: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
@@ -180,13 +187,8 @@ def test_tp2_pp2_dp2_across_two_nodes_equals_one_rank_at_master_addr_and_loads_o
     losses = [r["loss"] for r in read_metrics(run_dir)]
     assert losses == pytest.approx(reference[:4], rel=1e-5)
     # The checkpoint the 2 nodes wrote at exit continues on 1 rank (resharded) with the 1-rank losses.
-    one = subprocess.run(
-        ["mpirun", "-n", "1", sys.executable, "-m", "app", str(TINY), *SMALL, "--set", f"train.steps={REF_STEPS}",
-         "--set", f"run.dir={run_dir}", "--set", "run.resume=auto", "--set", "checkpoint.at_exit=false"],
-        cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stdout + one.stderr
-    assert "resumed from" in one.stdout and "at step 4" in one.stdout, one.stdout
+    one = one_rank(run_dir, "--set", "run.resume=auto")
+    assert "resumed from" in one and "at step 4" in one, one
     resumed = [r["loss"] for r in read_metrics(run_dir)]
     assert resumed == pytest.approx(reference, rel=1e-5)
 
@@ -337,13 +339,8 @@ def test_a_node_whose_link_goes_down_is_named_and_the_run_resumes_on_one_rank(cl
     rc = job.wait(timeout=120)
     assert rc == 4, job.text[-4000:]
     assert_no_ranks_left()
-    one = subprocess.run(
-        ["mpirun", "-n", "1", sys.executable, "-m", "app", str(TINY), *SMALL, "--set", f"train.steps={REF_STEPS}",
-         "--set", f"run.dir={run_dir}", "--set", "run.resume=auto", "--set", "checkpoint.at_exit=false"],
-        cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stdout + one.stderr
-    assert "at step 4" in one.stdout, one.stdout
+    one = one_rank(run_dir, "--set", "run.resume=auto")
+    assert "resumed from" in one and "at step 4" in one, one
     records = read_metrics(run_dir)
     # metrics.jsonl keeps the steps up to the checkpoint and continues from it.
     assert [r["step"] for r in records] == list(range(1, REF_STEPS + 1)), records
