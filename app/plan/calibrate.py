@@ -245,25 +245,19 @@ class _GroupTimer:
         rank = self.runtime.rank
         a, b = next(pair for pair in pairs if rank in pair)
         peer, first = (b if rank == a else a), rank == a
-        times: list[float] = []
-        for nbytes in (SMALL, LARGE):
-            x = torch.ones(nbytes // 4, device=self.dev)
 
-            def ping_pong(x: Any = x) -> None:
-                for send in (first, not first):
-                    dist.send(x, peer) if send else dist.recv(x, peer)
+        def round_trip(x: Any) -> None:
+            for send in (first, not first):
+                dist.send(x, peer) if send else dist.recv(x, peer)
 
-            times.append(self.agreed(self._timed(ping_pong)) / 2)
+        times = [
+            self.agreed(self._timed(partial(round_trip, torch.ones(nbytes // 4, device=self.dev)))) / 2
+            for nbytes in (SMALL, LARGE)
+        ]
         fit: dict[str, Any] = dict(zip(("bandwidth_bytes_s", "latency_s"), fit_ring("p2p", 2, *times, self.gloo)))
         fit["seconds"] = tuple(times)
         if self.gloo:  # one block, then the round trip: two transfers
-            x = torch.ones(MID // 4, device=self.dev)
-
-            def round_trip(x: Any = x) -> None:
-                for send in (first, not first):
-                    dist.send(x, peer) if send else dist.recv(x, peer)
-
-            fit["busy_s"] = self.busy(round_trip) / 2
+            fit["busy_s"] = self.busy(partial(round_trip, torch.ones(MID // 4, device=self.dev))) / 2
         return fit
 
 

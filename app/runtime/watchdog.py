@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 EXIT_CODE = 4  # communication timeout or a lost rank (README, "When things go wrong")
 HEARTBEAT_KEY = "gridlm/heartbeat/{}"
 MAX_NAMED = 8  # ranks named in one line; a 32k-rank job that lost a switch would print thousands
+PROBED_NODES = 3  # silent nodes whose address is probed (2 s each) before the line is printed
 
 
 class NullWatchdog:
@@ -358,14 +359,17 @@ class Watchdog:
                 silent[r] = (
                     "" if a is None else f", last seen{self._where(a.get('step'), a.get('micro'))} in {a.get('op')}"
                 )
-        lines = []
+        lines: list[str] = []
+        probed = 0
         for host in dict.fromkeys(self.procs[r][0] for r in silent):
             on_host = self._ranks_on(host)
             if host != self.host and len(on_host) > 1 and all(r in silent for r in on_host):
-                address = self.addresses[on_host[0]]
+                # Up to PROBED_NODES probes of 2 s: a lost switch must not delay the line by minutes.
+                probed += 1
+                answer = address_answers(self.addresses[on_host[0]]) if probed <= PROBED_NODES else "not probed"
                 lines.append(
                     f"node {host} sends no heartbeat from any of its ranks ({rank_ranges(on_host)}): the node is down "
-                    f"or cut off ({address_answers(address)}){silent[on_host[0]]}"
+                    f"or cut off ({answer}){silent[on_host[0]]}"
                 )
                 continue
             for r in (r for r in on_host if r in silent):
