@@ -6,7 +6,8 @@
 
 A grid is TPxPPxDP, optionally followed by +sp (sequence parallelism), +vN (N virtual
 stages, interleaved 1F1B) and @ORDER (parallel.order, e.g. 2x2x2@tp-pp-dp). --hosts H passes
-`--host H` to mpirun (simulated nodes of launch/cluster_local.sh, with its exports). Each grid runs `mpirun -n TP*PP*DP python -m app DECK` with
+`--host H` to mpirun (simulated nodes of launch/cluster_local.sh, with its exports). Each grid
+runs `mpirun -n TP*PP*DP python -m app DECK` with
 run.timers on, and the table (Markdown on stdout, plus table.md and table.csv in
 --out) reports from its summary.json: the mean step time after the warm-up steps (and
 its standard deviation), tokens/s, and the milliseconds per step rank 0 was blocked on

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, app_env, read_metrics
+from conftest import REPO, app_env, read_metrics, run_app
 
 pytestmark = pytest.mark.multinode
 
@@ -29,6 +29,7 @@ CLUSTER = REPO / "launch/cluster_local.sh"
 TINY = REPO / "inputs/gpt_tiny.yaml"
 NODES = ("gridlm-node1", "gridlm-node2")
 HOSTS = ",".join(f"{node}:4" for node in NODES)
+MPIRUN = ("mpirun", "-n", "8", "--host", HOSTS)  # 4 ranks on each node, through the cluster's rsh agent
 # tests/test_app.py's small model: 2 layers (one per stage at pp 2), global batch 8 = 2 x 2 x dp 2.
 SMALL = (
     "--set", "model.layers=2", "--set", "model.hidden=64", "--set", "model.seq_len=32",
@@ -85,18 +86,15 @@ def reference(tmp_path_factory) -> list[float]:
 def one_rank(run_dir: Path, *sets: str) -> str:
     """REF_STEPS steps of the small deck on 1 rank in `run_dir` (no cluster: a plain local mpirun),
     its stdout; `sets` adds overrides (run.resume=auto continues a checkpoint there)."""
-    out = subprocess.run(
-        ["mpirun", "-n", "1", sys.executable, "-m", "app", str(TINY), *SMALL, "--set", f"train.steps={REF_STEPS}",
-         "--set", "checkpoint.at_exit=false", "--set", f"run.dir={run_dir}", *sets],
-        cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    out = run_app(1, str(TINY), *SMALL, "--set", f"train.steps={REF_STEPS}", "--set", "checkpoint.at_exit=false",
+                  "--set", f"run.dir={run_dir}", *sets)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
 
 def mpirun(env: dict[str, str], *args: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
     """`mpirun -n 8 --host gridlm-node1:4,gridlm-node2:4 ...` (the ranks see env's -x variables)."""
-    cmd = ["mpirun", "-n", "8", "--host", HOSTS, *args]
+    cmd = [*MPIRUN, *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False, **kw)
 
 
@@ -281,7 +279,7 @@ def assert_no_ranks_left() -> None:
 
 def test_killing_every_rank_of_a_node_under_mpirun_ends_the_job_within_60_s_and_names_the_node(cluster, jobs, tmp_path):
     sets = ("--set", "train.steps=100000", "--set", "checkpoint.at_exit=false", "--set", "run.log_every=1")
-    job = jobs(["mpirun", "-n", "8", "--host", HOSTS, *app_args(tmp_path / "run", *sets)], cluster)
+    job = jobs([*MPIRUN, *app_args(tmp_path / "run", *sets)], cluster)
     killed = kill_node_ranks(job, NODES[1])
     rc = job.wait(timeout=60)
     took = time.monotonic() - killed
@@ -320,7 +318,7 @@ def test_killing_every_rank_of_a_node_under_srun_ends_the_step_within_60_s_and_n
 
 def test_a_node_whose_link_goes_down_is_named_and_the_run_resumes_on_one_rank(cluster, jobs, reference, tmp_path):
     run_dir, timeout_s = tmp_path / "run", 15
-    job = jobs(["mpirun", "-n", "8", "--host", HOSTS, *app_args(run_dir, "--set", "train.steps=300",
+    job = jobs([*MPIRUN, *app_args(run_dir, "--set", "train.steps=300",
                "--set", "checkpoint.every=4", "--set", f"run.comm_timeout_s={timeout_s}")], cluster)  # fmt: skip
     link = [str(CLUSTER), "link", NODES[1]]
     try:

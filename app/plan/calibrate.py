@@ -174,7 +174,8 @@ def _collectives(
         else:
             across["p2p"][2] = timer.p2p(pairs)
     uniform = len(set(runtime.ranks_per_node_list)) == 1
-    if runtime.nodes > 1 and uniform:
+    # With one rank a node the consecutive groups and pairs above already are these.
+    if runtime.nodes > 1 and uniform and runtime.ranks_per_node > 1:
         # One rank per node: the ranks of each local rank, in node order.
         by_local = [sorted(r for r in range(world) if placement[r][1] == i) for i in range(runtime.ranks_per_node)]
         for op, fit in timer.collectives(by_local).items():
