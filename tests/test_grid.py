@@ -190,3 +190,41 @@ def test_a_fixed_mmap_threshold_gives_freed_tensors_back_to_the_system(tmp_path)
     assert out[1024][0] == "True" and out[0][0] == "False"
     assert out[1024][1] < 20, out  # 4 MiB kept and 64 MiB freed: at most a quarter of that may stay
     assert out[0][1] > 48, out  # the control: without the fixed threshold most of it stays
+
+
+_FAULT_PROBE = r"""
+import resource, sys
+import torch
+from app.runtime.mpi import cool_heap, set_malloc_mmap_threshold, warm_heap
+
+torch.set_num_threads(1)
+assert set_malloc_mmap_threshold(1024)
+a, b = torch.ones(1 << 20), torch.ones(1 << 20)  # 4 MiB operands: the result is above the threshold
+
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(16):
+        torch.add(a, b)  # allocated, written, freed
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+cold = faults()
+warmed = warm_heap(64 << 20)
+warm = faults()
+cool_heap()
+print(warmed, cold, warm)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc (Linux)")
+def test_a_warm_heap_serves_large_temporaries_without_page_faults():
+    """app.plan.calibrate times its compute primitives on a heap warmed as a run's is: under the run's
+    1 MiB mmap threshold each fresh 4 MiB result is mmapped and faults in its 1024 pages (about
+    16k minor faults for 16 of them); from a warm heap it reuses touched pages (a few faults)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    run = subprocess.run([sys.executable, "-c", _FAULT_PROBE], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    warmed, cold, warm = run.stdout.split()
+    assert warmed == "True"
+    assert int(cold) > 8 * 1024, run.stdout  # at least half of the 16 x 1024 pages faulted afresh
+    assert int(warm) < 1024, run.stdout  # not one result's worth

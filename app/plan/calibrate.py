@@ -6,8 +6,9 @@ Every rank measures at once, in loops long enough that ranks sharing cores share
 a run (on this CPU machine they share its cores): the fp32 GEMM rate over a set of shapes in
 the three layouts of a Linear in training (the best is the peak, the median's share of it
 the efficiency), causal attention forward and backward (its efficiency), an element-wise op
-that allocates its result, at a size caches hold (`hbm_gbs`) and at STREAM's size, 4x the
-last-level cache (`memory_gbs`: on CPUs the first is a cache rate), the host time per framework operation of a
+that allocates its result, at a size caches hold (`hbm_gbs`), and STREAM's add at its size, 4x
+the last-level cache (`memory_gbs`: on CPUs the first is a cache rate), all on a heap warmed as
+a run's is (`app.runtime.mpi.warm_heap`), the host time per framework operation of a
 chain of tiny modules, and the all-reduce of the job's ranks (gloo on CPUs, NCCL on GPUs) at
 a small and a large size, from which a ring's per-step latency and bus bandwidth follow, and
 the node's disk under the temp directory (`nvme_read_gbs`, `nvme_write_gbs`, for optim.offload:
@@ -47,9 +48,10 @@ GEMM_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 768, 
 # (batch, heads, seq, head dim) of the causal attention timed (forward and backward).
 ATTENTION_SHAPES = [(4, 8, 64, 32), (4, 8, 128, 64), (2, 16, 256, 64)]
 ELEMENTWISE = 4 * 2**20  # bytes of each operand and of the result of the element-wise op timed
+HEAP = 64 * 2**20  # warm heap for the compute primitives: more than their largest result (GEMM 16 MiB)
 # Memory past the caches: STREAM's rule (McCalpin, www.cs.virginia.edu/stream/ref.html: each array
-# at least 4x the size of the caches). Measured here: operands of 16 MiB on 4 ranks (4x the 32 MiB
-# L3 over the ranks together) still ran at 4-6 GB/s a rank, of 32-128 MiB at 2-3.
+# at least 4x the size of the caches). Measured here (2026-11-27, result allocated once, 4 ranks on
+# 2 cores): 4 MiB operands 48 GB/s a rank, 128 MiB 17.
 LLC_GUESS = 32 * 2**20  # last-level cache where the OS does not say (bytes)
 SMALL, LARGE = 8 * 2**10, 8 * 2**20  # collective sizes (the full tensor), bytes
 # A blocking collective between compute phases (`busy_us`): timed at SMALL and at MID, the size of a
@@ -326,9 +328,15 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
     import torch
     import torch.nn.functional as F
 
+    from app.runtime.mpi import cool_heap, warm_heap
+
     comm = runtime.comm
     dev = runtime.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)  # kernels are asynchronous
+    # A run's temporaries come from the heap its activations grew, not from fresh mmapped pages: the
+    # compute primitives are timed on such a heap (without it, every result of 1 MiB or more paid its
+    # page faults here and the element-wise rates came out 10x low; see warm_heap).
+    warm_heap(HEAP)
     gemm = {}
     for m, n, k in GEMM_SHAPES:
         # The three layouts of a Linear in training: forward x W^T, input gradient dY W, weight
@@ -337,6 +345,8 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         for layout, fn in (("fwd", lambda x=x, w=w: F.linear(x, w)), ("dgrad", lambda dy=dy, w=w: dy @ w),
                            ("wgrad", lambda dy=dy, x=x: dy.t() @ x)):  # fmt: skip
             gemm[f"{m}x{n}x{k} {layout}"] = 2.0 * m * n * k / _timed(fn, comm, sync, repeat)
+    del x, w, dy  # the largest shape's operands would hold the warm heap: warm it again for each part
+    warm_heap(HEAP)
     attention: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
     for b, heads, s, d in ATTENTION_SHAPES:
         q, k_, v = (torch.randn(b, heads, s, d, device=dev, requires_grad=True) for _ in range(3))
@@ -354,17 +364,24 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         t_forward = _timed(forward, comm, sync, repeat)
         attention["forward"][name] = half / t_forward
         attention["backward"][name] = 2.5 * half / max(_timed(both, comm, sync, repeat) - t_forward, 1e-12)
+    del q, k_, v, grad
+    warm_heap(HEAP)
     # Element-wise: an eager op reads its operands and writes a new tensor (as gridlm's LayerNorm,
-    # GELU, adds and dropout do): allocating the result is part of its cost.
+    # GELU, adds and dropout do): allocating the result (from the warm heap) is part of its cost.
     x, y = torch.randn(ELEMENTWISE // 4, device=dev), torch.randn(ELEMENTWISE // 4, device=dev)
     stream = 3 * ELEMENTWISE / _timed(lambda: torch.add(x, y), comm, sync, repeat)
+    # Past the caches, STREAM's add into a result allocated once: a result of hundreds of MB would
+    # be mmapped and faulted afresh by every call, which no run's update does (its temporaries are a
+    # bucket's size, from the heap).
     big = memory_operand_bytes(runtime.local_size)
-    a, b = torch.randn(big // 4, device=dev), torch.randn(big // 4, device=dev)
-    memory = 3 * big / _timed(lambda a=a, b=b: torch.add(a, b), comm, sync, repeat)
-    del a, b  # hundreds of MB a rank
+    a, b, c = (torch.randn(big // 4, device=dev) for _ in range(3))
+    memory = 3 * big / _timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c), comm, sync, repeat)
+    del a, b, c  # hundreds of MB a rank
     chain = _module_chain(dev)
     op = _timed(chain, comm, sync, repeat) / count_aten_ops(chain)
     elementwise = _elementwise(dev, comm, sync, repeat, op)
+
+    cool_heap()
 
     def agreed(value: float) -> float:
         return statistics.median(comm.allgather(value))
