@@ -304,7 +304,7 @@ class Trainer:
         verdict: fp16 overflow (finite loss) skips the step; any other NaN/Inf is train.nonfinite's."""
         with self.timers.phase("optimizer"):
             self.dp.finish_grad_reduce(self.sp_group)
-            norm = grad_norm(self.dp, self.grid)
+            norm = grad_norm(self.dp, self.grid, self.optimizer.scratch)
             scale = self.scaler.scale if self.scaler else 1.0
             self.steps_done += 1
             loss_bad, norm_bad = nonfinite_anywhere(loss_sum, norm, self.grid, self.device)

@@ -72,6 +72,38 @@ def test_flat_adamw_is_torch_adamw(runtime):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-7, atol=0)
 
 
+@pytest.mark.mpi
+def test_the_update_and_the_norm_reuse_their_scratch_and_the_norm_is_the_float64_sum(runtime, monkeypatch):
+    """The scaled gradient, the denominator and the norm's float64 squares live in buffers kept
+    from step to step (no fresh temporaries to page-fault in on a CPU): the second step uses the
+    same memory as the first. The norm is sqrt of the float64 sum of squares: exactly, in one
+    chunk; chunked (NORM_CHUNK = 7 here), to 1e-15 relative (only the grouping of the sum moves)."""
+    import app.optim.optimizer as optimizer
+
+    grid = _solo_grid()
+    model = _model(1)
+    dp = DataParallel(model, grid, bucket_mb=0.0001)  # several buckets
+    opt = ShardedOptimizer(dp, CFG, grid)
+    pointers = []
+    for step in range(2):
+        dp.start_step(1)
+        _backward(model, step)
+        dp.finish_grad_reduce()
+        norm = optimizer.grad_norm(dp, grid, opt.scratch)
+        local = torch.zeros((), dtype=torch.float64)
+        for _, _, g in dp.held_grads():  # the norm as it was written before the scratch buffers
+            local += g.double().pow(2).sum()
+        expected = float(local.sqrt())
+        assert norm == expected
+        opt.step(CFG.lr, grad_scale=0.5)
+        pointers.append(sorted((k[0], b.data_ptr()) for k, b in opt.scratch._buffers.items()))
+    assert [name for name, _ in pointers[0]] == ["denom", "grad", "norm"]
+    assert pointers[0] == pointers[1]
+    monkeypatch.setattr(optimizer, "NORM_CHUNK", 7)
+    chunked = optimizer.grad_norm(dp, grid, opt.scratch)
+    assert chunked == pytest.approx(expected, rel=1e-15)
+
+
 def _lamb_reference(params: list[torch.Tensor], grads: list[torch.Tensor], state: list, step: int, lr: float) -> None:
     """LAMB (You et al. 2020, with Adam bias correction), one tensor at a time."""
     for p, g, s in zip(params, grads, state):
