@@ -205,10 +205,27 @@ class _GroupTimer:
         return _timed(fn, self.runtime.comm, self.sync, self.repeat)
 
     def busy(self, fn: Callable[[], Any]) -> float:
-        """The extra time of the blocking `fn` after a compute block, over the two timed alone:
-        while the other ranks compute, a group's ranks wait to be scheduled together."""
-        both = self._timed(lambda: (self.block(), fn()))
-        return max(0.0, self.agreed(both - self.t_block - self._timed(fn)))
+        """How much longer the blocking `fn` takes, call by call, right after a compute block than
+        in a loop of its own: every group at once, so while its ranks compute, the other ranks of
+        the node compute too, and a rank that reaches the call first waits for its peers to get a
+        core and arrive (the median call, less `fn` alone; agreed over the ranks).
+
+        The wait is charged to the step in full: a waiting rank's core goes to the node's other
+        ranks, but in a training step those are tied to it by the pipeline's transfers and the
+        step's collectives, so the work they do ahead is waited for later. (The loop's excess,
+        block plus collective over the two alone, credits the core back in full; it is near zero
+        for ranks in lockstep and left the tp grids 20-35% fast: docs/PERFORMANCE_MODEL.md,
+        eleventh run.)"""
+        calls: list[float] = []
+
+        def both() -> None:
+            self.block()
+            t0 = time.perf_counter()
+            fn()
+            calls.append(time.perf_counter() - t0)
+
+        self._timed(both)
+        return max(0.0, self.agreed(statistics.median(calls) - self._timed(fn)))
 
     def collectives(self, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
         import torch
