@@ -70,6 +70,17 @@ class Scratch:
 
 
 @torch.no_grad()
+def add_squares(acc: torch.Tensor, x: torch.Tensor, scratch: Scratch) -> None:
+    """acc (a float64 scalar, or a view of one) += the float64 sum of x's squares, NORM_CHUNK
+    elements at a time in `scratch`'s "norm" buffer on x's device (no whole-tensor temporary)."""
+    for lo in range(0, x.numel(), NORM_CHUNK):
+        part = x[lo : lo + NORM_CHUNK]
+        squares = scratch.like("norm", part, torch.float64)
+        squares.copy_(part)
+        acc += squares.pow_(2).sum().to(acc.device)
+
+
+@torch.no_grad()
 def grad_norm(dp: DataParallel, grid: ProcessGrid, scratch: Optional[Scratch] = None) -> float:
     """Global L2 norm of the gradient of the 1-rank model, from the reduced shards.
 
@@ -82,11 +93,7 @@ def grad_norm(dp: DataParallel, grid: ProcessGrid, scratch: Optional[Scratch] = 
     local = torch.zeros((), dtype=torch.float64, device=dp.device)
     for s, _, g in dp.held_grads():
         if dp.layout.owned[s.param]:
-            for lo in range(0, g.numel(), NORM_CHUNK):
-                part = g[lo : lo + NORM_CHUNK]
-                squares = scratch.like("norm", part, torch.float64)
-                squares.copy_(part)
-                local += squares.pow_(2).sum()
+            add_squares(local, g, scratch)
     grid.all_reduce(local, ("tp", "pp", "dp") if dp.zero else ("tp", "pp"))
     return float(local.sqrt())
 
@@ -367,8 +374,8 @@ class ShardedOptimizer:
             for s in dp.layout.segments(b):
                 if not dp.layout.metas[s.param].counts_on(tp_rank):
                     continue  # the tp replicas hold the same values: count them once
-                sums[s.param, 0] += masters[b][s.lo : s.hi].double().pow(2).sum()
-                sums[s.param, 1] += updates[b][s.lo : s.hi].double().pow(2).sum().to(sums.device)
+                add_squares(sums[s.param, 0], masters[b][s.lo : s.hi], self.scratch)
+                add_squares(sums[s.param, 1], updates[b][s.lo : s.hi], self.scratch)
         grid.all_reduce(sums, ("tp", "dp") if dp.zero else ("tp",))
         norms = sums.sqrt()
         w_norm, u_norm = norms[:, 0], norms[:, 1]

@@ -10,8 +10,9 @@ that allocates its result, at a size caches hold (`hbm_gbs`), and STREAM's add a
 the last-level cache (`memory_gbs`: on CPUs the first is a cache rate), all on a heap warmed as
 a run's is (`app.runtime.mpi.warm_heap`), the host time per framework operation of a
 chain of tiny modules, and the all-reduce of the job's ranks (gloo on CPUs, NCCL on GPUs) at
-a small and a large size, from which a ring's per-step latency and bus bandwidth follow, and
-the node's disk under the temp directory (`nvme_read_gbs`, `nvme_write_gbs`, for optim.offload:
+a small and a large size, from which a ring's per-step latency and bus bandwidth follow (on
+CPU ranks also each call's wait for its peers after a compute block, `busy_us`), and the
+node's disk under the temp directory (`nvme_read_gbs`, `nvme_write_gbs`, for optim.offload:
 nvme): every rank writes its share of DISK_BYTES with fsync and reads it back with pread.
 Only primitives are measured, never a training step, so a wrong step model cannot be hidden
 by the calibration. The file is the base machine file with these constants (and their date
@@ -199,7 +200,6 @@ class _GroupTimer:
         self.sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
         self.gloo = self.dev.type != "cuda"
         self.block = _compute_block(self.dev, runtime.comm, self.sync)
-        self.t_block = _timed(self.block, runtime.comm, self.sync, repeat)
 
     def _timed(self, fn: Callable[[], Any]) -> float:
         return _timed(fn, self.runtime.comm, self.sync, self.repeat)
@@ -582,7 +582,7 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     def timings(by_op: dict[str, dict[int, dict[str, Any]]]) -> str:
         return "; ".join(
             f"{op} " + ", ".join(f"{g} ranks {fit['seconds'][0] * 1e3:.3f} / {fit['seconds'][1] * 1e3:.3f} ms"
-                                 + (f" (+{fit['busy_s'] * 1e3:.3f} ms after a {BLOCK * 1e3:.0f} ms compute block)"
+                                 + (f" (+{fit['busy_s'] * 1e3:.3f} ms a call after a {BLOCK * 1e3:.0f} ms compute block)"
                                     if "busy_s" in fit else "")
                                  for g, fit in sizes.items())
             for op, sizes in by_op.items() if sizes
