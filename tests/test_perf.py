@@ -583,6 +583,32 @@ def test_memory_past_the_cache_charges_the_passes_over_whole_buffers(tmp_path):
     assert math.isclose(after.step_time_s - before.step_time_s, extra + norm + accumulate, rel_tol=1e-9)
 
 
+def test_fresh_results_at_or_above_the_mmap_threshold_pay_their_page_faults(tmp_path):
+    """fault_gbs (a calibrated CPU's): every new result of at least run.malloc_mmap_threshold_kb is
+    charged its bytes at that rate. gpt_tiny at micro-batch 4 (256 tokens, fp32) has six results of
+    exactly 1 MiB a block: forward the fc output and GELU's, backward proj's input gradient, the fc
+    and proj weight gradients and GELU's input gradient (the QKV ones are 768 KiB, the logits'
+    512 KiB), so a 4-layer step on one micro-batch pays 24 MiB; a threshold above 1 MiB, or 0
+    (glibc's dynamic one), or no fault_gbs (GPUs) pays none. Under tp = 2 the MLP's are halved."""
+    import math
+
+    base = (REPO / "inputs/machines/selene.yaml").read_text()
+    plain = _machine_with(base, tmp_path)
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    with_faults = _machine_with(base.replace("sources:", "fault_gbs: 2.0\nsources:"), faults)
+
+    def step(machine, *sets):
+        deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.dp=4", *sets)), 4)
+        return predict(deck, machine).step_time_s
+
+    charged = step(with_faults) - step(plain)
+    assert math.isclose(charged, 4 * 6 * 2**20 / 2.0e9, rel_tol=1e-9)
+    for sets in (("run.malloc_mmap_threshold_kb=1025",), ("run.malloc_mmap_threshold_kb=0",)):
+        assert math.isclose(step(with_faults, *sets), step(plain, *sets), rel_tol=1e-12)
+    assert step(plain) == step(plain, "run.malloc_mmap_threshold_kb=1025")
+
+
 def test_busy_collectives_are_charged_where_the_code_waits_for_them(tmp_path):
     """busy_us (calibrated CPU ranks sharing cores): each blocking collective costs its group's
     all-reduce busy_us more, each pipeline transfer the pairs' p2p busy_us; the overlapped dp

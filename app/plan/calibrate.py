@@ -311,6 +311,31 @@ def _compute_block(dev: Any, comm: Any, sync: Callable[[], None]) -> Callable[[]
     return block
 
 
+def _fault_rate(dev: Any, comm: Any, sync: Callable[[], None], repeat: int) -> Optional[float]:
+    """Bytes/s at which a fresh result of the run's mmap threshold is page-faulted in (CPUs): a
+    Linear of 256 tokens whose output is that size, timed first on this process's own heap, which
+    nothing has grown (each output a new mapping, as a step's large results are) and then on a warm
+    one (cut from its free top); the difference per byte of output. Call before anything warms the
+    heap. None where the two do not differ (no threshold: results come from the heap)."""
+    import torch
+    import torch.nn.functional as F
+
+    from app.deck import RunConfig
+    from app.runtime.mpi import warm_heap
+
+    tokens, k = 256, 256
+    n = max(1, RunConfig().malloc_mmap_threshold_kb * 1024 // (tokens * 4))
+    x, w = torch.randn(tokens, k, device=dev), torch.randn(n, k, device=dev)
+
+    def fn() -> None:
+        F.linear(x, w)
+
+    cold = _timed(fn, comm, sync, repeat)
+    warm_heap(HEAP)
+    warm = _timed(fn, comm, sync, repeat)
+    return tokens * n * 4 / (cold - warm) if cold > warm else None
+
+
 def _elementwise(dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_seconds: float) -> dict[str, float]:
     """Bytes/s of each ELEMENTWISE_KINDS kind, forward and backward, in the bytes the model counts
     for it (perf._layer_passes, perf._head_passes), at the token count of a small model's
@@ -352,7 +377,9 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)  # kernels are asynchronous
     # A run's temporaries come from the heap its activations grew, not from fresh mmapped pages: the
     # compute primitives are timed on such a heap (without it, every result of 1 MiB or more paid its
-    # page faults here and the element-wise rates came out 10x low; see warm_heap).
+    # page faults here and the element-wise rates came out 10x low; see warm_heap). The results a
+    # step makes at or above the threshold do page-fault: their rate first, on the heap as it is.
+    fault = _fault_rate(dev, comm, sync, repeat) if dev.type == "cpu" else None  # GPUs cache their memory
     warm_heap(HEAP)
     gemm = {}
     for m, n, k in GEMM_SHAPES:
@@ -413,6 +440,7 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         },
         "stream_bytes_s": agreed(stream),
         "memory_bytes_s": agreed(memory),
+        **({} if fault is None else {"fault_bytes_s": agreed(fault)}),
         "elementwise_bytes_s": {kind: agreed(v) for kind, v in elementwise.items()},
         "op_seconds": agreed(op),
         "collectives": collectives,
@@ -525,6 +553,8 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     out["hbm_gbs"] = round(measured["stream_bytes_s"] / 1e9, 3)
     if "memory_bytes_s" in measured:  # past the caches (STREAM-sized operands)
         out["memory_gbs"] = round(measured["memory_bytes_s"] / 1e9, 3)
+    if measured.get("fault_bytes_s"):  # CPUs: a fresh mmapped result's pages
+        out["fault_gbs"] = round(measured["fault_bytes_s"] / 1e9, 3)
     disk = ""
     if "nvme_read_bytes_s" in measured:  # the node's disk (optim.offload: nvme)
         out["nvme_read_gbs"] = round(measured["nvme_read_bytes_s"] / 1e9, 3)
@@ -599,7 +629,8 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
         f"measured on {today} by `{command}`, every rank at once: fp32 GEMM GFLOP/s per rank {shapes}; "
         f"causal attention GFLOP/s {attention}; element-wise op "
         f"{measured['stream_bytes_s'] / 1e9:.2f} GB/s; element-wise kinds GB/s (model bytes) {kinds}; "
-        f"{measured['op_seconds'] * 1e6:.1f} us per framework op; collectives of {SMALL} / {LARGE} bytes on "
+        + (f"a fresh mmapped result's page faults {out['fault_gbs']} GB/s; " if "fault_gbs" in out else "")
+        + f"{measured['op_seconds'] * 1e6:.1f} us per framework op; collectives of {SMALL} / {LARGE} bytes on "
         f"groups of consecutive ranks side by side ({timed}; a ring's latency and bandwidth follow){disk}",
         *base.get("sources", []),
     ]

@@ -77,6 +77,15 @@ FIELDS: dict[str, Key] = {
         min=0,
         exclusive_min=True,
     ),
+    "fault_gbs": Key(
+        float,
+        None,
+        "CPUs: GB/s per rank at which a fresh result of at least run.malloc_mmap_threshold_kb (mmapped, "
+        "not cut from the heap) is page-faulted in, on top of computing it (measured by app.plan.calibrate "
+        "with a Linear whose output is that size); leave it out on GPUs (a caching allocator)",
+        min=0,
+        exclusive_min=True,
+    ),
     "host_link_gbs": Key(
         float,
         None,
@@ -249,6 +258,7 @@ class Machine:
     peak_tflops: Optional[dict[str, float]] = None
     hbm_gbs: Optional[float] = None
     memory_gbs: Optional[float] = None
+    fault_gbs: Optional[float] = None
     host_link_gbs: Optional[float] = None
     host_memory_gbs: Optional[float] = None
     nvme_read_gbs: Optional[float] = None

@@ -90,6 +90,10 @@ class Device:
     kind_bytes_s: tuple[tuple[str, float], ...] = ()
     # Memory past the last-level cache (machine.memory_gbs; None: hbm_bytes_s is the memory).
     memory_bytes_s: Optional[float] = None
+    # CPUs: bytes/s at which a fresh result of at least `mmap_threshold` bytes (glibc mmaps it,
+    # run.malloc_mmap_threshold_kb) is page-faulted in (machine.fault_gbs); None: no such cost.
+    fault_bytes_s: Optional[float] = None
+    mmap_threshold: float = 0.0  # bytes; 0: glibc's dynamic threshold (results come from the heap)
 
     def gemm(self, m: int, n: int, k: int, element: int) -> float:
         """Seconds of an (m x k) @ (k x n) GEMM."""
@@ -99,6 +103,25 @@ class Device:
         compute = 2.0 * m * n * k / (self.peak_flops * self.gemm_efficiency * quantisation)
         memory = (m * k + k * n + m * n) * element / self.hbm_bytes_s
         return max(compute, memory)
+
+    def fresh(self, nbytes: float) -> float:
+        """Seconds to page-fault in a new result of `nbytes`: on a CPU rank a result of at least the
+        mmap threshold is a fresh mapping, faulted in page by page as it is written (0 below it,
+        and on GPUs)."""
+        if self.fault_bytes_s is None or self.mmap_threshold <= 0 or nbytes < self.mmap_threshold:
+            return 0.0
+        return nbytes / self.fault_bytes_s
+
+    def linear(self, tokens: int, n: int, k: int, element: int) -> tuple[float, float, float]:
+        """Seconds of a Linear's three GEMMs, `tokens` x `k` in, `n` out: the forward X W^T (tokens x
+        n, inner k), the input gradient dY W (tokens x k, inner n) and the weight gradient dY^T X
+        (n x k, inner tokens), each with its new result's page faults where it is mmapped (`fresh`;
+        on this CPU a 256 x 1024 x 256 forward ran at 78 GFLOP/s so, 105 on a warm heap)."""
+        return (
+            self.gemm(tokens, n, k, element) + self.fresh(tokens * n * element),
+            self.gemm(tokens, k, n, element) + self.fresh(tokens * k * element),
+            self.gemm(n, k, tokens, element) + self.fresh(n * k * element),
+        )
 
     def stream(self, nbytes: float, kind: Optional[str] = None) -> float:
         """Seconds to read and write `nbytes` in element-wise kernels: memory-bound, unless the
@@ -134,6 +157,7 @@ def device_of(machine: Machine, precision: str) -> Device:
         tile=(int(g["tile"][0]), int(g["tile"][1])),
         op_seconds=(machine.op_overhead_us or 0.0) * 1e-6,
         memory_bytes_s=None if machine.memory_gbs is None else machine.memory_gbs * 1e9,
+        fault_bytes_s=None if machine.fault_gbs is None else machine.fault_gbs * 1e9,
         kind_bytes_s=tuple(sorted((k, v * 1e9) for k, v in (machine.elementwise_gbs or {}).items())),
     )
 
@@ -504,10 +528,10 @@ def _layer_passes(
     t_sp = t if sp else 1
     # (n, k): QKV (GQA: (heads + 2 kv) x head_dim rows), out, fc (SwiGLU: gate and up), proj
     linears = [(m.qkv_rows // t, h), (h, h // t), (m.fc_rows // t, h), (h, f // t)]
-    fwd_gemm = sum(dev.gemm(tokens, n, k, e) for n, k in linears)
-    # Backward: the input gradient (m x k from m x n) and the weight gradient (n x k from m).
-    dgrad = [dev.gemm(tokens, k, n, e) for n, k in linears]
-    wgrad = [dev.gemm(n, k, tokens, e) for n, k in linears]
+    # Each Linear's forward, input gradient (m x k from m x n) and weight gradient (n x k from m).
+    gemms = [dev.linear(tokens, n, k, e) for n, k in linears]
+    fwd_gemm = sum(g[0] for g in gemms)
+    dgrad, wgrad = [g[1] for g in gemms], [g[2] for g in gemms]
     attn_fwd, attn_bwd = _attention(deck, dev)
     # Element-wise bytes per token of one forward (see the module docstring of estimate.py for
     # the block): LayerNorm x 2, row-parallel bias add x 2, residual add x 2 on h/t_sp; the
@@ -518,6 +542,9 @@ def _layer_passes(
     # GELU reads f and writes f; SwiGLU reads gate and up and writes silu(gate) and the product.
     layernorm, gelu = tokens * (2 + 2) * h * e / t_sp, tokens * (4 if m.llama else 2) * f * e / t
     elem_fwd = dev.stream(tokens * per_token) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
+    # The MLP's activation (tokens x f/t) is the block's largest new tensor, in the forward and as
+    # the activation function's input gradient: where it is mmapped, its pages fault in (CPUs).
+    fresh = dev.fresh(tokens * f * e / t)
     tp_fwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_forward"])
     tp_recompute = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_recompute"])
     row_bwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_backward"])
@@ -527,9 +554,9 @@ def _layer_passes(
     hidden_by = [wgrad[0], wgrad[2]] if par.overlap_tp_comm else [0.0, 0.0]
     tp_bwd = row_bwd + sum(max(0.0, c - w) for c, w in zip(col_bwd, hidden_by))
     host_f, host_b = OPS["layer_forward"] * dev.op_seconds, OPS["layer_backward"] * dev.op_seconds
-    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_fwd, host_f)
-    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd, tp_bwd, host_b)
-    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd, tp_recompute, host_f)  # see tp_collectives
+    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd + fresh, tp_fwd, host_f)
+    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd + fresh, tp_bwd, host_b)
+    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd + fresh, tp_recompute, host_f)  # see tp_collectives
     return forward, backward, recompute
 
 
@@ -574,9 +601,11 @@ def _head_passes(
     # the softmax gradient.
     # The embedding's and the loss's framework ops are counted here (OPS["other_*"]).
     host_f, host_b = OPS["other_forward"] * dev.op_seconds, OPS["other_backward"] * dev.op_seconds
-    fwd = _Pass(dev.gemm(tokens, v, m.hidden, e), 0.0, dev.stream(tokens * v * (e + 12), "softmax"), comm_fwd, host_f)
-    bwd_gemm = dev.gemm(tokens, m.hidden, v, e) + dev.gemm(v, m.hidden, tokens, e)
-    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e), "softmax"), comm_bwd, host_b)
+    head, head_dgrad, head_wgrad = dev.linear(tokens, v, m.hidden, e)
+    fresh = dev.fresh(tokens * v * 4)  # the fp32 log-probabilities, and their gradient
+    fwd = _Pass(head, 0.0, dev.stream(tokens * v * (e + 12), "softmax") + fresh, comm_fwd, host_f)
+    bwd_gemm = head_dgrad + head_wgrad
+    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e), "softmax") + fresh, comm_bwd, host_b)
     return fwd, bwd
 
 
@@ -779,9 +808,9 @@ def _layer_passes3d(deck: Deck, dev: Device, links: dict[str, Link], ov: Overlap
     e = BYTES[tr.precision]
     tokens, h, f = tr.micro_batch * m.seq_len, m.hidden, m.ffn
     lins = linears3d(m, shape)
-    fwd_gemm = sum(dev.gemm(tokens, lin.n, lin.k, e) for lin in lins)
-    dgrad = [dev.gemm(tokens, lin.k, lin.n, e) for lin in lins]
-    wgrad = [dev.gemm(lin.n, lin.k, tokens, e) for lin in lins]
+    gemms = [dev.linear(tokens, lin.n, lin.k, e) for lin in lins]
+    fwd_gemm = sum(g[0] for g in gemms)
+    dgrad, wgrad = [g[1] for g in gemms], [g[2] for g in gemms]
     attn_fwd, attn_bwd = _attention(deck, dev, y)  # heads / Y, replicated over X
     # Element-wise bytes per token of one forward: the four bias adds after the all-reduces (each on
     # its Linear's output), two residual adds on h/X, the attention output's transpose copy (h/Y),
@@ -841,8 +870,9 @@ def _head_passes3d(deck: Deck, dev: Device, links: dict[str, Link]) -> tuple[_Pa
     comm_f = _by_axis(lists["head_forward"], _exposed3d(lists["head_forward"], links, sizes))
     comm_b = _by_axis(lists["head_backward"], _exposed3d(lists["head_backward"], links, sizes))
     host_f, host_b = OPS["other_forward"] * dev.op_seconds, OPS["other_backward"] * dev.op_seconds
-    fwd = _Pass(dev.gemm(tokens, v, k, e), 0.0, dev.stream(tokens * v * (e + 12), "softmax"), host=host_f)
-    bwd_gemm = dev.gemm(tokens, k, v, e) + dev.gemm(v, k, tokens, e)
+    head, head_dgrad, head_wgrad = dev.linear(tokens, v, k, e)
+    fwd = _Pass(head, 0.0, dev.stream(tokens * v * (e + 12), "softmax"), host=host_f)
+    bwd_gemm = head_dgrad + head_wgrad
     bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e), "softmax"), host=host_b)
     return fwd + _comm_pass(comm_f), bwd + _comm_pass(comm_b)
 
@@ -1016,7 +1046,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     every pass (the search ranks thousands of grids so, then simulates the best)."""
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
-    dev = device_of(machine, tr.precision)
+    dev = dataclasses.replace(device_of(machine, tr.precision), mmap_threshold=deck.run.malloc_mmap_threshold_kb * 1024)
     world = tp * pp * dp
     # optim.offload: the rank's rates; a MachineError names the keys a machine file lacks.
     rates = offload_rates(deck, machine, min(machine.devices_per_node, world)) if opt.offload != "none" else None
