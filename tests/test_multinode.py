@@ -312,10 +312,13 @@ def test_killing_every_rank_of_a_node_under_srun_ends_the_step_within_60_s_and_n
         subprocess.run(["scancel", "--name", name], env=cluster, timeout=30, check=False)
     took = time.monotonic() - killed
     assert rc != 0 and took < 60, f"exit {rc} after {took:.0f} s:\n{job.text[-4000:]}"
-    # srun names the node's tasks as they die, in one line or several ("tasks 5-7", then "task 4").
+    # srun names the node's tasks as they die, in one line or several ("tasks 5-7", then "task 4";
+    # or "tasks 4,6-7", then "task 5").
     named = set()
-    for first, last in re.findall(r"srun: error: gridlm-node2: tasks? (\d+)(?:-(\d+))?: Killed", job.text):
-        named.update(range(int(first), int(last or first) + 1))
+    for tasks in re.findall(r"srun: error: gridlm-node2: tasks? ([\d,-]+): Killed", job.text):
+        for part in tasks.split(","):
+            first, _, last = part.partition("-")
+            named.update(range(int(first), int(last or first) + 1))
     assert named == {4, 5, 6, 7}, job.text[-4000:]
     assert_no_ranks_left()
 

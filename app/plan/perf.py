@@ -824,6 +824,7 @@ def _layer_passes3d(deck: Deck, dev: Device, links: dict[str, Link], ov: Overlap
     ln = 2 * e if x == 1 else 48 + (0 if e == 4 else 2 * (e + 4))
     layernorm, gelu = tokens * 2 * ln * (h // x), tokens * 2 * f * e / y
     elem_fwd = dev.stream(tokens * per_token) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
+    fresh = dev.fresh(tokens * f * e / y)  # the MLP activation and its gradient (CPUs; as in 1D)
     lists = _tp3d_lists(deck)
 
     def forward_comm(items: list[tuple[str, str, float]], compute: float) -> tuple[float, float, float]:
@@ -850,11 +851,11 @@ def _layer_passes3d(deck: Deck, dev: Device, links: dict[str, Link], ov: Overlap
         rs = [costs_b[3 * i + 2] for i in range(len(lins))]
         bz = max(rs[-1], bz - (sum(dgrad) + sum(wgrad[:-1]) + attn_bwd))
     host_f, host_b = OPS["layer_forward"] * dev.op_seconds, OPS["layer_backward"] * dev.op_seconds
-    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd, host=host_f) + _comm_pass(tp_fwd)
-    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd, host=host_b) + _comm_pass(
+    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd + fresh, host=host_f) + _comm_pass(tp_fwd)
+    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd + fresh, host=host_b) + _comm_pass(
         (bx, by, bz)
     )
-    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd, host=host_f) + _comm_pass(tp_rec)
+    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd + fresh, host=host_f) + _comm_pass(tp_rec)
     return forward, backward, recompute
 
 
@@ -871,9 +872,10 @@ def _head_passes3d(deck: Deck, dev: Device, links: dict[str, Link]) -> tuple[_Pa
     comm_b = _by_axis(lists["head_backward"], _exposed3d(lists["head_backward"], links, sizes))
     host_f, host_b = OPS["other_forward"] * dev.op_seconds, OPS["other_backward"] * dev.op_seconds
     head, head_dgrad, head_wgrad = dev.linear(tokens, v, k, e)
-    fwd = _Pass(head, 0.0, dev.stream(tokens * v * (e + 12), "softmax"), host=host_f)
+    fresh = dev.fresh(tokens * v * 4)  # the fp32 log-probabilities, and their gradient
+    fwd = _Pass(head, 0.0, dev.stream(tokens * v * (e + 12), "softmax") + fresh, host=host_f)
     bwd_gemm = head_dgrad + head_wgrad
-    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e), "softmax"), host=host_b)
+    bwd = _Pass(bwd_gemm, 0.0, dev.stream(tokens * v * (4 + 2 * e), "softmax") + fresh, host=host_b)
     return fwd + _comm_pass(comm_f), bwd + _comm_pass(comm_b)
 
 
