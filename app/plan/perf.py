@@ -134,8 +134,9 @@ class Device:
         return 0.0 if self.memory_bytes_s is None else nbytes / self.memory_bytes_s
 
 
-def device_of(machine: Machine, precision: str) -> Device:
-    """The machine's device constants; `MachineError` names what a machine file lacks."""
+def device_of(machine: Machine, precision: str, mmap_threshold_kb: int = 0) -> Device:
+    """The machine's device constants (`mmap_threshold_kb`: the deck's run.malloc_mmap_threshold_kb,
+    above which new results page-fault, `Device.fresh`); `MachineError` names what a machine file lacks."""
     missing = machine.missing_for_prediction(precision)
     if missing:
         from app.plan.machine import MachineError
@@ -158,6 +159,7 @@ def device_of(machine: Machine, precision: str) -> Device:
         op_seconds=(machine.op_overhead_us or 0.0) * 1e-6,
         memory_bytes_s=None if machine.memory_gbs is None else machine.memory_gbs * 1e9,
         fault_bytes_s=None if machine.fault_gbs is None else machine.fault_gbs * 1e9,
+        mmap_threshold=mmap_threshold_kb * 1024,
         kind_bytes_s=tuple(sorted((k, v * 1e9) for k, v in (machine.elementwise_gbs or {}).items())),
     )
 
@@ -1048,7 +1050,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     every pass (the search ranks thousands of grids so, then simulates the best)."""
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
-    dev = dataclasses.replace(device_of(machine, tr.precision), mmap_threshold=deck.run.malloc_mmap_threshold_kb * 1024)
+    dev = device_of(machine, tr.precision, deck.run.malloc_mmap_threshold_kb)
     world = tp * pp * dp
     # optim.offload: the rank's rates; a MachineError names the keys a machine file lacks.
     rates = offload_rates(deck, machine, min(machine.devices_per_node, world)) if opt.offload != "none" else None

@@ -179,7 +179,7 @@ def _rank_shapes(deck: Deck, machine: Machine, tp: int, mb: int) -> list[tuple[f
     from app.plan.perf import _layer_passes3d, axis_links3d, device_of, overlap3d
     from app.runtime.grid import GridLayout
 
-    dev = device_of(machine, deck.train.precision)
+    dev = device_of(machine, deck.train.precision, deck.run.malloc_mmap_threshold_kb)
     layout = GridLayout.from_order_string(tp, 1, 1, "tp-dp-pp", machine.devices_per_node)
     out = []
     for shape in _shapes(tp):
