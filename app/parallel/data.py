@@ -199,6 +199,9 @@ class DataParallel:
         self.param_shards: list[torch.Tensor] = []
         self.full: list[torch.Tensor] = []
         self.param_buffer: Optional[torch.Tensor] = None
+        # Without ZeRO-3: each bucket's range of the parameter buffer, under a version counter of
+        # its own (`_bucket_range`); the bucket's parameters, masters (fp32) and gathers use it.
+        self.bucket_params: list[torch.Tensor] = []
         # Bucket by bucket, so start-up holds one bucket's fp32 values beyond the buffers (ZeRO-3:
         # its shard only), never a flat fp32 copy of the stage.
         self.master = []
@@ -211,9 +214,11 @@ class DataParallel:
             self.param_buffer = torch.zeros(self.layout.size, dtype=compute_dtype, device=device)
             for b in self.buckets:
                 fp32 = self._initial(b.start, b.end, b.params)
-                self.param_buffer[b.start : b.end].copy_(fp32)  # rounded to the compute dtype
+                values = self._bucket_range(self.param_buffer, b.start, b.end)
+                self.bucket_params.append(values)
+                values.copy_(fp32)  # rounded to the compute dtype
                 if self.master_is_param:
-                    self.master.append(self.param_buffer[b.shard_lo : b.shard_hi])
+                    self.master.append(values[b.shard_lo - b.start : b.shard_hi - b.start])
                 else:
                     self.master.append(fp32[b.shard_lo - b.start : b.shard_hi - b.start].clone())
         # ZeRO-2 keeps no whole gradient buffer: per-bucket buffers come and go (`_open`).
@@ -226,9 +231,12 @@ class DataParallel:
         # The model's parameters and their gradient accumulators become views of the buffers.
         for k in range(len(self.full)):  # ZeRO-3: views of each bucket's full buffer
             self._bind(k)
-        for p, off in zip(self.params, self.offsets):
-            if self.param_buffer is not None:
-                self._view(p, self.param_buffer[off : off + p.numel()].view(p.shape))
+        bucket_index = self.layout.bucket_of()
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            if self.bucket_params:
+                k = bucket_index[i]
+                lo = off - self.buckets[k].start
+                self._view(p, self.bucket_params[k][lo : lo + p.numel()].view(p.shape))
             if self.grad_buffer is not None:
                 p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -274,6 +282,17 @@ class DataParallel:
                     values = p.detach().reshape(-1)[lo:hi]
                 out[at : at + hi - lo].copy_(values)
         return out
+
+    @staticmethod
+    def _bucket_range(buffer: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of `buffer`, the same memory under a version counter of their own
+        (`.data`). Why: gloo completes an all-gather by copying into its output on a worker thread,
+        which bumps the output's counter; if every parameter shared the whole buffer's counter, a
+        bucket whose overlapped ZeRO-1 gather completes after the forward saved another bucket's
+        weights would make autograd refuse those in backward ("modified by an inplace operation",
+        the race 3 of 14 loaded 4-rank runs hit). Per bucket, autograd still sees every write to a
+        bucket's own parameters."""
+        return buffer[start:end].data
 
     @staticmethod
     def _view(p: nn.Parameter, values: torch.Tensor) -> None:
@@ -445,9 +464,8 @@ class DataParallel:
         offloaded optimizer writes its update (ZeRO-3: the kept shard)."""
         if self.shard_params:
             return self.param_shards[b]
-        assert self.param_buffer is not None
         bucket = self.buckets[b]
-        return self.param_buffer[bucket.shard_lo : bucket.shard_hi]
+        return self.bucket_params[b][bucket.shard_lo - bucket.start : bucket.shard_hi - bucket.start]
 
     def offload_master(self) -> list[torch.Tensor]:
         """Hand the fp32 master shards over to an offloaded optimizer (`app.optim.offload`): from
@@ -471,16 +489,17 @@ class DataParallel:
         assert self.param_buffer is not None
         if not self.zero:
             if self.separate_master:
-                for b, master in zip(self.buckets, self.master):
-                    self.param_buffer[b.shard_lo : b.shard_hi].copy_(master)
+                for k, master in enumerate(self.master):
+                    self.param_shard(k).copy_(master)
             return
-        for k, (b, f) in enumerate(zip(self.buckets, self.flight)):
+        for k, f in enumerate(self.flight):
             if f.gather is not None:
                 raise RuntimeError("publish_params before the previous gather was waited for")
             # Never gather from the output itself: a copy of the shard.
             source = self.param_shard(k) if self.master_offloaded else self.master[k]
             send = source.to(self.param_buffer.dtype, copy=True)
-            work = dist.all_gather_single(self.param_buffer[b.start : b.end], send, group=self.group, async_op=True)
+            # Into the bucket's own range: its completion bumps only this bucket's version counter.
+            work = dist.all_gather_single(self.bucket_params[k], send, group=self.group, async_op=True)
             f.gather = launch(self.timers, "dp", work, "parameter all_gather")
             f.gather.keep = send  # alive until the gather completes
             if not self.overlap_param_gather:
