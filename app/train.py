@@ -52,9 +52,8 @@ from app.optim.optimizer import (
     ShardedOptimizer,
     clip_coefficient,
     describe_nonfinite,
-    grad_norm,
     learning_rate,
-    nonfinite_anywhere,
+    step_verdict,
 )
 from app.parallel.data import DataParallel
 from app.parallel.pipeline import Pipeline
@@ -304,10 +303,10 @@ class Trainer:
         verdict: fp16 overflow (finite loss) skips the step; any other NaN/Inf is train.nonfinite's."""
         with self.timers.phase("optimizer"):
             self.dp.finish_grad_reduce(self.sp_group)
-            norm = grad_norm(self.dp, self.grid, self.optimizer.scratch)
+            squares = self.optimizer.grad_squares()
             scale = self.scaler.scale if self.scaler else 1.0
             self.steps_done += 1
-            loss_bad, norm_bad = nonfinite_anywhere(loss_sum, norm, self.grid, self.device)
+            norm, loss_bad, norm_bad = step_verdict(squares, loss_sum, self.dp, self.grid)
             overflow = norm_bad and not loss_bad and self.scaler is not None
             flagged = [key for key, bad in (("loss", loss_bad), ("grad_norm", norm_bad)) if bad]
             self.step_nonfinite = [] if overflow else flagged

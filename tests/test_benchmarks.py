@@ -126,3 +126,44 @@ def test_the_prepare_benchmark_measures_mb_s_per_rank_count_and_checks_the_bytes
     byte, bpe = rows[0], rows[2]
     assert byte["documents"] == bpe["documents"] and int(bpe["tokens"]) < 0.8 * int(byte["tokens"])  # BPE merges
     assert "| bpe | 2 |" in capsys.readouterr().out
+
+
+def test_the_optimizer_benchmark_reports_time_bytes_and_a_fixed_count_of_operations(capsys):
+    """benchmarks/optimizer_bench.py on gpt_tiny, one short round: a JSON line whose operation count
+    is the step's fixed few dozen, with its bytes and times."""
+    import json
+
+    import optimizer_bench
+
+    assert optimizer_bench.main(["--steps", "2", "--rounds", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["device"] == "cpu" and result["optimizer"] == "adamw" and result["elements"] > 3_000_000
+    assert result["ops"] < 40 and result["update_ms"] > 0 and result["bytes_GB"] > 0.1
+    assert result["update_GBps"] > 0 and result["triad_GBps"] > 0
+
+
+def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when_there_is_no_gpu(
+    tmp_path, capsys, monkeypatch
+):
+    """benchmarks/gpu_bench.py's whole flow on a CPU with tiny shapes (--device cpu --tiny): gridlm,
+    the Hugging Face peer eager and compiled, and fused AdamW, one JSON line each and the table; the
+    peers train models of gridlm's parameter count. Without a GPU the default run says so in one
+    line and exits 2 (the device query stubbed: this machine may have one)."""
+    import json
+
+    import gpu_bench
+    import torch
+
+    rc = gpu_bench.main(["--device", "cpu", "--tiny", "--rounds", "1", "--steps", "1", "--decks", "gpt_1.3b",
+                         "--out", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert rc == 0, out
+    assert [r["case"] for r in rows] == ["gridlm", "hf", "hf_compile", "adamw"]
+    assert all(r["step_s"] > 0 for r in rows) and len({r["parameters"] for r in rows}) == 1
+    assert rows[0]["optimizer_s"] > 0 and rows[0]["predicted_s"] > 0
+    assert "| gpt_1.3b | hf_compile |" in out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_bench.main(["--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA device" in err[0]

@@ -8,12 +8,15 @@ needs the norms of the whole logical parameter: partial sums over this rank's pa
 reduced over dp (ZeRO-1 shards) and tp (tp shards; a tensor replicated over tp counts
 once), as in You et al., "Large Batch Optimization for Deep Learning", ICLR 2020.
 
-AdamW is torch.optim.AdamW's single-tensor arithmetic (decoupled weight decay, bias
-correction); weight decay applies to matrices only (`ParamMeta.decay`).
+AdamW is torch's fused AdamW kernel (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True)
+runs: decoupled weight decay, bias correction, the gradient's unscaling, one pass over memory),
+called once for the weight-decayed views of every bucket and once for the rest
+(`app.optim.multi_tensor`); weight decay applies to matrices only (`ParamMeta.decay`). LAMB's
+element-wise part runs bucket by bucket, its decay and trust ratio as multi-tensor ops.
 
-Every step's loss and gradient norm are checked on the whole grid at once
-(`nonfinite_anywhere`); `LossScaler` handles fp16 overflows and `NonFiniteGuard` applies
-train.nonfinite to the rest.
+Every step's loss and gradient norm are checked on the whole grid at once (`step_verdict`: the
+step's one device-to-host copy); `LossScaler` handles fp16 overflows and `NonFiniteGuard`
+applies train.nonfinite to the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from app.deck import OptimConfig
 from app.errors import NonFiniteError
+from app.optim.multi_tensor import NormViews, complement, cut
 from app.optim.offload import HostStore, NvmeStore, OffloadStore
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
@@ -44,9 +48,6 @@ def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps - 1))
     factor = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
-
-
-NORM_CHUNK = 2**20  # elements of a gradient squared at once in float64 (8 MiB of scratch)
 
 
 class Scratch:
@@ -69,48 +70,45 @@ class Scratch:
         return buf[: t.numel()].view(t.shape)
 
 
-@torch.no_grad()
-def add_squares(acc: torch.Tensor, x: torch.Tensor, scratch: Scratch) -> None:
-    """acc (a float64 scalar, or a view of one) += the float64 sum of x's squares, NORM_CHUNK
-    elements at a time in `scratch`'s "norm" buffer on x's device (no whole-tensor temporary)."""
-    for lo in range(0, x.numel(), NORM_CHUNK):
-        part = x[lo : lo + NORM_CHUNK]
-        squares = scratch.like("norm", part, torch.float64)
-        squares.copy_(part)
-        acc += squares.pow_(2).sum().to(acc.device)
+def grad_norm_views(dp: DataParallel) -> NormViews:
+    """The views of this rank's reduced gradients whose squares make the global norm: each
+    logical element once (`ParamLayout.owned`), adjacent owned segments merged."""
+    views = NormViews(1, dp.device)
+    for b in range(len(dp.buckets)):
+        runs: list[tuple[int, int]] = []
+        for s in dp.layout.segments(b):
+            if dp.layout.owned[s.param]:
+                if runs and runs[-1][1] == s.lo:
+                    runs[-1] = (runs[-1][0], s.hi)
+                else:
+                    runs.append((s.lo, s.hi))
+        views.add(dp.grads(b), runs)
+    return views
 
 
 @torch.no_grad()
-def grad_norm(dp: DataParallel, grid: ProcessGrid, scratch: Optional[Scratch] = None) -> float:
-    """Global L2 norm of the gradient of the 1-rank model, from the reduced shards.
+def step_verdict(
+    squares: torch.Tensor, loss_sum: Optional[torch.Tensor], dp: DataParallel, grid: ProcessGrid
+) -> tuple[float, bool, bool]:
+    """(the global L2 norm of the 1-rank model's gradient, this step's loss is non-finite on some
+    rank, the norm is non-finite on some rank), the same on every rank.
 
-    Call after `dp.finish_grad_reduce()`. Each logical element counts once
-    (`ParamLayout.owned`); the sum is reduced over tp and pp, and over dp when ZeRO-1
-    shards the gradients (otherwise dp replicas hold the same values). inf/nan propagate.
-    Squares are summed in float64, NORM_CHUNK elements at a time in `scratch`'s buffer.
-    """
-    scratch = Scratch() if scratch is None else scratch
-    local = torch.zeros((), dtype=torch.float64, device=dp.device)
-    for s, _, g in dp.held_grads():
-        if dp.layout.owned[s.param]:
-            add_squares(local, g, scratch)
-    grid.all_reduce(local, ("tp", "pp", "dp") if dp.zero else ("tp", "pp"))
-    return float(local.sqrt())
-
-
-def nonfinite_anywhere(
-    loss_sum: Optional[torch.Tensor], norm: float, grid: ProcessGrid, device: torch.device
-) -> tuple[bool, bool]:
-    """(this step's loss is non-finite on some rank, the gradient norm is non-finite on some
-    rank), the same on every rank: one MAX all-reduce of two flags over tp, pp and dp.
-
-    `loss_sum` is this rank's local loss (the last stage holds it, the others hold 0; None:
-    not checked). The fp16 overflow test is the second flag, so it costs nothing extra."""
-    loss_bad = torch.zeros((), device=device) if loss_sum is None else (~torch.isfinite(loss_sum.detach())).float()
-    flags = torch.stack((loss_bad, torch.tensor(float(not math.isfinite(norm)), device=device)))
+    `squares`: this rank's float64 sum of squares of its owned gradient elements (`NormViews`),
+    summed here over tp and pp, and over dp when ZeRO shards the gradients (otherwise dp replicas
+    hold the same values); `loss_sum`: this rank's local loss (the last stage holds it, the others
+    0; None: not checked). Two flags, MAX over tp, pp and dp; the fp16 overflow test is the second
+    flag. The norm and the flags reach the host in one copy: the step's only synchronisation."""
+    grid.all_reduce(squares, ("tp", "pp", "dp") if dp.zero else ("tp", "pp"))
+    device = squares.device
+    loss_bad = (
+        torch.zeros((), dtype=torch.float64, device=device)
+        if loss_sum is None
+        else (~torch.isfinite(loss_sum.detach())).to(torch.float64)
+    )
+    flags = torch.stack((loss_bad, (~torch.isfinite(squares)).to(torch.float64)))
     grid.all_reduce(flags, ("tp", "pp", "dp"), dist.ReduceOp.MAX)
-    loss_flag, norm_flag = flags.tolist()
-    return loss_flag > 0, norm_flag > 0
+    norm, loss_flag, norm_flag = torch.cat((squares.sqrt().reshape(1), flags)).tolist()
+    return norm, loss_flag > 0, norm_flag > 0
 
 
 class LossScaler:
@@ -238,7 +236,22 @@ class ShardedOptimizer:
                 raise ValueError("optim.offload = nvme needs this rank's state file")
             self.store = NvmeStore(dp.offload_master(), offload_file, int(cfg.offload_buffer_mb * 1e6))
         self.steps = 0
-        self.scratch = Scratch()  # the scaled gradient and the denominator, bucket by bucket
+        self.scratch = Scratch()  # LAMB's scaled gradient and denominator, bucket by bucket
+        # Built at the first use, kept: views of buffers that live as long as this optimizer.
+        self._norm_views: Optional[NormViews] = None
+        self._adamw: Optional[list[_AdamWCall]] = None
+        self._lamb_views: Optional[NormViews] = None
+        self._lamb_updates: list[torch.Tensor] = []
+        # The step count and 1 / grad_scale as device tensors, as the fused kernel reads them.
+        self._step_t = torch.zeros((), dtype=torch.float32, device=dp.device)
+        self._unscale_t = torch.ones((), dtype=torch.float32, device=dp.device)
+
+    def grad_squares(self) -> torch.Tensor:
+        """This rank's float64 sum of squares of the gradient elements it counts (`step_verdict`
+        sums it over the grid), in one multi-tensor norm; call after `finish_grad_reduce`."""
+        if self._norm_views is None:
+            self._norm_views = grad_norm_views(self.dp)
+        return self._norm_views.sum_squares()[0]
 
     def shard_states(self) -> list[ShardState]:
         """The moments of the master shards (and, offloaded, the masters themselves unless the
@@ -292,69 +305,85 @@ class ShardedOptimizer:
         if self.store is not None:
             self._offloaded_step(self.store, lr, grad_scale)
             return
-        cfg = self.cfg
-        bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
-        updates = []
-        for b, (p, m, v) in enumerate(zip(self.dp.master, self.exp_avg, self.exp_avg_sq)):
-            decay_runs = self.dp.layout.decay_runs(b)  # elements with weight decay, neighbours merged
-            update = self._update(p, m, v, self._grad(b, grad_scale), decay_runs, lr, bc1, bc2)
-            if update is not None:
-                updates.append(update)
-        if cfg.name == "lamb":
-            self._lamb_apply(lr, updates)
+        if self.cfg.name == "adamw":
+            self._fused_adamw(lr, grad_scale)
+        else:
+            cfg = self.cfg
+            bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
+            if not self._lamb_updates:  # kept: alive from the update to the trust ratio, every step
+                self._lamb_updates = [torch.empty_like(m) for m in self.dp.master]
+            for b, (p, m, v) in enumerate(zip(self.dp.master, self.exp_avg, self.exp_avg_sq)):
+                self._lamb_update(p, m, v, self._grad(b, grad_scale), (), bc1, bc2, out=self._lamb_updates[b])
+            self._lamb_decay(self.dp.master, self._lamb_updates)
+            self._lamb_apply(lr, self._lamb_updates)
         self.dp.publish_params()
 
-    def _update(
+    def _fused_adamw(self, lr: float, grad_scale: float) -> None:
+        """AdamW over every bucket in two fused calls (decayed views, the rest); gradients in
+        another dtype than fp32 are copied into an fp32 buffer bucket by bucket first."""
+        if self._adamw is None:
+            self._adamw = _AdamWCall.build(self.dp, self.exp_avg, self.exp_avg_sq)
+        self._step_t.fill_(float(self.steps))
+        unscale = None if grad_scale == 1.0 else self._unscale_t.fill_(1.0 / grad_scale)
+        for call in self._adamw:
+            call.run(self.dp, self.cfg, lr, self._step_t, unscale)
+
+    def _lamb_update(
         self,
         p: torch.Tensor,
         m: torch.Tensor,
         v: torch.Tensor,
         g: torch.Tensor,
         decay_runs: Sequence[tuple[int, int]],
-        lr: float,
         bc1: float,
         bc2: float,
-    ) -> Optional[torch.Tensor]:
-        """The element-wise part of one update of master `p` with moments `m`, `v` and gradient
-        `g` (weight decay on `decay_runs`): AdamW applies it to `p`; LAMB returns the update,
-        which its trust ratio scales (`_lamb_apply`)."""
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """LAMB's element-wise part for master `p` with moments `m`, `v` and gradient `g`: the
+        Adam direction plus weight decay on `decay_runs`, into `out` (else a new tensor), which
+        the trust ratio then scales (`_lamb_apply`)."""
         cfg = self.cfg
         m.lerp_(g, 1 - cfg.beta1)
         v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
         # Into scratch, then in place: no temporary per bucket (on CPUs a large one costs fresh
-        # pages every step); the same values, bit for bit.
+        # pages every step).
         denom = torch.sqrt(v, out=self.scratch.like("denom", v)).div_(math.sqrt(bc2)).add_(cfg.eps)
-        if cfg.name == "adamw":
-            for lo, hi in decay_runs:
-                p[lo:hi].mul_(1 - lr * cfg.weight_decay)
-            p.addcdiv_(m, denom, value=-lr / bc1)
-            return None
-        update = (m / bc1).div_(denom)
-        for lo, hi in decay_runs:
-            update[lo:hi].add_(p[lo:hi], alpha=cfg.weight_decay)
+        update = torch.div(m, bc1, out=out if out is not None else torch.empty_like(m)).div_(denom)
+        if decay_runs:
+            torch._foreach_add_(cut(update, decay_runs), cut(p, decay_runs), alpha=cfg.weight_decay)
         return update
+
+    def _lamb_decay(self, masters: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        """LAMB's weight decay, u += wd * w on the decayed elements of every bucket, in one call."""
+        runs = [self.dp.layout.decay_runs(b) for b in range(len(masters))]
+        us = [v for u, r in zip(updates, runs) for v in cut(u, r)]
+        if us:
+            torch._foreach_add_(us, [v for w, r in zip(masters, runs) for v in cut(w, r)], alpha=self.cfg.weight_decay)
 
     def _offloaded_step(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
         """The same update, chunk by chunk on the host (`OffloadStore.stream`): each gradient range
-        copied from the device, the update on the CPU, the parameters copied back into the
-        device's shard. AdamW's arithmetic is element-wise, so chunks change no bit of it."""
+        copied from the device, the update on the CPU (AdamW: the same fused kernel as on the
+        device, over the chunk's views), the parameters copied back into the device's shard."""
         cfg, dp = self.cfg, self.dp
         bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
         masters: list[torch.Tensor] = []
         updates: list[torch.Tensor] = []
+        cpu = torch.device("cpu")
+        step = torch.tensor(float(self.steps))  # AdamW's fused kernel on the host, as on the device
+        unscale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale)
         for chunk in store.stream(range(len(dp.buckets))):
             b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
-            g = dp.grads(b)[lo:hi].to("cpu", torch.float32, copy=dp.device.type == "cpu")
-            if grad_scale != 1.0:
-                g.mul_(grad_scale)
+            g = dp.grads(b)[lo:hi].to(cpu, torch.float32, copy=dp.device.type == "cpu")
             p = chunk.master
             runs = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in dp.layout.decay_runs(b) if a < hi and z > lo]
-            update = self._update(p, chunk.exp_avg, chunk.exp_avg_sq, g, runs, lr, bc1, bc2)
-            if update is None:
+            if cfg.name == "adamw":
+                _AdamWCall().add((p, g, chunk.exp_avg, chunk.exp_avg_sq), runs).run(dp, cfg, lr, step, unscale)
                 dp.param_shard(b)[lo:hi].copy_(p, non_blocking=True)
             else:  # LAMB, host only (the deck refuses it with nvme): whole bucket shards
+                if grad_scale != 1.0:
+                    g.mul_(grad_scale)
                 masters.append(p)
-                updates.append(update)
+                updates.append(self._lamb_update(p, chunk.exp_avg, chunk.exp_avg_sq, g, runs, bc1, bc2))
         if cfg.name == "lamb":
             self._lamb_apply(lr, updates, masters)
             for b, p in enumerate(masters):
@@ -365,25 +394,84 @@ class ShardedOptimizer:
 
     def _lamb_apply(self, lr: float, updates: list[torch.Tensor], masters: Optional[list[torch.Tensor]] = None) -> None:
         """w <- w - lr * (||w|| / ||u||) * u, the norms over each whole logical parameter
-        (`masters`: the fp32 master shards, the device's by default)."""
+        (`masters`: the fp32 master shards, the device's by default): one multi-tensor norm for
+        all of them, one all-reduce, one copy of the ratios to the host, two multi-tensor ops."""
         dp, grid = self.dp, self.grid
+        kept = masters is None  # the device's shards live as long as this optimizer: keep the views
         masters = dp.master if masters is None else masters
-        tp_rank = grid.coords["tp"]
-        sums = torch.zeros(len(dp.params), 2, dtype=torch.float64, device=dp.device)
-        for b in range(len(dp.buckets)):
-            for s in dp.layout.segments(b):
-                if not dp.layout.metas[s.param].counts_on(tp_rank):
-                    continue  # the tp replicas hold the same values: count them once
-                add_squares(sums[s.param, 0], masters[b][s.lo : s.hi], self.scratch)
-                add_squares(sums[s.param, 1], updates[b][s.lo : s.hi], self.scratch)
+        n = len(dp.params)
+        views = self._lamb_views if kept else None
+        segments = [(b, s) for b in range(len(dp.buckets)) for s in dp.layout.segments(b)]
+        if views is None:
+            views = NormViews(2 * n, masters[0].device if masters else dp.device)
+            tp_rank = grid.coords["tp"]
+            for b, s in segments:
+                if dp.layout.metas[s.param].counts_on(tp_rank):  # tp replicas hold the same values: once
+                    views.add(masters[b], [(s.lo, s.hi)], s.param)
+                    views.add(updates[b], [(s.lo, s.hi)], n + s.param)
+            if kept:
+                self._lamb_views = views
+        sums = views.sum_squares().view(2, n)
         grid.all_reduce(sums, ("tp", "dp") if dp.zero else ("tp",))
-        norms = sums.sqrt()
-        w_norm, u_norm = norms[:, 0], norms[:, 1]
+        w_norm, u_norm = sums.sqrt()
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-300), torch.ones_like(w_norm))
         ratio = ratio.float().tolist()
-        for b in range(len(dp.buckets)):
-            for s in dp.layout.segments(b):
-                masters[b][s.lo : s.hi].add_(updates[b][s.lo : s.hi], alpha=-lr * ratio[s.param])
+        us = [updates[b][s.lo : s.hi] for b, s in segments]
+        if us:
+            torch._foreach_mul_(us, [-lr * ratio[s.param] for _, s in segments])
+            torch._foreach_add_([masters[b][s.lo : s.hi] for b, s in segments], us)
+
+
+class _AdamWCall:
+    """One fused AdamW call's tensor lists: views of master shards, gradients and moments cut into
+    the weight-decayed ranges and the rest (padding included: zero gradients leave it zero). On
+    the device one call covers every bucket when the gradients are fp32; otherwise one bucket,
+    whose gradient is first copied into an fp32 buffer (`grad_from`, `fp32`)."""
+
+    def __init__(self) -> None:
+        self.decayed: list[list[torch.Tensor]] = [[], [], [], []]  # params, grads, exp_avgs, exp_avg_sqs
+        self.rest: list[list[torch.Tensor]] = [[], [], [], []]
+        self.grad_from: Optional[int] = None
+        self.fp32: Optional[torch.Tensor] = None
+
+    def add(self, tensors: Sequence[torch.Tensor], decay_runs: Sequence[tuple[int, int]]) -> _AdamWCall:
+        """Views of (master, gradient, exp_avg, exp_avg_sq), flat and of one length."""
+        for lists, runs in ((self.decayed, decay_runs), (self.rest, complement(decay_runs, tensors[0].numel()))):
+            for lst, t in zip(lists, tensors):
+                lst += cut(t, runs)
+        return self
+
+    @classmethod
+    def build(cls, dp: DataParallel, exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor]) -> list[_AdamWCall]:
+        """The calls of a device step over `dp`'s master shards and these moments."""
+        sizes = [m.numel() for m in dp.master]
+        copy = any(dp.grads(b).dtype != torch.float32 for b in range(len(sizes)))
+        if not copy:
+            call = cls()
+            for b in range(len(sizes)):
+                call.add((dp.master[b], dp.grads(b), exp_avg[b], exp_avg_sq[b]), dp.layout.decay_runs(b))
+            return [call]
+        fp32 = torch.empty(max(sizes, default=0), dtype=torch.float32, device=dp.device)
+        calls = []
+        for b, n in enumerate(sizes):
+            call = cls().add((dp.master[b], fp32[:n], exp_avg[b], exp_avg_sq[b]), dp.layout.decay_runs(b))
+            call.grad_from, call.fp32 = b, fp32
+            calls.append(call)
+        return calls
+
+    def run(self, dp: DataParallel, cfg: OptimConfig, lr: float, step: torch.Tensor,
+            unscale: Optional[torch.Tensor]) -> None:  # fmt: skip
+        """The update: the fused kernel divides each gradient by `unscale` (1 / grad_scale) as it
+        reads it, and writes it back so (nothing reads the reduced gradients after the update)."""
+        if self.grad_from is not None:
+            assert self.fp32 is not None
+            g = dp.grads(self.grad_from)
+            self.fp32[: g.numel()].copy_(g)
+        for lists, decay in ((self.decayed, cfg.weight_decay), (self.rest, 0.0)):
+            if lists[0]:
+                torch._fused_adamw_(*lists, [], [step] * len(lists[0]), lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                                    weight_decay=decay, eps=cfg.eps, amsgrad=False, maximize=False,
+                                    grad_scale=unscale, found_inf=None)  # fmt: skip
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

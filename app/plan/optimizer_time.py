@@ -40,9 +40,12 @@ from app.plan.machine import Machine, MachineError
 if TYPE_CHECKING:
     from app.plan.perf import Device
 
-# Bytes per element of each eager pass of the element-wise update (`ShardedOptimizer._update`), the
-# same on the device and on the host: m.lerp_(g) 12, v.mul_() 8, v.addcmul_(g, g) 12; the
-# denominator v.sqrt() 8, .div_() 8, .add_(eps) 8.
+# AdamW is torch's fused kernel (`_AdamWCall`, on the device and on the host): one pass that reads the
+# master, the fp32 gradient and both moments and writes the master and both moments; when it unscales
+# the gradient (clipping, fp16's loss scale) it writes the gradient back too (4).
+FUSED_ADAMW_BYTES = 16 + 12
+# LAMB's eager passes (`_lamb_update`): m.lerp_(g) 12, v.mul_() 8, v.addcmul_(g, g) 12; the denominator
+# v.sqrt() 8, .div_() 8, .add_(eps) 8.
 MOMENTS_BYTES = 12 + 8 + 12
 DENOMINATOR_BYTES = 8 + 8 + 8
 # pread and pwrite copy each chunk between the page cache and the slot: 12 bytes per element read
@@ -51,12 +54,15 @@ PAGE_CACHE_BYTES = 2 * (OFFLOAD_STATE_BYTES + OFFLOAD_STATE_BYTES)
 # Framework ops of one offloaded chunk: two slices, the gradient's copy, its scaling, the six passes
 # of the moments and the denominator, the update, the parameter copy.
 OFFLOAD_CHUNK_OPS = 12
+# Framework ops of a device step that do not grow with the model (tests/test_optim.py counts 22 on
+# AdamW in fp32): the norm's multi-tensor call and its sums, the verdict, the fused calls.
+STEP_OPS = 22
 
 
 def grad_norm_bytes(g: int) -> int:
-    """Bytes per gradient element of `grad_norm` (app/optim/optimizer.py): g.double() reads g and
-    writes 8 bytes, pow(2) reads and writes 8, sum() reads 8."""
-    return g + 8 + 16 + 8
+    """Bytes per gradient element of the gradient norm (`app.optim.multi_tensor.NormViews`): one
+    multi-tensor norm reads each element once (float32 partial sums; nothing is written)."""
+    return g
 
 
 def _scaled(deck: Deck) -> bool:
@@ -64,13 +70,19 @@ def _scaled(deck: Deck) -> bool:
     return deck.optim.grad_clip > 0 or deck.train.precision == "fp16"
 
 
-def _apply_bytes(deck: Deck) -> int:
-    """Bytes per element after the denominator: AdamW's decay w *= 1 - lr wd (8) and w += -lr m /
-    denom (16); LAMB's update m / bc1 / denom (+ decay), its two norms per tensor (as grad_norm's
-    passes over fp32) and w += ratio x update."""
+def _lamb_apply_bytes() -> int:
+    """LAMB's bytes per element after the denominator: m / bc1 into the update buffer (8), / denom
+    (12), + wd w on the decayed elements (12), the two multi-tensor norms of w and u (4 + 4), u times
+    its parameter's ratio (8), w += u (12)."""
+    return 8 + 12 + 12 + 8 + 8 + 12
+
+
+def _update_bytes(deck: Deck) -> int:
+    """Bytes per element of the update proper, from the fp32 gradient on: AdamW's fused pass (and
+    its write-back of the unscaled gradient), or LAMB's scaling into scratch and eager passes."""
     if deck.optim.name == "lamb":
-        return 8 + 12 + 12 + 2 * grad_norm_bytes(4) + 12
-    return 8 + 16
+        return (8 if _scaled(deck) else 0) + MOMENTS_BYTES + DENOMINATOR_BYTES + _lamb_apply_bytes()
+    return FUSED_ADAMW_BYTES + (4 if _scaled(deck) else 0)
 
 
 def _updates_params_in_place(deck: Deck) -> bool:
@@ -86,15 +98,24 @@ def _grad_bytes(deck: Deck) -> int:
 
 
 def optimizer_bytes(deck: Deck) -> int:
-    """Bytes per element of a rank's shard moved by `ShardedOptimizer.step`, pass by pass as it is
-    written (fp32 moments; every eager op reads its operands and writes its result)."""
+    """Bytes per element of a rank's shard moved by `ShardedOptimizer.step`, kernel by kernel as it
+    runs (fp32 moments; every kernel reads its operands and writes its results once)."""
     e, g = BYTES[deck.train.precision], _grad_bytes(deck)
     total = (g + 4) if g != 4 else 0  # the gradient to fp32
-    total += 8 if _scaled(deck) else 0  # times the clip coefficient (and the loss-scale inverse)
-    total += MOMENTS_BYTES + DENOMINATOR_BYTES + _apply_bytes(deck)
+    total += _update_bytes(deck)
     if not _updates_params_in_place(deck):
         total += 4 + e  # the fp32 master written to the parameters (or to the ZeRO-1 gather's send buffer)
     return total
+
+
+def optimizer_ops(deck: Deck, buckets: int) -> int:
+    """Framework ops of a device step (host time on CPUs): STEP_OPS, and per bucket the fp32 copy of a
+    lower-precision gradient with its own two fused calls, the parameters' copy or gather; LAMB runs
+    about ten eager ops per bucket."""
+    per_bucket = 0 if _grad_bytes(deck) == 4 else 3
+    per_bucket += 0 if _updates_params_in_place(deck) else 2
+    per_bucket += 10 if deck.optim.name == "lamb" else 0
+    return STEP_OPS + per_bucket * buckets
 
 
 def optimizer_state_bytes(deck: Deck) -> int:
@@ -108,13 +129,12 @@ def optimizer_state_bytes(deck: Deck) -> int:
 def offload_update_bytes(deck: Deck, host_is_device: bool = False) -> int:
     """Bytes per element the CPU moves in `_offloaded_step`: the gradient converted to fp32 (g + 4:
     on a GPU machine only when it is not fp32 already, since the copy from the device lands in a
-    g-byte tensor; on a CPU machine it is always a copy), its scaling, `_update`'s passes, on a CPU
-    machine the parameter written from the master (4 + e; on a GPU the host -> device copy), and
-    with nvme the page-cache copies of the state (`PAGE_CACHE_BYTES`)."""
+    g-byte tensor; on a CPU machine it is always a copy), the update (`_update_bytes`: AdamW's fused
+    pass, LAMB's passes), on a CPU machine the parameter written from the master (4 + e; on a GPU the
+    host -> device copy), and with nvme the page-cache copies of the state (`PAGE_CACHE_BYTES`)."""
     e, g = BYTES[deck.train.precision], _grad_bytes(deck)
     total = (g + 4) if g != 4 or host_is_device else 0
-    total += 8 if _scaled(deck) else 0
-    total += MOMENTS_BYTES + DENOMINATOR_BYTES + _apply_bytes(deck)
+    total += _update_bytes(deck)
     total += (4 + e) if host_is_device else 0
     return total + (PAGE_CACHE_BYTES if deck.optim.offload == "nvme" else 0)
 

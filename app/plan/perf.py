@@ -55,6 +55,7 @@ from app.plan.optimizer_time import (
     offload_rates,
     offload_time,
     optimizer_bytes,
+    optimizer_ops,
     optimizer_state_bytes,
 )
 from app.runtime.grid import GridLayout
@@ -1172,18 +1173,14 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         else:
             z_sum.append(0.0)
         dp_exposed.append(exposed)
-        tensors, matrices = param_tensors(stage_layers[s], s == 0, s == pp - 1, m)
+        _, matrices = param_tensors(stage_layers[s], s == 0, s == pp - 1, m)
         # The norm's first pass reads the reduced gradients from memory (they outgrew the cache).
-        norm.append(
-            dev.stream(shard * grad_norm_bytes(g))
-            + dev.from_memory(shard * g)
-            + (5 * tensors + buckets) * dev.op_seconds
-        )
+        norm.append(dev.stream(shard * grad_norm_bytes(g)) + dev.from_memory(shard * g))
         if rates is None:
             optimizer.append(
                 dev.stream(shard * optimizer_bytes(deck))
                 + dev.from_memory(shard * optimizer_state_bytes(deck))
-                + (10 * buckets + 2 * matrices) * dev.op_seconds
+                + optimizer_ops(deck, buckets) * dev.op_seconds
             )
             offloaded.append(0.0)
         else:  # the state lives in host memory or the rank's file: the update runs on the CPU
