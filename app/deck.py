@@ -312,6 +312,11 @@ class RunConfig:
     )
     timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0, max=MAX_STEPS)
     timers: bool = _key(True, "time forward, backward, optimizer and (exposed) communication per axis, every step")
+    compile: bool = _key(
+        False,
+        "fuse the blocks' element-wise chains (llama's RMSNorm, rotary embedding, SwiGLU) with torch.compile; "
+        "off until GPU measurements choose the default (benchmarks/gpu_bench.py --set run.compile=true)",
+    )
     threads: Optional[int] = _key(
         None, "torch threads per rank; null means cores per node / ranks per node", min=1, max=1024
     )

@@ -42,6 +42,7 @@ from app.eval import EvalResult, eval_dataset, eval_source, evaluate
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo
 from app.metrics.timers import StepTimers
+from app.model.fused import Kernels
 from app.model.goldfish import CountedTargets, goldfish_keep
 from app.model.gpt import GPT, Targets
 from app.names import reduce_precision, torch_dtype
@@ -165,6 +166,8 @@ class Trainer:
         # Shapes only ("meta"): DataParallel computes each value straight into its buffers.
         meta = torch.device("meta")
         self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, recompute=tr.recompute)
+        if deck.run.compile:
+            self.model.fuse(Kernels.compiled())  # llama's element-wise chains as generated kernels
         compute = torch_dtype(tr.precision)
         tied = (self.model.wte.weight, pipe.tied_group) if pipe.tied_group is not None and m.tie_embeddings else None
         self.dp = DataParallel(

@@ -1,14 +1,15 @@
 """gridlm on one GPU against what a PyTorch user gets elsewhere: step time, TFLOP/s and MFU.
 
     python benchmarks/gpu_bench.py [--decks gpt_1.3b gpt_2.7b llama_0.84b] [--rounds 3] [--steps 10]
-        [--cases gridlm hf hf_compile adamw] [--set key=value ...] [--out runs/gpu_bench] [--timeout 900]
+        [--cases gridlm gridlm_compile hf hf_compile adamw] [--set key=value ...] [--out runs/gpu_bench] [--timeout 900]
     python benchmarks/gpu_bench.py --device cpu --tiny --rounds 1     (the whole flow on a CPU, tiny shapes)
 
 For every deck of inputs/gpu/ named, in each of --rounds rounds (the cases alternate, so that a
 drifting machine moves them alike), each case runs in its own process with its own timeout:
 
 - `gridlm`: `python -m app DECK` for --steps steps; its summary.json gives the step (mean after the
-  warm-up), TFLOP/s, MFU and the forward / backward / optimizer times of rank 0;
+  warm-up), TFLOP/s, MFU and the forward / backward / optimizer times of rank 0; `gridlm_compile`
+  the same with run.compile=true (llama's element-wise chains compiled, app/model/fused.py);
 - `hf`, `hf_compile`: the Hugging Face model of the same shape (GPT2LMHeadModel for gpt2 decks,
   LlamaForCausalLM for llama; sdpa attention, bf16 autocast over fp32 weights, the deck's
   micro-batches accumulated, torch.optim.AdamW(fused=True)), eager and under torch.compile; the
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DECKS = ["gpt_1.3b", "gpt_2.7b", "llama_0.84b"]
-CASES = ["gridlm", "hf", "hf_compile", "adamw"]
+CASES = ["gridlm", "gridlm_compile", "hf", "hf_compile", "adamw"]
 # --tiny: every deck shrunk to seconds on a CPU (the flow, not the numbers).
 TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32", "model.vocab_size=128",
         "model.ffn_hidden=null", "train.global_batch=4", "train.micro_batch=2"]  # fmt: skip
@@ -150,13 +151,16 @@ def run_adamw(deck, device, steps: int) -> dict:
     return {"step_s": (time.perf_counter() - t) / steps, "parameters": n}
 
 
-def run_gridlm(deck_name: str, sets: list[str], steps: int, out: Path, timeout: float) -> dict:
-    run_dir = out / "gridlm" / deck_name
+def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path, timeout: float) -> dict:
+    run_dir = out / case / deck_name
     cmd = [sys.executable, "-m", "app", str(REPO / "inputs" / "gpu" / f"{deck_name}.yaml")]
     extra = [*sets, f"train.steps={steps + WARMUP}", f"run.dir={run_dir}", f"run.log_every={steps + WARMUP}"]
     cmd += [a for s in extra for a in ("--set", s)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}"}
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -181,8 +185,9 @@ def one_case(args: argparse.Namespace) -> int:
 
 
 def measure(case: str, deck_name: str, args: argparse.Namespace, sets: list[str]) -> dict:
-    if case == "gridlm":
-        return run_gridlm(deck_name, sets, args.steps, args.out, args.timeout)
+    if case in ("gridlm", "gridlm_compile"):
+        extra = ["run.compile=true"] if case == "gridlm_compile" else []
+        return run_gridlm(case, deck_name, [*sets, *extra], args.steps, args.out, args.timeout)
     cmd = [sys.executable, __file__, "--case", case, "--deck", deck_name, "--device", args.device,
            "--steps", str(args.steps), *(a for s in sets for a in ("--set", s))]  # fmt: skip
     try:
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="shrink every deck to seconds (a CPU check of the flow)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_bench")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
-    ap.add_argument("--case", choices=CASES[1:], help=argparse.SUPPRESS)  # the worker of one peer case
+    ap.add_argument("--case", choices=CASES[2:], help=argparse.SUPPRESS)  # the worker of one peer case
     ap.add_argument("--deck", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.case:
@@ -274,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "step_s" in row and case != "adamw":
                     row["tflops"] = flops / row["step_s"] / 1e12
                     row["mfu"] = row["tflops"] / peak if peak else None
-                    row["predicted_s"] = predicted_step(deck) if case == "gridlm" else None
+                    row["predicted_s"] = predicted_step(deck) if case.startswith("gridlm") else None
                 elif "step_s" in row:
                     row["tflops"], row["optimizer_s"] = 0.0, row["step_s"]
                 print(json.dumps(row), flush=True)

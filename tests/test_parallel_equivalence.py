@@ -208,6 +208,10 @@ CASES += [
     Case(2, 1, 4, extra=(*LLAMA, "optim.zero=1")),
     Case(2, 2, 2, extra=(*LLAMA, "train.precision=bf16"), **BF16),
     Case(2, 2, 2, extra=("model.arch=llama", "model.tie_embeddings=true", "optim.zero=1")),
+    # run.compile: llama's RMSNorm, rotary embedding and SwiGLU as torch.compile kernels, against the
+    # eager 1-rank run, under tp, SP, pp and dp, and inside full recomputation with ZeRO-3.
+    Case(2, 2, 2, sp=True, extra=(*LLAMA, "run.compile=true")),
+    Case(2, 1, 2, extra=(*LLAMA, "run.compile=true", "train.recompute=full", "optim.zero=3")),
 ]
 
 _REFERENCES: dict = {}

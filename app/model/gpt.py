@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
-from typing import Optional, Protocol, Union
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +113,13 @@ def rotary(q: torch.Tensor, k: torch.Tensor, theta: float, start: int = 0) -> tu
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate and up interleaved in h's last dim (row 2j gate, 2j + 1 up: `fc`'s
+    layout). Eagerly two kernels over strided halves; `app.model.fused` compiles it into one."""
+    gate, up = h.view(*h.shape[:-1], -1, 2).unbind(dim=-1)
+    return F.silu(gate) * up
+
+
 class Attention(nn.Module):
     """Causal self-attention; this tp rank runs heads / tp of the heads."""
 
@@ -123,6 +130,7 @@ class Attention(nn.Module):
         self.head_dim, self.dropout = cfg.hidden // cfg.heads, cfg.dropout
         self.group = cfg.heads // cfg.kv  # query heads per key/value head (grouped-query attention)
         self.rope_theta = cfg.rope_theta if cfg.llama else None
+        self.rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rotary  # or compiled (`GPT.fuse`)
         self.math = cfg.attention_kernel == "math"
         self.recompute_core = recompute_core
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
@@ -149,7 +157,8 @@ class Attention(nn.Module):
             q = grouped[:, :, :, : self.group].reshape(b, s, self.heads, self.head_dim).transpose(1, 2)
             k, v = (grouped[:, :, :, self.group + i].transpose(1, 2) for i in (0, 1))
         if self.rope_theta is not None:
-            q, k = rotary(q, k, self.rope_theta, start)
+            # Training's shapes are fixed: the fused kernel (`GPT.fuse`); decoding's vary: eager.
+            q, k = (self.rotary if start == 0 and self.training else rotary)(q, k, self.rope_theta, start)
         return q, k, v
 
     def _expand(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,6 +248,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
         super().__init__()
         self.swiglu = cfg.llama
+        self.swiglu_kernel: Callable[[torch.Tensor], torch.Tensor] = swiglu  # or compiled (`GPT.fuse`)
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         if isinstance(tp, Tensor3D):
             self.fc: nn.Module = Linear3D(cfg.hidden, cfg.ffn, cfg.init_std, tp, False, device)
@@ -250,9 +260,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            h = self.fc(x)
-            gate, up = h.view(*h.shape[:-1], -1, 2).unbind(dim=-1)
-            return self.proj(F.silu(gate) * up)
+            return self.proj(self.swiglu_kernel(self.fc(x)))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -349,6 +357,17 @@ class GPT(nn.Module):
         if device is None or torch.device(device).type != "meta":
             init_parameters(self, seed)
         self.gate: Optional[ParamGate] = None
+
+    def fuse(self, kernels: Any) -> None:
+        """Run the blocks' element-wise chains with `kernels` (`app.model.fused.Kernels`: compiled
+        by torch.compile under run.compile, or the eager functions)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernels.rms_norm
+            elif isinstance(module, Attention):
+                module.rotary = kernels.rotary
+            elif isinstance(module, MLP):
+                module.swiglu_kernel = kernels.swiglu
 
     def set_gate(self, gate: Optional[ParamGate]) -> None:
         """Route every unit's parameter reads through `gate` (ZeRO-3), or none."""

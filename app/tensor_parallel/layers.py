@@ -20,6 +20,7 @@ dimension of LayerNorm/residual regions is seq_len / tp.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -59,19 +60,26 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim, in fp32 and cast back before the
+    weight, as Hugging Face's LlamaRMSNorm does. Eagerly five kernels; `app.model.fused` compiles it."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over hidden (llama: a weight, no bias, no mean); replicated over tp like LayerNorm.
-    Computed in fp32 and cast back before the weight, as Hugging Face's LlamaRMSNorm does."""
+    `kernel`: `rms_norm`, or its compiled form (`GPT.fuse`)."""
 
     def __init__(self, hidden: int, eps: float, tp: TensorParallel, device: Optional[torch.device]) -> None:
         super().__init__()
         self.eps = eps
         self.weight = replicated_param(ParamMeta((hidden,), init="ones", decay=False), tp, device, True)
+        self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.kernel(x, self.weight, self.eps)
 
 
 class _ColumnParallelLinear(torch.autograd.Function):

@@ -1,0 +1,49 @@
+"""run.compile: the blocks' element-wise chains as torch.compile kernels equal the eager functions.
+
+Tolerance: inductor generates its own loops and may order a reduction (RMSNorm's mean) or
+contract a multiply-add differently from the eager kernels: in fp32 that is a few ulp (measured:
+at most 1.2e-6 absolute on gradients up to 12, 2.4e-7 on values up to 4), so values and
+gradients must agree to 1e-5 relative and 2e-6 absolute; in bf16 the eager chain
+rounds after every op and the fused one once, so they agree to bf16's resolution (2e-2). The
+trainings with compile on are in the any-grid = one-rank matrix (tests/test_parallel_equivalence.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.model.fused import Kernels
+
+
+def _inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 64, generator=g)
+    return {
+        "x": x.to(dtype).requires_grad_(),
+        "w": (1 + 0.1 * torch.randn(64, generator=g)).to(dtype).requires_grad_(),
+        "q": torch.randn(2, 4, 16, 16, generator=g).to(dtype).requires_grad_(),
+        "k": torch.randn(2, 2, 16, 16, generator=g).to(dtype).requires_grad_(),
+        "h": torch.randn(2, 16, 2 * 48, generator=g).to(dtype).requires_grad_(),
+    }
+
+
+def _run(kernels: Kernels, t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every kernel's outputs, then the gradients of a weighted sum of them w.r.t. every input."""
+    outs = [kernels.rms_norm(t["x"], t["w"], 1e-5), *kernels.rotary(t["q"], t["k"], 10000.0, 0), kernels.swiglu(t["h"])]
+    weights = [torch.linspace(-1, 1, o.numel()).view_as(o).to(o.dtype) for o in outs]
+    total = sum((o * w).float().sum() for o, w in zip(outs, weights))
+    grads = torch.autograd.grad(total, list(t.values()))
+    return [o.detach() for o in outs] + list(grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_element_wise_chains_equal_the_eager_ones_values_and_gradients(dtype):
+    eager, compiled = Kernels.eager(), Kernels.compiled()
+    assert compiled.rms_norm is not eager.rms_norm  # really compiled, not the same functions
+    want, got = _run(eager, _inputs(dtype)), _run(compiled, _inputs(dtype))
+    names = ["rms_norm", "rotary q", "rotary k", "swiglu", "d x", "d w", "d q", "d k", "d h"]
+    tol = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
