@@ -931,3 +931,29 @@ def test_the_search_offloads_only_where_nothing_fits_without_it(tmp_path):
     assert not bare.best
     # Offloaded plans were made only of configurations that did not fit on the device.
     assert 0 < one.tried - bare.tried <= bare.rejected["does not fit in device memory"]
+
+
+# Forward + backward ms of one step measured on one NVIDIA H100 80GB HBM3 (CUDA 13.0, torch 2.11) at
+# commit fa58406, bf16, the decks of inputs/gpu/ (issue 38; rank 0's forward + backward timers).
+# Replace these when a GPU run measures them again (benchmarks/gpu_bench.py), with the card and commit.
+H100_FORWARD_BACKWARD_MS = {"gpt_1.3b": 274.0, "gpt_2.7b": 578.0, "llama_0.84b": 278.0}
+
+
+def test_the_dry_run_predicts_the_h100_forward_and_backward_of_the_gpt_decks_within_15_percent(capsys):
+    """With the sourced dgx_h100.yaml (no per-deck factor), the predicted forward + backward (the
+    step less the gradient norm, the optimizer and the step's collectives, on one GPU) of the GPT
+    1.3B and 2.7B decks is within 15% of the H100 measurement above (today -11% and -10%). The
+    Llama deck is printed, not held: its unfused element-wise chains (fp32 RMSNorm, rotary
+    embedding, GQA's key/value copies) are not in the model yet (-44%: docs/PERFORMANCE_MODEL.md)."""
+    machine = load_machine("dgx_h100")
+    errors = {}
+    for name, measured in H100_FORWARD_BACKWARD_MS.items():
+        p = predict(resolve_for_world(load_deck(REPO / f"inputs/gpu/{name}.yaml", ()), 1), machine)
+        b = p.breakdown
+        predicted = (p.step_time_s - b["grad_norm"] - b["optimizer"] - b["step_collectives"]) * 1e3
+        errors[name] = predicted / measured - 1
+        with capsys.disabled():
+            print(
+                f"\n{name}: forward + backward predicted {predicted:.0f} ms, measured {measured:.0f} ({errors[name]:+.0%})"
+            )
+    assert abs(errors["gpt_1.3b"]) <= 0.15 and abs(errors["gpt_2.7b"]) <= 0.15, errors
