@@ -53,3 +53,9 @@ class NonFiniteError(GridlmError):
     train.nonfinite says to stop, or the fp16 loss scale fell below train.min_loss_scale."""
 
     exit_code = 3
+
+
+class RankFatal(GridlmError):
+    """A failure on one rank that its peers cannot learn of in step (they may be waiting in a
+    collective): CUDA out of memory. `app.job.run_job` prints it on this rank and aborts the whole
+    MPI job with `exit_code` (2) at once, instead of leaving the others to time out."""

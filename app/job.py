@@ -37,7 +37,7 @@ def deck_file(path: str, overrides: tuple[str, ...]) -> Callable[[int], Deck]:
 def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessGrid], None]) -> int:
     """Start the job, run `body` on every rank, shut down; the exit status (module docstring).
     `load(world_size)` gives the resolved deck (on every rank; `deck_file`)."""
-    from app.errors import GridlmError
+    from app.errors import GridlmError, RankFatal
     from app.runtime.grid import ProcessGrid
     from app.runtime.mpi import (
         abort,
@@ -73,6 +73,10 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         runtime.watchdog.stop()
         shutdown(runtime)
         return 0
+    except RankFatal as err:  # this rank only, its peers possibly in a collective: end the job now
+        runtime.watchdog.announce_end(err.exit_code)  # so that no peer then calls this rank dead
+        print(f"gridlm: {err}", file=sys.stderr, flush=True)
+        abort(runtime, err.exit_code)
     except GridlmError as err:
         # Raised on every rank alike (see `agree`): one message, the same status everywhere.
         if runtime.is_root:
@@ -88,6 +92,9 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         abort(runtime, 130)
     except BaseException as err:
         lost = runtime.watchdog.explain(err)
+        ended = runtime.watchdog.ended_by() if lost is not None else None
+        if ended is not None:  # the peer that ends the job printed why: nothing to add
+            abort(runtime, ended[1])
         if lost is not None:  # a peer died or its link broke: not a bug, name it and end the job
             print(lost, file=sys.stderr, flush=True)
             abort(runtime, WATCHDOG_EXIT)

@@ -21,6 +21,7 @@ with a checkpoint (`app/checkpoint/`, docs/CHECKPOINT.md).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -37,7 +38,7 @@ from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.data.synthetic import SyntheticTokens
 from app.deck import Deck
 from app.deck_paths import check_paths, offload_dir
-from app.errors import CheckpointError, GridlmError, NonFiniteError
+from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
 from app.eval import EvalResult, eval_dataset, eval_source, evaluate
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo
@@ -59,9 +60,11 @@ from app.optim.optimizer import (
 from app.parallel.data import DataParallel
 from app.parallel.pipeline import Pipeline
 from app.parallel.schedule import partition_layers
+from app.plan.estimate import rank_device_bytes
 from app.runtime.grid import ProcessGrid
 from app.runtime.lock import RunLock, acquire_run_lock
 from app.runtime.mpi import Runtime, agree, on_root
+from app.runtime.preflight import GIB, checkpoint_read, gpu_memory, h5py_has_mpi, preflight
 from app.runtime.signals import StopSignals, signal_name
 from app.tensor_parallel.mappings import TensorParallel
 from app.tensor_parallel.tensor3d import Tensor3D, tensor3d_from_grid
@@ -118,6 +121,11 @@ class Trainer:
         self.deck, self.runtime, self.grid = deck, runtime, grid
         m, tr = deck.model, deck.train
         self.device = runtime.device
+        if not evaluate_only:  # what would fail hours in (no MPI in h5py, shared GPUs, memory): now
+            stage = grid.coords["pp"]
+            warning = agree(runtime, lambda: preflight(deck, runtime, lambda: rank_device_bytes(deck, stage)))
+            if warning:
+                print(f"gridlm: rank {runtime.rank}: {warning}", file=sys.stderr, flush=True)
         if evaluate_only:
             self.run_dir, self.run_lock = Path(deck.run.dir or "runs/default"), None
         else:
@@ -239,6 +247,7 @@ class Trainer:
         non-finite step updates nothing and sets `step_nonfinite` (or raises NonFiniteError)."""
         lr = learning_rate(self.deck.optim, self.steps_done, self.deck.train.steps)
         self.batch_start = self.sampler.consumed_samples
+        self.phase = "forward/backward"  # named by an out-of-memory error (`out_of_memory`)
         loss_sum = self.forward_backward()
         norm = self.update(lr, loss_sum)
         return loss_sum, lr, norm
@@ -294,6 +303,7 @@ class Trainer:
 
     def evaluate(self) -> EvalResult:
         """The validation loss now (eval.every's held-out data; collective), logged on rank 0."""
+        self.phase = "evaluation"
         assert self.eval_data is not None
         self.runtime.watchdog.at(step=self.steps_done, micro=0)
         result = evaluate(self, self.eval_data)
@@ -304,6 +314,7 @@ class Trainer:
         """Finish the gradient reductions, check `loss_sum` (this rank's; None: unchecked) and the
         norm on the whole grid, clip, step; the global grad norm. Every rank reaches the same
         verdict: fp16 overflow (finite loss) skips the step; any other NaN/Inf is train.nonfinite's."""
+        self.phase = "optimizer"
         with self.timers.phase("optimizer"):
             self.dp.finish_grad_reduce(self.sp_group)
             squares = self.optimizer.grad_squares()
@@ -332,6 +343,7 @@ class Trainer:
             if self.deck.run.resume == "auto":
                 self.runtime.log(f"gridlm: no checkpoint in {checkpoint_dir(self.deck)}: starting at step 0")
             return None
+        agree(self.runtime, lambda: checkpoint_read(path, h5py_has_mpi()))
         info = load_checkpoint(self, path)
         self.nonfinite_events = info["nonfinite_events"]
         self.resumed = info
@@ -371,6 +383,7 @@ class Trainer:
         checkpoint.async: after waiting for the write in flight, if any, this copies the state and
         returns while the write goes on (the returned Saved's `seconds` is the copy's); a `final`
         save waits for its write. The write's outcome is handled as above when `finish_save` takes it."""
+        self.phase = "checkpoint"
         directory = checkpoint_dir(self.deck)
         if self.writer is None:
             return self._outcome(lambda: save_checkpoint(self, directory), self.steps_done, reason, final)
@@ -442,9 +455,19 @@ class Trainer:
             )
             return {"steps": steps, "start_step": start, "resumed_from": self.resumed}
         report.open(start, resumed=self.resumed is not None)
-        interrupted = None
-        every = deck.checkpoint.every
         self.model.train()
+        try:
+            interrupted = self._train_to(steps)
+        except torch.OutOfMemoryError as err:  # one rank's: name it and end the job (RankFatal)
+            raise out_of_memory(self, err) from None
+        self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
+        return self._finish(interrupted)
+
+    def _train_to(self, steps: int) -> Optional[str]:
+        """The steps up to `steps`, their checkpoints and the stop signals; the signal that stopped
+        them, or None."""
+        deck, rt = self.deck, self.runtime
+        every, interrupted = deck.checkpoint.every, None
         with StopSignals() as signals:
             while self.steps_done < steps:
                 self._train_step()
@@ -471,7 +494,11 @@ class Trainer:
             else:
                 if deck.checkpoint.at_exit and not self._committed(saved_now):
                     self.save("end of training", final=True)
-        self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
+        return interrupted
+
+    def _finish(self, interrupted: Optional[str]) -> dict[str, Any]:
+        """The run's summary (written by rank 0), once no gather is in flight."""
+        report = self.report
         self.dp.wait_params()  # no all-gather left in flight: the parameters are complete
         summary = report.finish(
             memory_bytes={
@@ -559,6 +586,7 @@ class Trainer:
         self.bad_batches.add(self.batch_start)
         self.dp.wait_params()
         events = self.nonfinite_events  # this run's count, not the checkpoint's
+        agree(self.runtime, lambda: checkpoint_read(path, h5py_has_mpi()))
         info = load_checkpoint(self, path)
         self.nonfinite_events = events
         self.step_nonfinite = []
@@ -570,6 +598,25 @@ class Trainer:
             f"will be skipped ({self.guard.in_a_row} rollback(s) in a row; train.max_skipped = "
             f"{self.deck.train.max_skipped})"
         )
+
+
+def out_of_memory(trainer: Trainer, err: BaseException) -> RankFatal:
+    """One line for a device out of memory on this rank: where (rank, phase, step), how much the
+    device holds against the plan, and the deck keys that need less."""
+    deck, device = trainer.deck, trainer.device
+    memory = gpu_memory(device)
+    held = ""
+    if memory is not None:
+        held = f"; {torch.cuda.memory_allocated(device) / GIB:.2f} GiB allocated of {memory[1] / GIB:.2f} GiB"
+    plan = rank_device_bytes(deck, trainer.grid.coords["pp"]) / GIB
+    tr = deck.train
+    return RankFatal(
+        f"rank {trainer.runtime.rank}: {device} out of memory in {getattr(trainer, 'phase', 'training')} at step "
+        f"{trainer.steps_done + 1}{held}; the plan estimated {plan:.2f} GiB per device (train.micro_batch "
+        f"{tr.micro_batch}, train.recompute {tr.recompute}, optim.zero {deck.optim.zero}): lower train.micro_batch, "
+        f"set train.recompute: full, raise optim.zero (1-3) or optim.offload, or use more tp/pp ranks "
+        f"({str(err).splitlines()[0][:160] if str(err) else type(err).__name__})"
+    )
 
 
 def train(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> dict[str, Any]:

@@ -642,3 +642,11 @@ def step_flops(deck: Deck) -> dict[str, float]:
     args = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
     arch = arch_flops_args(m)
     return {"model": gpt_step_flops(*args, **arch), "hardware": gpt_hardware_step_flops(*args, tr.recompute, **arch)}
+
+
+def rank_device_bytes(deck: Deck, stage: int) -> float:
+    """The dry run's device bytes of one rank of pipeline stage `stage` under the deck's ZeRO stage,
+    recompute and offload: what the preflight compares with a GPU's free memory."""
+    stages = estimate_stages(deck)
+    opt = deck.optim
+    return stages[min(stage, len(stages) - 1)].total(opt.zero, deck.train.recompute, opt.offload)

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 EXIT_CODE = 4  # communication timeout or a lost rank (README, "When things go wrong")
 HEARTBEAT_KEY = "gridlm/heartbeat/{}"
+# Set by a rank that ends the job on purpose after printing why (`announce_end`): {"rank", "code"}.
+ENDED_KEY = "gridlm/ended"
 MAX_NAMED = 8  # ranks named in one line; a 32k-rank job that lost a switch would print thousands
 PROBED_NODES = 3  # silent nodes whose address is probed (2 s each) before the line is printed
 
@@ -67,6 +69,12 @@ class NullWatchdog:
         pass
 
     def explain(self, err: BaseException) -> Optional[str]:
+        return None
+
+    def announce_end(self, code: int) -> None:
+        pass
+
+    def ended_by(self) -> Optional[tuple[int, int]]:
         return None
 
     def stop(self) -> None:
@@ -199,6 +207,25 @@ class Watchdog:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
         faulthandler.cancel_dump_traceback_later()
+
+    def announce_end(self, code: int) -> None:
+        """This rank is about to end the job on purpose, having printed why (a CUDA out-of-memory
+        error): a peer that then loses it says nothing more (`ended_by`) instead of calling it dead."""
+        if self._store is not None:
+            with suppress(Exception):
+                self._store.set(ENDED_KEY, json.dumps({"rank": self.rank, "code": code}))
+
+    def ended_by(self) -> Optional[tuple[int, int]]:
+        """(rank, exit status) of a rank that announced it ends the job (`announce_end`), or None."""
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([ENDED_KEY]):
+                return None
+            found = json.loads(self._store.get(ENDED_KEY))
+            return int(found["rank"]), int(found["code"])
+        except Exception:  # no answer: behave as if nobody announced
+            return None
 
     def explain(self, err: BaseException) -> Optional[str]:
         """One line for a communication failure that left a blocking call (a lost peer), else None."""

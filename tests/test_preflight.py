@@ -1,0 +1,116 @@
+"""Before step 1, what would fail hours in is refused in one line (app/runtime/preflight.py); a CUDA
+out-of-memory error during the run ends every rank with one gridlm line (exit 2), at once.
+
+This machine has no GPU and its h5py has MPI: the device queries are stubbed at the boundary
+(`h5py_has_mpi`, `gpu_identity`, `gpu_memory`, and torch's OutOfMemoryError raised on one rank),
+the checks and the job's handling of them are the real code.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import pytest
+
+from app.deck import load_deck, resolve_for_world
+from app.errors import LaunchError
+from app.plan.estimate import rank_device_bytes
+from app.runtime import preflight
+from conftest import REPO, run_mpi
+
+GIB = 2**30
+SMALL = ("model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=16", "train.steps=3",
+         "train.global_batch=4", "train.micro_batch=2", "run.resume=none")  # fmt: skip
+
+
+def _deck(*sets: str, world: int = 1):
+    return resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, *sets)), world)
+
+
+def test_checkpoints_with_an_h5py_without_mpi_are_refused_with_both_fixes():
+    with pytest.raises(LaunchError, match=r"h5py was built without MPI .*HDF5_MPI=ON.*checkpoint.every: 0"):
+        preflight.checkpoint_io(_deck(), has_mpi=False)
+    preflight.checkpoint_io(_deck("checkpoint.every=0", "checkpoint.at_exit=false"), has_mpi=False)  # none: fine
+    preflight.checkpoint_io(_deck(), has_mpi=True)
+    with pytest.raises(LaunchError, match=r"cannot resume from ckpt.h5: .*run.resume: none"):
+        preflight.checkpoint_read("ckpt.h5", has_mpi=False)
+
+
+def test_a_plan_above_the_free_device_memory_is_refused_and_near_it_warned():
+    deck = _deck("train.micro_batch=2")
+    planned = rank_device_bytes(deck, 0)
+    assert planned > 0
+    with pytest.raises(LaunchError, match=r"the plan needs .* GiB on rank 3 \(train.micro_batch 2.*it does not fit: "
+                                          r"lower train.micro_batch"):  # fmt: skip
+        preflight.device_memory(deck, planned, (int(planned * 0.5), 80 * GIB), rank=3)
+    warning = preflight.device_memory(deck, planned, (int(planned / 0.95), 80 * GIB), rank=0)
+    assert warning is not None and warning.startswith("warning: ") and "above 90%" in warning
+    assert preflight.device_memory(deck, planned, (int(planned * 2), 80 * GIB), rank=0) is None
+    assert preflight.device_memory(deck, planned, None, rank=0) is None  # a CPU: nothing to compare
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_of_a_node_on_one_gpu_are_named_on_every_rank(runtime):
+    """The world's ranks all on this node: one GPU identity for two of them is refused on every
+    rank (the same message), naming the ranks, the GPU and the binding fix; distinct GPUs pass."""
+    with pytest.raises(LaunchError) as err:
+        preflight.shared_gpus(runtime, "H100 GPU-1" if runtime.rank < 2 else f"H100 GPU-{runtime.rank + 5}")
+    assert re.search(r"ranks 0, 1 on node \S+ all use one GPU \(H100 GPU-1\)", str(err.value))
+    assert "--gpus-per-task=1" in str(err.value) and "mpirun" in str(err.value)
+    preflight.shared_gpus(runtime, f"H100 GPU-{runtime.rank}")
+    preflight.shared_gpus(runtime, None)  # CPU ranks
+
+
+@pytest.mark.mpi
+def test_the_trainer_refuses_before_step_1_on_every_rank(runtime, shared_tmp, monkeypatch):
+    """Through the trainer (agreed over all ranks): h5py without MPI with checkpoints on, and a GPU
+    whose free memory is below the plan; the run directory never gets a step."""
+    from app.runtime.grid import ProcessGrid
+    from app.train import Trainer
+
+    deck = _deck(f"run.dir={shared_tmp / 'run'}", world=runtime.world_size)
+    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    monkeypatch.setattr(preflight, "h5py_has_mpi", lambda: False)
+    with pytest.raises(LaunchError, match="h5py was built without MPI"):
+        Trainer(deck, runtime, grid)
+    monkeypatch.setattr(preflight, "h5py_has_mpi", lambda: True)
+    monkeypatch.setattr(preflight, "gpu_memory", lambda device: (1 << 20, 80 * GIB))
+    with pytest.raises(LaunchError, match=r"GiB free of 80.00: it does not fit"):
+        Trainer(deck, runtime, grid)
+    assert not (shared_tmp / "run" / "metrics.jsonl").exists()
+
+
+OOM_ON_RANK_1 = """
+import sys, torch
+import app.train as train
+from app.__main__ import run
+forward_backward = train.Trainer.forward_backward
+def failing(self):
+    if self.runtime.rank == 1 and self.steps_done == 1:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (stubbed)")
+    return forward_backward(self)
+train.Trainer.forward_backward = failing
+sys.exit(run(sys.argv[1:]))
+"""
+
+
+def test_an_out_of_memory_on_one_rank_ends_every_rank_with_one_line_and_exit_2(tmp_path):
+    """torch.OutOfMemoryError in rank 1's forward at step 2, while rank 0 waits for it in the step's
+    collectives: one gridlm line from rank 1 (rank, phase, step, the plan, the keys to lower), exit 2
+    from the job, no traceback, no rank named lost or dead, long before the comm timeout (600 s)."""
+    sets = [*SMALL, f"run.dir={tmp_path}", "checkpoint.every=0", "checkpoint.at_exit=false"]
+    started = time.monotonic()
+    out = run_mpi(2, sys.executable, "-c", OOM_ON_RANK_1, "inputs/gpt_tiny.yaml",
+                  *(a for s in sets for a in ("--set", s)), timeout=240)  # fmt: skip
+    elapsed = time.monotonic() - started
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    lines = [line for line in text.splitlines() if "out of memory" in line]
+    assert len(lines) == 1, text[-3000:]
+    assert re.match(r"gridlm: rank 1: cpu out of memory in forward/backward at step 2; the plan estimated "
+                    r"[\d.]+ GiB per device \(train.micro_batch 2.*lower train.micro_batch", lines[0]), lines[0]  # fmt: skip
+    assert "Traceback" not in text and "internal error" not in text
+    assert not re.search(r"lost its peer|died|dead", text), text[-3000:]
+    assert elapsed < 120
