@@ -221,12 +221,18 @@ class TrainConfig:
         1.0, "fp16: abort when the dynamic loss scale would fall below this", min=0.0, max=MAX_LOSS_SCALE
     )
     goldfish_k: int = _key(
-        0, "Goldfish loss (Hans et al. 2024): drop a target from the loss when a hash of the goldfish_context "
-        "targets before it is 0 mod k (about 1 in k); 0 = off", min=0, max=2**20,
+        0, "Goldfish loss (Hans et al. 2024): drop about 1 in k targets from the loss, chosen by a hash of their "
+        "context (train.goldfish_rule); 0 = off; the paper's configurations use 4", min=0, max=2**20,
     )  # fmt: skip
     goldfish_context: int = _key(
-        13, "Goldfish: h, the targets hashed before each one; the first h of a sample always count", min=1, max=2**20
-    )
+        13, "Goldfish: h, the width of the hashed context (the paper's 13); the first h - 1 targets of a sample "
+        "always count (h with the splitmix rule)", min=1, max=2**20,
+    )  # fmt: skip
+    goldfish_rule: str = _key(
+        "hash-table", "Goldfish: hash-table, the authors' rule (the product of the h targets ending at this one, "
+        "mod 1,000,003, looked up in their seeded table); splitmix, gridlm's earlier rule (a SplitMix64 chain "
+        "over the h targets before it)", choices=("hash-table", "splitmix"),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -659,8 +665,9 @@ def _validate_goldfish_eval(deck: Deck) -> None:
         raise DeckError("train.goldfish_k", 1, "k = 1 would drop every target after the first h: use 0 (off) or >= 2")
     if tr.goldfish_k and tr.goldfish_context >= deck.model.seq_len:
         raise DeckError(
-            "train.goldfish_context", tr.goldfish_context, f"must be below model.seq_len = {deck.model.seq_len}: the "
-            f"first goldfish_context targets of a sample always count, so nothing would be dropped"
+            "train.goldfish_context", tr.goldfish_context, f"must be below model.seq_len = {deck.model.seq_len}: a "
+            f"sample's first goldfish_context - 1 targets (goldfish_context with the splitmix rule) always count, so "
+            f"little or nothing would be dropped"
         )  # fmt: skip
     if data.split and data.kind != "memmap":
         raise DeckError("data.split", data.split, "holds out documents of a token file: only with data.kind = memmap")

@@ -286,7 +286,7 @@ class Trainer:
         after the pipeline's mean over this rank's micro-batches and the dp (and Z) mean of the
         gradients, the loss and its gradient are the mean over the N counted targets, as on 1 rank."""
         tr = self.deck.train
-        keeps = [goldfish_keep(y, tr.goldfish_k, tr.goldfish_context) for _, y in batches]
+        keeps = [goldfish_keep(y, tr.goldfish_k, tr.goldfish_context, tr.goldfish_rule) for _, y in batches]
         count = torch.tensor(sum(int(keep.sum()) for keep in keeps), dtype=torch.int64, device=self.device)
         self.grid.all_reduce(count, ("dp",))
         if isinstance(self.tp, Tensor3D) and self.tp.z.size > 1:

@@ -1,6 +1,8 @@
-"""The Goldfish loss mask (app/model/goldfish.py): the rule against a direct implementation, its
-loss against a naive masked mean, the deck's checks, and a training run on a known text that
-counts exactly the targets the rule keeps."""
+"""The Goldfish loss mask (app/model/goldfish.py): the authors' hash-table rule (the default) on
+fixed cases computed from their published rule and against a transcription of it in torch,
+gridlm's earlier splitmix rule against a direct implementation, the loss against a naive masked
+mean, the deck's checks, and a training run on a known text that counts exactly the targets the
+rule keeps."""
 
 from __future__ import annotations
 
@@ -48,12 +50,71 @@ def naive_keep(targets: list[int], k: int, h: int) -> list[bool]:
 def test_mask_equals_a_direct_implementation_of_the_rule(k, h, vocab):
     rng = np.random.default_rng(k * 100 + h)
     targets = torch.from_numpy(rng.integers(0, vocab, size=(3, 40)))
-    keep = goldfish_keep(targets, k, h)
+    keep = goldfish_keep(targets, k, h, "splitmix")
     assert keep.dtype == torch.bool and keep.shape == targets.shape
     want = [naive_keep(row.tolist(), k, h) for row in targets]
     assert keep.tolist() == want
     assert keep[:, :h].all()  # the first h targets of a sample always count
     assert not keep.all()  # some are dropped: the comparison is not vacuous
+
+
+def published_keep(targets: torch.Tensor, k: int, h: int) -> torch.Tensor:
+    """The authors' `apply_goldfish(strategy="hash-table")` (github.com/ahans30/goldfish-loss,
+    lit_gpt/utils.py) transcribed from its description in torch: a table of 1,000,003 torch.rand
+    values after manual_seed(2971215073) on the CPU; the key of the window of h targets ending at
+    each target is their product (torch.prod, int64) % 1,000,003; dropped where table[key] < 1/k;
+    the first h - 1 targets are never dropped."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(2971215073)
+    table = torch.rand(1_000_003, generator=generator)
+    dropped = table[targets.unfold(1, h, 1).prod(dim=-1) % 1_000_003] < 1 / k
+    keep = torch.ones_like(targets, dtype=torch.bool)
+    keep[:, h - 1 :][dropped] = False
+    return keep
+
+
+# Fixed cases, computed once from the published rule (above): (targets, k, h, kept).
+PUBLISHED = [
+    (list(range(1, 33)), 4, 4, "11111110111100111110111110110111"),
+    ([50256, 464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13, 198, 464, 2068, 7586, 21831], 4, 3,
+     "1111011010101010"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("targets, k, h, kept", PUBLISHED)
+def test_the_default_mask_is_the_authors_hash_table_rule_on_fixed_cases(targets, k, h, kept):
+    from app.model.goldfish import hash_table
+
+    keep = goldfish_keep(torch.tensor([targets]), k, h)
+    assert "".join("1" if x else "0" for x in keep[0].tolist()) == kept
+    assert hash_table()[:3].tolist() == pytest.approx(
+        [0.23368388414382935, 0.4412640333175659, 0.7411476969718933], abs=0
+    )
+
+
+@pytest.mark.parametrize("k, h, vocab", [(4, 13, 50257), (3, 4, 64), (2, 1, 7), (8, 6, 2**31 - 1)])
+def test_the_default_mask_equals_the_published_rule_bit_for_bit(k, h, vocab):
+    """On random targets, products that wrap past 2^63 included (h = 13 of ids up to 50256): the
+    mask is the published rule's, position for position; the first h - 1 always count."""
+    rng = np.random.default_rng(k * 1000 + h)
+    targets = torch.from_numpy(rng.integers(0, vocab, size=(4, 300)))
+    keep = goldfish_keep(targets, k, h)
+    assert torch.equal(keep, published_keep(targets, k, h))
+    assert keep[:, : h - 1].all() and not keep.all()
+
+
+def test_changing_a_target_flips_its_own_decision_in_about_a_third_of_cases():
+    """The window ends at the target (the authors'); the splitmix rule hashes the targets before it
+    only, so changing a target never changes its own decision there (the issue's 37.5% vs 0%)."""
+    rng = np.random.default_rng(5)
+    k, h = 4, 13
+    targets = torch.from_numpy(rng.integers(0, 50257, size=(2000, 40)))
+    changed = targets.clone()
+    changed[:, 30] = (changed[:, 30] + 1 + torch.from_numpy(rng.integers(0, 1000, size=2000))) % 50257
+    for rule, low, high in (("hash-table", 0.3, 0.45), ("splitmix", 0.0, 0.0)):
+        a, b = goldfish_keep(targets, k, h, rule)[:, 30], goldfish_keep(changed, k, h, rule)[:, 30]
+        rate = (a != b).float().mean().item()
+        assert low <= rate <= high, (rule, rate)
 
 
 def test_mask_drops_about_one_in_k_and_follows_the_passage_not_its_position():
@@ -144,7 +205,7 @@ def test_training_on_a_known_text_counts_exactly_the_targets_the_rule_keeps(tmp_
     records = read_metrics(run_dir)
     for step, record in enumerate(records):
         samples = np.stack([data.sample(i) for i in range(step * batch, (step + 1) * batch)])
-        want = sum(sum(naive_keep(row[1:].tolist(), k, h)) for row in samples)
+        want = int(published_keep(torch.from_numpy(samples[:, 1:].astype(np.int64)), k, h).sum())
         assert record["loss_tokens"] == want
         assert f"loss {record['loss']:.4f} on {want:,}/{batch * seq:,} targets" in out.stdout
     assert records[0]["loss_tokens"] < batch * seq  # it dropped some

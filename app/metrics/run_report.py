@@ -159,10 +159,14 @@ class RunReport:
         )
         if tr.goldfish_k:
             h = tr.goldfish_context
-            rt.log(
-                f"gridlm: goldfish loss k={tr.goldfish_k} h={h}: a target is left out of the loss when the hash of "
-                f"the {h} targets before it is 0 mod {tr.goldfish_k} (the first {h} of a sample always count)"
+            rule = (
+                f"its table value for the product of the {h} targets ending at it is below 1/{tr.goldfish_k} (the "
+                f"authors' hash-table rule; the first {h - 1} of a sample always count)"
+                if tr.goldfish_rule == "hash-table"
+                else f"the SplitMix64 hash of the {h} targets before it is 0 mod {tr.goldfish_k} (the first {h} of a "
+                f"sample always count)"
             )
+            rt.log(f"gridlm: goldfish loss k={tr.goldfish_k} h={h}: a target is left out of the loss when {rule}")
         if built.eval_source is not None:
             ev = deck.eval
             rt.log(
