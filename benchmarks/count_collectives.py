@@ -115,8 +115,8 @@ class Counter:
                 counter.register(group, axis)
                 counter.sizes[axis] = grid.size(axis)
 
-        def tensor3d(grid: ProcessGrid, shape: tuple[int, int, int]) -> Any:
-            out = grid_3d(grid, shape)
+        def tensor3d(grid: ProcessGrid, *args: Any, **kwargs: Any) -> Any:  # ProcessGrid.tensor3d's signature
+            out = grid_3d(grid, *args, **kwargs)
             for axis, (_, group, ranks) in out.items():
                 counter.register(group, axis)
                 counter.sizes[axis] = len(ranks)

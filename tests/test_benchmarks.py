@@ -168,3 +168,35 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
     assert gpu_bench.main(["--rounds", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA device" in err[0]
+
+
+TINY_SETS = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32"]
+
+
+def test_the_tensor3d_bytes_benchmark_counts_1d_and_3d_variants(tmp_path):
+    """benchmarks/tensor3d_bytes_bench.py (with count_collectives.py): a 1D and a 3D variant, one round,
+    tiny shapes. It broke once unnoticed (count_collectives' wrapper of ProcessGrid.tensor3d missed its
+    `order` argument); the counted bytes must be the model's."""
+    import tensor3d_bytes_bench
+
+    sets = [a for s in TINY_SETS for a in ("--set", s)]
+    rc = tensor3d_bytes_bench.main(["--variants", "1d:2", "3d:1x2x1", "--rounds", "1", "--steps", "3",
+                                    "--out", str(tmp_path), *sets])  # fmt: skip
+    assert rc == 0
+    rows = {r["variant"]: r for r in csv.DictReader((tmp_path / "table.csv").read_text().splitlines())}
+    assert set(rows) == {"1d:2", "3d:1x2x1"} and not any(r.get("error") for r in rows.values())
+    assert float(rows["1d:2"]["tp_bytes"]) == pytest.approx(float(rows["1d:2"]["tp_predicted"]), rel=1e-9)
+    assert float(rows["3d:1x2x1"]["tp_y_bytes"]) > 0
+
+
+def test_the_overlap_benchmark_runs_dp1_and_dp2_with_and_without_zero1(tmp_path, capsys):
+    """benchmarks/overlap_bench.py, tiny shapes, 3 steps per configuration: every configuration runs
+    and the dp = 2 ones report their dp communication."""
+    import overlap_bench
+
+    rc = overlap_bench.main(["--steps", "3", "--out", str(tmp_path), *(a for s in TINY_SETS for a in ("--set", s))])
+    assert rc == 0
+    rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
+    assert len(rows) == len(overlap_bench.CONFIGS) and not any(r.get("error") for r in rows)
+    assert all(float(r["dp_comm_ms"]) > 0 for r in rows if r["ranks"] == "2")
+
