@@ -199,4 +199,3 @@ def test_the_overlap_benchmark_runs_dp1_and_dp2_with_and_without_zero1(tmp_path,
     rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
     assert len(rows) == len(overlap_bench.CONFIGS) and not any(r.get("error") for r in rows)
     assert all(float(r["dp_comm_ms"]) > 0 for r in rows if r["ranks"] == "2")
-
