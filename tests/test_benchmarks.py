@@ -130,7 +130,7 @@ def test_the_prepare_benchmark_measures_mb_s_per_rank_count_and_checks_the_bytes
 
 def test_the_optimizer_benchmark_reports_time_bytes_and_a_fixed_count_of_operations(capsys):
     """benchmarks/optimizer_bench.py on gpt_tiny, one short round: a JSON line whose operation count
-    is the step's fixed few dozen, with its bytes and times."""
+    is the CPU path's few per bucket, with its bytes and times."""
     import json
 
     import optimizer_bench
@@ -138,7 +138,7 @@ def test_the_optimizer_benchmark_reports_time_bytes_and_a_fixed_count_of_operati
     assert optimizer_bench.main(["--steps", "2", "--rounds", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["device"] == "cpu" and result["optimizer"] == "adamw" and result["elements"] > 3_000_000
-    assert result["ops"] < 40 and result["update_ms"] > 0 and result["bytes_GB"] > 0.1
+    assert result["ops"] <= 40 + 16 * result["buckets"] and result["update_ms"] > 0 and result["bytes_GB"] > 0.1
     assert result["update_GBps"] > 0 and result["triad_GBps"] > 0
 
 

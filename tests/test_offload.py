@@ -68,13 +68,9 @@ def test_the_host_store_hands_out_whole_bucket_shards():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_offloaded_runs_equal_the_device_run_to_rounding(tmp_path, precision):
+def test_offloaded_runs_equal_the_device_run_bit_for_bit(tmp_path, precision):
     """One rank, 4 steps: optim.offload host and nvme (a 0.05 MB buffer, so every bucket is
-    streamed in several chunks) log the same losses and gradient norms as none, within 1e-7
-    relative. Both run torch's fused AdamW kernel, the device over whole weight-decay runs, the
-    host over the chunks' pieces of them; a CPU rounds the last elements of each piece (its vector
-    tail) 1 ulp apart from the body, so where a chunk cuts a run the bits may move (measured: a
-    norm 5e-9 apart at step 3). A different formula (bias correction, decay) moves them by 1e-3."""
+    streamed in several chunks) log the same losses and gradient norms as none, to the bit."""
     sets = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32", "train.steps=4",
             "train.global_batch=4", "train.micro_batch=2", "run.log_every=1", "run.resume=none",
             "checkpoint.at_exit=false", f"train.precision={precision}", "parallel.dp_bucket_mb=0.05"]  # fmt: skip
@@ -86,8 +82,5 @@ def test_offloaded_runs_equal_the_device_run_to_rounding(tmp_path, precision):
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         logged[offload] = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / offload) if "loss" in r]
     assert len(logged["none"]) == 4
-    for offload in ("host", "nvme"):
-        assert len(logged[offload]) == 4
-        for (loss, norm), (want_loss, want_norm) in zip(logged[offload], logged["none"]):
-            assert loss == pytest.approx(want_loss, rel=1e-7) and norm == pytest.approx(want_norm, rel=1e-7), logged
+    assert logged["host"] == logged["none"] and logged["nvme"] == logged["none"], logged
     assert not list((tmp_path / "nvme" / "offload").iterdir())  # the scratch file went at the end

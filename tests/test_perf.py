@@ -147,14 +147,16 @@ def test_gloo_links_and_the_calibration_fits_the_model_s_ring():
 
 def test_the_optimizer_and_the_step_s_small_collectives_are_charged():
     """The optimizer's bytes per element are those of ShardedOptimizer.step's kernels (fp32 AdamW
-    with clipping: the fused pass reads master, gradient and moments, writes master and moments,
-    and writes the unscaled gradient back: 32); the norm reads the gradient once; the norm's and
-    non-finite check's all-reduces appear once an axis has more than one rank."""
+    with clipping): on a GPU the fused pass reads master, gradient and moments, writes master and
+    moments and the unscaled gradient back (32); a CPU's eager passes move 88; the norm reads the
+    gradient once; the norm's and non-finite check's all-reduces appear once an axis has more than
+    one rank."""
     from app.plan.optimizer_time import grad_norm_bytes
     from app.plan.perf import optimizer_bytes
 
     fp32 = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ()), 1)
     assert optimizer_bytes(fp32) == 16 + 12 + 4 and grad_norm_bytes(4) == 4
+    assert optimizer_bytes(fp32, fused=False) == 8 + 12 + 8 + 12 + 8 + 8 + 8 + 8 + 16
     lamb = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("optim.name=lamb",)), 1)
     assert optimizer_bytes(lamb) == 8 + (12 + 8 + 12) + (8 + 8 + 8) + (8 + 12 + 12 + 8 + 8 + 12)
     bf16 = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("train.precision=bf16",)), 1)
@@ -816,8 +818,8 @@ OFFLOAD_DECK = ("train.precision=bf16", "parallel.dp=2", "optim.zero=1")  # gpt_
 def test_the_offload_term_is_the_bytes_of_the_offloaded_step(tmp_path):
     """The offloaded update of a bf16 ZeRO-1 gpt_tiny on 2 ranks of one node, counted by hand from
     ShardedOptimizer._offloaded_step: the fp32 gradient shard to the host over the link (4 bytes an
-    element), the CPU's fused AdamW pass at the rank's half of the node's DRAM (16 + 12, and 4 for
-    the unscaled gradient written back: clipping is on), the fp32 master
+    element), the CPU's passes at the rank's half of the node's DRAM (8 the clip scaling, 12 + 8 +
+    12 the moments, 8 + 8 + 8 the denominator, 8 + 16 AdamW's decay and update), the fp32 master
     back over the link (4) and converted to bf16 on the device (4 + 2), then ZeRO-1's copy of the
     shard into the gather's send buffer (2 + 2); the device's own update is gone. On a CPU machine
     the two copies are CPU passes; nvme adds the page cache's copies."""
@@ -828,8 +830,8 @@ def test_the_offload_term_is_the_bytes_of_the_offloaded_step(tmp_path):
     none = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", OFFLOAD_DECK), 2)
     m = deck.model
     shard = stage_params(m, 1, m.layers, True, True) / 2
-    cpu = 16 + 12 + 4
-    assert offload_update_bytes(deck) == cpu == 32
+    cpu = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 8 + 16
+    assert offload_update_bytes(deck) == cpu == 88
     stream = device_of(machine, "bf16").stream
     expect = shard * 4 / 10e9 + shard * cpu / 40e9 + shard * 4 / 10e9 + stream(shard * 6) + stream(shard * 4)
     predicted = predict(deck, machine)

@@ -8,11 +8,13 @@ needs the norms of the whole logical parameter: partial sums over this rank's pa
 reduced over dp (ZeRO-1 shards) and tp (tp shards; a tensor replicated over tp counts
 once), as in You et al., "Large Batch Optimization for Deep Learning", ICLR 2020.
 
-AdamW is torch's fused AdamW kernel (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True)
-runs: decoupled weight decay, bias correction, the gradient's unscaling, one pass over memory),
-called once for the weight-decayed views of every bucket and once for the rest
-(`app.optim.multi_tensor`); weight decay applies to matrices only (`ParamMeta.decay`). LAMB's
-element-wise part runs bucket by bucket, its decay and trust ratio as multi-tensor ops.
+On GPUs AdamW is torch's fused AdamW kernel (`torch._fused_adamw_`, what
+torch.optim.AdamW(fused=True) runs: decoupled weight decay, bias correction, the gradient's
+unscaling, one pass over memory), called once for the weight-decayed views of every bucket and
+once for the rest (`app.optim.multi_tensor`); on CPUs torch.optim.AdamW's single-tensor
+arithmetic, bucket by bucket (`ShardedOptimizer.fused` says why). Weight decay applies to
+matrices only (`ParamMeta.decay`). LAMB's element-wise part runs bucket by bucket, its decay and
+trust ratio as multi-tensor ops.
 
 Every step's loss and gradient norm are checked on the whole grid at once (`step_verdict`: the
 step's one device-to-host copy); `LossScaler` handles fp16 overflows and `NonFiniteGuard`
@@ -242,6 +244,7 @@ class ShardedOptimizer:
         self._adamw: Optional[list[_AdamWCall]] = None
         self._lamb_views: Optional[NormViews] = None
         self._lamb_updates: list[torch.Tensor] = []
+        self._decay_views: list[list[torch.Tensor]] = []
         # The step count and 1 / grad_scale as device tensors, as the fused kernel reads them.
         self._step_t = torch.zeros((), dtype=torch.float32, device=dp.device)
         self._unscale_t = torch.ones((), dtype=torch.float32, device=dp.device)
@@ -298,6 +301,15 @@ class ShardedOptimizer:
             return self.scratch.like("grad", g, torch.float32).copy_(g).mul_(grad_scale)
         return torch.mul(g, grad_scale, out=self.scratch.like("grad", g)) if grad_scale != 1.0 else g
 
+    def fused(self) -> bool:
+        """Whether AdamW runs as torch's fused kernel: on GPUs. A CPU's fused kernel rounds the last
+        (n mod vector width) elements of each tensor it is given in scalar code, 1 ulp apart from its
+        vector body, so the same element could round differently on two grids (whose views are cut
+        differently), which fp16 training amplified past the equivalence matrix's bounds (a 3D
+        fp16 case: a bias 4.9e-3 off where the eager ops gave 3.8e-3). CPU ranks keep the eager
+        passes, the same arithmetic for every element wherever it sits, bucket by bucket."""
+        return self.cfg.name == "adamw" and self.dp.device.type == "cuda"
+
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One update with gradients multiplied by `grad_scale` (clipping and loss unscaling)."""
@@ -305,17 +317,24 @@ class ShardedOptimizer:
         if self.store is not None:
             self._offloaded_step(self.store, lr, grad_scale)
             return
-        if self.cfg.name == "adamw":
+        if self.fused():
             self._fused_adamw(lr, grad_scale)
         else:
             cfg = self.cfg
             bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
-            if not self._lamb_updates:  # kept: alive from the update to the trust ratio, every step
+            lamb = cfg.name == "lamb"
+            if lamb and not self._lamb_updates:  # kept: alive from the update to the trust ratio, every step
                 self._lamb_updates = [torch.empty_like(m) for m in self.dp.master]
+            if not self._decay_views:  # AdamW's decayed elements of each bucket, as views kept
+                self._decay_views = [cut(p, self.dp.layout.decay_runs(b)) for b, p in enumerate(self.dp.master)]
             for b, (p, m, v) in enumerate(zip(self.dp.master, self.exp_avg, self.exp_avg_sq)):
-                self._lamb_update(p, m, v, self._grad(b, grad_scale), (), bc1, bc2, out=self._lamb_updates[b])
-            self._lamb_decay(self.dp.master, self._lamb_updates)
-            self._lamb_apply(lr, self._lamb_updates)
+                out = self._lamb_updates[b] if lamb else None
+                self._update(
+                    p, m, v, self._grad(b, grad_scale), [] if lamb else self._decay_views[b], lr, bc1, bc2, out
+                )
+            if lamb:
+                self._lamb_decay(self.dp.master, self._lamb_updates)
+                self._lamb_apply(lr, self._lamb_updates)
         self.dp.publish_params()
 
     def _fused_adamw(self, lr: float, grad_scale: float) -> None:
@@ -328,30 +347,34 @@ class ShardedOptimizer:
         for call in self._adamw:
             call.run(self.dp, self.cfg, lr, self._step_t, unscale)
 
-    def _lamb_update(
+    def _update(
         self,
         p: torch.Tensor,
         m: torch.Tensor,
         v: torch.Tensor,
         g: torch.Tensor,
-        decay_runs: Sequence[tuple[int, int]],
+        decayed: Sequence[torch.Tensor],
+        lr: float,
         bc1: float,
         bc2: float,
         out: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """LAMB's element-wise part for master `p` with moments `m`, `v` and gradient `g`: the
-        Adam direction plus weight decay on `decay_runs`, into `out` (else a new tensor), which
-        the trust ratio then scales (`_lamb_apply`)."""
+    ) -> Optional[torch.Tensor]:
+        """The eager element-wise update of master `p` with moments `m`, `v` and gradient `g`
+        (torch.optim.AdamW's single-tensor arithmetic; `decayed`: views of p that weight decay
+        applies to): AdamW applies it to `p`; LAMB writes its update (without decay, `_lamb_decay`)
+        into `out` (else a new tensor) and returns it, for the trust ratio (`_lamb_apply`)."""
         cfg = self.cfg
         m.lerp_(g, 1 - cfg.beta1)
         v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
         # Into scratch, then in place: no temporary per bucket (on CPUs a large one costs fresh
-        # pages every step).
+        # pages every step); the same values, bit for bit.
         denom = torch.sqrt(v, out=self.scratch.like("denom", v)).div_(math.sqrt(bc2)).add_(cfg.eps)
-        update = torch.div(m, bc1, out=out if out is not None else torch.empty_like(m)).div_(denom)
-        if decay_runs:
-            torch._foreach_add_(cut(update, decay_runs), cut(p, decay_runs), alpha=cfg.weight_decay)
-        return update
+        if cfg.name == "adamw":
+            if decayed:
+                torch._foreach_mul_(list(decayed), 1 - lr * cfg.weight_decay)
+            p.addcdiv_(m, denom, value=-lr / bc1)
+            return None
+        return torch.div(m, bc1, out=out if out is not None else torch.empty_like(m)).div_(denom)
 
     def _lamb_decay(self, masters: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
         """LAMB's weight decay, u += wd * w on the decayed elements of every bucket, in one call."""
@@ -362,29 +385,27 @@ class ShardedOptimizer:
 
     def _offloaded_step(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
         """The same update, chunk by chunk on the host (`OffloadStore.stream`): each gradient range
-        copied from the device, the update on the CPU (AdamW: the same fused kernel as on the
-        device, over the chunk's views), the parameters copied back into the device's shard."""
+        copied from the device, the update on the CPU (the eager arithmetic: chunks change no bit
+        of it), the parameters copied back into the device's shard."""
         cfg, dp = self.cfg, self.dp
         bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
         masters: list[torch.Tensor] = []
         updates: list[torch.Tensor] = []
-        cpu = torch.device("cpu")
-        step = torch.tensor(float(self.steps))  # AdamW's fused kernel on the host, as on the device
-        unscale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale)
         for chunk in store.stream(range(len(dp.buckets))):
             b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
-            g = dp.grads(b)[lo:hi].to(cpu, torch.float32, copy=dp.device.type == "cpu")
+            g = dp.grads(b)[lo:hi].to("cpu", torch.float32, copy=dp.device.type == "cpu")
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
             p = chunk.master
             runs = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in dp.layout.decay_runs(b) if a < hi and z > lo]
-            if cfg.name == "adamw":
-                _AdamWCall().add((p, g, chunk.exp_avg, chunk.exp_avg_sq), runs).run(dp, cfg, lr, step, unscale)
+            update = self._update(p, chunk.exp_avg, chunk.exp_avg_sq, g, cut(p, runs), lr, bc1, bc2)
+            if update is None:
                 dp.param_shard(b)[lo:hi].copy_(p, non_blocking=True)
             else:  # LAMB, host only (the deck refuses it with nvme): whole bucket shards
-                if grad_scale != 1.0:
-                    g.mul_(grad_scale)
                 masters.append(p)
-                updates.append(self._lamb_update(p, chunk.exp_avg, chunk.exp_avg_sq, g, runs, bc1, bc2))
+                updates.append(update)
         if cfg.name == "lamb":
+            self._lamb_decay(masters, updates)
             self._lamb_apply(lr, updates, masters)
             for b, p in enumerate(masters):
                 dp.param_shard(b).copy_(p, non_blocking=True)

@@ -77,12 +77,14 @@ def _lamb_apply_bytes() -> int:
     return 8 + 12 + 12 + 8 + 8 + 12
 
 
-def _update_bytes(deck: Deck) -> int:
-    """Bytes per element of the update proper, from the fp32 gradient on: AdamW's fused pass (and
-    its write-back of the unscaled gradient), or LAMB's scaling into scratch and eager passes."""
-    if deck.optim.name == "lamb":
-        return (8 if _scaled(deck) else 0) + MOMENTS_BYTES + DENOMINATOR_BYTES + _lamb_apply_bytes()
-    return FUSED_ADAMW_BYTES + (4 if _scaled(deck) else 0)
+def _update_bytes(deck: Deck, fused: bool) -> int:
+    """Bytes per element of the update proper, from the fp32 gradient on: on GPUs (`fused`) AdamW's
+    fused pass (and its write-back of the unscaled gradient); on CPUs, and for LAMB, the scaling into
+    scratch and the eager passes (AdamW's decay and update: 8 + 16)."""
+    if fused and deck.optim.name == "adamw":
+        return FUSED_ADAMW_BYTES + (4 if _scaled(deck) else 0)
+    apply = _lamb_apply_bytes() if deck.optim.name == "lamb" else 8 + 16
+    return (8 if _scaled(deck) else 0) + MOMENTS_BYTES + DENOMINATOR_BYTES + apply
 
 
 def _updates_params_in_place(deck: Deck) -> bool:
@@ -97,24 +99,25 @@ def _grad_bytes(deck: Deck) -> int:
     return BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
 
 
-def optimizer_bytes(deck: Deck) -> int:
+def optimizer_bytes(deck: Deck, fused: bool = True) -> int:
     """Bytes per element of a rank's shard moved by `ShardedOptimizer.step`, kernel by kernel as it
-    runs (fp32 moments; every kernel reads its operands and writes its results once)."""
+    runs (fp32 moments; every kernel reads its operands and writes its results once); `fused`: on a
+    GPU (`ShardedOptimizer.fused`), else a CPU's eager passes."""
     e, g = BYTES[deck.train.precision], _grad_bytes(deck)
     total = (g + 4) if g != 4 else 0  # the gradient to fp32
-    total += _update_bytes(deck)
+    total += _update_bytes(deck, fused)
     if not _updates_params_in_place(deck):
         total += 4 + e  # the fp32 master written to the parameters (or to the ZeRO-1 gather's send buffer)
     return total
 
 
-def optimizer_ops(deck: Deck, buckets: int) -> int:
+def optimizer_ops(deck: Deck, buckets: int, fused: bool = True) -> int:
     """Framework ops of a device step (host time on CPUs): STEP_OPS, and per bucket the fp32 copy of a
-    lower-precision gradient with its own two fused calls, the parameters' copy or gather; LAMB runs
-    about ten eager ops per bucket."""
+    lower-precision gradient with its own two fused calls, the parameters' copy or gather; the eager
+    path (CPUs, LAMB) about 14 ops per bucket (tests/test_optim.py counts them)."""
     per_bucket = 0 if _grad_bytes(deck) == 4 else 3
     per_bucket += 0 if _updates_params_in_place(deck) else 2
-    per_bucket += 10 if deck.optim.name == "lamb" else 0
+    per_bucket += 0 if fused and deck.optim.name == "adamw" else 14
     return STEP_OPS + per_bucket * buckets
 
 
@@ -129,12 +132,12 @@ def optimizer_state_bytes(deck: Deck) -> int:
 def offload_update_bytes(deck: Deck, host_is_device: bool = False) -> int:
     """Bytes per element the CPU moves in `_offloaded_step`: the gradient converted to fp32 (g + 4:
     on a GPU machine only when it is not fp32 already, since the copy from the device lands in a
-    g-byte tensor; on a CPU machine it is always a copy), the update (`_update_bytes`: AdamW's fused
-    pass, LAMB's passes), on a CPU machine the parameter written from the master (4 + e; on a GPU the
+    g-byte tensor; on a CPU machine it is always a copy), its scaling and `_update`'s eager passes,
+    on a CPU machine the parameter written from the master (4 + e; on a GPU the
     host -> device copy), and with nvme the page-cache copies of the state (`PAGE_CACHE_BYTES`)."""
     e, g = BYTES[deck.train.precision], _grad_bytes(deck)
     total = (g + 4) if g != 4 or host_is_device else 0
-    total += _update_bytes(deck)
+    total += _update_bytes(deck, fused=False)
     total += (4 + e) if host_is_device else 0
     return total + (PAGE_CACHE_BYTES if deck.optim.offload == "nvme" else 0)
 

@@ -1177,10 +1177,11 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         # The norm's first pass reads the reduced gradients from memory (they outgrew the cache).
         norm.append(dev.stream(shard * grad_norm_bytes(g)) + dev.from_memory(shard * g))
         if rates is None:
+            fused = not machine.host_is_device  # GPUs run the fused kernel, CPU ranks the eager passes
             optimizer.append(
-                dev.stream(shard * optimizer_bytes(deck))
+                dev.stream(shard * optimizer_bytes(deck, fused))
                 + dev.from_memory(shard * optimizer_state_bytes(deck))
-                + optimizer_ops(deck, buckets) * dev.op_seconds
+                + optimizer_ops(deck, buckets, fused) * dev.op_seconds
             )
             offloaded.append(0.0)
         else:  # the state lives in host memory or the rank's file: the update runs on the CPU
