@@ -38,7 +38,7 @@ SMALL = (
 GRID = ("--set", "parallel.tp=2", "--set", "parallel.pp=2")  # dp 2 over 8 ranks
 # Steps stay inside the 20 warm-up steps, whose learning rates do not depend on train.steps: a run
 # of 300 steps cut off at step 6 and a run of 8 see the same rates.
-REF_STEPS = 8
+REF_STEPS = 16  # the reference's steps; a resume continues to them (the link test's from step 4, 8 or 12)
 
 
 @pytest.fixture(scope="module")
@@ -344,8 +344,17 @@ def test_a_node_whose_link_goes_down_is_named_and_the_run_resumes_on_one_rank(cl
     rc = job.wait(timeout=120)
     assert rc == 4, job.text[-4000:]
     assert_no_ranks_left()
+    # Which checkpoint the run committed before the link went down depends on how fast it ran
+    # meanwhile (under load it reached step 8 once): read it, not guess it; every one of them
+    # leaves steps to resume (REF_STEPS), so the resume is checked whatever the machine's load.
+    from app.checkpoint.store import read_latest
+
+    latest = read_latest(run_dir / "checkpoints")
+    assert latest is not None, job.text[-4000:]
+    step = int(re.search(r"step_(\d+)", latest.name).group(1))
+    assert step in (4, 8, 12), latest
     one = one_rank(run_dir, "--set", "run.resume=auto")
-    assert "resumed from" in one and "at step 4" in one, one
+    assert "resumed from" in one and f"at step {step}" in one, one
     records = read_metrics(run_dir)
     # metrics.jsonl keeps the steps up to the checkpoint and continues from it.
     assert [r["step"] for r in records] == list(range(1, REF_STEPS + 1)), records
