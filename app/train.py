@@ -121,6 +121,7 @@ class Trainer:
         self.deck, self.runtime, self.grid = deck, runtime, grid
         m, tr = deck.model, deck.train
         self.device = runtime.device
+        self.phase = "start-up"  # what the rank is doing, for an out-of-memory line (`out_of_memory`)
         if not evaluate_only:  # what would fail hours in (no MPI in h5py, shared GPUs, memory): now
             stage = grid.coords["pp"]
             warning = agree(runtime, lambda: preflight(deck, runtime, lambda: rank_device_bytes(deck, stage)))
@@ -611,7 +612,7 @@ def out_of_memory(trainer: Trainer, err: BaseException) -> RankFatal:
     plan = rank_device_bytes(deck, trainer.grid.coords["pp"]) / GIB
     tr = deck.train
     return RankFatal(
-        f"rank {trainer.runtime.rank}: {device} out of memory in {getattr(trainer, 'phase', 'training')} at step "
+        f"rank {trainer.runtime.rank}: {device} out of memory in {trainer.phase} at step "
         f"{trainer.steps_done + 1}{held}; the plan estimated {plan:.2f} GiB per device (train.micro_batch "
         f"{tr.micro_batch}, train.recompute {tr.recompute}, optim.zero {deck.optim.zero}): lower train.micro_batch, "
         f"set train.recompute: full, raise optim.zero (1-3) or optim.offload, or use more tp/pp ranks "
