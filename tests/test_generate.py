@@ -222,3 +222,24 @@ def test_the_default_tokenizer_is_the_one_the_training_data_names(tmp_path):
     (tmp_path / "tok.json").write_text(text + " ")  # another file at the recorded path
     with pytest.raises(DataError, match="is not the tokenizer the training data"):
         default_tokenizer(deck())
+
+
+def test_a_token_file_that_names_no_tokenizer_gives_none_and_bytes_decode_any_id(tmp_path):
+    """A token file whose metadata has no `tokenizer` key (written by another tool) names no
+    tokenizer: generation then needs --tokenizer for text and works with --prompt-ids (it assumed
+    bytes and died on an id >= 256 of a 512-id model). The byte tokenizer decodes an id outside
+    the bytes as U+FFFD instead of raising."""
+    from test_goldfish import write_tokens
+
+    from app.data.tokenizer import ByteTokenizer
+    from app.deck import load_deck
+    from app.generate import default_tokenizer
+
+    prefix = tmp_path / "data"
+    write_tokens(str(prefix), [[1, 2, 3] * 20], vocab_size=512)
+    meta = json.loads((tmp_path / "data.json").read_text())
+    del meta["tokenizer"]
+    (tmp_path / "data.json").write_text(json.dumps(meta))
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", ("data.kind=memmap", f"data.path={prefix}"))
+    assert default_tokenizer(deck) is None
+    assert ByteTokenizer().decode([104, 300, 256, 105, -1]) == "h\ufffdi\ufffd"

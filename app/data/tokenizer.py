@@ -44,8 +44,14 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Byte ids -> text; EOS is skipped and invalid UTF-8 becomes U+FFFD."""
-        return bytes(int(i) for i in ids if int(i) != self.EOS).decode("utf-8", errors="replace")
+        """Byte ids -> text; EOS is skipped, an id outside the bytes (a model whose vocabulary is
+        larger than the tokenizer's can sample one) and invalid UTF-8 become U+FFFD."""
+        out = bytearray()
+        for i in map(int, ids):
+            if i == self.EOS:
+                continue
+            out += bytes((i,)) if 0 <= i < 256 else "\ufffd".encode()
+        return out.decode("utf-8", errors="replace")
 
     def encode_batch(self, documents: list[bytes]) -> list[np.ndarray]:
         """UTF-8 documents (already validated) -> their ids, each a uint8 view of the bytes."""

@@ -130,7 +130,8 @@ def default_tokenizer(deck: Deck) -> Optional[AnyTokenizer]:
                 f"differs from the token file's); fix: pass --tokenizer with the tokenizer.json used by prepare"
             )
         return tokenizer
-    return ByteTokenizer() if meta.get("tokenizer", "byte") == "byte" else None
+    # No `tokenizer` key (a file written by other tools): unknown, not bytes; text needs --tokenizer.
+    return ByteTokenizer() if meta.get("tokenizer") == "byte" else None
 
 
 def resolve_tokenizer(spec: Optional[str], deck: Deck) -> Optional[AnyTokenizer]:
