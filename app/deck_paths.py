@@ -1,5 +1,6 @@
 """File-system checks of a deck's paths at the start of a real run (rank 0, no MPI, creates
-nothing): run.dir and checkpoint.dir writable directories (or creatable), not device files;
+nothing): run.dir and checkpoint.dir writable directories (or creatable), not device files, with
+no symbolic link where gridlm writes its own files (lock, deck.yaml, metrics, summary, checkpoints);
 memmap token files (data.path or each of data.paths) readable; a run.resume path that exists; a
 run.init_from directory with a config.json.
 Not part of the dry run, which plans on one machine for another.
@@ -7,6 +8,7 @@ Not part of the dry run, which plans on one machine for another.
 
 from __future__ import annotations
 
+import glob
 import os
 import stat
 from pathlib import Path
@@ -24,8 +26,11 @@ def check_paths(deck: Deck) -> None:
     machine for another.
     """
     run_dir = deck.run.dir or "runs/default"
+    checkpoints = deck.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     _check_directory("run.dir", run_dir)
-    _check_directory("checkpoint.dir", deck.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+    _check_directory("checkpoint.dir", checkpoints)
+    _no_symlinks("run.dir", run_dir, RUN_DIR_FILES)
+    _no_symlinks("checkpoint.dir", checkpoints, CHECKPOINT_FILES)
     if deck.optim.offload == "nvme":
         _check_directory("optim.offload_dir", offload_dir(deck))
     if deck.data.kind == "memmap":
@@ -48,6 +53,26 @@ def check_paths(deck: Deck) -> None:
             "run.init_from", init, "is not a Hugging Face model directory (no config.json there); give a local "
             "directory written by save_pretrained (config.json and model.safetensors), nothing is downloaded"
         )  # fmt: skip
+
+
+# What gridlm writes in run.dir and checkpoint.dir (globs): never through a symlink planted there.
+RUN_DIR_FILES = (".gridlm.lock", "deck.yaml", "metrics.jsonl", "summary.json", "summary.json.tmp", "tensorboard")
+CHECKPOINT_FILES = ("latest", "latest.tmp", "step_*.h5", "step_*.h5.tmp*")
+
+
+def _no_symlinks(key: str, directory: str, names: tuple[str, ...]) -> None:
+    """Refuse a symlink among the files gridlm creates or replaces in `directory`: writing through
+    it would overwrite its target (a link named metrics.jsonl to someone's file). The directory
+    itself may be a link (a run directory on scratch)."""
+    if not os.path.isdir(directory):
+        return
+    for name in names:
+        for path in sorted(glob.glob(os.path.join(glob.escape(directory), name))):
+            if os.path.islink(path):
+                raise DeckError(
+                    key, directory, f"holds {path}, a symbolic link to {os.readlink(path)!r}, where gridlm writes "
+                    "its own file: remove the link (gridlm never writes through one), or choose another directory"
+                )  # fmt: skip
 
 
 def offload_dir(deck: Deck) -> str:

@@ -52,3 +52,22 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_finishes_with_a_good_c
     assert "mismatch" not in check.stdout and " ok" in check.stdout
     steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 60  # one job's records only, not interleaved with the refused one's
+
+
+@pytest.mark.parametrize("name", [".gridlm.lock", "metrics.jsonl", "deck.yaml", "checkpoints/latest"])
+def test_a_symlink_planted_where_gridlm_writes_is_refused_and_its_target_untouched(tmp_path, name):
+    """Pre-planted symlinks named like gridlm's own files in run.dir and checkpoint.dir made a run
+    overwrite their targets. Now the run refuses at start, naming the link (exit 2), and the
+    target keeps its bytes; the run directory itself may be a link."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    real = tmp_path / "real"
+    (real / "checkpoints").mkdir(parents=True)
+    (real / name).symlink_to(target)
+    run_dir = tmp_path / "linked_run"
+    run_dir.symlink_to(real, target_is_directory=True)  # a link to the run directory is fine
+    out = run_app(1, "inputs/gpt_tiny.yaml", "--set", f"run.dir={run_dir}", "--set", "train.steps=1")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"holds {run_dir / name}, a symbolic link to '{target}'" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert target.read_text() == "keep me\n"

@@ -123,7 +123,7 @@ def acquire_run_lock(run_dir: Path, warn: Callable[[str], None] = _print_warning
     path = Path(run_dir) / LOCK_NAME
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)  # never a planted link
     except OSError as err:
         raise _unwritable(run_dir, err) from None
     warning = None
