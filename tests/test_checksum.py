@@ -6,6 +6,7 @@ checkpoints still load, inspect and export, verified with the v1 sum (MPI test).
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from app.checkpoint import slabs
 from app.checkpoint.slabs import V1_NOTE, as_unsigned, checksum, checksum_v1, dataset_checksum, global_boxes
 from app.errors import CheckpointError
-from conftest import grid_trainer, train_steps
+from conftest import REPO, grid_trainer, train_steps
 
 MASK64 = 2**64 - 1
 SHAPE = (256, 256)  # 65536 elements: enough for the 16-bit sign-flip pair that cancels in v1
@@ -265,3 +266,46 @@ def test_a_v1_checkpoint_loads_inspects_and_exports_with_a_note_and_v2_sees_two_
             f.attrs["format_version"] = 3
         with pytest.raises(CheckpointError, match="format version 3; this gridlm reads versions 1, 2: update"):
             read_header(v1)
+
+
+@pytest.mark.parametrize(
+    "attr, change",
+    [("step", lambda v: v + 1), ("optimizer_steps", lambda v: v + 2),
+     ("sampler", lambda v: v.replace(str(json.loads(v)["consumed_samples"]), "330"))],
+)  # fmt: skip
+def test_a_changed_header_attribute_is_caught_by_load_and_inspect(tmp_path, attr, change):
+    """The header's digest (app/checkpoint/io.py `header_digest`): a checkpoint whose step, optimizer
+    steps or sampler position was changed after it was written (a bit flip resumed at step 21 with
+    the wrong learning rate, or at the wrong data) is refused by a resume (exit 2, one line) and by
+    `python -m app.checkpoint inspect` (exit 2); the untouched file loads."""
+    import shutil
+    import subprocess
+    import sys
+
+    import h5py
+
+    from conftest import app_env, run_app
+
+    run_dir = tmp_path / "run"
+    sets = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=16", "train.steps=2",
+            "train.global_batch=4", "train.micro_batch=2", f"run.dir={run_dir}"]  # fmt: skip
+    out = run_app(1, "inputs/gpt_tiny.yaml", *(a for s in sets for a in ("--set", s)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    good = run_dir / "checkpoints" / "step_0000002.h5"
+    bad = tmp_path / "changed.h5"
+    shutil.copy(good, bad)
+    with h5py.File(bad, "r+") as f:
+        value = f.attrs[attr]
+        value = value.item() if hasattr(value, "item") else value
+        new = change(value)
+        assert new != value
+        f.attrs.modify(attr, new) if isinstance(new, int) else f.attrs.__setitem__(attr, new)
+    inspect = [sys.executable, "-m", "app.checkpoint", "inspect"]
+    ok = subprocess.run([*inspect, str(good)], cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    found = subprocess.run([*inspect, str(bad)], cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120)
+    assert found.returncode == 2 and "does not match its checksum" in found.stderr, found.stdout + found.stderr
+    resumed = run_app(1, "inputs/gpt_tiny.yaml", *(a for s in sets for a in ("--set", s)), "--set",
+                      f"run.resume={bad}", "--set", "train.steps=4")  # fmt: skip
+    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+    assert "header (step, optimizer steps, sampler" in resumed.stderr and "Traceback" not in resumed.stderr

@@ -33,6 +33,7 @@ write, so the ranks cover every element once).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -169,6 +170,18 @@ def grid_signature(state: TrainingState) -> dict[str, Any]:
         **({"tensor": list(par.tensor)} if par.tensor is not None else {}),
         **({"tensor_order": par.tensor_order} if par.tensor_order != "xyz" else {}),
     }  # fmt: skip
+
+
+HEADER_DIGEST = "header_sha256"  # of every root attribute but itself and `committed` (`header_digest`)
+
+
+def header_digest(attrs: dict[str, Any]) -> str:
+    """SHA-256 of a checkpoint's root attributes (the step, optimizer steps, sampler and data state,
+    loss scale, grid, the deck, ...) as canonical JSON, all but `committed` and the digest itself:
+    a flipped bit in any of them (step 20 -> 21 resumed at the wrong step and learning rate) no
+    longer loads unnoticed."""
+    kept = {k: v for k, v in attrs.items() if k not in ("committed", HEADER_DIGEST)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _header(state: TrainingState) -> dict[str, Any]:
@@ -338,6 +351,10 @@ def write(
         0), so that after the first flush the close only rewrites blocks the file already has."""
         f.attrs.update(header)
         f.attrs["nonfinite_events"], f.attrs["nonfinite_in_a_row"] = snap.health
+        events, in_a_row = snap.health
+        f.attrs[HEADER_DIGEST] = header_digest(
+            {**header, "nonfinite_events": int(events), "nonfinite_in_a_row": int(in_a_row)}
+        )
         f.attrs["committed"] = False  # true last: a copy of a half-written file is refused
         created = []
         for group, name, shape in catalogue:
@@ -502,6 +519,13 @@ def read_header(path: Path) -> dict[str, Any]:
                 raise CheckpointError(
                     f"{path} has format version {attrs.get('format_version')}; this gridlm reads versions "
                     f"{', '.join(map(str, READABLE_VERSIONS))}: update gridlm"
+                )
+            # Files written before the digest have none: they load as they did.
+            if HEADER_DIGEST in attrs and attrs[HEADER_DIGEST] != header_digest(attrs):
+                raise CheckpointError(
+                    f"{path}: its header (step, optimizer steps, sampler, loss scale, grid, deck) does not match its "
+                    f"checksum: the file was changed after it was written; resume from an older checkpoint "
+                    f"(run.resume: <file>) or start over (run.resume: none)"
                 )
 
             def visit(name: str, obj: Any) -> None:
