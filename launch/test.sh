@@ -20,7 +20,9 @@ pytest_args=(-q --color=no -p no:cacheprovider --timeout=300 "$@")
 # Under mpirun a timeout must end the rank (thread method: dump every thread's stack, naming the
 # test, then exit), so mpirun ends the job; the signal method would leave the other ranks waiting
 # in a collective for the one that moved on to the next test.
-mpi_args=(--timeout-method=thread --with-mpi -m mpi)
+# 600 s a test: ten times the slowest MPI test on a quiet machine (an 8-rank equivalence case once
+# passed 300 s with the load average at 266).
+mpi_args=(--timeout=600 --timeout-method=thread --with-mpi -m mpi)
 # As root, setup installed everything: a test skipped for want of something is a failure, and
 # each group must run at least as many tests as it ran when its floor was last set (--min-tests;
 # raise a floor when a group gains tests, so that losing them later fails the run).
@@ -64,7 +66,7 @@ for n in 1 2 4; do
 done
 # 8 ranks: the tests that need 8 (the any-grid = one-rank matrix, checkpoint resharding); the
 # rest already ran above.
-run_group mpi-8 2400 mpirun -n 8 python -m pytest "${pytest_args[@]}" "$(floor mpi-8)" "${mpi_args[@]}" --mpi-min-size 8 tests/
+run_group mpi-8 3000 mpirun -n 8 python -m pytest "${pytest_args[@]}" "$(floor mpi-8)" "${mpi_args[@]}" --mpi-min-size 8 tests/
 
 # Groups that need a service this run starts: a one-node Slurm (srun, sbatch --wait of real jobs)
 # and 2 simulated nodes (namespaces on a bridge, a Slurm of one slurmd per node). Each is stopped
