@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -120,36 +121,64 @@ def parse_yaml(text: str, where: tuple[str, str], prefix: str = "") -> Any:
         loader.dispose()
 
 
-def read_deck_file(path: Union[str, Path]) -> Any:
-    """The deck file's YAML value (not None); DeckError naming the file for anything else."""
-    where = ("DECK", str(path))
+def read_yaml_file(
+    path: Union[str, Path], what: str, fail: Callable[[str], Exception], example: str, max_bytes: int = MAX_DECK_BYTES
+) -> Any:
+    """The YAML value (not None) of an input file nobody vetted (`what`: "deck", "machine file",
+    ...): a regular file of at most `max_bytes`, UTF-8, read by the bounded loader (no aliases,
+    tags, duplicate keys; limited depth and size). Anything else is `fail(message)`, the message
+    naming the problem and, with `example`, what to pass instead; never a hang or a traceback."""
     try:
-        # O_NONBLOCK: a named pipe given as the deck must not block the open.
+        # O_NONBLOCK: a named pipe given as the file must not block the open.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             info = os.fstat(f.fileno())
             if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode) or stat.S_ISDIR(info.st_mode):
-                raise DeckError(*where, "is not a file; pass the path of a YAML deck, e.g. " + EXAMPLE_DECK)
-            data = f.read(MAX_DECK_BYTES + 1)  # at most: /dev/zero is a file name too
+                raise fail(f"is not a file; pass the path of a YAML {what}, e.g. {example}")
+            data = f.read(max_bytes + 1)  # at most: /dev/zero is a file name too
     except FileNotFoundError:
-        raise DeckError(*where, f"file not found; pass the path of a YAML deck, e.g. {EXAMPLE_DECK}") from None
+        raise fail(f"file not found; pass the path of a YAML {what}, e.g. {example}") from None
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise DeckError(*where, f"cannot be read ({err})") from None
-    if len(data) > MAX_DECK_BYTES:
-        size = f"{info.st_size:,}" if stat.S_ISREG(info.st_mode) else f"more than {MAX_DECK_BYTES:,}"
-        raise DeckError(*where, f"the deck is {size} bytes; a deck is at most {MAX_DECK_BYTES:,} bytes")
+        raise fail(f"cannot be read ({err})") from None
+    if len(data) > max_bytes:
+        size = f"{info.st_size:,}" if stat.S_ISREG(info.st_mode) else f"more than {max_bytes:,}"
+        raise fail(f"the {what} is {size} bytes; a {what} is at most {max_bytes:,} bytes")
+    return read_yaml_bytes(data, str(path), what, fail, example)
+
+
+def read_yaml_bytes(
+    data: bytes,
+    source: str,
+    what: str,
+    fail: Callable[[str], Exception],
+    example: str = "",
+    max_bytes: int = MAX_DECK_BYTES,
+) -> Any:
+    """`read_yaml_file`'s checks of bytes already in memory (`source` names where they came from:
+    e.g. a checkpoint's stored deck, which must be bounded like any deck)."""
+    if len(data) > max_bytes:
+        raise fail(f"the {what} is {len(data):,} bytes; a {what} is at most {max_bytes:,} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise DeckError(
-            *where, f"not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset {err.start} (line {line}); "
-            "save the deck as UTF-8"
-        ) from None  # fmt: skip
+        raise fail(
+            f"not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset {err.start} (line {line}); save the "
+            f"{what} as UTF-8"
+        ) from None
     try:
-        raw = parse_yaml(text, where)
-    except (yaml.YAMLError, ValueError) as err:
-        raise DeckError(*where, f"not readable YAML ({err})") from None
+        raw = parse_yaml(text, ("DECK", source))
+    except DeckError as err:  # a deck's names the key; another file's names the file (`fail`)
+        if what == "deck":
+            raise
+        raise fail(f"{named(err.key)}: {err.accepted}" if err.key != "DECK" else err.accepted) from None
+    except (yaml.YAMLError, ValueError, RecursionError) as err:
+        raise fail(f"not readable YAML ({str(err)[:300]})") from None
     if raw is None:
-        raise DeckError(*where, f"the deck is empty; see {EXAMPLE_DECK}")
+        raise fail(f"the {what} is empty" + (f"; see {example}" if example else ""))
     return raw
+
+
+def read_deck_file(path: Union[str, Path]) -> Any:
+    """The deck file's YAML value (not None); DeckError naming the file for anything else."""
+    return read_yaml_file(path, "deck", lambda message: DeckError("DECK", str(path), message), EXAMPLE_DECK)

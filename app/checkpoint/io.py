@@ -547,12 +547,27 @@ def read_header(path: Path) -> dict[str, Any]:
     return {**attrs, "datasets": catalogue, "rng": rng}
 
 
+def stored_deck(header: dict[str, Any], path: Path) -> Any:
+    """The deck a checkpoint stores (its `deck` attribute), read as boundedly as a deck file (an
+    alias bomb in a 2 KB attribute once took 57 s and 1.2 GB); CheckpointError for anything else."""
+    from app.deck_yaml import read_yaml_bytes
+
+    text = header.get("deck")
+    if not isinstance(text, str):
+        raise CheckpointError(f"{path}: no deck attribute (a string); resume from an older checkpoint")
+    fail = lambda message: CheckpointError(f"{path}: its stored deck: {message}")  # noqa: E731
+    raw = read_yaml_bytes(text.encode("utf-8", "replace"), f"{path} (deck attribute)", "stored deck", fail)
+    if not isinstance(raw, dict):
+        raise fail("not a mapping of sections")
+    return raw
+
+
 def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
     """The `model` section of the deck a checkpoint was written with, the derived values resolved
     as `ModelConfig` does (arch gpt2 in files older than model.arch; ffn; kv, the key/value heads;
     tie_embeddings)."""
     try:
-        model = dict(yaml.safe_load(header["deck"])["model"])
+        model = dict(stored_deck(header, path)["model"])
         for key in ("vocab_size", "seq_len", "layers", "hidden", "heads"):
             int(model[key])
         known = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from app.errors import CheckpointError, DataError, DeckError, LaunchError
+from app.errors import DataError, DeckError, LaunchError
 
 if TYPE_CHECKING:
     import torch
@@ -43,16 +43,11 @@ INFERENCE_GRID = (
 def generation_deck(path: Path, world: int, overrides: tuple[str, ...] = ()) -> Deck:
     """The deck of an inference job on `world` ranks from checkpoint `path`'s deck: tp = world,
     the model as trained, then the user's --set `overrides` (run.* keys, e.g. run.device=cpu)."""
-    import yaml
-
-    from app.checkpoint.io import read_header
+    from app.checkpoint.io import read_header, stored_deck
     from app.deck import build_deck, resolve_for_world
 
     header = read_header(path)
-    try:
-        raw = yaml.safe_load(header["deck"])
-    except (KeyError, yaml.YAMLError) as err:
-        raise CheckpointError(f"{path}: the deck attribute is not a usable deck ({err!r})") from None
+    raw = stored_deck(header, path)
     for given in overrides:
         if not given.startswith("run."):
             raise DeckError(

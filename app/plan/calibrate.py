@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import yaml
 
-from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS
+from app.deck_yaml import read_yaml_file
+from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS, MachineError
 from app.plan.perf import BACKWARD_BYTES, ring_terms
 
 if TYPE_CHECKING:
@@ -687,7 +688,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     init_torch_distributed(runtime)
     measured = measure(runtime, args.repeat, None if args.scratch is None else Path(args.scratch))
     if runtime.is_root:
-        base = yaml.safe_load(base_path.read_text())
+        base = read_yaml_file(base_path, "machine file", lambda message: MachineError(f"machine file {base_path}: {message}"),
+                              "inputs/machines/local.yaml")  # fmt: skip
         command = f"mpirun -n {runtime.world_size} python -m app.plan.calibrate --base {args.base}"
         if runtime.nodes > 1:
             command += f" on {runtime.nodes} nodes: {node_summary(runtime)}"

@@ -12,12 +12,12 @@ key or value is named with the file and its full name (gemm.tile, links[1].gbs).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import yaml
-
+from app.deck_yaml import read_yaml_file
 from app.errors import InputError
 from app.metrics.peaks import peak_tflops
 from app.schema import Key, Problem, check, check_value, type_name
@@ -367,15 +367,15 @@ def machine_path(name_or_path: Union[str, Path]) -> Path:
 def load_machine(name_or_path: Union[str, Path]) -> Machine:
     """Read and validate a machine file; `MachineError` names the file, the key and the fix."""
     path = machine_path(name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise MachineError(
             f"machine {str(name_or_path)!r}: no file {path}; known machines: {', '.join(machine_names())} "
             "(or give the path of a machine YAML)"
-        ) from None
-    except (OSError, yaml.YAMLError) as err:
-        raise MachineError(f"machine file {path}: not readable YAML ({err})") from None
+        )
+    # Bounded like a deck (size, depth, no aliases or tags, UTF-8, a regular file): /dev/zero, a
+    # FIFO or an alias bomb given as --machine is one line, not gigabytes or a hang.
+    raw = read_yaml_file(path, "machine file", lambda message: MachineError(f"machine file {path}: {message}"),
+                         "inputs/machines/frontier.yaml")  # fmt: skip
     try:
         # A null value is the key left out: the Machine's default.
         values = _nested(check(raw, FIELDS, f"machine file {path}", null_is_absent=True), f"machine file {path}")
