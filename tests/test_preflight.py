@@ -70,7 +70,9 @@ def test_the_trainer_refuses_before_step_1_on_every_rank(runtime, shared_tmp, mo
     from app.runtime.grid import ProcessGrid
     from app.train import Trainer
 
-    deck = _deck(f"run.dir={shared_tmp / 'run'}", world=runtime.world_size)
+    deck = _deck(
+        f"run.dir={shared_tmp / 'run'}", f"train.global_batch={2 * runtime.world_size}", world=runtime.world_size
+    )
     grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
     monkeypatch.setattr(preflight, "h5py_has_mpi", lambda: False)
     with pytest.raises(LaunchError, match="h5py was built without MPI"):
