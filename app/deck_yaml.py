@@ -93,7 +93,14 @@ def _check_duplicates(root: yaml.Node, where: tuple[str, str], prefix: str) -> N
             continue
         seen: dict[str, int] = {}
         for key, value in node.value:
-            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            if isinstance(key, yaml.ScalarNode) and key.tag == "tag:yaml.org,2002:merge":
+                # `<<: {steps: 7}` beside `steps: 300` trained 300 steps: which one wins is YAML's
+                # rule, not the reader's expectation. A deck writes its keys out.
+                raise deck_error(
+                    path or "DECK", "<<", f"a YAML merge key (<<) at line {key.start_mark.line + 1}: not accepted "
+                    "in a deck; write the keys out"
+                )  # fmt: skip
+            if not isinstance(key, yaml.ScalarNode):
                 continue
             dotted = f"{path}.{key.value}" if path else key.value
             line = key.start_mark.line + 1

@@ -75,3 +75,43 @@ def test_an_alias_bomb_in_a_checkpoint_s_stored_deck_is_refused_quickly(tmp_path
     # The tool imports torch (about 220 MB here): the bomb may add little on top of that import.
     _, baseline = _bounded([sys.executable, "-c", "import app.checkpoint.__main__, app.checkpoint.io"])
     assert rss < baseline + 100_000, (rss, baseline)
+
+
+@pytest.mark.parametrize("case", ["empty index", "nested metadata", "vocab_size true", "huge metadata", "latin-1"])
+def test_a_hostile_token_file_is_a_data_error(tmp_path, case):
+    """A token file's metadata and index: an empty PREFIX.idx.npy (was an EOFError traceback),
+    deeply nested JSON (a RecursionError), "vocab_size": true (accepted as 1), an oversized or
+    non-UTF-8 PREFIX.json: each a DataError naming the file."""
+    import json
+
+    from test_goldfish import write_tokens
+
+    from app.data.memmap import MemmapTokens
+    from app.errors import DataError
+
+    prefix = tmp_path / "data"
+    write_tokens(str(prefix), [[1, 2, 3] * 20])
+    meta = tmp_path / "data.json"
+    if case == "empty index":
+        (tmp_path / "data.idx.npy").write_bytes(b"")
+    elif case == "nested metadata":
+        meta.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "vocab_size true":
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "vocab_size": True}))
+    elif case == "huge metadata":
+        meta.write_text(" " * (2 << 20) + "{}")
+    elif case == "latin-1":
+        meta.write_bytes(meta.read_bytes().replace(b'"byte"', '"b\u00fcte"'.encode("latin-1")))
+    with pytest.raises(DataError, match=r"data file .*data\.(json|idx\.npy)"):
+        MemmapTokens(str(prefix), 16, 512, seed=1)
+
+
+def test_a_yaml_merge_key_in_a_deck_is_refused(tmp_path):
+    """`<<: {steps: 7}` beside `steps: 300` trained 300 steps; now refused, naming the section."""
+    from app.deck import load_deck
+    from app.errors import DeckError
+
+    deck = tmp_path / "deck.yaml"
+    deck.write_text((REPO / "inputs/gpt_tiny.yaml").read_text().replace("train:\n", "train:\n  <<: {steps: 7}\n", 1))
+    with pytest.raises(DeckError, match=r"train = '<<': a YAML merge key \(<<\) at line \d+: not accepted"):
+        load_deck(deck)

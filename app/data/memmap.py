@@ -63,16 +63,23 @@ def sample_ranges(num_tokens: int) -> list[tuple[int, int]]:
     return [(int(a), int(a) + chunk) for a in starts]
 
 
+MAX_METADATA_BYTES = 1 << 20
+
+
 def load_metadata(prefix: str) -> dict:
     """Reads and checks PREFIX.json; raises DataError naming the file and the fix."""
     path = prefix + ".json"
-    if not os.path.isfile(path):
+    if not os.path.isfile(path):  # follows links; a FIFO or a directory is no file
         raise DataError(f"data file {path} does not exist; {FIX_PREPARE}")
     try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"data file {path} is not valid JSON ({e}); {FIX_PREPARE} again") from e
+        with open(path, "rb") as f:
+            data = f.read(MAX_METADATA_BYTES + 1)  # real ones are a few hundred bytes
+        if len(data) > MAX_METADATA_BYTES:
+            raise DataError(f"data file {path} is over {MAX_METADATA_BYTES:,} bytes: not a token file's metadata; "
+                            f"{FIX_PREPARE} again")  # fmt: skip
+        meta = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise DataError(f"data file {path} is not valid JSON ({str(e)[:200]}); {FIX_PREPARE} again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DataError(f'data file {path} is not a gridlm token file (expected "format": "{FORMAT}"); {FIX_PREPARE}')
     if meta.get("version") != VERSION or meta.get("dtype") not in DTYPES:
@@ -83,7 +90,7 @@ def load_metadata(prefix: str) -> dict:
         )
     optional = ("max_token_id",) if "max_token_id" in meta else ()  # absent in files of older prepares
     for key in ("vocab_size", "num_tokens", "num_documents", "eos", *optional):
-        if not isinstance(meta.get(key), int) or meta[key] < 0:
+        if type(meta.get(key)) is not int or meta[key] < 0:  # true is an int to isinstance
             raise DataError(
                 f"data file {path}: {key} = {meta.get(key)!r} is not a non-negative integer; {FIX_PREPARE} again"
             )
@@ -137,8 +144,8 @@ class MemmapTokens:
         if not os.path.isfile(idx_path):
             raise DataError(f"data file {idx_path} does not exist; {FIX_PREPARE}")
         try:
-            idx = np.load(idx_path, allow_pickle=False)
-        except (OSError, ValueError) as e:
+            idx = np.load(idx_path, allow_pickle=False, mmap_mode="r")  # a huge file is not read whole
+        except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
             raise DataError(f"data file {idx_path} is not a readable .npy file ({e}); {FIX_PREPARE} again") from e
         ok = (
             idx.ndim == 1
