@@ -37,7 +37,7 @@ SMALL = (
 )  # fmt: skip
 GRID = ("--set", "parallel.tp=2", "--set", "parallel.pp=2")  # dp 2 over 8 ranks
 # Steps stay inside the 20 warm-up steps, whose learning rates do not depend on train.steps: a run
-# of 300 steps cut off at step 6 and a run of 8 see the same rates.
+# of 300 steps cut off at step 6 and a run of 16 see the same rates.
 REF_STEPS = 16  # the reference's steps; a resume continues to them (the link test's from step 4, 8 or 12)
 
 
