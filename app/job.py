@@ -66,7 +66,7 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         # wrong GRIDLM_MASTER_ADDR fails within it rather than after torch's whole timeout.
         connect = min(deck.run.comm_timeout_s, 60.0)
         agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout, connect))
-        runtime.watchdog.attach_store(*runtime.store_address)
+        runtime.watchdog.attach_store(*runtime.store_address, runtime.store_prefix)
         par = deck.parallel
         grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order)
         body(deck, runtime, grid)

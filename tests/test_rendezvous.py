@@ -64,3 +64,43 @@ def test_rank_ranges_compresses_runs():
     assert rank_ranges([0, 1, 2, 3, 6, 8, 9]) == "0-3, 6, 8-9"
     assert rank_ranges([3, 1, 2, 2]) == "1-3"
     assert rank_ranges([]) == ""
+
+
+def _external_address() -> str | None:
+    """An IPv4 address of this host that is not loopback (None where there is none)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.254", 9))  # no packet is sent: the route says which address is ours
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.mpi
+def test_a_one_node_job_s_store_is_on_loopback_only_and_its_keys_under_a_secret_prefix(runtime):
+    """The TCPStore of a one-node job listens on 127.0.0.1 only (it listened on every interface: a
+    client on the node's external address read 17 keys during a run); the job's keys live under a
+    random prefix the ranks learned over MPI, so a foreign client that connects cannot read them."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = runtime.store_address
+    assert host == "127.0.0.1" and runtime.store_prefix.startswith("gridlm-") and len(runtime.store_prefix) > 30
+    assert len(set(runtime.comm.allgather(runtime.store_prefix))) == 1  # every rank has the same prefix
+    external = _external_address()
+    if external is not None:
+        with socket.socket() as probe:
+            probe.settimeout(2)
+            assert probe.connect_ex((external, port)) != 0, f"the store answers on {external}:{port}"
+    key = f"secret-of-rank-{runtime.rank}"
+    runtime.store.set(key, "job data")
+    runtime.comm.Barrier()
+    foreign = dist.TCPStore(host, port, runtime.world_size, is_master=False, timeout=timedelta(seconds=5))
+    assert not foreign.check([key])  # the key as the job names it is not where a stranger looks
+    assert runtime.store.get(key) == b"job data"
+    runtime.comm.Barrier()

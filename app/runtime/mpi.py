@@ -8,6 +8,7 @@ opens a TCPStore on a free port and broadcasts its address and port over MPI.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import sys
 import time
@@ -51,6 +52,8 @@ class Runtime:
     backend: str = "gloo"
     watchdog: AnyWatchdog = field(default_factory=NullWatchdog)  # app.runtime.watchdog; a no-op until started
     store_address: Optional[tuple[str, int]] = None  # the TCPStore (host, port), once torch is bootstrapped
+    store_prefix: str = ""  # the job's keys' random prefix in it (the ranks learn it over MPI)
+    store: Any = None  # the job's view of the store (a PrefixStore), once torch is bootstrapped
     store_source: str = ""  # where its host came from: GRIDLM_MASTER_ADDR, hostname or loopback
     # Objects that must outlive everything else, e.g. an HDF5 file whose close failed (HDF5 1.10
     # crashes when such a file is released again).
@@ -242,7 +245,7 @@ def init_torch_distributed(
     every rank."""
     import torch.distributed as dist
 
-    from app.runtime.rendezvous import ENV, choose_host, probe, unreachable_message
+    from app.runtime.rendezvous import ENV, choose_host, listening_socket, probe, unreachable_message
 
     if backend != "auto":
         if backend == "nccl" and runtime.device.type != "cuda":
@@ -255,10 +258,15 @@ def init_torch_distributed(
         # GRIDLM_MASTER_ADDR (when the hostname resolves to the wrong interface).
         try:
             chosen = choose_host(os.environ.get(ENV), runtime.nodes, runtime.hostname)
+            # Served on the chosen address only (loopback for one node), not on every interface.
+            fd = listening_socket(chosen.host)
             store = dist.TCPStore(
-                chosen.host, 0, runtime.world_size, is_master=True, timeout=timeout, wait_for_workers=False
-            )
-            chosen = (chosen.host, store.port, chosen.source)
+                chosen.host, 0, runtime.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                master_listen_fd=fd,
+            )  # fmt: skip
+            # The job's keys live under a random prefix only its ranks learn (over MPI): a process that
+            # connects to the port can neither read nor plant them.
+            chosen = (chosen.host, store.port, chosen.source, f"gridlm-{secrets.token_hex(16)}/")
         except LaunchError as err:
             chosen = str(err)
         except RuntimeError as err:  # torch's DistNetworkError: no port, the address refused
@@ -267,7 +275,7 @@ def init_torch_distributed(
         chosen = runtime.comm.bcast(chosen, root=0)
     if isinstance(chosen, str):  # rank 0 refused the address: the same error everywhere
         raise LaunchError(chosen)
-    host, port, source = chosen
+    host, port, source, prefix = chosen
     # Every rank reaches the store before any waits on it; MPI carries the verdict.
     mine = None if runtime.rank == 0 else probe(host, port, connect_s)
     failed = failures(runtime, None if mine is None else (runtime.hostname, mine), "MPI_Allreduce (rendezvous)")
@@ -276,10 +284,12 @@ def init_torch_distributed(
     with runtime.watchdog.blocking("init_process_group"):
         if runtime.rank != 0:
             store = dist.TCPStore(host, port, runtime.world_size, is_master=False, timeout=timeout)
+        runtime.store = dist.PrefixStore(prefix, store)
         dist.init_process_group(
-            runtime.backend, store=store, rank=runtime.rank, world_size=runtime.world_size, timeout=timeout
+            runtime.backend, store=runtime.store, rank=runtime.rank, world_size=runtime.world_size, timeout=timeout
         )
     runtime.store_address = (host, port)
+    runtime.store_prefix = prefix
     runtime.store_source = source
 
 

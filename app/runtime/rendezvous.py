@@ -97,3 +97,18 @@ def unreachable_message(host: str, port: int, source: str, failed: list[tuple[in
         f"rank(s) {ranks} on {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''} cannot reach rank 0's "
         f"TCPStore at {host}:{port} ({chosen}): {failed[0][1][1]}; {FIX}"
     )
+
+
+def listening_socket(host: str) -> int:
+    """A TCP socket listening on `host`'s own address (not every interface), port chosen by the
+    system, as a file descriptor for the TCPStore to serve on (`master_listen_fd`; the store owns
+    it from then on): a one-node job's store is reachable on loopback only, a multi-node one's
+    on the chosen interface only."""
+    infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    local = [info for info in infos if _is_local(info[4][0])] or infos
+    family, _, _, _, address = sorted(local, key=lambda info: info[0] != socket.AF_INET)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address[:2] if family == socket.AF_INET else address)
+    sock.listen(1024)
+    return sock.detach()

@@ -190,15 +190,17 @@ class Watchdog:
         """The torch ranks of this rank's group on each grid axis (ProcessGrid)."""
         self.groups = {axis: list(members) for axis, members in ranks.items()}
 
-    def attach_store(self, host: str, port: int) -> None:
-        """Heartbeats go to the job's TCPStore (own client: short timeouts, never the main thread's)."""
+    def attach_store(self, host: str, port: int, prefix: str = "") -> None:
+        """Heartbeats go to the job's TCPStore (own client: short timeouts, never the main thread's),
+        under the job's key prefix (`Runtime.store_prefix`)."""
         import torch.distributed as dist
 
         try:
-            self._store = dist.TCPStore(
+            store = dist.TCPStore(
                 host, port, self.world, is_master=False, timeout=timedelta(seconds=max(2.0, min(10.0, self.interval))),
                 wait_for_workers=False,
             )  # fmt: skip
+            self._store = dist.PrefixStore(prefix, store) if prefix else store
         except Exception:  # no heartbeats: the /proc check and the timeout still work
             self._store = None
 
