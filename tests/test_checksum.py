@@ -201,10 +201,11 @@ def _state(trainer) -> list[torch.Tensor]:
 
 
 def _as_v1(path) -> None:
-    """Rewrite a checkpoint in place as gridlm wrote format version 1: the v1 sums."""
+    """Rewrite a checkpoint in place as gridlm wrote format version 1: the v1 sums, no header digest."""
     import h5py
 
     with h5py.File(path, "r+") as f:
+        del f.attrs["header_sha256"]  # version 1 files predate it
         f.attrs["format_version"] = 1
         f.attrs["checksum_algorithm"] = "sum over row-major element index i of (2i+1) * (element bits), mod 2^32"
         datasets = []
