@@ -269,7 +269,7 @@ def init_torch_distributed(
             chosen = (chosen.host, store.port, chosen.source, f"gridlm-{secrets.token_hex(16)}/")
         except LaunchError as err:
             chosen = str(err)
-        except RuntimeError as err:  # torch's DistNetworkError: no port, the address refused
+        except (RuntimeError, OSError) as err:  # torch's DistNetworkError, or the socket: no port, address refused
             chosen = f"rank 0 on {runtime.hostname} could not open the TCPStore at {chosen.host}: {err}"
     with runtime.watchdog.blocking("MPI_Bcast (TCPStore address)"):
         chosen = runtime.comm.bcast(chosen, root=0)
