@@ -77,14 +77,7 @@ def grad_norm_views(dp: DataParallel) -> NormViews:
     logical element once (`ParamLayout.owned`), adjacent owned segments merged."""
     views = NormViews(1, dp.device)
     for b in range(len(dp.buckets)):
-        runs: list[tuple[int, int]] = []
-        for s in dp.layout.segments(b):
-            if dp.layout.owned[s.param]:
-                if runs and runs[-1][1] == s.lo:
-                    runs[-1] = (runs[-1][0], s.hi)
-                else:
-                    runs.append((s.lo, s.hi))
-        views.add(dp.grads(b), runs)
+        views.add(dp.grads(b), dp.layout.owned_runs(b))
     return views
 
 

@@ -6,7 +6,8 @@ into dp buckets of whole parameters of about `parallel.dp_bucket_mb`, each padde
 multiple of dp; the tied embedding gets a bucket of its own, so its shards line up between
 the first and the last pipeline stage. Each rank updates a shard of every bucket: all of it
 without ZeRO, its 1/dp slice under ZeRO-1. The segments say which parameter elements a
-shard holds, and the decay runs which of its elements weight decay applies to.
+shard holds, the decay runs which of its elements weight decay applies to, and the owned runs
+which it counts once (the gradient norm).
 
 Each parameter is described by its `ParamMeta`: its tp box (the global tensor, this rank's
 offset and shape in it, the axis it is split along) and whether it is this rank's to count
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -183,6 +184,17 @@ class Bucket:
     shard_hi: int
 
 
+def _merged(segments: Iterable[Segment]) -> tuple[tuple[int, int], ...]:
+    """The [lo, hi) ranges of `segments` (in shard order), adjacent ones merged."""
+    runs: list[tuple[int, int]] = []
+    for s in segments:
+        if runs and runs[-1][1] == s.lo:
+            runs[-1] = (runs[-1][0], s.hi)
+        else:
+            runs.append((s.lo, s.hi))
+    return tuple(runs)
+
+
 @dataclass(frozen=True)
 class ParamLayout:
     """The flat layout of one rank's parameters over its dp group (see the module docstring).
@@ -198,8 +210,8 @@ class ParamLayout:
     dp: int
     dp_rank: int
     zero: bool  # each rank updates only its 1/dp slice of every bucket (ZeRO-1)
-    _shard_parts: dict[int, tuple[tuple[Segment, ...], tuple[tuple[int, int], ...]]] = field(
-        default_factory=dict, compare=False, repr=False
+    _shard_parts: dict[int, tuple[tuple[Segment, ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = (
+        field(default_factory=dict, compare=False, repr=False)
     )
 
     @classmethod
@@ -256,7 +268,7 @@ class ParamLayout:
         hi = min(span[1], self.offsets[i] + self.numels[i]) - self.offsets[i]
         return (lo, hi) if lo < hi else (0, 0)
 
-    def _parts(self, b: int) -> tuple[tuple[Segment, ...], tuple[tuple[int, int], ...]]:
+    def _parts(self, b: int) -> tuple[tuple[Segment, ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         if b not in self._shard_parts:
             bucket = self.buckets[b]
             segments = []
@@ -265,14 +277,9 @@ class ParamLayout:
                 if p_lo < p_hi:
                     shard_lo = self.offsets[i] + p_lo - bucket.shard_lo
                     segments.append(Segment(i, shard_lo, shard_lo + p_hi - p_lo, p_lo))
-            runs: list[tuple[int, int]] = []
-            for s in segments:
-                if self.decay[s.param]:
-                    if runs and runs[-1][1] == s.lo:
-                        runs[-1] = (runs[-1][0], s.hi)
-                    else:
-                        runs.append((s.lo, s.hi))
-            self._shard_parts[b] = (tuple(segments), tuple(runs))
+            decayed = _merged(s for s in segments if self.decay[s.param])
+            owned = _merged(s for s in segments if self.owned[s.param])
+            self._shard_parts[b] = (tuple(segments), decayed, owned)
         return self._shard_parts[b]
 
     def segments(self, b: int) -> tuple[Segment, ...]:
@@ -283,6 +290,11 @@ class ParamLayout:
         """Shard-relative [lo, hi) ranges of bucket b's shard that weight decay applies to,
         adjacent segments merged."""
         return self._parts(b)[1]
+
+    def owned_runs(self, b: int) -> tuple[tuple[int, int], ...]:
+        """Shard-relative [lo, hi) ranges of bucket b's shard this rank counts once (`owned`: the
+        gradient norm's elements), adjacent segments merged."""
+        return self._parts(b)[2]
 
     @property
     def size(self) -> int:
