@@ -119,7 +119,7 @@ def test_the_norm_is_within_1e_7_of_the_float64_sum_and_its_views_and_buffers_ar
                 local += g.double().pow(2).sum()
             assert norm == pytest.approx(float(local.sqrt()), rel=1e-7) and not loss_bad and not norm_bad
             opt.step(cfg.lr, grad_scale=0.5)
-            views = opt._norm_views.views + (opt._lamb_views.views if opt._lamb_views else [])
+            views = opt._norm_views.views + (opt._lamb_views.norms.views if opt._lamb_views else [])
             calls = opt._adamw or []
             kept.append(([v.data_ptr() for v in views], [id(c) for c in calls],
                          sorted((k[0], b.data_ptr()) for k, b in opt.scratch._buffers.items())))  # fmt: skip

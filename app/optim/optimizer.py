@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -235,7 +236,7 @@ class ShardedOptimizer:
         # Built at the first use, kept: views of buffers that live as long as this optimizer.
         self._norm_views: Optional[NormViews] = None
         self._adamw: Optional[list[_AdamWCall]] = None
-        self._lamb_views: Optional[NormViews] = None
+        self._lamb_views: Optional[_LambViews] = None
         self._lamb_updates: list[torch.Tensor] = []
         self._decay_views: list[list[torch.Tensor]] = []
         # The step count and 1 / grad_scale as device tensors, as the fused kernel reads them.
@@ -369,12 +370,21 @@ class ShardedOptimizer:
             return None
         return torch.div(m, bc1, out=out if out is not None else torch.empty_like(m)).div_(denom)
 
+    def _lamb_lists(self, masters: list[torch.Tensor], updates: list[torch.Tensor]) -> _LambViews:
+        """LAMB's views of these masters and updates: built once for the device's (kept, like the
+        buffers), per step for an offloaded step's host chunks."""
+        if masters is self.dp.master and self._lamb_views is not None:
+            return self._lamb_views
+        views = _LambViews.build(self.dp, self.grid, masters, updates)
+        if masters is self.dp.master:
+            self._lamb_views = views
+        return views
+
     def _lamb_decay(self, masters: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
         """LAMB's weight decay, u += wd * w on the decayed elements of every bucket, in one call."""
-        runs = [self.dp.layout.decay_runs(b) for b in range(len(masters))]
-        us = [v for u, r in zip(updates, runs) for v in cut(u, r)]
-        if us:
-            torch._foreach_add_(us, [v for w, r in zip(masters, runs) for v in cut(w, r)], alpha=self.cfg.weight_decay)
+        views = self._lamb_lists(masters, updates)
+        if views.decayed_updates:
+            torch._foreach_add_(views.decayed_updates, views.decayed_masters, alpha=self.cfg.weight_decay)
 
     def _offloaded_step(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
         """The same update, chunk by chunk on the host (`OffloadStore.stream`): each gradient range
@@ -410,30 +420,52 @@ class ShardedOptimizer:
         """w <- w - lr * (||w|| / ||u||) * u, the norms over each whole logical parameter
         (`masters`: the fp32 master shards, the device's by default): one multi-tensor norm for
         all of them, one all-reduce, one copy of the ratios to the host, two multi-tensor ops."""
-        dp, grid = self.dp, self.grid
-        kept = masters is None  # the device's shards live as long as this optimizer: keep the views
-        masters = dp.master if masters is None else masters
+        dp = self.dp
+        views = self._lamb_lists(dp.master if masters is None else masters, updates)
         n = len(dp.params)
-        views = self._lamb_views if kept else None
-        segments = [(b, s) for b in range(len(dp.buckets)) for s in dp.layout.segments(b)]
-        if views is None:
-            views = NormViews(2 * n, masters[0].device if masters else dp.device)
-            tp_rank = grid.coords["tp"]
-            for b, s in segments:
-                if dp.layout.metas[s.param].counts_on(tp_rank):  # tp replicas hold the same values: once
-                    views.add(masters[b], [(s.lo, s.hi)], s.param)
-                    views.add(updates[b], [(s.lo, s.hi)], n + s.param)
-            if kept:
-                self._lamb_views = views
-        sums = views.sum_squares().view(2, n)
-        grid.all_reduce(sums, ("tp", "dp") if dp.zero else ("tp",))
+        sums = views.norms.sum_squares().view(2, n)
+        self.grid.all_reduce(sums, ("tp", "dp") if dp.zero else ("tp",))
         w_norm, u_norm = sums.sqrt()
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-300), torch.ones_like(w_norm))
         ratio = ratio.float().tolist()
-        us = [updates[b][s.lo : s.hi] for b, s in segments]
-        if us:
-            torch._foreach_mul_(us, [-lr * ratio[s.param] for _, s in segments])
-            torch._foreach_add_([masters[b][s.lo : s.hi] for b, s in segments], us)
+        if views.updates:
+            torch._foreach_mul_(views.updates, [-lr * ratio[i] for i in views.params])
+            torch._foreach_add_(views.masters, views.updates)
+
+
+@dataclass
+class _LambViews:
+    """LAMB's lists over masters and updates: the norm views (group i: parameter i's master, n + i:
+    its update; a tensor replicated over tp counted on one tp rank), the decayed ranges of both,
+    and every segment of both with its parameter's index (the trust-ratio update)."""
+
+    norms: NormViews
+    decayed_updates: list[torch.Tensor]
+    decayed_masters: list[torch.Tensor]
+    updates: list[torch.Tensor]
+    masters: list[torch.Tensor]
+    params: list[int]
+
+    @classmethod
+    def build(
+        cls, dp: DataParallel, grid: ProcessGrid, masters: list[torch.Tensor], updates: list[torch.Tensor]
+    ) -> _LambViews:
+        layout, n = dp.layout, len(dp.params)
+        norms = NormViews(2 * n, masters[0].device if masters else dp.device)
+        tp_rank = grid.coords["tp"]
+        views = cls(norms, [], [], [], [], [])
+        for b in range(len(masters)):
+            runs = layout.decay_runs(b)
+            views.decayed_updates += cut(updates[b], runs)
+            views.decayed_masters += cut(masters[b], runs)
+            for s in layout.segments(b):
+                if layout.metas[s.param].counts_on(tp_rank):  # tp replicas hold the same values: once
+                    norms.add(masters[b], [(s.lo, s.hi)], s.param)
+                    norms.add(updates[b], [(s.lo, s.hi)], n + s.param)
+                views.updates.append(updates[b][s.lo : s.hi])
+                views.masters.append(masters[b][s.lo : s.hi])
+                views.params.append(s.param)
+        return views
 
 
 class _AdamWCall:
