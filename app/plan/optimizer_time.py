@@ -40,12 +40,12 @@ from app.plan.machine import Machine, MachineError
 if TYPE_CHECKING:
     from app.plan.perf import Device
 
-# AdamW is torch's fused kernel (`_AdamWCall`, on the device and on the host): one pass that reads the
-# master, the fp32 gradient and both moments and writes the master and both moments; when it unscales
-# the gradient (clipping, fp16's loss scale) it writes the gradient back too (4).
+# AdamW on GPUs is torch's fused kernel (`_AdamWCall`): one pass that reads the master, the fp32
+# gradient and both moments and writes the master and both moments; when it unscales the gradient
+# (clipping, fp16's loss scale) it writes the gradient back too (4).
 FUSED_ADAMW_BYTES = 16 + 12
-# LAMB's eager passes (`_lamb_update`): m.lerp_(g) 12, v.mul_() 8, v.addcmul_(g, g) 12; the denominator
-# v.sqrt() 8, .div_() 8, .add_(eps) 8.
+# The eager passes of `ShardedOptimizer._update` (CPU ranks, offloaded steps, LAMB): m.lerp_(g) 12,
+# v.mul_() 8, v.addcmul_(g, g) 12; the denominator v.sqrt() 8, .div_() 8, .add_(eps) 8.
 MOMENTS_BYTES = 12 + 8 + 12
 DENOMINATOR_BYTES = 8 + 8 + 8
 # pread and pwrite copy each chunk between the page cache and the slot: 12 bytes per element read
