@@ -86,9 +86,11 @@ def build(deck_path: str, sets: list[str], device: str):
 
 def ideal_bytes(trainer) -> float:
     """Bytes an ideal optimizer step moves on this rank (see the module docstring)."""
+    import torch
+
     dp = trainer.dp
     n = dp.layout.shard_elements()
-    grad = 2 if dp.reduce_dtype in (__import__("torch").bfloat16, __import__("torch").float16) else 4
+    grad = torch.empty((), dtype=dp.reduce_dtype).element_size()
     moved = n * (4 + grad + 4 + 4) + n * (4 + 4 + 4)  # read master, grad, m, v; write master, m, v
     moved += n * grad  # the norm reads the gradient once
     if not dp.master_is_param:
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print("median: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in result.items()))  # fmt: skip
         print("ops: " + ", ".join(f"{k} {v}" for k, v in ops.most_common()))
-    trainer.close() if hasattr(trainer, "close") else None
+    trainer.close()
     return 0
 
 
