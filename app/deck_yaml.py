@@ -8,8 +8,6 @@ a DeckError naming the file or key, quickly. `app/deck.py` validates the values.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -18,6 +16,7 @@ import yaml
 
 from app.errors import DeckError
 from app.schema import named
+from app.untrusted import decode_utf8, read_bytes
 
 MAX_DECK_BYTES = 256 * 1024  # real decks are 1-3 KB
 MAX_YAML_NODES = 10_000  # values, keys included; stage_layers of 4096 chunks fits
@@ -135,21 +134,7 @@ def read_yaml_file(
     ...): a regular file of at most `max_bytes`, UTF-8, read by the bounded loader (no aliases,
     tags, duplicate keys; limited depth and size). Anything else is `fail(message)`, the message
     naming the problem and, with `example`, what to pass instead; never a hang or a traceback."""
-    try:
-        # O_NONBLOCK: a named pipe given as the file must not block the open.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode) or stat.S_ISDIR(info.st_mode):
-                raise fail(f"is not a file; pass the path of a YAML {what}, e.g. {example}")
-            data = f.read(max_bytes + 1)  # at most: /dev/zero is a file name too
-    except FileNotFoundError:
-        raise fail(f"file not found; pass the path of a YAML {what}, e.g. {example}") from None
-    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise fail(f"cannot be read ({err})") from None
-    if len(data) > max_bytes:
-        size = f"{info.st_size:,}" if stat.S_ISREG(info.st_mode) else f"more than {max_bytes:,}"
-        raise fail(f"the {what} is {size} bytes; a {what} is at most {max_bytes:,} bytes")
+    data = read_bytes(path, what, fail, example, max_bytes, f"YAML {what}")
     return read_yaml_bytes(data, str(path), what, fail, example)
 
 
@@ -165,14 +150,7 @@ def read_yaml_bytes(
     e.g. a checkpoint's stored deck, which must be bounded like any deck)."""
     if len(data) > max_bytes:
         raise fail(f"the {what} is {len(data):,} bytes; a {what} is at most {max_bytes:,} bytes")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise fail(
-            f"not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset {err.start} (line {line}); save the "
-            f"{what} as UTF-8"
-        ) from None
+    text = decode_utf8(data, what, fail)
     try:
         raw = parse_yaml(text, ("DECK", source))
     except DeckError as err:  # a deck's names the key; another file's names the file (`fail`)

@@ -47,19 +47,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python launch/study.py` puts launch/, not the repository, on sys.path
     sys.path.insert(0, str(REPO))
 
 from app.deck import Deck, load_deck, resolve_for_world  # noqa: E402
+from app.deck_yaml import read_yaml_file  # noqa: E402
 from app.errors import GridlmError, InputError  # noqa: E402
 from app.plan.machine import MACHINES_DIR, load_machine, machine_path  # noqa: E402
 from app.schema import Key, Problem, check  # noqa: E402
 from launch import submit  # noqa: E402
 
 STUDIES_DIR = REPO / "inputs" / "studies"
+EXAMPLE_STUDY = "inputs/studies/local_weak.yaml"
 KINDS = ("weak", "strong")
 # scale.global_batch: how a weak study's global batch follows the point.
 SCALE_RULES = {
@@ -127,13 +127,11 @@ def load_study(path: Path) -> Study:
     """Read and validate a study file; StudyError names the file, the key and what is accepted."""
     path = Path(os.path.abspath(path))
     where = f"study file {path}"
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
+    if not path.exists():
         known = ", ".join(sorted(p.name for p in STUDIES_DIR.glob("*.yaml")))
-        raise StudyError(f"{where}: no such file; the studies in {STUDIES_DIR}: {known}") from None
-    except yaml.YAMLError as err:
-        raise StudyError(f"{where}: not readable YAML ({err})") from None
+        raise StudyError(f"{where}: no such file; the studies in {STUDIES_DIR}: {known}")
+    # Bounded like a deck: a regular file, UTF-8, no aliases or merge keys, limited depth and size.
+    raw = read_yaml_file(path, "study file", lambda message: StudyError(f"{where}: {message}"), EXAMPLE_STUDY)
     try:
         raw = check(raw, FIELDS, where, null_is_absent=True)
     except Problem as bad:

@@ -144,7 +144,11 @@ MUTATIONS = [
 @st.composite
 def mutated_text(draw: st.DrawFn) -> bytes:
     """The YAML of a deck, with up to three byte-level or YAML-level mutations."""
-    data = yaml.safe_dump(draw(raw_decks()), sort_keys=False).encode()
+    return mutate(draw, yaml.safe_dump(draw(raw_decks()), sort_keys=False).encode())
+
+
+def mutate(draw: st.DrawFn, data: bytes) -> bytes:
+    """`data` (YAML or JSON text) with up to three byte-level or YAML-level mutations (MUTATIONS)."""
     for kind in draw(st.lists(st.sampled_from(MUTATIONS), max_size=3)):
         at = draw(st.integers(0, len(data)))
         lines = data.split(b"\n")

@@ -23,7 +23,6 @@ rank keeps the part of it that it holds (`app/checkpoint/io.initialise`).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -33,8 +32,10 @@ import numpy as np
 from app.checkpoint.export import Rule, dataset_name, mapping
 from app.deck import ModelConfig
 from app.errors import CheckpointError
+from app.untrusted import read_json
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+MAX_JSON_BYTES = 64 << 20  # config.json is a few KB; an index of a 400B model is a few MB
 # Tensors HF directories may hold that are not parameters: GPT-2's causal-mask buffers, rotary caches.
 IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 # Prefixes the base-model classes (GPT2Model, LlamaModel) save their keys without.
@@ -50,12 +51,9 @@ def read_config(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise _fail(directory, "no such directory; give a local Hugging Face model directory (config.json and "
                                "model.safetensors; nothing is downloaded)")  # fmt: skip
-    try:
-        config = json.loads((directory / CONFIG).read_text())
-    except FileNotFoundError:
-        raise _fail(directory, f"has no {CONFIG}; give a Hugging Face model directory (save_pretrained's)") from None
-    except (OSError, ValueError) as err:
-        raise _fail(directory, f"{CONFIG} cannot be read as JSON ({err})") from None
+    if not (directory / CONFIG).exists():
+        raise _fail(directory, f"has no {CONFIG}; give a Hugging Face model directory (save_pretrained's)")
+    config = read_json(directory / CONFIG, CONFIG, lambda why: _fail(directory, f"{CONFIG}: {why}"), "", MAX_JSON_BYTES)
     if not isinstance(config, dict) or config.get("model_type") not in ("gpt2", "llama"):
         kind = config.get("model_type") if isinstance(config, dict) else None
         raise _fail(directory, f"model_type {kind!r}: gridlm starts from gpt2 or llama models only")
@@ -187,10 +185,16 @@ class HFWeights:
 
         index = self.directory / INDEX
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as err:
-                raise _fail(self.directory, f"{INDEX} is not a safetensors index ({err!r})") from None
+            index_json = read_json(
+                index, INDEX, lambda why: _fail(self.directory, f"{INDEX}: {why}"), "", MAX_JSON_BYTES
+            )
+            weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+            # Files of the directory only: a name with a path in it is not save_pretrained's.
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) and v and v == Path(v).name for v in weight_map.values()
+            ):
+                raise _fail(self.directory, f"{INDEX} is not a safetensors index (a weight_map of tensor -> file "
+                                            "in the directory)")  # fmt: skip
             return {name: self.directory / file for name, file in weight_map.items()}
         single = self.directory / WEIGHTS
         if not single.is_file():

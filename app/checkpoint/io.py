@@ -505,9 +505,11 @@ def read_header(path: Path) -> dict[str, Any]:
     import h5py
 
     catalogue: dict[str, dict[str, Any]] = {}
+    if not path.is_file():  # a FIFO would block HDF5's open; a directory is no checkpoint
+        raise CheckpointError(f"{path} is not a file; resume from a step_NNNNNNN.h5 file or run.resume: none")
     try:
         with h5py.File(path, "r") as f:
-            attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+            attrs = root_attributes(f, path)
             if attrs.get("format") != FORMAT:
                 raise CheckpointError(f"{path} is not a gridlm checkpoint (no format = {FORMAT!r} attribute)")
             if not attrs.get("committed"):
@@ -527,6 +529,7 @@ def read_header(path: Path) -> dict[str, Any]:
                     f"checksum: the file was changed after it was written; resume from an older checkpoint "
                     f"(run.resume: <file>) or start over (run.resume: none)"
                 )
+            check_header(attrs, path)
 
             def visit(name: str, obj: Any) -> None:
                 if isinstance(obj, h5py.Dataset):
@@ -545,6 +548,95 @@ def read_header(path: Path) -> dict[str, Any]:
         ) from None
     rng = {key.removeprefix("rng/"): entry["shape"] for key, entry in catalogue.items() if key.startswith("rng/")}
     return {**attrs, "datasets": catalogue, "rng": rng}
+
+
+MAX_ATTRIBUTE_BYTES = 1 << 20  # a header attribute's stored bytes (the deck's is a few KB)
+CORRUPT = "resume from an older checkpoint (run.resume: <file>) or start over (run.resume: none)"
+
+
+def root_attributes(f: Any, path: Path) -> dict[str, Any]:
+    """The file's root attributes as Python values (numpy scalars and arrays unwrapped), each at most
+    MAX_ATTRIBUTE_BYTES where HDF5 knows the size before reading (fixed-size types); one that
+    h5py cannot read as a value is a CheckpointError, not a traceback."""
+    attrs: dict[str, Any] = {}
+    for name in list(f.attrs.keys())[:256]:  # a header has 17
+        try:
+            try:
+                size = f.attrs.get_id(name).get_storage_size()
+            except RuntimeError:  # HDF5 reports an empty attribute's size of 0 as an error
+                size = 0
+            if size > MAX_ATTRIBUTE_BYTES:
+                raise CheckpointError(
+                    f"{path}: header attribute {name[:80]!r} holds {size:,} bytes (at most {MAX_ATTRIBUTE_BYTES:,}): "
+                    f"not a gridlm header; {CORRUPT}"
+                )
+            value = f.attrs[name]
+        except (OSError, TypeError, ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{path}: header attribute {name[:80]!r} cannot be read ({err}); {CORRUPT}") from None
+        # Plain Python values: an array is compared and digested by its elements, not its repr.
+        attrs[name] = (
+            value.tolist()
+            if isinstance(value, np.ndarray)
+            else value.item()
+            if isinstance(value, np.generic)
+            else value
+        )
+    return attrs
+
+
+def _json_attribute(attrs: dict[str, Any], key: str, path: Path) -> Any:
+    value = attrs.get(key)
+    if not isinstance(value, str):
+        raise CheckpointError(f"{path}: header attribute {key} is {type(value).__name__}, not JSON text; {CORRUPT}")
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"{path}: header attribute {key} is not JSON ({str(err)[:120]}); {CORRUPT}") from None
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0  # bool is an int to isinstance
+
+
+def check_header(attrs: dict[str, Any], path: Path) -> None:
+    """Every header value that load, inspect, generate and export use has the type and range the
+    writer gives it: a file whose digest is missing (written before it) or that was rewritten with
+    a matching digest still ends in a CheckpointError naming the attribute, never a traceback."""
+
+    def bad(key: str, want: str) -> CheckpointError:
+        shown = repr(attrs.get(key))
+        return CheckpointError(
+            f"{path}: header attribute {key} = {shown[:80]}{'...' if len(shown) > 80 else ''} is not {want}; {CORRUPT}"
+        )
+
+    for key in ("step", "optimizer_steps", "consumed_samples"):
+        if not _count(attrs.get(key)):
+            raise bad(key, "a non-negative integer")
+    for key in ("nonfinite_events", "nonfinite_in_a_row"):  # missing in older files
+        if key in attrs and not _count(attrs[key]):
+            raise bad(key, "a non-negative integer")
+    if attrs.get("precision") not in ("fp32", "bf16", "fp16"):
+        raise bad("precision", "one of fp32, bf16, fp16")
+    if not isinstance(attrs.get("deck"), str):
+        raise bad("deck", "the deck's YAML text")
+    sampler = _json_attribute(attrs, "sampler", path)
+    if not isinstance(sampler, dict) or not _count(sampler.get("consumed_samples")):
+        raise bad("sampler", 'a JSON object {"consumed_samples": N}')
+    scaler = _json_attribute(attrs, "loss_scaler", path)
+    if scaler is not None and not (
+        isinstance(scaler, dict)
+        and type(scaler.get("scale")) in (int, float)
+        and math.isfinite(scaler["scale"])
+        and scaler["scale"] > 0
+        and _count(scaler.get("clean"))
+        and _count(scaler.get("skipped"))
+    ):
+        raise bad("loss_scaler", 'null or a JSON object {"scale": S > 0, "clean": N, "skipped": N}')
+    grid = _json_attribute(attrs, "grid", path)
+    if not isinstance(grid, dict) or not all(_count(grid.get(k)) for k in ("tp", "pp", "dp")):
+        raise bad("grid", 'a JSON object {"tp": N, "pp": N, "dp": N, ...}')
+    if "versions" in attrs and not isinstance(_json_attribute(attrs, "versions", path), dict):
+        raise bad("versions", "a JSON object")
 
 
 def stored_deck(header: dict[str, Any], path: Path) -> Any:

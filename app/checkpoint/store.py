@@ -33,6 +33,7 @@ from typing import Optional
 
 from app.deck import Deck
 from app.errors import CheckpointError
+from app.untrusted import read_bytes
 
 STEP_FILE = re.compile(r"^step_(\d{7,})\.h5$")
 LATEST = "latest"
@@ -58,10 +59,15 @@ def committed(directory: Path) -> list[tuple[int, Path]]:
 def read_latest(directory: Path) -> Optional[Path]:
     """The checkpoint `latest` names, or None when there is no pointer."""
     pointer = directory / LATEST
-    try:
-        name = pointer.read_text().strip()
-    except FileNotFoundError:
+    if not os.path.lexists(pointer):
         return None
+
+    def fail(message: str) -> CheckpointError:
+        return CheckpointError(f"{pointer}: {message}; write the name of a step_NNNNNNN.h5 file of {directory} "
+                               "into it, or set run.resume to a file")  # fmt: skip
+
+    # A step file's name and a newline: a FIFO or /dev/zero in its place must not hang or fill memory.
+    name = read_bytes(pointer, "checkpoint pointer", fail, "", 4096).decode("utf-8", "replace").strip()
     if not STEP_FILE.match(name):
         raise CheckpointError(
             f"{pointer} does not name a checkpoint file (it holds {name[:80]!r}); "

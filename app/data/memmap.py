@@ -30,13 +30,13 @@ DataError naming the file, the id and the fix.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 import numpy as np
 
 from app.errors import DataError
+from app.untrusted import read_json
 
 FORMAT, VERSION = "gridlm-tokens", 1
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -71,18 +71,12 @@ def load_metadata(prefix: str) -> dict:
     path = prefix + ".json"
     if not os.path.isfile(path):  # follows links; a FIFO or a directory is no file
         raise DataError(f"data file {path} does not exist; {FIX_PREPARE}")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)  # real ones are a few hundred bytes
-        if len(data) > MAX_METADATA_BYTES:
-            raise DataError(f"data file {path} is over {MAX_METADATA_BYTES:,} bytes: not a token file's metadata; "
-                            f"{FIX_PREPARE} again")  # fmt: skip
-        meta = json.loads(data.decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise DataError(f"data file {path} is not valid JSON ({str(e)[:200]}); {FIX_PREPARE} again") from None
+    fail = lambda message: DataError(f"data file {path}: {message}; {FIX_PREPARE}")  # noqa: E731
+    # Real ones are a few hundred bytes: a regular file, bounded, UTF-8 JSON.
+    meta = read_json(path, "token file's metadata", fail, "", MAX_METADATA_BYTES)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DataError(f'data file {path} is not a gridlm token file (expected "format": "{FORMAT}"); {FIX_PREPARE}')
-    if meta.get("version") != VERSION or meta.get("dtype") not in DTYPES:
+    if meta.get("version") != VERSION or not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPES:
         raise DataError(
             f"data file {path} has version {meta.get('version')!r} and dtype "
             f"{meta.get('dtype')!r}; gridlm reads version {VERSION} with dtype in "

@@ -36,8 +36,16 @@ import numpy as np
 
 from app.data.memmap import DTYPES, FORMAT, VERSION
 from app.data.sources import Source, list_files, plan_sources, read_documents, split_sources
-from app.data.tokenizer import AnyTokenizer, ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
+from app.data.tokenizer import (
+    MAX_TOKENIZER_BYTES,
+    AnyTokenizer,
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    train_bpe,
+)
 from app.errors import DataError, GridlmError
+from app.untrusted import read_bytes
 
 T = TypeVar("T")
 BATCH_BYTES = 4 << 20  # text per tokenizer call: large enough for its threads, small in memory
@@ -196,8 +204,9 @@ def _read_tokenizer(spec: str, eos: Optional[str]) -> tuple[str, Optional[str]]:
     tok = load_tokenizer(spec, eos)
     if isinstance(tok, ByteTokenizer):
         return spec, None
-    with open(spec, "rb") as f:  # bytes: the sha256 is of the file as it is
-        return spec, f.read().decode("utf-8")
+    # Read again as the check read it (bounded, decoded): the sha256 is of the file's bytes.
+    fail = lambda message: DataError(f"tokenizer {spec}: {message}")  # noqa: E731
+    return spec, read_bytes(spec, "tokenizer.json", fail, "", MAX_TOKENIZER_BYTES).decode("utf-8")
 
 
 def prepare(

@@ -20,11 +20,14 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from app.errors import DataError
+from app.untrusted import read_bytes
 
 # End-of-document tokens looked for, in order, in a tokenizer.json's special tokens (GPT-2,
 # Llama 1/2, Llama 3, Gemma) when --eos does not name one.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 BPE_EOS = "<|endoftext|>"  # the special token (id 0) of the BPE that train_bpe makes
+# The largest tokenizer.json files of public models are tens of MB (Gemma's 33 MB).
+MAX_TOKENIZER_BYTES = 128 << 20
 IDENTITY = ("tokenizer", "tokenizer_sha256", "vocab_size", "eos")  # metadata keys that name a tokenizer
 
 
@@ -76,14 +79,10 @@ class HFTokenizer:
 
         self.path = os.path.abspath(path)
         if text is None:
-            try:
-                with open(path, "rb") as f:
-                    raw = f.read()
-            except OSError as e:
-                raise DataError(
-                    f"tokenizer {path} cannot be read ({e.strerror}); fix: pass --tokenizer byte or the path of a "
-                    "Hugging Face tokenizer.json"
-                ) from None
+            fail = lambda message: DataError(  # noqa: E731
+                f"tokenizer {path}: {message}; fix: pass --tokenizer byte or the path of a Hugging Face tokenizer.json"
+            )
+            raw = read_bytes(path, "tokenizer.json", fail, "", MAX_TOKENIZER_BYTES)
         else:
             raw = text.encode("utf-8")
         try:
