@@ -158,10 +158,20 @@ def read_yaml_bytes(
             raise
         raise fail(f"{named(err.key)}: {err.accepted}" if err.key != "DECK" else err.accepted) from None
     except (yaml.YAMLError, ValueError, RecursionError) as err:
-        raise fail(f"not readable YAML ({str(err)[:300]})") from None
+        raise fail(f"not readable YAML ({yaml_reason(err)})") from None
     if raw is None:
         raise fail(f"the {what} is empty" + (f"; see {example}" if example else ""))
     return raw
+
+
+def yaml_reason(err: Exception) -> str:
+    """A YAML parse error on one line: what and where (PyYAML's own message spans four lines,
+    quoting the text with a caret under it)."""
+    mark = getattr(err, "problem_mark", None)
+    if isinstance(err, yaml.MarkedYAMLError) and mark is not None:
+        context = f"{err.context}; " if err.context else ""
+        return f"{context}{err.problem} at line {mark.line + 1}, column {mark.column + 1}"[:300]
+    return " ".join(str(err).split())[:300]
 
 
 def read_deck_file(path: Union[str, Path]) -> Any:

@@ -1,7 +1,7 @@
 """The performance model against measured steps on this machine.
 
     .venv/bin/python benchmarks/perf_model_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 20]
-        [--grids 1x1x4 2x1x2 ...] [--rounds 3] [--out runs/perf_model_bench]
+        [--grids 1x1x4 2x1x2 ...] [--rounds 3] [--calibrate-repeat 3] [--out runs/perf_model_bench]
         [--hosts gridlm-node1:4,gridlm-node2:4 [--shape 200mbit]]
 
 Each of --rounds rounds first calibrates this machine at every world size among the grids
@@ -35,10 +35,10 @@ GRIDS = ["1x1x4", "2x1x2", "1x2x2", "2x2x1", "2x1x2+sp", "1x2x2+v2", "2x2x2", "1
 EXTRA = {"2x1x2": ("optim.zero=1",), "1x2x4": ("train.recompute=full",), "1x1x8": ("train.micro_batch=2",)}
 
 
-def calibrate(ranks: int, out: Path, round_: int, hosts: str | None = None) -> Path:
+def calibrate(ranks: int, out: Path, round_: int, hosts: str | None = None, repeat: int = 3) -> Path:
     path = out / f"local_{ranks}_round{round_}.yaml"
     cmd = ["mpirun", "-n", str(ranks), *grid_bench.host_args(hosts), sys.executable, "-m", "app.plan.calibrate",
-           "--out", str(path)]  # fmt: skip
+           "--out", str(path), "--repeat", str(repeat)]  # fmt: skip
     print(f"perf_model_bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=REPO, env=grid_bench.mpi_env(), check=True)
     return path
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grids", nargs="+", default=GRIDS)
     parser.add_argument("--rounds", type=int, default=3, help="runs of every grid, alternated; the median is reported")
     parser.add_argument("--out", default="runs/perf_model_bench")
+    parser.add_argument("--calibrate-repeat", type=int, default=3, help="app.plan.calibrate --repeat (default 3)")
     parser.add_argument("--hosts", default=None, help="mpirun --host for every job (simulated nodes)")
     parser.add_argument("--shape", default=None, help="with --hosts: limit every node's link to RATE (e.g. 200mbit)")
     args = parser.parse_args(argv)
@@ -93,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
     predictions: dict[str, list[dict]] = {spec: [] for spec in args.grids}
     errors: dict[str, str] = {}
     for round_ in range(args.rounds):
-        machines = {n: calibrate(n, out, round_, args.hosts) for n in sorted({ranks(s) for s in args.grids})}
+        machines = {
+            n: calibrate(n, out, round_, args.hosts, args.calibrate_repeat)
+            for n in sorted({ranks(s) for s in args.grids})
+        }
         for spec in args.grids:
             run_args = argparse.Namespace(
                 out=str(Path(args.out) / "runs"),

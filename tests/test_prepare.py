@@ -241,7 +241,7 @@ def test_mpirun_an_error_on_one_rank_ends_every_rank_with_status_2_and_one_messa
         args, says = (path, "--field", "text"), f"JSONL line {path}:3 is not valid JSON"
     out = run_prepare_mpi(2, *args, "--out", tmp_path / "out" / "t")
     assert out.returncode == 2, out.stdout + out.stderr
-    assert out.stderr.count("error: ") == 1 and says in out.stderr and "fix: " in out.stderr
+    assert out.stderr.count("gridlm: ") == 1 and says in out.stderr and "fix: " in out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     assert os.listdir(tmp_path / "out") == []
 

@@ -404,7 +404,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     except GridlmError as e:  # raised on every rank alike (agreed)
         if comm.rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"gridlm: {e}", file=sys.stderr, flush=True)
         if comm.size > 1:
             comm.Barrier()  # rank 0 has printed before any rank's exit status ends the job
         return 2
