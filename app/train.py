@@ -440,9 +440,16 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to deck.train.steps, logging every run.log_every steps; returns the summary."""
+        steps = self.deck.train.steps
+        self.report.banner()
+        try:  # one rank's out of memory, wherever it strikes: name it and end the job (RankFatal)
+            return self._run(steps)
+        except torch.OutOfMemoryError as err:
+            raise out_of_memory(self, err) from None
+
+    def _run(self, steps: int) -> dict[str, Any]:
         deck, rt, report = self.deck, self.runtime, self.report
-        steps = deck.train.steps
-        report.banner()
+        self.phase = "resume"
         self.resume()
         if deck.run.init_from and self.resumed is None:
             self.initialise_from_hf(Path(deck.run.init_from))
@@ -457,11 +464,10 @@ class Trainer:
             return {"steps": steps, "start_step": start, "resumed_from": self.resumed}
         report.open(start, resumed=self.resumed is not None)
         self.model.train()
-        try:
-            interrupted = self._train_to(steps)
-        except torch.OutOfMemoryError as err:  # one rank's: name it and end the job (RankFatal)
-            raise out_of_memory(self, err) from None
+        interrupted = self._train_to(steps)
+        self.phase = "checkpoint"
         self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
+        self.phase = "the end of the run"
         return self._finish(interrupted)
 
     def _train_to(self, steps: int) -> Optional[str]:
@@ -604,25 +610,33 @@ class Trainer:
 def out_of_memory(trainer: Trainer, err: BaseException) -> RankFatal:
     """One line for a device out of memory on this rank: where (rank, phase, step), how much the
     device holds against the plan, and the deck keys that need less."""
-    deck, device = trainer.deck, trainer.device
+    where = f"{trainer.phase} at step {trainer.steps_done + 1}"
+    return oom_fatal(trainer.deck, trainer.runtime, trainer.grid, where, err)
+
+
+def oom_fatal(deck: Deck, runtime: Runtime, grid: ProcessGrid, where: str, err: BaseException) -> RankFatal:
+    """`out_of_memory`'s line, also before a Trainer exists (building the model and optimizer)."""
+    device = runtime.device
     memory = gpu_memory(device)
     held = ""
     if memory is not None:
         held = f"; {torch.cuda.memory_allocated(device) / GIB:.2f} GiB allocated of {memory[1] / GIB:.2f} GiB"
-    plan = rank_device_bytes(deck, trainer.grid.coords["pp"]) / GIB
+    plan = rank_device_bytes(deck, grid.coords["pp"]) / GIB
     tr = deck.train
     return RankFatal(
-        f"rank {trainer.runtime.rank}: {device} out of memory in {trainer.phase} at step "
-        f"{trainer.steps_done + 1}{held}; the plan estimated {plan:.2f} GiB per device (train.micro_batch "
-        f"{tr.micro_batch}, train.recompute {tr.recompute}, optim.zero {deck.optim.zero}): lower train.micro_batch, "
-        f"set train.recompute: full, raise optim.zero (1-3) or optim.offload, or use more tp/pp ranks "
-        f"({str(err).splitlines()[0][:160] if str(err) else type(err).__name__})"
+        f"rank {runtime.rank}: {device} out of memory in {where}{held}; the plan estimated {plan:.2f} GiB per "
+        f"device (train.micro_batch {tr.micro_batch}, train.recompute {tr.recompute}, optim.zero {deck.optim.zero}): "
+        f"lower train.micro_batch, set train.recompute: full, raise optim.zero (1-3) or optim.offload, or use more "
+        f"tp/pp ranks ({str(err).splitlines()[0][:160] if str(err) else type(err).__name__})"
     )
 
 
 def train(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> dict[str, Any]:
     """Build a `Trainer` and run it; returns the summary. run.dir stays locked until it returns."""
-    trainer = Trainer(deck, runtime, grid)
+    try:
+        trainer = Trainer(deck, runtime, grid)
+    except torch.OutOfMemoryError as err:  # the model, its optimizer state and buffers do not fit
+        raise oom_fatal(deck, runtime, grid, "start-up (building the model and optimizer)", err) from None
     try:
         return trainer.run()
     finally:

@@ -88,30 +88,40 @@ OOM_ON_RANK_1 = """
 import sys, torch
 import app.train as train
 from app.__main__ import run
-forward_backward = train.Trainer.forward_backward
+forward_backward, build = train.Trainer.forward_backward, train.Trainer.__init__
 def failing(self):
     if self.runtime.rank == 1 and self.steps_done == 1:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (stubbed)")
     return forward_backward(self)
-train.Trainer.forward_backward = failing
+def failing_build(self, deck, runtime, grid):  # the last allocation of the model and optimizer
+    build(self, deck, runtime, grid)
+    if runtime.rank == 1:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (stubbed)")
+if sys.argv.pop(1) == "step":
+    train.Trainer.forward_backward = failing
+else:
+    train.Trainer.__init__ = failing_build
 sys.exit(run(sys.argv[1:]))
 """
 
 
-def test_an_out_of_memory_on_one_rank_ends_every_rank_with_one_line_and_exit_2(tmp_path):
+@pytest.mark.parametrize("when", ["step", "start-up"])
+def test_an_out_of_memory_on_one_rank_ends_every_rank_with_one_line_and_exit_2(tmp_path, when):
     """torch.OutOfMemoryError in rank 1's forward at step 2, while rank 0 waits for it in the step's
-    collectives: one gridlm line from rank 1 (rank, phase, step, the plan, the keys to lower), exit 2
+    collectives, or at the end of rank 1's start-up (building the model and optimizer) while rank 0
+    goes on: one gridlm line from rank 1 (rank, phase, step, the plan, the keys to lower), exit 2
     from the job, no traceback, no rank named lost or dead, long before the comm timeout (600 s)."""
     sets = [*SMALL, f"run.dir={tmp_path}", "checkpoint.every=0", "checkpoint.at_exit=false"]
     started = time.monotonic()
-    out = run_mpi(2, sys.executable, "-c", OOM_ON_RANK_1, "inputs/gpt_tiny.yaml",
+    out = run_mpi(2, sys.executable, "-c", OOM_ON_RANK_1, when, "inputs/gpt_tiny.yaml",
                   *(a for s in sets for a in ("--set", s)), timeout=240)  # fmt: skip
     elapsed = time.monotonic() - started
     text = out.stdout + out.stderr
     assert out.returncode == 2, text[-3000:]
     lines = [line for line in text.splitlines() if "out of memory" in line]
     assert len(lines) == 1, text[-3000:]
-    assert re.match(r"gridlm: rank 1: cpu out of memory in forward/backward at step 2; the plan estimated "
+    where = "forward/backward at step 2" if when == "step" else r"start-up \(building the model and optimizer\)"
+    assert re.match(rf"gridlm: rank 1: cpu out of memory in {where}; the plan estimated "
                     r"[\d.]+ GiB per device \(train.micro_batch 2.*lower train.micro_batch", lines[0]), lines[0]  # fmt: skip
     assert "Traceback" not in text and "internal error" not in text
     assert not re.search(r"lost its peer|died|dead", text), text[-3000:]
