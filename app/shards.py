@@ -7,7 +7,7 @@ sits in it (`offset`, `shape`), which of its local flat elements this rank write
 its share, so that the ranks together write each element once) and which it holds and
 loads (`hold`), and a view of any local flat range inside `hold`. The checkpoint walks
 these descriptors and knows nothing of buffers, buckets or shards; the component decides
-all of it from its layout (`app.parallel.layout.ParamLayout`).
+all of it from its layout (`app.sharding.layout.ParamLayout`).
 
 Components whose state is a few numbers (the loss scaler, the sampler) give it as a JSON
 object (`state_dict` / `load_state_dict`). Both kinds are declared here as protocols, so the

@@ -39,10 +39,10 @@ from app.data.synthetic import SyntheticTokens
 from app.deck import Deck
 from app.deck_paths import check_paths, offload_dir
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
-from app.eval import EvalResult, eval_dataset, eval_source, evaluate
+from app.eval import eval_dataset, eval_source, evaluate
+from app.metrics.eval_record import EvalResult
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo
-from app.metrics.timers import StepTimers
 from app.model.fused import Kernels
 from app.model.goldfish import CountedTargets, goldfish_keep
 from app.model.gpt import GPT, Targets
@@ -58,6 +58,7 @@ from app.optim.optimizer import (
     step_verdict,
 )
 from app.parallel.data import DataParallel
+from app.parallel.loss import global_loss
 from app.parallel.pipeline import Pipeline
 from app.parallel.schedule import partition_layers
 from app.plan.estimate import rank_device_bytes
@@ -66,6 +67,7 @@ from app.runtime.lock import RunLock, acquire_run_lock
 from app.runtime.mpi import Runtime, agree, on_root
 from app.runtime.preflight import GIB, checkpoint_read, gpu_memory, h5py_has_mpi, preflight
 from app.runtime.signals import StopSignals, signal_name
+from app.runtime.timers import StepTimers
 from app.tensor_parallel.mappings import TensorParallel
 from app.tensor_parallel.tensor3d import Tensor3D, tensor3d_from_grid
 
@@ -96,16 +98,6 @@ def _make_run_dir(runtime: Runtime, deck: Deck) -> tuple[Path, Optional[RunLock]
     # on_root, not agree: a refusal is about the directory, not about rank 0's host.
     on_root(runtime, create)
     return run_dir, (held[0] if held else None)
-
-
-def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid, tp: Optional[Tensor3D | TensorParallel] = None) -> float:
-    """The global-batch mean loss: held by the last stage (summed over pp), averaged over dp (and
-    under 3D tensor parallelism over Z, which splits the batch too)."""
-    value = loss_sum.detach().clone()
-    grid.all_reduce(value, ("pp", "dp"))
-    if isinstance(tp, Tensor3D) and tp.z.size > 1:
-        value = tp.z.all_reduce(value) / tp.z.size
-    return float(value) / grid.size("dp")
 
 
 class Trainer:

@@ -11,7 +11,7 @@ runs `mpirun -n TP*PP*DP python -m app DECK` with
 run.timers on, and the table (Markdown on stdout, plus table.md and table.csv in
 --out) reports from its summary.json: the mean step time after the warm-up steps (and
 its standard deviation), tokens/s, and the milliseconds per step rank 0 was blocked on
-tp, pp and dp communication (exposed; see app/metrics/timers.py). Rank 0 is tp rank 0 of
+tp, pp and dp communication (exposed; see app/runtime/timers.py). Rank 0 is tp rank 0 of
 the first pipeline stage: its pp time includes waiting for the pipeline to fill and
 drain (the bubble), not only transfer time.
 """

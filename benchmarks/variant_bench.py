@@ -13,7 +13,7 @@ variant once, in turn (the variants alternate, so a noisy neighbour hurts all of
 rounds (each round's figure in brackets) of:
 
 - the mean step time after `run.timing_warmup` steps, and the milliseconds per step rank 0 was
-  blocked on dp and tp communication (exposed; app/metrics/timers.py);
+  blocked on dp and tp communication (exposed; app/runtime/timers.py);
 - rank 0's peak resident memory (summary.json `memory_bytes_rank0.peak_rss`: the whole process,
   its Python, torch and MPI libraries included, over the whole run, start-up included);
 - the dry run's peak per rank for the same deck (`--dry-run --json`, `memory.peak_gib`: on a

@@ -338,7 +338,7 @@ def shard_errors(
 def train_steps(trainer, steps: int) -> list[float]:
     """Run `steps` optimizer steps; the global-batch losses (under 3D tensor parallelism averaged over
     Z too, which splits the batch). Leaves no ZeRO all-gather in flight."""
-    from app.train import global_loss
+    from app.parallel.loss import global_loss
 
     trainer.model.train()
     losses = [global_loss(trainer.step()[0], trainer.grid, trainer.tp) for _ in range(steps)]

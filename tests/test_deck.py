@@ -291,7 +291,7 @@ def test_the_largest_seed_is_a_valid_torch_and_numpy_seed():
     import numpy as np
     import torch
 
-    from app.model.init import _key as stream_key
+    from app.sharding.init import _key as stream_key
 
     top = next(f.metadata["max"] for f in dataclasses.fields(TrainConfig) if f.name == "seed")
     assert load_deck(TINY, (f"train.seed={top}",)).train.seed == top

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from app.deck import ModelConfig
-from app.metrics.timers import StepTimers
 from app.model.gpt import GPT
-from app.model.init import ParamMeta, counter_normal
 from app.runtime.grid import ProcessGrid
+from app.runtime.timers import StepTimers
+from app.sharding.init import ParamMeta, counter_normal
 from app.tensor_parallel import mappings as c
 from app.tensor_parallel.layers import (
     ColumnParallelLinear,

@@ -1,4 +1,4 @@
-"""ParamLayout (app/parallel/layout.py): pure, so checked at any dp size without tensors.
+"""ParamLayout (app/sharding/layout.py): pure, so checked at any dp size without tensors.
 
 Serial. The layouts of real trainers are exercised by every training test under mpirun (they
 allocate from it); here the invariants are checked directly, up to dp = 32,768.
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from app.parallel.layout import ParamLayout, ParamMeta
+from app.sharding.layout import ParamLayout, ParamMeta
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,7 +108,7 @@ def test_ownership_counts_each_element_of_the_1_rank_model_once_over_tp():
     import itertools
     from collections import Counter
 
-    from app.parallel.layout import tp_box
+    from app.sharding.layout import tp_box
 
     tp = 4
     base = [ParamMeta((8, 6)), ParamMeta((6,), decay=False), ParamMeta((12, 6), tied=True), ParamMeta((6, 8))]

@@ -17,8 +17,8 @@ from app.metrics.flops import (
 )
 from app.metrics.peaks import peak_tflops
 from app.model.gpt import GPT
-from app.model.init import ParamMeta, counter_normal
 from app.optim.optimizer import learning_rate
+from app.sharding.init import ParamMeta, counter_normal
 
 CFG = ModelConfig(vocab_size=97, seq_len=16, layers=2, hidden=32, heads=4)
 CPU = torch.device("cpu")
@@ -52,7 +52,7 @@ def test_initial_values_of_a_range_equal_that_slice_of_the_shard():
     """What a ZeRO shard built from a meta model relies on: any flat range of a tp shard's
     values, computed alone, is bitwise the same slice of the whole shard's values (also across
     the generator's chunk boundary of 2^22 elements), and zeros/ones inits fill their range."""
-    from app.model.init import initial_values
+    from app.sharding.init import initial_values
 
     shard = ParamMeta((64, 50), std=0.5, offset=(32, 10), shape=(32, 20))
     whole = counter_normal(5, "blocks.1.attn.qkv.weight", shard, (32, 20), CPU).reshape(-1)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from app.deck import OptimConfig, load_deck, resolve_for_world
-from app.model.init import ParamMeta
 from app.optim.optimizer import ShardedOptimizer
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
+from app.sharding.init import ParamMeta
 from app.train import Trainer
 from conftest import REPO
 

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from app.deck import load_deck, resolve_for_world
+from app.plan.device import Device, device_of
 from app.plan.estimate import stage_params
 from app.plan.machine import LinkLevel, MachineError, load_machine
-from app.plan.perf import Device, _simulate, _simulate_shared, core_sharing, device_of, group_bandwidth, predict
+from app.plan.perf import _simulate, _simulate_shared, core_sharing, group_bandwidth, predict
 from conftest import REPO, run_mpi
 
 TABLE = REPO / "inputs/published/megatron_sc21_table1.csv"

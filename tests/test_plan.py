@@ -85,8 +85,8 @@ def test_3d_stage_params_equal_the_built_shards(tie, tensor, pp):
     import torch
 
     from app.model.gpt import GPT
-    from app.parallel.layout import coords3d
     from app.parallel.schedule import partition_layers
+    from app.sharding.layout import coords3d
     from app.tensor_parallel.mappings import TensorParallel
     from app.tensor_parallel.tensor3d import Tensor3D
 
@@ -461,8 +461,8 @@ def test_zero3_memory_is_a_parameter_shard_plus_three_gathered_units(overrides):
     2 + ZERO3_PREFETCH of the largest unit's buckets; the optimizer keeps the fp32 master (not
     when computing in fp32), two moments and the gradient shard per shard element; the gradients
     are ZeRO-2's bucket bound on this layout."""
-    from app.parallel.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH
     from app.plan.estimate import stage_units
+    from app.sharding.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH
 
     deck = load_deck(None, (*SMALL, *overrides, "optim.zero=3", "train.global_batch=16", "train.micro_batch=1"))
     deck = resolve_for_world(deck, deck.parallel.tp * deck.parallel.pp * 4)

@@ -89,3 +89,135 @@ def test_a_group_that_runs_fewer_tests_than_its_floor_fails():
     assert run(1).returncode == 0
     short = run(2)
     assert short.returncode == 1 and "fewer than this group's floor of 2" in short.stdout, short.stdout
+
+
+# ---- floors and cycles ---------------------------------------------------------------------
+
+# The floors of app/, lowest first (docs/ARCHITECTURE.md draws them): a module imports only from
+# its own floor or a lower one, at any depth (function-level and TYPE_CHECKING imports included),
+# and no modules import each other in a cycle. Entry points (`__main__`) stand above them all.
+FLOORS = [
+    ["app", "app.schema", "app.names", "app.errors", "app.untrusted", "app.shards"],
+    ["app.deck_yaml", "app.deck", "app.deck_paths"],
+    ["app.runtime", "app.sharding", "app.data", "app.job"],
+    ["app.metrics"],
+    ["app.tensor_parallel"],
+    ["app.model"],
+    ["app.parallel"],
+    ["app.optim", "app.plan", "app.checkpoint"],
+    ["app.eval"],
+    ["app.train"],
+    ["app.generate", "app.memorization"],
+]
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, package: str = "app") -> dict[str, dict[str, int]]:
+    """module -> {imported module of `package`: line}, for every module under root/package; `from
+    a.b import c` names module a.b.c where c is one, else a.b."""
+    modules = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]  # fmt: skip
+            else:
+                continue
+            for target in targets:
+                while target not in modules and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in modules and target != name:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def floor_of(module: str, floors: list[list[str]]) -> int:
+    if module.rsplit(".", 1)[-1] == "__main__":
+        return len(floors)
+    found = [(len(prefix), i) for i, floor in enumerate(floors) for prefix in floor
+             if module == prefix or module.startswith(prefix + ".")]  # fmt: skip
+    assert found, f"{module} is on no floor: add it to FLOORS (and to docs/ARCHITECTURE.md)"
+    return max(found)[1]
+
+
+def upward_imports(graph: dict[str, dict[str, int]], floors: list[list[str]]) -> list[str]:
+    return [f"{m}:{line} imports {t} (floor {floor_of(t, floors)} above {floor_of(m, floors)})"
+            for m, edges in sorted(graph.items()) for t, line in sorted(edges.items())
+            if floor_of(t, floors) > floor_of(m, floors)]  # fmt: skip
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_module_imports_from_a_higher_floor():
+    bad = upward_imports(import_graph(REPO), FLOORS)
+    assert not bad, "imports up a floor (move the shared part down, or pass a Protocol):\n" + "\n".join(bad)
+
+
+def test_no_modules_import_each_other_in_a_cycle():
+    cycles = import_cycles(import_graph(REPO))
+    assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(map(str, cycles))
+
+
+def test_the_floor_and_cycle_checks_see_a_planted_cycle_and_upward_import(tmp_path):
+    """A package whose low module imports a high one (inside a function) and whose two middle
+    modules import each other: both checks fail on it."""
+    pkg = tmp_path / "toy"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "base.py").write_text("def f():\n    from toy.high import g\n    return g\n")
+    (pkg / "mid_a.py").write_text("import toy.mid_b\n")
+    (pkg / "mid_b.py").write_text("from toy import mid_a\n")
+    (pkg / "high.py").write_text("from toy.low.base import f\ng = f\n")
+    graph = import_graph(tmp_path, "toy")
+    floors = [["toy", "toy.low"], ["toy.mid_a", "toy.mid_b"], ["toy.high"]]
+    assert upward_imports(graph, floors) == ["toy.low.base:2 imports toy.high (floor 2 above 0)"]
+    assert import_cycles(graph) == [["toy.high", "toy.low.base"], ["toy.mid_a", "toy.mid_b"]]

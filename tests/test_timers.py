@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from app.metrics.timers import StepTimers, union_length
+from app.runtime.timers import StepTimers, union_length
 
 
 def test_union_length_counts_overlapping_spans_once():

@@ -79,7 +79,7 @@ def test_bucketed_dp_reduction_gives_the_mean_gradient(runtime, zero, overlap):
     hooks, or after it, hold the dp mean of the gradients, accumulated over 2 micro-batches;
     under ZeRO-1 each rank holds a disjoint 1/dp slice and the slices tile every parameter.
     Exact comparison up to 1e-6: the reference sums the same fp32 values in another order."""
-    from app.model.init import ParamMeta
+    from app.sharding.init import ParamMeta
 
     grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
     torch.manual_seed(0)
@@ -135,8 +135,8 @@ def test_an_overlapped_zero1_gather_finishing_after_a_forward_saved_weights_leav
     bucket's weights made those look modified. The interleaving is forced here: rank 1 launches the second
     bucket's gather 0.5 s late, so on rank 0 `first` saves its weight before `later`'s bucket
     arrives. Each bucket now has its own counter; backward runs and the gradient is right."""
-    from app.model.init import ParamMeta
     from app.names import torch_dtype
+    from app.sharding.init import ParamMeta
 
     class TwoStage(torch.nn.Module):
         def __init__(self) -> None:

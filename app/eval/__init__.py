@@ -9,7 +9,7 @@ different steps are comparable), split over the data ranks like a training batch
 no autograd, no optimizer, dropout off). Every target counts (Goldfish is a training loss
 mask, not part of the measure). The result is the mean cross-entropy over all
 eval.batches x global_batch x seq_len targets, reduced like the training loss
-(`app.train.global_loss`), so it is the 1-rank value on every grid.
+(`app.parallel.loss.global_loss`), so it is the 1-rank value on every grid.
 
 `python -m app.eval DECK --checkpoint CKPT` (`app/eval/__main__.py`) runs it on a checkpoint.
 """
@@ -18,47 +18,52 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
 from app.data import GlobalBatchSampler, MemmapTokens, SyntheticTokens, get_batch
 from app.deck import Deck
 from app.errors import DataError
+from app.metrics.eval_record import EvalResult
+from app.parallel.loss import global_loss
 from app.runtime.mpi import agree
 
 if TYPE_CHECKING:
-    from app.train import Trainer
+    from app.model.gpt import GPT
+    from app.parallel.pipeline import Pipeline
+    from app.runtime.grid import ProcessGrid
+    from app.runtime.mpi import Runtime
+    from app.runtime.timers import StepTimers
+    from app.tensor_parallel.mappings import TensorParallel
+    from app.tensor_parallel.tensor3d import Tensor3D
+
+
+class GatheredParams(Protocol):
+    def wait_params(self) -> None: ...
+
+
+class Evaluated(Protocol):
+    """What `evaluate` reads of a model built on the grid (a Trainer is one): evaluation sits below
+    training and knows it by this, not by its class."""
+
+    deck: Deck
+    runtime: Runtime
+    grid: ProcessGrid
+    device: torch.device
+    model: GPT
+    pipeline: Pipeline
+    dp: GatheredParams
+    timers: StepTimers
+    tp: Optional[Tensor3D | TensorParallel]
+    z_size: int  # 3D tensor parallelism's Z splits the batch too: data ranks are dp x z
+    data_rank: int
+    steps_done: int
+
 
 # Synthetic data's held-out stream: the training seed plus this (samples are pure functions of
 # (seed, index), so another seed is another set of sequences of the same rule).
 SYNTHETIC_EVAL_SEED_OFFSET = 0x5EED_E7A1
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """One evaluation: the mean validation loss over `tokens` targets and its perplexity."""
-
-    step: int
-    loss: float
-    perplexity: float
-    samples: int
-    tokens: int
-    seconds: float
-    source: str
-
-    def record(self) -> dict[str, Any]:
-        """The metrics.jsonl / summary.json form."""
-        return {
-            "step": self.step,
-            "loss": self.loss,
-            "perplexity": self.perplexity,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "seconds": self.seconds,
-            "source": self.source,
-        }
 
 
 def eval_source(deck: Deck) -> str:
@@ -92,10 +97,8 @@ def eval_dataset(deck: Deck) -> SyntheticTokens | MemmapTokens:
     return SyntheticTokens(m.vocab_size, m.seq_len, seed + SYNTHETIC_EVAL_SEED_OFFSET, deck.data.noise)
 
 
-def evaluate(trainer: Trainer, dataset: SyntheticTokens | MemmapTokens) -> EvalResult:
+def evaluate(trainer: Evaluated, dataset: SyntheticTokens | MemmapTokens) -> EvalResult:
     """The validation loss of `trainer`'s model now (collective: every rank of the grid)."""
-    from app.train import global_loss
-
     deck, rt = trainer.deck, trainer.runtime
     tr = deck.train
     t0 = time.perf_counter()

@@ -37,13 +37,13 @@ from app.metrics.summary import (
     Summary,
     TimersInfo,
 )
-from app.metrics.timers import PHASES
 from app.names import AXES, SCHEDULES, TP_SUB_AXES, reduce_precision, schedule_key
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, node_summary, on_root
+from app.runtime.timers import PHASES
 
 if TYPE_CHECKING:
-    from app.eval import EvalResult
+    from app.metrics.eval_record import EvalResult
 
 OVERLAP_KEYS = (
     "overlap_grad_reduce",

@@ -8,7 +8,7 @@ split over tp, the vocabulary too. A `GPT` object holds the part of the model on
 runs: the layers of its pipeline chunks (`layers`, global indices), the embedding if it
 runs the first chunk, the final LayerNorm and head if it runs the last. Parameter names
 are those of the 1-rank model (`blocks.7.attn.qkv.weight` on whichever stage runs layer
-7), and every parameter is initialised from (seed, name) only (`app/model/init.py`), so
+7), and every parameter is initialised from (seed, name) only (`app/sharding/init.py`), so
 any shard on any grid equals the same slice of the 1-rank model. Built on the "meta" device,
 the model holds shapes only: `DataParallel` then computes each rank's values straight into its
 buffers (`seed=`), so a rank never holds its whole stage in fp32 at start-up.
@@ -40,8 +40,8 @@ from torch.utils.checkpoint import checkpoint
 
 from app.deck import ModelConfig
 from app.model.goldfish import CountedTargets
-from app.model.init import ParamMeta, init_parameters
 from app.names import RECOMPUTE
+from app.sharding.init import ParamMeta, init_parameters
 from app.tensor_parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,

@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
-from app.model.init import initial_values
-from app.parallel.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, Segment
 from app.runtime.grid import ProcessGrid
+from app.runtime.timers import Pending, StepTimers, comm_region, launch, wait
+from app.sharding.init import initial_values
+from app.sharding.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, Segment
 from app.shards import ShardState
 
 
@@ -268,7 +268,7 @@ class DataParallel:
     def _initial(self, start: int, end: int, indices: Sequence[int]) -> torch.Tensor:
         """The fp32 initial values of parameters `indices` in buffer range [start, end) (padding
         zero): the master weights come from them, not from a rounded copy. A meta parameter's
-        values are computed from (seed, name) (`app.model.init`), only the range's."""
+        values are computed from (seed, name) (`app.sharding.init`), only the range's."""
         out = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         for i in indices:
             lo, hi = self.layout.local_range(i, (start, end))

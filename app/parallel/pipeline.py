@@ -32,10 +32,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from app.metrics.timers import StepTimers, comm_region, launch, wait
 from app.model.gpt import GPT, Targets
 from app.parallel.schedule import Action, Message, build_schedule, messages
 from app.runtime.grid import ProcessGrid
+from app.runtime.timers import StepTimers, comm_region, launch, wait
 
 
 class Pipeline:

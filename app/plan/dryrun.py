@@ -18,11 +18,11 @@ from typing import Any, Optional
 from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
 from app.names import SCHEDULES, schedule_key, strides3d
-from app.parallel.layout import SUB_AXES, ZERO3_PREFETCH
 from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params, step_flops
 from app.plan.machine import Machine
 from app.plan.perf import Link, Prediction, axis_links, predict
 from app.runtime.grid import AXES, GridLayout
+from app.sharding.layout import SUB_AXES, ZERO3_PREFETCH
 
 GiB = 2.0**30
 USABLE_FRACTION = 0.9  # of device memory; the rest for the CUDA context, NCCL buffers, fragmentation

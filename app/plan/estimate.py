@@ -69,7 +69,8 @@ from typing import Any, Callable, Optional, Union
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
 from app.names import BYTES, reduce_precision
-from app.parallel.layout import (
+from app.parallel.schedule import partition_layers
+from app.sharding.layout import (
     ORS_IN_FLIGHT,
     ZERO2_IN_FLIGHT,
     ZERO3_PREFETCH,
@@ -79,7 +80,6 @@ from app.parallel.layout import (
     tp_box,
     weight_splits,
 )
-from app.parallel.schedule import partition_layers
 
 
 def block_tensors(m: ModelConfig) -> int:

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from app.deck import Deck
 from app.names import BYTES, reduce_precision
+from app.plan.device import Device
 from app.plan.estimate import OFFLOAD_SLOTS, OFFLOAD_STATE_BYTES
 from app.plan.machine import Machine, MachineError
-
-if TYPE_CHECKING:
-    from app.plan.perf import Device
 
 # AdamW on GPUs is torch's fused kernel (`_AdamWCall`): one pass that reads the master, the fp32
 # gradient and both moments and writes the master and both moments; when it unscales the gradient

@@ -176,7 +176,8 @@ def _shapes(tp: int) -> Iterator[tuple[int, int, int]]:
 def _rank_shapes(deck: Deck, machine: Machine, tp: int, mb: int) -> list[tuple[float, tuple[int, int, int]]]:
     """Every (x, y, z) of `tp` that the model's splits allow, by one block's predicted forward and
     backward time per sample, (F + B) / z, on the sub-axes' links with tp innermost (best first)."""
-    from app.plan.perf import _layer_passes3d, axis_links3d, device_of, overlap3d
+    from app.plan.device import device_of
+    from app.plan.perf import _layer_passes3d, axis_links3d, overlap3d
     from app.runtime.grid import GridLayout
 
     dev = device_of(machine, deck.train.precision, deck.run.malloc_mmap_threshold_kb)

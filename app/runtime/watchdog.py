@@ -41,12 +41,9 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional, TextIO, Union
+from typing import Any, Callable, Optional, Protocol, TextIO, Union
 
 from app.names import rank_ranges
-
-if TYPE_CHECKING:
-    from app.runtime.mpi import Runtime
 
 EXIT_CODE = 4  # communication timeout or a lost rank (README, "When things go wrong")
 HEARTBEAT_KEY = "gridlm/heartbeat/{}"
@@ -54,6 +51,18 @@ HEARTBEAT_KEY = "gridlm/heartbeat/{}"
 ENDED_KEY = "gridlm/ended"
 MAX_NAMED = 8  # ranks named in one line; a 32k-rank job that lost a switch would print thousands
 PROBED_NODES = 3  # silent nodes whose address is probed (2 s each) before the line is printed
+
+
+class WatchedRuntime(Protocol):
+    """What the watchdog reads of the rank's `app.runtime.mpi.Runtime` (which holds the watchdog,
+    so it is known here by this, not imported)."""
+
+    comm: Any
+    rank: int
+    world_size: int
+    hostname: str
+    global_ranks: list[int]
+    watchdog: AnyWatchdog  # defined below: the real one or the no-op
 
 
 class NullWatchdog:
@@ -128,7 +137,7 @@ class Watchdog:
 
     def __init__(
         self,
-        runtime: Runtime,
+        runtime: WatchedRuntime,
         timeout_s: float,
         interval_s: Optional[float] = None,
         out: TextIO = sys.stderr,
@@ -427,7 +436,7 @@ def address_answers(address: Optional[str], port: int = 9, wait_s: float = 2.0) 
 AnyWatchdog = Union[Watchdog, NullWatchdog]
 
 
-def start_watchdog(runtime: Runtime, timeout_s: float) -> Watchdog:
+def start_watchdog(runtime: WatchedRuntime, timeout_s: float) -> Watchdog:
     """Start this rank's watchdog and hang it on the runtime (every rank calls this)."""
     runtime.watchdog = Watchdog(runtime, timeout_s)
     return runtime.watchdog

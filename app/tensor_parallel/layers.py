@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.model.init import new_param
-from app.parallel.layout import ParamMeta, tp_box
+from app.sharding.init import new_param
+from app.sharding.layout import ParamMeta, tp_box
 from app.tensor_parallel.mappings import SEQ_DIM, TensorParallel, leave_tp_region
 
 

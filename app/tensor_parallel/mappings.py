@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from app.metrics.timers import Pending, StepTimers, comm_region, launch, wait
+from app.runtime.timers import Pending, StepTimers, comm_region, launch, wait
 
 if TYPE_CHECKING:
     from app.runtime.grid import ProcessGrid

@@ -35,15 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.metrics.timers import Pending
-from app.model.init import new_param
 from app.names import strides3d
-from app.parallel.layout import ORS_IN_FLIGHT, SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
+from app.runtime.timers import Pending
+from app.sharding.init import new_param
+from app.sharding.layout import ORS_IN_FLIGHT, SUB_AXES, ParamMeta, box3d, coords3d, weight_splits  # noqa: F401  (coords3d, weight_splits re-exported)
 from app.tensor_parallel.mappings import TensorParallel, reduce_from_tp
 
 if TYPE_CHECKING:
-    from app.metrics.timers import StepTimers
     from app.runtime.grid import ProcessGrid
+    from app.runtime.timers import StepTimers
 
 
 def add_to_grad(param: nn.Parameter, grad: torch.Tensor) -> None:

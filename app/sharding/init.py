@@ -20,7 +20,7 @@ import zlib
 import torch
 from torch import nn
 
-from app.parallel.layout import ParamMeta
+from app.sharding.layout import ParamMeta
 
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio increment, as a signed int64
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
