@@ -34,6 +34,7 @@ from app.schema import REQUIRED, Key, Problem, check, check_value, type_name
 MAX_RANKS = 2**20  # tp x pp x dp; a dry run places every rank of the plan
 MAX_LAYERS = 4096  # also bounds pp x virtual_stages (every chunk needs a layer)
 MAX_BATCH = 2**24  # samples; steps x global_batch stays far below 2^63 (int64 checkpoint attributes)
+DEFAULT_RUN_DIR = "runs/default"  # run.dir of a deck built without a file (RunConfig.directory)
 MAX_STEPS = 10**9
 MAX_LOSS_SCALE = 2.0**24  # fp16 overflows at 65504: a larger first scale only skips steps while it halves
 
@@ -362,6 +363,12 @@ class RunConfig:
         "(fine-tuning; the optimizer starts fresh); the model section must describe that model. A run that resumes "
         "from its own checkpoint ignores it", path=True,
     )  # fmt: skip
+
+    @property
+    def directory(self) -> str:
+        """run.dir, or DEFAULT_RUN_DIR for a deck built without a file (load_deck fills run.dir from
+        the deck file's stem): the one home of that fallback."""
+        return self.dir or DEFAULT_RUN_DIR
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ def check_paths(deck: Deck) -> None:
     their contents); a run.resume path must exist. Not part of the dry run, which plans on one
     machine for another.
     """
-    run_dir = deck.run.dir or "runs/default"
+    run_dir = deck.run.directory
     checkpoints = deck.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     _check_directory("run.dir", run_dir)
     _check_directory("checkpoint.dir", checkpoints)
@@ -77,7 +77,7 @@ def _no_symlinks(key: str, directory: str, names: tuple[str, ...]) -> None:
 
 def offload_dir(deck: Deck) -> str:
     """Where optim.offload = nvme keeps its per-rank files (default <run.dir>/offload)."""
-    return deck.optim.offload_dir or os.path.join(deck.run.dir or "runs/default", "offload")
+    return deck.optim.offload_dir or os.path.join(deck.run.directory, "offload")
 
 
 def _file_kind(mode: int) -> str:

@@ -81,7 +81,7 @@ def _make_run_dir(runtime: Runtime, deck: Deck) -> tuple[Path, Optional[RunLock]
     """Rank 0 checks the deck's paths, takes run.dir's lock (one job per run directory) and only
     then records the resolved deck there; every rank learns the verdict. Returns the run
     directory and, on rank 0, the lock to hold for the life of the job."""
-    run_dir = Path(deck.run.dir or "runs/default")
+    run_dir = Path(deck.run.directory)
     held: list[RunLock] = []
 
     def create() -> None:
@@ -120,7 +120,7 @@ class Trainer:
             if warning:
                 print(f"gridlm: rank {runtime.rank}: {warning}", file=sys.stderr, flush=True)
         if evaluate_only:
-            self.run_dir, self.run_lock = Path(deck.run.dir or "runs/default"), None
+            self.run_dir, self.run_lock = Path(deck.run.directory), None
         else:
             self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
         # The held-out data (eval.every, app.eval).

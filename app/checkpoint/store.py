@@ -41,7 +41,7 @@ LATEST = "latest"
 
 def checkpoint_dir(deck: Deck) -> Path:
     """checkpoint.dir, or <run.dir>/checkpoints."""
-    return Path(deck.checkpoint.dir) if deck.checkpoint.dir else Path(deck.run.dir or "runs/default") / "checkpoints"
+    return Path(deck.checkpoint.dir) if deck.checkpoint.dir else Path(deck.run.directory) / "checkpoints"
 
 
 def step_file(directory: Path, step: int) -> Path:

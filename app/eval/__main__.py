@@ -78,7 +78,7 @@ def evaluate_checkpoint(
         "resharded": info["resharded"],
         "deck_eval": deck.to_dict()["eval"],
     }
-    target = Path(out) if out else Path(deck.run.dir or "runs/default") / "eval" / f"step_{result.step:07d}.json"
+    target = Path(out) if out else Path(deck.run.directory) / "eval" / f"step_{result.step:07d}.json"
 
     def write() -> None:
         try:
