@@ -40,9 +40,8 @@ from app.deck import Deck
 from app.deck_paths import check_paths, offload_dir
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
 from app.eval import eval_dataset, eval_source, evaluate
-from app.metrics.eval_record import EvalResult
 from app.metrics.run_report import Built, RunReport
-from app.metrics.summary import CheckpointInfo
+from app.metrics.summary import CheckpointInfo, EvalResult
 from app.model.fused import Kernels
 from app.model.goldfish import CountedTargets, goldfish_keep
 from app.model.gpt import GPT, Targets

@@ -25,7 +25,7 @@ import torch
 from app.data import GlobalBatchSampler, MemmapTokens, SyntheticTokens, get_batch
 from app.deck import Deck
 from app.errors import DataError
-from app.metrics.eval_record import EvalResult
+from app.metrics.summary import EvalResult
 from app.parallel.loss import global_loss
 from app.runtime.mpi import agree
 

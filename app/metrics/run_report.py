@@ -43,7 +43,7 @@ from app.runtime.mpi import Runtime, node_summary, on_root
 from app.runtime.timers import PHASES
 
 if TYPE_CHECKING:
-    from app.metrics.eval_record import EvalResult
+    from app.metrics.summary import EvalResult
 
 OVERLAP_KEYS = (
     "overlap_grad_reduce",
