@@ -60,6 +60,7 @@ from app.checkpoint.store import (
 )
 from app.deck import CheckpointConfig, Deck, ModelConfig
 from app.errors import CheckpointError, NonFiniteError
+from app.names import AXES
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, on_root
 from app.shards import JsonState, ShardState, TensorState
@@ -633,7 +634,7 @@ def check_header(attrs: dict[str, Any], path: Path) -> None:
     ):
         raise bad("loss_scaler", 'null or a JSON object {"scale": S > 0, "clean": N, "skipped": N}')
     grid = _json_attribute(attrs, "grid", path)
-    if not isinstance(grid, dict) or not all(_count(grid.get(k)) for k in ("tp", "pp", "dp")):
+    if not isinstance(grid, dict) or not all(_count(grid.get(k)) for k in AXES):
         raise bad("grid", 'a JSON object {"tp": N, "pp": N, "dp": N, ...}')
     if "versions" in attrs and not isinstance(_json_attribute(attrs, "versions", path), dict):
         raise bad("versions", "a JSON object")

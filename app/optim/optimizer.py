@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from app.deck import OptimConfig
 from app.errors import NonFiniteError
+from app.names import AXES
 from app.optim.multi_tensor import NormViews, complement, cut
 from app.optim.offload import HostStore, NvmeStore, OffloadStore
 from app.parallel.data import DataParallel
@@ -94,7 +95,7 @@ def step_verdict(
     hold the same values); `loss_sum`: this rank's local loss (the last stage holds it, the others
     0; None: not checked). Two flags, MAX over tp, pp and dp; the fp16 overflow test is the second
     flag. The norm and the flags reach the host in one copy: the step's only synchronisation."""
-    grid.all_reduce(squares, ("tp", "pp", "dp") if dp.zero else ("tp", "pp"))
+    grid.all_reduce(squares, AXES if dp.zero else ("tp", "pp"))
     device = squares.device
     loss_bad = (
         torch.zeros((), dtype=torch.float64, device=device)
@@ -102,7 +103,7 @@ def step_verdict(
         else (~torch.isfinite(loss_sum.detach())).to(torch.float64)
     )
     flags = torch.stack((loss_bad, (~torch.isfinite(squares)).to(torch.float64)))
-    grid.all_reduce(flags, ("tp", "pp", "dp"), dist.ReduceOp.MAX)
+    grid.all_reduce(flags, AXES, dist.ReduceOp.MAX)
     norm, loss_flag, norm_flag = torch.cat((squares.sqrt().reshape(1), flags)).tolist()
     return norm, loss_flag > 0, norm_flag > 0
 

@@ -46,7 +46,7 @@ from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
-from app.names import BYTES, TP_SUB_AXES, reduce_precision, strides3d
+from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule, partition_layers
 from app.plan.device import Device, device_of
 from app.plan.estimate import stage_params, unit_buckets
@@ -416,7 +416,7 @@ def group_link(machine: Machine, stride: int, size: int) -> Link:
 
 def axis_links(machine: Machine, layout: GridLayout) -> dict[str, Link]:
     """Each axis's group link (`group_link`)."""
-    return {axis: group_link(machine, layout.stride(axis), layout.size(axis)) for axis in ("tp", "pp", "dp")}
+    return {axis: group_link(machine, layout.stride(axis), layout.size(axis)) for axis in AXES}
 
 
 def uses_gloo(machine: Machine) -> bool:
@@ -948,9 +948,9 @@ def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: di
     time (ProcessGrid.all_reduce), and the stop-signal vote (one MPI all-reduce over all
     ranks). Latency-bound: a few bytes each."""
     sizes = {"tp": deck.parallel.tp, "pp": deck.parallel.pp, "dp": deck.dp}
-    norm_axes = ("tp", "pp", "dp") if deck.optim.zero else ("tp", "pp")
+    norm_axes = AXES if deck.optim.zero else ("tp", "pp")
     seconds = sum(_cost(links[a], sizes[a], "all_reduce", 8) for a in norm_axes)
-    seconds += sum(_cost(links[a], sizes[a], "all_reduce", 8) for a in ("tp", "pp", "dp"))
+    seconds += sum(_cost(links[a], sizes[a], "all_reduce", 8) for a in AXES)
     world = sizes["tp"] * sizes["pp"] * sizes["dp"]
     return seconds + _cost(group_link(machine, 1, world), world, "all_reduce", 8)
 
