@@ -430,6 +430,27 @@ def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
     return cost[op](n, nbytes) + (link.busy_wait(op) if n > 1 and nbytes > 0 else 0.0)
 
 
+def _llama_chains(deck: Deck, tokens: int, t: int) -> tuple[float, float, float]:
+    """llama's element-wise work in one block's forward, as gridlm runs it, each op a pass over
+    memory: (bytes per element of an RMSNorm, of SwiGLU per ffn element, and the rotary embedding's
+    and GQA's bytes on this tp rank). Eager (`tensor_parallel/layers.rms_norm`, `model/gpt.rotary`,
+    `swiglu`): RMSNorm casts to fp32 (e + 4), squares (8), takes the mean (4), multiplies (8), casts
+    back (4 + e) and applies the weight (2e); SwiGLU's silu (2e) and product (3e) read strided
+    halves; rotary per q and k element: x cos (2e), rotate_half's negation and concatenation (3e),
+    x sin (2e), the sum (3e). With run.compile each chain is one read and one write (app/model/fused.py).
+    GQA's repeat_interleave reads the kv heads' keys and values and writes them for every query head."""
+    m, e = deck.model, BYTES[deck.train.precision]
+    d = m.hidden // m.heads
+    rotated = tokens * (m.heads + m.kv) * d / t  # this rank's q and k elements
+    if deck.run.compile:
+        norm, act, chains = 2 * e, 3 * e, rotated * 2 * e
+    else:
+        norm, act, chains = 4 * e + 24, 5 * e, rotated * 10 * e
+    if m.heads > m.kv:
+        chains += tokens * 2 * (m.kv + m.heads) * d * e / t
+    return norm, act, chains
+
+
 def _layer_passes(
     deck: Deck, dev: Device, tp_link: Link, tp_msgs: dict[str, list[tuple[str, float]]]
 ) -> tuple[_Pass, _Pass, _Pass]:
@@ -447,14 +468,19 @@ def _layer_passes(
     dgrad, wgrad = [g[1] for g in gemms], [g[2] for g in gemms]
     attn_fwd, attn_bwd = _attention(deck, dev)
     # Element-wise bytes per token of one forward (see the module docstring of estimate.py for
-    # the block): LayerNorm x 2, row-parallel bias add x 2, residual add x 2 on h/t_sp; the
-    # attention output's transpose copy on h/t; GELU on f/t; dropout (p > 0) x 2 with its mask.
-    per_token = (2 + 2 + 3 + 3) * h * e / t_sp + 2 * h * e / t
+    # the block): LayerNorm x 2, row-parallel bias add x 2 (gpt2; llama has no biases), residual
+    # add x 2 on h/t_sp; the attention output's transpose copy on h/t; GELU on f/t; dropout (p > 0)
+    # x 2 with its mask.
+    per_token = ((0 if m.llama else 2 + 2) + 3 + 3) * h * e / t_sp + 2 * h * e / t
     if m.dropout > 0:
         per_token += 2 * (2 * h * e + h) / t_sp
-    # GELU reads f and writes f; SwiGLU reads gate and up and writes silu(gate) and the product.
-    layernorm, gelu = tokens * (2 + 2) * h * e / t_sp, tokens * (4 if m.llama else 2) * f * e / t
-    elem_fwd = dev.stream(tokens * per_token) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
+    # Bytes per element of a norm (LayerNorm: one read, one write) and of the activation (GELU reads
+    # f and writes f), and llama's chains as gridlm runs them (`_llama_chains`).
+    norm, act, chains = 2 * e, 2 * e, 0.0
+    if m.llama:
+        norm, act, chains = _llama_chains(deck, tokens, t)
+    layernorm, gelu = tokens * 2 * norm * h / t_sp, tokens * act * f / t
+    elem_fwd = dev.stream(tokens * per_token + chains) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
     # The MLP's activation (tokens x f/t) is the block's largest new tensor, in the forward and as
     # the activation function's input gradient: where it is mmapped, its pages fault in (CPUs).
     fresh = dev.fresh(tokens * f * e / t)
