@@ -153,7 +153,7 @@ class Trainer:
             z, z_size, hidden = 0, 1, m.hidden
         self.z_size = z_size
         self.data_rank = data_rank = grid.coords["dp"] * z_size + z
-        self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, data_rank, grid.size("dp") * z_size)
+        self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, data_rank, deck.data_ranks)
         # Dropout masks differ between data ranks and stages, but not between the tp ranks of a
         # stage: their replicated activations (and so their replicated parameters) must stay equal.
         torch.manual_seed(tr.seed + 1_000_003 * (data_rank * grid.size("pp") + grid.coords["pp"]))
@@ -285,7 +285,7 @@ class Trainer:
             count = self.tp.z.all_reduce(count)
         counted = int(count)
         self._note_targets(counted, tr.global_batch * self.deck.model.seq_len)
-        weight = self.sampler.num_micro_batches * self.grid.size("dp") * self.z_size / max(counted, 1)
+        weight = self.sampler.num_micro_batches * self.deck.data_ranks / max(counted, 1)
         return [(x, CountedTargets(y, keep.to(torch.float32) * weight)) for (x, y), keep in zip(batches, keeps)]
 
     def _note_targets(self, counted: int, every: int) -> None:

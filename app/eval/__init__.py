@@ -56,7 +56,6 @@ class Evaluated(Protocol):
     dp: GatheredParams
     timers: StepTimers
     tp: Optional[Tensor3D | TensorParallel]
-    z_size: int  # 3D tensor parallelism's Z splits the batch too: data ranks are dp x z
     data_rank: int
     steps_done: int
 
@@ -102,8 +101,7 @@ def evaluate(trainer: Evaluated, dataset: SyntheticTokens | MemmapTokens) -> Eva
     deck, rt = trainer.deck, trainer.runtime
     tr = deck.train
     t0 = time.perf_counter()
-    data_ranks = trainer.grid.size("dp") * trainer.z_size
-    sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, trainer.data_rank, data_ranks)
+    sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, trainer.data_rank, deck.data_ranks)
     device = trainer.device
     total = torch.zeros((), device=device)
     was_training = trainer.model.training
