@@ -23,6 +23,13 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 if TYPE_CHECKING:
     import torch
 
+# The checkpoint's dataset groups, in file order: a ShardState's `group` is one of them. Declared
+# here, torch-free, for the components that describe their state and the checkpoint that writes it.
+MODEL, MASTER = "model", "optimizer/master"
+EXP_AVG, EXP_AVG_SQ = "optimizer/exp_avg", "optimizer/exp_avg_sq"
+MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+GROUPS = (MODEL, MASTER, *MOMENTS)
+
 
 @dataclass(frozen=True)
 class ShardState:

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from app.checkpoint.io import EXP_AVG, MASTER, grid_signature, load, read_header, save
+from app.checkpoint.io import grid_signature, load, read_header, save
 from app.checkpoint.slabs import checksum, flat_boxes, global_boxes, read_boxes, transfer_plist, write_boxes
 from app.checkpoint.store import commit, read_latest, resolve_resume, retain, step_file
 from app.deck import load_deck
 from app.errors import CheckpointError
 from app.metrics.report import MetricsWriter
+from app.shards import EXP_AVG, MASTER
 from app.train import Trainer
 from conftest import REPO, app_env, grid_trainer, read_metrics, sigterm_after_step, train_steps
 

@@ -23,9 +23,10 @@ import pytest
 import torch
 
 import app.checkpoint.io as checkpoint_io
-from app.checkpoint.io import EXP_AVG_SQ, MODEL, load, save
+from app.checkpoint.io import load, save
 from app.checkpoint.store import committed, describe_failure, format_bytes, read_latest, retain, step_file
 from app.errors import CheckpointError, NonFiniteError
+from app.shards import EXP_AVG_SQ, MODEL
 from conftest import grid_trainer, train_steps
 
 SMALL = (

@@ -222,7 +222,8 @@ def test_a_v1_checkpoint_loads_inspects_and_exports_with_a_note_and_v2_sees_two_
 
     from app.checkpoint.__main__ import format_report, inspect_file
     from app.checkpoint.export import export_hf
-    from app.checkpoint.io import EXP_AVG, load, read_header
+    from app.checkpoint.io import load, read_header
+    from app.shards import EXP_AVG
 
     trainer = grid_trainer(grids, *GRIDS[grids.world.world_size], (*SMALL, f"run.dir={shared_tmp}"))
     train_steps(trainer, 2)

@@ -26,8 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+from app.shards import GROUPS
+
 OK, CORRUPT, USAGE = 0, 1, 2
-ORDER = ("model", "optimizer/master", "optimizer/exp_avg", "optimizer/exp_avg_sq", "rng")
+ORDER = (*GROUPS, "rng")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -288,7 +288,8 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
     check_target(directory, force)  # before the (possibly long) read, and before importing torch
     import h5py
 
-    from app.checkpoint.io import MASTER, MODEL, decode, model_section, read_header, require_dataset
+    from app.checkpoint.io import decode, model_section, read_header, require_dataset
+    from app.shards import MASTER, MODEL
 
     header = read_header(path)
     model = model_section(header, path)

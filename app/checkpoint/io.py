@@ -63,13 +63,10 @@ from app.errors import CheckpointError, NonFiniteError
 from app.names import AXES
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, on_root
-from app.shards import JsonState, ShardState, TensorState
+from app.shards import GROUPS, MASTER, MODEL, JsonState, ShardState, TensorState
 
 FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 2
 READABLE_VERSIONS = (1, 2)  # 1: the weak v1 checksum (slabs.checksum_v1)
-MODEL, MASTER = "model", "optimizer/master"
-EXP_AVG, EXP_AVG_SQ = "optimizer/exp_avg", "optimizer/exp_avg_sq"
-MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 # The model keys a checkpoint's tensors depend on (ffn_hidden compared resolved).
 SHAPE_KEYS = ("arch", "vocab_size", "seq_len", "layers", "hidden", "heads", "kv", "ffn", "tie_embeddings")
 CHECKSUM_DOC = (
@@ -112,10 +109,6 @@ class TrainingState(Protocol):
     scaler: Optional[JsonState]
     sampler: SamplerState
     steps_done: int
-
-
-# The dataset groups, in the order of the file: a component's ShardState.group is one of them.
-GROUPS = (MODEL, MASTER, *MOMENTS)
 
 
 def _shard_states(state: TrainingState) -> dict[tuple[str, str], ShardState]:

@@ -40,7 +40,7 @@ from app.optim.multi_tensor import NormViews, complement, cut
 from app.optim.offload import HostStore, NvmeStore, OffloadStore
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
-from app.shards import ShardState
+from app.shards import EXP_AVG, EXP_AVG_SQ, MASTER, ShardState
 
 
 def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -255,13 +255,11 @@ class ShardedOptimizer:
         """The moments of the master shards (and, offloaded, the masters themselves unless the
         parameters are them: fp32), as shard descriptors (`app.shards`)."""
         if self.store is None:
-            return self.dp.held_states("optimizer/exp_avg", self.exp_avg) + self.dp.held_states(
-                "optimizer/exp_avg_sq", self.exp_avg_sq
-            )
+            return self.dp.held_states(EXP_AVG, self.exp_avg) + self.dp.held_states(EXP_AVG_SQ, self.exp_avg_sq)
         store, fp32 = self.store, torch.float32
         in_file = isinstance(store, NvmeStore)
-        groups = ([] if self.dp.master_is_param else [(0, "optimizer/master")]) + [
-            (1, "optimizer/exp_avg"), (2, "optimizer/exp_avg_sq")
+        groups = ([] if self.dp.master_is_param else [(0, MASTER)]) + [
+            (1, EXP_AVG), (2, EXP_AVG_SQ)
         ]  # fmt: skip
         out = []
         for which, group in groups:

@@ -69,7 +69,7 @@ from app.runtime.grid import ProcessGrid
 from app.runtime.timers import Pending, StepTimers, comm_region, launch, wait
 from app.sharding.init import initial_values
 from app.sharding.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, Segment
-from app.shards import ShardState
+from app.shards import MASTER, MODEL, ShardState
 
 
 @torch.no_grad()
@@ -669,17 +669,17 @@ class DataParallel:
         """The parameters ("model", in the compute dtype) and, where they are apart from them,
         the fp32 master weights ("optimizer/master") as shard descriptors (`app.shards`)."""
         if self.shard_params:  # ZeRO-3: each rank holds (and loads) its shard of the parameters
-            out = self.held_states("model", self.param_shards)
-            return out + (self.held_states("optimizer/master", self.master) if self.separate_master else [])
+            out = self.held_states(MODEL, self.param_shards)
+            return out + (self.held_states(MASTER, self.master) if self.separate_master else [])
         out = []
         buffer = self.param_buffer
         assert buffer is not None
         for i, p in enumerate(self.params):
             off = self.offsets[i]
-            out.append(self._shard_state("model", i, buffer.dtype, (0, p.numel()),
+            out.append(self._shard_state(MODEL, i, buffer.dtype, (0, p.numel()),
                                          lambda lo, hi, off=off: buffer[off + lo : off + hi]))  # fmt: skip
         if self.separate_master:
-            out += self.held_states("optimizer/master", self.master)
+            out += self.held_states(MASTER, self.master)
         return out
 
     def held_states(self, group: str, shards: Sequence[torch.Tensor]) -> list[ShardState]:
