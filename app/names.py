@@ -19,6 +19,12 @@ RECOMPUTE = ("none", "full", "selective")  # train.recompute
 # Pipeline schedules: the key summary.json and the reports use -> the name the logs print.
 SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
 
+# optim.offload's state per element (fp32 master, exp_avg, exp_avg_sq) and its nvme stream's
+# buffers (read-ahead, update, write-behind): app/optim/offload.py allocates them, the planner
+# (which does not import torch) counts them.
+OFFLOAD_STATE_TENSORS, OFFLOAD_FP32 = 3, 4
+OFFLOAD_SLOTS = 3
+
 
 def strides3d(shape: Sequence[int], order: str = "xyz") -> tuple[int, int, int]:
     """The tp-rank strides of the X, Y and Z sub-axes of an X x Y x Z tensor grid whose sub-axes

@@ -32,9 +32,11 @@ from typing import Optional
 
 import torch
 
-FP32 = 4  # bytes per element of every state tensor
-STATE_TENSORS = 3  # master, exp_avg, exp_avg_sq
-SLOTS = 3  # the NVMe stream's buffers: read-ahead, update, write-behind
+from app.names import OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS
+
+# Bytes per element of every state tensor; the state tensors (master, exp_avg, exp_avg_sq); the
+# NVMe stream's buffers (read-ahead, update, write-behind): declared once in app/names.py.
+FP32, STATE_TENSORS, SLOTS = OFFLOAD_FP32, OFFLOAD_STATE_TENSORS, OFFLOAD_SLOTS
 
 
 @dataclass

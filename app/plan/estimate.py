@@ -68,7 +68,7 @@ from typing import Any, Callable, Optional, Union
 
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
-from app.names import BYTES, reduce_precision
+from app.names import BYTES, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, reduce_precision
 from app.parallel.schedule import partition_layers
 from app.sharding.layout import (
     ORS_IN_FLIGHT,
@@ -87,10 +87,7 @@ def block_tensors(m: ModelConfig) -> int:
     return 6 if m.llama else 12
 
 
-# `app.optim.offload`'s state (fp32 master, exp_avg, exp_avg_sq) and its nvme stream slots; not
-# imported: the planner does not import torch.
-OFFLOAD_STATE_BYTES = 3 * 4
-OFFLOAD_SLOTS = 3
+OFFLOAD_STATE_BYTES = OFFLOAD_STATE_TENSORS * OFFLOAD_FP32  # app/names.py
 
 
 # (x, y, z) of 3D tensor parallelism (`parallel.tensor`), or None: 1D over the tp degree.
