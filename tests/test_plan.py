@@ -626,3 +626,14 @@ def test_the_dry_run_suggests_offload_where_only_it_fits():
     assert "nvme disk " in out.stdout and "of stream buffers" in out.stdout and "optim.offload nvme" in out.stdout
     memory = json.loads(dry_run("inputs/gpt_1t.yaml", "--dry-run", "--json", *args).stdout)["stages"][0]["memory_gib"]
     assert memory["optimizer_on_device"] == 0 and memory["nvme_disk"] > memory["weights"] > memory["host"] > 0
+
+
+def test_a_3d_grid_without_x_counts_the_same_flops_per_rank_as_1d_tensor_parallelism():
+    """parallel.tensor [1, 2, 1] splits every GEMM and the heads over Y = 2 as tp = 2 does, so a
+    stage's FLOPs per micro-batch are the same; the 3D count takes its Linears' FLOPs from
+    metrics.flops (`linear_step_flops`, which knows GQA and SwiGLU for when llama runs on 3D)."""
+    flops = []
+    for grid in (["parallel.tp=2"], ["parallel.tp=2", "parallel.tensor=[1, 2, 1]"]):
+        deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*grid, "parallel.dp=1")), 2)
+        flops.append(estimate_stages(deck)[0].flops_per_micro_batch)
+    assert flops[0] == pytest.approx(flops[1], rel=1e-12)

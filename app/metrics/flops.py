@@ -60,6 +60,13 @@ def _layer_forward(h: int, ffn: int, kv_hidden: Optional[int], gated: bool) -> f
     return 2.0 * h * (h + 2 * kv) + 2.0 * h * h + (3 if gated else 2) * 2.0 * h * ffn
 
 
+def linear_step_flops(model: ModelConfig, tokens: int) -> float:
+    """Forward + backward FLOPs of one block's Linears over `tokens` tokens: the dense part of a
+    layer, which 3D tensor parallelism splits over X and Y (the attention core only over Y)."""
+    args = arch_flops_args(model)
+    return 3.0 * tokens * _layer_forward(model.hidden, model.ffn, args["kv_hidden"], args["gated"])
+
+
 def gpt_step_flops(
     global_batch: int,
     seq_len: int,

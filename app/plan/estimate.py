@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from app.deck import Deck, ModelConfig
-from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
+from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops, linear_step_flops
 from app.names import BYTES, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, reduce_precision
 from app.parallel.schedule import partition_layers
 from app.sharding.layout import (
@@ -544,7 +544,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     else:  # 3D: a rank's own micro-batch; GEMMs over x y, heads and vocab over y, the hidden over x
         x, y, _ = tensor
         hidden_split, vocab_split, gemm_split = x, y, x * y
-        dense = 3.0 * tokens * (8 * m.hidden**2 + 4 * m.hidden * m.ffn)  # the Linears, forward and backward
+        dense = linear_step_flops(m, tokens)  # the Linears, forward and backward (GQA, SwiGLU under llama)
         layer_flops = dense / (x * y) + (layer_flops * tp - dense) / y  # the attention core, replicated over X
     block_input = m.seq_len * tr.micro_batch * m.hidden * e / hidden_split
     logits = m.seq_len * tr.micro_batch * (m.vocab_size // vocab_split) * (e + 8)
