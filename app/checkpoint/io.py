@@ -60,7 +60,7 @@ from app.checkpoint.store import (
 )
 from app.deck import CheckpointConfig, Deck, ModelConfig
 from app.errors import CheckpointError, NonFiniteError
-from app.names import AXES
+from app.names import AXES, PRECISIONS
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, on_root
 from app.shards import GROUPS, MASTER, MODEL, JsonState, ShardState, TensorState
@@ -609,8 +609,8 @@ def check_header(attrs: dict[str, Any], path: Path) -> None:
     for key in ("nonfinite_events", "nonfinite_in_a_row"):  # missing in older files
         if key in attrs and not _count(attrs[key]):
             raise bad(key, "a non-negative integer")
-    if attrs.get("precision") not in ("fp32", "bf16", "fp16"):
-        raise bad("precision", "one of fp32, bf16, fp16")
+    if attrs.get("precision") not in PRECISIONS:
+        raise bad("precision", f"one of {', '.join(PRECISIONS)}")
     if not isinstance(attrs.get("deck"), str):
         raise bad("deck", "the deck's YAML text")
     sampler = _json_attribute(attrs, "sampler", path)
