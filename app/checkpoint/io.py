@@ -64,6 +64,7 @@ from app.names import AXES, PRECISIONS
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, on_root
 from app.shards import GROUPS, MASTER, MODEL, JsonState, ShardState, TensorState
+from app.untrusted import parse_json
 
 FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 2
 READABLE_VERSIONS = (1, 2)  # 1: the weak v1 checksum (slabs.checksum_v1)
@@ -582,10 +583,8 @@ def _json_attribute(attrs: dict[str, Any], key: str, path: Path) -> Any:
     value = attrs.get(key)
     if not isinstance(value, str):
         raise CheckpointError(f"{path}: header attribute {key} is {type(value).__name__}, not JSON text; {CORRUPT}")
-    try:
-        return json.loads(value)
-    except (ValueError, RecursionError) as err:
-        raise CheckpointError(f"{path}: header attribute {key} is not JSON ({str(err)[:120]}); {CORRUPT}") from None
+    fail = lambda why: CheckpointError(f"{path}: header attribute {key}: {why}; {CORRUPT}")  # noqa: E731
+    return parse_json(value.encode("utf-8", "replace"), f"header attribute {key}", fail)
 
 
 def _count(value: Any) -> bool:
