@@ -27,7 +27,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         description="Train a GPT over a tensor x pipeline x data grid of MPI ranks.",
         epilog="Example: mpirun -n 4 python -m app inputs/gpt_tiny.yaml --set train.steps=50",
     )
-    parser.add_argument("deck", help="YAML input deck (see README.md, 'Deck reference')")
+    parser.add_argument("deck", help="YAML input deck (see docs/DECK.md, the deck reference)")
     parser.add_argument(
         "--set",
         dest="overrides",

@@ -25,9 +25,11 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from app import archs
+from app.archs.spec import Arch
 from app.deck_yaml import MAX_DECK_BYTES, deck_error, parse_yaml, read_deck_file
 from app.errors import DeckError
-from app.names import ARCHS, AXES, PRECISIONS, RECOMPUTE
+from app.names import AXES, PRECISIONS, RECOMPUTE
 from app.schema import REQUIRED, Key, Problem, check, check_value, type_name
 
 # Upper bounds of the keys: what the code can honour, far above any real run.
@@ -40,7 +42,7 @@ MAX_LOSS_SCALE = 2.0**24  # fp16 overflows at 65504: a larger first scale only s
 
 
 def _key(default: Any, help: str, **rules: Any) -> Any:
-    """A deck key: default, one-line help (the README reference) and the rules of its
+    """A deck key: default, one-line help (the reference in docs/DECK.md) and the rules of its
     `schema.Key` (min, max, choices, words, path); its type is the field's annotation."""
     return field(default=default, metadata={"help": help, **rules})
 
@@ -48,8 +50,8 @@ def _key(default: Any, help: str, **rules: Any) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str = _key(
-        "gpt2", "gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama (rotary positions, RMSNorm, "
-        "SwiGLU MLP, grouped-query attention, no biases)", choices=ARCHS,
+        "gpt2", "the architecture (app/archs/): gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama "
+        "(rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases)",
     )  # fmt: skip
     vocab_size: int = _key(512, "vocabulary size (byte-level data needs >= 257)", min=2, max=2**24)
     seq_len: int = _key(128, "tokens per sample (gpt2: also the number of learned positions)", min=1, max=2**20)
@@ -81,18 +83,19 @@ class ModelConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.tie_embeddings is None:  # the architecture's default, so that code reads a bool
-            object.__setattr__(self, "tie_embeddings", self.arch != "llama")
+        if self.tie_embeddings is None and self.arch in archs.names():  # the arch's default: code reads a bool
+            object.__setattr__(self, "tie_embeddings", archs.get(self.arch).tie_embeddings)
 
     @property
     def ffn(self) -> int:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        return 4 * self.hidden if self.arch != "llama" else -(-8 * self.hidden // (3 * 64)) * 64
+        return self.spec.ffn(self.hidden)
 
     @property
-    def llama(self) -> bool:
-        return self.arch == "llama"
+    def spec(self) -> Arch:
+        """The architecture's registry entry (`app/archs/`)."""
+        return archs.get(self.arch)
 
     @property
     def head_dim(self) -> int:
@@ -110,8 +113,8 @@ class ModelConfig:
 
     @property
     def fc_rows(self) -> int:
-        """Rows of the MLP's first weight: the width, twice under llama's SwiGLU (gate and up)."""
-        return 2 * self.ffn if self.llama else self.ffn
+        """Rows of the MLP's first weight: the width, twice under a gated MLP (SwiGLU's gate and up)."""
+        return self.spec.fc_rows(self.ffn)
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,22 @@ SECTIONS: dict[str, type] = {
 }
 
 
+def partition_layers(layers: int, chunks: int, counts: list[int] | None = None) -> list[range]:
+    """Split layers 0..layers-1 into `chunks` consecutive ranges.
+
+    `counts` (the deck's parallel.stage_layers) gives the sizes; otherwise balanced by
+    layer count, the extra layers going to the earliest chunks (the last one also runs
+    the head and the loss).
+    """
+    if counts is None:
+        base, extra = divmod(layers, chunks)
+        counts = [base + (1 if c < extra else 0) for c in range(chunks)]
+    if len(counts) != chunks or sum(counts) != layers or min(counts) < 1:
+        raise ValueError(f"cannot split {layers} layers into chunks of {counts}")
+    bounds = [sum(counts[:c]) for c in range(chunks + 1)]
+    return [range(bounds[c], bounds[c + 1]) for c in range(chunks)]
+
+
 @dataclass(frozen=True)
 class Deck:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -462,6 +481,14 @@ class Deck:
         """Gradient-accumulation steps per optimizer step on each data rank (`data_ranks`)."""
         return self.train.global_batch // (self.train.micro_batch * self.data_ranks)
 
+    @property
+    def chunks(self) -> list[range]:
+        """The global layer indices of each of the pp x virtual_stages pipeline chunks (chunk c runs
+        on stage c mod pp): parallel.stage_layers, or balanced (`partition_layers`). One home for the
+        trainer, the memory estimate and the performance model."""
+        par = self.parallel
+        return partition_layers(self.model.layers, par.pp * par.virtual_stages, par.stage_layers)
+
 
 def key_name(f: dataclasses.Field) -> str:
     """A section field's deck key: its name, less the trailing underscore of a field named after a
@@ -491,7 +518,7 @@ SECTION_KEYS: dict[str, Key] = {
 
 
 def deck_reference() -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, help) for every deck key, in order: the README reference."""
+    """(key, type, default, help) for every deck key, in order: the reference in docs/DECK.md."""
     return [
         (f"{section}.{name}", type_name(key.type), key.default, key.help)
         for section, keys in KEYS.items()
@@ -572,6 +599,8 @@ def validate(deck: Deck) -> None:
 
 def _validate(deck: Deck) -> None:
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
+    if m.arch not in archs.names():  # read from the registry here, not frozen into the key's choices
+        raise DeckError("model.arch", m.arch, "accepted: " + ", ".join(archs.names()))
     if m.hidden % m.heads:
         raise DeckError("model.heads", m.heads, f"must divide model.hidden = {m.hidden}")
     if (m.hidden // m.heads) % 2:
@@ -695,17 +724,19 @@ def _validate_goldfish_eval(deck: Deck) -> None:
 
 
 def _validate_arch(m: ModelConfig, par: ParallelConfig) -> None:
-    """llama's keys: kv_heads divides heads (and tp splits whole kv groups); not yet under 3D."""
-    if m.kv_heads is not None and not m.llama and m.kv_heads != m.heads:
+    """What the architecture allows: grouped-query attention (kv_heads dividing heads, tp splitting
+    whole kv groups), 3D tensor parallelism."""
+    grouped = [a for a in archs.names() if archs.get(a).grouped_query]
+    if m.kv_heads is not None and not m.spec.grouped_query and m.kv_heads != m.heads:
         raise DeckError(
-            "model.kv_heads", m.kv_heads, "grouped-query attention is llama's: set model.arch: llama, or "
-            "model.kv_heads: null",
+            "model.kv_heads", m.kv_heads, f"{m.arch} has no grouped-query attention: set model.arch: "
+            f"{' or '.join(grouped)}, or model.kv_heads: null",
         )  # fmt: skip
     if m.heads % m.kv:
         raise DeckError("model.kv_heads", m.kv_heads, f"must divide model.heads = {m.heads}")
-    if m.llama and par.tensor is not None:
+    if not m.spec.tensor3d and par.tensor is not None:
         raise DeckError(
-            "model.arch", m.arch, "llama blocks run on 1D tensor parallelism (parallel.tp) only, not yet on "
+            "model.arch", m.arch, f"{m.arch} blocks run on 1D tensor parallelism (parallel.tp) only, not yet on "
             "parallel.tensor: set parallel.tensor: null",
         )  # fmt: skip
     if m.kv != m.heads and par.tensor is None and m.kv % par.tp:

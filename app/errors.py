@@ -12,7 +12,7 @@ from app.schema import shown
 class GridlmError(Exception):
     """A mistake the user can fix (deck, data, launch); never a bug in gridlm.
 
-    `exit_code` is the status every rank exits with (README, "When things go wrong")."""
+    `exit_code` is the status every rank exits with (docs/RUNNING.md, "When things go wrong")."""
 
     exit_code = 2
 

@@ -59,7 +59,6 @@ from app.optim.optimizer import (
 from app.parallel.data import DataParallel
 from app.parallel.loss import global_loss
 from app.parallel.pipeline import Pipeline
-from app.parallel.schedule import partition_layers
 from app.plan.estimate import rank_device_bytes
 from app.runtime.grid import ProcessGrid
 from app.runtime.lock import RunLock, acquire_run_lock
@@ -157,7 +156,7 @@ class Trainer:
         # Dropout masks differ between data ranks and stages, but not between the tp ranks of a
         # stage: their replicated activations (and so their replicated parameters) must stay equal.
         torch.manual_seed(tr.seed + 1_000_003 * (data_rank * grid.size("pp") + grid.coords["pp"]))
-        self.chunks = partition_layers(m.layers, par.pp * par.virtual_stages, par.stage_layers)
+        self.chunks = deck.chunks
         seq = m.seq_len // grid.size("tp") if par.sequence_parallel else m.seq_len
         self.pipeline = Pipeline(
             grid, self.chunks, (tr.micro_batch, seq, hidden), self.timers, prefetch=par.overlap_pp_comm

@@ -20,7 +20,7 @@ the speed-up of prepare MB/s over 1 rank, and whether the token file's bytes equ
 file's (they must). The corpus is read from the page cache after the first run: this measures
 tokenising and writing, not the disk.
 
-A benchmark, not a test: its numbers go to README.md, with the machine and the command.
+A benchmark, not a test: its numbers go to docs/DATA.md, with the machine and the command.
 """
 
 from __future__ import annotations

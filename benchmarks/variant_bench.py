@@ -19,7 +19,7 @@ rounds (each round's figure in brackets) of:
 - the dry run's peak per rank for the same deck (`--dry-run --json`, `memory.peak_gib`: on a
   CPU machine host-offloaded state counts in it) and the measured peak's difference from it.
 
-A benchmark, not a test: its numbers go to README.md and docs/, with the machine and command.
+A benchmark, not a test: its numbers go to docs/, with the machine and command.
 """
 
 from __future__ import annotations

@@ -212,12 +212,12 @@ def test_interleaving_needs_micro_batches_divisible_by_pp():
     assert err.value.key == "train.global_batch"
 
 
-def test_readme_documents_every_deck_key():
-    readme = (REPO / "README.md").read_text()
+def test_deck_reference_doc_documents_every_deck_key():
+    reference = (REPO / "docs" / "DECK.md").read_text()
     rows = deck_reference()
     assert {key.split(".")[0] for key, *_ in rows} == set(SECTIONS)
-    missing = [key for key, *_ in rows if f"`{key}`" not in readme]
-    assert not missing, f"README.md deck reference lacks {missing}"
+    missing = [key for key, *_ in rows if f"`{key}`" not in reference]
+    assert not missing, f"docs/DECK.md deck reference lacks {missing}"
 
 
 # ---- decks that cannot hurt (issue 14): every bad deck is a DeckError, found at load ----
@@ -513,8 +513,8 @@ def test_check_paths_resume_path_must_exist(tmp_path):
     check_paths(paths_deck(tmp_path, f"run.resume={tmp_path}"))
 
 
-def readme_forms(bound: float) -> set[str]:
-    """How the README may write a bound: 4096, 0.99, 2^24, 10^9, 2^63 - 1."""
+def reference_forms(bound: float) -> set[str]:
+    """How the deck reference (docs/DECK.md) may write a bound: 4096, 0.99, 2^24, 10^9, 2^63 - 1."""
     forms = {str(bound), f"{bound:g}"}
     n = int(bound)
     if n == bound and n >= 1024:
@@ -524,13 +524,13 @@ def readme_forms(bound: float) -> set[str]:
     return forms
 
 
-def test_readme_shows_every_upper_bound():
-    lines = (REPO / "README.md").read_text().splitlines()
+def test_deck_reference_doc_shows_every_upper_bound():
+    lines = (REPO / "docs" / "DECK.md").read_text().splitlines()
     cells = [line.split(" | ") for line in lines if line.startswith("| `")]
     rows = {row[0][3:-1]: row[3] for row in cells if len(row) == 5}
     for key, meta in keys_of("int") + keys_of("float"):
         accepted = rows[key]
-        shown = [f"{sep} {form}" for form in readme_forms(meta["max"]) for sep in ("..", ",")]
+        shown = [f"{sep} {form}" for form in reference_forms(meta["max"]) for sep in ("..", ",")]
         assert any(text in accepted for text in shown), (key, meta["max"], accepted)
 
 

@@ -947,7 +947,7 @@ def test_the_dry_run_predicts_the_h100_forward_and_backward_of_the_gpt_decks_wit
     step less the gradient norm, the optimizer and the step's collectives, on one GPU) of the GPT
     1.3B and 2.7B decks is within 15% of the H100 measurement above (today -11% and -10%). The
     Llama deck is printed, not held: with its eager element-wise chains counted (fp32 RMSNorm,
-    rotary embedding, GQA's key/value copies: `_llama_chains`) it is -29% (was -44% without them;
+    rotary embedding, GQA's key/value copies: `_elementwise`) it is -29% (was -44% without them;
     docs/PERFORMANCE_MODEL.md)."""
     machine = load_machine("dgx_h100")
     errors = {}
@@ -964,19 +964,19 @@ def test_the_dry_run_predicts_the_h100_forward_and_backward_of_the_gpt_decks_wit
 
 
 def test_llama_s_eager_element_wise_chains_are_charged_and_compile_fuses_them():
-    """`perf._llama_chains` counts the passes over memory of gridlm's eager RMSNorm (4e + 24 bytes an
+    """`perf._elementwise` counts the passes over memory of gridlm's eager RMSNorm (4e + 24 bytes an
     element), SwiGLU (5e) and rotary embedding (10e per q and k element) plus GQA's key/value copies;
     with run.compile each chain is one read and one write. The predicted step of the H100 Llama deck
     grows by those bytes at the machine's memory rate, and shrinks again with run.compile."""
-    from app.plan.perf import _llama_chains
+    from app.plan.perf import _elementwise
 
     deck = resolve_for_world(load_deck(REPO / "inputs/gpu/llama_0.84b.yaml", ()), 1)
     m, tokens = deck.model, deck.train.micro_batch * deck.model.seq_len
     d = m.hidden // m.heads  # 128; 16 query heads, 4 kv heads; bf16: e = 2
     gqa = tokens * 2 * (4 + 16) * d * 2
-    assert _llama_chains(deck, tokens, 1) == (4 * 2 + 24, 5 * 2, tokens * (16 + 4) * d * 10 * 2 + gqa)
+    assert _elementwise(deck, tokens, 1) == (4 * 2 + 24, 5 * 2, tokens * (16 + 4) * d * 10 * 2 + gqa)
     compiled = resolve_for_world(load_deck(REPO / "inputs/gpu/llama_0.84b.yaml", ("run.compile=true",)), 1)
-    assert _llama_chains(compiled, tokens, 1) == (2 * 2, 3 * 2, tokens * (16 + 4) * d * 2 * 2 + gqa)
-    assert _llama_chains(deck, tokens, 2)[2] == _llama_chains(deck, tokens, 1)[2] / 2  # tp splits the heads
+    assert _elementwise(compiled, tokens, 1) == (2 * 2, 3 * 2, tokens * (16 + 4) * d * 2 * 2 + gqa)
+    assert _elementwise(deck, tokens, 2)[2] == _elementwise(deck, tokens, 1)[2] / 2  # tp splits the heads
     machine = load_machine("dgx_h100")
     assert predict(compiled, machine).step_time_s < predict(deck, machine).step_time_s

@@ -46,8 +46,8 @@ def test_stage_params_equal_the_built_shards(tie, tp, pp, virtual, arch):
     the GPT shard a rank of that stage builds, so the per-rank count is its numel."""
     import torch
 
+    from app.deck import partition_layers
     from app.model.gpt import GPT, gpt_num_parameters
-    from app.parallel.schedule import partition_layers
     from app.tensor_parallel.mappings import TensorParallel
 
     if pp * virtual > 5:
@@ -84,8 +84,8 @@ def test_3d_stage_params_equal_the_built_shards(tie, tensor, pp):
     splits, decay) are those its built GPT shard holds, and the closed-form count is their sum."""
     import torch
 
+    from app.deck import partition_layers
     from app.model.gpt import GPT
-    from app.parallel.schedule import partition_layers
     from app.sharding.layout import coords3d
     from app.tensor_parallel.mappings import TensorParallel
     from app.tensor_parallel.tensor3d import Tensor3D
@@ -304,15 +304,15 @@ def test_tiny_deck_on_the_local_machine():
 # ---- machine files -----------------------------------------------------------------------------
 
 
-def test_readme_machine_reference_is_the_declared_keys():
-    """README.md's machine file reference has a row for every key of `FIELDS`, as
+def test_machine_file_reference_doc_is_the_declared_keys():
+    """docs/CLUSTERS.md's machine file reference has a row for every key of `FIELDS`, as
     `machine_reference()` writes it (regenerate the table when a key or its help changes)."""
     from app.plan.machine import machine_reference
 
-    readme = (REPO / "README.md").read_text().splitlines()
+    reference = (REPO / "docs" / "CLUSTERS.md").read_text().splitlines()
     rows = [f"| `{k}` | {t} | {'yes' if required else 'no'} | {h} |" for k, t, required, h in machine_reference()]
-    missing = [row for row in rows if row not in readme]
-    assert not missing, f"README.md machine file reference lacks or differs in {missing}"
+    missing = [row for row in rows if row not in reference]
+    assert not missing, f"docs/CLUSTERS.md machine file reference lacks or differs in {missing}"
     assert {"host_link_gbs", "host_memory_gbs", "nvme_read_gbs", "nvme_write_gbs"} <= {
         k for k, *_ in machine_reference()
     }
@@ -440,8 +440,8 @@ def test_stage_units_name_the_gather_unit_of_every_built_parameter(tie, pp, virt
     final LayerNorm, an untied head and the last stage's tied copy "head"."""
     import torch
 
+    from app.deck import partition_layers
     from app.model.gpt import GPT
-    from app.parallel.schedule import partition_layers
     from app.plan.estimate import stage_units
 
     deck = load_deck(None, (*SMALL, f"model.tie_embeddings={tie}"))

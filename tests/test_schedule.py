@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from app.deck import partition_layers
 from app.parallel import schedule
-from app.parallel.schedule import Action, build_schedule, partition_layers, simulate
+from app.parallel.schedule import Action, build_schedule, simulate
 
 
 def test_layers_are_balanced_by_count_with_extras_first():

@@ -97,7 +97,7 @@ def test_a_group_that_runs_fewer_tests_than_its_floor_fails():
 # its own floor or a lower one, at any depth (function-level and TYPE_CHECKING imports included),
 # and no modules import each other in a cycle. Entry points (`__main__`) stand above them all.
 FLOORS = [
-    ["app", "app.schema", "app.names", "app.errors", "app.untrusted", "app.shards"],
+    ["app", "app.schema", "app.names", "app.errors", "app.untrusted", "app.shards", "app.archs"],
     ["app.deck_yaml", "app.deck", "app.deck_paths"],
     ["app.runtime", "app.sharding", "app.data", "app.job"],
     ["app.metrics"],

@@ -29,7 +29,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from app.checkpoint.export import Rule, dataset_name, mapping
+from app import archs
+from app.archs.hf import Rule
+from app.checkpoint.export import dataset_name, mapping
 from app.deck import ModelConfig
 from app.errors import CheckpointError
 from app.untrusted import read_json
@@ -38,8 +40,6 @@ CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.
 MAX_JSON_BYTES = 64 << 20  # config.json is a few KB; an index of a 400B model is a few MB
 # Tensors HF directories may hold that are not parameters: GPT-2's causal-mask buffers, rotary caches.
 IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-# Prefixes the base-model classes (GPT2Model, LlamaModel) save their keys without.
-BASE_PREFIX = {"gpt2": "transformer.", "llama": "model."}
 
 
 def _fail(directory: Path, why: str) -> CheckpointError:
@@ -54,88 +54,21 @@ def read_config(directory: Path) -> dict[str, Any]:
     if not (directory / CONFIG).exists():
         raise _fail(directory, f"has no {CONFIG}; give a Hugging Face model directory (save_pretrained's)")
     config = read_json(directory / CONFIG, CONFIG, lambda why: _fail(directory, f"{CONFIG}: {why}"), "", MAX_JSON_BYTES)
-    if not isinstance(config, dict) or config.get("model_type") not in ("gpt2", "llama"):
-        kind = config.get("model_type") if isinstance(config, dict) else None
-        raise _fail(directory, f"model_type {kind!r}: gridlm starts from gpt2 or llama models only")
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if not archs.by_model_type(kind):
+        known = sorted({archs.get(a).hf.model_type for a in archs.names()})
+        raise _fail(directory, f"model_type {kind!r}: gridlm starts from {' or '.join(known)} models only")
     return config
-
-
-def _expected(config: dict[str, Any]) -> list[tuple[str, str, Any]]:
-    """(deck model key, HF config key, the value the deck must have) for each key that shapes the
-    model or its numerics; HF's defaults where config.json leaves a key out."""
-    if config["model_type"] == "gpt2":
-        h = config.get("n_embd", 768)
-        inner = config.get("n_inner") or 4 * h
-        return [
-            ("arch", "model_type", "gpt2"),
-            ("vocab_size", "vocab_size", config.get("vocab_size", 50257)),
-            ("hidden", "n_embd", h),
-            ("layers", "n_layer", config.get("n_layer", 12)),
-            ("heads", "n_head", config.get("n_head", 12)),
-            ("ffn_hidden", "n_inner", inner),
-            ("layernorm_eps", "layer_norm_epsilon", config.get("layer_norm_epsilon", 1e-5)),
-            ("tie_embeddings", "tie_word_embeddings", config.get("tie_word_embeddings", True)),
-        ]
-    heads = config.get("num_attention_heads", 32)
-    return [
-        ("arch", "model_type", "llama"),
-        ("vocab_size", "vocab_size", config.get("vocab_size", 32000)),
-        ("hidden", "hidden_size", config.get("hidden_size", 4096)),
-        ("layers", "num_hidden_layers", config.get("num_hidden_layers", 32)),
-        ("heads", "num_attention_heads", heads),
-        ("kv_heads", "num_key_value_heads", config.get("num_key_value_heads") or heads),
-        ("ffn_hidden", "intermediate_size", config.get("intermediate_size", 11008)),
-        ("layernorm_eps", "rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
-        ("rope_theta", "rope_theta", float(_rope(config).get("rope_theta", 10000.0))),
-        ("tie_embeddings", "tie_word_embeddings", config.get("tie_word_embeddings", False)),
-    ]
-
-
-def _rope(config: dict[str, Any]) -> dict[str, Any]:
-    """The rotary settings: transformers 5's `rope_parameters`, or 4's top-level rope_theta and rope_scaling."""
-    params = config.get("rope_parameters")
-    if isinstance(params, dict):
-        return params
-    scaling = config.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
-    return {**({"rope_theta": config["rope_theta"]} if "rope_theta" in config else {}), "rope_type": kind}
-
-
-def _unsupported(config: dict[str, Any], m: ModelConfig) -> Optional[str]:
-    """What of the HF model gridlm's blocks do not compute, or None."""
-    if config["model_type"] == "gpt2":
-        act = config.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            return f"activation_function {act!r}: gridlm's GPT-2 MLP uses GELU with the tanh approximation (gelu_new)"
-        if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx", False):
-            return (
-                "attention scaled other than by 1/sqrt(head_dim) (scale_attn_weights, scale_attn_by_inverse_layer_idx)"
-            )
-        positions = config.get("n_positions", 1024)
-        if positions < m.seq_len:
-            return (
-                f"n_positions {positions} < model.seq_len {m.seq_len}: it learned fewer positions; lower model.seq_len"
-            )
-        return None
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            return f"{key}: true; gridlm's llama blocks have no biases"
-    kind = _rope(config).get("rope_type", "default")
-    if kind != "default":
-        return f"rope type {kind!r} (rope_scaling / rope_parameters): gridlm's rotary embedding is unscaled"
-    if config.get("hidden_act", "silu") != "silu":
-        return f"hidden_act {config.get('hidden_act')!r}: gridlm's SwiGLU uses silu"
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim * m.heads != m.hidden:
-        return f"head_dim {head_dim} x {m.heads} heads != hidden {m.hidden}: gridlm's heads split the width"
-    return None
 
 
 def check_config(directory: Path, config: dict[str, Any], m: ModelConfig) -> None:
     """The deck's model must be DIR's: every mismatch named, with the --set keys that fix them."""
     wrong = []
-    for key, hf_key, want in _expected(config):
-        if key == "kv_heads" and not m.llama:
+    # The deck's architecture reads config.json when it has this model_type, else the first that has.
+    same_type = [a for a in archs.by_model_type(config["model_type"]) if a.name == m.arch]
+    form = (same_type or archs.by_model_type(config["model_type"]))[0].hf
+    for key, hf_key, want in form.expected(config):
+        if key == "kv_heads" and not m.spec.grouped_query:
             continue
         have = {"ffn_hidden": m.ffn, "kv_heads": m.kv}.get(key, getattr(m, key))
         if key == "tie_embeddings":  # a tied HF model into an untied deck maps; the reverse cannot
@@ -153,7 +86,7 @@ def check_config(directory: Path, config: dict[str, Any], m: ModelConfig) -> Non
             directory, f"the deck's model is not the one in {CONFIG}: {said}; fix: {fix} (or these keys in the "
             "deck's model section)"
         )  # fmt: skip
-    why = _unsupported(config, m)
+    why = form.unsupported(config, m)
     if why is not None:
         raise _fail(directory, f"{CONFIG} has {why}")
 
@@ -173,10 +106,10 @@ class HFWeights:
         self.directory = Path(directory)
         self.config = read_config(self.directory)
         check_config(self.directory, self.config, m)
-        self.tied_source = bool(self.config.get("tie_word_embeddings", m.arch == "gpt2"))
+        self.tied_source = bool(self.config.get("tie_word_embeddings", m.spec.tie_embeddings))  # HF default: the arch's
         self.files = self._files()
         self.rules = mapping(model_section(m))
-        self.prefix = BASE_PREFIX[m.arch]
+        self.prefix = m.spec.hf.prefix  # the base model class's keys (GPT2Model, LlamaModel) lack it
         self.sources = self._sources()
 
     def _files(self) -> dict[str, Path]:

@@ -158,14 +158,14 @@ class Sampling:
 
 
 def check_lengths(deck: Deck, prompt_tokens: int, max_new: int) -> None:
-    """A gpt2 model has learned positions 0 .. seq_len - 1 only (llama's rotary ones extend)."""
+    """A model with learned positions (gpt2) has positions 0 .. seq_len - 1 only (rotary ones extend)."""
     if prompt_tokens < 1:
         raise DataError("the prompt is empty; give at least one token (--prompt TEXT or --prompt-ids 1,2,3)")
     seq = deck.model.seq_len
-    if not deck.model.llama and prompt_tokens + max_new > seq:
+    if deck.model.spec.learned_positions and prompt_tokens + max_new > seq:
         raise DataError(
             f"a prompt of {prompt_tokens} tokens and {max_new} new ones need {prompt_tokens + max_new} positions; "
-            f"this gpt2 model learned {seq} (model.seq_len); fix: --max-new-tokens {max(seq - prompt_tokens, 0)} "
+            f"this {deck.model.arch} model learned {seq} (model.seq_len); fix: --max-new-tokens {max(seq - prompt_tokens, 0)} "
             "or a shorter prompt"
         )
 

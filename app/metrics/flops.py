@@ -50,7 +50,7 @@ def megatron_recompute_step_flops(global_batch: int, seq_len: int, layers: int, 
 def arch_flops_args(model: ModelConfig) -> dict[str, Any]:
     """The keyword arguments of `gpt_step_flops` and `gpt_hardware_step_flops` that describe a deck's
     `model` beyond its sizes: the key/value width (grouped-query attention) and a gated (SwiGLU) MLP."""
-    return {"kv_hidden": model.kv * model.head_dim, "gated": bool(model.llama)}
+    return {"kv_hidden": model.kv * model.head_dim, "gated": model.spec.gated}
 
 
 def _layer_forward(h: int, ffn: int, kv_hidden: Optional[int], gated: bool) -> float:

@@ -4,7 +4,7 @@ Output contract (later tools read these):
   metrics.jsonl — one object per logged step: step, loss, loss_tokens, lr, step_time_s,
                   tokens_per_s, tflops_per_rank, mfu (null when the device peak is unknown),
                   grad_norm, consumed_samples; val_loss and val_perplexity at an evaluation.
-  summary.json  — the keys of `app/metrics/summary.Summary`, in its order (README's table).
+  summary.json  — the keys of `app/metrics/summary.Summary`, in its order (docs/RUNNING.md, "Outputs").
 Both are strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as
 null and its key is listed in the object's `nonfinite` (`strict_json`).
 """

@@ -66,7 +66,8 @@ def _sub_axes_words(t: TimersInfo) -> str:
 
 def _arch_words(m: ModelConfig) -> str:
     """ " (llama, K key/value heads)" after the parameter count of a llama model; "" for gpt2."""
-    return f" (llama, {m.kv} key/value heads)" if m.llama else ""
+    words = m.spec.words(m.kv)
+    return f" ({words})" if words else ""
 
 
 def _tensor3d_words(tensor: Optional[tuple[int, int, int]], order: str = "xyz") -> str:

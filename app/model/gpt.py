@@ -1,6 +1,8 @@
 """A GPT-2-style decoder (learned positions, pre-LayerNorm, GELU MLP, tied embeddings), or with
 `model.arch: llama` a Llama-style one (rotary positions, pre-RMSNorm, SwiGLU MLP, grouped-query
-attention, no biases, an untied head by default).
+attention, no biases, an untied head by default): the blocks are built from the features of the
+architecture's registry entry (`app/archs/`: positions, norm, MLP, biases), and hold exactly the
+parameters its `stage_params` lists (tests/test_archs.py).
 
 Shapes: tokens (B, S) int64 -> per-position logits (B, S, V / tp) -> mean loss. Built from
 the tensor-parallel layers in `app/tensor_parallel/layers.py`: attention heads and MLP columns are
@@ -90,7 +92,7 @@ def _recomputing(module: nn.Module) -> bool:
 def _layer_norm(cfg: ModelConfig, tp: TensorParallel | Tensor3D, device: Optional[torch.device]) -> nn.Module:
     if isinstance(tp, Tensor3D):
         return LayerNorm3D(cfg.hidden, cfg.layernorm_eps, tp, device)
-    if cfg.llama:
+    if cfg.spec.norm == "rmsnorm":
         return RMSNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
     return LayerNorm(cfg.hidden, cfg.layernorm_eps, tp, device)
 
@@ -129,7 +131,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim, self.dropout = cfg.hidden // cfg.heads, cfg.dropout
         self.group = cfg.heads // cfg.kv  # query heads per key/value head (grouped-query attention)
-        self.rope_theta = cfg.rope_theta if cfg.llama else None
+        self.rope_theta = cfg.rope_theta if cfg.spec.positions == "rotary" else None
         self.rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rotary  # or compiled (`GPT.fuse`)
         self.math = cfg.attention_kernel == "math"
         self.recompute_core = recompute_core
@@ -140,7 +142,7 @@ class Attention(nn.Module):
             self.proj: nn.Module = Linear3D(cfg.hidden, cfg.hidden, out_std, tp, True, device)
         else:
             self.heads = cfg.heads // tp.size
-            bias = not cfg.llama
+            bias = cfg.spec.bias
             self.qkv = ColumnParallelLinear(cfg.hidden, cfg.qkv_rows, cfg.init_std, tp, device, bias)
             self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, out_std, tp, device, bias)
 
@@ -247,14 +249,14 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device]) -> None:
         super().__init__()
-        self.swiglu = cfg.llama
+        self.swiglu = cfg.spec.gated
         self.swiglu_kernel: Callable[[torch.Tensor], torch.Tensor] = swiglu  # or compiled (`GPT.fuse`)
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         if isinstance(tp, Tensor3D):
             self.fc: nn.Module = Linear3D(cfg.hidden, cfg.ffn, cfg.init_std, tp, False, device)
             self.proj: nn.Module = Linear3D(cfg.ffn, cfg.hidden, out_std, tp, True, device)
         else:
-            bias = not cfg.llama
+            bias = cfg.spec.bias
             self.fc = ColumnParallelLinear(cfg.hidden, cfg.fc_rows, cfg.init_std, tp, device, bias)
             self.proj = RowParallelLinear(cfg.ffn, cfg.hidden, out_std, tp, device, bias)
 
@@ -337,7 +339,7 @@ class GPT(nn.Module):
                 self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, cfg.init_std, tp, device)
             if not first:
                 self.wte.weight.meta = dataclasses.replace(self.wte.weight.meta, tied=True)
-        if first and not cfg.llama:  # llama's positions are rotary (in attention): no table
+        if first and cfg.spec.learned_positions:  # rotary positions are in attention: no table
             # Positions are added to the sequence shard under SP: a partial gradient per tp rank.
             wpe = ParamMeta((cfg.seq_len, cfg.hidden), std=cfg.init_std)
             if isinstance(tp, Tensor3D):  # the hidden split over X, like the residual stream
@@ -407,7 +409,7 @@ class GPT(nn.Module):
         # gather of both ends there, so wpe is read after it. A view of wpe taken before could see
         # the gather land in place, which autograd refuses for split's views (a SP run failed so).
         embedded = self.wte(tokens)
-        if self.cfg.llama:  # rotary positions, in attention
+        if not self.cfg.spec.learned_positions:  # rotary positions, in attention
             x = self.drop(embedded)
             self._exit("embed")
             return x
@@ -485,7 +487,7 @@ class GPT(nn.Module):
         if self.tp.sequence_parallel or isinstance(self.tp, Tensor3D):
             raise RuntimeError("decode runs on 1D tensor parallelism without sequence parallelism")
         x = self.wte(tokens)
-        if not self.cfg.llama:
+        if self.cfg.spec.learned_positions:
             x = x + self.wpe[start : start + tokens.shape[1]]
         for i, block in self.blocks.items():
             x = block.decode(x, cache.layer(i), start)
@@ -512,11 +514,5 @@ class GPT(nn.Module):
 
 
 def gpt_num_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the 1-rank model, from the shapes above."""
-    h, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
-    if cfg.llama:  # no biases, RMSNorm weights only, no position table
-        per_block = 2 * h + cfg.qkv_rows * h + h * h + cfg.fc_rows * h + h * f
-        return v * h + cfg.layers * per_block + h + (0 if cfg.tie_embeddings else v * h)
-    per_block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h)
-    head = 0 if cfg.tie_embeddings else v * h
-    return v * h + cfg.seq_len * h + cfg.layers * per_block + 2 * h + head
+    """Parameters of the 1-rank model: its architecture's list (`app/archs/spec.py`)."""
+    return cfg.spec.num_params(cfg)

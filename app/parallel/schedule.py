@@ -26,22 +26,6 @@ class Action:
     virtual: int
 
 
-def partition_layers(layers: int, chunks: int, counts: list[int] | None = None) -> list[range]:
-    """Split layers 0..layers-1 into `chunks` consecutive ranges.
-
-    `counts` (the deck's parallel.stage_layers) gives the sizes; otherwise balanced by
-    layer count, the extra layers going to the earliest chunks (the last one also runs
-    the head and the loss).
-    """
-    if counts is None:
-        base, extra = divmod(layers, chunks)
-        counts = [base + (1 if c < extra else 0) for c in range(chunks)]
-    if len(counts) != chunks or sum(counts) != layers or min(counts) < 1:
-        raise ValueError(f"cannot split {layers} layers into chunks of {counts}")
-    bounds = [sum(counts[:c]) for c in range(chunks + 1)]
-    return [range(bounds[c], bounds[c + 1]) for c in range(chunks)]
-
-
 def one_f_one_b(pp: int, stage: int, micro_batches: int) -> list[Action]:
     """1F1B: warm-up forwards (pp - stage - 1), steady F/B pairs, cool-down backwards."""
     warmup = min(pp - stage - 1, micro_batches)

@@ -63,13 +63,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from app.archs.spec import ParamSpec
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops, linear_step_flops
 from app.names import BYTES, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, reduce_precision
-from app.parallel.schedule import partition_layers
 from app.sharding.layout import (
     ORS_IN_FLIGHT,
     ZERO2_IN_FLIGHT,
@@ -78,13 +79,12 @@ from app.sharding.layout import (
     ParamMeta,
     box3d,
     tp_box,
-    weight_splits,
 )
 
 
 def block_tensors(m: ModelConfig) -> int:
-    """Parameter tensors of a block (`_block_metas`): 12 for gpt2, 6 for llama (no biases, RMSNorm)."""
-    return 6 if m.llama else 12
+    """Parameter tensors of a block (its architecture's list: 12 for gpt2, 6 for llama)."""
+    return len(m.spec.block_params(m))
 
 
 OFFLOAD_STATE_BYTES = OFFLOAD_STATE_TENSORS * OFFLOAD_FP32  # app/names.py
@@ -94,69 +94,29 @@ OFFLOAD_STATE_BYTES = OFFLOAD_STATE_TENSORS * OFFLOAD_FP32  # app/names.py
 Tensor3DShape = Optional[tuple[int, int, int]]
 
 
+def _local_numel(p: ParamSpec, tp: int, tensor: Tensor3DShape) -> int:
+    """Elements of one tp rank's box of `p` (`_box`'s size, without building it)."""
+    shape = list(p.shape)
+    if tensor is not None:
+        sizes = dict(zip(("tp_x", "tp_y", "tp_z"), tensor))
+        for axis, dim in p.split3d:
+            shape[dim] //= sizes[axis]
+    elif p.split is not None:
+        shape[p.split] //= tp
+    return math.prod(shape)
+
+
+def _box(p: ParamSpec, tp: int, tp_rank: int, tensor: Tensor3DShape) -> ParamMeta:
+    """tp rank `tp_rank`'s box of `p`: only the fields a layout reads (shape, split, decay, tied)."""
+    meta = ParamMeta(p.shape, decay=p.decay, tied=p.tied)
+    if tensor is not None:
+        return box3d(meta, tensor, tp_rank, p.split3d) if p.split3d else meta
+    return tp_box(meta, tp, tp_rank, p.split) if p.split is not None else meta
+
+
 def block_params(m: ModelConfig, tp: int, tensor: Tensor3DShape = None) -> int:
-    """Parameters of one transformer block held by one tp rank: the sizes of `_block_metas`'
-    boxes in closed form (the search counts them for every grid; tests compare the two)."""
-    h, f = m.hidden, m.ffn
-    if m.llama:  # 1D only (deck rules): two RMSNorm weights, four column/row-parallel weights
-        return 2 * h + (m.qkv_rows // tp) * h + h * (h // tp) + (m.fc_rows // tp) * h + h * (f // tp)
-    if tensor is not None:
-        x, y, z = tensor
-        # Four Linear weights of out x in / (x y z); LayerNorms and the B layout's biases over X,
-        # the A layout's (qkv, fc) over Y.
-        return (4 * h * h + 2 * f * h) // (x * y * z) + 6 * h // x + (3 * h + f) // y
-    # Two LayerNorms; QKV and fc: column-parallel weight and bias; the projections: row-parallel
-    # weight and a whole bias.
-    return 4 * h + (3 * h // tp) * (h + 1) + h * (h // tp) + h + (f // tp) * (h + 1) + h * (f // tp) + h
-
-
-def _block_metas3d(m: ModelConfig, shape: tuple[int, int, int], tp_rank: int) -> list[ParamMeta]:
-    """`_block_metas` under 3D tensor parallelism (`app.tensor_parallel.tensor3d`): the
-    LayerNorms over X; qkv and fc in the A layout, the projections in the transposed B layout,
-    each bias split like its output."""
-    h, f = m.hidden, m.ffn
-    norm = [box3d(ParamMeta((h,), decay=False), shape, tp_rank, [("tp_x", 0)]) for _ in range(2)]
-
-    def linear(n_out: int, n_in: int, transposed: bool) -> list[ParamMeta]:
-        out_axis = "tp_x" if transposed else "tp_y"
-        return [
-            box3d(ParamMeta((n_out, n_in)), shape, tp_rank, weight_splits(transposed)),
-            box3d(ParamMeta((n_out,), decay=False), shape, tp_rank, [(out_axis, 0)]),
-        ]
-
-    return [*norm, *linear(3 * h, h, False), *linear(h, h, True), *norm, *linear(f, h, False), *linear(h, f, True)]
-
-
-def _block_metas(m: ModelConfig, tp: int, tp_rank: int, tensor: Tensor3DShape = None) -> list[ParamMeta]:
-    """The tp boxes of a block's parameters on tp rank `tp_rank`, as `Block` registers them:
-    ln1, the column-parallel QKV and row-parallel output projection (weight, bias), ln2, the
-    column-parallel fc and row-parallel proj; row-parallel biases and LayerNorms are whole.
-    `tensor`: the 3D layout instead (`_block_metas3d`)."""
-    if tensor is not None:
-        return _block_metas3d(m, tensor, tp_rank)
-    h, f = m.hidden, m.ffn
-    if m.llama:  # RMSNorm weights; no biases; the fused QKV (GQA) and SwiGLU (gate, up) rows
-        weight = ParamMeta((h,), decay=False)
-        return [
-            weight,
-            tp_box(ParamMeta((m.qkv_rows, h)), tp, tp_rank, 0),
-            tp_box(ParamMeta((h, h)), tp, tp_rank, 1),
-            weight,
-            tp_box(ParamMeta((m.fc_rows, h)), tp, tp_rank, 0),
-            tp_box(ParamMeta((h, f)), tp, tp_rank, 1),
-        ]
-    norm = [ParamMeta((h,), decay=False), ParamMeta((h,), decay=False)]
-
-    def column(n_out: int, n_in: int) -> list[ParamMeta]:
-        return [
-            tp_box(ParamMeta((n_out, n_in)), tp, tp_rank, 0),
-            tp_box(ParamMeta((n_out,), decay=False), tp, tp_rank, 0),
-        ]
-
-    def row(n_out: int, n_in: int) -> list[ParamMeta]:
-        return [tp_box(ParamMeta((n_out, n_in)), tp, tp_rank, 1), ParamMeta((n_out,), decay=False)]
-
-    return [*norm, *column(3 * h, h), *row(h, h), *norm, *column(f, h), *row(h, f)]
+    """Parameters of one transformer block held by one tp rank (its architecture's list)."""
+    return sum(_local_numel(p, tp, tensor) for p in m.spec.block_params(m))
 
 
 def stage_param_metas(
@@ -169,31 +129,16 @@ def stage_param_metas(
     tensor: Tensor3DShape = None,
 ) -> list[ParamMeta]:
     """The tp boxes of every parameter tp rank `tp_rank` of a pipeline stage holds, in the order
-    `GPT.parameters()` yields them: its own tensors first (the positions on the first stage, an
-    untied head on the last), then its modules' (the embedding, on the first stage or as the
-    last stage's copy of a tied one; the blocks; the final LayerNorm). Only the fields a layout
-    reads are set (shapes, split, decay, tied), not the initialisation. `tensor`: the boxes of
-    3D tensor parallelism of that shape (x y z = `tp`)."""
-    h, v = m.hidden, m.vocab_size
-
-    def table(tied: bool = False) -> ParamMeta:  # the embedding or head: vocab-parallel (3D: the A layout)
-        meta = ParamMeta((v, h), tied=tied)
-        return box3d(meta, tensor, tp_rank, weight_splits(False)) if tensor else tp_box(meta, tp, tp_rank, 0)
-
-    def over_x(meta: ParamMeta, dim: int) -> ParamMeta:  # the hidden split over X under 3D, else whole
-        return box3d(meta, tensor, tp_rank, [("tp_x", dim)]) if tensor else meta
-
-    out = []
-    if first and not m.llama:  # gpt2's learned positions (llama's are rotary)
-        out.append(over_x(ParamMeta((m.seq_len, h)), 1))
-    if last and not m.tie_embeddings:
-        out.append(table())
-    if first or (last and m.tie_embeddings):
-        out.append(table(tied=not first))
-    out += _block_metas(m, tp, tp_rank, tensor) * layers
-    if last:  # the final norm: LayerNorm weight and bias, or RMSNorm weight
-        out += [over_x(ParamMeta((h,), decay=False), 0) for _ in range(1 if m.llama else 2)]
-    return out
+    `GPT.parameters()` yields them (the architecture's `stage_params`, `app/archs/spec.py`). Only the
+    fields a layout reads are set (shapes, split, decay, tied), not the initialisation. `tensor`: the
+    boxes of 3D tensor parallelism of that shape (x y z = `tp`)."""
+    before, after = m.spec.end_params(m, first, last)
+    block = [_box(p, tp, tp_rank, tensor) for p in m.spec.block_params(m)]
+    return [
+        *(_box(p, tp, tp_rank, tensor) for p in before),
+        *block * layers,
+        *(_box(p, tp, tp_rank, tensor) for p in after),
+    ]
 
 
 def stage_param_list(
@@ -208,31 +153,21 @@ def stage_units(m: ModelConfig, layers: int, first: bool, last: bool) -> list[st
     """The ZeRO-3 gather unit of every parameter of a stage, in `GPT.parameters()` order (that of
     `stage_param_metas`): "embed" (the positions, and the embedding on the first stage),
     "blocks.<i>" (every parameter of the stage's i-th block), "head" (an untied head, the last
-    stage's copy of a tied embedding held apart from the first stage, the final LayerNorm). The
-    same on every tp rank: tp splits parameters, never adds or removes one."""
-    out = []
-    if first and not m.llama:
-        out.append("embed")  # wpe
-    if last and not m.tie_embeddings:
-        out.append("head")
-    if first or (last and m.tie_embeddings):
-        out.append("embed" if first else "head")  # wte, or the last stage's tied copy of it
-    out += [f"blocks.{i}" for i in range(layers) for _ in range(block_tensors(m))]
-    if last:
-        out += ["head"] * (1 if m.llama else 2)  # ln_f weight (and bias)
-    return out
+    stage's copy of a tied embedding held apart from the first stage, the final norm). The same on
+    every tp rank: tp splits parameters, never adds or removes one."""
+    before, after = m.spec.end_params(m, first, last)
+    return (
+        [p.unit for p in before]
+        + [f"blocks.{i}" for i in range(layers) for _ in range(block_tensors(m))]
+        + [p.unit for p in after]
+    )
 
 
 def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool, tensor: Tensor3DShape = None) -> int:
     """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head)."""
-    h, v = m.hidden, m.vocab_size
-    x = 1 if tensor is None else tensor[0]  # 3D: the hidden of wpe, the table and ln_f split over X
-    table = v // tp * h if tensor is None else (v // (tensor[1] * tensor[2])) * (h // x)
-    positions = m.seq_len * (h // x) if first and not m.llama else 0
-    ends = positions + (table if last and not m.tie_embeddings else 0)
-    ends += table if first or (last and m.tie_embeddings) else 0
-    norm = (1 if m.llama else 2) * (h // x)
-    return ends + (norm if last else 0) + layers * block_params(m, tp, tensor)
+    before, after = m.spec.end_params(m, first, last)
+    ends = sum(_local_numel(p, tp, tensor) for p in (*before, *after))
+    return ends + layers * block_params(m, tp, tensor)
 
 
 @dataclass(frozen=True)
@@ -402,7 +337,7 @@ def layer_activation_bytes(
     # fc output and what its activation makes of it (gpt2: GELU's f; llama: silu(gate) and the
     # product, 2f, beside the fused 2f rows).
     attention = (m.qkv_rows + m.hidden) / m.hidden
-    mlp = (m.fc_rows + (2 if m.llama else 1) * m.ffn) / m.hidden
+    mlp = (m.fc_rows + (2 if m.spec.gated else 1) * m.ffn) / m.hidden
     return sbh * (2 * e + (2 * e + 2) / t_sp + (attention + mlp) * e / t)
 
 
@@ -529,7 +464,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     see `LayoutCache`."""
     m, par, tr = deck.model, deck.parallel, deck.train
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
-    chunks = partition_layers(m.layers, pp * v, par.stage_layers)
+    chunks = deck.chunks
     chunk_layers = [len(c) for c in chunks]
     e, grad_bytes = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     master = 0 if tr.precision == "fp32" else 4

@@ -35,8 +35,8 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 # model counts for them, forward and backward (perf._layer_passes, perf._head_passes).
 ELEMENTWISE_KINDS = ("layernorm", "gelu", "softmax")
 
-# The keys, declared for the schema engine (app/schema.py). README.md's machine file reference is this
-# table (`machine_reference`; tests/test_plan.py checks that it lists every key).
+# The keys, declared for the schema engine (app/schema.py). docs/CLUSTERS.md's machine file reference is
+# this table (`machine_reference`; tests/test_plan.py checks that it lists every key).
 FIELDS: dict[str, Key] = {
     "name": Key(str, help="short name, = the file stem (used by --machine)"),
     "description": Key(str, help="one line: site, system, node type"),
@@ -347,7 +347,7 @@ class Machine:
 
 
 def machine_reference() -> list[tuple[str, str, bool, str]]:
-    """(key, type, required, help) of every top-level machine key, in FIELDS order: README.md's
+    """(key, type, required, help) of every top-level machine key, in FIELDS order: docs/CLUSTERS.md's
     machine file reference."""
     return [(name, type_name(key.type), key.required, key.help) for name, key in FIELDS.items()]
 

@@ -47,7 +47,7 @@ from typing import Callable, Optional
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
 from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
-from app.parallel.schedule import Action, build_schedule, partition_layers
+from app.parallel.schedule import Action, build_schedule
 from app.plan.device import Device, device_of
 from app.plan.estimate import stage_params, unit_buckets
 from app.plan.machine import LinkLevel, Machine
@@ -295,7 +295,7 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
     m, par, tr = deck.model, deck.parallel, deck.train
     pp, v, micro = par.pp, par.virtual_stages, deck.num_micro_batches
     e, g = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
-    chunks = partition_layers(m.layers, pp * v, par.stage_layers)
+    chunks = deck.chunks
     mine = list(range(stage, pp * v, pp))
     layers = sum(len(chunks[c]) for c in mine)
     first, last = stage == 0, stage == pp - 1
@@ -430,25 +430,18 @@ def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
     return cost[op](n, nbytes) + (link.busy_wait(op) if n > 1 and nbytes > 0 else 0.0)
 
 
-def _llama_chains(deck: Deck, tokens: int, t: int) -> tuple[float, float, float]:
-    """llama's element-wise work in one block's forward, as gridlm runs it, each op a pass over
-    memory: (bytes per element of an RMSNorm, of SwiGLU per ffn element, and the rotary embedding's
-    and GQA's bytes on this tp rank). Eager (`tensor_parallel/layers.rms_norm`, `model/gpt.rotary`,
-    `swiglu`): RMSNorm casts to fp32 (e + 4), squares (8), takes the mean (4), multiplies (8), casts
-    back (4 + e) and applies the weight (2e); SwiGLU's silu (2e) and product (3e) read strided
-    halves; rotary per q and k element: x cos (2e), rotate_half's negation and concatenation (3e),
-    x sin (2e), the sum (3e). With run.compile each chain is one read and one write (app/model/fused.py).
+def _elementwise(deck: Deck, tokens: int, t: int) -> tuple[float, float, float]:
+    """A block's element-wise work in one forward as gridlm runs it, from its architecture's features
+    (`app/archs/spec.py`: `norm_bytes`, `act_bytes`, `rotary_bytes`): (bytes per element of a norm,
+    of the activation per ffn element, and the rotary embedding's and GQA's bytes on this tp rank).
     GQA's repeat_interleave reads the kv heads' keys and values and writes them for every query head."""
-    m, e = deck.model, BYTES[deck.train.precision]
+    m, e, compiled = deck.model, BYTES[deck.train.precision], deck.run.compile
     d = m.hidden // m.heads
     rotated = tokens * (m.heads + m.kv) * d / t  # this rank's q and k elements
-    if deck.run.compile:
-        norm, act, chains = 2 * e, 3 * e, rotated * 2 * e
-    else:
-        norm, act, chains = 4 * e + 24, 5 * e, rotated * 10 * e
+    chains = rotated * m.spec.rotary_bytes(e, compiled)
     if m.heads > m.kv:
         chains += tokens * 2 * (m.kv + m.heads) * d * e / t
-    return norm, act, chains
+    return m.spec.norm_bytes(e, compiled), m.spec.act_bytes(e, compiled), chains
 
 
 def _layer_passes(
@@ -468,17 +461,14 @@ def _layer_passes(
     dgrad, wgrad = [g[1] for g in gemms], [g[2] for g in gemms]
     attn_fwd, attn_bwd = _attention(deck, dev)
     # Element-wise bytes per token of one forward (see the module docstring of estimate.py for
-    # the block): LayerNorm x 2, row-parallel bias add x 2 (gpt2; llama has no biases), residual
+    # the block): LayerNorm x 2, row-parallel bias add x 2 (where the Linears have biases), residual
     # add x 2 on h/t_sp; the attention output's transpose copy on h/t; GELU on f/t; dropout (p > 0)
     # x 2 with its mask.
-    per_token = ((0 if m.llama else 2 + 2) + 3 + 3) * h * e / t_sp + 2 * h * e / t
+    per_token = ((2 + 2 if m.spec.bias else 0) + 3 + 3) * h * e / t_sp + 2 * h * e / t
     if m.dropout > 0:
         per_token += 2 * (2 * h * e + h) / t_sp
-    # Bytes per element of a norm (LayerNorm: one read, one write) and of the activation (GELU reads
-    # f and writes f), and llama's chains as gridlm runs them (`_llama_chains`).
-    norm, act, chains = 2 * e, 2 * e, 0.0
-    if m.llama:
-        norm, act, chains = _llama_chains(deck, tokens, t)
+    # Bytes per element of a norm and of the activation, and the rotary and GQA chains (`_elementwise`).
+    norm, act, chains = _elementwise(deck, tokens, t)
     layernorm, gelu = tokens * 2 * norm * h / t_sp, tokens * act * f / t
     elem_fwd = dev.stream(tokens * per_token + chains) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
     # The MLP's activation (tokens x f/t) is the block's largest new tensor, in the forward and as
@@ -955,17 +945,10 @@ def core_sharing(machine: Machine, pp: int) -> Optional[Callable[[int], float]]:
 
 
 def param_tensors(layers: int, first: bool, last: bool, m: ModelConfig) -> tuple[int, int]:
-    """(parameter tensors, weight matrices) of a stage: per block two LayerNorms, four Linears
-    with biases; the embeddings on the first stage, the final LayerNorm (and the untied head or
-    the tied copy) on the last. The optimizer and the norm run a few framework ops per each."""
-    tensors, matrices = 12 * layers, 4 * layers
-    if first:
-        tensors, matrices = tensors + 2, matrices + 2
-    if last:
-        tensors += 2
-        if not m.tie_embeddings or not first:
-            tensors, matrices = tensors + 1, matrices + 1
-    return tensors, matrices
+    """(parameter tensors, weight matrices) of a stage (its architecture's list): the optimizer and
+    the norm run a few framework ops per each."""
+    params = m.spec.stage_params(m, range(layers), first, last)
+    return len(params), sum(len(p.shape) == 2 for p in params)
 
 
 def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: dict[str, Link]) -> float:
@@ -1021,7 +1004,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         layer_b = layer_b + layer_r  # the forward again, just before each block's backward
     elif tr.recompute == "selective":
         layer_b = layer_b + _Pass(attention=layer_f.attention, host=layer_f.host / OPS["layer_forward"])  # one op
-    chunks = [len(c) for c in partition_layers(m.layers, pp * v, par.stage_layers)]
+    chunks = [len(c) for c in deck.chunks]
     last = pp * v - 1
     fwd_parts = [layer_f.scaled(n) + (emb_f if c == 0 else _Pass()) + (head_f if c == last else _Pass())
                  for c, n in enumerate(chunks)]  # fmt: skip

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional, Protocol, TextIO, Union
 
 from app.names import rank_ranges
 
-EXIT_CODE = 4  # communication timeout or a lost rank (README, "When things go wrong")
+EXIT_CODE = 4  # communication timeout or a lost rank (docs/RUNNING.md, "When things go wrong")
 HEARTBEAT_KEY = "gridlm/heartbeat/{}"
 # Set by a rank that ends the job on purpose after printing why (`announce_end`): {"rank", "code"}.
 ENDED_KEY = "gridlm/ended"

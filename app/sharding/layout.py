@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from app.archs.spec import A_SPLITS, B_SPLITS
 from app.names import TP_SUB_AXES, strides3d
 
 # ZeRO-2: bucket reductions in flight at once; launching one more first waits for the oldest,
@@ -145,9 +146,8 @@ def box3d(
 
 def weight_splits(transposed: bool) -> list[tuple[str, int]]:
     """A (out, in) weight's cuts under 3D tensor parallelism (`box3d`): rows over the out axis (Y,
-    or X in the `transposed` B layout) and then Z, columns over the in axis."""
-    rows, cols = ("tp_x", "tp_y") if transposed else ("tp_y", "tp_x")
-    return [(rows, 0), ("tp_z", 0), (cols, 1)]
+    or X in the `transposed` B layout) and then Z, columns over the in axis (`app/archs/spec.py`)."""
+    return list(B_SPLITS if transposed else A_SPLITS)
 
 
 def tp_box(meta: ParamMeta, tp: int, tp_rank: int, dim: int) -> ParamMeta:

@@ -1,0 +1,149 @@
+"""llama: Llama (Touvron et al. 2023) — rotary positions, pre-RMSNorm, SwiGLU MLP, grouped-query
+attention, no biases, an untied head by default, an MLP width of 8/3 x hidden rounded up to a
+multiple of 64. 1D tensor parallelism only (no 3D layout of the fused rows yet).
+
+Its Hugging Face form is `LlamaForCausalLM` (`HFFormat` below): `nn.Linear` (out, in) weights both
+sides; q/k/v_proj fused into gridlm's rows (kv head, its query heads, k, v) and gate_proj and
+up_proj interleaved (row 2j gate feature j, 2j + 1 up), so one tensor-parallel split keeps each
+group and each feature's pair on one rank (`app/model/gpt.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from app.archs.hf import Rule, qkv_parts, same
+from app.archs.spec import Arch, HFFormat
+
+
+def hf_config(model: dict[str, Any]) -> dict[str, Any]:
+    """LlamaConfig fields (config.json) for a checkpoint's model section."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model["vocab_size"],
+        "hidden_size": model["hidden"],
+        "intermediate_size": model["ffn"],
+        "num_hidden_layers": model["layers"],
+        "num_attention_heads": model["heads"],
+        "num_key_value_heads": model["kv"],
+        "head_dim": model["hidden"] // model["heads"],
+        "max_position_embeddings": model["seq_len"],
+        "hidden_act": "silu",
+        "rms_norm_eps": model["layernorm_eps"],
+        "rope_theta": model["rope_theta"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": model["dropout"],
+        "initializer_range": model["init_std"],
+        "tie_word_embeddings": bool(model["tie_embeddings"]),
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_rules(model: dict[str, Any]) -> dict[str, Rule]:
+    """llama: gridlm name -> LlamaForCausalLM tensor (`nn.Linear` (out, in) both sides)."""
+    h, f, v, n, kv = model["hidden"], model["ffn"], model["vocab_size"], model["heads"], model["kv"]
+    d, group = h // n, n // kv
+    rules = {
+        "wte.weight": Rule("model.embed_tokens.weight", (v, h), same, (v, h)),
+        "ln_f.weight": Rule("model.norm.weight", (h,), same, (h,)),
+    }
+    if not model["tie_embeddings"]:
+        rules["head"] = Rule("lm_head.weight", (v, h), same, (v, h))
+    qkv = (n + 2 * kv) * d
+
+    def qkv_part(part: slice) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray, np.ndarray], None]]:
+        def place(out: np.ndarray, x: np.ndarray) -> None:
+            out.reshape(kv, group + 2, d, h)[:, part] = x.reshape(kv, -1, d, h)
+
+        return (lambda x: qkv_parts(x, kv, d, part)), place
+
+    def rows(start: int) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray, np.ndarray], None]]:
+        def place(out: np.ndarray, x: np.ndarray) -> None:
+            out[start::2] = x
+
+        return (lambda x: x[start::2]), place
+
+    q, k, vv = qkv_part(slice(0, group)), qkv_part(slice(group, group + 1)), qkv_part(slice(group + 1, group + 2))
+    gate, up = rows(0), rows(1)
+    for i in range(model["layers"]):
+        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+        # One Rule per HF tensor: the fused gridlm tensors appear under the names "...#q" etc.
+        rules.update({
+            ours + "ln1.weight": Rule(hf + "input_layernorm.weight", (h,), same, (h,)),
+            ours + "attn.qkv.weight#q": Rule(hf + "self_attn.q_proj.weight", (qkv, h), q[0], (n * d, h), q[1]),
+            ours + "attn.qkv.weight#k": Rule(hf + "self_attn.k_proj.weight", (qkv, h), k[0], (kv * d, h), k[1]),
+            ours + "attn.qkv.weight#v": Rule(hf + "self_attn.v_proj.weight", (qkv, h), vv[0], (kv * d, h), vv[1]),
+            ours + "attn.proj.weight": Rule(hf + "self_attn.o_proj.weight", (h, h), same, (h, h)),
+            ours + "ln2.weight": Rule(hf + "post_attention_layernorm.weight", (h,), same, (h,)),
+            ours + "mlp.fc.weight#gate": Rule(hf + "mlp.gate_proj.weight", (2 * f, h), gate[0], (f, h), gate[1]),
+            ours + "mlp.fc.weight#up": Rule(hf + "mlp.up_proj.weight", (2 * f, h), up[0], (f, h), up[1]),
+            ours + "mlp.proj.weight": Rule(hf + "mlp.down_proj.weight", (h, f), same, (h, f)),
+        })  # fmt: skip
+    return rules
+
+
+def rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings: transformers 5's `rope_parameters`, or 4's top-level rope_theta and rope_scaling."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        return params
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+    return {**({"rope_theta": config["rope_theta"]} if "rope_theta" in config else {}), "rope_type": kind}
+
+
+def hf_expected(config: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """(deck model key, HF config key, the value the deck must have) for each key that shapes the
+    model or its numerics; HF's defaults where config.json leaves a key out."""
+    heads = config.get("num_attention_heads", 32)
+    return [
+        ("arch", "model_type", "llama"),
+        ("vocab_size", "vocab_size", config.get("vocab_size", 32000)),
+        ("hidden", "hidden_size", config.get("hidden_size", 4096)),
+        ("layers", "num_hidden_layers", config.get("num_hidden_layers", 32)),
+        ("heads", "num_attention_heads", heads),
+        ("kv_heads", "num_key_value_heads", config.get("num_key_value_heads") or heads),
+        ("ffn_hidden", "intermediate_size", config.get("intermediate_size", 11008)),
+        ("layernorm_eps", "rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+        ("rope_theta", "rope_theta", float(rope(config).get("rope_theta", 10000.0))),
+        ("tie_embeddings", "tie_word_embeddings", config.get("tie_word_embeddings", False)),
+    ]
+
+
+def hf_unsupported(config: dict[str, Any], m: Any) -> Optional[str]:
+    """What of the HF Llama gridlm's blocks do not compute, or None (`m`: the deck's ModelConfig)."""
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            return f"{key}: true; gridlm's llama blocks have no biases"
+    kind = rope(config).get("rope_type", "default")
+    if kind != "default":
+        return f"rope type {kind!r} (rope_scaling / rope_parameters): gridlm's rotary embedding is unscaled"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {config.get('hidden_act')!r}: gridlm's SwiGLU uses silu"
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * m.heads != m.hidden:
+        return f"head_dim {head_dim} x {m.heads} heads != hidden {m.hidden}: gridlm's heads split the width"
+    return None
+
+
+HF = HFFormat("llama", "model.", hf_config, hf_rules, hf_expected, hf_unsupported)
+
+LLAMA = Arch(
+    name="llama",
+    summary="rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases",
+    positions="rotary",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+    grouped_query=True,
+    tensor3d=False,
+    tie_embeddings=False,
+    ffn=lambda hidden: -(-8 * hidden // (3 * 64)) * 64,
+    hf=HF,
+)
