@@ -74,7 +74,7 @@ def hf_model(deck, device):
     import transformers
 
     m = deck.model
-    if m.llama:
+    if m.spec.hf.model_type == "llama":  # the HF class of the entry's form
         config = transformers.LlamaConfig(
             vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.ffn, num_hidden_layers=m.layers,
             num_attention_heads=m.heads, num_key_value_heads=m.kv, max_position_embeddings=m.seq_len,

@@ -54,7 +54,6 @@ import grid_bench  # noqa: E402
 
 from app.deck import Deck, load_deck, resolve_for_world  # noqa: E402
 from app.names import BYTES, reduce_precision  # noqa: E402
-from app.parallel.schedule import partition_layers  # noqa: E402
 from app.plan.machine import Machine, load_machine  # noqa: E402
 from app.plan.perf import predict, ring_terms, stage_params3d, step_messages, tensor_shape  # noqa: E402
 
@@ -134,7 +133,7 @@ def predicted_bytes(deck: Deck, stage: int = 0, gloo: bool = False) -> dict[str,
         out[axis] = out.get(axis, 0.0) + sent(op, n, nbytes, gloo)
     shape = tensor_shape(deck)
     if shape is not None and shape[2] > 1:
-        chunks = partition_layers(m.layers, par.pp * par.virtual_stages, par.stage_layers)
+        chunks = deck.chunks
         layers = sum(len(chunks[c]) for c in range(stage, par.pp * par.virtual_stages, par.pp))
         _, replicated = stage_params3d(m, shape, layers, stage == 0, stage == par.pp - 1)
         g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]

@@ -5,6 +5,7 @@ with their types, not as `Any`."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,27 @@ def test_the_floor_and_cycle_checks_see_a_planted_cycle_and_upward_import(tmp_pa
     floors = [["toy", "toy.low"], ["toy.mid_a", "toy.mid_b"], ["toy.high"]]
     assert upward_imports(graph, floors) == ["toy.low.base:2 imports toy.high (floor 2 above 0)"]
     assert import_cycles(graph) == [["toy.high", "toy.low.base"], ["toy.mid_a", "toy.mid_b"]]
+
+
+def drawn_floors(text: str) -> list[set[str]]:
+    """The floors docs/ARCHITECTURE.md draws (its "Floors" picture: `N  app/a/, app/b.py  words`
+    lines, continued on indented lines), as module names per floor, lowest first."""
+    block = text.split("**Floors.**", 1)[1].split("```", 2)[1]
+    floors: dict[int, set[str]] = {}
+    number = None
+    for line in block.splitlines():
+        head = re.split(r"\s{3,}(?!app/)", line.strip(), maxsplit=1)[0]  # the module column, not the words
+        if head.split() and head.split()[0].isdigit():
+            number = int(head.split()[0])
+            head = head.split(maxsplit=1)[1]
+        if number is not None:
+            for path in re.findall(r"app/[\w/]*?(?:\.py|/)", head):
+                floors.setdefault(number, set()).add(path.removesuffix("/").removesuffix(".py").replace("/", "."))
+    return [floors.get(n, set()) for n in range(max(floors) + 1)]
+
+
+def test_architecture_md_draws_the_floors_the_imports_are_held_to():
+    drawn = drawn_floors((REPO / "docs/ARCHITECTURE.md").read_text())
+    assert drawn == [set(floor) - {"app"} for floor in FLOORS], "docs/ARCHITECTURE.md's Floors picture differs"
+    moved = [set(floor) - {"app"} for floor in FLOORS[::-1]]  # a picture drawn upside down is caught
+    assert drawn != moved

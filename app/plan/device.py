@@ -74,14 +74,7 @@ class Device:
 def device_of(machine: Machine, precision: str, mmap_threshold_kb: int = 0) -> Device:
     """The machine's device constants (`mmap_threshold_kb`: the deck's run.malloc_mmap_threshold_kb,
     above which new results page-fault, `Device.fresh`); `MachineError` names what a machine file lacks."""
-    missing = machine.missing_for_prediction(precision)
-    if missing:
-        from app.plan.machine import MachineError
-
-        raise MachineError(
-            f"machine {machine.name}: cannot predict step times: missing {', '.join(missing)} "
-            "(see docs/PERFORMANCE_MODEL.md for each key and its source)"
-        )
+    machine.require_prediction(precision)
     peak = machine.peak(precision)
     assert peak is not None and machine.gemm is not None
     g = machine.gemm

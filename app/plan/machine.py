@@ -339,6 +339,16 @@ class Machine:
         needed += ["nvme_read_gbs", "nvme_write_gbs"] if offload == "nvme" else []
         return missing + [key for key in needed if getattr(self, key) is None]
 
+    def require_prediction(self, precision: str, offload: str = "none") -> None:
+        """MachineError naming the keys `missing_for_prediction` finds, if any: where a step time
+        must be predicted (the device constants, the offload rates)."""
+        missing = self.missing_for_prediction(precision, offload)
+        if missing:
+            raise MachineError(
+                f"machine {self.name}: cannot predict step times: missing {', '.join(missing)} "
+                "(see docs/PERFORMANCE_MODEL.md for each key and its source)"
+            )
+
     def launch_line(self, nodes: int) -> str:
         """The launch line for `nodes` nodes, one rank per device."""
         return self.launch.format(

@@ -36,7 +36,7 @@ from app.deck import Deck
 from app.names import BYTES, reduce_precision
 from app.plan.device import Device
 from app.plan.estimate import OFFLOAD_SLOTS, OFFLOAD_STATE_BYTES
-from app.plan.machine import Machine, MachineError
+from app.plan.machine import Machine
 
 # AdamW on GPUs is torch's fused kernel (`_AdamWCall`): one pass that reads the master, the fp32
 # gradient and both moments and writes the master and both moments; when it unscales the gradient
@@ -167,12 +167,7 @@ class OffloadRates:
 def offload_rates(deck: Deck, machine: Machine, ranks_on_node: int) -> OffloadRates:
     """The rates of `deck`'s offload on `machine` with `ranks_on_node` ranks sharing a node; a
     `MachineError` names the keys the machine file lacks (nothing is guessed)."""
-    missing = machine.missing_for_prediction(deck.train.precision, deck.optim.offload)
-    if missing:
-        raise MachineError(
-            f"machine {machine.name}: cannot predict step times: missing {', '.join(missing)} "
-            "(see docs/PERFORMANCE_MODEL.md for each key and its source)"
-        )
+    machine.require_prediction(deck.train.precision, deck.optim.offload)
 
     def share(gbs: Optional[float]) -> Optional[float]:
         return None if gbs is None else gbs * 1e9 / ranks_on_node
