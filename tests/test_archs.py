@@ -133,9 +133,9 @@ def test_the_toy_entry_is_refused_until_registered_then_loads_with_its_own_width
 
 
 def test_the_toy_is_planned_and_counted_by_the_flop_counter(narrow):
-    from app.metrics.flops import arch_flops_args, gpt_step_flops
+    from app.metrics.flops import arch_flops_args, gpt_step_flops, step_flops
     from app.plan.dryrun import make_plan
-    from app.plan.estimate import estimate_stages, step_flops
+    from app.plan.estimate import estimate_stages
     from app.plan.machine import load_machine
 
     sets = (*SMALL, "model.arch=gpt_narrow", "parallel.tp=2", "parallel.pp=2", "train.global_batch=8")

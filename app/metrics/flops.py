@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from app.deck import ModelConfig
+    from app.deck import Deck, ModelConfig
 
 # Said in every output that reports FLOP/s (log, summary.json, TensorBoard tags, dry run, postprocess).
 FLOPS_CONVENTION = (
@@ -119,3 +119,12 @@ def gpt_hardware_step_flops(
     tokens = global_batch * seq_len
     model = gpt_step_flops(global_batch, seq_len, layers, hidden, vocab, ffn, kv_hidden=kv_hidden, gated=gated)
     return model + tokens * layers * again[recompute]
+
+
+def step_flops(deck: Deck) -> dict[str, float]:
+    """Model FLOPs (MFU) and hardware FLOPs (with the deck's recomputation) of one optimizer step of
+    the deck's model and global batch: the run's report, the dry run and the performance model."""
+    m, tr = deck.model, deck.train
+    size = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
+    arch = arch_flops_args(m)
+    return {"model": gpt_step_flops(*size, **arch), "hardware": gpt_hardware_step_flops(*size, tr.recompute, **arch)}

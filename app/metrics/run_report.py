@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from app.deck import Deck, ModelConfig
-from app.metrics.flops import FLOPS_CONVENTION, arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
+from app.metrics.flops import FLOPS_CONVENTION, step_flops
 from app.metrics.peaks import peak_tflops
 from app.metrics.report import (
     MetricsWriter,
@@ -110,9 +110,8 @@ class RunReport:
         m, tr = deck.model, deck.train
         self.device_name = device_name(runtime.device)
         self.peak = peak_tflops(self.device_name, tr.precision, deck.run.peak_tflops)
-        size = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
-        self.flops_per_step = gpt_step_flops(*size, **arch_flops_args(m))
-        self.hardware_flops_per_step = gpt_hardware_step_flops(*size, tr.recompute, **arch_flops_args(m))
+        flops = step_flops(deck)
+        self.flops_per_step, self.hardware_flops_per_step = flops["model"], flops["hardware"]
         self.tokens_per_step = tr.global_batch * m.seq_len
         self.start_step = 0
         self.records: list[dict[str, Any]] = []  # the logged steps' records

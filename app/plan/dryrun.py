@@ -17,8 +17,9 @@ from typing import Any, Optional
 
 from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
+from app.metrics.flops import step_flops
 from app.names import SCHEDULES, schedule_key, strides3d
-from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params, step_flops
+from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params
 from app.plan.machine import Machine
 from app.plan.perf import Link, Prediction, axis_links, predict
 from app.runtime.grid import AXES, GridLayout

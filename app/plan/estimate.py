@@ -69,7 +69,7 @@ from typing import Any, Callable, Optional, Union
 
 from app.archs.spec import ParamSpec
 from app.deck import Deck, ModelConfig
-from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops, linear_step_flops
+from app.metrics.flops import arch_flops_args, gpt_step_flops, linear_step_flops
 from app.names import BYTES, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, reduce_precision
 from app.sharding.layout import (
     ORS_IN_FLIGHT,
@@ -566,14 +566,6 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             )
         )
     return stages
-
-
-def step_flops(deck: Deck) -> dict[str, float]:
-    """Model FLOPs (MFU) and hardware FLOPs (with the deck's recomputation) per optimizer step."""
-    m, tr = deck.model, deck.train
-    args = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
-    arch = arch_flops_args(m)
-    return {"model": gpt_step_flops(*args, **arch), "hardware": gpt_hardware_step_flops(*args, tr.recompute, **arch)}
 
 
 def rank_device_bytes(deck: Deck, stage: int) -> float:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from app.deck import Deck, ModelConfig
-from app.metrics.flops import arch_flops_args, gpt_hardware_step_flops, gpt_step_flops
+from app.metrics.flops import step_flops
 from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule
 from app.plan.device import Device, device_of
@@ -1140,9 +1140,8 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         "optimizer": optimizer[slowest],  # on the device
         "optimizer_offload": offloaded[slowest],  # optim.offload: copies, the CPU update, the file
     }
-    size = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
-    flops = gpt_step_flops(*size, **arch_flops_args(m))
-    hardware = gpt_hardware_step_flops(*size, tr.recompute, **arch_flops_args(m))
+    counted = step_flops(deck)
+    flops, hardware = counted["model"], counted["hardware"]
     devices = world
     levels = {axis: links[axis].level for axis in links}
     tensor3d: dict[str, float] = {}
