@@ -24,7 +24,6 @@ from app.data.memmap import MemmapTokens, split_point
 from app.deck import load_deck, resolve_for_world
 from app.errors import DataError, DeckError
 from app.eval import evaluate
-from app.runtime.grid import ProcessGrid
 from app.train import Trainer
 from conftest import REPO, grid_trainer, read_metrics, run_mpi, settle, train_steps
 
@@ -213,7 +212,7 @@ def test_eval_loss_on_a_grid_matches_single_rank(runtime, grids, tmp_path, case)
 
 
 @pytest.mark.mpi
-def test_goldfish_drops_targets_from_training_but_not_from_evaluation(runtime, shared_tmp):
+def test_goldfish_drops_targets_from_training_but_not_from_evaluation(runtime, shared_tmp, grids):
     """The same model evaluated with and without train.goldfish_k gives the same loss over every
     target, while the training losses of the first step differ."""
     dp = runtime.world_size
@@ -221,7 +220,7 @@ def test_goldfish_drops_targets_from_training_but_not_from_evaluation(runtime, s
     def trainer(*sets: str) -> Trainer:
         deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*TINY, "eval.every=1", "eval.batches=1", *sets))
         deck = resolve_for_world(deck, dp)
-        return Trainer(deck, runtime, ProcessGrid(runtime, 1, 1, dp))
+        return Trainer(deck, runtime, grids.grid(1, 1, dp))
 
     plain = trainer(f"run.dir={shared_tmp / 'plain'}")
     goldfish = trainer(f"run.dir={shared_tmp / 'goldfish'}", "train.goldfish_k=2", "train.goldfish_context=3")

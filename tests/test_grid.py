@@ -92,15 +92,13 @@ def _shapes_for(world: int):
 
 
 @pytest.mark.mpi
-def test_process_grid_groups_and_communicators_match_the_layout(runtime):
+def test_process_grid_groups_and_communicators_match_the_layout(runtime, grids):
     import torch
     import torch.distributed as dist
 
-    from app.runtime.grid import ProcessGrid
-
     for tp, pp, dp in _shapes_for(runtime.world_size):
         for order in ("tp-dp-pp", "pp-dp-tp"):
-            grid = ProcessGrid(runtime, tp, pp, dp, order)
+            grid = grids.grid(tp, pp, dp, order)  # a ProcessGrid, kept for the session's later tests
             assert grid.coords == grid.layout.coords(grid.rank)
             if runtime.nodes == 1:
                 assert grid.describe()["within_node"] == {"tp": True, "pp": True, "dp": True}

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from app.deck import ModelConfig
 from app.model.gpt import GPT
-from app.runtime.grid import ProcessGrid
 from app.runtime.timers import StepTimers
 from app.sharding.init import ParamMeta, counter_normal
 from app.tensor_parallel import mappings as c
@@ -30,8 +29,8 @@ ATOL = 1e-5
 
 
 @pytest.fixture
-def tp(runtime):
-    grid = ProcessGrid(runtime, runtime.world_size, 1, 1)
+def tp(grids):
+    grid = grids.grid(grids.world.world_size, 1, 1)  # made once per session (conftest.GridPool)
     yield c.TensorParallel.from_grid(grid)
 
 

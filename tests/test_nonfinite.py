@@ -225,9 +225,8 @@ def _poison(trainer: Any, batch_start: int) -> None:
 
 
 @pytest.mark.mpi
-def test_a_nan_on_one_rank_is_rolled_back_on_every_rank_and_matches_skipping_the_batch(runtime, shared_tmp):
+def test_a_nan_on_one_rank_is_rolled_back_on_every_rank_and_matches_skipping_the_batch(runtime, shared_tmp, grids):
     from app.deck import load_deck, resolve_for_world
-    from app.runtime.grid import ProcessGrid
     from app.train import Trainer
 
     base = (*SMALL, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=1", "optim.lr=3e-3")
@@ -235,7 +234,7 @@ def test_a_nan_on_one_rank_is_rolled_back_on_every_rank_and_matches_skipping_the
     def trainer(policy: str, *sets: str) -> Any:
         deck = load_deck(REPO / TINY, (*base, f"train.nonfinite={policy}", f"run.dir={shared_tmp / policy}", *sets))
         deck = resolve_for_world(deck, runtime.world_size)
-        return Trainer(deck, runtime, ProcessGrid(runtime, 1, 1, runtime.world_size))
+        return Trainer(deck, runtime, grids.grid(1, 1, runtime.world_size))
 
     runs = {}
     for policy in ("skip", "rollback"):

@@ -15,20 +15,9 @@ import torch
 from app.deck import OptimConfig, load_deck, resolve_for_world
 from app.optim.optimizer import ShardedOptimizer
 from app.parallel.data import DataParallel
-from app.runtime.grid import ProcessGrid
 from app.sharding.init import ParamMeta
 from app.train import Trainer
 from conftest import REPO
-
-
-def _solo_grid():
-    from mpi4py import MPI
-
-    from app.runtime.mpi import bind_device, init_mpi
-
-    solo = init_mpi(MPI.COMM_SELF)
-    bind_device(solo, "cpu")
-    return ProcessGrid(solo, 1, 1, 1)
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -57,13 +46,13 @@ def _torch_adamw(model: torch.nn.Module, **kind) -> torch.optim.Optimizer:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("fused", [False, True], ids=["cpu-eager", "gpu-fused"])
-def test_flat_adamw_is_torch_adamw(runtime, monkeypatch, fused):
+def test_flat_adamw_is_torch_adamw(runtime, monkeypatch, fused, grids):
     """CPU ranks: torch.optim.AdamW's single-tensor arithmetic on the flat shards, equal to 1
     ulp-level (1e-7 relative over 4 steps: the flat buffer changes no operation). GPU ranks (the
     fused path, forced here on CPU tensors): torch's fused kernel over views of the shards, bit for
     bit torch.optim.AdamW(fused=True) where each weight-decay run is one parameter (as here), and
     within 1e-5 of the single-tensor loop after 20 steps (measured 2.8e-6, near zero)."""
-    grid = _solo_grid()
+    grid = grids.grid(1, 1, 1)
     ours, ref = _model(0), _model(0)
     dp = DataParallel(ours, grid, bucket_mb=0.0001)  # several buckets
     opt = ShardedOptimizer(dp, CFG, grid)
@@ -94,7 +83,7 @@ def test_flat_adamw_is_torch_adamw(runtime, monkeypatch, fused):
 
 
 @pytest.mark.mpi
-def test_the_norm_is_within_1e_7_of_the_float64_sum_and_its_views_and_buffers_are_kept(runtime):
+def test_the_norm_is_within_1e_7_of_the_float64_sum_and_its_views_and_buffers_are_kept(runtime, grids):
     """The gradient norm is one multi-tensor norm over views built once: float32 norms of pieces
     of at most CPU_NORM_PIECE elements, their squares summed in float64, within 1e-7 relative of
     sqrt of the float64 sum of squares (measured 1e-8 on 4M elements). The second step reuses the
@@ -102,7 +91,7 @@ def test_the_norm_is_within_1e_7_of_the_float64_sum_and_its_views_and_buffers_ar
     import app.optim.multi_tensor as multi_tensor
     from app.optim.optimizer import step_verdict
 
-    grid = _solo_grid()
+    grid = grids.grid(1, 1, 1)
     for name in ("adamw", "lamb"):
         cfg = OptimConfig(name=name, lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
         model = _model(1)
@@ -133,7 +122,9 @@ def test_the_norm_is_within_1e_7_of_the_float64_sum_and_its_views_and_buffers_ar
 
 
 @pytest.mark.mpi
-def test_an_optimizer_step_dispatches_as_many_operations_for_24_layers_as_for_4(runtime, capsys, tmp_path, monkeypatch):
+def test_an_optimizer_step_dispatches_as_many_operations_for_24_layers_as_for_4(
+    runtime, capsys, tmp_path, monkeypatch, grids
+):
     """The CPU guard of the GPU kernels: the aten operations one `Trainer.update` dispatches (the
     norm, the grid-wide verdict, clipping, AdamW, publishing) on gpt_tiny with 4 and with 24 layers
     (3.3M and 19M elements), in one bucket and in buckets of 1 MB (13 and 73). GPU ranks' fused path
@@ -153,7 +144,7 @@ def test_an_optimizer_step_dispatches_as_many_operations_for_24_layers_as_for_4(
                     f"model.layers={layers}", "model.seq_len=16", "train.global_batch=2", "train.micro_batch=2",
                     f"parallel.dp_bucket_mb={bucket_mb}", "optim.grad_clip=1e-6", "run.resume=none",
                     "checkpoint.at_exit=false", f"run.dir={tmp_path / str(layers)}")), 1)  # fmt: skip
-                trainer = Trainer(deck, _solo_runtime(), _solo_grid())
+                trainer = Trainer(deck, grids.runtime(1), grids.grid(1, 1, 1))
                 monkeypatch.setattr(trainer.optimizer, "fused", lambda f=fused: f)
                 trainer.forward_backward()
                 trainer.update(deck.optim.lr)  # the first step builds the views
@@ -174,16 +165,6 @@ def test_an_optimizer_step_dispatches_as_many_operations_for_24_layers_as_for_4(
         assert fused or n <= one + 16 * (buckets - 1), counts
 
 
-def _solo_runtime():
-    from mpi4py import MPI
-
-    from app.runtime.mpi import bind_device, init_mpi
-
-    solo = init_mpi(MPI.COMM_SELF)
-    bind_device(solo, "cpu")
-    return solo
-
-
 def _lamb_reference(params: list[torch.Tensor], grads: list[torch.Tensor], state: list, step: int, lr: float) -> None:
     """LAMB (You et al. 2020, with Adam bias correction), one tensor at a time."""
     for p, g, s in zip(params, grads, state):
@@ -197,10 +178,10 @@ def _lamb_reference(params: list[torch.Tensor], grads: list[torch.Tensor], state
 
 
 @pytest.mark.mpi
-def test_flat_lamb_is_per_tensor_lamb(runtime):
+def test_flat_lamb_is_per_tensor_lamb(runtime, grids):
     """Within 1e-6 relative: the reference computes the same formula with differently
     rounded intermediates (m / bc1 vs m_hat, a float64 norm vs a float32 one)."""
-    grid = _solo_grid()
+    grid = grids.grid(1, 1, 1)
     cfg = OptimConfig(name="lamb", lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
     ours, ref = _model(1), _model(1)
     dp = DataParallel(ours, grid, bucket_mb=0.0001)
@@ -222,7 +203,7 @@ def test_flat_lamb_is_per_tensor_lamb(runtime):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runtime, shared_tmp):
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runtime, shared_tmp, grids):
     """An inf in one rank's (ZeRO-1 shard of the) reduced gradient: every rank skips the
     update, keeps its parameters bit for bit, halves the loss scale; the next step trains."""
     tp = 2 if runtime.world_size % 4 == 0 else 1
@@ -237,7 +218,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runtime, shared_
         ),
         runtime.world_size,
     )  # fmt: skip
-    grid = ProcessGrid(runtime, tp, 1, runtime.world_size // tp)
+    grid = grids.grid(tp, 1, runtime.world_size // tp)
     trainer = Trainer(deck, runtime, grid)
     trainer.model.train()
     # ZeRO-1 memory: fp32 moments (2 x 4 bytes) and fp32 master (4 bytes) for 1/dp of the buffer.

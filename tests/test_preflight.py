@@ -64,16 +64,15 @@ def test_two_ranks_of_a_node_on_one_gpu_are_named_on_every_rank(runtime):
 
 
 @pytest.mark.mpi
-def test_the_trainer_refuses_before_step_1_on_every_rank(runtime, shared_tmp, monkeypatch):
+def test_the_trainer_refuses_before_step_1_on_every_rank(runtime, shared_tmp, monkeypatch, grids):
     """Through the trainer (agreed over all ranks): h5py without MPI with checkpoints on, and a GPU
     whose free memory is below the plan; the run directory never gets a step."""
-    from app.runtime.grid import ProcessGrid
     from app.train import Trainer
 
     deck = _deck(
         f"run.dir={shared_tmp / 'run'}", f"train.global_batch={2 * runtime.world_size}", world=runtime.world_size
     )
-    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    grid = grids.grid(1, 1, runtime.world_size)
     monkeypatch.setattr(preflight, "h5py_has_mpi", lambda: False)
     with pytest.raises(LaunchError, match="h5py was built without MPI"):
         Trainer(deck, runtime, grid)

@@ -19,7 +19,6 @@ import torch
 
 from app.deck import load_deck, resolve_for_world
 from app.parallel.data import DataParallel
-from app.runtime.grid import ProcessGrid
 from app.train import Trainer
 from conftest import REPO, read_metrics
 
@@ -30,32 +29,22 @@ SMALL = (
 )  # fmt: skip
 
 
-def _solo(runtime):
-    from mpi4py import MPI
-
-    from app.runtime.mpi import bind_device, init_mpi
-
-    solo = init_mpi(MPI.COMM_SELF)
-    bind_device(solo, "cpu")
-    return solo
-
-
 def _losses(run_dir) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir)]
 
 
 @pytest.mark.mpi(min_size=2)
-def test_dp_training_matches_single_rank_loss_and_parameters(runtime, shared_tmp, tmp_path):
+def test_dp_training_matches_single_rank_loss_and_parameters(runtime, shared_tmp, tmp_path, grids):
     world_deck = resolve_for_world(
         load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, f"run.dir={shared_tmp / 'world'}")), runtime.world_size
     )
-    world = Trainer(world_deck, runtime, ProcessGrid(runtime, 1, 1, runtime.world_size))
+    world = Trainer(world_deck, runtime, grids.grid(1, 1, runtime.world_size))
     world_summary = world.run()
     runtime.comm.Barrier()  # rank 0 has written metrics.jsonl
 
-    solo_rt = _solo(runtime)
+    solo_rt = grids.runtime(1)
     solo_deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, f"run.dir={tmp_path / 'solo'}")), 1)
-    solo = Trainer(solo_deck, solo_rt, ProcessGrid(solo_rt, 1, 1, 1))
+    solo = Trainer(solo_deck, solo_rt, grids.grid(1, 1, 1))
     solo_summary = solo.run()
 
     assert world_deck.num_micro_batches * runtime.world_size == solo_deck.num_micro_batches
@@ -74,14 +63,14 @@ def test_dp_training_matches_single_rank_loss_and_parameters(runtime, shared_tmp
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("zero", [False, True], ids=["allreduce", "zero1"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["after-backward", "overlapped"])
-def test_bucketed_dp_reduction_gives_the_mean_gradient(runtime, zero, overlap):
+def test_bucketed_dp_reduction_gives_the_mean_gradient(runtime, zero, overlap, grids):
     """Buckets (two here: 0.0002 MB = 50 fp32 elements or more each) reduced from the backward
     hooks, or after it, hold the dp mean of the gradients, accumulated over 2 micro-batches;
     under ZeRO-1 each rank holds a disjoint 1/dp slice and the slices tile every parameter.
     Exact comparison up to 1e-6: the reference sums the same fp32 values in another order."""
     from app.sharding.init import ParamMeta
 
-    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    grid = grids.grid(1, 1, runtime.world_size)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
     for p in model.parameters():
@@ -126,7 +115,7 @@ def test_bucketed_dp_reduction_gives_the_mean_gradient(runtime, zero, overlap):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_an_overlapped_zero1_gather_finishing_after_a_forward_saved_weights_leaves_backward_intact(
-    runtime, monkeypatch, precision
+    runtime, monkeypatch, precision, grids
 ):
     """The ZeRO-1 race (3 of 14 loaded 4-rank runs died in backward with "modified by an inplace
     operation"): gloo completes an all-gather by copying into its output in a worker thread, an
@@ -149,7 +138,7 @@ def test_an_overlapped_zero1_gather_finishing_after_a_forward_saved_weights_leav
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.later(torch.tanh(self.first(x)))
 
-    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    grid = grids.grid(1, 1, runtime.world_size)
     with torch.device("meta"):  # as the trainer builds it: DataParallel computes the values
         model = TwoStage()
     for p in model.parameters():
@@ -183,7 +172,7 @@ def test_an_overlapped_zero1_gather_finishing_after_a_forward_saved_weights_leav
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("zero,precision", [(0, "fp32"), (1, "bf16"), (3, "fp32"), (3, "bf16")])
-def test_a_meta_model_builds_the_same_buffers_as_a_materialised_one(runtime, zero, precision):
+def test_a_meta_model_builds_the_same_buffers_as_a_materialised_one(runtime, zero, precision, grids):
     """The trainer builds its model on the meta device and DataParallel computes the values from
     (seed, name) straight into its buffers, bucket by bucket (ZeRO-3: only this rank's shards).
     Bitwise the same parameters and fp32 masters as building the whole model first, on a dp grid
@@ -192,7 +181,7 @@ def test_a_meta_model_builds_the_same_buffers_as_a_materialised_one(runtime, zer
     from app.names import torch_dtype
 
     deck = load_deck(REPO / "inputs/gpt_tiny.yaml", SMALL)
-    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    grid = grids.grid(1, 1, runtime.world_size)
     cpu, dtype = torch.device("cpu"), torch_dtype(precision)
     built = {}
     for device in (cpu, torch.device("meta")):
@@ -213,7 +202,7 @@ def test_a_meta_model_builds_the_same_buffers_as_a_materialised_one(runtime, zer
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("zero", [2, 3])
-def test_zero2_and_zero3_release_every_bucket_buffer_after_backward(runtime, zero):
+def test_zero2_and_zero3_release_every_bucket_buffer_after_backward(runtime, zero, grids):
     """Under ZeRO-2/3 a bucket's gradient buffer lives from its first gradient to its reduction. A
     parameter's `main_grad` view of it used to outlive the reduction, so after a backward every
     bucket's buffer was still alive (found measuring the 823M deck's RSS: +1 block per backward
@@ -221,7 +210,7 @@ def test_zero2_and_zero3_release_every_bucket_buffer_after_backward(runtime, zer
     from app.model.gpt import GPT
 
     deck = load_deck(REPO / "inputs/gpt_tiny.yaml", SMALL)
-    grid = ProcessGrid(runtime, 1, 1, runtime.world_size)
+    grid = grids.grid(1, 1, runtime.world_size)
     model = GPT(deck.model, 11, torch.device("meta"))
     dp = DataParallel(model, grid, bucket_mb=0.01, zero=zero, units=model.param_units(), seed=11,
                       device=torch.device("cpu"))  # fmt: skip
@@ -241,7 +230,7 @@ def test_zero2_and_zero3_release_every_bucket_buffer_after_backward(runtime, zer
 
 
 @pytest.mark.mpi
-def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
+def test_a_short_run_writes_the_output_contract(runtime, shared_tmp, grids):
     deck = resolve_for_world(
         load_deck(
             REPO / "inputs/gpt_tiny.yaml",
@@ -257,7 +246,7 @@ def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
         ),  # fmt: skip
         runtime.world_size,
     )
-    summary = Trainer(deck, runtime, ProcessGrid(runtime, 1, 1, runtime.world_size)).run()
+    summary = Trainer(deck, runtime, grids.grid(1, 1, runtime.world_size)).run()
     runtime.comm.Barrier()
     for key in ("deck", "world_size", "nodes", "ranks_per_node", "grid", "parameters", "steps", "step_time_s",
                 "tokens_per_s", "tflops_per_rank", "aggregate_tflops", "mfu", "final_loss", "versions"):  # fmt: skip
@@ -307,7 +296,7 @@ def test_a_short_run_writes_the_output_contract(runtime, shared_tmp):
 
 
 @pytest.mark.mpi
-def test_training_on_prepared_text_files_learns(runtime, shared_tmp):
+def test_training_on_prepared_text_files_learns(runtime, shared_tmp, grids):
     from app.data.prepare import prepare
 
     prefix = shared_tmp / "corpus"
@@ -319,6 +308,6 @@ def test_training_on_prepared_text_files_learns(runtime, shared_tmp):
     overrides = (*SMALL, "model.vocab_size=257", "train.steps=6", "data.kind=memmap", f"data.path={prefix}",
                  f"run.dir={shared_tmp / 'run'}")  # fmt: skip
     deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", overrides), runtime.world_size)
-    summary = Trainer(deck, runtime, ProcessGrid(runtime, 1, 1, runtime.world_size)).run()
+    summary = Trainer(deck, runtime, grids.grid(1, 1, runtime.world_size)).run()
     assert summary["final_loss"] < summary["initial_loss"] - 0.5  # a repeated sentence is easy
     assert summary["consumed_samples"] == 6 * deck.train.global_batch
