@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import keyword
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -470,6 +471,16 @@ class Deck:
     def zero3(self) -> bool:
         """ZeRO-3 in effect: `optim.zero` >= 3 and dp > 1 (at dp = 1 nothing is sharded); resolved decks."""
         return self.optim.zero >= 3 and self.dp > 1
+
+    @property
+    def checkpoint_directory(self) -> str:
+        """checkpoint.dir, or <run.dir>/checkpoints: the one home of that default."""
+        return self.checkpoint.dir or os.path.join(self.run.directory, "checkpoints")
+
+    @property
+    def offload_directory(self) -> str:
+        """Where optim.offload = nvme keeps its per-rank files: optim.offload_dir, or <run.dir>/offload."""
+        return self.optim.offload_dir or os.path.join(self.run.directory, "offload")
 
     @property
     def data_ranks(self) -> int:

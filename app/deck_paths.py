@@ -26,13 +26,13 @@ def check_paths(deck: Deck) -> None:
     machine for another.
     """
     run_dir = deck.run.directory
-    checkpoints = deck.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    checkpoints = deck.checkpoint_directory
     _check_directory("run.dir", run_dir)
     _check_directory("checkpoint.dir", checkpoints)
     _no_symlinks("run.dir", run_dir, RUN_DIR_FILES)
     _no_symlinks("checkpoint.dir", checkpoints, CHECKPOINT_FILES)
     if deck.optim.offload == "nvme":
-        _check_directory("optim.offload_dir", offload_dir(deck))
+        _check_directory("optim.offload_dir", deck.offload_directory)
     if deck.data.kind == "memmap":
         keys = [f"data.paths[{i}].path" for i in range(len(deck.data.paths))] if deck.data.paths else ["data.path"]
         for key, (_, prefix) in zip(keys, deck.data.blend):
@@ -73,11 +73,6 @@ def _no_symlinks(key: str, directory: str, names: tuple[str, ...]) -> None:
                     key, directory, f"holds {path}, a symbolic link to {os.readlink(path)!r}, where gridlm writes "
                     "its own file: remove the link (gridlm never writes through one), or choose another directory"
                 )  # fmt: skip
-
-
-def offload_dir(deck: Deck) -> str:
-    """Where optim.offload = nvme keeps its per-rank files (default <run.dir>/offload)."""
-    return deck.optim.offload_dir or os.path.join(deck.run.directory, "offload")
 
 
 def _file_kind(mode: int) -> str:

@@ -37,7 +37,7 @@ from app.checkpoint.store import checkpoint_dir, read_latest, resolve_resume, st
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.data.synthetic import SyntheticTokens
 from app.deck import Deck
-from app.deck_paths import check_paths, offload_dir
+from app.deck_paths import check_paths
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
 from app.eval import eval_dataset, eval_source, evaluate
 from app.metrics.run_report import Built, RunReport
@@ -193,7 +193,9 @@ class Trainer:
         self.sp_group = grid.group["tp"] if par.sequence_parallel and grid.size("tp") > 1 else None
         if isinstance(self.tp, Tensor3D) and self.tp.z.size > 1:
             self.sp_group = self.tp.z.group
-        offload_file = offload_path(Path(offload_dir(deck)), runtime.rank) if deck.optim.offload == "nvme" else None
+        offload_file = (
+            offload_path(Path(deck.offload_directory), runtime.rank) if deck.optim.offload == "nvme" else None
+        )
         self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid, offload_file)
         self.scaler = (
             LossScaler(tr.loss_scale, tr.loss_scale_window, tr.min_loss_scale) if tr.precision == "fp16" else None

@@ -41,7 +41,7 @@ LATEST = "latest"
 
 def checkpoint_dir(deck: Deck) -> Path:
     """checkpoint.dir, or <run.dir>/checkpoints."""
-    return Path(deck.checkpoint.dir) if deck.checkpoint.dir else Path(deck.run.directory) / "checkpoints"
+    return Path(deck.checkpoint_directory)
 
 
 def step_file(directory: Path, step: int) -> Path:
