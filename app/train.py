@@ -39,7 +39,7 @@ from app.data.synthetic import SyntheticTokens
 from app.deck import Deck
 from app.deck_paths import check_paths
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
-from app.eval import eval_dataset, eval_source, evaluate
+from app.eval import eval_dataset, evaluate
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo, EvalResult
 from app.model.fused import Kernels
@@ -125,7 +125,7 @@ class Trainer:
         self.eval_data = agree(runtime, lambda: eval_dataset(deck)) if deck.eval.every or evaluate_only else None
         if evaluate_only:
             assert self.eval_data is not None
-            self.dataset = self.eval_data  # never trained on: the sampler state of a checkpoint is all it meets
+            self.dataset = self.eval_data.dataset  # never trained on: the sampler state of a checkpoint is all it meets
         else:
             self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
         self.last_eval: Optional[EvalResult] = None
@@ -216,7 +216,7 @@ class Trainer:
             micro_batches=self.sampler.num_micro_batches,
             dp_buckets=len(self.dp.buckets),
             zero_sharded=self.dp.zero,
-            eval_source=eval_source(deck) if self.eval_data is not None else None,
+            eval_source=self.eval_data.source if self.eval_data is not None else None,
         )
         self.report = RunReport(deck, runtime, grid, self.run_dir, built)
 

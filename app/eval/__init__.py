@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -79,10 +79,20 @@ def eval_source(deck: Deck) -> str:
     )
 
 
-def eval_dataset(deck: Deck) -> SyntheticTokens | MemmapTokens:
+class HeldOut(NamedTuple):
+    """The held-out data and where it comes from, in words (`eval_source`: resolved once)."""
+
+    dataset: SyntheticTokens | MemmapTokens
+    source: str
+
+
+def eval_dataset(deck: Deck) -> HeldOut:
     """The held-out dataset (module docstring); DataError naming the key when there is none."""
+    return HeldOut(_held_out_tokens(deck), eval_source(deck))  # eval_source raises if there is none
+
+
+def _held_out_tokens(deck: Deck) -> SyntheticTokens | MemmapTokens:
     m, seed = deck.model, deck.train.seed
-    eval_source(deck)  # raises if there is no held-out data
     if deck.eval.path:
         try:
             return MemmapTokens(deck.eval.path, m.seq_len, m.vocab_size, seed)
@@ -96,8 +106,9 @@ def eval_dataset(deck: Deck) -> SyntheticTokens | MemmapTokens:
     return SyntheticTokens(m.vocab_size, m.seq_len, seed + SYNTHETIC_EVAL_SEED_OFFSET, deck.data.noise)
 
 
-def evaluate(trainer: Evaluated, dataset: SyntheticTokens | MemmapTokens) -> EvalResult:
-    """The validation loss of `trainer`'s model now (collective: every rank of the grid)."""
+def evaluate(trainer: Evaluated, held_out: HeldOut) -> EvalResult:
+    """The validation loss of `trainer`'s model now on `held_out` (collective: every rank of the grid)."""
+    dataset = held_out.dataset
     deck, rt = trainer.deck, trainer.runtime
     tr = deck.train
     t0 = time.perf_counter()
@@ -130,5 +141,5 @@ def evaluate(trainer: Evaluated, dataset: SyntheticTokens | MemmapTokens) -> Eva
         samples=samples,
         tokens=samples * deck.model.seq_len,
         seconds=time.perf_counter() - t0,
-        source=eval_source(deck),
+        source=held_out.source,
     )
