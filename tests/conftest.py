@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "its floor, so that a group that lost tests to collection or skips cannot pass)",
     )
     parser.addoption(
+        "--mpi-peer-timeout",
+        type=float,
+        default=180.0,  # far above a test's rank-0-only tail (an export, a report) on a loaded machine
+        help="under mpirun: seconds every rank waits for the others before each test (PeerGuard) before it "
+        "aborts the job",
+    )
+    parser.addoption(
         "--mpi-min-size",
         type=int,
         default=0,
@@ -85,7 +93,67 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     item.add_marker(pytest.mark.skip(reason=reason))
 
 
+class PeerGuard:
+    """Under mpirun with more than one rank: before each test every rank meets the others on a
+    communicator of its own (a nonblocking barrier, which no test's collective can match), and aborts
+    the whole job if they have not all arrived within `seconds`. A test that failed or was skipped on
+    some ranks only leaves the others inside it, blocked in a collective nobody will join: without
+    the guard the ranks that left would run on into the next test, whose collectives could complete
+    the stranded ones' (a false pass), and the group would end only at the per-test timeout."""
+
+    def __init__(self, seconds: float, capture: Any) -> None:
+        from mpi4py import MPI
+
+        self.mpi, self.seconds, self.capture = MPI, seconds, capture
+        self.comm = MPI.COMM_WORLD.Dup()
+
+    def meet(self, nodeid: str) -> None:
+        import time
+
+        request, start = self.comm.Ibarrier(), time.monotonic()
+        while not request.Test():
+            if time.monotonic() - start > self.seconds:
+                self.say(
+                    f"rank {self.comm.rank}: not every rank reached {nodeid} within {self.seconds:g} s: a rank is "
+                    "still inside an earlier test (one that failed or was skipped on some ranks only, see above); "
+                    "aborting the MPI job"
+                )
+                time.sleep(1.0)  # mpirun forwards the line before the abort's kill
+                self.mpi.COMM_WORLD.Abort(1)
+            time.sleep(0.001)
+
+    def say(self, text: str) -> None:
+        """Straight to the job's stderr, past pytest's capture: an abort leaves no terminal summary."""
+        with self.capture.global_and_fixture_disabled():
+            sys.stderr.write(f"\ngridlm tests: {text}\n")
+            sys.stderr.flush()
+
+
+_GUARD = pytest.StashKey[PeerGuard]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    guard = item.config.stash.get(_GUARD, None)
+    if guard is not None:
+        guard.meet(item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    guard = item.config.stash.get(_GUARD, None)
+    if guard is not None and report.failed:  # said now: a PeerGuard abort would leave no failure report
+        guard.say(f"rank {guard.comm.rank}: {report.nodeid} failed ({report.when}):\n{report.longreprtext}")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if _launcher_rank() is not None and config.getoption("--with-mpi", False):
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.size > 1:
+            capture = config.pluginmanager.getplugin("capturemanager")
+            config.stash[_GUARD] = PeerGuard(config.getoption("--mpi-peer-timeout"), capture)
     rank = _launcher_rank()
     if rank is not None and config.option.basetemp is None:
         # Ranks sharing one basetemp race on its clean-up; give each its own.

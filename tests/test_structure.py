@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,21 @@ def test_architecture_md_draws_the_floors_the_imports_are_held_to():
     assert drawn == [set(floor) - {"app"} for floor in FLOORS], "docs/ARCHITECTURE.md's Floors picture differs"
     moved = [set(floor) - {"app"} for floor in FLOORS[::-1]]  # a picture drawn upside down is caught
     assert drawn != moved
+
+
+def test_a_test_that_fails_on_one_rank_ends_the_mpi_group_at_the_guard():
+    """conftest.PeerGuard: rank 1 fails a test that rank 0 is still inside (blocked in a barrier).
+    The ranks meet before the next test on a communicator of their own, rank 1 waits there in vain
+    and aborts the job after --mpi-peer-timeout, long before the per-test timeout; rank 0's test is
+    never reported passed (without the guard, rank 1's barrier in the next test freed it)."""
+    from conftest import run_mpi
+
+    out = run_mpi(
+        2, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", "-m", "mpi",
+        "--timeout=300", "--timeout-method=thread", "--mpi-peer-timeout=5", "tests/planted_one_rank_failure.py",
+        timeout=280,
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert "planted: only rank 1 fails" in text and "not every rank reached" in text, text
+    assert "Timeout" not in text and "passed" not in text, text  # the guard ended it, not pytest-timeout
