@@ -12,7 +12,7 @@ time; --no-verify reads only the metadata. Exit status: 0 all ok, 1 a checksum m
 or an unreadable dataset (named on stderr), 2 a user mistake (missing file, not a gridlm
 checkpoint, incomplete file), reported as one `gridlm: ...` line without a traceback.
 
-`export` is `app/checkpoint/export.py` (the name mapping is in its docstring).
+`export` is `app/checkpoint/export.py` (each architecture's name mapping is its entry's, app/archs/).
 """
 
 from __future__ import annotations
