@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 POSITIONS = ("learned", "rotary")  # a learned table added after the embedding; rotary q and k (Su et al.)
@@ -178,10 +178,12 @@ class Arch:
                          split3d=A_SPLITS if column else B_SPLITS, unit=unit)]  # fmt: skip
         if self.bias:
             if column:
-                bias = ParamSpec(f"{name}.bias", (n_out,), "zeros", decay=False, split=0, split3d=(("tp_y", 0),))
+                bias = ParamSpec(f"{name}.bias", (n_out,), "zeros", decay=False, split=0, split3d=(("tp_y", 0),),
+                                 unit=unit)  # fmt: skip
             else:
-                bias = ParamSpec(f"{name}.bias", (n_out,), "zeros", decay=False, seq_sharded=True, split3d=OVER_X)
-            out.append(replace(bias, unit=unit))
+                bias = ParamSpec(f"{name}.bias", (n_out,), "zeros", decay=False, seq_sharded=True, split3d=OVER_X,
+                                 unit=unit)  # fmt: skip
+            out.append(bias)
         return out
 
     def block_params(self, m: ModelShape, i: int = 0) -> list[ParamSpec]:
@@ -190,15 +192,14 @@ class Arch:
         h, unit = m.hidden, f"blocks.{i}"
         out_std = m.init_std / math.sqrt(2 * m.layers)  # GPT-2: residual projections scaled
         qkv_rows = (m.heads + 2 * m.kv) * (h // m.heads)
-        params = [
-            *self.norm_params("ln1", h, unit),
-            *self.linear_params("attn.qkv", qkv_rows, h, m.init_std, True, unit),
-            *self.linear_params("attn.proj", h, h, out_std, False, unit),
-            *self.norm_params("ln2", h, unit),
-            *self.linear_params("mlp.fc", self.fc_rows(m.ffn), h, m.init_std, True, unit),
-            *self.linear_params("mlp.proj", h, m.ffn, out_std, False, unit),
+        return [
+            *self.norm_params(f"{unit}.ln1", h, unit),
+            *self.linear_params(f"{unit}.attn.qkv", qkv_rows, h, m.init_std, True, unit),
+            *self.linear_params(f"{unit}.attn.proj", h, h, out_std, False, unit),
+            *self.norm_params(f"{unit}.ln2", h, unit),
+            *self.linear_params(f"{unit}.mlp.fc", self.fc_rows(m.ffn), h, m.init_std, True, unit),
+            *self.linear_params(f"{unit}.mlp.proj", h, m.ffn, out_std, False, unit),
         ]
-        return [replace(p, name=f"{unit}.{p.name}") for p in params]
 
     def end_params(self, m: ModelShape, first: bool, last: bool) -> tuple[list[ParamSpec], list[ParamSpec]]:
         """A stage's parameters (before its blocks, after them) in `GPT.parameters()` order: its own
@@ -227,4 +228,5 @@ class Arch:
 
     def num_params(self, m: ModelShape) -> int:
         """Parameters of the 1-rank model (the tied embedding counted once)."""
-        return sum(p.numel for p in self.stage_params(m, range(m.layers), True, True))
+        before, after = self.end_params(m, True, True)
+        return sum(p.numel for p in (*before, *after)) + m.layers * sum(p.numel for p in self.block_params(m))

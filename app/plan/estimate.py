@@ -163,11 +163,20 @@ def stage_units(m: ModelConfig, layers: int, first: bool, last: bool) -> list[st
     )
 
 
-def stage_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool, tensor: Tensor3DShape = None) -> int:
-    """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head)."""
+def stage_params(
+    m: ModelConfig,
+    tp: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    tensor: Tensor3DShape = None,
+    block: Optional[int] = None,
+) -> int:
+    """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head);
+    `block`: `block_params(m, tp, tensor)` where the caller has it (a plan counts it once)."""
     before, after = m.spec.end_params(m, first, last)
     ends = sum(_local_numel(p, tp, tensor) for p in (*before, *after))
-    return ends + layers * block_params(m, tp, tensor)
+    return ends + layers * (block_params(m, tp, tensor) if block is None else block)
 
 
 @dataclass(frozen=True)
@@ -471,6 +480,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     micro = deck.num_micro_batches
     tensor = par.tensor3d
     per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e, tensor)
+    block = block_params(m, tp, tensor)
     tokens = tr.micro_batch * m.seq_len
     layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn, **arch_flops_args(m)) / tp
     if tensor is None:
@@ -558,7 +568,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
                 layers=mine,
                 first=first,
                 last=last,
-                params=stage_params(m, tp, sum(mine), first, last, tensor),
+                params=stage_params(m, tp, sum(mine), first, last, tensor, block),
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),
                 offload_buffers=stream_buffers,

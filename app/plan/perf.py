@@ -49,7 +49,7 @@ from app.metrics.flops import step_flops
 from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule
 from app.plan.device import Device, device_of
-from app.plan.estimate import stage_params, unit_buckets
+from app.plan.estimate import block_params, stage_params, unit_buckets
 from app.plan.machine import LinkLevel, Machine
 from app.plan.optimizer_time import (
     grad_norm_bytes,
@@ -947,8 +947,12 @@ def core_sharing(machine: Machine, pp: int) -> Optional[Callable[[int], float]]:
 def param_tensors(layers: int, first: bool, last: bool, m: ModelConfig) -> tuple[int, int]:
     """(parameter tensors, weight matrices) of a stage (its architecture's list): the optimizer and
     the norm run a few framework ops per each."""
-    params = m.spec.stage_params(m, range(layers), first, last)
-    return len(params), sum(len(p.shape) == 2 for p in params)
+    before, after = m.spec.end_params(m, first, last)
+    block = m.spec.block_params(m)
+    ends = (*before, *after)
+    return len(ends) + layers * len(block), sum(len(p.shape) == 2 for p in ends) + layers * sum(
+        len(p.shape) == 2 for p in block
+    )
 
 
 def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: dict[str, Link]) -> float:
@@ -1015,7 +1019,8 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     # dtype) into the fp32 (or compute-dtype) buffer: read both, write the buffer.
     stage_layers = [sum(chunks[s + c * pp] for c in range(v)) for s in range(pp)]
     if shape is None:
-        params = [stage_params(m, tp, stage_layers[s], s == 0, s == pp - 1) for s in range(pp)]
+        block = block_params(m, tp)
+        params = [stage_params(m, tp, stage_layers[s], s == 0, s == pp - 1, block=block) for s in range(pp)]
         replicated = [0] * pp
     else:
         params, replicated = map(list, zip(*(stage_params3d(m, shape, stage_layers[s], s == 0, s == pp - 1)
