@@ -37,6 +37,7 @@ from app.schema import REQUIRED, Key, Problem, check, check_value, type_name
 MAX_RANKS = 2**20  # tp x pp x dp; a dry run places every rank of the plan
 MAX_LAYERS = 4096  # also bounds pp x virtual_stages (every chunk needs a layer)
 MAX_BATCH = 2**24  # samples; steps x global_batch stays far below 2^63 (int64 checkpoint attributes)
+DEFAULT_ARCH = "gpt2"  # model.arch of a deck that names none: log lines do not name it
 DEFAULT_RUN_DIR = "runs/default"  # run.dir of a deck built without a file (RunConfig.directory)
 MAX_STEPS = 10**9
 MAX_LOSS_SCALE = 2.0**24  # fp16 overflows at 65504: a larger first scale only skips steps while it halves
@@ -51,7 +52,7 @@ def _key(default: Any, help: str, **rules: Any) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str = _key(
-        "gpt2", "the architecture (app/archs/): gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama "
+        DEFAULT_ARCH, "the architecture (app/archs/): gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama "
         "(rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases)",
     )  # fmt: skip
     vocab_size: int = _key(512, "vocabulary size (byte-level data needs >= 257)", min=2, max=2**24)
@@ -97,6 +98,11 @@ class ModelConfig:
     def spec(self) -> Arch:
         """The architecture's registry entry (`app/archs/`)."""
         return archs.get(self.arch)
+
+    @property
+    def arch_words(self) -> str:
+        """The architecture in a log line ("llama, 4 key/value heads"); "" for the default one."""
+        return "" if self.arch == DEFAULT_ARCH else self.spec.words(self.kv)
 
     @property
     def head_dim(self) -> int:
@@ -737,8 +743,8 @@ def _validate_goldfish_eval(deck: Deck) -> None:
 def _validate_arch(m: ModelConfig, par: ParallelConfig) -> None:
     """What the architecture allows: grouped-query attention (kv_heads dividing heads, tp splitting
     whole kv groups), 3D tensor parallelism."""
-    grouped = [a for a in archs.names() if archs.get(a).grouped_query]
     if m.kv_heads is not None and not m.spec.grouped_query and m.kv_heads != m.heads:
+        grouped = [a for a in archs.names() if archs.get(a).grouped_query]
         raise DeckError(
             "model.kv_heads", m.kv_heads, f"{m.arch} has no grouped-query attention: set model.arch: "
             f"{' or '.join(grouped)}, or model.kv_heads: null",

@@ -153,9 +153,7 @@ class Arch:
         return 2 * e if compiled else 10 * e
 
     def words(self, kv: int) -> str:
-        """The architecture in a log line: "" for the default gpt2, else its name (and key/value heads)."""
-        if self.name == "gpt2":
-            return ""
+        """The architecture in a log line: its name (and key/value heads)."""
         return self.name + (f", {kv} key/value heads" if self.grouped_query else "")
 
     def fc_rows(self, ffn: int) -> int:

@@ -66,8 +66,7 @@ def _sub_axes_words(t: TimersInfo) -> str:
 
 def _arch_words(m: ModelConfig) -> str:
     """ " (llama, K key/value heads)" after the parameter count of a llama model; "" for gpt2."""
-    words = m.spec.words(m.kv)
-    return f" ({words})" if words else ""
+    return f" ({m.arch_words})" if m.arch_words else ""
 
 
 def _tensor3d_words(tensor: Optional[tuple[int, int, int]], order: str = "xyz") -> str:

@@ -431,7 +431,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     lines.append(f"  world      {plan.world_size:,} ranks = {shape}")
     lines.append(
         f"  model      {_count(j['parameters'])} parameters ({j['parameters']:,}): "
-        f"{m.spec.words(m.kv) + ', ' if m.spec.words(m.kv) else ''}{m.layers} layers, hidden "
+        f"{m.arch_words + ', ' if m.arch_words else ''}{m.layers} layers, hidden "
         f"{m.hidden}, {m.heads} heads, MLP {m.ffn}, seq {m.seq_len}, vocab {m.vocab_size}, "
         f"{'tied' if m.tie_embeddings else 'untied'} embeddings"
     )

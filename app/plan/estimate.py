@@ -156,9 +156,10 @@ def stage_units(m: ModelConfig, layers: int, first: bool, last: bool) -> list[st
     stage's copy of a tied embedding held apart from the first stage, the final norm). The same on
     every tp rank: tp splits parameters, never adds or removes one."""
     before, after = m.spec.end_params(m, first, last)
+    tensors = block_tensors(m)  # once, not per layer
     return (
         [p.unit for p in before]
-        + [f"blocks.{i}" for i in range(layers) for _ in range(block_tensors(m))]
+        + [f"blocks.{i}" for i in range(layers) for _ in range(tensors)]
         + [p.unit for p in after]
     )
 
