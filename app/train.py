@@ -41,7 +41,7 @@ from app.deck_paths import check_paths
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
 from app.eval import eval_dataset, evaluate
 from app.metrics.run_report import Built, RunReport
-from app.metrics.summary import CheckpointInfo, EvalResult
+from app.metrics.summary import CheckpointInfo, EvalInfo
 from app.model.fused import Kernels
 from app.model.goldfish import CountedTargets, goldfish_keep
 from app.model.gpt import GPT, Targets
@@ -128,7 +128,7 @@ class Trainer:
             self.dataset = self.eval_data.dataset  # never trained on: the sampler state of a checkpoint is all it meets
         else:
             self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
-        self.last_eval: Optional[EvalResult] = None
+        self.last_eval: Optional[EvalInfo] = None
         # Targets of the last step's loss (Goldfish drops some) and of this job's steps: (counted, all).
         self.step_targets = (0, 0)
         self.job_targets = [0, 0]
@@ -294,7 +294,7 @@ class Trainer:
         self.job_targets[0] += counted
         self.job_targets[1] += every
 
-    def evaluate(self) -> EvalResult:
+    def evaluate(self) -> EvalInfo:
         """The validation loss now (eval.every's held-out data; collective), logged on rank 0."""
         self.phase = "evaluation"
         assert self.eval_data is not None

@@ -189,9 +189,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             "to collection, selection or skips"
         )
     if _launcher_rank() == "0":
-        # torch groups are reused (GridPool), so this stays flat however many grids the tests train.
-        threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
-        terminalreporter.write_line(f"rank 0 ends with {threads} threads")
+        # Grids are reused (GridPool) and their groups are cheap (app/runtime/groups.py), so the
+        # count after the last test stays low however many grids the tests train.
+        after = config.stash.get(_THREADS, None)
+        last = "" if after is None else f"{after} after its last test, "
+        terminalreporter.write_line(f"rank 0 had {last}ends with {_threads()} threads")
     if unexpected:
         terminalreporter.section("tests skipped by the environment")
         for nodeid, reason in unexpected:
@@ -217,8 +219,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 plugin._is_testing_mpi = False
 
 
+_THREADS = pytest.StashKey[int]()
+
+
+def _threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
 @pytest.fixture(scope="session")
-def runtime():
+def runtime(request):
     """MPI + torch.distributed over COMM_WORLD, initialised once per rank (CPU, gloo)."""
     import torch
 
@@ -230,6 +239,11 @@ def runtime():
     init_torch_distributed(rt)
     torch.use_deterministic_algorithms(True)
     yield rt
+    # The groups' threads (app/runtime/groups.py) before and after they are destroyed: the report
+    # shows both (pytest_terminal_summary), so that the peak a group reached stays visible.
+    request.config.stash[_THREADS] = _threads()
+    settle(rt.comm)  # no peer still in a collective on a group about to go
+    rt.groups.destroy()
 
 
 class GridPool:
@@ -256,6 +270,7 @@ class GridPool:
 
             sub = init_mpi(self.world.comm.Split(self.world.rank // size, self.world.rank))
             bind_device(sub, "cpu")
+            sub.groups = self.world.groups  # one process, one record of its torch groups
             self._runtimes[size] = sub
         return self._runtimes[size]
 

@@ -180,7 +180,7 @@ def test_eval_loss_on_a_grid_matches_single_rank(runtime, grids, tmp_path, case)
         if runtime.rank == 0:
             solo = grid_trainer(grids, 1, 1, 1, (*shared, f"run.dir={tmp_path / 'solo'}"))
             train_steps(solo, STEPS)
-            value = solo.evaluate().loss
+            value = solo.evaluate()["loss"]
         settle(runtime.comm)
         _REFERENCES[shared] = runtime.comm.bcast(value, root=0)
     reference = _REFERENCES[shared]
@@ -198,9 +198,9 @@ def test_eval_loss_on_a_grid_matches_single_rank(runtime, grids, tmp_path, case)
         trainer = Trainer(deck, sub, grid)
         train_steps(trainer, STEPS)
         result = trainer.evaluate()
-        assert result.tokens == 2 * deck.train.global_batch * deck.model.seq_len
-        value = result.loss
-        again = trainer.evaluate().loss  # evaluating changes nothing: the same samples, the same model
+        assert result["tokens"] == 2 * deck.train.global_batch * deck.model.seq_len
+        value = result["loss"]
+        again = trainer.evaluate()["loss"]  # evaluating changes nothing: the same samples, the same model
         assert again == value
     else:
         grids.stand_by(grid, deck.parallel.virtual_stages)
@@ -226,7 +226,7 @@ def test_goldfish_drops_targets_from_training_but_not_from_evaluation(runtime, s
     goldfish = trainer(f"run.dir={shared_tmp / 'goldfish'}", "train.goldfish_k=2", "train.goldfish_context=3")
     assert plain.eval_data is not None
     a, b = evaluate(plain, plain.eval_data), evaluate(goldfish, plain.eval_data)
-    assert a.loss == b.loss and a.tokens == b.tokens == 16 * 16
+    assert a["loss"] == b["loss"] and a["tokens"] == b["tokens"] == 16 * 16
     losses = [train_steps(t, 1)[0] for t in (plain, goldfish)]
     assert goldfish.step_targets[0] < goldfish.step_targets[1] == plain.step_targets[0] == 16 * 16
     assert abs(losses[0] - losses[1]) > 1e-4

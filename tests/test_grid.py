@@ -113,6 +113,29 @@ def test_process_grid_groups_and_communicators_match_the_layout(runtime, grids):
                 assert onehot.tolist() == [1.0] * grid.size(axis)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_size_one_axes_share_a_group_and_a_gloo_group_costs_one_thread(runtime, grids):
+    """app/runtime/groups.py: the axes of size 1 of every grid share this rank's own group, and a new
+    gloo group adds one worker thread (torch's default gloo group adds three: two workers and an
+    event loop), so that a process making many grids does not pile up threads."""
+    import torch
+    import torch.distributed as dist
+
+    sub = grids.runtime(2)
+    grid = grids.grid(2, 1, 1)  # tp 2: pp and dp are this rank alone
+    assert grid.group["pp"] is grid.group["dp"] is grids.grid(1, 2, 1).group["tp"]
+    assert dist.get_backend(grid.group["tp"]) == "gridlm_gloo"
+    before = len(os.listdir(f"/proc/{os.getpid()}/task"))
+    pair = [sub.global_ranks[r] for r in range(2)]
+    made = [runtime.groups.new(pair, runtime.backend, runtime.watchdog, "tp") for _ in range(3)]
+    added = len(os.listdir(f"/proc/{os.getpid()}/task")) - before
+    for group in made:  # each works: a sum over the pair
+        x = torch.ones(1)
+        dist.all_reduce(x, group=group)
+        assert x.item() == 2.0
+    assert added <= len(made), f"{len(made)} gloo groups added {added} threads"
+
+
 @pytest.mark.parametrize(
     "local_rank,local_size,visible,want",
     [

@@ -25,7 +25,7 @@ import torch
 from app.data import GlobalBatchSampler, MemmapTokens, SyntheticTokens, get_batch
 from app.deck import Deck
 from app.errors import DataError
-from app.metrics.summary import EvalResult
+from app.metrics.summary import EvalInfo
 from app.parallel.loss import global_loss
 from app.runtime.mpi import agree
 
@@ -106,7 +106,7 @@ def _held_out_tokens(deck: Deck) -> SyntheticTokens | MemmapTokens:
     return SyntheticTokens(m.vocab_size, m.seq_len, seed + SYNTHETIC_EVAL_SEED_OFFSET, deck.data.noise)
 
 
-def evaluate(trainer: Evaluated, held_out: HeldOut) -> EvalResult:
+def evaluate(trainer: Evaluated, held_out: HeldOut) -> EvalInfo:
     """The validation loss of `trainer`'s model now on `held_out` (collective: every rank of the grid)."""
     dataset = held_out.dataset
     deck, rt = trainer.deck, trainer.runtime
@@ -134,7 +134,7 @@ def evaluate(trainer: Evaluated, held_out: HeldOut) -> EvalResult:
         trainer.timers.pop()  # evaluation's communication is not the next step's
     loss = global_loss(total, trainer.grid, trainer.tp) / deck.eval.batches
     samples = deck.eval.batches * tr.global_batch
-    return EvalResult(
+    return EvalInfo(
         step=trainer.steps_done,
         loss=loss,
         perplexity=math.exp(loss) if loss < 700 else math.inf,

@@ -72,13 +72,13 @@ def evaluate_checkpoint(
     g = info["grid"]
     record = {
         "checkpoint": str(path),
-        **result.record(),
+        **result,
         "grid": grid.describe(),
         "written_on": g,
         "resharded": info["resharded"],
         "deck_eval": deck.to_dict()["eval"],
     }
-    target = Path(out) if out else Path(deck.run.directory) / "eval" / f"step_{result.step:07d}.json"
+    target = Path(out) if out else Path(deck.run.directory) / "eval" / f"step_{result['step']:07d}.json"
 
     def write() -> None:
         try:
@@ -91,10 +91,10 @@ def evaluate_checkpoint(
 
     on_root(runtime, write)
     runtime.log(
-        f"gridlm: eval | {path} (step {result.step}, written on tp={g['tp']} pp={g['pp']} dp={g['dp']}"
-        f"{', resharded to this grid' if info['resharded'] else ''}) | val loss {result.loss:.4f} | "
-        f"ppl {result.perplexity:.2f} | {result.samples:,} samples, {result.tokens:,} targets from "
-        f"{result.source} | {result.seconds:.2f} s | {target}"
+        f"gridlm: eval | {path} (step {result['step']}, written on tp={g['tp']} pp={g['pp']} dp={g['dp']}"
+        f"{', resharded to this grid' if info['resharded'] else ''}) | val loss {result['loss']:.4f} | "
+        f"ppl {result['perplexity']:.2f} | {result['samples']:,} samples, {result['tokens']:,} targets from "
+        f"{result['source']} | {result['seconds']:.2f} s | {target}"
     )
     return record
 

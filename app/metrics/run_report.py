@@ -11,7 +11,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -41,9 +41,6 @@ from app.names import AXES, SCHEDULES, TP_SUB_AXES, reduce_precision, schedule_k
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, node_summary, on_root
 from app.runtime.timers import PHASES
-
-if TYPE_CHECKING:
-    from app.metrics.summary import EvalResult
 
 OVERLAP_KEYS = (
     "overlap_grad_reduce",
@@ -212,7 +209,7 @@ class RunReport:
         loss_scale: Optional[float] = None,
         skipped_steps: Optional[int] = None,
         loss_tokens: Optional[int] = None,
-        evaluated: Optional[EvalResult] = None,
+        evaluated: Optional[EvalInfo] = None,
     ) -> dict[str, Any]:
         """The record of the step just `timed` (`loss`: the global-batch mean over its `loss_tokens`
         counted targets; `loss_scale` and `skipped_steps` under fp16; `evaluated`: the evaluation
@@ -237,7 +234,7 @@ class RunReport:
             record["loss_scale"] = loss_scale
             record["skipped_steps"] = skipped_steps
         if evaluated is not None:
-            record["val_loss"], record["val_perplexity"] = evaluated.loss, evaluated.perplexity
+            record["val_loss"], record["val_perplexity"] = evaluated["loss"], evaluated["perplexity"]
         if self.deck.run.timers:
             record.update(self.timings[-1])  # rank 0's phase and communication seconds this step
         self.writer.write(record)
@@ -274,7 +271,7 @@ class RunReport:
         interrupted: Optional[str],
         checkpoints: list[CheckpointInfo],
         job_targets: tuple[int, int] = (0, 0),
-        evaluated: Optional[EvalResult] = None,
+        evaluated: Optional[EvalInfo] = None,
     ) -> Summary:
         """The summary (every rank), written to run.dir/summary.json and told in the end-of-run
         lines by rank 0. `memory_bytes`: this rank's parameter, gradient and optimizer state;
@@ -351,7 +348,7 @@ class RunReport:
                 targets=job_targets[1],
                 counted_fraction=job_targets[0] / max(job_targets[1], 1),
             ),
-            eval=None if evaluated is None else EvalInfo(**evaluated.record()),  # type: ignore[typeddict-item]
+            eval=evaluated,
             consumed_samples=consumed_samples,
             torch_threads=torch.get_num_threads(),
             versions=versions(),

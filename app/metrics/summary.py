@@ -12,7 +12,7 @@ writes them. Keys it does not know are ignored.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional, TypedDict, Union
 
 
@@ -70,7 +70,8 @@ class GoldfishInfo(TypedDict):
 
 
 class EvalInfo(TypedDict):
-    """The last evaluation (eval.every): mean validation loss over `tokens` targets (app/eval)."""
+    """One evaluation (eval.every, python -m app.eval): the mean validation loss over `tokens`
+    targets, as app/eval computes it, the run report logs it and summary.json holds the last."""
 
     step: int
     loss: float
@@ -79,23 +80,6 @@ class EvalInfo(TypedDict):
     tokens: int
     seconds: float
     source: str
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """One evaluation as app/eval computes it and the run report logs it; `record()` is its
-    EvalInfo, the form metrics.jsonl and summary.json hold (the same fields, declared beside it)."""
-
-    step: int
-    loss: float
-    perplexity: float
-    samples: int
-    tokens: int
-    seconds: float
-    source: str
-
-    def record(self) -> EvalInfo:
-        return EvalInfo(**asdict(self))
 
 
 # The keys postprocess/scaling.py cannot make a row without.

@@ -137,8 +137,6 @@ class ProcessGrid:
     """
 
     def __init__(self, runtime: Runtime, tp: int, pp: int, dp: int, order: str = "tp-dp-pp") -> None:
-        import torch.distributed as dist
-
         if tp * pp * dp != runtime.world_size:
             raise LaunchError(
                 f"grid tp={tp} x pp={pp} x dp={dp} does not match the {runtime.world_size} ranks launched"
@@ -149,14 +147,14 @@ class ProcessGrid:
         self.rank = node_major.index(runtime.rank)
         self.coords = self.layout.coords(self.rank)
         self.group: dict[str, Any] = {}
+        self._groups, self._backend = runtime.groups, runtime.backend
         self.ranks: dict[str, list[int]] = {}
         for axis in AXES:
             mine = self.layout.group_of(self.rank, axis)
             self.ranks[axis] = [runtime.global_ranks[node_major[r]] for r in mine]
             # Local synchronisation: only a group's members create it, so set-up costs O(group)
             # per rank instead of a world-wide barrier per group (32k ranks, thousands of groups).
-            with runtime.watchdog.blocking("new_group", axis):
-                self.group[axis] = dist.new_group(self.ranks[axis], use_local_synchronization=True)
+            self.group[axis] = self._groups.new(self.ranks[axis], runtime.backend, runtime.watchdog, axis)
         self.watchdog = runtime.watchdog
         self.watchdog.set_groups(self.ranks)
         self._pipeline_groups: dict[Any, Any] = {}
@@ -176,8 +174,6 @@ class ProcessGrid:
 
         Made on first use by every rank of the tp group (each makes its three groups, so every
         rank holds as many groups as its peers) and kept, like `pipeline_groups`'."""
-        import torch.distributed as dist
-
         x, y, z = shape
         if x * y * z != self.size("tp"):
             raise LaunchError(f"tensor [{x}, {y}, {z}] is not the tp degree {self.size('tp')}")
@@ -190,8 +186,7 @@ class ProcessGrid:
             for axis in TP_SUB_AXES:
                 base = r - mine[axis] * strides[axis]
                 ranks = [self.ranks["tp"][base + i * strides[axis]] for i in range(sizes[axis])]
-                with self.watchdog.blocking("new_group", axis):
-                    group = dist.new_group(ranks, use_local_synchronization=True)
+                group = self._groups.new(ranks, self._backend, self.watchdog, axis)
                 out[axis] = (mine[axis], group, ranks)
             self._tensor3d_groups[(shape, order)] = out
         return self._tensor3d_groups[(shape, order)]
@@ -218,8 +213,6 @@ class ProcessGrid:
         this grid reuses them, so a process that builds many trainers on one grid (the tests)
         holds a fixed number of groups instead of a growing one.
         """
-        import torch.distributed as dist
-
         pp, stage, ranks = self.size("pp"), self.coords["pp"], self.ranks["pp"]
         if pp == 1:
             return {}, None
@@ -227,15 +220,19 @@ class ProcessGrid:
         wraps = (False, True) if wrap_around else (False,)
         for key in [(kind, wrap) for wrap in wraps for kind in "FB"]:
             if key not in groups:
-                with self.watchdog.blocking("new_group", "pp"):
-                    groups[key] = dist.new_group(ranks, use_local_synchronization=True)
+                groups[key] = self._groups.new(ranks, self._backend, self.watchdog, "pp")
         if "tied" not in groups:
             # torch names a locally synchronised group after its ranks and the number of groups
             # the process already has, so every rank must create as many groups as its peers:
             # the middle stages create a group of their own instead of the first-last group.
             ends = stage in (0, pp - 1)
-            with self.watchdog.blocking("new_group", "pp"):
-                tied = dist.new_group([ranks[0], ranks[-1]] if ends else [ranks[stage]], use_local_synchronization=True)
+            tied = self._groups.new(
+                [ranks[0], ranks[-1]] if ends else [ranks[stage]],
+                self._backend,
+                self.watchdog,
+                "pp",
+                alone_shared=False,
+            )
             groups["tied"] = tied if ends else None
         return {key: g for key, g in groups.items() if key != "tied" and (wrap_around or not key[1])}, groups["tied"]
 

@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from app.errors import GridlmError, LaunchError
+from app.runtime.groups import Groups
 from app.runtime.watchdog import AnyWatchdog, NullWatchdog
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class Runtime:
     store_prefix: str = ""  # the job's keys' random prefix in it (the ranks learn it over MPI)
     store: Any = None  # the job's view of the store (a PrefixStore), once torch is bootstrapped
     store_source: str = ""  # where its host came from: GRIDLM_MASTER_ADDR, hostname or loopback
+    groups: Groups = field(default_factory=Groups)  # the torch groups its grids make (share with sub-runtimes)
     # Objects that must outlive everything else, e.g. an HDF5 file whose close failed (HDF5 1.10
     # crashes when such a file is released again).
     keep_alive: list[Any] = field(default_factory=list)
