@@ -494,6 +494,16 @@ class Deck:
         return self.dp * self.parallel.batch_split
 
     @property
+    def stage_message(self) -> tuple[int, int, int]:
+        """The shape of one pipeline message (a micro-batch's activation between stages, or its
+        gradient) on a rank: (micro_batch, sequence, hidden), the sequence split over tp under sequence
+        parallelism, the hidden over X under 3D tensor parallelism. The trainer's and the performance
+        model's."""
+        m, par = self.model, self.parallel
+        seq = m.seq_len // par.tp if par.sequence_parallel else m.seq_len
+        return self.train.micro_batch, seq, m.hidden // (par.tensor[0] if par.tensor is not None else 1)
+
+    @property
     def num_micro_batches(self) -> int:
         """Gradient-accumulation steps per optimizer step on each data rank (`data_ranks`)."""
         return self.train.global_batch // (self.train.micro_batch * self.data_ranks)

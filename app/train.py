@@ -146,10 +146,10 @@ class Trainer:
                 overlap_all_gather=par.overlap_tensor_all_gather,
                 prefetch_backward=not deck.zero3,
             )
-            z, z_size, hidden = self.tp.z.rank, self.tp.z.size, m.hidden // self.tp.x.size
+            z, z_size = self.tp.z.rank, self.tp.z.size
         else:
             self.tp = TensorParallel.from_grid(grid, par.sequence_parallel, self.timers, overlap=par.overlap_tp_comm)
-            z, z_size, hidden = 0, 1, m.hidden
+            z, z_size = 0, 1
         self.z_size = z_size
         self.data_rank = data_rank = grid.coords["dp"] * z_size + z
         self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, data_rank, deck.data_ranks)
@@ -157,10 +157,7 @@ class Trainer:
         # stage: their replicated activations (and so their replicated parameters) must stay equal.
         torch.manual_seed(tr.seed + 1_000_003 * (data_rank * grid.size("pp") + grid.coords["pp"]))
         self.chunks = deck.chunks
-        seq = m.seq_len // grid.size("tp") if par.sequence_parallel else m.seq_len
-        self.pipeline = Pipeline(
-            grid, self.chunks, (tr.micro_batch, seq, hidden), self.timers, prefetch=par.overlap_pp_comm
-        )
+        self.pipeline = Pipeline(grid, self.chunks, deck.stage_message, self.timers, prefetch=par.overlap_pp_comm)
         pipe = self.pipeline
         # Shapes only ("meta"): DataParallel computes each value straight into its buffers.
         meta = torch.device("meta")

@@ -73,8 +73,9 @@ class Device:
 
 def device_of(machine: Machine, precision: str, mmap_threshold_kb: int = 0) -> Device:
     """The machine's device constants (`mmap_threshold_kb`: the deck's run.malloc_mmap_threshold_kb,
-    above which new results page-fault, `Device.fresh`); `MachineError` names what a machine file lacks."""
-    machine.require_prediction(precision)
+    above which new results page-fault, `Device.fresh`), from a machine file that has them: the
+    caller has checked it (`Machine.require_prediction`; `app.plan.perf.place` does, and the search
+    before it ranks anything)."""
     peak = machine.peak(precision)
     assert peak is not None and machine.gemm is not None
     g = machine.gemm

@@ -20,8 +20,8 @@ from app.errors import GridlmError
 from app.metrics.flops import step_flops
 from app.names import SCHEDULES, schedule_key, strides3d
 from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params
-from app.plan.machine import Machine
-from app.plan.perf import Link, Prediction, axis_links, predict
+from app.plan.machine import Machine, MachineError
+from app.plan.perf import Link, Placement, Prediction, axis_links, place, predict
 from app.runtime.grid import AXES, GridLayout
 from app.sharding.layout import SUB_AXES, ZERO3_PREFETCH
 
@@ -149,17 +149,24 @@ def make_plan(
     _check_placement(plan)
     _check_memory(plan)
     _check_balance(plan, max_imbalance)
-    missing = machine.missing_for_prediction(deck.train.precision, deck.optim.offload) if machine is not None else []
-    if machine is not None:
-        plan.links = axis_links(machine, layout)
     if machine is None:
         plan.unpredicted = "no machine: pass --machine NAME for a predicted step time"
-    elif plan.problems:
+        plan.seconds = time.perf_counter() - start
+        return plan
+    # Placed once (its check of the machine file is the only one): the links shown and the
+    # prediction's inputs; a machine that lacks a constant still shows its links.
+    try:
+        placement: Optional[Placement] = place(deck, machine, layout)
+    except MachineError:
+        placement = None
+    plan.links = placement.links if placement is not None else axis_links(machine, layout)
+    if plan.problems:
         plan.unpredicted = "the plan has problems (below): nothing to predict"
-    elif missing:
+    elif placement is None:
+        missing = machine.missing_for_prediction(deck.train.precision, deck.optim.offload)
         plan.unpredicted = f"machine {machine.name} lacks {', '.join(missing)} (docs/PERFORMANCE_MODEL.md)"
     else:
-        plan.predicted = predict(deck, machine, layout, simulate)
+        plan.predicted = predict(deck, machine, simulate=simulate, placement=placement)
     plan.seconds = time.perf_counter() - start
     return plan
 

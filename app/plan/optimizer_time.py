@@ -165,9 +165,8 @@ class OffloadRates:
 
 
 def offload_rates(deck: Deck, machine: Machine, ranks_on_node: int) -> OffloadRates:
-    """The rates of `deck`'s offload on `machine` with `ranks_on_node` ranks sharing a node; a
-    `MachineError` names the keys the machine file lacks (nothing is guessed)."""
-    machine.require_prediction(deck.train.precision, deck.optim.offload)
+    """The rates of `deck`'s offload on `machine` with `ranks_on_node` ranks sharing a node, from a
+    machine file checked for them (`Machine.require_prediction`; `app.plan.perf.place` does)."""
 
     def share(gbs: Optional[float]) -> Optional[float]:
         return None if gbs is None else gbs * 1e9 / ranks_on_node

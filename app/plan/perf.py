@@ -52,6 +52,7 @@ from app.plan.device import Device, device_of
 from app.plan.estimate import block_params, stage_params, unit_buckets
 from app.plan.machine import LinkLevel, Machine
 from app.plan.optimizer_time import (
+    OffloadRates,
     grad_norm_bytes,
     offload_rates,
     offload_time,
@@ -389,11 +390,7 @@ def tied_here(deck: Deck, first: bool, last: bool) -> bool:
 def p2p_bytes(deck: Deck) -> float:
     """One pipeline message: a micro-batch's activation (or its gradient), sequence-sharded under SP,
     its hidden split over X under 3D tensor parallelism."""
-    m, par, tr = deck.model, deck.parallel, deck.train
-    hidden = m.hidden // (par.tensor[0] if par.tensor is not None else 1)
-    return float(
-        tr.micro_batch * (m.seq_len // (par.tp if par.sequence_parallel else 1)) * hidden * BYTES[tr.precision]
-    )
+    return float(math.prod(deck.stage_message) * BYTES[deck.train.precision])
 
 
 def group_link(machine: Machine, stride: int, size: int) -> Link:
@@ -968,16 +965,57 @@ def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: di
     return seconds + _cost(group_link(machine, 1, world), world, "all_reduce", 8)
 
 
-def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, simulate: bool = True) -> Prediction:
-    """The step time of a deck resolved for a world size (`resolve_for_world`) on `machine`.
+@dataclass(frozen=True)
+class Placement:
+    """A deck (resolved for a world size) placed on a machine, worked out once for its prediction:
+    the grid's layout on the machine's nodes, the device's constants, each axis's link (and each 3D
+    tp sub-axis's), and with optim.offload the rank's offload rates. `place` makes it and is where
+    the machine file is checked; the dry run shows its links, `predict` reads all of it."""
+
+    machine: Machine
+    layout: GridLayout
+    device: Device
+    links: dict[str, Link]
+    links3: dict[str, Link]  # 3D tensor parallelism's tp_x, tp_y, tp_z; empty for 1D
+    offload: Optional[OffloadRates]
+
+
+def place(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None) -> Placement:
+    """`deck` (resolved for a world size) on `machine`, the grid laid out on its nodes unless `layout`
+    is given; a `MachineError` names the keys the machine file lacks for a prediction."""
+    tr, par = deck.train, deck.parallel
+    machine.require_prediction(tr.precision, deck.optim.offload)
+    if layout is None:
+        layout = GridLayout.from_order_string(par.tp, par.pp, deck.dp, par.order, machine.devices_per_node)
+    shape = tensor_shape(deck)
+    world = par.tp * par.pp * deck.dp
+    return Placement(
+        machine=machine,
+        layout=layout,
+        device=device_of(machine, tr.precision, deck.run.malloc_mmap_threshold_kb),
+        links=axis_links(machine, layout),
+        links3={} if shape is None else axis_links3d(machine, layout, shape, par.tensor_order),
+        offload=None
+        if deck.optim.offload == "none"
+        else offload_rates(deck, machine, min(machine.devices_per_node, world)),
+    )
+
+
+def predict(
+    deck: Deck,
+    machine: Machine,
+    layout: Optional[GridLayout] = None,
+    simulate: bool = True,
+    placement: Optional[Placement] = None,
+) -> Prediction:
+    """The step time of a deck resolved for a world size (`resolve_for_world`) on `machine` (laid
+    out as `layout`, or as `placement` when the caller has placed it already; `place`).
     `simulate=False` takes the pipeline's steady state plus its bubble instead of simulating
     every pass (the search ranks thousands of grids so, then simulates the best)."""
     m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
-    dev = device_of(machine, tr.precision, deck.run.malloc_mmap_threshold_kb)
-    world = tp * pp * dp
-    # optim.offload: the rank's rates; a MachineError names the keys a machine file lacks.
-    rates = offload_rates(deck, machine, min(machine.devices_per_node, world)) if opt.offload != "none" else None
+    placed = placement if placement is not None else place(deck, machine, layout)
+    dev, rates, layout, links = placed.device, placed.offload, placed.layout, placed.links
     requested = deck.parallel  # the overlap the deck asks for (gloo's dp reductions, below)
     if uses_gloo(machine):
         # CPU ranks: gloo's copies and reductions run on the same cores as the compute, so nothing
@@ -985,22 +1023,18 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
         par = dataclasses.replace(par, overlap_tp_comm=False, overlap_pp_comm=False, overlap_grad_reduce=False,
                                   overlap_param_gather=False)  # fmt: skip
         deck = dataclasses.replace(deck, parallel=par)
-    if layout is None:
-        layout = GridLayout.from_order_string(tp, pp, dp, par.order, machine.devices_per_node)
-    links = axis_links(machine, layout)
     e = BYTES[tr.precision]
     g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     micro = deck.num_micro_batches
 
     shape = tensor_shape(deck)
-    links3: dict[str, Link] = {}
+    links3 = placed.links3
     if shape is None:
         msgs = tp_collectives(deck)
         layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"], msgs)
         head_f, head_b = _head_passes(deck, dev, links["tp"], msgs)
         emb_f, emb_b = _embedding_passes(deck, dev, links["tp"], msgs)
     else:  # 3D: each collective on its sub-axis's link (axis_links3d)
-        links3 = axis_links3d(machine, layout, shape, par.tensor_order)
         layer_f, layer_b, layer_r = _layer_passes3d(deck, dev, links3, overlap3d(deck))
         head_f, head_b = _head_passes3d(deck, dev, links3)
         emb_f, emb_b = _embedding_passes3d(deck, dev, links3)
@@ -1147,7 +1181,7 @@ def predict(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None, s
     }
     counted = step_flops(deck)
     flops, hardware = counted["model"], counted["hardware"]
-    devices = world
+    devices = tp * pp * dp
     levels = {axis: links[axis].level for axis in links}
     tensor3d: dict[str, float] = {}
     if shape is not None:
