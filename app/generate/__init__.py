@@ -16,6 +16,7 @@ sampled: the tp group's first rank draws and broadcasts). Decoding runs in fp32.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -68,21 +69,22 @@ def generation_deck(path: Path, world: int, overrides: tuple[str, ...] = ()) -> 
 
 
 def run_on_checkpoint(
-    given: str, overrides: tuple[str, ...], body: Callable[[Deck, Runtime, ProcessGrid, Path], None]
+    args: argparse.Namespace, body: Callable[[Deck, Runtime, ProcessGrid, argparse.Namespace, Path], None]
 ) -> int:
-    """An inference job (`app.job.run_job`) on checkpoint `given` (a file, or a directory's latest):
-    the deck is `generation_deck`'s, and `body` gets the checkpoint's path too. The exit status."""
+    """An inference command's job (`app.job.run_job`) on the checkpoint `args.checkpoint` (a file,
+    or a directory's latest) with the run.* `args.overrides`: the deck is `generation_deck`'s, and
+    `body` gets the command line and the checkpoint's path too. The exit status."""
     from app.checkpoint.store import named_checkpoint
     from app.job import run_job
 
-    chosen: list[Path] = []
+    given, chosen = args.checkpoint, []
 
     def load(world: int) -> Deck:
         missing = "no such file; give a checkpoint file (.h5) or directory"
         chosen.append(named_checkpoint(given, f"checkpoint {given}", missing))
-        return generation_deck(chosen[-1], world, overrides)
+        return generation_deck(chosen[-1], world, tuple(args.overrides))
 
-    return run_job(load, lambda deck, runtime, grid: body(deck, runtime, grid, chosen[-1]))
+    return run_job(load, lambda deck, runtime, grid: body(deck, runtime, grid, args, chosen[-1]))
 
 
 def load_model(deck: Deck, runtime: Runtime, grid: ProcessGrid, path: Path) -> tuple[GPT, dict[str, Any]]:

@@ -129,14 +129,9 @@ def run_generation(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argpar
 
 
 def run(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
     from app.generate import run_on_checkpoint
 
-    return run_on_checkpoint(
-        args.checkpoint,
-        tuple(args.overrides),
-        lambda deck, runtime, grid, path: run_generation(deck, runtime, grid, args, path),
-    )
+    return run_on_checkpoint(parse_args(argv), run_generation)
 
 
 def main() -> None:

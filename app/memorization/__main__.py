@@ -76,14 +76,9 @@ def run_measure(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argparse.
 
 
 def run(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
     from app.generate import run_on_checkpoint
 
-    return run_on_checkpoint(
-        args.checkpoint,
-        tuple(args.overrides),
-        lambda deck, runtime, grid, path: run_measure(deck, runtime, grid, args, path),
-    )
+    return run_on_checkpoint(parse_args(argv), run_measure)
 
 
 def main() -> None:
