@@ -16,8 +16,9 @@ if [ ! -e "/run/netns/$host" ] || [ ! -e "$dir/uts/$host" ]; then
   echo "cluster_rsh.sh: $host is not a node of launch/cluster_local.sh (state in $dir); known: $(ls "$dir/uts" 2>/dev/null | tr '\n' ' ')" >&2
   exit 255
 fi
-# What mpirun set for itself is not the remote side's business; a real ssh starts clean of it.
+# What mpirun set for itself is not the remote side's business; a real ssh starts clean of it
+# (settings, OMPI_MCA_* and PMIX_MCA_* from launch/env.sh, are kept: the nodes run the same way).
 while IFS='=' read -r name _; do
-  case "$name" in OMPI_MCA_* | OMPI_ALLOW_RUN_AS_ROOT*) ;; OMPI_* | PMIX_* | OPAL_* | ORTE_*) unset "$name" ;; esac
+  case "$name" in OMPI_MCA_* | PMIX_MCA_* | OMPI_ALLOW_RUN_AS_ROOT*) ;; OMPI_* | PMIX_* | OPAL_* | ORTE_*) unset "$name" ;; esac
 done < <(env)
 exec nsenter --net="/run/netns/$host" --uts="$dir/uts/$host" -- /bin/sh -c "$*"
