@@ -129,11 +129,12 @@ class ProcessGrid:
     """A `GridLayout` bound to a running job: per-axis MPI communicators and torch groups.
 
     Attributes: `layout`; `rank` (this process's layout position); `coords`;
-    `mpi[axis]` (mpi4py communicator), `group[axis]` (torch ProcessGroup), `ranks[axis]`
+    `mpi[axis]` (mpi4py communicator), `group[axis]` (torch ProcessGroup, made by `runtime.groups`:
+    the axes of size 1 share this rank's own group, app/runtime/groups.py), `ranks[axis]`
     (torch ranks of this process's group along `axis`) and `within_node[axis]` (whether
     every group along `axis` lies inside one node, measured on the real placement).
     The runtime's communicator may be a sub-communicator of the job, so several grids can
-    live in one process.
+    live in one process (their runtimes should share one `Groups`).
     """
 
     def __init__(self, runtime: Runtime, tp: int, pp: int, dp: int, order: str = "tp-dp-pp") -> None:
