@@ -126,10 +126,10 @@ def placement_warnings(
 
 
 class ProcessGrid:
-    """A `GridLayout` bound to a running job: per-axis MPI communicators and torch groups.
+    """A `GridLayout` bound to a running job: per-axis torch groups.
 
     Attributes: `layout`; `rank` (this process's layout position); `coords`;
-    `mpi[axis]` (mpi4py communicator), `group[axis]` (torch ProcessGroup, made by `runtime.groups`:
+    `group[axis]` (torch ProcessGroup, made by `runtime.groups`:
     the axes of size 1 share this rank's own group, app/runtime/groups.py), `ranks[axis]`
     (torch ranks of this process's group along `axis`) and `within_node[axis]` (whether
     every group along `axis` lies inside one node, measured on the real placement).
