@@ -3,6 +3,7 @@ the MPI tests share one initialised runtime (MPI + torch.distributed) per proces
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -244,6 +245,7 @@ def runtime(request):
     request.config.stash[_THREADS] = _threads()
     settle(rt.comm)  # no peer still in a collective on a group about to go
     rt.groups.destroy()
+    gc.collect()  # a gloo group's threads end with the object, once nothing refers to it
 
 
 class GridPool:
@@ -296,6 +298,7 @@ class GridPool:
         grid.pipeline_groups(wrap_around=virtual_stages > 1)
 
     def close(self) -> None:
+        self._grids.clear()  # their torch groups go with the last reference (the runtime fixture destroys them)
         for size, sub in self._runtimes.items():
             if size != self.world.world_size:
                 sub.comm.Free()
