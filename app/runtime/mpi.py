@@ -296,6 +296,10 @@ def init_torch_distributed(
 
 
 def shutdown(runtime: Runtime) -> None:
+    """Destroy torch.distributed's groups, if it was ever started: a job that ended before (a deck
+    error) does not import torch for this (a second of CPU per rank)."""
+    if "torch.distributed" not in sys.modules:
+        return
     import torch.distributed as dist
 
     if dist.is_initialized():
