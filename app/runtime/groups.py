@@ -63,8 +63,9 @@ class Groups:
         self, ranks: Sequence[int], backend: str, watchdog: AnyWatchdog, axis: str, alone_shared: bool = True
     ) -> Any:
         """A group of the torch `ranks` on the job's `backend` ("gloo" or "nccl"; collective over the
-        ranks; `axis` names the wait for the watchdog). One rank alone: the shared group of this rank, unless `alone_shared` is False (a caller whose
-        peers make a group at the same point, which must make one too)."""
+        ranks; `axis` names the wait for the watchdog). One rank alone: the shared group of this
+        rank, unless `alone_shared` is False (a caller whose peers make a group at the same point,
+        which must then make one too)."""
         import torch.distributed as dist
 
         if len(ranks) == 1 and alone_shared and self._own is not None:
