@@ -47,7 +47,8 @@ def _gloo_backend() -> str:
             options._devices, options._threads, options._timeout = [device], 1, timeout
             return ProcessGroupGloo(store, rank, size, options)
 
-        dist.Backend.register_backend(GLOO_GROUPS, make, devices=["cpu"])
+        # The devices torch's own gloo serves: parallel.backend = gloo is allowed on GPU ranks too.
+        dist.Backend.register_backend(GLOO_GROUPS, make, devices=["cpu", "cuda"])
     return GLOO_GROUPS
 
 
