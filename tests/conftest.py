@@ -111,17 +111,14 @@ class PeerGuard:
     def meet(self, nodeid: str) -> None:
         import time
 
-        request, start = self.comm.Ibarrier(), time.monotonic()
-        while not request.Test():
-            if time.monotonic() - start > self.seconds:
-                self.say(
-                    f"rank {self.comm.rank}: not every rank reached {nodeid} within {self.seconds:g} s: a rank is "
-                    "still inside an earlier test (one that failed or was skipped on some ranks only, see above); "
-                    "aborting the MPI job"
-                )
-                time.sleep(1.0)  # mpirun forwards the line before the abort's kill
-                self.mpi.COMM_WORLD.Abort(1)
-            time.sleep(0.001)
+        if not settle(self.comm, 0.001, timeout=self.seconds):
+            self.say(
+                f"rank {self.comm.rank}: not every rank reached {nodeid} within {self.seconds:g} s: a rank is "
+                "still inside an earlier test (one that failed or was skipped on some ranks only, see above); "
+                "aborting the MPI job"
+            )
+            time.sleep(1.0)  # mpirun forwards the line before the abort's kill
+            self.mpi.COMM_WORLD.Abort(1)
 
     def say(self, text: str) -> None:
         """Straight to the job's stderr, past pytest's capture: an abort leaves no terminal summary."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -153,12 +154,12 @@ def make_plan(
         plan.unpredicted = "no machine: pass --machine NAME for a predicted step time"
         plan.seconds = time.perf_counter() - start
         return plan
-    # Placed once (its check of the machine file is the only one): the links shown and the
-    # prediction's inputs; a machine that lacks a constant still shows its links.
-    try:
-        placement: Optional[Placement] = place(deck, machine, layout)
-    except MachineError:
-        placement = None
+    # Placed once, and only for a plan to predict (the search rejects most of its candidates): the
+    # links shown and the prediction's inputs; its check of the machine file is the only one.
+    placement: Optional[Placement] = None
+    if not plan.problems:
+        with suppress(MachineError):  # the machine lacks a constant: worded below
+            placement = place(deck, machine, layout)
     plan.links = placement.links if placement is not None else axis_links(machine, layout)
     if plan.problems:
         plan.unpredicted = "the plan has problems (below): nothing to predict"

@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from app.archs.spec import ParamSpec
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import step_flops
 from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
@@ -946,10 +947,12 @@ def param_tensors(layers: int, first: bool, last: bool, m: ModelConfig) -> tuple
     the norm run a few framework ops per each."""
     before, after = m.spec.end_params(m, first, last)
     block = m.spec.block_params(m)
-    ends = (*before, *after)
-    return len(ends) + layers * len(block), sum(len(p.shape) == 2 for p in ends) + layers * sum(
-        len(p.shape) == 2 for p in block
-    )
+
+    def counts(params: list[ParamSpec]) -> tuple[int, int]:
+        return len(params), sum(len(p.shape) == 2 for p in params)
+
+    (end_tensors, end_matrices), (block_tensors, block_matrices) = counts([*before, *after]), counts(block)
+    return end_tensors + layers * block_tensors, end_matrices + layers * block_matrices
 
 
 def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: dict[str, Link]) -> float:

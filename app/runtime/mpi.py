@@ -348,13 +348,17 @@ def _raise(kind: type, message: str) -> None:
     raise error
 
 
-def settle(comm: Any, interval: float = 0.002) -> None:
+def settle(comm: Any, interval: float = 0.002, timeout: Optional[float] = None) -> bool:
     """Wait until every rank of `comm` gets here, sleeping `interval` seconds between checks of an
     MPI_Ibarrier: a rank blocked in an Open MPI collective spins, and ranks that wait while others
-    compute on the same cores would take those cores' time from them."""
-    request = comm.Ibarrier()
+    compute on the same cores would take those cores' time from them. False if `timeout` seconds
+    passed first (the barrier is then left pending: the caller is expected to abort)."""
+    request, start = comm.Ibarrier(), time.monotonic()
     while not request.Test():
+        if timeout is not None and time.monotonic() - start > timeout:
+            return False
         time.sleep(interval)
+    return True
 
 
 def on_root(runtime: Runtime, fn: Callable[[], T]) -> T:
