@@ -13,6 +13,11 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 "$here/setup.sh"
 source "$here/env.sh"
 cd "$repo"
+# The suite starts hundreds of Python processes (pytest under mpirun, python -m app): let them keep
+# the compiled bytecode of the repository and of pytest's rewritten test modules (__pycache__,
+# git-ignored) even where the environment says not to. A collection of tests/ takes 2.2 s of CPU
+# instead of 4.9 s, and every rank of every MPI group collects.
+unset PYTHONDONTWRITEBYTECODE
 
 # Every pytest call has a per-test timeout (pytest-timeout) and an outer timeout, so a rank
 # stuck in a collective fails the run instead of hanging it.

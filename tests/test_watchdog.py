@@ -147,6 +147,7 @@ def make_watchdog(timeout_s: float, store_port: int | None = None):
     dog = Watchdog(Placement(), timeout_s, interval_s=0.2, out=out, abort=codes.append)
     if store_port is not None:
         dog.attach_store("127.0.0.1", store_port)
+        assert dog._store is not None, "the heartbeat client did not connect to the store"
     return dog, out, codes
 
 

@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -317,7 +318,10 @@ def _fault_rate(dev: Any, comm: Any, sync: Callable[[], None], repeat: int) -> O
     Linear of 256 tokens whose output is that size, timed first on this process's own heap, which
     nothing has grown (each output a new mapping, as a step's large results are) and then on a warm
     one (cut from its free top); the difference per byte of output. Call before anything warms the
-    heap. None where the two do not differ (no threshold: results come from the heap)."""
+    heap. None where the two do not differ (no threshold: results come from the heap). The
+    difference is agreed over the ranks (their median), so that every rank returns None or none
+    does: `measure` makes one more collective for the rate, and a rank that skipped it alone would
+    leave its peers waiting in it."""
     import torch
     import torch.nn.functional as F
 
@@ -334,7 +338,8 @@ def _fault_rate(dev: Any, comm: Any, sync: Callable[[], None], repeat: int) -> O
     cold = _timed(fn, comm, sync, repeat)
     warm_heap(HEAP)
     warm = _timed(fn, comm, sync, repeat)
-    return tokens * n * 4 / (cold - warm) if cold > warm else None
+    gain = statistics.median(comm.allgather(cold - warm))
+    return tokens * n * 4 / gain if gain > 0 else None
 
 
 def _elementwise(dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_seconds: float) -> dict[str, float]:
@@ -441,7 +446,7 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         },
         "stream_bytes_s": agreed(stream),
         "memory_bytes_s": agreed(memory),
-        **({} if fault is None else {"fault_bytes_s": agreed(fault)}),
+        **({} if fault is None else {"fault_bytes_s": fault}),  # agreed by _fault_rate
         "elementwise_bytes_s": {kind: agreed(v) for kind, v in elementwise.items()},
         "op_seconds": agreed(op),
         "collectives": collectives,
@@ -653,6 +658,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from app.errors import GridlmError
     from app.plan.machine import MACHINES_DIR, load_machine, machine_path
     from app.runtime.mpi import (
+        abort,
         bind_device,
         init_mpi,
         init_torch_distributed,
@@ -686,7 +692,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     set_threads(runtime, None)
     set_malloc_mmap_threshold(RunConfig().malloc_mmap_threshold_kb)  # the allocator a run has
     init_torch_distributed(runtime)
-    measured = measure(runtime, args.repeat, None if args.scratch is None else Path(args.scratch))
+    try:
+        measured = measure(runtime, args.repeat, None if args.scratch is None else Path(args.scratch))
+    except BaseException:  # a bug on one rank: end them all, none left waiting in a collective
+        print(f"calibrate: rank {runtime.rank}: internal error, aborting the job", file=sys.stderr)
+        traceback.print_exc()
+        abort(runtime, 1)
     if runtime.is_root:
         base = read_yaml_file(base_path, "machine file", lambda message: MachineError(f"machine file {base_path}: {message}"),
                               "inputs/machines/local.yaml")  # fmt: skip

@@ -51,6 +51,7 @@ HEARTBEAT_KEY = "gridlm/heartbeat/{}"
 ENDED_KEY = "gridlm/ended"
 MAX_NAMED = 8  # ranks named in one line; a 32k-rank job that lost a switch would print thousands
 PROBED_NODES = 3  # silent nodes whose address is probed (2 s each) before the line is printed
+STORE_CONNECT_S = 30.0  # the heartbeat client's connection to rank 0's store (a 32k-rank start, a loaded node)
 
 
 class WatchedRuntime(Protocol):
@@ -205,10 +206,13 @@ class Watchdog:
         import torch.distributed as dist
 
         try:
+            # Connecting may wait for rank 0's store to accept thousands of clients at once (and on a
+            # loaded node took over 2 s): patience for that, then short timeouts for the heartbeats.
             store = dist.TCPStore(
-                host, port, self.world, is_master=False, timeout=timedelta(seconds=max(2.0, min(10.0, self.interval))),
+                host, port, self.world, is_master=False, timeout=timedelta(seconds=STORE_CONNECT_S),
                 wait_for_workers=False,
             )  # fmt: skip
+            store.set_timeout(timedelta(seconds=max(2.0, min(10.0, self.interval))))
             self._store = dist.PrefixStore(prefix, store) if prefix else store
         except Exception:  # no heartbeats: the /proc check and the timeout still work
             self._store = None
