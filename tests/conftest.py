@@ -78,7 +78,25 @@ def _min_size(item: pytest.Item) -> int:
     return (marker.kwargs.get("min_size") or 1) if marker else 0
 
 
+# The serial group's longest files (seconds of test time on a quiet 2-core machine, 2026-11-28), handed
+# to its worker processes first: xdist deals files out in collection order, and test_watchdog.py,
+# last by name and mostly waiting on timeouts, ran alone at the end while the other workers idled.
+LONGEST_FIRST = (
+    "test_watchdog.py",  # 126, mostly timeouts it waits out
+    "test_benchmarks.py",  # 150
+    "test_generate.py",  # 141
+    "test_perf.py",  # 89
+    "test_nonfinite.py",  # 85
+    "test_init_from.py",  # 83
+    "test_app.py",  # 68
+    "test_run_dir.py",  # 68
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the serial group's workers (the same order on every one)
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep theirs
     floor = config.getoption("--mpi-min-size")
     if floor:
         kept = [item for item in items if _min_size(item) >= floor]
