@@ -838,12 +838,14 @@ OFFLOAD_DECK = ("train.precision=bf16", "parallel.dp=2", "optim.zero=1")  # gpt_
 
 def test_the_offload_term_is_the_bytes_of_the_offloaded_step(tmp_path):
     """The offloaded update of a bf16 ZeRO-1 gpt_tiny on 2 ranks of one node, counted by hand from
-    ShardedOptimizer._offloaded_step: the fp32 gradient shard to the host over the link (4 bytes an
-    element), the CPU's passes at the rank's half of the node's DRAM (8 the clip scaling, 12 + 8 +
-    12 the moments, 8 + 8 + 8 the denominator, 8 + 16 AdamW's decay and update), the fp32 master
-    back over the link (4) and converted to bf16 on the device (4 + 2), then ZeRO-1's copy of the
-    shard into the gather's send buffer (2 + 2); the device's own update is gone. On a CPU machine
-    the two copies are CPU passes; nvme adds the page cache's copies."""
+    ShardedOptimizer._offloaded_adamw: the fp32 gradient shard to the host over the link (4 bytes an
+    element), the CPU's passes at the rank's half of the node's DRAM (torch's fused AdamW: master,
+    gradient and moments in, master and moments out, 16 + 12, and the unscaled gradient written
+    back, 4; then the master made bf16, 4 + 2), the bf16 parameters back over the link (2), then
+    ZeRO-1's copy of the shard into the gather's send buffer (2 + 2); the device's own update is
+    gone. On a CPU machine the copies are CPU passes; nvme adds the page cache's copies. LAMB keeps
+    the eager passes (8 the clip scaling, 12 + 8 + 12 the moments, 8 + 8 + 8 the denominator, then
+    its own) and sends the fp32 master, converted on the device."""
     from app.plan.optimizer_time import offload_state_bytes, offload_update_bytes
 
     machine = _frontier_with(tmp_path, host_link_gbs=10, host_memory_gbs=80)
@@ -851,20 +853,24 @@ def test_the_offload_term_is_the_bytes_of_the_offloaded_step(tmp_path):
     none = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", OFFLOAD_DECK), 2)
     m = deck.model
     shard = stage_params(m, 1, m.layers, True, True) / 2
-    cpu = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 8 + 16
-    assert offload_update_bytes(deck) == cpu == 88
+    cpu = 16 + 12 + 4 + (4 + 2)
+    assert offload_update_bytes(deck) == cpu == 38
     stream = device_of(machine, "bf16").stream
-    expect = shard * 4 / 10e9 + shard * cpu / 40e9 + shard * 4 / 10e9 + stream(shard * 6) + stream(shard * 4)
+    expect = shard * 4 / 10e9 + shard * cpu / 40e9 + shard * 2 / 10e9 + stream(shard * 4)
     predicted = predict(deck, machine)
     assert math.isclose(predicted.breakdown["optimizer_offload"], expect, rel_tol=1e-12)
     assert predicted.breakdown["optimizer"] == 0.0 < predict(none, machine).breakdown["optimizer"]
     assert predict(none, machine).breakdown["optimizer_offload"] == 0.0
-    # A CPU machine: the gradient's conversion (4 + 4) and the parameter's (4 + 2) are CPU passes; the
-    # state that no cache holds is the gradient, master and moments in and out, the parameter out.
-    assert offload_update_bytes(deck, host_is_device=True) == (4 + 4) + cpu + (4 + 2)
+    # A CPU machine: an fp32 gradient is updated where it lies; the state that no cache holds is the
+    # gradient, master and moments in and out, the parameter out.
+    assert offload_update_bytes(deck, host_is_device=True) == cpu
     assert offload_state_bytes(deck) == 4 + 12 + 12 + 2
     nvme = dataclasses.replace(deck, optim=dataclasses.replace(deck.optim, offload="nvme"))
     assert offload_update_bytes(nvme) == cpu + 2 * (12 + 12)  # pread and pwrite through the page cache
+    lamb = dataclasses.replace(deck, optim=dataclasses.replace(deck.optim, name="lamb"))
+    eager = 8 + 12 + 8 + 12 + 8 + 8 + 8
+    assert offload_update_bytes(lamb) == eager + (8 + 12 + 12 + 8 + 8 + 12)
+    assert offload_update_bytes(lamb, host_is_device=True) == (4 + 4) + offload_update_bytes(lamb) + (4 + 2)
 
 
 def test_host_offload_over_a_slow_link_predicts_a_slower_step(tmp_path):

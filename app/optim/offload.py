@@ -72,6 +72,10 @@ class OffloadStore:
         """Bytes of host memory the store holds."""
         raise NotImplementedError
 
+    def max_chunk(self) -> int:  # pragma: no cover - interface
+        """Elements of the largest chunk `stream` yields."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release what the store holds (files, threads)."""
 
@@ -106,6 +110,9 @@ class HostStore(OffloadStore):
 
     def host_bytes(self) -> int:
         return sum(t.numel() * FP32 for ts in self.tensors for t in ts)
+
+    def max_chunk(self) -> int:
+        return max((ts[0].numel() for ts in self.tensors), default=0)
 
 
 class NvmeStore(OffloadStore):
@@ -203,6 +210,9 @@ class NvmeStore(OffloadStore):
     def host_bytes(self) -> int:
         return sum(t.numel() * FP32 for t in self.slots)
 
+    def max_chunk(self) -> int:
+        return min(self.chunk, max(self.sizes, default=0))
+
     def close(self) -> None:
         self.reader.shutdown()
         self.writer.shutdown()
@@ -215,3 +225,45 @@ class NvmeStore(OffloadStore):
 def offload_path(directory: Path, rank: int) -> Path:
     """This rank's NVMe offload file under `directory`."""
     return directory / f"optimizer_rank{rank:05d}.bin"
+
+
+class HostTransfer:
+    """The gradient's and the parameters' way between the device and the host update, through
+    buffers of the largest chunk's size kept for the run (`HostAdamW` keeps views of them).
+
+    The gradient crosses in its own dtype (bf16/fp16: half the bytes of fp32) into pinned memory
+    and becomes fp32 on the CPU; the updated fp32 master becomes the compute dtype on the CPU and
+    crosses in it, from a pinned buffer that is reused only once its copy has finished. On CPU
+    ranks the device is the host: the same conversions, as plain copies."""
+
+    def __init__(self, n: int, device: torch.device, grad_dtype: torch.dtype, param_dtype: torch.dtype) -> None:
+        self.cuda = device.type == "cuda"
+        self.grad32 = torch.empty(n, dtype=torch.float32, pin_memory=self.cuda)
+        self.grad_low = (
+            torch.empty(n, dtype=grad_dtype, pin_memory=True) if self.cuda and grad_dtype != torch.float32 else None
+        )
+        self.param_low = (
+            torch.empty(n, dtype=param_dtype, pin_memory=True) if self.cuda and param_dtype != torch.float32 else None
+        )
+        self.param_sent = torch.cuda.Event() if self.param_low is not None else None
+
+    def grad(self, src: torch.Tensor) -> torch.Tensor:
+        """The fp32 host copy of the device gradient range `src` (a view of `grad32`). On CPU ranks an
+        fp32 gradient is used where it lies (the update writes only its unscaled values back)."""
+        n = src.numel()
+        if not self.cuda:
+            return src if src.dtype == torch.float32 else self.grad32[:n].copy_(src)
+        if self.grad_low is None:
+            return self.grad32[:n].copy_(src)  # blocking: the update reads it next
+        return self.grad32[:n].copy_(self.grad_low[:n].copy_(src))
+
+    def param(self, dst: torch.Tensor, master: torch.Tensor) -> None:
+        """Write the updated fp32 `master` range to the device parameter range `dst`."""
+        if not self.cuda or self.param_low is None:
+            dst.copy_(master, non_blocking=self.cuda)
+            return
+        assert self.param_sent is not None
+        self.param_sent.synchronize()  # the last chunk's copy has left the buffer
+        low = self.param_low[: master.numel()].copy_(master)
+        dst.copy_(low, non_blocking=True)
+        self.param_sent.record()

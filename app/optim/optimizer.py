@@ -12,7 +12,9 @@ On GPUs AdamW is torch's fused AdamW kernel (`torch._fused_adamw_`, what
 torch.optim.AdamW(fused=True) runs: decoupled weight decay, bias correction, the gradient's
 unscaling, one pass over memory), called once for the weight-decayed views of every bucket and
 once for the rest (`app.optim.multi_tensor`); on CPUs torch.optim.AdamW's single-tensor
-arithmetic, bucket by bucket (`ShardedOptimizer.fused` says why). Weight decay applies to
+arithmetic, bucket by bucket (`ShardedOptimizer.fused` says why). Offloaded (`optim.offload`),
+AdamW runs on the host as torch's fused CPU kernel with every element through its vector body
+(`app.optim.host_adamw`), chunk by chunk as the store hands them out. Weight decay applies to
 matrices only (`ParamMeta.decay`). LAMB's element-wise part runs bucket by bucket, its decay and
 trust ratio as multi-tensor ops.
 
@@ -36,8 +38,9 @@ import torch.distributed as dist
 from app.deck import OptimConfig
 from app.errors import NonFiniteError
 from app.names import AXES
+from app.optim.host_adamw import HostAdamW
 from app.optim.multi_tensor import NormViews, complement, cut
-from app.optim.offload import HostStore, NvmeStore, OffloadStore
+from app.optim.offload import HostStore, HostTransfer, NvmeStore, OffloadStore
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
 from app.shards import EXP_AVG, EXP_AVG_SQ, MASTER, ShardState
@@ -243,6 +246,12 @@ class ShardedOptimizer:
         # The step count and 1 / grad_scale as device tensors, as the fused kernel reads them.
         self._step_t = torch.zeros((), dtype=torch.float32, device=dp.device)
         self._unscale_t = torch.ones((), dtype=torch.float32, device=dp.device)
+        # Offloaded AdamW: the host's step count and 1 / grad_scale, the update of each chunk (kept:
+        # views of the chunk's buffers) and the device <-> host buffers.
+        self._host_step_t = torch.zeros((), dtype=torch.float32)
+        self._host_unscale_t = torch.ones((), dtype=torch.float32)
+        self._host_adamw: dict[tuple[int, ...], HostAdamW] = {}
+        self._transfer: Optional[HostTransfer] = None
 
     def grad_squares(self) -> torch.Tensor:
         """This rank's float64 sum of squares of the gradient elements it counts (`step_verdict`
@@ -386,9 +395,13 @@ class ShardedOptimizer:
             torch._foreach_add_(views.decayed_updates, views.decayed_masters, alpha=self.cfg.weight_decay)
 
     def _offloaded_step(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
-        """The same update, chunk by chunk on the host (`OffloadStore.stream`): each gradient range
-        copied from the device, the update on the CPU (the eager arithmetic: chunks change no bit
-        of it), the parameters copied back into the device's shard."""
+        """The update chunk by chunk on the host (`OffloadStore.stream`): each gradient range copied
+        from the device, the update on the CPU, the parameters copied back into the device's shard
+        (`HostTransfer`). AdamW is torch's fused CPU kernel (`HostAdamW`: an element's update does
+        not depend on how the chunks are cut); LAMB the eager arithmetic of `_update`."""
+        if self.cfg.name == "adamw":
+            self._offloaded_adamw(store, lr, grad_scale)
+            return
         cfg, dp = self.cfg, self.dp
         bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
         masters: list[torch.Tensor] = []
@@ -413,6 +426,28 @@ class ShardedOptimizer:
                 dp.param_shard(b).copy_(p, non_blocking=True)
         if dp.device.type == "cuda":
             torch.cuda.current_stream(dp.device).synchronize()  # the host buffers are reused next chunk/step
+        dp.publish_params()
+
+    def _offloaded_adamw(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
+        dp = self.dp
+        if self._transfer is None:
+            grad, param = (dp.grads(0).dtype, dp.param_shard(0).dtype) if dp.buckets else (torch.float32,) * 2
+            self._transfer = HostTransfer(store.max_chunk(), dp.device, grad, param)
+        transfer = self._transfer
+        self._host_step_t.fill_(float(self.steps))
+        unscale = None if grad_scale == 1.0 else self._host_unscale_t.fill_(1.0 / grad_scale)
+        for chunk in store.stream(range(len(dp.buckets))):
+            b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
+            g = transfer.grad(dp.grads(b)[lo:hi])
+            key = (b, lo, hi, chunk.master.data_ptr())
+            update = self._host_adamw.get(key)
+            if update is None:  # a store hands out the same chunks in the same buffers every step
+                runs = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in dp.layout.decay_runs(b) if a < hi and z > lo]
+                update = self._host_adamw[key] = HostAdamW((chunk.master, chunk.exp_avg, chunk.exp_avg_sq), runs)
+            update.step(self.cfg, lr, self._host_step_t, g, unscale)
+            transfer.param(dp.param_shard(b)[lo:hi], chunk.master)
+        if dp.device.type == "cuda":
+            torch.cuda.current_stream(dp.device).synchronize()  # the parameters are in place for the gather
         dp.publish_params()
 
     def _lamb_apply(self, lr: float, updates: list[torch.Tensor], masters: Optional[list[torch.Tensor]] = None) -> None:

@@ -9,12 +9,14 @@ reduced gradient element, e of a parameter in the compute dtype.
 The offloaded step, chunk by chunk (a whole bucket shard in host memory; a slot of
 `optim.offload_buffer_mb` / 36 elements streamed from the rank's file with nvme):
 
-* the gradient range is copied device -> host, blocking (N g over the host link; torch converts
-  a bf16/fp16 gradient to fp32 on the CPU after the copy);
+* the gradient range is copied device -> host, blocking (N g over the host link, in its own dtype;
+  a bf16/fp16 gradient becomes fp32 on the CPU after the copy);
 * the update runs on the CPU (`offload_update_bytes`), at the rank's share of the node's DRAM
-  bandwidth (host_memory_gbs / ranks on the node);
-* the fp32 master range is copied host -> device, non-blocking (N 4 over the link: with a
-  non-blocking copy torch converts to the compute dtype on the device, 4 + e device bytes).
+  bandwidth (host_memory_gbs / ranks on the node): AdamW as torch's fused CPU kernel, LAMB as
+  eager passes;
+* AdamW: the master range becomes the compute dtype on the CPU and crosses host -> device,
+  non-blocking (N e over the link); LAMB: the fp32 master crosses (N 4) and torch converts it on
+  the device (4 + e device bytes).
 
 The three are serial: both copies run on the device's current stream, so the next chunk's
 blocking gradient copy waits behind this chunk's parameter copy, and the parameter copy hides
@@ -49,9 +51,12 @@ DENOMINATOR_BYTES = 8 + 8 + 8
 # pread and pwrite copy each chunk between the page cache and the slot: 12 bytes per element read
 # and written each way.
 PAGE_CACHE_BYTES = 2 * (OFFLOAD_STATE_BYTES + OFFLOAD_STATE_BYTES)
-# Framework ops of one offloaded chunk: two slices, the gradient's copy, its scaling, the six passes
-# of the moments and the denominator, the update, the parameter copy.
+# Framework ops of one offloaded chunk under LAMB: two slices, the gradient's copy, its scaling, the
+# six passes of the moments and the denominator, the update, the parameter copy.
 OFFLOAD_CHUNK_OPS = 12
+# Under AdamW (`HostAdamW`): the gradient's slice and copy, per weight-decay class four gathers of
+# the tails, the fused call and three scatters, the parameter's slice and copy.
+OFFLOAD_ADAMW_CHUNK_OPS = 2 + 2 * (4 + 1 + 3) + 2
 # Framework ops of a device step that do not grow with the model (tests/test_optim.py counts 22 on
 # AdamW in fp32): the norm's multi-tensor call and its sums, the verdict, the fused calls.
 STEP_OPS = 22
@@ -128,15 +133,24 @@ def optimizer_state_bytes(deck: Deck) -> int:
 
 
 def offload_update_bytes(deck: Deck, host_is_device: bool = False) -> int:
-    """Bytes per element the CPU moves in `_offloaded_step`: the gradient converted to fp32 (g + 4:
-    on a GPU machine only when it is not fp32 already, since the copy from the device lands in a
-    g-byte tensor; on a CPU machine it is always a copy), its scaling and `_update`'s eager passes,
-    on a CPU machine the parameter written from the master (4 + e; on a GPU the
-    host -> device copy), and with nvme the page-cache copies of the state (`PAGE_CACHE_BYTES`)."""
+    """Bytes per element the CPU moves in `_offloaded_step`, with nvme plus the page-cache copies of
+    the state (`PAGE_CACHE_BYTES`).
+
+    AdamW (`HostAdamW`, `HostTransfer`): a bf16/fp16 gradient made fp32 (g + 4; an fp32 one is
+    updated where it lands), the fused pass (`_update_bytes`), and the master made the compute
+    dtype (4 + e) where it is not fp32 or where the host is the device (the parameter's copy); an
+    fp32 master crosses to a GPU as it is. LAMB (the eager passes): the gradient to fp32 (g + 4: on
+    a GPU machine only when it is not fp32 already; on a CPU machine always a copy), its scaling and
+    `_update`'s passes, on a CPU machine the parameter written from the master (4 + e)."""
     e, g = BYTES[deck.train.precision], _grad_bytes(deck)
-    total = (g + 4) if g != 4 or host_is_device else 0
-    total += _update_bytes(deck, fused=False)
-    total += (4 + e) if host_is_device else 0
+    if deck.optim.name == "adamw":
+        total = (g + 4) if g != 4 else 0
+        total += _update_bytes(deck, fused=True)
+        total += (4 + e) if e != 4 or host_is_device else 0
+    else:
+        total = (g + 4) if g != 4 or host_is_device else 0
+        total += _update_bytes(deck, fused=False)
+        total += (4 + e) if host_is_device else 0
     return total + (PAGE_CACHE_BYTES if deck.optim.offload == "nvme" else 0)
 
 
@@ -223,8 +237,10 @@ def offload_time(
         assert rates.link is not None and rates.memory is not None
         to_host = shard * g / rates.link
         update = cpu / rates.memory
-        conversion = dev.stream(shard * (4 + e)) if e != 4 else 0.0
-        to_device = shard * 4 / rates.link + conversion
+        if deck.optim.name == "adamw":  # the compute dtype crosses, made on the CPU (offload_update_bytes)
+            to_device = shard * e / rates.link
+        else:  # the fp32 master crosses and becomes the compute dtype on the device
+            to_device = shard * 4 / rates.link + (dev.stream(shard * (4 + e)) if e != 4 else 0.0)
         after = dev.stream(shard * gather)
     read = write = fill = 0.0
     if nvme:
@@ -233,5 +249,8 @@ def offload_time(
         first = min(shard, nvme_chunk_elements(deck)) * OFFLOAD_STATE_BYTES
         read, write = state / rates.read, state / rates.write
         fill = first / rates.read + first / rates.write
-    ops = (OFFLOAD_CHUNK_OPS * chunks + 2 * matrices) * dev.op_seconds
+    if deck.optim.name == "adamw":
+        ops = OFFLOAD_ADAMW_CHUNK_OPS * chunks * dev.op_seconds
+    else:
+        ops = (OFFLOAD_CHUNK_OPS * chunks + 2 * matrices) * dev.op_seconds
     return OffloadTime(to_host, update, to_device, read, write, fill, after, ops)
