@@ -17,6 +17,12 @@ the optimizer offloaded against the step without.
    inputs/gpt_tiny.yaml; `100m` is gpt_tiny at 12 layers of hidden 768 (GPT-2 small, 124M
    parameters with its 50,257-token vocabulary; seq 128, one sequence a step).
 
+3. NVMe (`NvmeStore`, what `optim.offload: nvme` streams through): --nvme-mb MB of state (master
+   and moments) in a file under --nvme-dir, streamed through 64 MB of buffers with nothing to
+   update (each pass reads and writes all of it, read-ahead and write-behind at once), against
+   `dd oflag=direct` writing and `dd iflag=direct` reading as many bytes in the same directory
+   (GB/s = bytes read + written over the time; dd's two are one after the other).
+
 Markdown on stdout; table.md and table.csv in --out. A benchmark, not a test.
 """
 
@@ -99,6 +105,44 @@ def host_update(n: int, threads: int, rounds: int) -> list[dict]:
     return rows
 
 
+def nvme(mb: int, directory: Path, rounds: int) -> list[dict]:
+    """Part 3: GB/s of a pass of NvmeStore.stream against dd oflag/iflag=direct, alternating."""
+    import torch
+
+    from app.optim.offload import NvmeStore
+
+    directory.mkdir(parents=True, exist_ok=True)
+    n = mb * 10**6 // 12  # elements: master and two moments, 4 bytes each
+    masters = [torch.zeros(n // 4) for _ in range(4)]  # four buckets
+    store = NvmeStore(masters, directory / "offload_bench.bin", 64 * 10**6)
+    moved = 2 * 12 * sum(m.numel() for m in masters)  # each pass reads and writes the state
+
+    def stream() -> None:
+        for _ in store.stream(range(len(masters))):
+            pass
+
+    def dd() -> None:
+        target, count = directory / "offload_bench_dd.bin", -(-moved // 2 // (4 << 20))
+        for cmd in (["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}", "oflag=direct"],
+                    ["dd", f"if={target}", "of=/dev/null", "bs=4M", "iflag=direct"]):  # fmt: skip
+            subprocess.run(cmd, check=True, capture_output=True)
+        target.unlink()
+
+    rates: dict[str, list[float]] = {"dd oflag=direct + iflag=direct": [], "NvmeStore stream": []}
+    try:
+        for _ in range(rounds):
+            rates["dd oflag=direct + iflag=direct"].append(moved / _median_time(dd, 1) / 1e9)
+            rates["NvmeStore stream"].append(moved / _median_time(stream, 1) / 1e9)
+    finally:
+        store.close()
+    base = statistics.median(rates["dd oflag=direct + iflag=direct"])
+    direct = "O_DIRECT" if getattr(store, "direct", False) else "page cache"  # older trees: no O_DIRECT
+    return [{"part": f"nvme, {mb} MB of state in {directory}, {direct}", "case": kind,
+             "value": round(statistics.median(v), 2), "unit": "GB/s", "of": "dd",
+             "ratio": round(statistics.median(v) / base, 3), "rounds": " ".join(f"{x:.2f}" for x in v)}
+            for kind, v in rates.items()]  # fmt: skip
+
+
 def run_step(deck: str, offload: str, steps: int, out: Path) -> float:
     """Median step seconds of one `python -m app` run on one rank."""
     run_dir = out / f"{deck}_{offload}"
@@ -145,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decks", default="tiny,100m", help=f"comma-separated, of {sorted(DECKS)}; empty: none")
     parser.add_argument("--offloads", default="none,host", help="optim.offload values, the first the baseline")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--nvme-mb", type=int, default=1024, help="MB of state streamed from the file (0: no part 3)")
+    parser.add_argument("--nvme-dir", default=None, help="directory of the file (default: --out)")
     parser.add_argument("--out", default="runs/offload_bench")
     args = parser.parse_args(argv)
     decks = [d for d in args.decks.split(",") if d]
@@ -153,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     rows = host_update(args.elements, args.threads, args.rounds)
     rows += steps_table(decks, args.offloads.split(","), args.steps, args.rounds, out)
+    if args.nvme_mb > 0:
+        rows += nvme(args.nvme_mb, Path(args.nvme_dir or out), args.rounds)
     return write_tables(out, rows, COLUMNS, markdown(rows))
 
 

@@ -190,16 +190,19 @@ def test_the_tensor3d_bytes_benchmark_counts_1d_and_3d_variants(tmp_path):
 
 
 def test_the_offload_benchmark_times_the_host_update_against_a_triad_and_the_offloaded_step(tmp_path):
-    """benchmarks/offload_bench.py at its smallest: one round of the host update over 2^16 elements
-    and of gpt_tiny's step with optim.offload none and host, 2 steps each."""
+    """benchmarks/offload_bench.py at its smallest: one round of the host update over 2^16 elements,
+    of gpt_tiny's step with optim.offload none and host, 2 steps each, and of 8 MB streamed from a
+    file against dd."""
     import offload_bench
 
     rc = offload_bench.main(["--elements", str(1 << 16), "--rounds", "1", "--decks", "tiny", "--steps", "2",
-                             "--out", str(tmp_path)])  # fmt: skip
+                             "--nvme-mb", "8", "--out", str(tmp_path)])  # fmt: skip
     assert rc == 0
     rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
     assert [r["case"] for r in rows] == ["triad", "host update (HostAdamW)", "eager passes (device path on CPU ranks)",
-                                         "optim.offload=none", "optim.offload=host"]  # fmt: skip
+                                         "optim.offload=none", "optim.offload=host", "dd oflag=direct + iflag=direct",
+                                         "NvmeStore stream"]  # fmt: skip
+    assert "O_DIRECT" in rows[-1]["part"] and not list(tmp_path.glob("*.bin"))
     assert all(float(r["value"]) > 0 and not r.get("error") for r in rows)
     assert float(rows[0]["ratio"]) == 1.0 and float(rows[3]["ratio"]) == 1.0
 

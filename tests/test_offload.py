@@ -24,10 +24,14 @@ def _masters() -> list[torch.Tensor]:
 
 def test_the_nvme_store_streams_through_its_bounded_buffers(tmp_path):
     masters = _masters()
-    store = NvmeStore(masters, tmp_path / "rank0.bin", buffer_bytes=SLOTS * STATE_TENSORS * 4 * 300)
-    assert store.chunk == 300 and store.host_bytes() <= SLOTS * STATE_TENSORS * 4 * 300
-    # The file holds the masters and zero moments; nothing of it is mapped into this process.
-    assert os.path.getsize(tmp_path / "rank0.bin") == sum(m.numel() for m in masters) * STATE_TENSORS * 4
+    store = NvmeStore(masters, tmp_path / "rank0.bin", buffer_bytes=SLOTS * STATE_TENSORS * 4 * 2500)
+    # Chunks of whole 4 KiB blocks (O_DIRECT): 2500 elements' worth of buffer gives chunks of 2048.
+    assert store.chunk == 2048 and store.host_bytes() <= SLOTS * STATE_TENSORS * 4 * 2500
+    assert store.direct  # ext4 here: the stream bypasses the page cache
+    # The file holds the masters and zero moments, each region padded to whole blocks; nothing of it
+    # is mapped into this process.
+    padded = sum(-(-m.numel() // 1024) * 1024 for m in masters)
+    assert os.path.getsize(tmp_path / "rank0.bin") == padded * STATE_TENSORS * 4
     for step in (1, 2):
         chunks = []
         for c in store.stream([0, 1, 2]):
@@ -38,7 +42,9 @@ def test_the_nvme_store_streams_through_its_bounded_buffers(tmp_path):
             c.exp_avg.add_(1)
             c.exp_avg_sq.add_(c.master)
         # Every element of every bucket once, in order.
-        assert chunks == [(b, lo, min(lo + 300, n)) for b, n in enumerate((1000, 37, 2500)) for lo in range(0, n, 300)]
+        assert chunks == [
+            (b, lo, min(lo + 2048, n)) for b, n in enumerate((1000, 37, 2500)) for lo in range(0, n, 2048)
+        ]
     for b, m in enumerate(masters):
         assert torch.equal(store.read(0, b, 0, m.numel()), m * 4)
         assert torch.equal(store.read(1, b, 0, m.numel()), torch.full_like(m, 2.0))
@@ -46,6 +52,12 @@ def test_the_nvme_store_streams_through_its_bounded_buffers(tmp_path):
     # A checkpoint load writes a range; the next stream reads it.
     store.write(1, 2, 10, torch.full((5,), 7.0))
     assert torch.equal(store.read(1, 2, 9, 16), torch.tensor([2.0] + [7.0] * 5 + [2.0]))
+    # The stream (O_DIRECT) sees what the checkpoint's buffered descriptor wrote, and the other way.
+    for c in store.stream([2]):
+        if c.lo == 0:
+            assert torch.equal(c.exp_avg[9:16], torch.tensor([2.0] + [7.0] * 5 + [2.0]))
+            c.exp_avg[9] = 5.0
+    assert store.read(1, 2, 9, 10).item() == 5.0
     store.close()
     assert not (tmp_path / "rank0.bin").exists()  # scratch: the checkpoints hold the durable state
 

@@ -14,8 +14,9 @@ place, and the store keeps what it was given back when the next chunk is asked f
   through three slot buffers of the same size, together at most `optim.offload_buffer_mb`: while
   the optimizer updates chunk i in one slot, a reader thread fills the next slot with chunk
   i + 1 (read-ahead) and a writer thread writes chunk i - 1 back from the third (write-behind).
-  The file is read and written with pread/pwrite, never mapped, so its pages are the page
-  cache's and not this process's resident memory.
+  The stream reads and writes the file with pread/pwrite under O_DIRECT (aligned regions and
+  buffers), past the page cache, never mapped: the state is neither this process's resident
+  memory nor the node's cache.
 
 The checkpoint sees the state through shard descriptors (`app.shards`): the host store gives
 views of its tensors; the NVMe store's views read the file, and its `store` writes it.
@@ -23,6 +24,7 @@ views of its tensors; the NVMe store's views read the file, and its `store` writ
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +39,9 @@ from app.names import OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS
 # Bytes per element of every state tensor; the state tensors (master, exp_avg, exp_avg_sq); the
 # NVMe stream's buffers (read-ahead, update, write-behind): declared once in app/names.py.
 FP32, STATE_TENSORS, SLOTS = OFFLOAD_FP32, OFFLOAD_STATE_TENSORS, OFFLOAD_SLOTS
+# O_DIRECT's alignment of buffers, offsets and lengths: 4 KiB covers the logical blocks of NVMe drives
+# and of the file systems on them (512 B or 4 KiB).
+DIRECT_ALIGN = 4096
 
 
 @dataclass
@@ -116,24 +121,41 @@ class HostStore(OffloadStore):
 
 
 class NvmeStore(OffloadStore):
-    """The state in a file per rank, streamed through SLOTS bounded buffers (module docstring)."""
+    """The state in a file per rank, streamed through SLOTS bounded buffers (module docstring).
+
+    The stream bypasses the page cache (O_DIRECT): the state it needs is the one larger than host
+    memory, and through the cache every byte was copied once more each way and pushed out pages
+    other work needed. O_DIRECT wants the buffer, the file offset and the length aligned to the
+    device's block: every state region of the file starts at a multiple of `DIRECT_ALIGN` bytes
+    and is padded to one, chunks are multiples of `DIRECT_ALIGN` / 4 elements, and the slots are
+    page-aligned memory. A chunk's last block may run into its region's padding, never into the
+    next region. Where the file system refuses O_DIRECT (tmpfs, some network file systems) the
+    stream goes through the page cache (`direct` False). The checkpoint's reads and writes of
+    arbitrary ranges use a second, buffered descriptor (Linux keeps the two coherent: a direct
+    read or write first writes back and drops the cached pages of its range)."""
 
     kind = "nvme"
 
     def __init__(self, masters: Sequence[torch.Tensor], path: Path, buffer_bytes: int) -> None:
         self.path = path
         self.sizes = [m.numel() for m in masters]
-        # Each bucket: [master | exp_avg | exp_avg_sq], fp32, one after the other.
+        # Each bucket: [master | exp_avg | exp_avg_sq], fp32, each region aligned and padded.
         self.base: list[int] = []
         offset = 0
         for n in self.sizes:
             self.base.append(offset)
-            offset += STATE_TENSORS * n * FP32
-        self.chunk = max(1, buffer_bytes // (SLOTS * STATE_TENSORS * FP32))  # elements per chunk
-        self.slots = [torch.zeros(STATE_TENSORS, self.chunk, dtype=torch.float32) for _ in range(SLOTS)]
+            offset += STATE_TENSORS * _padded(n) * FP32
+        block = DIRECT_ALIGN // FP32
+        self.chunk = max(block, buffer_bytes // (SLOTS * STATE_TENSORS * FP32) // block * block)  # elements
+        self._memory = [mmap.mmap(-1, STATE_TENSORS * self.chunk * FP32) for _ in range(SLOTS)]  # page-aligned
+        self.slots = [torch.frombuffer(m, dtype=torch.float32).view(STATE_TENSORS, self.chunk) for m in self._memory]
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(self.fd, offset)  # the moments start at zero: a sparse file reads zeros
+        try:
+            self.stream_fd, self.direct = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT")
+        except OSError:  # EINVAL: this file system does not take O_DIRECT
+            self.stream_fd, self.direct = os.open(path, os.O_RDWR), False
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="gridlm-offload-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="gridlm-offload-write")
         for b, m in enumerate(masters):
@@ -142,22 +164,22 @@ class NvmeStore(OffloadStore):
                 self.write(0, b, lo, flat[lo : lo + self.chunk])
 
     def _offset(self, which: int, b: int, lo: int) -> int:
-        return self.base[b] + (which * self.sizes[b] + lo) * FP32
+        return self.base[b] + (which * _padded(self.sizes[b]) + lo) * FP32
 
-    def _pread(self, out: torch.Tensor, offset: int) -> None:
+    def _pread(self, out: torch.Tensor, offset: int, fd: Optional[int] = None) -> None:
         view = memoryview(out.numpy()).cast("B")
         done = 0
         while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
+            n = os.preadv(self.fd if fd is None else fd, [view[done:]], offset + done)
             if n <= 0:
                 raise OSError(f"{self.path}: short read at byte {offset + done}: the offload file was truncated")
             done += n
 
-    def _pwrite(self, values: torch.Tensor, offset: int) -> None:
+    def _pwrite(self, values: torch.Tensor, offset: int, fd: Optional[int] = None) -> None:
         view = memoryview(values.contiguous().numpy()).cast("B")
         done = 0
         while done < len(view):
-            done += os.pwritev(self.fd, [view[done:]], offset + done)
+            done += os.pwritev(self.fd if fd is None else fd, [view[done:]], offset + done)
 
     def read(self, which: int, b: int, lo: int, hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=torch.float32)
@@ -182,14 +204,14 @@ class NvmeStore(OffloadStore):
             pending = writes[i % SLOTS]
             if pending is not None:
                 pending.result()  # the slot's previous chunk is on disk before it is reused
-            for which in range(STATE_TENSORS):
-                self._pread(slot[which, : hi - lo], self._offset(which, b, lo))
+            for which in range(STATE_TENSORS):  # whole blocks: the last may reach into the padding
+                self._pread(slot[which, : _padded(hi - lo)], self._offset(which, b, lo), self.stream_fd)
 
         def drain(i: int) -> None:
             b, lo, hi = specs[i]
             slot = self.slots[i % SLOTS]
             for which in range(STATE_TENSORS):
-                self._pwrite(slot[which, : hi - lo], self._offset(which, b, lo))
+                self._pwrite(slot[which, : _padded(hi - lo)], self._offset(which, b, lo), self.stream_fd)
 
         ahead = self.reader.submit(fill, 0) if specs else None
         try:
@@ -217,9 +239,16 @@ class NvmeStore(OffloadStore):
         self.reader.shutdown()
         self.writer.shutdown()
         if self.fd >= 0:
+            os.close(self.stream_fd)
             os.close(self.fd)
             self.fd = -1
             self.path.unlink(missing_ok=True)  # scratch: the checkpoints hold the durable state
+
+
+def _padded(n: int) -> int:
+    """n fp32 elements rounded up to whole DIRECT_ALIGN blocks."""
+    block = DIRECT_ALIGN // FP32
+    return -(-n // block) * block
 
 
 def offload_path(directory: Path, rank: int) -> Path:

@@ -20,8 +20,9 @@ The offloaded step, chunk by chunk (a whole bucket shard in host memory; a slot 
 
 The three are serial: both copies run on the device's current stream, so the next chunk's
 blocking gradient copy waits behind this chunk's parameter copy, and the parameter copy hides
-behind nothing but Python. nvme adds the file: a reader thread reads the next chunk's 12 bytes
-per element and a writer thread writes the previous chunk back while the main thread updates,
+behind nothing but Python. nvme adds the file (O_DIRECT, past the page cache): a reader thread
+reads the next chunk's 12 bytes per element and a writer thread writes the previous chunk back
+while the main thread updates,
 so per step the slowest of the three streams counts, plus one chunk read before the first
 update and one written after the last. ZeRO-1/2 then copy the parameter shard into the
 all-gather's send buffer on the device (2 e). docs/PERFORMANCE_MODEL.md, "Optimizer offload",
@@ -48,9 +49,6 @@ FUSED_ADAMW_BYTES = 16 + 12
 # v.mul_() 8, v.addcmul_(g, g) 12; the denominator v.sqrt() 8, .div_() 8, .add_(eps) 8.
 MOMENTS_BYTES = 12 + 8 + 12
 DENOMINATOR_BYTES = 8 + 8 + 8
-# pread and pwrite copy each chunk between the page cache and the slot: 12 bytes per element read
-# and written each way.
-PAGE_CACHE_BYTES = 2 * (OFFLOAD_STATE_BYTES + OFFLOAD_STATE_BYTES)
 # Framework ops of one offloaded chunk under LAMB: two slices, the gradient's copy, its scaling, the
 # six passes of the moments and the denominator, the update, the parameter copy.
 OFFLOAD_CHUNK_OPS = 12
@@ -133,8 +131,8 @@ def optimizer_state_bytes(deck: Deck) -> int:
 
 
 def offload_update_bytes(deck: Deck, host_is_device: bool = False) -> int:
-    """Bytes per element the CPU moves in `_offloaded_step`, with nvme plus the page-cache copies of
-    the state (`PAGE_CACHE_BYTES`).
+    """Bytes per element the CPU moves in `_offloaded_step` (with nvme the drive reads and writes the
+    stream's buffers directly, O_DIRECT: no copy through the page cache).
 
     AdamW (`HostAdamW`, `HostTransfer`): a bf16/fp16 gradient made fp32 (g + 4; an fp32 one is
     updated where it lands), the fused pass (`_update_bytes`), and the master made the compute
@@ -151,7 +149,7 @@ def offload_update_bytes(deck: Deck, host_is_device: bool = False) -> int:
         total = (g + 4) if g != 4 or host_is_device else 0
         total += _update_bytes(deck, fused=False)
         total += (4 + e) if host_is_device else 0
-    return total + (PAGE_CACHE_BYTES if deck.optim.offload == "nvme" else 0)
+    return total
 
 
 def offload_state_bytes(deck: Deck) -> int:
