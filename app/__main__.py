@@ -11,6 +11,7 @@ whole MPI job is aborted (1), so no rank is left waiting in a collective.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Optional
@@ -54,13 +55,20 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         help="rank every valid grid (tp, pp, micro batch, virtual stages, SP, recompute, ZeRO) of the deck's model "
         "and batch by predicted step time; needs --machine (or run.machine) and --nodes or --world-size",
     )  # fmt: skip
+    plan.add_argument(
+        "--largest", action="store_true",
+        help="the largest GPT of GPT-3's widths (most layers at each) that the deck's grid, batch and settings "
+        "(ZeRO, recompute, optim.offload) fit on the allocation; needs --machine (or run.machine)",
+    )  # fmt: skip
     plan.add_argument("--top", type=int, default=5, metavar="K", help="--search: configurations shown (default 5)")
     plan.add_argument(
         "--tensor", choices=("both", "1d", "3d"), default="both",
         help="--search: 1D (Megatron) or 3D (AxoNN, parallel.tensor) tensor parallelism, or both (default)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.search:
+    if args.search and args.largest:
+        parser.error("--search and --largest: one at a time")
+    if args.search or args.largest:
         args.dry_run = True
     if not args.dry_run:
         used = [f"--{k.replace('_', '-')}" for k in ("world_size", "nodes", "machine", "all_ranks") if getattr(args, k)]
@@ -88,6 +96,8 @@ def dry_run(args: argparse.Namespace) -> int:
         world, rpn = world_for(deck, args.world_size, args.nodes, machine)
         if args.search:
             return _search(args, deck, world, machine)
+        if args.largest:
+            return _largest(args, deck, world, machine, rpn)
         plan = make_plan(deck, world, machine, rpn, args.max_imbalance)
     except GridlmError as err:
         print(f"gridlm: {err}", file=sys.stderr, flush=True)
@@ -118,6 +128,35 @@ def _search(args: argparse.Namespace, deck: Any, world: int, machine: Any) -> in
     _emit(search.dump_json(result) if args.json else search.format_text(result, args.deck))
     if not result.best:
         print("gridlm: search: no configuration of this deck can run on this allocation", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _largest(args: argparse.Namespace, deck: Any, world: int, machine: Any, rpn: Optional[int]) -> int:
+    from app.plan.dryrun import GPT_WIDTHS, MAX_LAYERS, largest_gpt
+
+    if machine is None:
+        print("gridlm: --largest needs a machine: pass --machine NAME (inputs/machines/)", file=sys.stderr)
+        return 2
+    shapes = largest_gpt(deck, world, machine, rpn)
+    if args.json:
+        _emit(json.dumps({"machine": machine.name, "world_size": world, "offload": deck.optim.offload,
+                          "shapes": [vars(s) for s in shapes]}, indent=2))  # fmt: skip
+    else:
+        lines = [f"largest GPT on {world} rank(s) of {machine.name} ({machine.memory_per_device_gib:g} GiB per device"
+                 + (f", {machine.host_memory_gib:g} GiB host memory per node" if machine.host_memory_gib else "")
+                 + f"), optim.offload {deck.optim.offload}, optim.zero {deck.optim.zero}, train.recompute "
+                 f"{deck.train.recompute}, seq {deck.model.seq_len}, micro batch {deck.train.micro_batch}:",
+                 "  hidden  heads  layers       params"]  # fmt: skip
+        lines += [f"  {s.hidden:>6}  {s.heads:>5}  {s.layers:>6}  {s.params / 1e9:>9.2f}B" for s in shapes]
+        widths = ", ".join(str(h) for h, _ in GPT_WIDTHS)
+        if shapes:
+            best = max(shapes, key=lambda s: s.params)
+            lines.append(f"largest: {best.layers} layers x hidden {best.hidden} ({best.heads} heads), "
+                         f"{best.params / 1e9:.2f}B parameters (widths {widths}; up to {MAX_LAYERS} layers)")  # fmt: skip
+        _emit("\n".join(lines))
+    if not shapes:
+        print("gridlm: --largest: not one layer of any width fits this allocation", file=sys.stderr)
         return 2
     return 0
 

@@ -937,7 +937,7 @@ def test_an_offloaded_step_names_the_keys_a_machine_lacks(tmp_path):
 
 # A 39B model (48 blocks of width 8192) in bf16 on Frontier GCDs: 18 bytes a parameter do not fit on
 # one node (dp = 1 at every grid, so no ZeRO sharding), the parameters and gradients alone do.
-BIG = ("model.layers=48", "model.hidden=8192", "model.heads=64", "model.seq_len=2048", "model.vocab_size=51200",
+BIG = ("model.layers=40", "model.hidden=8192", "model.heads=64", "model.seq_len=2048", "model.vocab_size=51200",
        "train.global_batch=16", "train.micro_batch=1", "train.precision=bf16", "parallel.tp=8", "parallel.pp=1",
        "parallel.dp=1")  # fmt: skip
 
@@ -946,7 +946,8 @@ def test_the_search_offloads_only_where_nothing_fits_without_it(tmp_path):
     """On one Frontier node nothing fits with the state on the device: the search ranks host-offloaded
     grids only (the deck itself is rejected, naming the offload). On two nodes grids fit without it,
     and the best are not offloaded, though offloaded ones were planned where their plain twin did not
-    fit. A machine file without the offload's constants gets no offloaded candidate."""
+    fit. A machine file without the offload's constants gets no offloaded candidate, and a model whose
+    offloaded state exceeds the node's host memory none either."""
     from app.plan.search import format_text, search
 
     deck = load_deck(REPO / "inputs/gpt_tiny.yaml", BIG)
@@ -961,6 +962,10 @@ def test_the_search_offloads_only_where_nothing_fits_without_it(tmp_path):
     assert not bare.best
     # Offloaded plans were made only of configurations that did not fit on the device.
     assert 0 < one.tried - bare.tried <= bare.rejected["does not fit in device memory"]
+    # 48 layers (39B): offloaded, the node's 8 ranks would hold 12 bytes an element of it, 468 GB,
+    # more than 80% of its 512 GB: no candidate; the search says why.
+    huge = search(load_deck(REPO / "inputs/gpt_tiny.yaml", (*BIG, "model.layers=48")), 8, load_machine("frontier"))
+    assert not huge.best and huge.rejected["offloaded state does not fit the host or drive"] > 0
 
 
 # Forward + backward ms of one step measured on one NVIDIA H100 80GB HBM3 (CUDA 13.0, torch 2.11) at

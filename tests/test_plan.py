@@ -628,6 +628,63 @@ def test_the_dry_run_suggests_offload_where_only_it_fits():
     assert memory["optimizer_on_device"] == 0 and memory["nvme_disk"] > memory["weights"] > memory["host"] > 0
 
 
+# One H100 80 GB with 128 GiB of host memory (inputs/machines/h100_1gpu.yaml): bf16, seq 2048, recompute.
+ONE_H100 = ("--machine", "h100_1gpu", *(a for s in ("train.precision=bf16", "model.seq_len=2048",
+            "model.vocab_size=51200", "train.micro_batch=1", "train.global_batch=8", "train.recompute=full",
+            "parallel.dp=1") for a in ("--set", s)))  # fmt: skip
+
+
+def test_the_dry_run_refuses_an_offloaded_state_larger_than_the_host_memory_or_the_drive():
+    """A 12.3B GPT offloaded to the host of one H100 80 GB: 12 bytes an element of fp32 master and
+    moments, 137.5 GiB, over the 102.4 GiB usable of 128 GiB: refused with the numbers and the fixes;
+    nvme's file is refused against the 68 GB disk the same way; 6.2B fits the host. A machine
+    without host_memory_gib is warned about, not refused."""
+    big = ("--set", "model.layers=60", "--set", "model.hidden=4096", "--set", "model.heads=32")
+    out = dry_run("inputs/gpt_tiny.yaml", "--dry-run", *ONE_H100, *big, "--set", "optim.offload=host")
+    assert out.returncode == 2, out.stdout
+    line = next(x for x in out.stdout.splitlines() if "offloaded optimizer state does not fit" in x)
+    params = estimate.model_params(load_deck(REPO / "inputs/gpt_tiny.yaml", (*ONE_H100[3::2], *big[1::2])).model)
+    assert f"1 ranks per node x {12 * params / 2**30:.1f} GiB (stage 0)" in line
+    assert "h100_1gpu has 102.4 GiB usable (80% of 128 GiB, host_memory_gib)" in line
+    assert "try --set optim.offload=nvme" in line and "fewer ranks per node" not in line
+    out = dry_run("inputs/gpt_tiny.yaml", "--dry-run", *ONE_H100, *big, "--set", "optim.offload=nvme")
+    assert out.returncode == 2 and "does not fit the node-local NVMe" in out.stdout and "nvme_gb" in out.stdout
+    half = ("--set", "model.layers=30", "--set", "model.hidden=4096", "--set", "model.heads=32")
+    out = dry_run("inputs/gpt_tiny.yaml", "--dry-run", *ONE_H100, *half, "--set", "optim.offload=host")
+    assert out.returncode == 0, out.stdout
+    out = dry_run("inputs/gpt_tiny.yaml", "--dry-run", *ONE_H100[2:], "--machine", "selene", *half,
+                  "--set", "optim.offload=host")  # fmt: skip
+    assert "machine selene gives no host_memory_gib" in out.stdout
+
+
+def test_largest_finds_the_most_layers_that_fit_at_each_width_and_offload_makes_it_larger():
+    """--largest on one H100 80 GB: at every width the layers it reports plan without problems and one
+    more layer does not (the binary search's bound); the host offload's largest model is larger than
+    the one without offload (its master and moments leave the device) and is bounded by the host
+    memory (12 bytes an element within 102.4 GiB)."""
+    import dataclasses
+
+    from app.plan.dryrun import largest_gpt
+    from app.plan.machine import load_machine
+
+    machine = load_machine("h100_1gpu")
+    sets = tuple(ONE_H100[3::2])
+    best = {}
+    for offload in ("none", "host"):
+        deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, f"optim.offload={offload}"))
+        shapes = largest_gpt(deck, 1, machine)
+        assert shapes
+        for s in shapes[-3:]:  # the widest: each layer is a large share of the memory
+            for layers, fits in ((s.layers, True), (s.layers + 1, False)):
+                model = dataclasses.replace(deck.model, hidden=s.hidden, heads=s.heads, layers=layers)
+                assert (not make_plan(dataclasses.replace(deck, model=model), 1, machine).problems) == fits, layers
+        best[offload] = max(s.params for s in shapes)
+    assert best["host"] > 1.5 * best["none"]
+    assert 12 * best["host"] <= 0.8 * 128 * 2**30
+    out = dry_run("inputs/gpt_tiny.yaml", "--largest", *ONE_H100, "--set", "optim.offload=host")
+    assert out.returncode == 0 and f"{best['host'] / 1e9:.2f}B parameters" in out.stdout.splitlines()[-1]
+
+
 def test_a_3d_grid_without_x_counts_the_same_flops_per_rank_as_1d_tensor_parallelism():
     """parallel.tensor [1, 2, 1] splits every GEMM and the heads over Y = 2 as tp = 2 does, so a
     stage's FLOPs per micro-batch are the same; the 3D count takes its Linears' FLOPs from

@@ -28,6 +28,10 @@ from app.sharding.layout import SUB_AXES, ZERO3_PREFETCH
 
 GiB = 2.0**30
 USABLE_FRACTION = 0.9  # of device memory; the rest for the CUDA context, NCCL buffers, fragmentation
+# Of a node's host memory, for the offloaded optimizer state: the rest for the OS, the ranks' own
+# processes (Python, torch, CUDA's host allocations: a few GiB each) and the data loader's pages.
+HOST_USABLE_FRACTION = 0.8
+NVME_USABLE_FRACTION = 0.9  # of the node's drive: the file system's own, the logs
 MAX_IMBALANCE = 1.25  # slowest stage's work / mean stage work
 
 
@@ -127,9 +131,11 @@ def make_plan(
     max_imbalance: float = MAX_IMBALANCE,
     simulate: bool = True,
     layouts: Optional[LayoutCache] = None,
+    predict_step: bool = True,
 ) -> Plan:
     """Resolve `deck` for `world_size` (a DeckError if impossible) and plan it (`simulate`: see
-    `app.plan.perf.predict`; `layouts`: see `estimate.LayoutCache`)."""
+    `app.plan.perf.predict`; `layouts`: see `estimate.LayoutCache`; `predict_step` False: the
+    memory and placement only, no step time)."""
     start = time.perf_counter()
     deck = resolve_for_world(deck, world_size)
     par = deck.parallel
@@ -149,9 +155,10 @@ def make_plan(
         plan.node_span.update(_sub_axis_spans(layout, par.tensor3d, par.tensor_order))
     _check_placement(plan)
     _check_memory(plan)
+    _check_offload_capacity(plan)
     _check_balance(plan, max_imbalance)
-    if machine is None:
-        plan.unpredicted = "no machine: pass --machine NAME for a predicted step time"
+    if machine is None or not predict_step:
+        plan.unpredicted = "no machine: pass --machine NAME for a predicted step time" if machine is None else ""
         plan.seconds = time.perf_counter() - start
         return plan
     # Placed once, and only for a plan to predict (the search rejects most of its candidates): the
@@ -170,6 +177,55 @@ def make_plan(
         plan.predicted = predict(deck, machine, simulate=simulate, placement=placement)
     plan.seconds = time.perf_counter() - start
     return plan
+
+
+# GPT-3's widths (d_model, heads; Brown et al. 2020, Table 2.1; 1.3B's 24 heads made 16, which divide
+# 2048), the shapes `largest_gpt` tries.
+GPT_WIDTHS = ((768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32), (5120, 40), (6144, 48),
+              (8192, 64), (12288, 96))  # fmt: skip
+MAX_LAYERS = 256
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A GPT shape `largest_gpt` found: the most layers at this width that plan without problems."""
+
+    hidden: int
+    heads: int
+    layers: int
+    params: int
+
+
+def largest_gpt(
+    deck: Deck, world_size: int, machine: Optional[Machine], ranks_per_node: Optional[int] = None
+) -> list[Shape]:
+    """For each of GPT_WIDTHS, the most layers (up to MAX_LAYERS) with which `deck`'s model at that
+    width plans without problems on `world_size` ranks of `machine` (its memory, and the offloaded
+    state's host memory or drive: `optim.offload`); widths at which not even one layer fits are
+    left out. Every other key (batch, sequence, grid, ZeRO, recompute, offload) is the deck's."""
+    import dataclasses
+
+    from app.plan.estimate import model_params
+
+    found = []
+    for hidden, heads in GPT_WIDTHS:
+
+        def fits(layers: int, hidden: int = hidden, heads: int = heads) -> bool:
+            model = dataclasses.replace(deck.model, hidden=hidden, heads=heads, layers=layers)
+            try:
+                trial = dataclasses.replace(deck, model=model)
+                return not make_plan(trial, world_size, machine, ranks_per_node, predict_step=False).problems
+            except GridlmError:  # a shape the grid cannot take (heads over tp, layers over pp)
+                return False
+
+        lo, hi = 0, MAX_LAYERS + 1  # fits(lo) or lo == 0; not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        if lo:
+            model = dataclasses.replace(deck.model, hidden=hidden, heads=heads, layers=lo)
+            found.append(Shape(hidden, heads, lo, model_params(model)))
+    return found
 
 
 def _node_span(layout: GridLayout, axis: str) -> Optional[int]:
@@ -285,6 +341,50 @@ def _check_memory(plan: Plan) -> None:
         f"does not fit: stage {peak.stage} needs {need / GiB:.1f} GiB per device, {plan.machine.name} has "
         f"{usable / GiB:.1f} GiB usable ({int(USABLE_FRACTION * 100)}% of {plan.machine.memory_per_device_gib:g} "
         f"GiB); try " + "; or ".join(fixes)
+    )
+
+
+def _check_offload_capacity(plan: Plan) -> None:
+    """The offloaded optimizer state of a node's ranks against the node's host memory (host) or
+    drive (nvme), where the machine file gives them: every rank of the node may hold the peak
+    stage's state (the stages' states differ little; the bound is safe)."""
+    deck, machine = plan.deck, plan.machine
+    zero, offload = deck.optim.zero, deck.optim.offload
+    if offload == "none" or machine is None or plan.host_is_device:
+        return
+    peak = plan.peak_stage()
+    ranks = min(plan.world_size, plan.ranks_per_node or machine.devices_per_node)
+    if offload == "host":
+        capacity, per_rank, what = machine.host_memory_gib, peak.host(zero, offload), "host memory"
+        usable = None if capacity is None else capacity * GiB * HOST_USABLE_FRACTION
+        key, fraction, unit = "host_memory_gib", HOST_USABLE_FRACTION, GiB
+    else:
+        capacity, per_rank, what = machine.nvme_gb, peak.disk(zero, offload), "node-local NVMe"
+        usable = None if capacity is None else capacity * 1e9 * NVME_USABLE_FRACTION
+        key, fraction, unit = "nvme_gb", NVME_USABLE_FRACTION, 1e9
+    need = ranks * per_rank
+    if usable is None:
+        plan.warnings.append(
+            f"machine {machine.name} gives no {key}: the offloaded state ({ranks} ranks x {per_rank / unit:.1f} = "
+            f"{need / unit:.1f} {'GiB' if unit == GiB else 'GB'} per node) is not checked against its {what}"
+        )
+        return
+    if need <= usable:
+        return
+    fixes = []
+    if offload == "host" and deck.optim.name != "lamb" and not deck.checkpoint.async_:
+        fixes.append("--set optim.offload=nvme (the state in a file per rank on node-local disk)")
+    if zero == 0 or deck.dp == 1:
+        fixes.append("more data-parallel ranks with optim.zero >= 1 (each holds 1/dp of the state)")
+    fixes.append(
+        "more pipeline stages or a larger tp (fewer parameters per rank)"
+        + (", or fewer ranks per node" if ranks > 1 else "")
+    )
+    label = "GiB" if unit == GiB else "GB"
+    plan.problems.append(
+        f"the offloaded optimizer state does not fit the {what}: {ranks} ranks per node x {per_rank / unit:.1f} "
+        f"{label} (stage {peak.stage}) = {need / unit:.1f} {label}, {machine.name} has {usable / unit:.1f} {label} "
+        f"usable ({int(fraction * 100)}% of {capacity:g} {label}, {key}); try " + "; or ".join(fixes)
     )
 
 

@@ -103,6 +103,22 @@ FIELDS: dict[str, Key] = {
         min=0,
         exclusive_min=True,
     ),
+    "host_memory_gib": Key(
+        float,
+        None,
+        "host memory per node, GiB: the dry run checks the offloaded optimizer state (optim.offload: host) of "
+        "the node's ranks against it; left out, it is not checked (the dry run says so)",
+        min=0,
+        exclusive_min=True,
+    ),
+    "nvme_gb": Key(
+        float,
+        None,
+        "node-local NVMe capacity per node, GB: the dry run checks the optim.offload: nvme files of the node's "
+        "ranks against it; left out where nodes have none",
+        min=0,
+        exclusive_min=True,
+    ),
     "nvme_read_gbs": Key(
         float,
         None,
@@ -261,6 +277,8 @@ class Machine:
     fault_gbs: Optional[float] = None
     host_link_gbs: Optional[float] = None
     host_memory_gbs: Optional[float] = None
+    host_memory_gib: Optional[float] = None
+    nvme_gb: Optional[float] = None
     nvme_read_gbs: Optional[float] = None
     nvme_write_gbs: Optional[float] = None
     gemm: Optional[dict[str, Any]] = None

@@ -267,7 +267,8 @@ def _fits_offloaded(candidate: Candidate, kind: str) -> bool:
 
 def _reason(message: str) -> str:
     """A short category for counting rejections."""
-    for words, label in (("does not fit", "does not fit in device memory"), ("span", "tp spans nodes"),
+    for words, label in (("offloaded optimizer state does not fit", "offloaded state does not fit the host or drive"),
+                         ("does not fit", "does not fit in device memory"), ("span", "tp spans nodes"),
                          ("slowest stage", "unbalanced stages"), ("multiple of", "indivisible"),
                          ("must divide", "indivisible"), ("at least", "too few layers for the chunks")):  # fmt: skip
         if words in message:
