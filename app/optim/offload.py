@@ -258,7 +258,7 @@ def offload_path(directory: Path, rank: int) -> Path:
 
 class HostTransfer:
     """The gradient's and the parameters' way between the device and the host update, through
-    buffers of the largest chunk's size kept for the run (`HostAdamW` keeps views of them).
+    buffers of the largest chunk's size, kept for the run.
 
     The gradient crosses in its own dtype (bf16/fp16: half the bytes of fp32) into pinned memory
     and becomes fp32 on the CPU; the updated fp32 master becomes the compute dtype on the CPU and
