@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from app.deck import OptimConfig
-from app.optim.multi_tensor import complement
+from app.optim.multi_tensor import complement, fused_adamw
 
 # fp32 elements: a multiple of the vector width (4 NEON, 8 AVX2, 16 AVX-512) and of the 16-element
 # (64-byte) units the kernel splits between threads.
@@ -79,10 +79,8 @@ class HostAdamW:
                     torch.index_select(t, 0, part.index, out=row[:k])
             params, exp_avgs, exp_avg_sqs = part.state
             if params:
-                torch._fused_adamw_(params, part.grads(grad), exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=lr,
-                                    beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay if decayed else 0.0,
-                                    eps=cfg.eps, amsgrad=False, maximize=False, grad_scale=unscale,
-                                    found_inf=None)  # fmt: skip
+                lists = (params, part.grads(grad), exp_avgs, exp_avg_sqs)
+                fused_adamw(lists, step, cfg, lr, cfg.weight_decay if decayed else 0.0, unscale)
             if part.index is not None:
                 k = part.index.numel()
                 for row, t in ((part.pad[0], p), (part.pad[2], m), (part.pad[3], v)):

@@ -18,8 +18,12 @@ faster than squaring float64 copies (measured on 4M elements, one core).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from app.deck import OptimConfig
 
 CPU_NORM_PIECE = 2**14  # elements of one float32 norm on a CPU (see the module docstring)
 Ranges = Sequence[tuple[int, int]]
@@ -35,6 +39,27 @@ def complement(runs: Ranges, n: int) -> tuple[tuple[int, int], ...]:
     if at < n:
         out.append((at, n))
     return tuple(out)
+
+
+def clip_runs(runs: Ranges, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of `runs` inside [lo, hi), relative to lo (a chunk's decay runs)."""
+    return [(max(a, lo) - lo, min(z, hi) - lo) for a, z in runs if a < hi and z > lo]
+
+
+def fused_adamw(
+    lists: Sequence[list[torch.Tensor]],
+    step: torch.Tensor,
+    cfg: OptimConfig,
+    lr: float,
+    weight_decay: float,
+    unscale: Optional[torch.Tensor] = None,
+) -> None:
+    """torch's fused AdamW over lists of (params, grads, exp_avgs, exp_avg_sqs) views, `step` the
+    update's count (a float tensor on their device), `unscale` 1 / the gradient's scale (the kernel
+    divides each gradient by it and writes it back so)."""
+    torch._fused_adamw_(*lists, [], [step] * len(lists[0]), lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                        weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False, grad_scale=unscale,
+                        found_inf=None)  # fmt: skip
 
 
 def cut(t: torch.Tensor, ranges: Ranges) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ from app.deck import OptimConfig
 from app.errors import NonFiniteError
 from app.names import AXES
 from app.optim.host_adamw import HostAdamW
-from app.optim.multi_tensor import NormViews, complement, cut
+from app.optim.multi_tensor import NormViews, clip_runs, complement, cut, fused_adamw
 from app.optim.offload import HostStore, HostTransfer, NvmeStore, OffloadStore
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
@@ -412,7 +412,7 @@ class ShardedOptimizer:
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
             p = chunk.master
-            runs = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in dp.layout.decay_runs(b) if a < hi and z > lo]
+            runs = clip_runs(dp.layout.decay_runs(b), lo, hi)
             update = self._update(p, chunk.exp_avg, chunk.exp_avg_sq, g, cut(p, runs), lr, bc1, bc2)
             if update is None:
                 dp.param_shard(b)[lo:hi].copy_(p, non_blocking=True)
@@ -442,7 +442,7 @@ class ShardedOptimizer:
             key = (b, lo, hi, chunk.master.data_ptr())
             update = self._host_adamw.get(key)
             if update is None:  # a store hands out the same chunks in the same buffers every step
-                runs = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in dp.layout.decay_runs(b) if a < hi and z > lo]
+                runs = clip_runs(dp.layout.decay_runs(b), lo, hi)
                 update = self._host_adamw[key] = HostAdamW((chunk.master, chunk.exp_avg, chunk.exp_avg_sq), runs)
             update.step(self.cfg, lr, self._host_step_t, g, unscale)
             transfer.param(dp.param_shard(b)[lo:hi], chunk.master)
@@ -549,9 +549,7 @@ class _AdamWCall:
             self.fp32[: g.numel()].copy_(g)
         for lists, decay in ((self.decayed, cfg.weight_decay), (self.rest, 0.0)):
             if lists[0]:
-                torch._fused_adamw_(*lists, [], [step] * len(lists[0]), lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                                    weight_decay=decay, eps=cfg.eps, amsgrad=False, maximize=False,
-                                    grad_scale=unscale, found_inf=None)  # fmt: skip
+                fused_adamw(lists, step, cfg, lr, decay, unscale)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

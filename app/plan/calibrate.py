@@ -71,6 +71,11 @@ DISK_BLOCK = 8 * 2**20
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")  # a file there is memory: no disk to measure
 
 
+def _agreed(comm: Any, value: float) -> float:
+    """The median of every rank's `value` (collective: every rank gets the same)."""
+    return statistics.median(comm.allgather(value))
+
+
 def _timed(
     fn: Callable[[], Any], comm: Any, sync: Callable[[], None], rounds: int = 3, min_seconds: float = MIN_SECONDS
 ) -> float:
@@ -338,7 +343,7 @@ def _fault_rate(dev: Any, comm: Any, sync: Callable[[], None], repeat: int) -> O
     cold = _timed(fn, comm, sync, repeat)
     warm_heap(HEAP)
     warm = _timed(fn, comm, sync, repeat)
-    gain = statistics.median(comm.allgather(cold - warm))
+    gain = _agreed(comm, cold - warm)
     return tokens * n * 4 / gain if gain > 0 else None
 
 
@@ -433,9 +438,7 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
 
     cool_heap()
 
-    def agreed(value: float) -> float:
-        return statistics.median(comm.allgather(value))
-
+    agreed = partial(_agreed, comm)
     collectives, network_collectives = _collectives(runtime, repeat, agreed)
     disk = _disk(runtime, scratch if scratch is not None else Path(tempfile.gettempdir()))
     return {

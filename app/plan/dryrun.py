@@ -13,7 +13,7 @@ import json
 import math
 import time
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from app.deck import Deck, resolve_for_world
@@ -203,17 +203,15 @@ def largest_gpt(
     width plans without problems on `world_size` ranks of `machine` (its memory, and the offloaded
     state's host memory or drive: `optim.offload`); widths at which not even one layer fits are
     left out. Every other key (batch, sequence, grid, ZeRO, recompute, offload) is the deck's."""
-    import dataclasses
-
     from app.plan.estimate import model_params
 
     found = []
     for hidden, heads in GPT_WIDTHS:
 
         def fits(layers: int, hidden: int = hidden, heads: int = heads) -> bool:
-            model = dataclasses.replace(deck.model, hidden=hidden, heads=heads, layers=layers)
+            model = replace(deck.model, hidden=hidden, heads=heads, layers=layers)
             try:
-                trial = dataclasses.replace(deck, model=model)
+                trial = replace(deck, model=model)
                 return not make_plan(trial, world_size, machine, ranks_per_node, predict_step=False).problems
             except GridlmError:  # a shape the grid cannot take (heads over tp, layers over pp)
                 return False
@@ -223,7 +221,7 @@ def largest_gpt(
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         if lo:
-            model = dataclasses.replace(deck.model, hidden=hidden, heads=heads, layers=lo)
+            model = replace(deck.model, hidden=hidden, heads=heads, layers=lo)
             found.append(Shape(hidden, heads, lo, model_params(model)))
     return found
 
@@ -356,19 +354,18 @@ def _check_offload_capacity(plan: Plan) -> None:
     ranks = min(plan.world_size, plan.ranks_per_node or machine.devices_per_node)
     if offload == "host":
         capacity, per_rank, what = machine.host_memory_gib, peak.host(zero, offload), "host memory"
-        usable = None if capacity is None else capacity * GiB * HOST_USABLE_FRACTION
-        key, fraction, unit = "host_memory_gib", HOST_USABLE_FRACTION, GiB
+        key, fraction, unit, label = "host_memory_gib", HOST_USABLE_FRACTION, GiB, "GiB"
     else:
         capacity, per_rank, what = machine.nvme_gb, peak.disk(zero, offload), "node-local NVMe"
-        usable = None if capacity is None else capacity * 1e9 * NVME_USABLE_FRACTION
-        key, fraction, unit = "nvme_gb", NVME_USABLE_FRACTION, 1e9
+        key, fraction, unit, label = "nvme_gb", NVME_USABLE_FRACTION, 1e9, "GB"
     need = ranks * per_rank
-    if usable is None:
+    if capacity is None:
         plan.warnings.append(
             f"machine {machine.name} gives no {key}: the offloaded state ({ranks} ranks x {per_rank / unit:.1f} = "
-            f"{need / unit:.1f} {'GiB' if unit == GiB else 'GB'} per node) is not checked against its {what}"
+            f"{need / unit:.1f} {label} per node) is not checked against its {what}"
         )
         return
+    usable = capacity * unit * fraction
     if need <= usable:
         return
     fixes = []
@@ -380,7 +377,6 @@ def _check_offload_capacity(plan: Plan) -> None:
         "more pipeline stages or a larger tp (fewer parameters per rank)"
         + (", or fewer ranks per node" if ranks > 1 else "")
     )
-    label = "GiB" if unit == GiB else "GB"
     plan.problems.append(
         f"the offloaded optimizer state does not fit the {what}: {ranks} ranks per node x {per_rank / unit:.1f} "
         f"{label} (stage {peak.stage}) = {need / unit:.1f} {label}, {machine.name} has {usable / unit:.1f} {label} "
