@@ -271,6 +271,14 @@ class OptimConfig:
     offload_buffer_mb: float = _key(
         64.0, "offload nvme: host memory (MB) of the read-ahead/update/write-behind buffers", min=0.01, max=1e6
     )
+    offload_delay: int = _key(
+        0,
+        "offload with adamw: 1 runs each step's host update while the next step's forward and backward run, on "
+        "parameters one update behind (ZeRO-Offload's delayed parameter update: stale gradients, so other numerics "
+        "than 0's); 0 updates before the next step, exactly",
+        min=0,
+        max=1,
+    )
     lr: float = _key(3e-4, "peak learning rate", min=0.0, max=10.0)
     min_lr: float = _key(3e-5, "learning rate at the end of the decay", min=0.0, max=10.0)
     warmup_steps: int = _key(0, "linear warm-up steps", min=0, max=MAX_STEPS)
@@ -668,6 +676,11 @@ def _validate(deck: Deck) -> None:
         raise DeckError(
             "optim.offload", opt.offload, "an asynchronous checkpoint snapshots the optimizer state into host memory, "
             "which nvme offload exists to avoid: set checkpoint.async = false"
+        )  # fmt: skip
+    if opt.offload_delay and (opt.offload == "none" or opt.name != "adamw"):
+        raise DeckError(
+            "optim.offload_delay", opt.offload_delay, "the delayed update is the offloaded AdamW's: set "
+            "optim.offload to host or nvme and optim.name to adamw, or optim.offload_delay to 0"
         )  # fmt: skip
     if opt.offload_dir and opt.offload != "nvme":
         raise DeckError("optim.offload_dir", opt.offload_dir, "only used with optim.offload = nvme")

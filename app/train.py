@@ -456,6 +456,7 @@ class Trainer:
         interrupted = self._train_to(steps)
         self.phase = "checkpoint"
         self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
+        self.optimizer.publish()  # optim.offload_delay: the run ends on its last update's parameters
         self.phase = "the end of the run"
         return self._finish(interrupted)
 

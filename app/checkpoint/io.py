@@ -89,8 +89,10 @@ class ParameterState(TensorState, Protocol):
 
 class OptimizerState(TensorState, Protocol):
     steps: int
+    delay: int  # optim.offload_delay in effect: the parameters may lag the masters by an update
+    unpublished: bool  # a delayed update's parameters are not on the device yet (the header's offload_pending)
 
-    def restored(self) -> None:
+    def restored(self, unpublished: bool = False) -> None:
         """Called once every descriptor is loaded (state derived from others is set again)."""
 
 
@@ -190,6 +192,9 @@ def _header(state: TrainingState) -> dict[str, Any]:
         "consumed_samples": state.sampler.consumed_samples,
         "sampler": json.dumps(state.sampler.state_dict()),
         "optimizer_steps": state.optimizer.steps,
+        # The delayed update (optim.offload_delay): /model holds the parameters the next step runs on,
+        # the masters the update not yet published; a delayed run resumes with both, any other publishes it.
+        "offload_pending": int(state.optimizer.unpublished),
         "precision": state.deck.train.precision,
         "loss_scaler": json.dumps(None if scaler is None else scaler.state_dict()),
         "deck": yaml.safe_dump(state.deck.to_dict(), sort_keys=False),
@@ -605,6 +610,8 @@ def check_header(attrs: dict[str, Any], path: Path) -> None:
     for key in ("step", "optimizer_steps", "consumed_samples"):
         if not _count(attrs.get(key)):
             raise bad(key, "a non-negative integer")
+    if "offload_pending" in attrs and attrs["offload_pending"] not in (0, 1):  # missing in older files
+        raise bad("offload_pending", "0 or 1")
     for key in ("nonfinite_events", "nonfinite_in_a_row"):  # missing in older files
         if key in attrs and not _count(attrs[key]):
             raise bad(key, "a non-negative integer")
@@ -728,10 +735,14 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     shards = _shard_states(state)
     catalogue, _ = _catalogue(rt, shards)
     # The values of the parameters and of the masters: the masters where the file has them (never
-    # a rounded fallback); fp32 checkpoints hold them in /model.
-    source = MODEL if header["precision"] == "fp32" else MASTER
+    # a rounded fallback); fp32 checkpoints hold them in /model. A delayed update's checkpoint with
+    # its update unpublished (offload_pending) gives a delayed run its parameters from /model.
+    source = masters_group(header)
+    keep_params = bool(header.get("offload_pending", 0)) and bool(state.optimizer.delay)
 
     def source_of(group: str) -> str:
+        if group == MODEL and keep_params:
+            return MODEL
         return source if group in (MODEL, MASTER) else group
 
     # Each dataset read once, in file order, by every state that loads from it.
@@ -785,7 +796,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 h0, h1 = shard.hold
                 if h0 < h1:
                     _fill(shard, values[h0 - lo : h1 - lo])
-        state.optimizer.restored()
+        state.optimizer.restored(unpublished=keep_params)
     scaler = json.loads(header["loss_scaler"])
     if state.scaler is not None and scaler is not None:
         state.scaler.load_state_dict(scaler)
@@ -810,6 +821,14 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     }
 
 
+def masters_group(header: dict[str, Any]) -> str:
+    """Where a checkpoint's fp32 masters are (`read_header`'s): /optimizer/master in bf16/fp16 runs
+    and delayed updates' (never a rounded fallback: a missing one is an error), else /model (fp32
+    runs: the parameters are them)."""
+    apart = any(key.startswith(f"{MASTER}/") for key in header["datasets"])
+    return MASTER if header["precision"] != "fp32" or apart else MODEL
+
+
 def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_rank: int, dp_rank: int) -> dict[str, Any]:
     """Fill `model`'s parameters (each tagged with its `ParamMeta`: global shape, shard offset)
     from checkpoint `path`, for inference on this grid: the fp32 masters when the file has them,
@@ -821,7 +840,7 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
 
     header = on_root(runtime, lambda: read_header(path))
     in_file = header["datasets"]
-    source = MODEL if header["precision"] == "fp32" else MASTER
+    source = masters_group(header)
     params = list(model.named_parameters())
     for name, p in params:  # the same checks on every rank: all raise or none does
         require_dataset(path, in_file, f"{source}/{name}", p.meta.global_shape)  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -40,7 +41,8 @@ from app.errors import NonFiniteError
 from app.names import AXES
 from app.optim.host_adamw import HostAdamW
 from app.optim.multi_tensor import NormViews, clip_runs, complement, cut, fused_adamw
-from app.optim.offload import HostStore, HostTransfer, NvmeStore, OffloadStore
+from app.optim.offload import HostStore, NvmeStore, OffloadStore
+from app.optim.transfer import HostTransfer
 from app.parallel.data import DataParallel
 from app.runtime.grid import ProcessGrid
 from app.shards import EXP_AVG, EXP_AVG_SQ, MASTER, ShardState
@@ -247,11 +249,23 @@ class ShardedOptimizer:
         self._step_t = torch.zeros((), dtype=torch.float32, device=dp.device)
         self._unscale_t = torch.ones((), dtype=torch.float32, device=dp.device)
         # Offloaded AdamW: the host's step count and 1 / grad_scale, the update of each chunk (kept:
-        # views of the chunk's buffers) and the device <-> host buffers.
+        # views of the chunk's buffers) and the device <-> host traffic (attached to dp now: the
+        # gradients leave during the first backward already).
         self._host_step_t = torch.zeros((), dtype=torch.float32)
         self._host_unscale_t = torch.ones((), dtype=torch.float32)
         self._host_adamw: dict[tuple[int, ...], HostAdamW] = {}
         self._transfer: Optional[HostTransfer] = None
+        # optim.offload_delay: the update in flight on the host thread, and whether an update's
+        # parameters wait in the staging buffer to be published (checkpointed: `unpublished`).
+        self.delay = cfg.offload_delay if self.store is not None else 0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="gridlm-delayed-update") if self.delay else None
+        self._pending: Optional[Future] = None
+        self.unpublished = False
+        if self.store is not None:
+            self._transfer = HostTransfer(
+                dp, self.store.max_chunk(), sets=2 if self.delay else 1, staging=bool(self.delay)
+            )
+            dp.attach_sink(self._transfer)
 
     def grad_squares(self) -> torch.Tensor:
         """This rank's float64 sum of squares of the gradient elements it counts (`step_verdict`
@@ -265,9 +279,12 @@ class ShardedOptimizer:
         parameters are them: fp32), as shard descriptors (`app.shards`)."""
         if self.store is None:
             return self.dp.held_states(EXP_AVG, self.exp_avg) + self.dp.held_states(EXP_AVG_SQ, self.exp_avg_sq)
+        self.wait_update()  # the delayed update in flight writes the state
         store, fp32 = self.store, torch.float32
         in_file = isinstance(store, NvmeStore)
-        groups = ([] if self.dp.master_is_param else [(0, MASTER)]) + [
+        # Delayed: the masters are one update ahead of the parameters, so they are saved apart even in fp32.
+        apart = not self.dp.master_is_param or self.delay
+        groups = ([(0, MASTER)] if apart else []) + [
             (1, EXP_AVG), (2, EXP_AVG_SQ)
         ]  # fmt: skip
         out = []
@@ -277,22 +294,58 @@ class ShardedOptimizer:
         return out
 
     @torch.no_grad()
-    def restored(self) -> None:
-        """After a checkpoint load: an offloaded fp32 run's masters are the parameters just read."""
-        if self.store is not None and self.dp.master_is_param:
+    def restored(self, unpublished: bool = False) -> None:
+        """After a checkpoint load: an offloaded fp32 run's masters are the parameters just read
+        (delayed, they were read as a group of their own). `unpublished`: the checkpoint
+        was taken with a delayed update's parameters not yet published; a delayed run publishes
+        them at the end of its next step (its parameters were read as they were), another run
+        read the masters' values as its parameters."""
+        self._pending = None
+        self.unpublished = False
+        if self.store is None:
+            return
+        if self.dp.master_is_param and not self.delay:
             for b in range(len(self.dp.buckets)):
                 self.store.write(0, b, 0, self.dp.param_shard(b).float())
+        if self.delay and unpublished:
+            assert self._transfer is not None
+            for chunk in self.store.stream(range(len(self.dp.buckets))):
+                self._transfer.stage(chunk.bucket, chunk.lo, chunk.master)
+            self.unpublished = True
+
+    def wait_update(self) -> None:
+        """Return once no delayed update is in flight (its exception, if any, raised here)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The delayed update: wait for the one in flight and put its parameters on the device (the
+        end of the next step, and of the run)."""
+        self.wait_update()
+        if self.unpublished:
+            assert self._transfer is not None
+            self.dp.wait_params()  # the last publication's all-gathers (the run's end has no forward between)
+            self._transfer.publish_staged()
+            self.dp.publish_params()
+            self.unpublished = False
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state in this rank's memory: the moments and any separate fp32
         master copy (offloaded: what the store holds in host memory)."""
         if self.store is not None:
-            return self.store.host_bytes()
+            return self.store.host_bytes() + (self._transfer.host_bytes() if self._transfer is not None else 0)
         moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
         return moments + self.dp.master_bytes()
 
     def close(self) -> None:
-        """Release an offload store's files and threads."""
+        """Release an offload store's files and threads (after the delayed update in flight)."""
+        if self._worker is not None:
+            try:
+                self.wait_update()
+            finally:
+                self._worker.shutdown()
         if self.store is not None:
             self.store.close()
 
@@ -395,60 +448,68 @@ class ShardedOptimizer:
             torch._foreach_add_(views.decayed_updates, views.decayed_masters, alpha=self.cfg.weight_decay)
 
     def _offloaded_step(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
-        """The update chunk by chunk on the host (`OffloadStore.stream`): each gradient range copied
-        from the device, the update on the CPU, the parameters copied back into the device's shard
+        """The update chunk by chunk on the host (`OffloadStore.stream`), from the gradients the
+        backward already copied out, each chunk's parameters copied back while the next is updated
         (`HostTransfer`). AdamW is torch's fused CPU kernel (`HostAdamW`: an element's update does
-        not depend on how the chunks are cut); LAMB the eager arithmetic of `_update`."""
+        not depend on how the chunks are cut), delayed by a step with optim.offload_delay; LAMB the
+        eager arithmetic of `_update`."""
+        transfer = self._transfer
+        assert transfer is not None
+        if self.cfg.name == "adamw" and self.delay:
+            self.publish()  # the last step's update: its parameters go to the device now
+            filled = transfer.take()
+            assert self._worker is not None
+            self._pending = self._worker.submit(self._host_adamw_pass, store, filled, lr, grad_scale, self.steps, True)
+            self.unpublished = True
+            return
         if self.cfg.name == "adamw":
-            self._offloaded_adamw(store, lr, grad_scale)
+            self._host_adamw_pass(store, transfer.take(), lr, grad_scale, self.steps, False)
+            transfer.params_done()
+            self.dp.publish_params()
             return
         cfg, dp = self.cfg, self.dp
         bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
+        filled = transfer.take()
         masters: list[torch.Tensor] = []
         updates: list[torch.Tensor] = []
-        for chunk in store.stream(range(len(dp.buckets))):
+        for chunk in store.stream(range(len(dp.buckets))):  # LAMB: host only (the deck refuses nvme)
             b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
-            g = dp.grads(b)[lo:hi].to("cpu", torch.float32, copy=dp.device.type == "cpu")
+            g = transfer.grad(filled, b, lo, hi)
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
             p = chunk.master
-            runs = clip_runs(dp.layout.decay_runs(b), lo, hi)
-            update = self._update(p, chunk.exp_avg, chunk.exp_avg_sq, g, cut(p, runs), lr, bc1, bc2)
-            if update is None:
-                dp.param_shard(b)[lo:hi].copy_(p, non_blocking=True)
-            else:  # LAMB, host only (the deck refuses it with nvme): whole bucket shards
-                masters.append(p)
-                updates.append(update)
-        if cfg.name == "lamb":
-            self._lamb_decay(masters, updates)
-            self._lamb_apply(lr, updates, masters)
-            for b, p in enumerate(masters):
-                dp.param_shard(b).copy_(p, non_blocking=True)
-        if dp.device.type == "cuda":
-            torch.cuda.current_stream(dp.device).synchronize()  # the host buffers are reused next chunk/step
+            update = self._update(p, chunk.exp_avg, chunk.exp_avg_sq, g, [], lr, bc1, bc2)
+            assert update is not None
+            masters.append(p)
+            updates.append(update)
+        self._lamb_decay(masters, updates)
+        self._lamb_apply(lr, updates, masters)
+        for b, p in enumerate(masters):
+            transfer.param(b, 0, p)
+        transfer.params_done()
         dp.publish_params()
 
-    def _offloaded_adamw(self, store: OffloadStore, lr: float, grad_scale: float) -> None:
-        dp = self.dp
-        if self._transfer is None:
-            grad, param = (dp.grads(0).dtype, dp.param_shard(0).dtype) if dp.buckets else (torch.float32,) * 2
-            self._transfer = HostTransfer(store.max_chunk(), dp.device, grad, param)
-        transfer = self._transfer
-        self._host_step_t.fill_(float(self.steps))
+    @torch.no_grad()
+    def _host_adamw_pass(
+        self, store: OffloadStore, filled: int, lr: float, grad_scale: float, step: int, staged: bool
+    ) -> None:
+        """AdamW over every chunk the store hands out, with the gradients of host set `filled`; the
+        parameters go to the device (`HostTransfer.param`) or, delayed (`staged`, on the update
+        thread), into the staging buffer."""
+        dp, transfer = self.dp, self._transfer
+        assert transfer is not None
+        self._host_step_t.fill_(float(step))
         unscale = None if grad_scale == 1.0 else self._host_unscale_t.fill_(1.0 / grad_scale)
         for chunk in store.stream(range(len(dp.buckets))):
             b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
-            g = transfer.grad(dp.grads(b)[lo:hi])
+            g = transfer.grad(filled, b, lo, hi)
             key = (b, lo, hi, chunk.master.data_ptr())
             update = self._host_adamw.get(key)
             if update is None:  # a store hands out the same chunks in the same buffers every step
                 runs = clip_runs(dp.layout.decay_runs(b), lo, hi)
                 update = self._host_adamw[key] = HostAdamW((chunk.master, chunk.exp_avg, chunk.exp_avg_sq), runs)
             update.step(self.cfg, lr, self._host_step_t, g, unscale)
-            transfer.param(dp.param_shard(b)[lo:hi], chunk.master)
-        if dp.device.type == "cuda":
-            torch.cuda.current_stream(dp.device).synchronize()  # the parameters are in place for the gather
-        dp.publish_params()
+            (transfer.stage if staged else transfer.param)(b, lo, chunk.master)
 
     def _lamb_apply(self, lr: float, updates: list[torch.Tensor], masters: Optional[list[torch.Tensor]] = None) -> None:
         """w <- w - lr * (||w|| / ||u||) * u, the norms over each whole logical parameter

@@ -59,7 +59,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -113,6 +113,20 @@ class _Held:
 
     bucket: int
     tensor: torch.Tensor
+
+
+class GradSink(Protocol):
+    """Who copies each bucket's reduced gradient out as soon as it is final (an offloaded
+    optimizer's `HostTransfer`)."""
+
+    def begin(self) -> None:
+        """A step starts: the gradient buffers are about to be zeroed."""
+
+    def ready(self, k: int, work: Any) -> None:
+        """Bucket k's reduction (`work`, None: none) is launched and nothing else changes it."""
+
+    def final(self) -> None:
+        """Every reduction and sum of the step is done."""
 
 
 def in_backward() -> bool:
@@ -241,6 +255,8 @@ class DataParallel:
                 p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.micro_batches, self.reduced = 1, False
+        self.sink: Optional[GradSink] = None  # `attach_sink`
+        self.late: list[bool] = []
         # ZeRO-2: (bucket, reduction, the shard it writes), oldest first; each shard is added into
         # the bucket's grad_shard once its reduction completes.
         self.reducing: deque[tuple[int, Pending, torch.Tensor]] = deque()
@@ -307,11 +323,25 @@ class DataParallel:
 
     # ---- gradients -------------------------------------------------------------------
 
+    def attach_sink(self, sink: GradSink) -> None:
+        """Tell `sink` each bucket's gradient as soon as it is final: at its reduction's launch,
+        except for buckets that later sums change (sequence-parallel parameters, summed over tp; the
+        tied embedding, over the pipeline) and ZeRO-2/3's shards (reduced per micro-batch), which
+        are final only when `finish_grad_reduce` is done."""
+        self.sink = sink
+        metas = [p.meta for p in self.params]  # type: ignore[attr-defined]
+        self.late = [
+            self.shard_grads or any(metas[i].sequence_parallel or self.params[i] is self.tied_param for i in b.params)
+            for b in self.buckets
+        ]
+
     def start_step(self, micro_batches: int) -> None:
         """Zero the gradient buffer; the buckets wait for `micro_batches` gradients per parameter."""
         if self.reducing or any(f.reduce is not None or f.full is not None for f in self.flight):
             raise RuntimeError("start_step before finish_grad_reduce: a reduction is still in flight")
         self.micro_batches, self.reduced = micro_batches, False
+        if self.sink is not None:
+            self.sink.begin()
         if self.grad_buffer is not None:
             self.grad_buffer.zero_()
         for f in self.flight:
@@ -351,6 +381,8 @@ class DataParallel:
         b, f = self.buckets[k], self.flight[k]
         f.launched = True
         if self.dp == 1:
+            if self.sink is not None and not self.late[k]:
+                self.sink.ready(k, None)
             return
         assert self.grad_buffer is not None  # ZeRO-2 reduces its bucket buffers (_reduce_partial)
         grads = self.grad_buffer[b.start : b.end]
@@ -360,6 +392,8 @@ class DataParallel:
         else:
             work = dist.all_reduce(grads, group=self.group, async_op=True)
         f.reduce = launch(self.timers, "dp", work, "gradient reduction")
+        if self.sink is not None and not self.late[k]:
+            self.sink.ready(k, work)
 
     def _open(self, k: int) -> None:
         """ZeRO-2: a zeroed buffer for bucket k's gradients, and its parameters' accumulators in it."""
@@ -435,6 +469,8 @@ class DataParallel:
             views = [v for _, p, v in self.held_grads() if p is self.tied_param]
             if views:
                 allreduce_flat(views, self.tied_group, self.timers, "pp")
+        if self.sink is not None:
+            self.sink.final()
 
     def grads(self, b: int) -> torch.Tensor:
         """The reduced gradient of this rank's shard of bucket b (reduce dtype)."""
