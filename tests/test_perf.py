@@ -838,39 +838,49 @@ OFFLOAD_DECK = ("train.precision=bf16", "parallel.dp=2", "optim.zero=1")  # gpt_
 
 def test_the_offload_term_is_the_bytes_of_the_offloaded_step(tmp_path):
     """The offloaded update of a bf16 ZeRO-1 gpt_tiny on 2 ranks of one node, counted by hand from
-    ShardedOptimizer._offloaded_adamw: the fp32 gradient shard to the host over the link (4 bytes an
-    element), the CPU's passes at the rank's half of the node's DRAM (torch's fused AdamW: master,
-    gradient and moments in, master and moments out, 16 + 12, and the unscaled gradient written
-    back, 4; then the master made bf16, 4 + 2), the bf16 parameters back over the link (2), then
-    ZeRO-1's copy of the shard into the gather's send buffer (2 + 2); the device's own update is
-    gone. On a CPU machine the copies are CPU passes; nvme's drive fills the buffers directly. LAMB keeps
-    the eager passes (8 the clip scaling, 12 + 8 + 12 the moments, 8 + 8 + 8 the denominator, then
-    its own) and sends the fp32 master, converted on the device."""
+    ShardedOptimizer._offloaded_step: the fp32 gradient shard to the host over the link (4 bytes an
+    element) during backward, of which the last bucket's copy is left after it; the CPU's passes at
+    the rank's half of the node's DRAM (torch's fused AdamW: master, gradient and moments in, master
+    and moments out, 16 + 12, and the unscaled gradient written back, 4; then the master made bf16,
+    4 + 2) and the bf16 parameters back over the link (2), overlapped chunk by chunk (one chunk a
+    bucket: the slower plus the faster's share of one chunk); then ZeRO-1's copy of the shard into
+    the gather's send buffer (2 + 2); the device's own update is gone. On a CPU machine the copies
+    are CPU passes; nvme's drive fills the buffers directly. LAMB keeps the eager passes (8 the
+    clip scaling, 12 + 8 + 12 the moments, 8 + 8 + 8 the denominator, then its own). The delayed
+    update waits only for what outlasts the next forward and backward, then the parameters'
+    crossing and the send buffer's copy."""
     from app.plan.optimizer_time import offload_state_bytes, offload_update_bytes
 
     machine = _frontier_with(tmp_path, host_link_gbs=10, host_memory_gbs=80)
-    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*OFFLOAD_DECK, "optim.offload=host")), 2)
-    none = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", OFFLOAD_DECK), 2)
+    sets = (*OFFLOAD_DECK, "parallel.dp_bucket_mb=0.05")  # several buckets
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "optim.offload=host")), 2)
+    none = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), 2)
     m = deck.model
     shard = stage_params(m, 1, m.layers, True, True) / 2
     cpu = 16 + 12 + 4 + (4 + 2)
     assert offload_update_bytes(deck) == cpu == 38
     stream = device_of(machine, "bf16").stream
-    expect = shard * 4 / 10e9 + shard * cpu / 40e9 + shard * 2 / 10e9 + stream(shard * 4)
+    buckets = math.ceil(stage_params(m, 1, m.layers, True, True) * 4 / 0.05e6)  # the model's count, as perf.py's
+    assert buckets > 1
+    update, to_device = shard * cpu / 40e9, shard * 2 / 10e9
+    pipeline = max(update, to_device) + min(update, to_device) / buckets
+    expect = shard * 4 / 10e9 / buckets + pipeline + stream(shard * 4)
     predicted = predict(deck, machine)
-    assert math.isclose(predicted.breakdown["optimizer_offload"], expect, rel_tol=1e-12)
+    assert math.isclose(predicted.breakdown["optimizer_offload"], expect, rel_tol=1e-6)
+    delayed = dataclasses.replace(deck, optim=dataclasses.replace(deck.optim, offload_delay=1))
+    # Here the update (shard * 4 / 10e9 / buckets + update) is far shorter than forward and backward.
+    hidden = predict(delayed, machine).breakdown["optimizer_offload"]
+    assert math.isclose(hidden, to_device + stream(shard * 4), rel_tol=1e-6)
     assert predicted.breakdown["optimizer"] == 0.0 < predict(none, machine).breakdown["optimizer"]
     assert predict(none, machine).breakdown["optimizer_offload"] == 0.0
     # A CPU machine: an fp32 gradient is updated where it lies; the state that no cache holds is the
     # gradient, master and moments in and out, the parameter out.
-    assert offload_update_bytes(deck, host_is_device=True) == cpu
     assert offload_state_bytes(deck) == 4 + 12 + 12 + 2
     nvme = dataclasses.replace(deck, optim=dataclasses.replace(deck.optim, offload="nvme"))
     assert offload_update_bytes(nvme) == cpu  # the drive reads and writes the stream's buffers (O_DIRECT)
     lamb = dataclasses.replace(deck, optim=dataclasses.replace(deck.optim, name="lamb"))
     eager = 8 + 12 + 8 + 12 + 8 + 8 + 8
-    assert offload_update_bytes(lamb) == eager + (8 + 12 + 12 + 8 + 8 + 12)
-    assert offload_update_bytes(lamb, host_is_device=True) == (4 + 4) + offload_update_bytes(lamb) + (4 + 2)
+    assert offload_update_bytes(lamb) == eager + (8 + 12 + 12 + 8 + 8 + 12) + (4 + 2)
 
 
 def test_host_offload_over_a_slow_link_predicts_a_slower_step(tmp_path):
@@ -935,9 +945,10 @@ def test_an_offloaded_step_names_the_keys_a_machine_lacks(tmp_path):
     assert local.missing_for_prediction("fp32", "nvme")[-2:] == ["nvme_read_gbs", "nvme_write_gbs"]
 
 
-# A 39B model (48 blocks of width 8192) in bf16 on Frontier GCDs: 18 bytes a parameter do not fit on
-# one node (dp = 1 at every grid, so no ZeRO sharding), the parameters and gradients alone do.
-BIG = ("model.layers=40", "model.hidden=8192", "model.heads=64", "model.seq_len=2048", "model.vocab_size=51200",
+# A 27.8B model (34 blocks of width 8192) in bf16 on Frontier GCDs: 18 bytes a parameter do not fit on
+# one node (dp = 1 at every grid, so no ZeRO sharding), the parameters and gradients alone do, and
+# the 16 a parameter of the offload (state and the gradients' host copy) fit its host memory.
+BIG = ("model.layers=34", "model.hidden=8192", "model.heads=64", "model.seq_len=2048", "model.vocab_size=51200",
        "train.global_batch=16", "train.micro_batch=1", "train.precision=bf16", "parallel.tp=8", "parallel.pp=1",
        "parallel.dp=1")  # fmt: skip
 
@@ -962,9 +973,9 @@ def test_the_search_offloads_only_where_nothing_fits_without_it(tmp_path):
     assert not bare.best
     # Offloaded plans were made only of configurations that did not fit on the device.
     assert 0 < one.tried - bare.tried <= bare.rejected["does not fit in device memory"]
-    # 48 layers (39B): offloaded, the node's 8 ranks would hold 12 bytes an element of it, 468 GB,
-    # more than 80% of its 512 GB: no candidate; the search says why.
-    huge = search(load_deck(REPO / "inputs/gpt_tiny.yaml", (*BIG, "model.layers=48")), 8, load_machine("frontier"))
+    # 40 layers (32.6B): offloaded, the node's 8 ranks would hold 16 bytes an element of it, 522 GB,
+    # more than 80% of its 512 GiB: no candidate; the search says why.
+    huge = search(load_deck(REPO / "inputs/gpt_tiny.yaml", (*BIG, "model.layers=40")), 8, load_machine("frontier"))
     assert not huge.best and huge.rejected["offloaded state does not fit the host or drive"] > 0
 
 

@@ -151,16 +151,19 @@ def test_published_decks_plan_without_problems(path):
 
 
 def test_the_823m_deck_fits_this_machine_only_with_zero3_or_offload():
-    """inputs/gpt_823m_zero3.yaml on 4 ranks of `local`: the plan fits with ZeRO-3 (and with ZeRO-2
-    plus offload), not with ZeRO 0-2 alone, and names what would make it fit."""
+    """inputs/gpt_823m_zero3.yaml on 4 ranks of `local`: the plan fits with ZeRO-3 (and with ZeRO-3
+    plus nvme offload), not with ZeRO 0-2 alone, nor ZeRO-2 with nvme offload (whose host copy of the
+    gradient shard is this machine's memory too), and names what would make it fit."""
     deck = load_deck(REPO / "inputs/gpt_823m_zero3.yaml")
     machine = load_machine(deck.run.machine)
     assert make_plan(deck, 4, machine).problems == []
     for zero in (0, 1, 2):
         plan = make_plan(load_deck(REPO / "inputs/gpt_823m_zero3.yaml", (f"optim.zero={zero}",)), 4, machine)
         assert plan.problems and "does not fit" in plan.problems[0] and "optim.zero=3" in plan.problems[0]
-    offloaded = ("optim.zero=2", "optim.offload=nvme")
+    offloaded = ("optim.zero=3", "optim.offload=nvme")
     assert make_plan(load_deck(REPO / "inputs/gpt_823m_zero3.yaml", offloaded), 4, machine).problems == []
+    zero2 = load_deck(REPO / "inputs/gpt_823m_zero3.yaml", ("optim.zero=2", "optim.offload=nvme"))
+    assert make_plan(zero2, 4, machine).problems
 
 
 # ---- the 1T dry run ----------------------------------------------------------------------------
@@ -573,7 +576,9 @@ def test_offload_moves_the_master_and_moments_off_the_device(offload, precision,
         shard = layout.shard_elements()
         sharded = dp > 1 and zero > 0
         assert s.disk(zero, offload) == (shard * 12 if offload == "nvme" else 0)
-        assert s.host(zero, offload) == (shard * 12 if offload == "host" else 3 * 3 * 4 * (100_000 // 36))
+        # The state (host) or the stream buffers (nvme), and the host's copy of the gradient shard.
+        state = shard * 12 if offload == "host" else 3 * 3 * 4 * (100_000 // 36)
+        assert s.host(zero, offload) == state + shard * g
         grad_shard = shard * g if sharded else 0
         assert s.optimizer_for(zero, offload) == grad_shard
         assert (
@@ -589,17 +594,18 @@ def test_offload_moves_the_master_and_moments_off_the_device(offload, precision,
 
 def test_host_offload_saves_memory_on_a_gpu_machine_and_costs_it_on_a_cpu_one():
     """fp32 at ZeRO 0: on a GPU machine host offload takes the two moments off the device (the master
-    was the parameter); on the CPU machine it adds the fp32 master copy; nvme saves there too."""
+    was the parameter); on the CPU machine it adds the fp32 master copy and the gradients' host copy;
+    nvme saves there too (the moments and master go to the file; the gradients' copy stays)."""
     deck = load_deck(None, (*SMALL, "parallel.dp=1"))
     size = stage_layout(deck, 5, True, True, zero=False).shard_elements()
-    for name, host_offload, nvme in (("selene", -8 * size, -8 * size), ("local", 4 * size, None)):
+    for name, host_offload, nvme in (("selene", -8 * size, -8 * size), ("local", 8 * size, None)):
         plans = {o: make_plan(load_deck(None, (*SMALL, "parallel.dp=1", f"optim.offload={o}")), 1, load_machine(name))
                  for o in ("none", "host", "nvme")}  # fmt: skip
         peak = {o: to_json(p)["stages"][0]["memory_gib"] for o, p in plans.items()}
         need = {o: p.stage_total(p.peak_stage()) for o, p in plans.items()}
         assert need["host"] - need["none"] == host_offload, name
         buffers = estimate.nvme_buffer_bytes(64.0)
-        expect = nvme if nvme is not None else -8 * size + buffers
+        expect = nvme if nvme is not None else -8 * size + buffers + 4 * size
         assert need["nvme"] - need["none"] == expect, name
         assert peak["nvme"]["nvme_disk"] == round(12 * size / 2**30, 3)
         assert to_json(plans["host"])["memory"]["host_in_total"] == (name == "local")
@@ -625,7 +631,8 @@ def test_the_dry_run_suggests_offload_where_only_it_fits():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "nvme disk " in out.stdout and "of stream buffers" in out.stdout and "optim.offload nvme" in out.stdout
     memory = json.loads(dry_run("inputs/gpt_1t.yaml", "--dry-run", "--json", *args).stdout)["stages"][0]["memory_gib"]
-    assert memory["optimizer_on_device"] == 0 and memory["nvme_disk"] > memory["weights"] > memory["host"] > 0
+    # The host holds the stream buffers and the fp32 gradients' copy.
+    assert memory["optimizer_on_device"] == 0 and memory["nvme_disk"] > memory["host"] > memory["gradients"] > 0
 
 
 # One H100 80 GB with 128 GiB of host memory (inputs/machines/h100_1gpu.yaml): bf16, seq 2048, recompute.
@@ -635,8 +642,9 @@ ONE_H100 = ("--machine", "h100_1gpu", *(a for s in ("train.precision=bf16", "mod
 
 
 def test_the_dry_run_refuses_an_offloaded_state_larger_than_the_host_memory_or_the_drive():
-    """A 12.3B GPT offloaded to the host of one H100 80 GB: 12 bytes an element of fp32 master and
-    moments, 137.5 GiB, over the 102.4 GiB usable of 128 GiB: refused with the numbers and the fixes;
+    """A 12.3B GPT offloaded to the host of one H100 80 GB: 16 bytes an element (fp32 master and
+    moments, the gradients' fp32 host copy), 183 GiB, over the 102.4 GiB usable of 128 GiB: refused
+    with the numbers and the fixes;
     nvme's file is refused against the 68 GB disk the same way; 6.2B fits the host. A machine
     without host_memory_gib is warned about, not refused."""
     big = ("--set", "model.layers=60", "--set", "model.hidden=4096", "--set", "model.heads=32")
@@ -644,7 +652,7 @@ def test_the_dry_run_refuses_an_offloaded_state_larger_than_the_host_memory_or_t
     assert out.returncode == 2, out.stdout
     line = next(x for x in out.stdout.splitlines() if "offloaded optimizer state does not fit" in x)
     params = estimate.model_params(load_deck(REPO / "inputs/gpt_tiny.yaml", (*ONE_H100[3::2], *big[1::2])).model)
-    assert f"1 ranks per node x {12 * params / 2**30:.1f} GiB (stage 0)" in line
+    assert f"1 ranks per node x {16 * params / 2**30:.1f} GiB (stage 0)" in line
     assert "h100_1gpu has 102.4 GiB usable (80% of 128 GiB, host_memory_gib)" in line
     assert "try --set optim.offload=nvme" in line and "fewer ranks per node" not in line
     out = dry_run("inputs/gpt_tiny.yaml", "--dry-run", *ONE_H100, *big, "--set", "optim.offload=nvme")
@@ -661,7 +669,7 @@ def test_largest_finds_the_most_layers_that_fit_at_each_width_and_offload_makes_
     """--largest on one H100 80 GB: at every width the layers it reports plan without problems and one
     more layer does not (the binary search's bound); the host offload's largest model is larger than
     the one without offload (its master and moments leave the device) and is bounded by the host
-    memory (12 bytes an element within 102.4 GiB)."""
+    memory (16 bytes an element within 102.4 GiB: the state and the gradients' host copy)."""
     import dataclasses
 
     from app.plan.dryrun import largest_gpt
@@ -680,7 +688,7 @@ def test_largest_finds_the_most_layers_that_fit_at_each_width_and_offload_makes_
                 assert (not make_plan(dataclasses.replace(deck, model=model), 1, machine).problems) == fits, layers
         best[offload] = max(s.params for s in shapes)
     assert best["host"] > 1.5 * best["none"]
-    assert 12 * best["host"] <= 0.8 * 128 * 2**30
+    assert 16 * best["host"] <= 0.8 * 128 * 2**30
     out = dry_run("inputs/gpt_tiny.yaml", "--largest", *ONE_H100, "--set", "optim.offload=host")
     assert out.returncode == 0 and f"{best['host'] / 1e9:.2f}B parameters" in out.stdout.splitlines()[-1]
 

@@ -612,7 +612,8 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         if offload == "host":
             lines.append(
                 f"    host       {peak.host(zero, offload) / GiB:.2f} GiB per rank on stage {peak.stage}: the offloaded "
-                f"fp32 master shard and two moments (12 bytes per shard element; {where})"
+                f"fp32 master shard and two moments (12 bytes per shard element) and the gradient shard's host "
+                f"copy ({where})"
             )
         else:
             lines.append(
@@ -621,7 +622,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
             )
             lines.append(
                 f"    host       {peak.host(zero, offload) / GiB:.3f} GiB per rank of stream buffers "
-                f"(optim.offload_buffer_mb; {where})"
+                f"(optim.offload_buffer_mb) and the gradient shard's host copy ({where})"
             )
     # Each switch alone; of the pairs with full recompute only the one that needs the least (--json: all).
     shown = {k: v for k, v in plan.alternatives.items() if " " not in k or k.startswith("optim.zero=3 ")}

@@ -428,10 +428,13 @@ class StageEstimate:
     zero3_gradient_buckets: float = 0.0
     # `optim.offload`, by ZeRO stage ("zero0" ... "zero3"): the fp32 master shard and two moments that
     # leave the device (12 bytes per shard element, a master copy even in fp32 runs), the ZeRO gradient
-    # shard that stays (0 at ZeRO 0 or dp = 1); and nvme's host stream buffers (SLOTS x 3 fp32 chunks).
+    # shard that stays (0 at ZeRO 0 or dp = 1); nvme's host stream buffers (SLOTS x 3 fp32 chunks);
+    # and the host's copy of the gradient shard (`HostTransfer`: the reduce dtype; two with
+    # optim.offload_delay, plus the staged parameters in the compute dtype).
     offloaded: dict[str, float] = dataclasses.field(default_factory=dict)
     gradient_shard: dict[str, float] = dataclasses.field(default_factory=dict)
     offload_buffers: float = 0.0
+    host_transfer: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def weights_for(self, zero: int) -> float:
         """Parameter bytes: the whole buffer, or ZeRO-3's shard plus the gathered units' bound."""
@@ -444,8 +447,12 @@ class StageEstimate:
         return self.gradient_buckets if zero >= 2 else self.gradients
 
     def host(self, zero: int, offload: str) -> float:
-        """Host memory the offloaded optimizer holds: the state (host) or the stream buffers (nvme)."""
-        return {"none": 0.0, "host": self.offloaded[f"zero{zero}"], "nvme": self.offload_buffers}[offload]
+        """Host memory the offloaded optimizer holds: the state (host) or the stream buffers (nvme),
+        and the gradients' host copies."""
+        if offload == "none":
+            return 0.0
+        state = self.offloaded[f"zero{zero}"] if offload == "host" else self.offload_buffers
+        return state + self.host_transfer[f"zero{zero}"]
 
     def disk(self, zero: int, offload: str) -> float:
         """Bytes of this rank's nvme state file."""
@@ -535,6 +542,8 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
         if dp > 1:
             shards["zero3"] = z3.shard
         offloaded = {k: n * float(OFFLOAD_STATE_BYTES) for k, n in shards.items()}
+        delay = deck.optim.offload_delay
+        host_transfer = {k: n * float(grad_bytes * (1 + delay) + e * delay) for k, n in shards.items()}
         gradient_shard = {k: (n * float(grad_bytes) if dp > 1 and k != "zero0" else 0.0) for k, n in shards.items()}
         shapes[(layers, first, last)] = {
             "weights": whole.size * float(e),
@@ -546,6 +555,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             "zero3_gradient_buckets": float(buckets3),
             "offloaded": offloaded,
             "gradient_shard": gradient_shard,
+            "host_transfer": host_transfer,
         }
         return shapes[(layers, first, last)]
 

@@ -9,24 +9,29 @@ reduced gradient element, e of a parameter in the compute dtype.
 The offloaded step, chunk by chunk (a whole bucket shard in host memory; a slot of
 `optim.offload_buffer_mb` / 36 elements streamed from the rank's file with nvme):
 
-* the gradient range is copied device -> host, blocking (N g over the host link, in its own dtype;
-  a bf16/fp16 gradient becomes fp32 on the CPU after the copy);
+* the gradients cross device -> host during backward, each bucket's as its reduction completes, on
+  a stream of their own (`app.optim.transfer`; N g over the host link, in the reduce dtype): only
+  the last bucket's copy is left when backward ends (1 / buckets of it); a bf16/fp16 gradient
+  becomes fp32 on the CPU;
 * the update runs on the CPU (`offload_update_bytes`), at the rank's share of the node's DRAM
   bandwidth (host_memory_gbs / ranks on the node): AdamW as torch's fused CPU kernel, LAMB as
   eager passes;
-* AdamW: the master range becomes the compute dtype on the CPU and crosses host -> device,
-  non-blocking (N e over the link); LAMB: the fp32 master crosses (N 4) and torch converts it on
-  the device (4 + e device bytes).
+* AdamW: the master range becomes the compute dtype on the CPU and crosses host -> device on
+  another stream (N e over the link) while the next chunk is updated: a two-stage pipeline over
+  the chunks, max(update, copy) + min(update, copy) / chunks; LAMB: the same, the compute dtype
+  made on the CPU once the trust ratios are known.
 
-The three are serial: both copies run on the device's current stream, so the next chunk's
-blocking gradient copy waits behind this chunk's parameter copy, and the parameter copy hides
-behind nothing but Python. nvme adds the file (O_DIRECT, past the page cache): a reader thread
-reads the next chunk's 12 bytes per element and a writer thread writes the previous chunk back
-while the main thread updates,
-so per step the slowest of the three streams counts, plus one chunk read before the first
-update and one written after the last. ZeRO-1/2 then copy the parameter shard into the
-all-gather's send buffer on the device (2 e). docs/PERFORMANCE_MODEL.md, "Optimizer offload",
-has the equations, the constants' sources and what is left out.
+nvme adds the file (O_DIRECT, past the page cache): a reader thread reads the next chunk's 12
+bytes per element and a writer thread writes the previous chunk back while the main thread
+updates, so per step the slowest of the three streams counts, plus one chunk read before the
+first update and one written after the last. ZeRO-1/2 then copy the parameter shard into the
+all-gather's send buffer on the device (2 e).
+
+The delayed update (optim.offload_delay: 1) runs all that but the parameters' crossing on a host
+thread during the next step's forward and backward: the step waits for what of it outlasts them,
+then for the staged parameters' crossing (N e) and the gather's copy. On a CPU machine the thread
+shares the cores the passes use, so nothing is hidden. docs/PERFORMANCE_MODEL.md, "Optimizer
+offload", has the equations, the constants' sources and what is left out.
 """
 
 from __future__ import annotations
@@ -130,26 +135,18 @@ def optimizer_state_bytes(deck: Deck) -> int:
     return _grad_bytes(deck) + 12 + 12 + (0 if _updates_params_in_place(deck) else BYTES[deck.train.precision])
 
 
-def offload_update_bytes(deck: Deck, host_is_device: bool = False) -> int:
+def offload_update_bytes(deck: Deck) -> int:
     """Bytes per element the CPU moves in `_offloaded_step` (with nvme the drive reads and writes the
     stream's buffers directly, O_DIRECT: no copy through the page cache).
 
-    AdamW (`HostAdamW`, `HostTransfer`): a bf16/fp16 gradient made fp32 (g + 4; an fp32 one is
-    updated where it lands), the fused pass (`_update_bytes`), and the master made the compute
-    dtype (4 + e) where it is not fp32 or where the host is the device (the parameter's copy); an
-    fp32 master crosses to a GPU as it is. LAMB (the eager passes): the gradient to fp32 (g + 4: on
-    a GPU machine only when it is not fp32 already; on a CPU machine always a copy), its scaling and
-    `_update`'s passes, on a CPU machine the parameter written from the master (4 + e)."""
+    From the gradients' host copy (`HostTransfer`; on a CPU machine that copy is a pass of its own,
+    `offload_time`): a bf16/fp16 gradient made fp32 (g + 4; an fp32 one is updated where it
+    lies), the update (AdamW: torch's fused pass, `HostAdamW`; LAMB: `_update`'s eager passes), and
+    the master made the compute dtype (4 + e) into the buffer the parameters cross from (or are
+    staged in, delayed), fp32 included."""
     e, g = BYTES[deck.train.precision], _grad_bytes(deck)
-    if deck.optim.name == "adamw":
-        total = (g + 4) if g != 4 else 0
-        total += _update_bytes(deck, fused=True)
-        total += (4 + e) if e != 4 or host_is_device else 0
-    else:
-        total = (g + 4) if g != 4 or host_is_device else 0
-        total += _update_bytes(deck, fused=False)
-        total += (4 + e) if host_is_device else 0
-    return total
+    fused = deck.optim.name == "adamw"
+    return ((g + 4) if g != 4 else 0) + _update_bytes(deck, fused=fused) + 4 + e
 
 
 def offload_state_bytes(deck: Deck) -> int:
@@ -197,23 +194,44 @@ def offload_rates(deck: Deck, machine: Machine, ranks_on_node: int) -> OffloadRa
 class OffloadTime:
     """Seconds of one rank's offloaded step, by part (`total` is what the step waits for)."""
 
-    to_host: float  # the gradient copies device -> host
+    to_host: float  # the gradient copies device -> host (all of them; `main` counts the last bucket's)
     update: float  # the CPU's passes
-    to_device: float  # the parameter copies host -> device, with their conversion on the device
+    to_device: float  # the parameter copies host -> device
     read: float = 0.0  # nvme: the state read from the file
     write: float = 0.0  # nvme: the state written back
     fill: float = 0.0  # nvme: the first chunk's read and the last chunk's write, not overlapped
     after: float = 0.0  # ZeRO-1/2: the parameter shard copied into the gather's send buffer
     host: float = 0.0  # framework overhead per op
+    buckets: int = 1  # the gradients cross bucket by bucket during backward
+    chunks: int = 1  # the update and the parameters' copies overlap chunk by chunk
+    delayed: bool = False  # optim.offload_delay: the update runs during the next forward and backward
+    hidden: bool = True  # whether a delayed update can hide (not on a CPU machine: the same cores)
 
     @property
     def main(self) -> float:
-        """The main thread's chunks: copy in, update, copy out, one after the other."""
-        return self.to_host + self.update + self.to_device
+        """The update's critical path after backward: the last bucket's gradient copy, then the update
+        and the parameters' copies as a two-stage pipeline over the chunks (delayed: the update alone;
+        the parameters cross at once, when published)."""
+        if self.delayed:
+            return self.to_host / self.buckets + self.update
+        slow, fast = max(self.update, self.to_device), min(self.update, self.to_device)
+        return self.to_host / self.buckets + slow + fast / self.chunks
 
     @property
     def total(self) -> float:
-        return max(self.main, self.read, self.write) + self.fill + self.after + self.host
+        """The offloaded update's seconds, from the end of backward (delayed: on its thread), and the
+        parameters' publication."""
+        return (
+            max(self.main, self.read, self.write) + self.fill + self.after + self.host + self.to_device * self.delayed
+        )
+
+    def waited(self, overlapped: float) -> float:
+        """What the step waits for, when `overlapped` seconds of forward and backward run meanwhile
+        (the delayed update; the exact one waits for all of it)."""
+        if not (self.delayed and self.hidden):
+            return self.total
+        background = max(self.main, self.read, self.write) + self.fill + self.host
+        return max(0.0, background - overlapped) + self.to_device + self.after
 
 
 def offload_time(
@@ -225,20 +243,18 @@ def offload_time(
     e, g = BYTES[deck.train.precision], _grad_bytes(deck)
     nvme = deck.optim.offload == "nvme"
     chunks = max(buckets, math.ceil(shard / nvme_chunk_elements(deck))) if nvme else buckets
-    cpu = shard * offload_update_bytes(deck, host_is_device)
+    cpu = shard * offload_update_bytes(deck)
     gather = 2 * e if deck.optim.zero in (1, 2) and deck.dp > 1 else 0  # the send buffer's copy
     if host_is_device:
         to_host = to_device = 0.0  # the copies are passes of the update (offload_update_bytes)
-        update = dev.stream(cpu) + dev.from_memory(shard * offload_state_bytes(deck))
+        # The gradients' host copy (a pass during backward, on the same cores) and the update.
+        update = dev.stream(cpu + shard * 2 * g) + dev.from_memory(shard * offload_state_bytes(deck))
         after = dev.stream(shard * gather)
     else:
         assert rates.link is not None and rates.memory is not None
         to_host = shard * g / rates.link
         update = cpu / rates.memory
-        if deck.optim.name == "adamw":  # the compute dtype crosses, made on the CPU (offload_update_bytes)
-            to_device = shard * e / rates.link
-        else:  # the fp32 master crosses and becomes the compute dtype on the device
-            to_device = shard * 4 / rates.link + (dev.stream(shard * (4 + e)) if e != 4 else 0.0)
+        to_device = shard * e / rates.link  # the compute dtype crosses, made on the CPU (offload_update_bytes)
         after = dev.stream(shard * gather)
     read = write = fill = 0.0
     if nvme:
@@ -251,4 +267,7 @@ def offload_time(
         ops = OFFLOAD_ADAMW_CHUNK_OPS * chunks * dev.op_seconds
     else:
         ops = (OFFLOAD_CHUNK_OPS * chunks + 2 * matrices) * dev.op_seconds
-    return OffloadTime(to_host, update, to_device, read, write, fill, after, ops)
+    return OffloadTime(
+        to_host, update, to_device, read, write, fill, after, ops, buckets=max(1, buckets), chunks=max(1, chunks),
+        delayed=bool(deck.optim.offload_delay), hidden=not host_is_device,
+    )  # fmt: skip

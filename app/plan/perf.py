@@ -1147,7 +1147,9 @@ def predict(
             offloaded.append(0.0)
         else:  # the state lives in host memory or the rank's file: the update runs on the CPU
             optimizer.append(0.0)
-            offloaded.append(offload_time(deck, dev, rates, shard, buckets, matrices, machine.host_is_device).total)
+            # The delayed update hides behind the next step's forward and backward (`finish`).
+            offload = offload_time(deck, dev, rates, shard, buckets, matrices, machine.host_is_device)
+            offloaded.append(offload.waited(finish[s]))
     if m.tie_embeddings and pp > 1:
         tied_link = group_link(machine, layout.stride("pp") * (pp - 1), 2)
         tied = _cost(tied_link, 2, "all_reduce", (m.vocab_size // tp) * m.hidden * g)
