@@ -275,7 +275,8 @@ class OptimConfig:
         0,
         "offload with adamw: 1 runs each step's host update while the next step's forward and backward run, on "
         "parameters one update behind (ZeRO-Offload's delayed parameter update: stale gradients, so other numerics "
-        "than 0's); 0 updates before the next step, exactly",
+        "than 0's; for GPUs: on CPU ranks its thread takes the cores forward and backward need); 0 updates before "
+        "the next step, exactly",
         min=0,
         max=1,
     )

@@ -1,7 +1,8 @@
 """gridlm on one GPU against what a PyTorch user gets elsewhere: step time, TFLOP/s and MFU.
 
     python benchmarks/gpu_bench.py [--decks gpt_1.3b gpt_2.7b llama_0.84b] [--rounds 3] [--steps 10]
-        [--cases gridlm gridlm_compile hf hf_compile adamw] [--set key=value ...] [--out runs/gpu_bench] [--timeout 900]
+        [--cases gridlm gridlm_compile gridlm_offload gridlm_offload_delay hf hf_compile adamw] [--set key=value ...]
+        [--out runs/gpu_bench] [--timeout 900]
     python benchmarks/gpu_bench.py --device cpu --tiny --rounds 1     (the whole flow on a CPU, tiny shapes)
 
 For every deck of inputs/gpu/ named, in each of --rounds rounds (the cases alternate, so that a
@@ -10,6 +11,8 @@ drifting machine moves them alike), each case runs in its own process with its o
 - `gridlm`: `python -m app DECK` for --steps steps; its summary.json gives the step (mean after the
   warm-up), TFLOP/s, MFU and the forward / backward / optimizer times of rank 0; `gridlm_compile`
   the same with run.compile=true (llama's element-wise chains compiled, app/model/fused.py);
+  `gridlm_offload` with optim.offload=host (the optimizer on the CPU, issue 41's exact offload)
+  and `gridlm_offload_delay` with the delayed update too (optim.offload_delay=1);
 - `hf`, `hf_compile`: the Hugging Face model of the same shape (GPT2LMHeadModel for gpt2 decks,
   LlamaForCausalLM for llama; sdpa attention, bf16 autocast over fp32 weights, the deck's
   micro-batches accumulated, torch.optim.AdamW(fused=True)), eager and under torch.compile; the
@@ -41,7 +44,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DECKS = ["gpt_1.3b", "gpt_2.7b", "llama_0.84b"]
-CASES = ["gridlm", "gridlm_compile", "hf", "hf_compile", "adamw"]
+CASES = ["gridlm", "gridlm_compile", "gridlm_offload", "gridlm_offload_delay", "hf", "hf_compile", "adamw"]
+# gridlm's cases and the deck keys each adds.
+GRIDLM = {
+    "gridlm": [],
+    "gridlm_compile": ["run.compile=true"],
+    "gridlm_offload": ["optim.offload=host"],
+    "gridlm_offload_delay": ["optim.offload=host", "optim.offload_delay=1"],
+}
 # --tiny: every deck shrunk to seconds on a CPU (the flow, not the numbers).
 TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32", "model.vocab_size=128",
         "model.ffn_hidden=null", "train.global_batch=4", "train.micro_batch=2"]  # fmt: skip
@@ -185,9 +195,8 @@ def one_case(args: argparse.Namespace) -> int:
 
 
 def measure(case: str, deck_name: str, args: argparse.Namespace, sets: list[str]) -> dict:
-    if case in ("gridlm", "gridlm_compile"):
-        extra = ["run.compile=true"] if case == "gridlm_compile" else []
-        return run_gridlm(case, deck_name, [*sets, *extra], args.steps, args.out, args.timeout)
+    if case in GRIDLM:
+        return run_gridlm(case, deck_name, [*sets, *GRIDLM[case]], args.steps, args.out, args.timeout)
     cmd = [sys.executable, __file__, "--case", case, "--deck", deck_name, "--device", args.device,
            "--steps", str(args.steps), *(a for s in sets for a in ("--set", s))]  # fmt: skip
     try:
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="shrink every deck to seconds (a CPU check of the flow)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_bench")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
-    ap.add_argument("--case", choices=CASES[2:], help=argparse.SUPPRESS)  # the worker of one peer case
+    ap.add_argument("--case", choices=[c for c in CASES if c not in GRIDLM], help=argparse.SUPPRESS)  # a peer's worker
     ap.add_argument("--deck", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.case:

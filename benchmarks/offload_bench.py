@@ -11,9 +11,10 @@ the optimizer offloaded against the step without.
    in alternating rounds on the same --threads (default: every core this process may use), the
    medians reported (the triad is optimizer_bench.py's: the mean of 5 calls). The update's bytes are what it must move: the master, gradient and moments
    read, the master and moments written, 28 bytes an element; the triad's 12 (STREAM's count).
-2. The step: `python -m app` on one rank for each deck and each optim.offload, --steps steps (the
-   first run.timing_warmup not timed), alternating the offload settings round by round; the median
-   step time from summary.json and the ratio to optim.offload: none. Decks: `tiny` is
+2. The step: `python -m app` on one rank for each deck and each optim.offload (host-delay: host
+   with optim.offload_delay 1), --steps steps (the first run.timing_warmup not timed), alternating
+   the offload settings round by round; the median step time from summary.json and the ratio to
+   optim.offload: none. Decks: `tiny` is
    inputs/gpt_tiny.yaml; `100m` is gpt_tiny at 12 layers of hidden 768 (GPT-2 small, 124M
    parameters with its 50,257-token vocabulary; seq 128, one sequence a step).
 
@@ -50,6 +51,7 @@ DECKS = {
              "train.global_batch=1", "train.micro_batch=1"),
 }  # fmt: skip
 COLUMNS = ["part", "case", "value", "unit", "of", "ratio", "rounds"]
+DELAYED = "-delay"  # an --offloads value host-delay or nvme-delay: optim.offload_delay = 1
 UPDATE_BYTES, TRIAD_BYTES = 28, 12  # per element (module docstring)
 
 
@@ -146,8 +148,9 @@ def nvme(mb: int, directory: Path, rounds: int) -> list[dict]:
 def run_step(deck: str, offload: str, steps: int, out: Path) -> float:
     """Median step seconds of one `python -m app` run on one rank."""
     run_dir = out / f"{deck}_{offload}"
-    sets = [*DECKS[deck], f"optim.offload={offload}", f"train.steps={steps}", f"run.log_every={steps}",
-            f"run.dir={run_dir}", *FRESH]  # fmt: skip
+    store, delayed = offload.removesuffix(DELAYED), offload.endswith(DELAYED)
+    sets = [*DECKS[deck], f"optim.offload={store}", f"optim.offload_delay={int(delayed)}", f"train.steps={steps}",
+            f"run.log_every={steps}", f"run.dir={run_dir}", *FRESH]  # fmt: skip
     cmd = [sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", *(a for s in sets for a in ("--set", s))]
     print(f"offload_bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
     done = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, check=False)
@@ -187,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads (part 1)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decks", default="tiny,100m", help=f"comma-separated, of {sorted(DECKS)}; empty: none")
-    parser.add_argument("--offloads", default="none,host", help="optim.offload values, the first the baseline")
+    parser.add_argument("--offloads", default="none,host,host-delay",
+                        help="optim.offload values (with -delay: optim.offload_delay 1), the first the baseline")  # fmt: skip
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-mb", type=int, default=1024, help="MB of state streamed from the file (0: no part 3)")
     parser.add_argument("--nvme-dir", default=None, help="directory of the file (default: --out)")

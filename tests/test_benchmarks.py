@@ -146,7 +146,8 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
     tmp_path, capsys, monkeypatch
 ):
     """benchmarks/gpu_bench.py's whole flow on a CPU with tiny shapes (--device cpu --tiny): gridlm,
-    gridlm with run.compile, the Hugging Face peer eager and compiled, and fused AdamW, one JSON line
+    gridlm with run.compile, offloaded and with the delayed update, the Hugging Face peer eager and
+    compiled, and fused AdamW, one JSON line
     each and the table; the
     peers train models of gridlm's parameter count. Without a GPU the default run says so in one
     line and exits 2 (the device query stubbed: this machine may have one)."""
@@ -160,7 +161,8 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert rc == 0, out
-    assert [r["case"] for r in rows] == ["gridlm", "gridlm_compile", "hf", "hf_compile", "adamw"]
+    assert [r["case"] for r in rows] == ["gridlm", "gridlm_compile", "gridlm_offload", "gridlm_offload_delay", "hf",
+                                         "hf_compile", "adamw"]  # fmt: skip
     assert all(r["step_s"] > 0 for r in rows) and len({r["parameters"] for r in rows}) == 1
     assert rows[0]["optimizer_s"] > 0 and rows[0]["predicted_s"] > 0
     assert "| gpt_1.3b | hf_compile |" in out
@@ -191,8 +193,8 @@ def test_the_tensor3d_bytes_benchmark_counts_1d_and_3d_variants(tmp_path):
 
 def test_the_offload_benchmark_times_the_host_update_against_a_triad_and_the_offloaded_step(tmp_path):
     """benchmarks/offload_bench.py at its smallest: one round of the host update over 2^16 elements,
-    of gpt_tiny's step with optim.offload none and host, 2 steps each, and of 8 MB streamed from a
-    file against dd."""
+    of gpt_tiny's step with optim.offload none, host and host with the delayed update, 2 steps each,
+    and of 8 MB streamed from a file against dd."""
     import offload_bench
 
     rc = offload_bench.main(["--elements", str(1 << 16), "--rounds", "1", "--decks", "tiny", "--steps", "2",
@@ -200,7 +202,8 @@ def test_the_offload_benchmark_times_the_host_update_against_a_triad_and_the_off
     assert rc == 0
     rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
     assert [r["case"] for r in rows] == ["triad", "host update (HostAdamW)", "eager passes (device path on CPU ranks)",
-                                         "optim.offload=none", "optim.offload=host", "dd oflag=direct + iflag=direct",
+                                         "optim.offload=none", "optim.offload=host", "optim.offload=host-delay",
+                                         "dd oflag=direct + iflag=direct",
                                          "NvmeStore stream"]  # fmt: skip
     assert "O_DIRECT" in rows[-1]["part"] and not list(tmp_path.glob("*.bin"))
     assert all(float(r["value"]) > 0 and not r.get("error") for r in rows)
