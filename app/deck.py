@@ -84,6 +84,31 @@ class ModelConfig:
         "false for llama",
     )  # fmt: skip
 
+    moe_experts: int = _key(
+        0, "mixture of experts: 0 keeps dense MLPs; E >= 2 makes the MLP of every model.moe_every-th block E "
+        "experts behind a learned top-k router (app/model/moe.py)", min=0, max=4096,
+    )  # fmt: skip
+    moe_top_k: int = _key(2, "mixture of experts: experts per token (<= model.moe_experts)", min=1, max=4096)
+    moe_ffn_hidden: Optional[int] = _key(
+        None, "mixture of experts: an expert's MLP width; null means the dense MLP's (model.ffn_hidden)", min=1,
+        max=2**20,
+    )  # fmt: skip
+    moe_every: int = _key(
+        1, "mixture of experts: blocks 0, N, 2N, ... have experts, the others a dense MLP", min=1, max=MAX_LAYERS
+    )
+    moe_capacity_factor: Optional[float] = _key(
+        None, "mixture of experts: null routes every token (dropless); F caps an expert at ceil(F x tokens x top_k / "
+        "experts) per micro-batch, dropping later tokens (counted in the log)", min=0.01, max=1e3,
+    )  # fmt: skip
+    moe_aux_loss_coef: float = _key(
+        0.01, "mixture of experts: weight of the load-balancing loss (Switch: E sum f_e P_e) per MoE layer", min=0.0,
+        max=1e3,
+    )  # fmt: skip
+    moe_z_loss_coef: float = _key(
+        0.0, "mixture of experts: weight of the router z-loss (mean logsumexp^2, ST-MoE) per MoE layer", min=0.0,
+        max=1e3,
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         if self.tie_embeddings is None and self.arch in archs.names():  # the arch's default: code reads a bool
             object.__setattr__(self, "tie_embeddings", archs.get(self.arch).tie_embeddings)
@@ -103,6 +128,15 @@ class ModelConfig:
     def arch_words(self) -> str:
         """The architecture in a log line ("llama, 4 key/value heads"); "" for the default one."""
         return "" if self.arch == DEFAULT_ARCH else self.spec.words(self.kv)
+
+    @property
+    def expert_ffn(self) -> int:
+        """An expert's MLP width: model.moe_ffn_hidden, or the dense MLP's."""
+        return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` (global index) has experts."""
+        return self.moe_experts > 0 and layer % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -678,6 +712,8 @@ def _validate(deck: Deck) -> None:
             "optim.offload", opt.offload, "an asynchronous checkpoint snapshots the optimizer state into host memory, "
             "which nvme offload exists to avoid: set checkpoint.async = false"
         )  # fmt: skip
+    if m.moe_experts:
+        _validate_moe(deck)
     if opt.offload_delay and (opt.offload == "none" or opt.name != "adamw"):
         raise DeckError(
             "optim.offload_delay", opt.offload_delay, "the delayed update is the offloaded AdamW's: set "
@@ -687,6 +723,22 @@ def _validate(deck: Deck) -> None:
         raise DeckError("optim.offload_dir", opt.offload_dir, "only used with optim.offload = nvme")
     _validate_data(deck.data)
     _validate_goldfish_eval(deck)
+
+
+def _validate_moe(deck: Deck) -> None:
+    """Mixture of experts: a router over at least two experts, on the grids it runs on so far."""
+    m, par = deck.model, deck.parallel
+    if m.moe_experts < 2:
+        raise DeckError("model.moe_experts", m.moe_experts, "a router needs at least 2 experts (0: dense MLPs)")
+    if m.moe_top_k > m.moe_experts:
+        raise DeckError("model.moe_top_k", m.moe_top_k, f"must be <= model.moe_experts = {m.moe_experts}")
+    if par.sequence_parallel:
+        raise DeckError(
+            "parallel.sequence_parallel", True, "not yet with mixture of experts (model.moe_experts): the experts "
+            "run whole on every tp rank; set it to false"
+        )  # fmt: skip
+    if par.tensor is not None:
+        raise DeckError("parallel.tensor", list(par.tensor), "3D tensor parallelism has no mixture of experts yet")
 
 
 BLEND_ITEM = "a mapping {path: PREFIX, weight: W} with W > 0"

@@ -557,7 +557,23 @@ class Trainer:
                 skipped_steps=fp16.skipped if fp16 else None,
                 loss_tokens=self.step_targets[0],
                 evaluated=evaluated,
+                moe=self.router_losses(),
             )
+
+    def router_losses(self) -> Optional[dict[str, float]]:
+        """Mixture of experts (collective): this step's load-balancing and z-losses, each the mean over
+        the MoE layers and micro-batches of the global batch, and the share of the routed assignments
+        dropped over capacity; None for a dense model. A tp group's ranks route alike: counted once."""
+        if not self.deck.model.moe_experts:
+            return None
+        stats = self.model.router_stats
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums = torch.stack([zero if t is None else t for t in (stats.aux, stats.z, stats.dropped, stats.assigned)])
+        sums = torch.cat([sums, torch.tensor([float(stats.calls)], dtype=torch.float64, device=self.device)])
+        self.grid.all_reduce(sums, ("dp", "pp"))
+        aux, z, dropped, assigned, calls = sums.tolist()
+        return {"moe_aux_loss": aux / max(calls, 1), "moe_z_loss": z / max(calls, 1),
+                "moe_dropped": dropped / max(assigned, 1)}  # fmt: skip
 
     def _skip_bad_batch(self) -> None:
         """After a rollback: consume the batch that gave the NaN, count the step, update nothing."""

@@ -53,6 +53,13 @@ class ModelShape(Protocol):
     @property
     def kv(self) -> int: ...
 
+    moe_experts: int
+
+    @property
+    def expert_ffn(self) -> int: ...
+
+    def is_moe(self, layer: int) -> bool: ...
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -186,18 +193,38 @@ class Arch:
 
     def block_params(self, m: ModelShape, i: int = 0) -> list[ParamSpec]:
         """Block i's parameters as `Block` registers them: ln1, the fused QKV (column-parallel), the
-        attention's output projection (row-parallel), ln2, the MLP's fc (column) and proj (row)."""
+        attention's output projection (row-parallel), ln2, the MLP's fc (column) and proj (row), or
+        a mixture of experts' router and stacked experts (`moe_params`)."""
         h, unit = m.hidden, f"blocks.{i}"
         out_std = m.init_std / math.sqrt(2 * m.layers)  # GPT-2: residual projections scaled
         qkv_rows = (m.heads + 2 * m.kv) * (h // m.heads)
+        mlp = (
+            self.moe_params(m, unit, out_std)
+            if m.is_moe(i)
+            else [
+                *self.linear_params(f"{unit}.mlp.fc", self.fc_rows(m.ffn), h, m.init_std, True, unit),
+                *self.linear_params(f"{unit}.mlp.proj", h, m.ffn, out_std, False, unit),
+            ]
+        )
         return [
             *self.norm_params(f"{unit}.ln1", h, unit),
             *self.linear_params(f"{unit}.attn.qkv", qkv_rows, h, m.init_std, True, unit),
             *self.linear_params(f"{unit}.attn.proj", h, h, out_std, False, unit),
             *self.norm_params(f"{unit}.ln2", h, unit),
-            *self.linear_params(f"{unit}.mlp.fc", self.fc_rows(m.ffn), h, m.init_std, True, unit),
-            *self.linear_params(f"{unit}.mlp.proj", h, m.ffn, out_std, False, unit),
+            *mlp,
         ]
+
+    def moe_params(self, m: ModelShape, unit: str, out_std: float) -> list[ParamSpec]:
+        """A mixture of experts (`app/model/moe.py`): the router (E, h) and each matrix of the E experts
+        stacked, (E, out, in), with their biases (E, out); whole on every tp rank."""
+        e, h, f = m.moe_experts, m.hidden, m.expert_ffn
+        rows = self.fc_rows(f)
+        out = [ParamSpec(f"{unit}.mlp.router.weight", (e, h), std=m.init_std, unit=unit)]
+        for name, n_out, n_in, std in (("fc", rows, h, m.init_std), ("proj", h, f, out_std)):
+            out.append(ParamSpec(f"{unit}.mlp.{name}.weight", (e, n_out, n_in), std=std, unit=unit))
+            if self.bias:
+                out.append(ParamSpec(f"{unit}.mlp.{name}.bias", (e, n_out), "zeros", decay=False, unit=unit))
+        return out
 
     def end_params(self, m: ModelShape, first: bool, last: bool) -> tuple[list[ParamSpec], list[ParamSpec]]:
         """A stage's parameters (before its blocks, after them) in `GPT.parameters()` order: its own
@@ -227,4 +254,6 @@ class Arch:
     def num_params(self, m: ModelShape) -> int:
         """Parameters of the 1-rank model (the tied embedding counted once)."""
         before, after = self.end_params(m, True, True)
-        return sum(p.numel for p in (*before, *after)) + m.layers * sum(p.numel for p in self.block_params(m))
+        return sum(p.numel for p in (*before, *after)) + sum(
+            p.numel for i in range(m.layers) for p in self.block_params(m, i)
+        )

@@ -154,6 +154,8 @@ def format_line(r: dict[str, Any], steps: int, targets: Optional[int] = None) ->
     if "val_loss" in r:
         v, ppl = r["val_loss"], r["val_perplexity"]
         val = f" | val loss {'n/a' if v is None else f'{v:.4f}'} ppl {'n/a' if ppl is None else f'{ppl:.2f}'}"
+    if "moe_aux_loss" in r:  # mixture of experts: the routers' losses, and the share of assignments dropped
+        val += f" | aux {r['moe_aux_loss']:.4f} z {r['moe_z_loss']:.3f} dropped {100 * r['moe_dropped']:.1f}%"
     return (
         f"step {r['step']:>{len(str(steps))}}/{steps} | loss {loss} | lr {r['lr']:.2e} | "
         f"{r['step_time_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "

@@ -210,10 +210,12 @@ class RunReport:
         skipped_steps: Optional[int] = None,
         loss_tokens: Optional[int] = None,
         evaluated: Optional[EvalInfo] = None,
+        moe: Optional[dict[str, float]] = None,
     ) -> dict[str, Any]:
         """The record of the step just `timed` (`loss`: the global-batch mean over its `loss_tokens`
         counted targets; `loss_scale` and `skipped_steps` under fp16; `evaluated`: the evaluation
-        after it): metrics.jsonl, TensorBoard and the log line."""
+        after it; `moe`: the routers' losses and drops, `Trainer.router_losses`): metrics.jsonl,
+        TensorBoard and the log line."""
         step_time, world = self.step_times[-1], self.runtime.world_size
         tflops = self.flops_per_step / step_time / world / 1e12
         hw_tflops = self.hardware_flops_per_step / step_time / world / 1e12
@@ -235,6 +237,8 @@ class RunReport:
             record["skipped_steps"] = skipped_steps
         if evaluated is not None:
             record["val_loss"], record["val_perplexity"] = evaluated["loss"], evaluated["perplexity"]
+        if moe is not None:
+            record.update(moe)
         if self.deck.run.timers:
             record.update(self.timings[-1])  # rank 0's phase and communication seconds this step
         self.writer.write(record)

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from app.deck import ModelConfig
 from app.model.goldfish import CountedTargets
+from app.model.moe import MoE, RouterStats
 from app.names import RECOMPUTE
 from app.sharding.init import ParamMeta, init_parameters
 from app.tensor_parallel.layers import (
@@ -266,16 +267,39 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+def _gelu(h: torch.Tensor) -> torch.Tensor:
+    return F.gelu(h, approximate="tanh")
+
+
+def _moe(cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device], stats: RouterStats) -> MoE:
+    """A block's mixture of experts (`app/model/moe.py`), its experts the dense MLP's kind."""
+    return MoE(
+        cfg.hidden, cfg.moe_experts, cfg.moe_top_k, cfg.expert_ffn, cfg.spec.fc_rows(cfg.expert_ffn), cfg.spec.bias,
+        cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.layers), cfg.moe_capacity_factor,
+        (cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef), swiglu if cfg.spec.gated else _gelu, stats, tp, device,
+    )  # fmt: skip
+
+
 class Block(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device], recompute: str = "none"
+        self,
+        cfg: ModelConfig,
+        tp: TensorParallel,
+        device: Optional[torch.device],
+        recompute: str = "none",
+        layer: int = 0,
+        stats: Optional[RouterStats] = None,
     ) -> None:
         super().__init__()
         self.recompute = recompute
         self.ln1 = _layer_norm(cfg, tp, device)
         self.attn = Attention(cfg, tp, device, recompute_core=recompute == "selective")
         self.ln2 = _layer_norm(cfg, tp, device)
-        self.mlp = MLP(cfg, tp, device)
+        self.mlp: nn.Module = (
+            _moe(cfg, tp, device, stats if stats is not None else RouterStats())
+            if cfg.is_moe(layer)
+            else MLP(cfg, tp, device)
+        )
         self.dropout = nn.Dropout(cfg.dropout)
         if isinstance(tp, Tensor3D):  # OAG: each Linear prefetches the next one's block (`_forward`'s order)
             chain_gathers([lin.slot for lin in (self.attn.qkv, self.attn.proj, self.mlp.fc, self.mlp.proj)])  # type: ignore[union-attr]
@@ -347,7 +371,8 @@ class GPT(nn.Module):
             else:
                 self.wpe = replicated_param(wpe, tp, device, True)
         ids = range(cfg.layers) if layers is None else layers
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device, recompute) for i in ids})
+        self.router_stats = RouterStats()  # the mixture-of-experts layers' losses this step (app/model/moe.py)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device, recompute, i, self.router_stats) for i in ids})
         if last:
             self.ln_f = _layer_norm(cfg, tp, device)
             if not cfg.tie_embeddings:
@@ -370,6 +395,8 @@ class GPT(nn.Module):
                 module.rotary = kernels.rotary
             elif isinstance(module, MLP):
                 module.swiglu_kernel = kernels.swiglu
+            elif isinstance(module, MoE) and self.cfg.spec.gated:
+                module.act = kernels.swiglu
 
     def set_gate(self, gate: Optional[ParamGate]) -> None:
         """Route every unit's parameter reads through `gate` (ZeRO-3), or none."""

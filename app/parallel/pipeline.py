@@ -129,6 +129,9 @@ class Pipeline:
         last_chunk = self.pp * self.virtual - 1
         dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
         loss_sum = torch.zeros((), device=device)
+        # Mixture of experts: the routers' losses join each micro-batch's loss at its scale.
+        model.router_stats.reset()
+        model.router_stats.scale = loss_scale / n
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list[tuple[Any, torch.Tensor]] = []
         actions = build_schedule(self.pp, self.stage, n, self.virtual)
