@@ -126,8 +126,15 @@ class ModelConfig:
 
     @property
     def arch_words(self) -> str:
-        """The architecture in a log line ("llama, 4 key/value heads"); "" for the default one."""
-        return "" if self.arch == DEFAULT_ARCH else self.spec.words(self.kv)
+        """The architecture in a log line ("llama, 4 key/value heads", "8 experts of 256, top-2, 2.3M
+        active"); "" for the default dense one."""
+        words = [] if self.arch == DEFAULT_ARCH else [self.spec.words(self.kv)]
+        if self.moe_experts:
+            every = f" every {self.moe_every} blocks" if self.moe_every > 1 else ""
+            active = self.spec.active_params(self)
+            words.append(f"{self.moe_experts} experts of {self.expert_ffn}{every}, top-{self.moe_top_k}, "
+                         f"{active / 1e6:.1f}M active")  # fmt: skip
+        return ", ".join(words)
 
     @property
     def expert_ffn(self) -> int:

@@ -68,12 +68,17 @@ def listed(deck, tp_size, tp_rank, tensor, sp, layers, first, last) -> list[tupl
 STAGES = [([0, 1, 2, 3], True, True), ([0, 1], True, False), ([2, 3], False, True)]
 
 
+# Mixture of experts in blocks 0 and 2 (app/model/moe.py): a router and stacked experts, whole on every tp rank.
+MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=48", "model.moe_every=2")
+
+
 @pytest.mark.parametrize("arch", archs.names())
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
-def test_the_built_model_holds_exactly_the_listed_parameters_on_1d_tp(arch, tie, tp, sp):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_the_built_model_holds_exactly_the_listed_parameters_on_1d_tp(arch, tie, tp, sp, moe):
     kv = ("model.kv_heads=2",) if archs.get(arch).grouped_query else ()
-    deck = load_deck(TINY, (*SMALL, f"model.arch={arch}", *kv, f"model.tie_embeddings={tie}"))
+    deck = load_deck(TINY, (*SMALL, f"model.arch={arch}", *kv, f"model.tie_embeddings={tie}", *(MOE if moe else ())))
     for layers, first, last in STAGES:
         for rank in range(tp):
             tpp = TensorParallel(tp, rank, sequence_parallel=sp)

@@ -130,6 +130,28 @@ def test_capacity_keeps_the_first_tokens_of_each_expert():
     torch.testing.assert_close(y, ref, rtol=0, atol=TOL)
 
 
+def test_flops_count_the_active_parameters():
+    """The step's model FLOPs of a mixture of experts: a Linear weight's 6 FLOPs per token (forward 2,
+    backward 4) over the parameters a token runs through (the router and its top-k experts:
+    `Arch.active_params`), so the MoE model's count exceeds its dense twin's (the same deck with
+    dense MLPs) by 6 x tokens x the difference of their active parameters (llama: no biases, the
+    norms the same); full recomputation runs the experts' forward again (a third more)."""
+    from app.metrics.flops import step_flops
+
+    sets = (*SMALL, "model.arch=llama", "model.moe_every=1")
+    moe = load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
+    dense = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "model.moe_experts=0"))
+    tokens = moe.train.global_batch * moe.model.seq_len
+    active = moe.model.spec.active_params(moe.model)
+    assert active < moe.model.spec.num_params(moe.model)
+    delta = 6 * tokens * (active - dense.model.spec.num_params(dense.model))
+    assert step_flops(moe)["model"] - step_flops(dense)["model"] == pytest.approx(delta, rel=1e-12)
+    full = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "train.recompute=full"))
+    dense_full = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "model.moe_experts=0", "train.recompute=full"))
+    extra = step_flops(full)["hardware"] - step_flops(dense_full)["hardware"]
+    assert extra == pytest.approx(delta * 4 / 3, rel=1e-12)
+
+
 @pytest.mark.parametrize(
     "sets,key",
     [

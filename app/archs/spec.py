@@ -54,6 +54,7 @@ class ModelShape(Protocol):
     def kv(self) -> int: ...
 
     moe_experts: int
+    moe_top_k: int
 
     @property
     def expert_ffn(self) -> int: ...
@@ -250,6 +251,16 @@ class Arch:
         embedding if `first` and the final norm and head if `last`, in `GPT.parameters()` order."""
         before, after = self.end_params(m, first, last)
         return [*before, *(p for i in layers for p in self.block_params(m, i)), *after]
+
+    def active_params(self, m: ModelShape) -> int:
+        """Parameters a token runs through: `num_params` less the experts it is not routed to (a
+        mixture of experts' E - top_k of every MoE block's E)."""
+        idle = 0
+        for i in range(m.layers):
+            if m.is_moe(i):
+                experts = [p for p in self.moe_params(m, f"blocks.{i}", 0.0) if ".router." not in p.name]
+                idle += sum(p.numel for p in experts) // m.moe_experts * (m.moe_experts - m.moe_top_k)
+        return self.num_params(m) - idle
 
     def num_params(self, m: ModelShape) -> int:
         """Parameters of the 1-rank model (the tied embedding counted once)."""

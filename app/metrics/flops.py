@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 # Said in every output that reports FLOP/s (log, summary.json, TensorBoard tags, dry run, postprocess).
 FLOPS_CONVENTION = (
     "model FLOPs (TFLOP/s, MFU): Megatron SC21 count, 2 FLOPs per multiply-add, backward = 2 x forward, "
-    "full (not causally halved) attention; hardware FLOPs (HFU) add what train.recompute re-executes"
+    "full (not causally halved) attention; hardware FLOPs (HFU) add what train.recompute re-executes; mixture of "
+    "experts: the router and the top-k experts a token is routed to (active parameters)"
 )
 
 
@@ -58,6 +59,26 @@ def _layer_forward(h: int, ffn: int, kv_hidden: Optional[int], gated: bool) -> f
     2 h^2, the MLP 2 h ffn per matrix (2 matrices; 3 gated: gate, up and down)."""
     kv = h if kv_hidden is None else kv_hidden
     return 2.0 * h * (h + 2 * kv) + 2.0 * h * h + (3 if gated else 2) * 2.0 * h * ffn
+
+
+def moe_layers(model: ModelConfig) -> int:
+    """Blocks with experts (`ModelConfig.is_moe`): 0, moe_every, 2 moe_every, ..."""
+    return sum(model.is_moe(i) for i in range(model.layers)) if model.moe_experts else 0
+
+
+def mlp_forward(model: ModelConfig, moe: bool) -> float:
+    """Forward GEMM FLOPs per token of a block's MLP: the dense one (2 h ffn per matrix), or a mixture
+    of experts' router (2 h E) and its top-k experts (active parameters: what a token runs)."""
+    matrices = 3 if model.spec.gated else 2
+    if not moe:
+        return matrices * 2.0 * model.hidden * model.ffn
+    return model.moe_top_k * matrices * 2.0 * model.hidden * model.expert_ffn + 2.0 * model.hidden * model.moe_experts
+
+
+def moe_step_delta(model: ModelConfig, tokens: int) -> float:
+    """Forward + backward FLOPs a step's MoE layers add over dense MLPs of width model.ffn (`tokens`:
+    the step's)."""
+    return 3.0 * tokens * moe_layers(model) * (mlp_forward(model, True) - mlp_forward(model, False))
 
 
 def linear_step_flops(model: ModelConfig, tokens: int) -> float:
@@ -127,4 +148,9 @@ def step_flops(deck: Deck) -> dict[str, float]:
     m, tr = deck.model, deck.train
     size = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
     arch = arch_flops_args(m)
-    return {"model": gpt_step_flops(*size, **arch), "hardware": gpt_hardware_step_flops(*size, tr.recompute, **arch)}
+    moe = moe_step_delta(m, tr.global_batch * m.seq_len)  # the experts' GEMMs for the dense MLP's
+    again = moe / 3 if tr.recompute == "full" else 0.0  # full recomputation runs their forward again
+    return {
+        "model": gpt_step_flops(*size, **arch) + moe,
+        "hardware": gpt_hardware_step_flops(*size, tr.recompute, **arch) + moe + again,
+    }

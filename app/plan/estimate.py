@@ -69,7 +69,7 @@ from typing import Any, Callable, Optional, Union
 
 from app.archs.spec import ParamSpec
 from app.deck import Deck, ModelConfig
-from app.metrics.flops import arch_flops_args, gpt_step_flops, linear_step_flops
+from app.metrics.flops import arch_flops_args, gpt_step_flops, linear_step_flops, mlp_forward, moe_layers
 from app.names import BYTES, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, reduce_precision
 from app.sharding.layout import (
     ORS_IN_FLIGHT,
@@ -491,6 +491,9 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     block = block_params(m, tp, tensor)
     tokens = tr.micro_batch * m.seq_len
     layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn, **arch_flops_args(m)) / tp
+    if m.moe_experts:  # the experts run whole on every tp rank: their GEMMs are not divided (the layers' mean)
+        share = moe_layers(m) / m.layers
+        layer_flops += 3 * tokens * share * (mlp_forward(m, True) - mlp_forward(m, False) / tp)
     if tensor is None:
         hidden_split = tp if par.sequence_parallel else 1  # the block input's split (SP: its sequence)
         vocab_split, gemm_split = tp, tp
