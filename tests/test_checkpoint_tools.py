@@ -261,6 +261,27 @@ def test_export_of_a_llama_checkpoint_is_a_llama_for_causal_lm_with_our_logits(l
     assert_same_logits(gridlm_model(llama_ckpt, tmp_path), hf, vocab=128, seq=32)
 
 
+@pytest.fixture(scope="module")
+def mixtral_ckpt(tmp_path_factory):
+    # llama blocks with 4 experts of width 48, top-2, in every block (Mixtral's shape).
+    return _checkpoint(tmp_path_factory, "mixtral", "model.arch=llama", "model.kv_heads=2", "model.rope_theta=500",
+                       "model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=48")  # fmt: skip
+
+
+def test_export_of_a_llama_checkpoint_with_experts_is_a_mixtral_with_our_logits(mixtral_ckpt, tmp_path):
+    """llama with experts exports as MixtralForCausalLM: the router as block_sparse_moe.gate, each
+    expert's interleaved SwiGLU rows as its w1 (gate) and w3 (up), its proj as w2. The same logits
+    within `assert_same_logits`' tolerance (Mixtral's routing is gridlm's: softmax, top-k,
+    renormalised; only the order of the experts' sum differs). Swapping w1 and w3, or two experts,
+    changes which expert a token's output comes from and moves the logits far more."""
+    export_hf(mixtral_ckpt, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 48)
+    hf = hf_model(tmp_path / "hf", "MixtralForCausalLM")
+    assert_same_logits(gridlm_model(mixtral_ckpt, tmp_path), hf, vocab=128, seq=32)
+
+
 def test_export_untied_writes_lm_head(bf16_untied_ckpt, tmp_path):
     from safetensors.numpy import load_file
 

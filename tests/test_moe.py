@@ -175,3 +175,24 @@ def test_moe_tiny_trains_and_logs_the_routers_losses(tmp_path):
     assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
     assert all(0.9 < r["moe_aux_loss"] < 2.0 and r["moe_z_loss"] > 0 and r["moe_dropped"] == 0 for r in records)
     assert " | aux " in out.stdout + out.stderr
+
+
+def test_a_mixtral_directory_names_the_expert_keys_a_dense_deck_lacks(tmp_path):
+    """run.init_from with a Mixtral config.json and a dense llama deck: refused with the keys that fix
+    it (the experts, their width); a Mixtral into a deck with experts every second block: refused."""
+    from app.checkpoint.hf_import import check_config
+    from app.errors import CheckpointError
+
+    config = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "num_local_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+    dense = load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL[:5], "model.arch=llama", "model.kv_heads=2"))
+    with pytest.raises(CheckpointError) as err:
+        check_config(tmp_path, config, dense.model)
+    assert "--set model.moe_experts=4" in str(err.value) and "--set model.moe_ffn_hidden=24" in str(err.value)
+    sets = (*SMALL, "model.arch=llama", "model.kv_heads=2", "model.moe_ffn_hidden=24")
+    every2 = load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
+    with pytest.raises(CheckpointError, match="model.moe_every is 2: set it to 1"):
+        check_config(tmp_path, config, every2.model)
+    ok = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "model.moe_every=1"))
+    check_config(tmp_path, config, ok.model)

@@ -32,4 +32,4 @@ def get(name: str) -> Arch:
 
 def by_model_type(model_type: object) -> list[Arch]:
     """The entries whose Hugging Face form has config.json's `model_type` (import's lookup)."""
-    return [a for a in REGISTRY.values() if a.hf.model_type == model_type]
+    return [a for a in REGISTRY.values() if model_type == a.hf.model_type or model_type in a.hf.also]

@@ -19,7 +19,32 @@ from app.archs.spec import Arch, HFFormat
 
 
 def hf_config(model: dict[str, Any]) -> dict[str, Any]:
-    """LlamaConfig fields (config.json) for a checkpoint's model section."""
+    """LlamaConfig fields (config.json) for a checkpoint's model section; MixtralConfig's for one with
+    experts (in every block: `mixtral_blocks`)."""
+    if model.get("moe_experts"):
+        return {
+            **_llama_config(model),
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "intermediate_size": model["expert_ffn"],
+            "num_local_experts": model["moe_experts"],
+            "num_experts_per_tok": model["moe_top_k"],
+            "router_aux_loss_coef": model.get("moe_aux_loss_coef", 0.0),
+            "output_router_logits": False,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    return _llama_config(model)
+
+
+def mixtral_blocks(model: dict[str, Any]) -> Optional[str]:
+    """Why a model with experts has no Mixtral form, or None: Mixtral has experts in every block."""
+    if model.get("moe_experts") and model.get("moe_every", 1) != 1:
+        return f"model.moe_every = {model['moe_every']}: a Mixtral has experts in every block (moe_every 1)"
+    return None
+
+
+def _llama_config(model: dict[str, Any]) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -71,8 +96,11 @@ def hf_rules(model: dict[str, Any]) -> dict[str, Rule]:
 
     q, k, vv = qkv_part(slice(0, group)), qkv_part(slice(group, group + 1)), qkv_part(slice(group + 1, group + 2))
     gate, up = rows(0), rows(1)
+    experts = model.get("moe_experts") or 0
     for i in range(model["layers"]):
         ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+        if experts:  # MixtralForCausalLM's saved form: a router and each expert's w1 (gate), w3 (up), w2 (down)
+            rules.update(_expert_rules(ours, hf, experts, model["expert_ffn"], h))
         # One Rule per HF tensor: the fused gridlm tensors appear under the names "...#q" etc.
         rules.update({
             ours + "ln1.weight": Rule(hf + "input_layernorm.weight", (h,), same, (h,)),
@@ -81,9 +109,38 @@ def hf_rules(model: dict[str, Any]) -> dict[str, Rule]:
             ours + "attn.qkv.weight#v": Rule(hf + "self_attn.v_proj.weight", (qkv, h), vv[0], (kv * d, h), vv[1]),
             ours + "attn.proj.weight": Rule(hf + "self_attn.o_proj.weight", (h, h), same, (h, h)),
             ours + "ln2.weight": Rule(hf + "post_attention_layernorm.weight", (h,), same, (h,)),
-            ours + "mlp.fc.weight#gate": Rule(hf + "mlp.gate_proj.weight", (2 * f, h), gate[0], (f, h), gate[1]),
-            ours + "mlp.fc.weight#up": Rule(hf + "mlp.up_proj.weight", (2 * f, h), up[0], (f, h), up[1]),
-            ours + "mlp.proj.weight": Rule(hf + "mlp.down_proj.weight", (h, f), same, (h, f)),
+        })  # fmt: skip
+        if not experts:
+            rules.update({
+                ours + "mlp.fc.weight#gate": Rule(hf + "mlp.gate_proj.weight", (2 * f, h), gate[0], (f, h), gate[1]),
+                ours + "mlp.fc.weight#up": Rule(hf + "mlp.up_proj.weight", (2 * f, h), up[0], (f, h), up[1]),
+                ours + "mlp.proj.weight": Rule(hf + "mlp.down_proj.weight", (h, f), same, (h, f)),
+            })  # fmt: skip
+    return rules
+
+
+def _expert_rules(ours: str, hf: str, experts: int, f: int, h: int) -> dict[str, Rule]:
+    """A block's experts: gridlm's router (E, h) and stacked experts, fc (E, 2f, h) with gate and up
+    rows interleaved and proj (E, h, f), against Mixtral's block_sparse_moe.gate and per expert
+    w1 (gate, (f, h)), w3 (up) and w2 (down, (h, f))."""
+    moe = hf + "block_sparse_moe."
+    rules = {ours + "mlp.router.weight": Rule(moe + "gate.weight", (experts, h), same, (experts, h))}
+
+    def part(j: int, start: Optional[int]) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[..., None]]:
+        """Expert j's slice of a stacked tensor: its gate (start 0) or up (1) rows, or all of it."""
+        rows = slice(None) if start is None else slice(start, None, 2)
+
+        def place(out: np.ndarray, x: np.ndarray) -> None:
+            out[j, rows] = x
+
+        return (lambda x: x[j, rows]), place
+
+    for j in range(experts):
+        w1, w3, w2 = part(j, 0), part(j, 1), part(j, None)
+        rules.update({
+            f"{ours}mlp.fc.weight#w1.{j}": Rule(f"{moe}experts.{j}.w1.weight", (experts, 2 * f, h), w1[0], (f, h), w1[1]),
+            f"{ours}mlp.fc.weight#w3.{j}": Rule(f"{moe}experts.{j}.w3.weight", (experts, 2 * f, h), w3[0], (f, h), w3[1]),
+            f"{ours}mlp.proj.weight#w2.{j}": Rule(f"{moe}experts.{j}.w2.weight", (experts, h, f), w2[0], (h, f), w2[1]),
         })  # fmt: skip
     return rules
 
@@ -102,6 +159,17 @@ def hf_expected(config: dict[str, Any]) -> list[tuple[str, str, Any]]:
     """(deck model key, HF config key, the value the deck must have) for each key that shapes the
     model or its numerics; HF's defaults where config.json leaves a key out."""
     heads = config.get("num_attention_heads", 32)
+    if config.get("model_type") == "mixtral":  # the experts' width is intermediate_size
+        return [
+            *(e for e in _llama_expected(config, heads) if e[0] != "ffn_hidden"),
+            ("moe_experts", "num_local_experts", config.get("num_local_experts", 8)),
+            ("moe_top_k", "num_experts_per_tok", config.get("num_experts_per_tok", 2)),
+            ("moe_ffn_hidden", "intermediate_size", config.get("intermediate_size", 14336)),
+        ]
+    return [*_llama_expected(config, heads), ("moe_experts", "num_local_experts", 0)]
+
+
+def _llama_expected(config: dict[str, Any], heads: int) -> list[tuple[str, str, Any]]:
     return [
         ("arch", "model_type", "llama"),
         ("vocab_size", "vocab_size", config.get("vocab_size", 32000)),
@@ -129,10 +197,16 @@ def hf_unsupported(config: dict[str, Any], m: Any) -> Optional[str]:
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * m.heads != m.hidden:
         return f"head_dim {head_dim} x {m.heads} heads != hidden {m.hidden}: gridlm's heads split the width"
+    if config.get("model_type") == "mixtral":
+        if m.moe_every != 1:
+            return f"experts in every block; model.moe_every is {m.moe_every}: set it to 1"
+        window = config.get("sliding_window")
+        if window is not None and window < m.seq_len:
+            return f"sliding_window {window} < model.seq_len {m.seq_len}: gridlm's attention is full causal"
     return None
 
 
-HF = HFFormat("llama", "model.", hf_config, hf_rules, hf_expected, hf_unsupported)
+HF = HFFormat("llama", "model.", hf_config, hf_rules, hf_expected, hf_unsupported, also=("mixtral",))
 
 LLAMA = Arch(
     name="llama",

@@ -97,7 +97,8 @@ class HFFormat:
     name -> `hf.Rule` (export converts, import places); `expected(config)`: (deck model key, HF key,
     the value the deck must have) for the keys that shape the model; `unsupported(config, model)`:
     what of the HF model gridlm's blocks do not compute, or None. `model_type`: config.json's;
-    `prefix`: the base model class's key prefix ("transformer.", "model.")."""
+    `prefix`: the base model class's key prefix ("transformer.", "model."); `also`: further
+    model_types the entry reads (llama: mixtral, its blocks with experts)."""
 
     model_type: str
     prefix: str
@@ -105,6 +106,7 @@ class HFFormat:
     rules: Callable[[dict[str, Any]], dict[str, Any]]
     expected: Callable[[dict[str, Any]], list[tuple[str, str, Any]]]
     unsupported: Callable[[dict[str, Any], Any], Optional[str]]
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,11 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
 
     header = read_header(path)
     model = model_section(header, path)
+    from app.archs.llama import mixtral_blocks
+
+    why = mixtral_blocks(model)
+    if why is not None:
+        raise CheckpointError(f"{path}: no Hugging Face form for this model: {why}")
     rules = mapping(model)
     catalogue = header["datasets"]
     # Like io.load: the fp32 masters when the checkpoint has them, else the parameters.

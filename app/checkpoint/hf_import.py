@@ -70,7 +70,7 @@ def check_config(directory: Path, config: dict[str, Any], m: ModelConfig) -> Non
     for key, hf_key, want in form.expected(config):
         if key == "kv_heads" and not m.spec.grouped_query:
             continue
-        have = {"ffn_hidden": m.ffn, "kv_heads": m.kv}.get(key, getattr(m, key))
+        have = {"ffn_hidden": m.ffn, "kv_heads": m.kv, "moe_ffn_hidden": m.expert_ffn}.get(key, getattr(m, key))
         if key == "tie_embeddings":  # a tied HF model into an untied deck maps; the reverse cannot
             same = want or not have
         else:
@@ -96,6 +96,7 @@ def model_section(m: ModelConfig) -> dict[str, Any]:
     return {
         "arch": m.arch, "vocab_size": m.vocab_size, "seq_len": m.seq_len, "hidden": m.hidden, "heads": m.heads,
         "layers": m.layers, "ffn": m.ffn, "kv": m.kv, "tie_embeddings": m.tie_embeddings,
+        "moe_experts": m.moe_experts, "moe_top_k": m.moe_top_k, "expert_ffn": m.expert_ffn, "moe_every": m.moe_every,
     }  # fmt: skip
 
 

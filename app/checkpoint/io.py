@@ -69,7 +69,8 @@ from app.untrusted import parse_json
 FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 2
 READABLE_VERSIONS = (1, 2)  # 1: the weak v1 checksum (slabs.checksum_v1)
 # The model keys a checkpoint's tensors depend on (ffn_hidden compared resolved).
-SHAPE_KEYS = ("arch", "vocab_size", "seq_len", "layers", "hidden", "heads", "kv", "ffn", "tie_embeddings")
+SHAPE_KEYS = ("arch", "vocab_size", "seq_len", "layers", "hidden", "heads", "kv", "ffn", "tie_embeddings",
+              "moe_experts", "expert_ffn", "moe_every")  # fmt: skip
 CHECKSUM_DOC = (
     "sum over row-major element index i of mix64(mix64(K + i*G) XOR u_i) mod 2^64, u_i = element bits as unsigned "
     "int, mix64 = SplitMix64 finaliser (x ^= x>>30; x *= 0xBF58476D1CE4E5B9; x ^= x>>27; x *= 0x94D049BB133111EB; "
@@ -664,7 +665,8 @@ def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
             int(model[key])
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
-        model.update(arch=cfg.arch, ffn=cfg.ffn, kv=cfg.kv, tie_embeddings=cfg.tie_embeddings)
+        model.update(arch=cfg.arch, ffn=cfg.ffn, kv=cfg.kv, tie_embeddings=cfg.tie_embeddings,
+                     moe_experts=cfg.moe_experts, expert_ffn=cfg.expert_ffn, moe_every=cfg.moe_every)  # fmt: skip
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
         raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
     return model
@@ -676,7 +678,7 @@ def check_model(header: dict[str, Any], deck: Deck, path: Path) -> None:
     for key in SHAPE_KEYS:
         want = getattr(deck.model, key)
         if saved.get(key) != want:
-            shown = {"ffn": "ffn_hidden", "kv": "kv_heads"}.get(key, key)
+            shown = {"ffn": "ffn_hidden", "kv": "kv_heads", "expert_ffn": "moe_ffn_hidden"}.get(key, key)
             raise CheckpointError(
                 f"{path} holds a model with model.{shown} = {saved.get(key)!r}, the deck has {want!r}: a checkpoint "
                 f"loads only into the same model shape (any grid); use its model keys (h5dump -a deck) or "
