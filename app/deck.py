@@ -739,10 +739,11 @@ def _validate_moe(deck: Deck) -> None:
         raise DeckError("model.moe_experts", m.moe_experts, "a router needs at least 2 experts (0: dense MLPs)")
     if m.moe_top_k > m.moe_experts:
         raise DeckError("model.moe_top_k", m.moe_top_k, f"must be <= model.moe_experts = {m.moe_experts}")
-    if par.sequence_parallel:
+    if par.sequence_parallel and m.moe_capacity_factor is not None and par.tp > 1:
         raise DeckError(
-            "parallel.sequence_parallel", True, "not yet with mixture of experts (model.moe_experts): the experts "
-            "run whole on every tp rank; set it to false"
+            "model.moe_capacity_factor", m.moe_capacity_factor, "not yet with sequence parallelism (each tp rank "
+            "routes its sequence shard; the capacity is the micro-batch's): set it to null (dropless) or "
+            "parallel.sequence_parallel to false"
         )  # fmt: skip
     if par.tensor is not None:
         raise DeckError("parallel.tensor", list(par.tensor), "3D tensor parallelism has no mixture of experts yet")

@@ -157,7 +157,10 @@ def test_flops_count_the_active_parameters():
     [
         (("model.moe_experts=1",), "model.moe_experts"),
         (("model.moe_experts=4", "model.moe_top_k=5"), "model.moe_top_k"),
-        (("model.moe_experts=4", "parallel.tp=2", "parallel.sequence_parallel=true"), "parallel.sequence_parallel"),
+        (
+            ("model.moe_experts=4", "parallel.tp=2", "parallel.sequence_parallel=true", "model.moe_capacity_factor=1"),
+            "model.moe_capacity_factor",
+        ),
     ],
 )
 def test_the_deck_refuses_what_moe_does_not_run_yet(sets, key):

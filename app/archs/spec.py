@@ -219,14 +219,16 @@ class Arch:
 
     def moe_params(self, m: ModelShape, unit: str, out_std: float) -> list[ParamSpec]:
         """A mixture of experts (`app/model/moe.py`): the router (E, h) and each matrix of the E experts
-        stacked, (E, out, in), with their biases (E, out); whole on every tp rank."""
+        stacked, (E, out, in), with their biases (E, out); whole on every tp rank, fed a sequence
+        shard under SP."""
         e, h, f = m.moe_experts, m.hidden, m.expert_ffn
         rows = self.fc_rows(f)
-        out = [ParamSpec(f"{unit}.mlp.router.weight", (e, h), std=m.init_std, unit=unit)]
+        out = [ParamSpec(f"{unit}.mlp.router.weight", (e, h), std=m.init_std, seq_sharded=True, unit=unit)]
         for name, n_out, n_in, std in (("fc", rows, h, m.init_std), ("proj", h, f, out_std)):
-            out.append(ParamSpec(f"{unit}.mlp.{name}.weight", (e, n_out, n_in), std=std, unit=unit))
+            out.append(ParamSpec(f"{unit}.mlp.{name}.weight", (e, n_out, n_in), std=std, seq_sharded=True, unit=unit))
             if self.bias:
-                out.append(ParamSpec(f"{unit}.mlp.{name}.bias", (e, n_out), "zeros", decay=False, unit=unit))
+                out.append(ParamSpec(f"{unit}.mlp.{name}.bias", (e, n_out), "zeros", decay=False, seq_sharded=True,
+                                     unit=unit))  # fmt: skip
         return out
 
     def end_params(self, m: ModelShape, first: bool, last: bool) -> tuple[list[ParamSpec], list[ParamSpec]]:

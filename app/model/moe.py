@@ -25,8 +25,10 @@ experts run as two batched matmuls over an (E, C, h) buffer, C the most assignme
 got (dropless, the default) or the capacity ceil(capacity_factor T k / E), beyond which an
 expert's later tokens (by position) are dropped: their share of y is 0 and the residual carries
 them. Each token's k outputs are summed in a fixed order, so the result does not depend on the
-grid. Under tensor parallelism the experts are whole on every tp rank (each runs all tokens);
-sequence and expert parallelism come later (the deck refuses them).
+grid. Under tensor parallelism the experts are whole on every tp rank: without sequence
+parallelism each rank routes all tokens, with it each its own sequence shard (the weights'
+gradients then partial sums over tp, like the norms'; the losses' token sums summed over tp:
+`balance_losses`; dropless only). Expert parallelism comes later (the deck refuses it).
 """
 
 from __future__ import annotations
@@ -93,15 +95,31 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def balance_losses(
-    logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the load-balancing loss E sum_e f_e P_e, the z-loss mean_t logsumexp^2) of T tokens."""
+    logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, tp: Optional[TensorParallel] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the load-balancing loss E sum_e f_e P_e, the z-loss mean_t logsumexp^2, the z-loss's value)
+    over a micro-batch's T tokens. Under sequence parallelism (`tp`) this rank holds T / tp of them:
+    the sums over the tokens are summed over tp (one all-reduce), and a rank's losses carry the
+    gradient of its own tokens only, so that the tp ranks' backward passes add up to the whole's
+    (the aux value is the whole's on every rank; the z-loss is this rank's share of the whole's,
+    whose value the third element gives for the log)."""
     n_experts = probs.shape[-1]
     counts = torch.bincount(experts.reshape(-1), minlength=n_experts).to(probs.dtype)
-    share = counts / experts.numel()
-    aux = n_experts * (share * probs.mean(dim=0)).sum()
-    z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-    return aux, z
+    mass = probs.sum(dim=0)
+    lse2 = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
+    tokens = probs.shape[0]
+    if tp is not None and tp.size > 1:
+        local = torch.cat([counts, mass.detach(), lse2.detach().reshape(1)])
+        whole = tp.all_reduce(local)
+        counts = whole[:n_experts]
+        mass = mass + (whole[n_experts : 2 * n_experts] - mass.detach())  # the gradient reaches this rank's tokens
+        tokens *= tp.size
+        z_value = whole[-1] / tokens
+    else:
+        z_value = lse2.detach() / tokens
+    share = counts / (tokens * experts.shape[-1])
+    aux = n_experts * (share * mass / tokens).sum()
+    return aux, lse2 / tokens, z_value
 
 
 class MoE(nn.Module):
@@ -129,16 +147,22 @@ class MoE(nn.Module):
         self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.aux_coef, self.z_coef = coefficients
         self.act, self.stats = act, stats
+        # Sequence parallelism: each tp rank routes its own sequence shard (a partial gradient per rank).
+        self.tp = tp if tp.sequence_parallel and tp.size > 1 else None
+
+        def param(meta: ParamMeta) -> nn.Parameter:
+            return replicated_param(meta, tp, device, sequence_sharded_input=True)
+
         self.router = nn.Module()
-        self.router.weight = replicated_param(ParamMeta((experts, hidden), std=std), tp, device)
+        self.router.weight = param(ParamMeta((experts, hidden), std=std))
         self.fc = nn.Module()
-        self.fc.weight = replicated_param(ParamMeta((experts, fc_rows, hidden), std=std), tp, device)
+        self.fc.weight = param(ParamMeta((experts, fc_rows, hidden), std=std))
         if bias:
-            self.fc.bias = replicated_param(ParamMeta((experts, fc_rows), init="zeros", decay=False), tp, device)
+            self.fc.bias = param(ParamMeta((experts, fc_rows), init="zeros", decay=False))
         self.proj = nn.Module()
-        self.proj.weight = replicated_param(ParamMeta((experts, hidden, ffn), std=out_std), tp, device)
+        self.proj.weight = param(ParamMeta((experts, hidden, ffn), std=out_std))
         if bias:
-            self.proj.bias = replicated_param(ParamMeta((experts, hidden), init="zeros", decay=False), tp, device)
+            self.proj.bias = param(ParamMeta((experts, hidden), init="zeros", decay=False))
         self.bias = bias
 
     def capacity(self, tokens: int) -> Optional[int]:
@@ -153,7 +177,7 @@ class MoE(nn.Module):
         n, k, n_experts = tokens.shape[0], self.top_k, self.experts
         logits = F.linear(tokens, self.router.weight)
         probs, weights, experts = route(logits, k)
-        aux, z = balance_losses(logits, probs, experts)
+        aux, z, z_value = balance_losses(logits, probs, experts, self.tp)
         # Sort the n k assignments by expert; an assignment's slot is its rank within its expert.
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -179,7 +203,7 @@ class MoE(nn.Module):
         picked = out.reshape(n_experts * width, -1)[where] * (weights.reshape(-1, 1) * kept.unsqueeze(1)).to(out.dtype)
         y = picked.view(n, k, -1).sum(dim=1).view(shape)
         if torch.is_grad_enabled() and not _in_backward():
-            self.stats.add(aux, z, dropped, n * k)
+            self.stats.add(aux, z_value, dropped, n * k)
         extra = self.aux_coef * aux + self.z_coef * z
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             y = _AttachLoss.apply(y, extra, self.stats.scale)
