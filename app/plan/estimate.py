@@ -348,6 +348,13 @@ def layer_activation_bytes(
     # product, 2f, beside the fused 2f rows).
     attention = (m.qkv_rows + m.hidden) / m.hidden
     mlp = (m.fc_rows + (2 if m.spec.gated else 1) * m.ffn) / m.hidden
+    if m.moe_experts:
+        # Mixture of experts (every block planned as block 0, which has experts): per routed copy of a
+        # token (top_k of them), the experts' fc output and activation at their width and the dispatch
+        # buffers in and out (h each), whole on every tp rank (under SP: its shard's tokens).
+        f = m.expert_ffn
+        moe = m.moe_top_k * (m.spec.fc_rows(f) + (2 if m.spec.gated else 1) * f + 2 * m.hidden) / m.hidden
+        return sbh * (2 * e + (2 * e + 2) / t_sp + attention * e / t + moe * e / t_sp)
     return sbh * (2 * e + (2 * e + 2) / t_sp + (attention + mlp) * e / t)
 
 
