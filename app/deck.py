@@ -108,6 +108,10 @@ class ModelConfig:
         0.0, "mixture of experts: weight of the router z-loss (mean logsumexp^2, ST-MoE) per MoE layer", min=0.0,
         max=1e3,
     )  # fmt: skip
+    moe_shared_experts: int = _key(
+        0, "mixture of experts: S > 0 adds a dense MLP of width S x the expert width beside the routed experts, run "
+        "on every token (DeepSeekMoE's shared experts)", min=0, max=64,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.tie_embeddings is None and self.arch in archs.names():  # the arch's default: code reads a bool

@@ -68,8 +68,10 @@ def listed(deck, tp_size, tp_rank, tensor, sp, layers, first, last) -> list[tupl
 STAGES = [([0, 1, 2, 3], True, True), ([0, 1], True, False), ([2, 3], False, True)]
 
 
-# Mixture of experts in blocks 0 and 2 (app/model/moe.py): a router and stacked experts, whole on every tp rank.
-MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=48", "model.moe_every=2")
+# Mixture of experts in blocks 0 and 2 (app/model/moe.py): a router, stacked experts and two shared ones,
+# whole on every tp rank.
+MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=48", "model.moe_every=2",
+       "model.moe_shared_experts=2")  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", archs.names())

@@ -26,7 +26,7 @@ from conftest import REPO, read_metrics, run_app
 TOL = 1e-6
 SMALL = ("model.vocab_size=64", "model.seq_len=16", "model.layers=3", "model.hidden=32", "model.heads=4",
          "model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=24", "model.moe_aux_loss_coef=0.1",
-         "model.moe_z_loss_coef=0.01", "model.moe_every=2")  # fmt: skip
+         "model.moe_z_loss_coef=0.01", "model.moe_every=2", "model.moe_shared_experts=1")  # fmt: skip
 
 
 def reference_moe(m: MoE, x: torch.Tensor, gated: bool, capacity: int | None = None):
@@ -48,6 +48,11 @@ def reference_moe(m: MoE, x: torch.Tensor, gated: bool, capacity: int | None = N
         a = swiglu(h) if gated else F.gelu(h, approximate="tanh")
         o = a @ m.proj.weight[expert].t() + (m.proj.bias[expert] if m.bias else 0)
         out = out.index_add(0, rows, o * w[rows, which].unsqueeze(1))
+    if m.shared is not None:  # the shared experts: a dense MLP on every token
+        fc, proj = m.shared.fc, m.shared.proj
+        h = t @ fc.weight.t() + (fc.bias if m.bias else 0)
+        a = swiglu(h) if gated else F.gelu(h, approximate="tanh")
+        out = out + a @ proj.weight.t() + (proj.bias if m.bias else 0)
     f = torch.bincount(e.reshape(-1), minlength=n_experts).float() / (n * k)
     aux = n_experts * (f * p.mean(dim=0)).sum()
     z = torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -88,9 +93,10 @@ def _loss_and_grads(model: GPT, tokens, targets, reference: bool, capacity_facto
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["dropless", "capacity0.75"])
 def test_the_moe_model_equals_one_written_from_the_formulas(arch, capacity_factor):
-    """1 rank: a 3-block model with experts in blocks 0 and 2 (moe_every 2), gpt2's GELU experts with
-    biases and llama's SwiGLU ones without; dropless and with a capacity factor of 0.75 (so that
-    some assignments are dropped): the loss with the routers' losses, and every gradient, within TOL."""
+    """1 rank: a 3-block model with experts in blocks 0 and 2 (moe_every 2) and a shared expert,
+    gpt2's GELU experts with biases and llama's SwiGLU ones without; dropless and with a capacity
+    factor of 0.75 (so that some assignments are dropped): the loss with the routers' losses, and
+    every gradient, within TOL."""
     sets = (*SMALL, f"model.arch={arch}", *(() if capacity_factor is None else
             (f"model.moe_capacity_factor={capacity_factor}",)))  # fmt: skip
     deck = load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
@@ -193,9 +199,12 @@ def test_a_mixtral_directory_names_the_expert_keys_a_dense_deck_lacks(tmp_path):
     with pytest.raises(CheckpointError) as err:
         check_config(tmp_path, config, dense.model)
     assert "--set model.moe_experts=4" in str(err.value) and "--set model.moe_ffn_hidden=24" in str(err.value)
-    sets = (*SMALL, "model.arch=llama", "model.kv_heads=2", "model.moe_ffn_hidden=24")
+    sets = (*SMALL, "model.arch=llama", "model.kv_heads=2", "model.moe_ffn_hidden=24", "model.moe_shared_experts=0")
     every2 = load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
     with pytest.raises(CheckpointError, match="model.moe_every is 2: set it to 1"):
         check_config(tmp_path, config, every2.model)
     ok = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "model.moe_every=1"))
     check_config(tmp_path, config, ok.model)
+    shared = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "model.moe_every=1", "model.moe_shared_experts=1"))
+    with pytest.raises(CheckpointError, match="no shared experts"):
+        check_config(tmp_path, config, shared.model)

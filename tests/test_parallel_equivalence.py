@@ -214,10 +214,11 @@ CASES += [
     Case(2, 1, 2, extra=(*LLAMA, "run.compile=true", "train.recompute=full", "optim.zero=3")),
 ]
 
-# Mixture of experts (app/model/moe.py): the experts whole on every tp rank (under SP each routes its
-# sequence shard), under pp and dp with ZeRO-1; with a capacity factor of 1 (some assignments
+# Mixture of experts (app/model/moe.py) with a shared expert: the experts whole on every tp rank (under
+# SP each routes its sequence shard), under pp and dp with ZeRO-1; with a capacity factor of 1 (some assignments
 # dropped), the same ones on every grid.
-MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_z_loss_coef=0.001")
+MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_z_loss_coef=0.001",
+       "model.moe_shared_experts=1")  # fmt: skip
 CASES += [
     Case(2, 2, 2, extra=MOE),
     Case(2, 2, 2, sp=True, extra=(*LLAMA, *MOE, "model.moe_aux_loss_coef=0.5")),

@@ -38,9 +38,12 @@ def hf_config(model: dict[str, Any]) -> dict[str, Any]:
 
 
 def mixtral_blocks(model: dict[str, Any]) -> Optional[str]:
-    """Why a model with experts has no Mixtral form, or None: Mixtral has experts in every block."""
+    """Why a model with experts has no Mixtral form, or None: Mixtral has experts in every block and
+    no shared experts."""
     if model.get("moe_experts") and model.get("moe_every", 1) != 1:
         return f"model.moe_every = {model['moe_every']}: a Mixtral has experts in every block (moe_every 1)"
+    if model.get("moe_experts") and model.get("moe_shared_experts"):
+        return f"model.moe_shared_experts = {model['moe_shared_experts']}: a Mixtral has no shared experts"
     return None
 
 
@@ -200,6 +203,8 @@ def hf_unsupported(config: dict[str, Any], m: Any) -> Optional[str]:
     if config.get("model_type") == "mixtral":
         if m.moe_every != 1:
             return f"experts in every block; model.moe_every is {m.moe_every}: set it to 1"
+        if m.moe_shared_experts:
+            return f"no shared experts; model.moe_shared_experts is {m.moe_shared_experts}: set it to 0"
         window = config.get("sliding_window")
         if window is not None and window < m.seq_len:
             return f"sliding_window {window} < model.seq_len {m.seq_len}: gridlm's attention is full causal"

@@ -55,6 +55,7 @@ class ModelShape(Protocol):
 
     moe_experts: int
     moe_top_k: int
+    moe_shared_experts: int
 
     @property
     def expert_ffn(self) -> int: ...
@@ -229,6 +230,15 @@ class Arch:
             if self.bias:
                 out.append(ParamSpec(f"{unit}.mlp.{name}.bias", (e, n_out), "zeros", decay=False, seq_sharded=True,
                                      unit=unit))  # fmt: skip
+        shared = m.moe_shared_experts * f  # the shared experts: one dense MLP of their summed width
+        for name, n_out, n_in, std in (("fc", self.fc_rows(shared), h, m.init_std), ("proj", h, shared, out_std)):
+            if not shared:
+                break
+            out.append(ParamSpec(f"{unit}.mlp.shared.{name}.weight", (n_out, n_in), std=std, seq_sharded=True,
+                                 unit=unit))  # fmt: skip
+            if self.bias:
+                out.append(ParamSpec(f"{unit}.mlp.shared.{name}.bias", (n_out,), "zeros", decay=False, seq_sharded=True,
+                                     unit=unit))  # fmt: skip
         return out
 
     def end_params(self, m: ModelShape, first: bool, last: bool) -> tuple[list[ParamSpec], list[ParamSpec]]:
@@ -262,7 +272,7 @@ class Arch:
         idle = 0
         for i in range(m.layers):
             if m.is_moe(i):
-                experts = [p for p in self.moe_params(m, f"blocks.{i}", 0.0) if ".router." not in p.name]
+                experts = [p for p in self.moe_params(m, f"blocks.{i}", 0.0) if p.name.split(".")[3] in ("fc", "proj")]
                 idle += sum(p.numel for p in experts) // m.moe_experts * (m.moe_experts - m.moe_top_k)
         return self.num_params(m) - idle
 

@@ -97,6 +97,7 @@ def model_section(m: ModelConfig) -> dict[str, Any]:
         "arch": m.arch, "vocab_size": m.vocab_size, "seq_len": m.seq_len, "hidden": m.hidden, "heads": m.heads,
         "layers": m.layers, "ffn": m.ffn, "kv": m.kv, "tie_embeddings": m.tie_embeddings,
         "moe_experts": m.moe_experts, "moe_top_k": m.moe_top_k, "expert_ffn": m.expert_ffn, "moe_every": m.moe_every,
+        "moe_shared_experts": m.moe_shared_experts,
     }  # fmt: skip
 
 

@@ -70,7 +70,7 @@ FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 2
 READABLE_VERSIONS = (1, 2)  # 1: the weak v1 checksum (slabs.checksum_v1)
 # The model keys a checkpoint's tensors depend on (ffn_hidden compared resolved).
 SHAPE_KEYS = ("arch", "vocab_size", "seq_len", "layers", "hidden", "heads", "kv", "ffn", "tie_embeddings",
-              "moe_experts", "expert_ffn", "moe_every")  # fmt: skip
+              "moe_experts", "expert_ffn", "moe_every", "moe_shared_experts")  # fmt: skip
 CHECKSUM_DOC = (
     "sum over row-major element index i of mix64(mix64(K + i*G) XOR u_i) mod 2^64, u_i = element bits as unsigned "
     "int, mix64 = SplitMix64 finaliser (x ^= x>>30; x *= 0xBF58476D1CE4E5B9; x ^= x>>27; x *= 0x94D049BB133111EB; "
@@ -666,7 +666,8 @@ def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
         model.update(arch=cfg.arch, ffn=cfg.ffn, kv=cfg.kv, tie_embeddings=cfg.tie_embeddings,
-                     moe_experts=cfg.moe_experts, expert_ffn=cfg.expert_ffn, moe_every=cfg.moe_every)  # fmt: skip
+                     moe_experts=cfg.moe_experts, expert_ffn=cfg.expert_ffn, moe_every=cfg.moe_every,
+                     moe_shared_experts=cfg.moe_shared_experts)  # fmt: skip
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
         raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
     return model

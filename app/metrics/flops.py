@@ -68,11 +68,13 @@ def moe_layers(model: ModelConfig) -> int:
 
 def mlp_forward(model: ModelConfig, moe: bool) -> float:
     """Forward GEMM FLOPs per token of a block's MLP: the dense one (2 h ffn per matrix), or a mixture
-    of experts' router (2 h E) and its top-k experts (active parameters: what a token runs)."""
+    of experts' router (2 h E), its top-k experts and its shared ones (active parameters: what a
+    token runs)."""
     matrices = 3 if model.spec.gated else 2
     if not moe:
         return matrices * 2.0 * model.hidden * model.ffn
-    return model.moe_top_k * matrices * 2.0 * model.hidden * model.expert_ffn + 2.0 * model.hidden * model.moe_experts
+    routed = (model.moe_top_k + model.moe_shared_experts) * matrices * 2.0 * model.hidden * model.expert_ffn
+    return routed + 2.0 * model.hidden * model.moe_experts
 
 
 def moe_step_delta(model: ModelConfig, tokens: int) -> float:

@@ -275,7 +275,7 @@ def _moe(cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device], s
     """A block's mixture of experts (`app/model/moe.py`), its experts the dense MLP's kind."""
     return MoE(
         cfg.hidden, cfg.moe_experts, cfg.moe_top_k, cfg.expert_ffn, cfg.spec.fc_rows(cfg.expert_ffn), cfg.spec.bias,
-        cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.layers), cfg.moe_capacity_factor,
+        cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.layers), cfg.moe_capacity_factor, cfg.moe_shared_experts,
         (cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef), swiglu if cfg.spec.gated else _gelu, stats, tp, device,
     )  # fmt: skip
 

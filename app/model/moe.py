@@ -19,6 +19,8 @@ enter the loss as model.moe_aux_loss_coef x aux + model.moe_z_loss_coef x z per 
 micro-batch: their gradient is injected in backward at the scale of the micro-batch's loss
 (`_AttachLoss`, after Megatron's MoEAuxLossAutoScaler), so the pipeline passes only the hidden
 states on. Their values, and the assignments dropped, are summed for the log (`RouterStats`).
+With model.moe_shared_experts S, a dense MLP of width S x the expert width runs on every token
+beside them and adds its output (DeepSeekMoE's shared experts, Dai et al. 2024).
 
 Dispatch. The T k assignments are sorted by expert (stable: token order within an expert); the
 experts run as two batched matmuls over an (E, C, h) buffer, C the most assignments any expert
@@ -137,6 +139,7 @@ class MoE(nn.Module):
         std: float,
         out_std: float,
         capacity_factor: Optional[float],
+        shared: int,
         coefficients: tuple[float, float],
         act: Callable[[torch.Tensor], torch.Tensor],
         stats: RouterStats,
@@ -164,6 +167,19 @@ class MoE(nn.Module):
         if bias:
             self.proj.bias = param(ParamMeta((experts, hidden), init="zeros", decay=False))
         self.bias = bias
+        # Shared experts: one dense MLP of their summed width, on every token (none: `shared` 0).
+        self.shared: Optional[nn.Module] = None
+        if shared:
+            width, rows = shared * ffn, fc_rows // ffn * shared * ffn
+            self.shared = nn.Module()
+            self.shared.fc = nn.Module()
+            self.shared.fc.weight = param(ParamMeta((rows, hidden), std=std))
+            if bias:
+                self.shared.fc.bias = param(ParamMeta((rows,), init="zeros", decay=False))
+            self.shared.proj = nn.Module()
+            self.shared.proj.weight = param(ParamMeta((hidden, width), std=out_std))
+            if bias:
+                self.shared.proj.bias = param(ParamMeta((hidden,), init="zeros", decay=False))
 
     def capacity(self, tokens: int) -> Optional[int]:
         """The most assignments an expert takes (None: dropless)."""
@@ -201,7 +217,12 @@ class MoE(nn.Module):
         if self.bias:
             out = out + self.proj.bias.unsqueeze(1)
         picked = out.reshape(n_experts * width, -1)[where] * (weights.reshape(-1, 1) * kept.unsqueeze(1)).to(out.dtype)
-        y = picked.view(n, k, -1).sum(dim=1).view(shape)
+        y = picked.view(n, k, -1).sum(dim=1)
+        if self.shared is not None:
+            fc, proj = self.shared.fc, self.shared.proj
+            hidden = self.act(F.linear(tokens, fc.weight, fc.bias if self.bias else None))
+            y = y + F.linear(hidden, proj.weight, proj.bias if self.bias else None)
+        y = y.view(shape)
         if torch.is_grad_enabled() and not _in_backward():
             self.stats.add(aux, z_value, dropped, n * k)
         extra = self.aux_coef * aux + self.z_coef * z

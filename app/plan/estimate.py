@@ -352,8 +352,9 @@ def layer_activation_bytes(
         # Mixture of experts (every block planned as block 0, which has experts): per routed copy of a
         # token (top_k of them), the experts' fc output and activation at their width and the dispatch
         # buffers in and out (h each), whole on every tp rank (under SP: its shard's tokens).
-        f = m.expert_ffn
+        f, shared = m.expert_ffn, m.moe_shared_experts * m.expert_ffn
         moe = m.moe_top_k * (m.spec.fc_rows(f) + (2 if m.spec.gated else 1) * f + 2 * m.hidden) / m.hidden
+        moe += (m.spec.fc_rows(shared) + (2 if m.spec.gated else 1) * shared) / m.hidden  # the shared experts
         return sbh * (2 * e + (2 * e + 2) / t_sp + attention * e / t + moe * e / t_sp)
     return sbh * (2 * e + (2 * e + 2) / t_sp + (attention + mlp) * e / t)
 
