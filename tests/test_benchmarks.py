@@ -172,6 +172,23 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
     assert len(err) == 1 and "no CUDA device" in err[0]
 
 
+def test_the_gpu_offload_check_runs_its_flow_on_cpu_ranks_and_says_when_there_is_no_gpu(tmp_path, capsys, monkeypatch):
+    """benchmarks/gpu_offload_check.py with --device cpu, 2 steps, fp32: the five runs (none, host,
+    nvme, host delayed, host delayed on CPU ranks) and the three checks, all ok (on CPU ranks the
+    device runs are CPU runs: host and nvme equal, host and none within 1e-5, as tests/test_offload.py
+    holds). Without a GPU the default run says so in one line and exits 2."""
+    import gpu_offload_check
+    import torch
+
+    rc = gpu_offload_check.main(["--device", "cpu", "--steps", "2", "--precisions", "fp32", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("| ok |") == 3 and "FAILED" not in out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_offload_check.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
 TINY_SETS = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32"]
 
 
