@@ -83,7 +83,7 @@ def _loss_and_grads(model: GPT, tokens, targets, reference: bool, capacity_facto
     if reference:
         for mod in moes:
             del mod.forward
-        value = float(total)
+        value = float(total.detach())
     else:
         # The model's loss, and the routers' losses it added in backward (the same coefficients in every layer).
         value = float(loss.detach()) + moes[0].aux_coef * float(stats.aux) + moes[0].z_coef * float(stats.z)
@@ -176,14 +176,20 @@ def test_the_deck_refuses_what_moe_does_not_run_yet(sets, key):
 
 def test_moe_tiny_trains_and_logs_the_routers_losses(tmp_path):
     """inputs/moe_tiny.yaml, 6 steps on one rank: the loss falls, each record carries the routers'
-    losses (aux near 1 for a balanced router: E sum f P with f, P ~ 1/E) and no drops (dropless)."""
+    losses (aux near 1 for a balanced router: E sum f P with f, P ~ 1/E) and no drops (dropless).
+    Its checkpoint (gpt2 blocks with experts) has no Hugging Face form: export says so."""
+    from app.checkpoint.export import export_hf
+    from app.errors import CheckpointError
+
     out = run_app(1, "inputs/moe_tiny.yaml", "--set", "train.steps=6", "--set", "run.log_every=1", "--set",
-                  f"run.dir={tmp_path}", "--set", "checkpoint.at_exit=false", timeout=300)  # fmt: skip
+                  f"run.dir={tmp_path}", "--set", "checkpoint.every=0", timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
     assert all(0.9 < r["moe_aux_loss"] < 2.0 and r["moe_z_loss"] > 0 and r["moe_dropped"] == 0 for r in records)
     assert " | aux " in out.stdout + out.stderr
+    with pytest.raises(CheckpointError, match="model.arch gpt2 has no Hugging Face form with experts"):
+        export_hf(tmp_path / "checkpoints" / "step_0000006.h5", tmp_path / "hf")
 
 
 def test_a_mixtral_directory_names_the_expert_keys_a_dense_deck_lacks(tmp_path):

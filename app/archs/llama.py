@@ -211,7 +211,8 @@ def hf_unsupported(config: dict[str, Any], m: Any) -> Optional[str]:
     return None
 
 
-HF = HFFormat("llama", "model.", hf_config, hf_rules, hf_expected, hf_unsupported, also=("mixtral",))
+HF = HFFormat("llama", "model.", hf_config, hf_rules, hf_expected, hf_unsupported, also=("mixtral",),
+              unexportable=mixtral_blocks)  # fmt: skip
 
 LLAMA = Arch(
     name="llama",

@@ -99,7 +99,9 @@ class HFFormat:
     the value the deck must have) for the keys that shape the model; `unsupported(config, model)`:
     what of the HF model gridlm's blocks do not compute, or None. `model_type`: config.json's;
     `prefix`: the base model class's key prefix ("transformer.", "model."); `also`: further
-    model_types the entry reads (llama: mixtral, its blocks with experts)."""
+    model_types the entry reads (llama: mixtral, its blocks with experts); `unexportable(model)`: why a
+    checkpoint's model section has no Hugging Face form, or None (default: a model with experts has
+    none)."""
 
     model_type: str
     prefix: str
@@ -108,6 +110,11 @@ class HFFormat:
     expected: Callable[[dict[str, Any]], list[tuple[str, str, Any]]]
     unsupported: Callable[[dict[str, Any], Any], Optional[str]]
     also: tuple[str, ...] = ()
+    unexportable: Callable[[dict[str, Any]], Optional[str]] = lambda model: (
+        f"model.arch {model['arch']} has no Hugging Face form with experts (model.moe_experts)"
+        if model.get("moe_experts")
+        else None
+    )
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,7 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
 
     header = read_header(path)
     model = model_section(header, path)
-    from app.archs.llama import mixtral_blocks
-
-    why = mixtral_blocks(model)
+    why = archs.get(model["arch"]).hf.unexportable(model)
     if why is not None:
         raise CheckpointError(f"{path}: no Hugging Face form for this model: {why}")
     rules = mapping(model)
