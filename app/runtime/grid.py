@@ -160,6 +160,7 @@ class ProcessGrid:
         self.watchdog.set_groups(self.ranks)
         self._pipeline_groups: dict[Any, Any] = {}
         self._tensor3d_groups: dict[tuple[tuple[int, int, int], str], dict[str, tuple[int, Any, list[int]]]] = {}
+        self._expert_groups: dict[tuple[str, int], dict[str, tuple[int, Any, list[int]]]] = {}
         # From the measured placement (MPI's shared-memory split), not the layout's assumption:
         # do all members of every group of an axis share a node?
         node_of = [runtime.placement[r][0] for r in node_major]  # grid rank -> node
@@ -191,6 +192,28 @@ class ProcessGrid:
                 out[axis] = (mine[axis], group, ranks)
             self._tensor3d_groups[(shape, order)] = out
         return self._tensor3d_groups[(shape, order)]
+
+    def expert_groups(self, ep: int) -> dict[str, tuple[int, Any, list[int]]]:
+        """Expert parallelism's split of the dp group (mixture of experts, `parallel.ep`): `ep`
+        consecutive dp ranks form an expert group ("ep": they hold different experts and exchange
+        tokens), and the dp ranks at the same place in every expert group an expert-data group
+        ("edp": they hold the same experts and reduce their gradients). `{axis: (this rank's
+        coordinate, torch group, torch ranks)}`. Made on first use by every rank of the dp group
+        and kept, like `tensor3d`'s."""
+        dp = self.size("dp")
+        if ep < 1 or dp % ep:
+            raise LaunchError(f"expert parallelism ep = {ep} must divide dp = {dp}")
+        key = ("expert", ep)
+        if key not in self._expert_groups:
+            r = self.coords["dp"]
+            block, place = r // ep, r % ep
+            ep_ranks = [self.ranks["dp"][block * ep + i] for i in range(ep)]
+            edp_ranks = [self.ranks["dp"][b * ep + place] for b in range(dp // ep)]
+            self._expert_groups[key] = {
+                "ep": (place, self._groups.new(ep_ranks, self._backend, self.watchdog, "dp"), ep_ranks),
+                "edp": (block, self._groups.new(edp_ranks, self._backend, self.watchdog, "dp"), edp_ranks),
+            }
+        return self._expert_groups[key]
 
     def all_reduce(self, tensor: Any, axes: Sequence[str], op: Any = None) -> None:
         """In place: reduce `tensor` (sum by default) over each of `axes` in turn (a reduction

@@ -201,3 +201,28 @@ def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Ten
 def leave_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Output of a row-parallel layer (partial sums): summed, and sequence-sharded under SP."""
     return reduce_scatter_to_sequence(x, tp) if tp.sequence_parallel else reduce_from_tp(x, tp)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x, `send[i]` of them to rank i of `group` in rank order, in exchange for `recv[i]` from
+    each; backward sends the gradients back the same way (the exchange reversed)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    """Differentiable all-to-all with variable splits (expert parallelism's token exchange): rows
+    [sum(send[:i]), sum(send[:i + 1])) of x go to rank i of `group`; the result holds `recv[i]` rows
+    from rank i, in rank order."""
+    return _AllToAll.apply(x, list(send), list(recv), group)
