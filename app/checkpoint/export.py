@@ -93,8 +93,8 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
     check_target(directory, force)  # before the (possibly long) read, and before importing torch
     import h5py
 
-    from app.checkpoint.io import decode, model_section, read_header, require_dataset
-    from app.shards import MASTER, MODEL
+    from app.checkpoint.io import decode, masters_group, model_section, read_header, require_dataset
+    from app.shards import MODEL
 
     header = read_header(path)
     model = model_section(header, path)
@@ -103,9 +103,9 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
         raise CheckpointError(f"{path}: no Hugging Face form for this model: {why}")
     rules = mapping(model)
     catalogue = header["datasets"]
-    # Like io.load: the fp32 masters when the checkpoint has them, else the parameters.
+    # As io.load: the fp32 masters when the checkpoint has them, else the parameters.
     names = {dataset_name(key) for key in rules}
-    source = MASTER if all(f"{MASTER}/{name}" in catalogue for name in names) else MODEL
+    source = masters_group(header)
     unknown = sorted(key for key in catalogue if key.startswith(f"{MODEL}/") and key[len(MODEL) + 1 :] not in names)
     if unknown:
         raise CheckpointError(

@@ -45,7 +45,7 @@ from torch import nn
 
 from app.sharding.init import ParamMeta
 from app.tensor_parallel.layers import replicated_param
-from app.tensor_parallel.mappings import TensorParallel
+from app.tensor_parallel.mappings import TensorParallel, in_backward
 
 
 @dataclass
@@ -181,6 +181,15 @@ class MoE(nn.Module):
             if bias:
                 self.shared.proj.bias = param(ParamMeta((hidden,), init="zeros", decay=False))
 
+    def _mlp(self, x: torch.Tensor, fc: nn.Module, proj: nn.Module) -> torch.Tensor:
+        """proj(act(fc x)) with (out, in) weights: the stacked experts' (E, out, in) over x (E, C, h),
+        or the shared experts' over x (T, h)."""
+        h = torch.matmul(x, fc.weight.transpose(-1, -2))
+        if self.bias:
+            h = h + fc.bias.unsqueeze(-2)
+        out = torch.matmul(self.act(h), proj.weight.transpose(-1, -2))
+        return out + proj.bias.unsqueeze(-2) if self.bias else out
+
     def capacity(self, tokens: int) -> Optional[int]:
         """The most assignments an expert takes (None: dropless)."""
         if self.capacity_factor is None:
@@ -210,27 +219,16 @@ class MoE(nn.Module):
         where = flat * width + slot.clamp(max=width - 1)
         buffer = tokens.new_zeros(n_experts * width, shape[-1])
         buffer.index_copy_(0, where[kept], tokens[src[kept]])
-        h = torch.bmm(buffer.view(n_experts, width, -1), self.fc.weight.transpose(1, 2))
-        if self.bias:
-            h = h + self.fc.bias.unsqueeze(1)
-        out = torch.bmm(self.act(h), self.proj.weight.transpose(1, 2))
-        if self.bias:
-            out = out + self.proj.bias.unsqueeze(1)
+        out = self._mlp(buffer.view(n_experts, width, -1), self.fc, self.proj)  # a batched matmul per matrix
         picked = out.reshape(n_experts * width, -1)[where] * (weights.reshape(-1, 1) * kept.unsqueeze(1)).to(out.dtype)
         y = picked.view(n, k, -1).sum(dim=1)
         if self.shared is not None:
-            fc, proj = self.shared.fc, self.shared.proj
-            hidden = self.act(F.linear(tokens, fc.weight, fc.bias if self.bias else None))
-            y = y + F.linear(hidden, proj.weight, proj.bias if self.bias else None)
+            y = y + self._mlp(tokens, self.shared.fc, self.shared.proj)
         y = y.view(shape)
-        if torch.is_grad_enabled() and not _in_backward():
+        # A recomputation in backward (full activation recompute): its statistics were counted once.
+        if torch.is_grad_enabled() and not in_backward():
             self.stats.add(aux, z_value, dropped, n * k)
         extra = self.aux_coef * aux + self.z_coef * z
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             y = _AttachLoss.apply(y, extra, self.stats.scale)
         return y
-
-
-def _in_backward() -> bool:
-    """A recomputation in backward (full activation recompute): its statistics were counted once."""
-    return torch._C._current_graph_task_id() != -1

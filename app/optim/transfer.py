@@ -67,7 +67,7 @@ class HostTransfer:
         self.chunks_sent = 0
         self.staging = _flat(sizes, param_dtype, self.cuda) if staging else []
         self.staged_sent: Optional[torch.cuda.Event] = None
-        self.early = 0  # buckets shipped before `final` this step (tests, the log)
+        self.early = 0  # buckets shipped before `final` this step (tests/test_delayed_update.py reads it)
 
     def host_bytes(self) -> int:
         """Host memory these buffers hold."""

@@ -70,6 +70,7 @@ from app.runtime.timers import Pending, StepTimers, comm_region, launch, wait
 from app.sharding.init import initial_values
 from app.sharding.layout import ZERO2_IN_FLIGHT, ZERO3_PREFETCH, ParamLayout, Segment
 from app.shards import MASTER, MODEL, ShardState
+from app.tensor_parallel.mappings import in_backward
 
 
 @torch.no_grad()
@@ -127,11 +128,6 @@ class GradSink(Protocol):
 
     def final(self) -> None:
         """Every reduction and sum of the step is done."""
-
-
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a recomputation too)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class DataParallel:

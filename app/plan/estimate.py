@@ -347,16 +347,18 @@ def layer_activation_bytes(
     # fc output and what its activation makes of it (gpt2: GELU's f; llama: silu(gate) and the
     # product, 2f, beside the fused 2f rows).
     attention = (m.qkv_rows + m.hidden) / m.hidden
-    mlp = (m.fc_rows + (2 if m.spec.gated else 1) * m.ffn) / m.hidden
+
+    def mlp(width: int) -> float:  # an MLP of `width`: its fc output and what the activation makes of it
+        return (m.spec.fc_rows(width) + (2 if m.spec.gated else 1) * width) / m.hidden
+
     if m.moe_experts:
         # Mixture of experts (every block planned as block 0, which has experts): per routed copy of a
         # token (top_k of them), the experts' fc output and activation at their width and the dispatch
-        # buffers in and out (h each), whole on every tp rank (under SP: its shard's tokens).
-        f, shared = m.expert_ffn, m.moe_shared_experts * m.expert_ffn
-        moe = m.moe_top_k * (m.spec.fc_rows(f) + (2 if m.spec.gated else 1) * f + 2 * m.hidden) / m.hidden
-        moe += (m.spec.fc_rows(shared) + (2 if m.spec.gated else 1) * shared) / m.hidden  # the shared experts
+        # buffers in and out (h each), and the shared experts', whole on every tp rank (under SP: its
+        # shard's tokens).
+        moe = m.moe_top_k * (mlp(m.expert_ffn) + 2) + mlp(m.moe_shared_experts * m.expert_ffn)
         return sbh * (2 * e + (2 * e + 2) / t_sp + attention * e / t + moe * e / t_sp)
-    return sbh * (2 * e + (2 * e + 2) / t_sp + (attention + mlp) * e / t)
+    return sbh * (2 * e + (2 * e + 2) / t_sp + (attention + mlp(m.ffn)) * e / t)
 
 
 def gathered_block_bytes(

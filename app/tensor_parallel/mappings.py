@@ -203,6 +203,11 @@ def leave_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return reduce_scatter_to_sequence(x, tp) if tp.sequence_parallel else reduce_from_tp(x, tp)
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recomputation too)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows of x, `send[i]` of them to rank i of `group` in rank order, in exchange for `recv[i]` from
     each; backward sends the gradients back the same way (the exchange reversed)."""
