@@ -177,6 +177,11 @@ class ParallelConfig:
         "auto", "data-parallel degree; auto = world size / (tp x pp)", min=1, max=MAX_RANKS, words=("auto",)
     )
     order: str = _key("tp-dp-pp", "grid axes from innermost (neighbouring ranks) to outermost")
+    ep: int = _key(
+        1, "mixture of experts: expert-parallel degree, ranks of the dp axis that split the experts (each holds "
+        "model.moe_experts / ep) and exchange tokens by all-to-all; must divide dp and model.moe_experts",
+        min=1, max=MAX_RANKS,
+    )  # fmt: skip
     tensor: Optional[list[int]] = _key(
         None, "3D tensor parallelism (AxoNN): [x, y, z] splits each weight (out / y, in / x) and shards it 1/z, "
         "the batch split over dp x z; x y z must equal tp; null = 1D (Megatron) tensor parallelism",
@@ -725,6 +730,11 @@ def _validate(deck: Deck) -> None:
         )  # fmt: skip
     if m.moe_experts:
         _validate_moe(deck)
+    elif deck.parallel.ep > 1:
+        raise DeckError(
+            "parallel.ep", deck.parallel.ep, "expert parallelism splits a mixture of experts: set model.moe_experts, "
+            "or parallel.ep to 1"
+        )  # fmt: skip
     if opt.offload_delay and (opt.offload == "none" or opt.name != "adamw"):
         raise DeckError(
             "optim.offload_delay", opt.offload_delay, "the delayed update is the offloaded AdamW's: set "
@@ -751,6 +761,11 @@ def _validate_moe(deck: Deck) -> None:
         )  # fmt: skip
     if par.tensor is not None:
         raise DeckError("parallel.tensor", list(par.tensor), "3D tensor parallelism has no mixture of experts yet")
+    if m.moe_experts % par.ep:
+        raise DeckError(
+            "parallel.ep", par.ep, f"must divide model.moe_experts = {m.moe_experts} (each rank holds the same "
+            "number of experts)"
+        )  # fmt: skip
 
 
 BLEND_ITEM = "a mapping {path: PREFIX, weight: W} with W > 0"
@@ -948,6 +963,11 @@ def resolve_for_world(deck: Deck, world_size: int) -> Deck:
         raise DeckError(
             "train.global_batch", tr.global_batch, f"must be a multiple of {what} = {tr.micro_batch * dp * z}"
         )
+    if dp % par.ep:
+        raise DeckError(
+            "parallel.ep", par.ep, f"expert parallelism splits the dp axis: ep must divide dp = {dp} (tp x pp x dp = "
+            f"{par.tp} x {par.pp} x {dp})"
+        )  # fmt: skip
     micro = tr.global_batch // (tr.micro_batch * dp * z)
     if par.virtual_stages > 1 and micro % par.pp:
         # Interleaving walks the chunks in groups of pp micro-batches.

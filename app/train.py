@@ -45,6 +45,7 @@ from app.metrics.summary import CheckpointInfo, EvalInfo
 from app.model.fused import Kernels
 from app.model.goldfish import CountedTargets, goldfish_keep
 from app.model.gpt import GPT, Targets
+from app.model.moe import NO_EP, ExpertParallel
 from app.names import reduce_precision, torch_dtype
 from app.optim.offload import offload_path
 from app.optim.optimizer import (
@@ -161,7 +162,11 @@ class Trainer:
         pipe = self.pipeline
         # Shapes only ("meta"): DataParallel computes each value straight into its buffers.
         meta = torch.device("meta")
-        self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, recompute=tr.recompute)
+        ep = NO_EP
+        if par.ep > 1:  # experts split over ep consecutive dp ranks (`ProcessGrid.expert_groups`)
+            place, group, _ = grid.expert_groups(par.ep)["ep"]
+            ep = ExpertParallel(par.ep, place, group)
+        self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, tr.recompute, ep)
         if deck.run.compile:
             self.model.fuse(Kernels.compiled())  # llama's element-wise chains as generated kernels
         compute = torch_dtype(tr.precision)
@@ -180,6 +185,7 @@ class Trainer:
             units=self.model.param_units(),
             seed=tr.seed,
             device=self.device,
+            ep=par.ep,
         )
         self.dp.prefetch_hooks(self.model.first_uses())
         if isinstance(self.tp, Tensor3D):  # ORS: the deferred weight gradients go where autograd's go

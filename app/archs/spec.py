@@ -72,7 +72,8 @@ class ParamSpec:
     acting on a sequence shard, so under sequence parallelism each tp rank's gradient is partial
     (`app.sharding.layout.ParamMeta.sequence_parallel`). `split3d`: its cuts under 3D tensor
     parallelism (`box3d`). `unit`: the ZeRO-3 gather unit (embed, blocks.<i>, head). `tied`: the last
-    stage's copy of a tied embedding."""
+    stage's copy of a tied embedding. `expert`: a mixture of experts' stacked experts (E, ...), split
+    along dim 0 over expert parallelism (`parallel.ep`, `app.model.moe.ExpertParallel`)."""
 
     name: str
     shape: tuple[int, ...]
@@ -84,6 +85,7 @@ class ParamSpec:
     split3d: tuple[tuple[str, int], ...] = ()
     unit: str = ""
     tied: bool = False
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -233,10 +235,11 @@ class Arch:
         rows = self.fc_rows(f)
         out = [ParamSpec(f"{unit}.mlp.router.weight", (e, h), std=m.init_std, seq_sharded=True, unit=unit)]
         for name, n_out, n_in, std in (("fc", rows, h, m.init_std), ("proj", h, f, out_std)):
-            out.append(ParamSpec(f"{unit}.mlp.{name}.weight", (e, n_out, n_in), std=std, seq_sharded=True, unit=unit))
+            out.append(ParamSpec(f"{unit}.mlp.{name}.weight", (e, n_out, n_in), std=std, seq_sharded=True, unit=unit,
+                                 expert=True))  # fmt: skip
             if self.bias:
                 out.append(ParamSpec(f"{unit}.mlp.{name}.bias", (e, n_out), "zeros", decay=False, seq_sharded=True,
-                                     unit=unit))  # fmt: skip
+                                     unit=unit, expert=True))  # fmt: skip
         shared = m.moe_shared_experts * f  # the shared experts: one dense MLP of their summed width
         for name, n_out, n_in, std in (("fc", self.fc_rows(shared), h, m.init_std), ("proj", h, shared, out_std)):
             if not shared:

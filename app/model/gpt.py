@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from app.deck import ModelConfig
 from app.model.goldfish import CountedTargets
-from app.model.moe import MoE, RouterStats
+from app.model.moe import NO_EP, ExpertParallel, MoE, RouterStats
 from app.names import RECOMPUTE
 from app.sharding.init import ParamMeta, init_parameters
 from app.tensor_parallel.layers import (
@@ -271,12 +271,14 @@ def _gelu(h: torch.Tensor) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
 
 
-def _moe(cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device], stats: RouterStats) -> MoE:
+def _moe(
+    cfg: ModelConfig, tp: TensorParallel, device: Optional[torch.device], stats: RouterStats, ep: ExpertParallel
+) -> MoE:
     """A block's mixture of experts (`app/model/moe.py`), its experts the dense MLP's kind."""
     return MoE(
         cfg.hidden, cfg.moe_experts, cfg.moe_top_k, cfg.expert_ffn, cfg.spec.fc_rows(cfg.expert_ffn), cfg.spec.bias,
         cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.layers), cfg.moe_capacity_factor, cfg.moe_shared_experts,
-        (cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef), swiglu if cfg.spec.gated else _gelu, stats, tp, device,
+        (cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef), swiglu if cfg.spec.gated else _gelu, stats, tp, device, ep,
     )  # fmt: skip
 
 
@@ -289,6 +291,7 @@ class Block(nn.Module):
         recompute: str = "none",
         layer: int = 0,
         stats: Optional[RouterStats] = None,
+        ep: ExpertParallel = NO_EP,
     ) -> None:
         super().__init__()
         self.recompute = recompute
@@ -296,7 +299,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, tp, device, recompute_core=recompute == "selective")
         self.ln2 = _layer_norm(cfg, tp, device)
         self.mlp: nn.Module = (
-            _moe(cfg, tp, device, stats if stats is not None else RouterStats())
+            _moe(cfg, tp, device, stats if stats is not None else RouterStats(), ep)
             if cfg.is_moe(layer)
             else MLP(cfg, tp, device)
         )
@@ -337,7 +340,8 @@ class GPT(nn.Module):
     head (runs the last chunk). With tied embeddings and first != last, the last stage
     keeps its own copy of the embedding (`ParamMeta.tied`), kept equal by summing the two
     gradients (see `app/parallel/data.py`). `recompute`: "none", "full" or
-    "selective" activation recomputation in training (module docstring).
+    "selective" activation recomputation in training (module docstring). `ep`: this rank's place in
+    its expert group (a mixture of experts' experts split over `parallel.ep`).
     """
 
     def __init__(
@@ -350,6 +354,7 @@ class GPT(nn.Module):
         first: bool = True,
         last: bool = True,
         recompute: str = "none",
+        ep: ExpertParallel = NO_EP,
     ) -> None:
         super().__init__()
         if recompute not in RECOMPUTE:
@@ -372,7 +377,7 @@ class GPT(nn.Module):
                 self.wpe = replicated_param(wpe, tp, device, True)
         ids = range(cfg.layers) if layers is None else layers
         self.router_stats = RouterStats()  # the mixture-of-experts layers' losses this step (app/model/moe.py)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device, recompute, i, self.router_stats) for i in ids})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device, recompute, i, self.router_stats, ep) for i in ids})
         if last:
             self.ln_f = _layer_norm(cfg, tp, device)
             if not cfg.tie_embeddings:

@@ -30,22 +30,58 @@ them. Each token's k outputs are summed in a fixed order, so the result does not
 grid. Under tensor parallelism the experts are whole on every tp rank: without sequence
 parallelism each rank routes all tokens, with it each its own sequence shard (the weights'
 gradients then partial sums over tp, like the norms'; the losses' token sums summed over tp:
-`balance_losses`; dropless only). Expert parallelism comes later (the deck refuses it).
+`balance_losses`; dropless only).
+
+Expert parallelism (`parallel.ep`, `ExpertParallel`): the ep ranks of an expert group (consecutive
+dp ranks, `ProcessGrid.expert_groups`) hold E / ep experts each, (E / ep, out, in) boxes of the
+stacked tensors (`ParamMeta.split["ep"]`). Each rank routes its own tokens and applies the capacity
+to them (so the same assignments drop as on one rank), sorts its kept assignments by expert, and
+(1) exchanges the per-expert counts (one small all-to-all, read on the host: the split sizes),
+(2) sends each assignment's token to the rank of its expert (all-to-all, variable splits), which
+runs its experts as one batched matmul over what it received from every rank, and (3) the outputs
+return by the reverse all-to-all (backward: the same exchanges reversed, `mappings.all_to_all`).
+The experts' gradients sum over the ranks that hold the same experts (`DataParallel`'s expert
+buckets); the router and the shared experts stay replicated like any dense parameter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from app.sharding.init import ParamMeta
 from app.tensor_parallel.layers import replicated_param
-from app.tensor_parallel.mappings import TensorParallel, in_backward
+from app.tensor_parallel.mappings import TensorParallel, all_to_all, in_backward
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's place in its expert group (`parallel.ep`): `size` ranks holding E / size experts
+    each, this rank the `rank`-th (experts [rank E / size, (rank + 1) E / size)), `group` their torch
+    group (None at size 1)."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+    def box(self, meta: ParamMeta) -> ParamMeta:
+        """`meta` of stacked experts (E, ...) for this rank: its E / size along dim 0."""
+        if self.size == 1:
+            return meta
+        shape = list(meta.global_shape)
+        shape[0] //= self.size
+        offset = (self.rank * shape[0],) + (0,) * (len(shape) - 1)
+        return dataclasses.replace(meta, shape=tuple(shape), offset=offset, split={"ep": 0})
+
+
+NO_EP = ExpertParallel()
 
 
 @dataclass
@@ -145,9 +181,11 @@ class MoE(nn.Module):
         stats: RouterStats,
         tp: TensorParallel,
         device: Optional[torch.device],
+        ep: ExpertParallel = NO_EP,
     ) -> None:
         super().__init__()
         self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        self.ep, self.local_experts = ep, experts // ep.size
         self.aux_coef, self.z_coef = coefficients
         self.act, self.stats = act, stats
         # Sequence parallelism: each tp rank routes its own sequence shard (a partial gradient per rank).
@@ -158,14 +196,14 @@ class MoE(nn.Module):
 
         self.router = nn.Module()
         self.router.weight = param(ParamMeta((experts, hidden), std=std))
-        self.fc = nn.Module()
-        self.fc.weight = param(ParamMeta((experts, fc_rows, hidden), std=std))
+        self.fc = nn.Module()  # the stacked experts: this rank's E / ep of them (`ExpertParallel.box`)
+        self.fc.weight = param(ep.box(ParamMeta((experts, fc_rows, hidden), std=std)))
         if bias:
-            self.fc.bias = param(ParamMeta((experts, fc_rows), init="zeros", decay=False))
+            self.fc.bias = param(ep.box(ParamMeta((experts, fc_rows), init="zeros", decay=False)))
         self.proj = nn.Module()
-        self.proj.weight = param(ParamMeta((experts, hidden, ffn), std=out_std))
+        self.proj.weight = param(ep.box(ParamMeta((experts, hidden, ffn), std=out_std)))
         if bias:
-            self.proj.bias = param(ParamMeta((experts, hidden), init="zeros", decay=False))
+            self.proj.bias = param(ep.box(ParamMeta((experts, hidden), init="zeros", decay=False)))
         self.bias = bias
         # Shared experts: one dense MLP of their summed width, on every token (none: `shared` 0).
         self.shared: Optional[nn.Module] = None
@@ -196,6 +234,36 @@ class MoE(nn.Module):
             return None
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.experts))
 
+    def _run_experts(self, rows: torch.Tensor, expert: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
+        """The outputs of rows (R, h) through this rank's experts (`expert`: each row's, local index),
+        in the rows' order: one batched matmul per matrix over an (E_local, C, h) buffer, C the most
+        rows any expert got (unfilled slots stay zero; their outputs are never read)."""
+        slot, counts = _slots(expert, self.local_experts)
+        if width is None:
+            width = max(1, int(counts.max())) if rows.shape[0] else 1
+        where = expert * width + slot
+        buffer = rows.new_zeros(self.local_experts * width, rows.shape[-1])
+        buffer.index_copy_(0, where, rows)
+        out = self._mlp(buffer.view(self.local_experts, width, -1), self.fc, self.proj)
+        return out.reshape(self.local_experts * width, -1)[where]
+
+    def _exchange(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: rows (sorted by global `expert`) to their experts' ranks of the expert
+        group and their outputs back, in the rows' order (module docstring: steps 1-3)."""
+        ep, local = self.ep, self.local_experts
+        counts = torch.bincount(expert, minlength=self.experts)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=ep.group)  # (source, local expert) counts
+        host = torch.cat([counts, received]).tolist()  # the split sizes: one copy to the host
+        send = [sum(host[i * local : (i + 1) * local]) for i in range(ep.size)]
+        mine = host[self.experts :]
+        recv = [sum(mine[i * local : (i + 1) * local]) for i in range(ep.size)]
+        arrived = all_to_all(rows, send, recv, ep.group)  # by source, then expert, then source order
+        which = torch.arange(local, device=rows.device).repeat(ep.size)
+        expert_of = torch.repeat_interleave(which, received.view(-1))
+        out = self._run_experts(arrived, expert_of)
+        return all_to_all(out, recv, send, ep.group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
@@ -203,25 +271,22 @@ class MoE(nn.Module):
         logits = F.linear(tokens, self.router.weight)
         probs, weights, experts = route(logits, k)
         aux, z, z_value = balance_losses(logits, probs, experts, self.tp)
-        # Sort the n k assignments by expert; an assignment's slot is its rank within its expert.
+        # An assignment's slot is its rank within its expert (token order); beyond the capacity it drops.
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=n_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        slot_sorted = torch.arange(n * k, device=x.device) - starts[flat[order]]
-        slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted)
+        slot, _ = _slots(flat, n_experts)
         limit = self.capacity(n)
-        width = int(counts.max()) if limit is None else limit
-        kept = slot < width
-        dropped = (~kept).sum()
-        # The experts' inputs, (E, C, h): unfilled slots stay zero (their outputs are never read).
         src = torch.arange(n, device=x.device).repeat_interleave(k)
-        where = flat * width + slot.clamp(max=width - 1)
-        buffer = tokens.new_zeros(n_experts * width, shape[-1])
-        buffer.index_copy_(0, where[kept], tokens[src[kept]])
-        out = self._mlp(buffer.view(n_experts, width, -1), self.fc, self.proj)  # a batched matmul per matrix
-        picked = out.reshape(n_experts * width, -1)[where] * (weights.reshape(-1, 1) * kept.unsqueeze(1)).to(out.dtype)
-        y = picked.view(n, k, -1).sum(dim=1)
+        if self.ep.size == 1:
+            kept = torch.arange(n * k, device=x.device) if limit is None else torch.nonzero(slot < limit).view(-1)
+            out = self._run_experts(tokens[src[kept]], flat[kept], limit)
+        else:  # the kept assignments sorted by expert: the exchange's order
+            order = torch.argsort(flat, stable=True)
+            kept = order if limit is None else order[slot[order] < limit]
+            out = self._exchange(tokens[src[kept]], flat[kept])
+        dropped = torch.full((), n * k - kept.numel(), dtype=torch.long, device=x.device)
+        in_order = self.ep.size == 1 and kept.numel() == n * k  # every assignment, in assignment order
+        picked = out if in_order else out.new_zeros(n * k, shape[-1]).index_copy(0, kept, out)
+        y = (picked * weights.reshape(-1, 1).to(out.dtype)).view(n, k, -1).sum(dim=1)
         if self.shared is not None:
             y = y + self._mlp(tokens, self.shared.fc, self.shared.proj)
         y = y.view(shape)
@@ -232,3 +297,12 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             y = _AttachLoss.apply(y, extra, self.stats.scale)
         return y
+
+
+def _slots(expert: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's rank among the rows of its expert, in row order; the rows per expert)."""
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    ranked = torch.arange(expert.numel(), device=expert.device) - starts[expert[order]]
+    return torch.empty_like(ranked).scatter_(0, order, ranked), counts

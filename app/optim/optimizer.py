@@ -81,11 +81,26 @@ class Scratch:
 
 def grad_norm_views(dp: DataParallel) -> NormViews:
     """The views of this rank's reduced gradients whose squares make the global norm: each
-    logical element once (`ParamLayout.owned`), adjacent owned segments merged."""
-    views = NormViews(1, dp.device)
-    for b in range(len(dp.buckets)):
-        views.add(dp.grads(b), dp.layout.owned_runs(b))
+    logical element once (`ParamLayout.owned`), adjacent owned segments merged; group 1 the
+    expert buckets', group 0 the rest (`dp_replicas`)."""
+    views = NormViews(2, dp.device)
+    for b, bucket in enumerate(dp.buckets):
+        views.add(dp.grads(b), dp.layout.owned_runs(b), int(bucket.expert))
     return views
+
+
+def dp_replicas(dp: DataParallel, expert: bool) -> int:
+    """How many ranks of the dp group hold the same values of a bucket's state that each rank holds
+    whole (no ZeRO): dp, or dp / ep for experts split over ep. A sum over dp divided by it counts
+    each element once (`norm_axes`)."""
+    return 1 if dp.zero else (dp.dp // dp.ep if expert else dp.dp)
+
+
+def norm_axes(dp: DataParallel) -> tuple[str, ...]:
+    """The axes a sum over this rank's parts (divided by `dp_replicas`) is summed over: all of them
+    when ZeRO shards the buckets over dp or experts are split over ep, else tp and pp (dp replicas
+    hold the same values)."""
+    return AXES if dp.zero or dp.layout.has_experts else ("tp", "pp")
 
 
 @torch.no_grad()
@@ -100,7 +115,7 @@ def step_verdict(
     hold the same values); `loss_sum`: this rank's local loss (the last stage holds it, the others
     0; None: not checked). Two flags, MAX over tp, pp and dp; the fp16 overflow test is the second
     flag. The norm and the flags reach the host in one copy: the step's only synchronisation."""
-    grid.all_reduce(squares, AXES if dp.zero else ("tp", "pp"))
+    grid.all_reduce(squares, norm_axes(dp))
     device = squares.device
     loss_bad = (
         torch.zeros((), dtype=torch.float64, device=device)
@@ -272,7 +287,11 @@ class ShardedOptimizer:
         sums it over the grid), in one multi-tensor norm; call after `finish_grad_reduce`."""
         if self._norm_views is None:
             self._norm_views = grad_norm_views(self.dp)
-        return self._norm_views.sum_squares()[0]
+        dense, expert = self._norm_views.sum_squares()
+        if not self.dp.layout.has_experts:
+            return dense
+        # Experts split over ep: the sum runs over dp too (`norm_axes`), each copy counted 1 / replicas.
+        return dense / dp_replicas(self.dp, False) + expert / dp_replicas(self.dp, True)
 
     def shard_states(self) -> list[ShardState]:
         """The moments of the master shards (and, offloaded, the masters themselves unless the
@@ -519,7 +538,11 @@ class ShardedOptimizer:
         views = self._lamb_lists(dp.master if masters is None else masters, updates)
         n = len(dp.params)
         sums = views.norms.sum_squares().view(2, n)
-        self.grid.all_reduce(sums, ("tp", "dp") if dp.zero else ("tp",))
+        if dp.layout.has_experts:  # summed over dp as well (`norm_axes`): each copy counted 1 / replicas
+            experts = {i for b in dp.buckets if b.expert for i in b.params}
+            replicas = [dp_replicas(dp, i in experts) for i in range(n)]
+            sums = sums / torch.tensor(replicas, dtype=sums.dtype, device=sums.device)
+        self.grid.all_reduce(sums, tuple(a for a in norm_axes(dp) if a != "pp"))
         w_norm, u_norm = sums.sqrt()
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-300), torch.ones_like(w_norm))
         ratio = ratio.float().tolist()

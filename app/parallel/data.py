@@ -155,10 +155,14 @@ class DataParallel:
         units: Optional[Sequence[tuple[str, Sequence[torch.Tensor]]]] = None,
         seed: Optional[int] = None,
         device: Optional[torch.device] = None,
+        ep: int = 1,
     ) -> None:
         self.timers = timers
         self.dp, self.dp_rank = grid.size("dp"), grid.coords["dp"]
         self.group = grid.group["dp"] if self.dp > 1 else None
+        # Expert parallelism: expert buckets are reduced and sharded over the expert-data group.
+        self.ep = ep
+        self.expert_group = grid.expert_groups(ep)["edp"][1] if ep > 1 else None
         # zero >= 1: the optimizer state is sharded over dp; 2: the gradients as well (no whole buffer).
         self.zero = zero >= 1 and self.dp > 1
         self.shard_grads = zero >= 2 and self.dp > 1
@@ -198,6 +202,7 @@ class DataParallel:
             bucket_elements=bucket_mb * 1e6 / element,
             alone=tied_index,
             units=[unit_of[id(q)] for q in self.params] if self.shard_params else None,
+            ep=ep,
         )
         self.offsets, self.buckets = self.layout.offsets, self.layout.buckets
         self.flight = [InFlight() for _ in self.buckets]
@@ -295,6 +300,10 @@ class DataParallel:
                 out[at : at + hi - lo].copy_(values)
         return out
 
+    def _group(self, k: int) -> Any:
+        """The group holding bucket k alike: dp, or the expert-data group for an expert bucket."""
+        return self.expert_group if self.buckets[k].expert else self.group
+
     @staticmethod
     def _bucket_range(buffer: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of `buffer`, the same memory under a version counter of their own
@@ -384,9 +393,9 @@ class DataParallel:
         grads = self.grad_buffer[b.start : b.end]
         grads.div_(self.dp)  # the mean; dividing first keeps low-precision sums in range
         if self.zero:
-            work = dist.reduce_scatter_single(f.grad_shard, grads, group=self.group, async_op=True)
+            work = dist.reduce_scatter_single(f.grad_shard, grads, group=self._group(k), async_op=True)
         else:
-            work = dist.all_reduce(grads, group=self.group, async_op=True)
+            work = dist.all_reduce(grads, group=self._group(k), async_op=True)
         f.reduce = launch(self.timers, "dp", work, "gradient reduction")
         if self.sink is not None and not self.late[k]:
             self.sink.ready(k, work)
@@ -413,7 +422,7 @@ class DataParallel:
         full.div_(self.dp)
         shard = torch.empty_like(f.grad_shard)
         self._count_bytes(shard)
-        work = dist.reduce_scatter_single(shard, full, group=self.group, async_op=True)
+        work = dist.reduce_scatter_single(shard, full, group=self._group(k), async_op=True)
         pending = launch(self.timers, "dp", work, "gradient reduce_scatter")
         pending.keep = full  # alive until the reduction completes
         self.reducing.append((k, pending, shard))
@@ -531,7 +540,7 @@ class DataParallel:
             source = self.param_shard(k) if self.master_offloaded else self.master[k]
             send = source.to(self.param_buffer.dtype, copy=True)
             # Into the bucket's own range: its completion bumps only this bucket's version counter.
-            work = dist.all_gather_single(self.bucket_params[k], send, group=self.group, async_op=True)
+            work = dist.all_gather_single(self.bucket_params[k], send, group=self._group(k), async_op=True)
             f.gather = launch(self.timers, "dp", work, "parameter all_gather")
             f.gather.keep = send  # alive until the gather completes
             if not self.overlap_param_gather:
@@ -573,7 +582,7 @@ class DataParallel:
         f.resident = True
         full.untyped_storage().resize_(full.numel() * full.element_size())
         self._count_gathered(full, 1)
-        work = dist.all_gather_single(full, self.param_shards[k], group=self.group, async_op=True)
+        work = dist.all_gather_single(full, self.param_shards[k], group=self._group(k), async_op=True)
         f.gather = launch(self.timers, "dp", work, "parameter all_gather")
         if not self.overlap_param_gather:
             self._wait_gather(f)

@@ -1,7 +1,7 @@
 """Assemble the full (1-rank) parameters of a model sharded over the grid, on one rank.
 
 For the equivalence tests (any grid = one rank) on small models: every tensor travels
-through MPI to rank 0 of the grid. Each logical tensor is contributed once: by dp rank 0, by tp rank 0
+through MPI to rank 0 of the grid. Each logical tensor is contributed once: by dp rank 0 (experts split over ep: by each of dp ranks 0 .. ep-1), by tp rank 0
 when it is replicated over tp, and never from the tied head copy (`ParamMeta.tied`).
 Checkpoints (and export, which reads them) write and read hyperslabs in parallel instead.
 """
@@ -19,12 +19,12 @@ from app.runtime.grid import ProcessGrid
 
 def owned_shards(model: nn.Module, grid: ProcessGrid) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], np.ndarray]]:
     """name -> (global shape, offset, values) of the shards this rank contributes."""
-    if grid.coords["dp"] != 0:
-        return {}
     shards = {}
     for name, p in model.named_parameters():
         meta = p.meta
-        if not meta.owned_by(grid.coords["tp"]):
+        # Experts split over ep: the first ep dp ranks hold them all (one expert-data place each).
+        replicas = meta.global_shape[0] // meta.local_shape[0] if "ep" in meta.split else 1
+        if grid.coords["dp"] >= replicas or not meta.owned_by(grid.coords["tp"]):
             continue
         offset = meta.offset or (0,) * p.dim()
         shards[name] = (

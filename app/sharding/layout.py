@@ -49,7 +49,8 @@ class ParamMeta:
     `global_shape`: the 1-rank shape; `offset`: start of this shard along each dim; `shape`:
     the shard's shape (empty: the global shape); `split`: grid axis -> dim it is split along;
     along every other axis of tp and dp the parameter is replicated (pp is different: each
-    parameter lives on the stage that runs its layer). `init`: 'normal' | 'zeros' | 'ones';
+    parameter lives on the stage that runs its layer; "ep": a mixture of experts' stacked experts,
+    split along dim 0 over the expert-parallel ranks of dp and replicated over the others). `init`: 'normal' | 'zeros' | 'ones';
     `std`: for 'normal'; `decay`: weight decay applies. `sequence_parallel`: replicated over
     tp, but it acts on a sequence shard, so each tp rank holds a partial gradient that must be
     summed over tp (under 3D tensor parallelism: replicated over tp_z, where the batch is split,
@@ -175,13 +176,23 @@ class Segment:
 @dataclass(frozen=True)
 class Bucket:
     """[start, end) of the flat buffers (end - start a multiple of dp), its whole parameters,
-    and the shard [shard_lo, shard_hi) this rank updates."""
+    and the shard [shard_lo, shard_hi) this rank updates. `expert`: its parameters are experts
+    split over ep (`ParamMeta.split["ep"]`), held alike only by the dp/ep ranks of the expert-data
+    group, over which the bucket is reduced and sharded."""
 
     start: int
     end: int
     params: tuple[int, ...]
     shard_lo: int
     shard_hi: int
+    expert: bool = False
+
+
+def _sharing(dp: int, dp_rank: int, ep: int, expert: bool) -> tuple[int, int]:
+    """(ranks holding a bucket alike, this rank's place among them): dp and the dp rank, or for
+    experts split over ep the expert-data group, dp rank r at place r // ep of dp / ep
+    (`ProcessGrid.expert_groups`)."""
+    return (dp // ep, dp_rank // ep) if expert else (dp, dp_rank)
 
 
 def _merged(segments: Iterable[Segment]) -> tuple[tuple[int, int], ...]:
@@ -210,6 +221,7 @@ class ParamLayout:
     dp: int
     dp_rank: int
     zero: bool  # each rank updates only its 1/dp slice of every bucket (ZeRO-1)
+    ep: int = 1  # expert parallelism: expert buckets are shared by dp / ep ranks (`Bucket.expert`)
     _shard_parts: dict[int, tuple[tuple[Segment, ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = (
         field(default_factory=dict, compare=False, repr=False)
     )
@@ -226,14 +238,18 @@ class ParamLayout:
         bucket_elements: float,
         alone: Optional[int] = None,
         units: Optional[Sequence[str]] = None,
+        ep: int = 1,
     ) -> ParamLayout:
         """The parameters `metas` (buffer order) of tp rank `tp_rank` in buckets of whole
         parameters of at least `bucket_elements` (the last may be smaller), parameter `alone`
         (the tied embedding) in a bucket of its own. `zero` takes effect only when dp > 1.
         `units` (ZeRO-3: each parameter's gather unit, see `GPT.param_units`): a bucket never
-        holds parameters of two units, so a unit's gather moves only its own buckets."""
+        holds parameters of two units, so a unit's gather moves only its own buckets. Experts
+        (split over `ep`) never share a bucket with other parameters: theirs is sharded over the
+        expert-data group (`expert_group`)."""
         zero = zero and dp > 1
         numels = [m.numel for m in metas]
+        experts = [ep > 1 and "ep" in m.split for m in metas]
         offsets: list[int] = []
         buckets: list[Bucket] = []
         current: list[int] = []
@@ -242,14 +258,17 @@ class ParamLayout:
         def close() -> None:
             nonlocal start, size, current
             if current:
+                expert = experts[current[0]]
+                n, r = _sharing(dp, dp_rank, ep, expert)
                 end = start + -(-size // dp) * dp
-                shard = (end - start) // dp
-                lo, hi = (start + dp_rank * shard, start + (dp_rank + 1) * shard) if zero else (start, end)
-                buckets.append(Bucket(start, end, tuple(current), lo, hi))
+                shard = (end - start) // n
+                lo, hi = (start + r * shard, start + (r + 1) * shard) if zero else (start, end)
+                buckets.append(Bucket(start, end, tuple(current), lo, hi, expert))
                 start, size, current = end, 0, []
 
         for i, n in enumerate(numels):
-            if i == alone or (units is not None and i > 0 and units[i] != units[i - 1]):
+            cut = i > 0 and (experts[i] != experts[i - 1] or (units is not None and units[i] != units[i - 1]))
+            if i == alone or cut:
                 close()
             offsets.append(start + size)
             current.append(i)
@@ -259,7 +278,7 @@ class ParamLayout:
         close()
         owned = tuple(m.owned_by(tp_rank) for m in metas)
         decay = tuple(m.decay for m in metas)
-        return cls(tuple(metas), owned, tuple(numels), decay, tuple(offsets), tuple(buckets), dp, dp_rank, zero)
+        return cls(tuple(metas), owned, tuple(numels), decay, tuple(offsets), tuple(buckets), dp, dp_rank, zero, ep)
 
     def local_range(self, i: int, span: tuple[int, int]) -> tuple[int, int]:
         """Buffer range `span` intersected with parameter i, in the parameter's local flat
@@ -305,12 +324,24 @@ class ParamLayout:
         """Parameter index -> its bucket."""
         return {i: k for k, b in enumerate(self.buckets) for i in b.params}
 
+    def sharing(self, b: int) -> tuple[int, int]:
+        """(the ranks holding bucket b alike, this rank's place among them): the dp group, or for an
+        expert bucket the expert-data group (dp / ep ranks)."""
+        return _sharing(self.dp, self.dp_rank, self.ep, self.buckets[b].expert)
+
     def dp_slice(self, b: int) -> tuple[int, int]:
-        """This dp rank's 1/dp slice of bucket b (buffer offsets): the ZeRO-1 shard, held or not.
-        Checkpoints split their I/O of replicated state over dp ranks this way."""
+        """This rank's slice of bucket b among the ranks holding it alike (`sharing`; buffer
+        offsets): the ZeRO-1 shard, held or not. Checkpoints split their I/O of replicated state
+        over those ranks this way."""
         bucket = self.buckets[b]
-        shard = (bucket.end - bucket.start) // self.dp
-        return bucket.start + self.dp_rank * shard, bucket.start + (self.dp_rank + 1) * shard
+        n, r = self.sharing(b)
+        shard = (bucket.end - bucket.start) // n
+        return bucket.start + r * shard, bucket.start + (r + 1) * shard
+
+    @property
+    def has_experts(self) -> bool:
+        """Some bucket holds experts split over ep > 1."""
+        return any(b.expert for b in self.buckets)
 
     def shard_elements(self) -> int:
         """Elements of the shards this rank updates (its fp32 master and optimizer moments)."""
