@@ -106,13 +106,13 @@ def data(tmp_path_factory):
 def test_init_from_gives_the_hf_loss_on_one_rank_and_tp2_pp2(arch, data, tmp_path):
     """A saved Hugging Face GPT-2, Llama or Mixtral (llama blocks with experts) starts a run whose
     first loss is Hugging Face's within 1e-5 on 1 rank, tp2 pp2 and dp2 ZeRO-1 (Mixtral: 1 rank
-    and tp2; its experts are whole on every tp rank)."""
+    and tp2 dp2 ep2, each rank holding 2 of the 4 experts, whole on both tp ranks)."""
     prefix, tokens = data
     model = save_hf(arch, tmp_path / "hf")
     want = hf_loss(model, tokens)
     grids = ((1, ()), (4, ("--set", "parallel.tp=2", "--set", "parallel.pp=2")), (2, ("--set", "optim.zero=1")))
     if arch == "mixtral":
-        grids = ((1, ()), (2, ("--set", "parallel.tp=2")))
+        grids = ((1, ()), (4, ("--set", "parallel.tp=2", "--set", "parallel.ep=2")))
     for ranks, grid in grids:
         run_dir = tmp_path / f"run{ranks}"
         out = run_app(ranks, "inputs/gpt_tiny.yaml", *base_sets(tmp_path / "hf", prefix, run_dir, arch), *grid)

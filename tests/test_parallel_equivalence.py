@@ -88,12 +88,14 @@ class Case(NamedTuple):
     param_atol: float = PARAM_ATOL
     param_mean_atol: float = math.inf  # mixed precision: the mean error per tensor (module docstring)
     tensor: tuple[int, int, int] | None = None  # 3D tensor parallelism's [x, y, z] (x y z = tp)
+    ep: int = 1  # expert parallelism (a mixture of experts' experts split over ep dp ranks)
 
     @property
     def id(self) -> str:
         tp = "x".join(map(str, self.tensor)) if self.tensor else self.tp
         tags = [f"tp{tp}", f"pp{self.pp}", f"dp{self.dp}"]
         tags += ["sp"] if self.sp else []
+        tags += [f"ep{self.ep}"] if self.ep > 1 else []
         tags += [f"interleaved{self.virtual}"] if self.virtual > 1 else []
         if self.extra == OVERLAP_OFF:
             return "-".join(tags + ["overlap-off"])
@@ -103,7 +105,7 @@ class Case(NamedTuple):
         return (
             f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
             f"parallel.sequence_parallel={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual}",
-            *([f"parallel.tensor={list(self.tensor)}"] if self.tensor else []), *self.extra,
+            *([f"parallel.tensor={list(self.tensor)}"] if self.tensor else []), f"parallel.ep={self.ep}", *self.extra,
         )  # fmt: skip
 
 
@@ -224,6 +226,16 @@ CASES += [
     Case(2, 2, 2, sp=True, extra=(*LLAMA, *MOE, "model.moe_aux_loss_coef=0.5")),
     Case(1, 2, 2, extra=(*LLAMA, *MOE, "model.moe_capacity_factor=1.0", "model.moe_every=2", "optim.zero=1")),
 ]
+# Expert parallelism: 2 or 4 experts per rank, tokens exchanged by all-to-all, expert gradients reduced
+# over the dp / ep ranks holding the same experts (with ZeRO-1 sharded over them; LAMB's and the clipped
+# norm's expert parts summed over ep); with a capacity factor, the source ranks drop what one rank drops.
+CASES += [
+    Case(1, 1, 4, ep=2, extra=(*MOE, "optim.name=lamb")),
+    Case(2, 1, 2, sp=True, ep=2, extra=(*LLAMA, *MOE)),
+    Case(1, 2, 4, ep=4, extra=(*LLAMA, *MOE, "model.moe_capacity_factor=1.0")),
+    Case(1, 2, 4, ep=2, extra=(*MOE, "optim.zero=1")),
+    Case(1, 1, 4, ep=2, extra=(*LLAMA, *MOE, "train.precision=bf16"), **BF16),
+]
 
 _REFERENCES: dict = {}
 
@@ -247,6 +259,8 @@ def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path
     grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order)
     if case.tensor:  # the sub-axes' groups: made by every copy, like the pipeline's (GridPool.stand_by)
         grid.tensor3d(case.tensor, deck.parallel.tensor_order)
+    if case.ep > 1:  # the expert groups, likewise
+        grid.expert_groups(case.ep)
     losses, problems, worst = None, [], 0.0
     if grids.trains(size):
         trainer = Trainer(deck, sub, grid)
