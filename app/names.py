@@ -12,6 +12,9 @@ from typing import Any
 AXES = ("tp", "pp", "dp")  # the grid's axes, innermost-first in the default order tp-dp-pp
 # 3D tensor parallelism's sub-axes of tp, innermost first: timed apart, and within tp's total.
 TP_SUB_AXES = ("tp_x", "tp_y", "tp_z")
+# Communication timed apart and within its axis's total: 3D tensor parallelism's sub-axes of tp, and
+# expert parallelism's token all-to-all ("ep", within dp: the ep ranks are dp ranks).
+SUB_AXES = {**dict.fromkeys(TP_SUB_AXES, "tp"), "ep": "dp"}
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of each precision
 RECOMPUTE = ("none", "full", "selective")  # train.recompute

@@ -165,7 +165,7 @@ class Trainer:
         ep = NO_EP
         if par.ep > 1:  # experts split over ep consecutive dp ranks (`ProcessGrid.expert_groups`)
             place, group, _ = grid.expert_groups(par.ep)["ep"]
-            ep = ExpertParallel(par.ep, place, group)
+            ep = ExpertParallel(par.ep, place, group, self.timers)
         self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, tr.recompute, ep)
         if deck.run.compile:
             self.model.fuse(Kernels.compiled())  # llama's element-wise chains as generated kernels

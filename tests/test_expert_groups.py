@@ -1,6 +1,7 @@
-"""Pieces of expert parallelism (issue 42, `parallel.ep`, not wired in yet): the grid's split of the dp
-group into expert groups and expert-data groups, and the differentiable all-to-all with variable
-splits that will carry tokens to their experts' ranks and back. Run under mpirun -n 2 and 4."""
+"""Pieces of expert parallelism (issue 42, `parallel.ep`): the grid's split of the dp group into expert
+groups and expert-data groups, and the differentiable all-to-all with variable splits that carries
+tokens to their experts' ranks and back (the whole: tests/test_expert_parallel.py and the ep cases of
+tests/test_parallel_equivalence.py). Run under mpirun -n 2 and 4."""
 
 from __future__ import annotations
 

@@ -130,3 +130,49 @@ def test_ownership_counts_each_element_of_the_1_rank_model_once_over_tp():
         else:
             assert set(counted) == everything and set(counted.values()) == {1}, i
     assert [layout.owned[1] for layout in layouts] == [True, False, False, False]
+
+
+@pytest.mark.parametrize("dp, ep", [(4, 2), (4, 4), (8, 2), (6, 3)])
+@pytest.mark.parametrize("zero", [False, True])
+def test_expert_buckets_are_apart_and_each_expert_element_is_held_once_per_expert_data_group(dp, ep, zero):
+    """Experts split over ep (`ParamMeta.split["ep"]`) never share a bucket with dense parameters; a
+    dense element is held by every dp rank (ZeRO: by one), an expert element by the dp / ep ranks at
+    the same place of every expert group (ZeRO: by one of them), and the write slices (`dp_slice`) of
+    those ranks tile each expert bucket."""
+    numels, decay = _params(ep + dp)
+    expert = [i % 3 == 1 for i in range(len(numels))]
+    metas = [
+        ParamMeta((ep * n,), decay=d, shape=(n,), split={"ep": 0}) if e else ParamMeta((n,), decay=d)
+        for n, d, e in zip(numels, decay, expert)
+    ]
+    layouts = [
+        ParamLayout.build(metas, tp_rank=0, dp=dp, dp_rank=r, zero=zero, bucket_elements=5000, ep=ep) for r in range(dp)
+    ]
+    first = layouts[0]
+    assert first.has_experts
+    for b in first.buckets:
+        assert {expert[i] for i in b.params} == {b.expert}  # never mixed
+    for place in range(ep):  # the expert-data group at this place of the expert groups
+        group = [layouts[r] for r in range(dp) if r % ep == place]
+        held = [0] * len(numels)
+        for layout in group:
+            for k in range(len(layout.buckets)):
+                for s in layout.segments(k):
+                    held[s.param] += s.hi - s.lo
+        for i, n in enumerate(numels):
+            copies = (1 if zero else dp // ep) if expert[i] else (dp // ep if not zero else None)
+            if copies is not None:
+                assert held[i] == n * copies, (i, held[i], n, copies)
+        for k, b in enumerate(first.buckets):
+            if b.expert:
+                slices = sorted(lay.dp_slice(k) for lay in group)
+                assert slices[0][0] == b.start and slices[-1][1] == b.end
+                assert all(x[1] == y[0] for x, y in zip(slices, slices[1:]))
+    dense = [0] * len(numels)  # dense elements: over all dp ranks, once each under ZeRO
+    for layout in layouts:
+        for k, b in enumerate(layout.buckets):
+            for s in layout.segments(k):
+                dense[s.param] += (s.hi - s.lo) * (not b.expert)
+    assert [dense[i] for i in range(len(numels)) if not expert[i]] == [
+        n * (1 if zero else dp) for n, e in zip(numels, expert) if not e
+    ]

@@ -37,7 +37,7 @@ from app.metrics.summary import (
     Summary,
     TimersInfo,
 )
-from app.names import AXES, SCHEDULES, TP_SUB_AXES, reduce_precision, schedule_key
+from app.names import AXES, SCHEDULES, SUB_AXES, reduce_precision, schedule_key
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, node_summary, on_root
 from app.runtime.timers import PHASES
@@ -53,12 +53,15 @@ OVERLAP_KEYS = (
 
 
 def _sub_axes_words(t: TimersInfo) -> str:
-    """ " | tp sub-axes: tp_x 1.0/0.5 ms ..." (communication / exposed) under 3D tensor parallelism."""
-    subs = [a for a in TP_SUB_AXES if a in t["comm_s"]]
-    if not subs:
-        return ""
-    each = ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}/{t['exposed_comm_s'][a] * 1e3:.1f}" for a in subs)
-    return f" | tp sub-axes (communication/exposed ms): {each}"
+    """ " | tp sub-axes (communication/exposed ms): tp_x 1.0/0.5 ..." under 3D tensor parallelism, and
+    " | ep all-to-all ...: ep 3.0/3.0" under expert parallelism (both within their axis's figures)."""
+    out = ""
+    for parent, words in (("tp", "tp sub-axes"), ("dp", "ep all-to-all, within dp")):
+        subs = [a for a, axis in SUB_AXES.items() if axis == parent and a in t["comm_s"]]
+        if subs:
+            each = ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}/{t['exposed_comm_s'][a] * 1e3:.1f}" for a in subs)
+            out += f" | {words} (communication/exposed ms): {each}"
+    return out
 
 
 def _arch_words(m: ModelConfig) -> str:
@@ -87,7 +90,7 @@ class Built:
 def mean_timings(timings: list[dict[str, Any]]) -> TimersInfo:
     """Per-step means of the `StepTimers.pop()` records (numbers and per-axis dicts)."""
     out: dict[str, Any] = {f"{p}_s": sum(t[f"{p}_s"] for t in timings) / len(timings) for p in PHASES}
-    subs = [a for a in TP_SUB_AXES if any(a in t["comm_s"] for t in timings)]  # 3D tensor parallelism
+    subs = [a for a in SUB_AXES if any(a in t["comm_s"] for t in timings)]  # 3D tensor parallelism, ep
     for key in ("comm_s", "exposed_comm_s"):
         out[key] = {a: sum(t[key].get(a, 0.0) for t in timings) / len(timings) for a in (*AXES, *subs)}
     return TimersInfo(**out)

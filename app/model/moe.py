@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from app.runtime.timers import StepTimers, comm_region
 from app.sharding.init import ParamMeta
 from app.tensor_parallel.layers import replicated_param
 from app.tensor_parallel.mappings import TensorParallel, all_to_all, in_backward
@@ -65,11 +66,12 @@ from app.tensor_parallel.mappings import TensorParallel, all_to_all, in_backward
 class ExpertParallel:
     """This rank's place in its expert group (`parallel.ep`): `size` ranks holding E / size experts
     each, this rank the `rank`-th (experts [rank E / size, (rank + 1) E / size)), `group` their torch
-    group (None at size 1)."""
+    group (None at size 1), `timers` the step timers its exchanges are charged to (sub-axis "ep")."""
 
     size: int = 1
     rank: int = 0
     group: Any = None
+    timers: Optional[StepTimers] = None
 
     def box(self, meta: ParamMeta) -> ParamMeta:
         """`meta` of stacked experts (E, ...) for this rank: its E / size along dim 0."""
@@ -253,16 +255,17 @@ class MoE(nn.Module):
         ep, local = self.ep, self.local_experts
         counts = torch.bincount(expert, minlength=self.experts)
         received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=ep.group)  # (source, local expert) counts
-        host = torch.cat([counts, received]).tolist()  # the split sizes: one copy to the host
+        with comm_region(ep.timers, "ep", "all_to_all"):
+            dist.all_to_all_single(received, counts, group=ep.group)  # (source, local expert) counts
+            host = torch.cat([counts, received]).tolist()  # the split sizes: one copy to the host
         send = [sum(host[i * local : (i + 1) * local]) for i in range(ep.size)]
         mine = host[self.experts :]
         recv = [sum(mine[i * local : (i + 1) * local]) for i in range(ep.size)]
-        arrived = all_to_all(rows, send, recv, ep.group)  # by source, then expert, then source order
+        arrived = all_to_all(rows, send, recv, ep.group, ep.timers)  # by source, then expert, then source order
         which = torch.arange(local, device=rows.device).repeat(ep.size)
         expert_of = torch.repeat_interleave(which, received.view(-1))
         out = self._run_experts(arrived, expert_of)
-        return all_to_all(out, recv, send, ep.group)
+        return all_to_all(out, recv, send, ep.group, ep.timers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from app.names import AXES, TP_SUB_AXES
+from app.names import AXES, SUB_AXES
 from app.runtime.watchdog import AnyWatchdog, NullWatchdog
 
 PHASES = ("forward", "backward", "optimizer")
@@ -60,13 +60,13 @@ class StepTimers:
 
     def _reset(self) -> None:
         self.phases = dict.fromkeys(PHASES, 0.0)
-        self.comm = dict.fromkeys(AXES + TP_SUB_AXES, 0.0)
-        self.exposed = dict.fromkeys(AXES + TP_SUB_AXES, 0.0)
+        self.comm = dict.fromkeys(AXES + tuple(SUB_AXES), 0.0)
+        self.exposed = dict.fromkeys(AXES + tuple(SUB_AXES), 0.0)
         self._charged: set[str] = set()  # the axes charged this step (sub-axes are reported only then)
         # GPU: (bucket dict, key, start event, end event), summed in pop().
         self._events: list[tuple[dict[str, float], str, Any, Any]] = []
         # CPU: (start, end) of every collective per axis; comm_s is the length of their union.
-        self._spans: dict[str, list[tuple[float, float]]] = {a: [] for a in AXES + TP_SUB_AXES}
+        self._spans: dict[str, list[tuple[float, float]]] = {a: [] for a in AXES + tuple(SUB_AXES)}
 
     @contextmanager
     def _timed(self, *targets: tuple[dict[str, float], str]) -> Iterator[None]:
@@ -150,12 +150,13 @@ class StepTimers:
             torch.cuda.synchronize(self.device)
             for bucket, key, start, end in self._events:
                 bucket[key] += start.elapsed_time(end) / 1e3
-        subs = [a for a in TP_SUB_AXES if a in self._charged]
-        for sub in subs:  # a sub-axis's collectives are tp's too
-            self.exposed["tp"] += self.exposed[sub]
-            self._spans["tp"] += self._spans[sub]
+        subs = [a for a in SUB_AXES if a in self._charged]
+        for sub in subs:  # a sub-axis's collectives are its axis's too (tp_x: tp's, ep: dp's)
+            axis = SUB_AXES[sub]
+            self.exposed[axis] += self.exposed[sub]
+            self._spans[axis] += self._spans[sub]
             if self.cuda:
-                self.comm["tp"] += self.comm[sub]
+                self.comm[axis] += self.comm[sub]
         for axis in (*AXES, *subs):
             if self.cuda:  # overlapped durations are not measured on GPU: at least the exposed part
                 self.comm[axis] = max(self.comm[axis], self.exposed[axis])

@@ -213,21 +213,27 @@ class _AllToAll(torch.autograd.Function):
     each; backward sends the gradients back the same way (the exchange reversed)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(
+        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any, timers: Optional[StepTimers]
+    ) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.timers = send, recv, group, timers
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        with comm_region(timers, "ep", "all_to_all"):
+            dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return back, None, None, None
+        with comm_region(ctx.timers, "ep", "all_to_all"):
+            dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, send: list[int], recv: list[int], group: Any, timers: Optional[StepTimers] = None
+) -> torch.Tensor:
     """Differentiable all-to-all with variable splits (expert parallelism's token exchange): rows
     [sum(send[:i]), sum(send[:i + 1])) of x go to rank i of `group`; the result holds `recv[i]` rows
-    from rank i, in rank order."""
-    return _AllToAll.apply(x, list(send), list(recv), group)
+    from rank i, in rank order. Timed as the "ep" sub-axis of dp (`timers`)."""
+    return _AllToAll.apply(x, list(send), list(recv), group, timers)
