@@ -5,7 +5,8 @@
         [--set section.key=value ...] [--hosts gridlm-node1:4,gridlm-node2:4]
 
 A grid is TPxPPxDP, optionally followed by +sp (sequence parallelism), +vN (N virtual
-stages, interleaved 1F1B) and @ORDER (parallel.order, e.g. 2x2x2@tp-pp-dp). --hosts H passes
+stages, interleaved 1F1B), +epN (expert parallelism over N dp ranks, a mixture-of-experts deck)
+and @ORDER (parallel.order, e.g. 2x2x2@tp-pp-dp). --hosts H passes
 `--host H` to mpirun (simulated nodes of launch/cluster_local.sh, with its exports). Each grid
 runs `mpirun -n TP*PP*DP python -m app DECK` with
 run.timers on, and the table (Markdown on stdout, plus table.md and table.csv in
@@ -31,7 +32,7 @@ from pathlib import Path
 from app.metrics.summary import Summary
 
 REPO = Path(__file__).resolve().parent.parent
-GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+)*)(?:@([a-z]+-[a-z]+-[a-z]+))?$")
+GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+|\+ep\d+)*)(?:@([a-z]+-[a-z]+-[a-z]+))?$")
 COLUMNS = ["grid", "ranks", "step_ms", "step_std_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms",
            "final_loss"]  # fmt: skip
 
@@ -40,7 +41,7 @@ def parse_grid(spec: str) -> tuple[int, int, int, bool, int]:
     """'2x2x1+sp+v2' -> (tp, pp, dp, sequence_parallel, virtual_stages)."""
     match = GRID.match(spec)
     if match is None:
-        raise SystemExit(f"grid_bench: bad grid {spec!r}; expected TPxPPxDP[+sp][+vN], e.g. 2x2x1+sp")
+        raise SystemExit(f"grid_bench: bad grid {spec!r}; expected TPxPPxDP[+sp][+vN][+epN][@ORDER], e.g. 2x2x1+sp")
     tp, pp, dp = (int(match.group(i)) for i in (1, 2, 3))
     flags = match.group(4)
     virtual = re.search(r"\+v(\d+)", flags)
@@ -48,9 +49,15 @@ def parse_grid(spec: str) -> tuple[int, int, int, bool, int]:
 
 
 def grid_order(spec: str) -> tuple[str, ...]:
-    """The deck overrides of a grid's @ORDER ('2x2x2@tp-pp-dp' -> ('parallel.order=tp-pp-dp',))."""
+    """The deck overrides of a grid's @ORDER and +epN ('1x1x4+ep2@tp-pp-dp' -> ('parallel.ep=2',
+    'parallel.order=tp-pp-dp'))."""
     match = GRID.match(spec)
-    return (f"parallel.order={match.group(5)}",) if match and match.group(5) else ()
+    if match is None:
+        return ()
+    ep = re.search(r"\+ep(\d+)", match.group(4))
+    return ((f"parallel.ep={ep.group(1)}",) if ep else ()) + (
+        (f"parallel.order={match.group(5)}",) if match.group(5) else ()
+    )
 
 
 def host_args(hosts: str | None) -> list[str]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.deck import load_deck
+from app.deck import load_deck, resolve_for_world
 from app.errors import DeckError
 from app.model.gpt import GPT, swiglu
 from app.model.moe import MoE
@@ -172,6 +172,21 @@ def test_flops_count_the_active_parameters():
 def test_the_deck_refuses_what_moe_does_not_run_yet(sets, key):
     with pytest.raises(DeckError, match=key.replace(".", r"\.")):
         load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
+
+
+@pytest.mark.parametrize(
+    "sets,world,message",
+    [
+        (("parallel.ep=2",), 4, "expert parallelism splits a mixture of experts: set model.moe_experts"),
+        (("model.moe_experts=6", "parallel.ep=4"), 4, "must divide model.moe_experts = 6"),
+        (("model.moe_experts=4", "parallel.ep=4", "parallel.tp=2"), 4, r"ep must divide dp = 2"),
+    ],
+)
+def test_the_deck_refuses_an_ep_that_does_not_split_the_experts_or_dp(sets, world, message):
+    """parallel.ep: only with experts, dividing their number (load) and dp (resolved for the world)."""
+    with pytest.raises(DeckError, match=message) as err:
+        resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), world)
+    assert err.value.key == "parallel.ep"
 
 
 def test_moe_tiny_trains_and_logs_the_routers_losses(tmp_path):
