@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.tensor_parallel.mappings import all_to_all
+from app.tensor_parallel.mappings import all_to_all, all_to_all_start
 
 
 @pytest.mark.mpi(min_size=2)
@@ -47,12 +47,14 @@ def test_all_to_all_moves_variable_row_counts_and_sends_the_gradients_back(runti
     send = [(me + i) % 3 + 1 for i in range(world)]
     recv = [(i + me) % 3 + 1 for i in range(world)]
     rows = [[float(me), float(i), float(j)] for i in range(world) for j in range(send[i])]
-    x = torch.tensor(rows, requires_grad=True)
-    out = all_to_all(x, send, recv, group)
-    expect = [[float(i), float(me), float(j)] for i in range(world) for j in range(recv[i])]
-    assert out.tolist() == expect
-    weights = out.detach()[:, :1] * 10 + out.detach()[:, 2:] + 100 * me  # sender, row, receiver
-    (out * weights).sum().backward()
-    # The row (me, i, j) went to rank i, which weighted it 10 me + j + 100 i in all three columns.
-    want = torch.tensor([[10.0 * me + j + 100 * i] * 3 for i in range(world) for j in range(send[i])])
-    torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
+    # Blocking, and launched with work in between (all_to_all_start): the same rows and gradients.
+    for exchange in (all_to_all, lambda *a: all_to_all_start(*a)()):
+        x = torch.tensor(rows, requires_grad=True)
+        out = exchange(x, send, recv, group)
+        expect = [[float(i), float(me), float(j)] for i in range(world) for j in range(recv[i])]
+        assert out.tolist() == expect
+        weights = out.detach()[:, :1] * 10 + out.detach()[:, 2:] + 100 * me  # sender, row, receiver
+        (out * weights).sum().backward()
+        # The row (me, i, j) went to rank i, which weighted it 10 me + j + 100 i in all three columns.
+        want = torch.tensor([[10.0 * me + j + 100 * i] * 3 for i in range(world) for j in range(send[i])])
+        torch.testing.assert_close(x.grad, want, rtol=0, atol=0)

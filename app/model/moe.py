@@ -38,8 +38,8 @@ stacked tensors (`ParamMeta.split["ep"]`). Each rank routes its own tokens and a
 to them (so the same assignments drop as on one rank), sorts its kept assignments by expert, and
 (1) exchanges the per-expert counts (one small all-to-all, read on the host: the split sizes),
 (2) sends each assignment's token to the rank of its expert (all-to-all, variable splits), which
-runs its experts as one batched matmul over what it received from every rank, and (3) the outputs
-return by the reverse all-to-all (backward: the same exchanges reversed, `mappings.all_to_all`).
+runs its experts as one batched matmul over what it received from every rank (the shared experts
+run while the tokens travel: `all_to_all_start`), and (3) the outputs return by the reverse all-to-all (backward: the same exchanges reversed, `mappings.all_to_all`).
 The experts' gradients sum over the ranks that hold the same experts (`DataParallel`'s expert
 buckets); the router and the shared experts stay replicated like any dense parameter.
 """
@@ -59,7 +59,7 @@ from torch import nn
 from app.runtime.timers import StepTimers, comm_region
 from app.sharding.init import ParamMeta
 from app.tensor_parallel.layers import replicated_param
-from app.tensor_parallel.mappings import TensorParallel, all_to_all, in_backward
+from app.tensor_parallel.mappings import TensorParallel, all_to_all, all_to_all_start, in_backward
 
 
 @dataclass(frozen=True)
@@ -230,6 +230,10 @@ class MoE(nn.Module):
         out = torch.matmul(self.act(h), proj.weight.transpose(-1, -2))
         return out + proj.bias.unsqueeze(-2) if self.bias else out
 
+    def _shared(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shared experts' output for tokens (T, h); None without shared experts."""
+        return None if self.shared is None else self._mlp(tokens, self.shared.fc, self.shared.proj)
+
     def capacity(self, tokens: int) -> Optional[int]:
         """The most assignments an expert takes (None: dropless)."""
         if self.capacity_factor is None:
@@ -249,9 +253,12 @@ class MoE(nn.Module):
         out = self._mlp(buffer.view(self.local_experts, width, -1), self.fc, self.proj)
         return out.reshape(self.local_experts * width, -1)[where]
 
-    def _exchange(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    def _exchange(
+        self, rows: torch.Tensor, expert: torch.Tensor, meanwhile: Callable[[], Optional[torch.Tensor]]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Expert parallelism: rows (sorted by global `expert`) to their experts' ranks of the expert
-        group and their outputs back, in the rows' order (module docstring: steps 1-3)."""
+        group and their outputs back, in the rows' order (module docstring: steps 1-3); and what
+        `meanwhile` computes while the rows travel (the shared experts)."""
         ep, local = self.ep, self.local_experts
         counts = torch.bincount(expert, minlength=self.experts)
         received = torch.empty_like(counts)
@@ -261,11 +268,13 @@ class MoE(nn.Module):
         send = [sum(host[i * local : (i + 1) * local]) for i in range(ep.size)]
         mine = host[self.experts :]
         recv = [sum(mine[i * local : (i + 1) * local]) for i in range(ep.size)]
-        arrived = all_to_all(rows, send, recv, ep.group, ep.timers)  # by source, then expert, then source order
+        finish = all_to_all_start(rows, send, recv, ep.group, ep.timers)
+        side = meanwhile()
+        arrived = finish()  # by source, then expert, then source order
         which = torch.arange(local, device=rows.device).repeat(ep.size)
         expert_of = torch.repeat_interleave(which, received.view(-1))
         out = self._run_experts(arrived, expert_of)
-        return all_to_all(out, recv, send, ep.group, ep.timers)
+        return all_to_all(out, recv, send, ep.group, ep.timers), side
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -279,19 +288,20 @@ class MoE(nn.Module):
         slot, _ = _slots(flat, n_experts)
         limit = self.capacity(n)
         src = torch.arange(n, device=x.device).repeat_interleave(k)
+        shared: Optional[torch.Tensor] = None
         if self.ep.size == 1:
             kept = torch.arange(n * k, device=x.device) if limit is None else torch.nonzero(slot < limit).view(-1)
             out = self._run_experts(tokens[src[kept]], flat[kept], limit)
         else:  # the kept assignments sorted by expert: the exchange's order
             order = torch.argsort(flat, stable=True)
             kept = order if limit is None else order[slot[order] < limit]
-            out = self._exchange(tokens[src[kept]], flat[kept])
+            out, shared = self._exchange(tokens[src[kept]], flat[kept], lambda: self._shared(tokens))
         dropped = torch.full((), n * k - kept.numel(), dtype=torch.long, device=x.device)
         in_order = self.ep.size == 1 and kept.numel() == n * k  # every assignment, in assignment order
         picked = out if in_order else out.new_zeros(n * k, shape[-1]).index_copy(0, kept, out)
         y = (picked * weights.reshape(-1, 1).to(out.dtype)).view(n, k, -1).sum(dim=1)
         if self.shared is not None:
-            y = y + self._mlp(tokens, self.shared.fc, self.shared.proj)
+            y = y + (shared if shared is not None else self._shared(tokens))
         y = y.view(shape)
         # A recomputation in backward (full activation recompute): its statistics were counted once.
         if torch.is_grad_enabled() and not in_backward():

@@ -23,7 +23,7 @@ fused with the matmul in `app/tensor_parallel/layers.py`, so that the backward a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -237,3 +237,57 @@ def all_to_all(
     [sum(send[:i]), sum(send[:i + 1])) of x go to rank i of `group`; the result holds `recv[i]` rows
     from rank i, in rank order. Timed as the "ep" sub-axis of dp (`timers`)."""
     return _AllToAll.apply(x, list(send), list(recv), group, timers)
+
+
+class _Exchange:
+    """An all-to-all in flight (`all_to_all_start`): its pending work, then nothing."""
+
+    pending: Optional[Pending] = None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """`_AllToAll` launched asynchronously: the output is filled once `_AllToAllWait` returns."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any,
+                timers: Optional[StepTimers], flight: _Exchange) -> torch.Tensor:  # fmt: skip
+        ctx.send, ctx.recv, ctx.group, ctx.timers = send, recv, group, timers
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        work = dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)
+        flight.pending = launch(timers, "ep", work, "all_to_all")
+        flight.pending.keep = x  # the input, alive until the exchange completes
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        with comm_region(ctx.timers, "ep", "all_to_all"):
+            dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """y = x once the exchange filling x completed (backward: the gradient as it is)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, flight: _Exchange, timers: Optional[StepTimers]) -> torch.Tensor:
+        if flight.pending is not None:
+            wait(timers, flight.pending)
+            flight.pending.keep = None
+            flight.pending = None
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def all_to_all_start(
+    x: torch.Tensor, send: list[int], recv: list[int], group: Any, timers: Optional[StepTimers] = None
+) -> Callable[[], torch.Tensor]:
+    """`all_to_all` launched now and returned by the call of the result, so that work independent of
+    it runs in between (a mixture of experts' shared experts while the tokens travel). Its backward
+    is `all_to_all`'s (blocking)."""
+    flight = _Exchange()
+    out = _AllToAllStart.apply(x, list(send), list(recv), group, timers, flight)
+    return lambda: _AllToAllWait.apply(out, flight, timers)
