@@ -273,7 +273,8 @@ class MoE(nn.Module):
         arrived = finish()  # by source, then expert, then source order
         which = torch.arange(local, device=rows.device).repeat(ep.size)
         expert_of = torch.repeat_interleave(which, received.view(-1))
-        out = self._run_experts(arrived, expert_of)
+        width = max(1, *(sum(mine[e::local]) for e in range(local)))  # the most rows a local expert got
+        out = self._run_experts(arrived, expert_of, width)
         return all_to_all(out, recv, send, ep.group, ep.timers), side
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
