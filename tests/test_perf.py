@@ -294,6 +294,7 @@ SPIED = {  # torch.distributed call -> bytes it moves, by the model's convention
     "all_gather_single": ("all_gather", lambda out, inp, *a, **k: out.numel() * out.element_size()),
     "reduce_scatter_single": ("reduce_scatter", lambda out, inp, *a, **k: inp.numel() * inp.element_size()),
     "isend": ("send", lambda t, *a, **k: t.numel() * t.element_size()),
+    "all_to_all_single": ("all_to_all", lambda out, inp, *a, **k: inp.numel() * inp.element_size()),
 }
 TINY = ("model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
         "train.global_batch=16", "train.micro_batch=2", "run.log_every=100", "parallel.dp_bucket_mb=0.02",
@@ -305,6 +306,11 @@ MESSAGE_GRIDS = [
     (1, 2, 2, ("parallel.virtual_stages=2", "model.tie_embeddings=false", "train.grad_reduce_dtype=compute",
                "optim.zero=2")),
     (2, 1, 2, ("optim.zero=3", "train.recompute=full", "train.precision=bf16")),
+    (1, 1, 4, ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "parallel.ep=2")),
+    (2, 1, 2, ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "parallel.ep=2",
+               "optim.zero=1", "train.recompute=full", "train.precision=bf16")),
+    (2, 1, 2, ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "parallel.ep=2",
+               "parallel.sequence_parallel=true", "model.moe_shared_experts=1")),
 ]  # fmt: skip
 
 
@@ -315,8 +321,11 @@ def test_the_model_charges_the_bytes_a_run_really_sends(runtime, grids, shared_t
     """One optimizer step of a real trainer, with every torch.distributed call it makes counted
     (the calls still run): per (axis, op), the bytes equal `perf.step_messages`, up to what the
     model leaves out by design: scalar all-reduces (64 bytes per axis at most), under SP the
-    tp sums of the replicated parameters' gradients, and the padding of each dp bucket to a
-    multiple of dp (< dp elements each)."""
+    tp sums of the norms' and biases' gradients (a MoE block's router and experts are the model's),
+    and the padding of each dp bucket to a
+    multiple of dp (< dp elements each). Expert parallelism's all-to-alls ("ep") move what each rank
+    routed and what it received: their mean over the ranks is the model's, exactly (every row
+    received was sent); the experts' gradients go to the expert-data groups ("edp")."""
     import torch.distributed as dist
 
     from app.plan.perf import step_messages
@@ -327,6 +336,9 @@ def test_the_model_charges_the_bytes_a_run_really_sends(runtime, grids, shared_t
     tp, pp, dp, extra = grid
     trainer = grid_trainer(grids, tp, pp, dp, (*TINY, *extra, f"run.dir={shared_tmp}"))
     axis_of = {tuple(sorted(ranks)): axis for axis, ranks in trainer.grid.ranks.items() if len(ranks) > 1}
+    if trainer.deck.parallel.ep > 1:  # the expert-data groups (edp) of dp; the all-to-alls are "ep" by their op
+        _, _, ranks = trainer.grid.expert_groups(trainer.deck.parallel.ep)["edp"]
+        axis_of.setdefault(tuple(sorted(ranks)), "edp" if len(ranks) > 1 else "alone")  # alone: nothing on the wire
     counted: dict[tuple[str, str], float] = {}
     for name, (op, size) in SPIED.items():
         real = getattr(dist, name)
@@ -334,7 +346,7 @@ def test_the_model_charges_the_bytes_a_run_really_sends(runtime, grids, shared_t
         def spy(*args, _real=real, _op=op, _size=size, **kwargs):
             group = kwargs.get("group")
             ranks = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else ()
-            key = (axis_of.get(ranks, "other"), _op)
+            key = ("ep" if _op == "all_to_all" else axis_of.get(ranks, "other"), _op)
             counted[key] = counted.get(key, 0.0) + _size(*args, **kwargs)
             return _real(*args, **kwargs)
 
@@ -353,12 +365,14 @@ def test_the_model_charges_the_bytes_a_run_really_sends(runtime, grids, shared_t
     layers = len(trainer.pipeline.layers)
     slack = {
         "tp": 64 + (g * (6 * m.hidden * layers + 2 * m.hidden + m.seq_len * m.hidden) if deck.parallel.sequence_parallel else 0),
-        "dp": 64 + len(trainer.dp.buckets) * dp * 4,
-        "pp": 64, "other": 64,
+        "dp": 64 + len(trainer.dp.buckets) * dp * 4, "edp": len(trainer.dp.buckets) * dp * 4,
+        "pp": 64, "other": 64, "ep": 0,
     }  # fmt: skip
+    ep_key = ("ep", "all_to_all")  # per rank it depends on the routing: the mean over the ranks
+    ep_mean = runtime.comm.allreduce(counted.get(ep_key, 0.0)) / runtime.world_size
     problems = []
-    for key in sorted(set(counted) | set(model)):
-        extra_bytes = counted.get(key, 0.0) - model.get(key, 0.0)
+    for key in sorted(k for k in set(counted) | set(model) if k[0] != "alone"):
+        extra_bytes = (ep_mean if key == ep_key else counted.get(key, 0.0)) - model.get(key, 0.0)
         if not 0 <= extra_bytes <= slack[key[0]]:
             problems.append(f"stage {stage} {key}: sent {counted.get(key, 0):,.0f} B, model {model.get(key, 0):,.0f} B")
     problems = sum(runtime.comm.allgather(problems), [])
@@ -1023,3 +1037,188 @@ def test_llama_s_eager_element_wise_chains_are_charged_and_compile_fuses_them():
     assert _elementwise(deck, tokens, 2)[2] == _elementwise(deck, tokens, 1)[2] / 2  # tp splits the heads
     machine = load_machine("dgx_h100")
     assert predict(compiled, machine).step_time_s < predict(deck, machine).step_time_s
+
+
+# -- expert parallelism (parallel.ep) -------------------------------------------------------------
+
+MOE_TINY = REPO / "inputs/moe_tiny.yaml"  # 4 MoE blocks of 8 experts, top-2, hidden 256, fp32; micro 4 x seq 64
+
+
+def _moe(ep: int, *sets: str, world: int = 4):
+    return resolve_for_world(load_deck(MOE_TINY, (f"parallel.ep={ep}", *sets)), world)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_all_to_all_term_is_zero_at_ep1_and_grows_as_ep_minus_1_over_ep(recompute):
+    """moe_tiny on 4 ranks of a DGX (dp 4, one micro-batch of 4 x 64 = 256 tokens), by hand: each MoE
+    layer sends T k = 512 token rows of 256 fp32 values, V = 524,288 bytes, to the experts' ranks and
+    back, forward and backward (4 exchanges; 6 with full recompute), and the 8 int64 counts once per
+    forward (twice with full recompute); (ep - 1)/ep of each leaves the rank. On NVSwitch (230 GB/s,
+    5.7 us a step, selene.yaml) an exchange costs (ep - 1)/ep x bytes / B + (ep - 1) x latency,
+    every one exposed."""
+    from app.plan.perf import expert_exchange, step_messages
+
+    machine = load_machine("selene")
+    rows, counts, layers = 256 * 2 * 256 * 4, 8 * 8, 4
+    exchanges, forwards = (6, 2) if recompute == "full" else (4, 1)
+    full = layers * (exchanges * rows + forwards * counts)  # bytes the rank holds before each exchange
+    sent = {}
+    for ep in (1, 2, 4):
+        deck = _moe(ep, f"train.recompute={recompute}")
+        p = predict(deck, machine)
+        calls, sent[ep] = expert_exchange(deck, 0)
+        if ep == 1:
+            assert p.breakdown["ep_exposed"] == 0.0 and (calls, sent[ep]) == (0, 0.0)
+            assert not any(axis == "ep" for axis, _ in step_messages(deck, 0)) and "ep" not in p.levels
+            continue
+        share = (ep - 1) / ep
+
+        def exchange(nbytes: float, ep: int = ep, share: float = share) -> float:
+            return share * nbytes / 230e9 + (ep - 1) * 5.7e-6
+
+        by_hand = layers * (exchanges * exchange(rows) + forwards * exchange(counts))
+        assert math.isclose(p.breakdown["ep_exposed"], by_hand, rel_tol=1e-12)
+        assert step_messages(deck, 0)[("ep", "all_to_all")] == full
+        assert calls == layers * (exchanges + forwards) and sent[ep] == full * share
+        assert p.levels["ep"] == "nvswitch"
+    assert sent[4] / sent[2] == 1.5  # (3/4) / (1/2)
+    # The exposed all-to-alls are in the step: ep 2's prediction less its all-to-alls is below ep 1's
+    # (the experts' smaller reduction and update), with them above it on this small model.
+    one, two = (predict(_moe(ep, f"train.recompute={recompute}"), machine) for ep in (1, 2))
+    assert two.step_time_s - two.breakdown["ep_exposed"] < one.step_time_s
+
+
+def test_the_all_to_all_carries_the_tokens_a_rank_routes():
+    """Sequence parallelism halves the tokens a tp 2 rank routes (its sequence shard); a capacity
+    factor of 0.5 keeps at most 8 experts x ceil(0.5 x 512 / 8) = 256 of the 512 assignments; the
+    count exchange stays 8 int64."""
+    from app.plan.perf import ep_collectives
+
+    rows = 256 * 2 * 256 * 4
+    assert ep_collectives(_moe(2))["backward"] == [("all_to_all", rows)] * 2
+    assert ep_collectives(_moe(1)) == {"forward": [], "backward": [], "recompute": []}
+    sp = _moe(2, "parallel.tp=2", "parallel.sequence_parallel=true", world=8)
+    assert ep_collectives(sp)["forward"] == [("all_to_all", 64.0), ("all_to_all", rows / 2), ("all_to_all", rows / 2)]
+    capped = _moe(2, "model.moe_capacity_factor=0.5")
+    assert ep_collectives(capped)["backward"] == [("all_to_all", rows / 2)] * 2
+
+
+def test_expert_gradients_are_reduced_over_dp_over_ep_ranks():
+    """Under ep the experts' gradients (E/ep of them per rank) are all-reduced over the expert-data
+    group of dp/ep ranks ("edp"), the rest over dp; at ep = dp the group is one rank and sends
+    nothing. The exposed reduction and the update shrink with the experts a rank holds."""
+    from app.plan.estimate import block_expert_params, stage_params
+    from app.plan.perf import step_messages
+
+    machine = load_machine("selene")
+    m = _moe(1).model
+    experts = 4 * 2 * (8 * 256 * 256 + 8 * 256)  # 4 blocks: fc and proj (8, 256, 256) and their biases (8, 256)
+    assert 4 * block_expert_params(m) == experts and 4 * block_expert_params(m, 2) == experts // 2
+    whole = stage_params(m, 1, 4, True, True)
+    assert step_messages(_moe(1), 0) == {("dp", "all_reduce"): whole * 4}
+    assert step_messages(_moe(2), 0) == {
+        ("ep", "all_to_all"): step_messages(_moe(2), 0)[("ep", "all_to_all")],
+        ("dp", "all_reduce"): (whole - experts) * 4,
+        ("edp", "all_reduce"): experts // 2 * 4,
+    }
+    assert ("edp", "all_reduce") not in step_messages(_moe(4), 0)  # dp / ep = 1
+    one, two = predict(_moe(1), machine), predict(_moe(2), machine)
+    assert two.levels["edp"] == "nvswitch"
+    for key in ("dp_exposed", "optimizer", "grad_norm", "grad_accumulation"):
+        assert two.breakdown[key] < one.breakdown[key], key
+    # Not overlapped: the dense buckets' all-reduces over the 4 dp ranks, the experts' over 2.
+    from app.plan.perf import place
+
+    blocking = _moe(2, "parallel.overlap_grad_reduce=false")
+    links = place(blocking, machine).links
+    by_hand = 0.0
+    for link, n, elements in ((links["dp"], 4, whole - experts), (links["edp"], 2, experts // 2)):
+        buckets = math.ceil(elements * 4 / 2e6)  # parallel.dp_bucket_mb 2
+        by_hand += buckets * link.all_reduce(n, elements * 4 / buckets)
+    assert predict(blocking, machine).breakdown["dp_exposed"] == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_the_search_chooses_ep_where_the_experts_reduction_crosses_nodes():
+    """A MoE deck's candidates try every ep dividing dp and the experts (a dense deck's carry no ep);
+    on 2 DGX nodes with 16 wide experts the experts' gradient reduction over the network is most of
+    the deck's own step, and the search picks an ep > 1 (the experts' reduction over fewer ranks
+    and their update on 1/ep of them, against the all-to-alls)."""
+    from app.plan.search import _configurations, expert_degrees, search
+
+    machine = load_machine("selene")
+    deck = load_deck(MOE_TINY, ("model.hidden=1024", "model.heads=16", "model.moe_experts=16",
+                                "model.moe_ffn_hidden=1024", "model.seq_len=256", "train.global_batch=64",
+                                "train.precision=bf16"))  # fmt: skip
+    assert expert_degrees(deck, 4) == [1, 2, 4] and expert_degrees(deck, 24) == [1, 2, 4, 8]
+    tried = {(c["parallel.tp"], c["parallel.pp"], c.get("parallel.ep")) for c in _configurations(deck, 16, machine)}
+    assert {ep for tp, pp, ep in tried if (tp, pp) == (1, 1)} == {1, 2, 4, 8, 16}
+    assert {ep for tp, pp, ep in tried if (tp, pp) == (2, 2)} == {1, 2, 4}
+    dense = load_deck(REPO / "inputs/gpt_tiny.yaml", ())
+    assert not any("parallel.ep" in c for c in _configurations(dense, 4, machine))
+    result = search(deck, 16, machine, top=3)
+    assert result.best and result.own.sets["parallel.ep"] == 1
+    for c in result.best:
+        assert c.plan is not None and c.plan.deck.parallel.ep == c.sets["parallel.ep"]
+        ep = c.sets["parallel.ep"]
+        assert ep > 1 and c.plan.deck.dp % ep == 0 and 16 % ep == 0
+    assert result.best[0].step < result.own.step
+    own = result.own.plan.predicted.breakdown  # type: ignore[union-attr]
+    assert own["dp_exposed"] > 0.5 * result.own.step
+
+
+def test_a_moe_block_sends_only_its_attention_s_tp_collectives():
+    """The experts run whole on every tp rank on the block's input as it is: a MoE block's tp
+    messages are its attention's, half a dense block's (2 of the 4 all-reduces of T h e without
+    SP; 2 of the 4 all-gathers with it), and under SP its router, experts and shared experts'
+    gradients are summed over tp after the step (their elements x 4 bytes, 1/ep of the experts')."""
+    from app.plan.perf import moe_sp_sum, step_messages
+
+    x, micro, layers = 4 * 64 * 256 * 4, 2, 4  # T h e; 16 / (micro-batch 4 x dp 2) micro-batches
+    for sp in ("false", "true"):
+        sets = ("parallel.tp=2", f"parallel.sequence_parallel={sp}")
+        moe = step_messages(_moe(2, *sets), 0)
+        dense = step_messages(_moe(1, *sets, "model.moe_experts=0"), 0)
+        op = "all_gather" if sp == "true" else "all_reduce"
+        assert dense[("tp", op)] - moe[("tp", op)] == micro * layers * 2 * x
+    router, experts = 8 * 256, 2 * (8 * 256 * 256 + 8 * 256)
+    sp = _moe(2, "parallel.tp=2", "parallel.sequence_parallel=true")
+    assert moe_sp_sum(sp, 0) == layers * (router + experts / 2)
+    assert moe_sp_sum(_moe(2, "parallel.tp=2"), 0) == 0.0
+    zero = _moe(2, "parallel.tp=2", "parallel.sequence_parallel=true", "optim.zero=1")
+    assert moe_sp_sum(zero, 0) == layers * (router / 2 + experts / 2 / 1)  # dp 2: dense / 2, experts / (2 / 2)
+
+
+def test_the_shared_experts_hide_the_dispatch_on_gpus():
+    """With shared experts the forward's dispatch all-to-all runs during their GEMMs (`MoE._exchange`):
+    on a GPU machine only what outlasts them is exposed; on gloo (no overlap) all of it; the backward's
+    exchanges and the counts are waited for either way."""
+    from app.plan.perf import _cost, _expert_passes, ep_collectives, place
+
+    deck = _moe(2, "model.moe_shared_experts=1", "train.precision=bf16")
+    placed = place(deck, load_machine("selene"))
+    link, dev = placed.links["ep"], placed.device
+    f_hidden, b_hidden, _ = _expert_passes(deck, dev, link, True)
+    f_plain, b_plain, _ = _expert_passes(deck, dev, link, False)
+    calls = ep_collectives(deck)
+    assert f_plain.ep == sum(_cost(link, 2, op, n) for op, n in calls["forward"])
+    assert b_hidden.ep == b_plain.ep == sum(_cost(link, 2, op, n) for op, n in calls["backward"])
+    tokens, width = 4 * 64, 256
+    shared = dev.linear(tokens, width, 256, 2)[0] + dev.linear(tokens, 256, width, 2)[0]
+    dispatch = _cost(link, 2, "all_to_all", calls["forward"][1][1])
+    assert f_hidden.ep == pytest.approx(f_plain.ep - min(dispatch, shared), rel=1e-12) and f_hidden.ep < f_plain.ep
+    assert _expert_passes(_moe(2), dev, link, True)[0].ep == _expert_passes(_moe(2), dev, link, False)[0].ep
+
+
+def test_predict_step_time_takes_a_deck_and_a_machine_file(tmp_path):
+    """The benchmarks' entry: a deck (resolved here for `world_size`, or already) and a machine by
+    name, path or `Machine`, to the dry run's predicted step in seconds; a machine file without the
+    model's constants (local.yaml, uncalibrated) is a MachineError naming them."""
+    from app.plan.perf import predict_step_time
+
+    deck = load_deck(MOE_TINY, ("parallel.ep=2",))
+    seconds = predict(resolve_for_world(deck, 4), load_machine("selene")).step_time_s
+    assert predict_step_time(deck, "selene", world_size=4) == seconds
+    assert predict_step_time(resolve_for_world(deck, 4), REPO / "inputs/machines/selene.yaml") == seconds
+    assert predict_step_time(deck, load_machine("selene"), 4) > predict_step_time(_moe(1), "selene")
+    with pytest.raises(MachineError, match="missing peak_tflops.fp32"):
+        predict_step_time(deck, "local", world_size=4)

@@ -113,6 +113,97 @@ def test_3d_stage_params_equal_the_built_shards(tie, tensor, pp):
     assert deck.num_micro_batches == 16 // z
 
 
+# A mixture of experts in every block (the planner plans every block as block 0): 4 experts of width
+# 48 with biases (gpt2) or SwiGLU (llama), one shared expert, top-2.
+MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=48", "model.moe_every=1",
+       "model.moe_shared_experts=1")  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp,ep,zero", [(1, 2, False), (1, 4, True), (2, 2, True)])
+def test_expert_parallel_boxes_and_buckets_equal_the_built_model(arch, tp, ep, zero):
+    """Under expert parallelism every dp rank's planned boxes are those its built GPT holds (E/ep of
+    each stacked expert tensor at its place in the expert group, split {"ep": 0}; the router and
+    the shared experts whole), and the planner's layout has the buckets `DataParallel` builds from
+    the model: the experts' apart (`Bucket.expert`), each shard 1/(dp/ep) of an expert bucket."""
+    import torch
+
+    from app.model.gpt import GPT
+    from app.model.moe import ExpertParallel
+    from app.sharding.layout import ParamLayout
+    from app.tensor_parallel.mappings import TensorParallel
+
+    llama = ("model.arch=llama", "model.kv_heads=2") if arch == "llama" else ()
+    deck = load_deck(None, (*SMALL, *llama, *MOE, f"parallel.tp={tp}", "parallel.dp=4", f"parallel.ep={ep}",
+                            f"optim.zero={int(zero)}", "parallel.dp_bucket_mb=0.01", "train.global_batch=16",
+                            "train.micro_batch=1"))  # fmt: skip
+    deck = resolve_for_world(deck, tp * 4)
+    m, layers = deck.model, list(range(deck.model.layers))
+    planned = stage_layout(deck, m.layers, True, True, zero)
+    assert planned.has_experts and planned.ep == ep
+    stage = estimate_stages(deck)[0]
+    for dp_rank in range(4):
+        place = dp_rank % ep  # ep consecutive dp ranks form an expert group (ProcessGrid.expert_groups)
+        for tp_rank in range(tp):
+            model = GPT(m, 1, torch.device("meta"), TensorParallel(tp, tp_rank), layers, ep=ExpertParallel(ep, place))
+            made = [(p.meta.global_shape, p.meta.local_offset, tuple(p.shape), p.meta.split, p.meta.tied)
+                    for p in model.parameters()]  # fmt: skip
+            boxes = [(q.global_shape, q.local_offset, q.local_shape, q.split, q.tied)
+                     for q in stage_param_metas(m, tp, m.layers, True, True, tp_rank, None, ep, place)]  # fmt: skip
+            assert boxes == made, (dp_rank, tp_rank)
+            assert stage.params == sum(p.numel() for p in model.parameters())
+            assert stage.expert_params == sum(p.numel() for p in model.parameters() if "ep" in p.meta.split)
+            built = ParamLayout.build([p.meta for p in reversed(list(model.parameters()))], tp_rank=tp_rank, dp=4,
+                                      dp_rank=dp_rank, zero=zero, bucket_elements=0.01e6 / 4, ep=ep)  # fmt: skip
+            assert [(b.start, b.end, b.params, b.expert, b.shard_hi - b.shard_lo) for b in built.buckets] == [
+                (b.start, b.end, b.params, b.expert, b.shard_hi - b.shard_lo) for b in planned.buckets
+            ]
+    shard = {b.expert: b.shard_hi - b.shard_lo for b in planned.buckets}
+    experts = [b for b in planned.buckets if b.expert]
+    assert experts and shard[True] == (experts[-1].end - experts[-1].start) // (4 // ep if zero else 1)
+
+
+def test_expert_memory_per_rank_halves_from_ep1_to_ep2():
+    """moe_tiny on 4 ranks: at ep 2 a rank holds 4 of the 8 experts, half the experts' 4.2M elements,
+    so its weights and gradients hold half the experts' bytes less (to the buckets' padding), and
+    without ZeRO so does its optimizer state; under ZeRO-1 the experts' state is 1/dp of them at
+    either ep (sharded over the dp/ep ranks that hold the same experts)."""
+    experts = 4 * 2 * (8 * 256 * 256 + 8 * 256)  # 4 blocks: fc and proj (8, 256, 256) and their biases (8, 256)
+    stages = {}
+    for ep in (1, 2, 4):
+        deck = resolve_for_world(load_deck(REPO / "inputs/moe_tiny.yaml", (f"parallel.ep={ep}",)), 4)
+        stages[ep] = estimate_stages(deck)[0]
+        assert stages[ep].expert_params == experts // ep
+        assert stages[ep].params == stage_params(deck.model, 1, 4, True, True) - experts + experts // ep
+    one, two = stages[1], stages[2]
+    padding = 4 * 4 * 8  # < dp elements in each of a few buckets, 4 bytes each
+    assert abs((one.weights - two.weights) - experts / 2 * 4) < padding
+    assert abs((one.gradients - two.gradients) - experts / 2 * 4) < padding
+    assert abs((one.optimizer["zero0"] - two.optimizer["zero0"]) - experts / 2 * 8) < 2 * padding  # two moments
+    assert abs(one.optimizer["zero1"] - two.optimizer["zero1"]) < 3 * padding
+    assert stages[4].weights < two.weights < one.weights
+
+
+def test_dry_run_prints_ep_the_experts_per_rank_and_the_all_to_all():
+    """The dry run of a MoE deck names ep, the experts' parameters per rank and (ep > 1) the
+    all-to-alls per step: moe_tiny at ep 2 sends 4 layers x (4 x 524,288 + 64) bytes, half of it,
+    in 20 calls; --json has the same per stage."""
+    out = dry_run("inputs/moe_tiny.yaml", "--dry-run", "--world-size", "4", "--machine", "selene",
+                  "--set", "parallel.ep=2")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "8 experts, ep 2: each rank holds 4 of them" in out.stdout
+    assert "experts    2,105,344 of the 3,318,272 parameters per rank on stage 0" in out.stdout
+    assert "all-to-all 20 per step per rank over nvswitch, sending 4.19 MB" in out.stdout
+    assert "ep groups (2) inside one node" in out.stdout and "ep all-to-all" in out.stdout
+    plan = json.loads(dry_run("inputs/moe_tiny.yaml", "--dry-run", "--world-size", "4", "--machine", "selene",
+                              "--set", "parallel.ep=2", "--json").stdout)  # fmt: skip
+    assert plan["grid"]["ep"] == 2 and plan["stages"][0]["expert_params_per_rank"] == 2_105_344
+    assert plan["stages"][0]["all_to_all_per_step"] == {"calls": 20, "bytes_sent": 4 * (4 * 524_288 + 64) / 2}
+    assert plan["predicted"]["breakdown"]["ep_exposed"] > 0 and plan["predicted"]["levels"]["ep"] == "nvswitch"
+    dense = dry_run("inputs/gpt_tiny.yaml", "--dry-run", "--world-size", "4").stdout
+    assert "experts" not in dense and "all-to-all" not in dense
+
+
 def published_decks() -> list[Path]:
     return [REPO / "inputs/gpt_1t.yaml", *sorted((REPO / "inputs/megatron").glob("*.yaml"))]
 
@@ -299,7 +390,8 @@ def test_tiny_deck_on_the_local_machine():
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["grid"] == {
-        "tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "virtual_stages": 1, "tensor": None, "tensor_order": None, "data_ranks": 4
+        "tp": 1, "pp": 1, "dp": 4, "order": "tp-dp-pp", "virtual_stages": 1, "tensor": None, "tensor_order": None, "data_ranks": 4,
+        "ep": 1,
     }  # fmt: skip
     assert plan["flops"]["peak_tflops_per_device"] is None and plan["flops"]["ideal_step_s"] is None
 
@@ -398,6 +490,27 @@ def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, grids, 
         # The plan's ZeRO line also counts the reduce-scatter's gradient shard.
         assert (buffers["gradient_shard"] > 0) == (zero > 0 and dp > 1)
         assert trainer.optimizer.state_bytes() + buffers["gradient_shard"] == stage.optimizer[f"zero{zero}"]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_expert_parallel_buffers_equal_the_plan(runtime, grids, zero):
+    """Under expert parallelism too (every ep > 1 dividing dp and the 4 experts) the plan's buckets,
+    weights, gradients and optimizer state are what `DataParallel` and the optimizer allocate."""
+    dp = runtime.world_size if runtime.world_size in (2, 4) else 2
+    for ep in [e for e in (2, 4) if dp % e == 0]:
+        sets = (*MOE, f"parallel.ep={ep}", f"optim.zero={zero}", "run.resume=none", "train.global_batch=16")
+        trainer = grid_trainer(grids, 1, 1, dp, sets)
+        deck = trainer.deck
+        stage = estimate_stages(deck)[0]
+        planned = stage_layout(deck, sum(stage.layers), stage.first, stage.last, bool(zero))
+        assert [(b.start, b.end, b.params, b.expert, b.shard_hi - b.shard_lo) for b in planned.buckets] == [
+            (b.start, b.end, b.params, b.expert, b.shard_hi - b.shard_lo) for b in trainer.dp.layout.buckets
+        ]
+        buffers = trainer.dp.buffer_bytes()
+        assert buffers["parameters"] == stage.weights and buffers["gradients"] == stage.gradients
+        assert trainer.optimizer.state_bytes() + buffers["gradient_shard"] == stage.optimizer[f"zero{zero}"]
+        assert stage.expert_params == sum(p.numel() for p in trainer.model.parameters() if "ep" in p.meta.split)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -22,7 +22,7 @@ from app.metrics.flops import step_flops
 from app.names import SCHEDULES, schedule_key, strides3d
 from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params
 from app.plan.machine import Machine, MachineError
-from app.plan.perf import Link, Placement, Prediction, axis_links, place, predict
+from app.plan.perf import Link, Placement, Prediction, axis_links, expert_exchange, place, predict
 from app.runtime.grid import AXES, GridLayout
 from app.sharding.layout import SUB_AXES, ZERO3_PREFETCH
 
@@ -153,6 +153,8 @@ def make_plan(
     )
     if par.tensor3d is not None:
         plan.node_span.update(_sub_axis_spans(layout, par.tensor3d, par.tensor_order))
+    if par.ep > 1:  # expert groups: ep consecutive dp ranks (ProcessGrid.expert_groups)
+        plan.node_span["ep"] = _group_span(layout, layout.stride("dp"), par.ep)
     _check_placement(plan)
     _check_memory(plan)
     _check_offload_capacity(plan)
@@ -167,7 +169,7 @@ def make_plan(
     if not plan.problems:
         with suppress(MachineError):  # the machine lacks a constant: worded below
             placement = place(deck, machine, layout)
-    plan.links = placement.links if placement is not None else axis_links(machine, layout)
+    plan.links = placement.links if placement is not None else axis_links(machine, layout, par.ep)
     if plan.problems:
         plan.unpredicted = "the plan has problems (below): nothing to predict"
     elif placement is None:
@@ -446,6 +448,8 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
             "tensor": list(par.tensor3d) if par.tensor3d else None,
             "tensor_order": par.tensor_order if par.tensor3d else None,
             "data_ranks": deck.data_ranks,
+            # Expert parallelism (a mixture of experts): ranks of dp that split the experts (1: none).
+            "ep": par.ep,
         },  # fmt: skip
         "parameters": model_params(m),
         "micro_batches": deck.num_micro_batches,
@@ -462,6 +466,10 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
                 "embedding": s.first,
                 "head": s.last,
                 "params_per_rank": s.params,
+                # A mixture of experts: the stacked experts' share of params_per_rank (E/ep of them),
+                # and expert parallelism's all-to-alls per step: calls and bytes this rank sends.
+                "expert_params_per_rank": s.expert_params,
+                "all_to_all_per_step": dict(zip(("calls", "bytes_sent"), expert_exchange(deck, s.stage))),
                 "memory_gib": {
                     "weights": _gib(s.weights_for(deck.optim.zero)),
                     # ZeRO-3: the bound on the gathered units included in weights (0 otherwise).
@@ -544,6 +552,17 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         f"{deck.num_micro_batches} micro-batch(es) of {tr.micro_batch} per "
         f"{'data rank (dp x z)' if deck.data_ranks != deck.dp else 'dp rank'} per step, global batch {tr.global_batch}"
     )
+    if m.moe_experts:
+        lines.append(
+            f"             mixture of experts: {m.moe_experts} experts, ep {par.ep}: each rank holds "
+            f"{m.moe_experts // par.ep} of them"
+            + (
+                f" (expert groups of {par.ep} consecutive dp ranks exchange tokens by all-to-all; the "
+                f"{deck.dp // par.ep} ranks holding the same experts reduce their gradients)"
+                if par.ep > 1
+                else " (all; parallel.ep splits them over dp ranks)"
+            )
+        )
     if par.tensor3d is not None:
         x, y, z = par.tensor3d
         lines.append(
@@ -602,6 +621,8 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     )
     lines.append(f"    peak {mem['peak_gib']:.2f} GiB on stage {mem['peak_stage']} {fit}")
     peak = plan.peak_stage()
+    if m.moe_experts:
+        lines += _expert_lines(plan, peak)
     if zero == 3 and peak.gathered:
         lines.append(
             f"    ZeRO-3 weights: a {peak.weight_shard / GiB:.2f} GiB shard + {peak.gathered / GiB:.2f} GiB for "
@@ -655,6 +676,26 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _expert_lines(plan: Plan, peak: StageEstimate) -> list[str]:
+    """A mixture of experts: the experts' parameters per rank of the peak stage and, under expert
+    parallelism, the all-to-alls of the stage that sends the most."""
+    deck = plan.deck
+    ep = deck.parallel.ep
+    out = [
+        f"    experts    {peak.expert_params:,} of the {peak.params:,} parameters per rank on stage {peak.stage} "
+        f"({deck.model.moe_experts // ep} of {deck.model.moe_experts} experts per block, parallel.ep {ep})"
+    ]
+    if ep > 1:
+        calls, sent = max(expert_exchange(deck, s.stage) for s in plan.stages)
+        link = plan.links.get("ep")
+        where = f" over {link.level}" if link is not None else ""
+        out.append(
+            f"    all-to-all {calls:,} per step per rank{where}, sending {sent / 1e6:,.2f} MB (and receiving as many): "
+            f"the token rows to their experts' ranks and back, (ep - 1)/ep of each, and the counts"
+        )
+    return out
+
+
 def _predicted_lines(plan: Plan) -> list[str]:
     p = plan.predicted
     if p is None:
@@ -663,13 +704,15 @@ def _predicted_lines(plan: Plan) -> list[str]:
     b = p.breakdown
     parts = [("gemm", "gemm"), ("attention", "attention"), ("elementwise", "element-wise"),
              ("grad_accumulation", "grad accumulation"), ("tp_exposed", "tp exposed"),
+             ("ep_exposed", "ep all-to-all"),
              ("pp_bubble_and_p2p", "pp bubble + p2p"), ("zero3_gathers", "ZeRO-3 gathers"), ("dp_exposed", "dp exposed"),
              ("tied_embedding", "tied embedding"), ("grad_norm", "grad norm"),
              ("step_collectives", "step collectives"), ("optimizer", "optimizer"),
              ("optimizer_offload", "optimizer offload")]  # fmt: skip
     # Lines of features the deck does not use are left out (ZeRO-3's gathers, the offloaded update;
     # with offload the device's optimizer line is 0 and left out).
-    optional = {"zero3_gathers", "optimizer_offload"} | ({"optimizer"} if plan.deck.optim.offload != "none" else set())
+    optional = {"zero3_gathers", "optimizer_offload", "ep_exposed"}
+    optional |= {"optimizer"} if plan.deck.optim.offload != "none" else set()
     return [
         f"  predicted  step {p.step_time_s:.3g} s on {plan.machine.name}; "
         f"{p.hardware_tflops_per_device:.1f} TFLOP/s per device counting recompute, {p.tflops_per_device:.1f} "
@@ -720,6 +763,12 @@ def _placement_line(plan: Plan) -> str:
             link = plan.links[axis]
             where += f" (link: {link.level}, {link.bandwidth / 1e9:g} GB/s per group)"
         parts.append(f"{axis} groups ({size}) {where}")
+    if plan.deck.parallel.ep > 1:
+        where = _span_words(plan.node_span.get("ep"))
+        if "ep" in plan.links:
+            link = plan.links["ep"]
+            where += f" (link: {link.level}, {link.bandwidth / 1e9:g} GB/s per group)"
+        parts.append(f"ep groups ({plan.deck.parallel.ep}) {where}")
     if plan.deck.parallel.tensor3d is not None:
         subs = [
             f"{a} ({n}) {_span_words(plan.node_span[a])}"

@@ -25,6 +25,10 @@ buffers, their padding and the ZeRO-1 shards are counted as they are allocated:
   dtype (the fp32 master itself when computing in fp32) plus the units gathered for compute,
   at most 2 + ZERO3_PREFETCH at once, each counted at the largest unit's buckets (a bound,
   not exact). At dp = 1 every ZeRO stage is ZeRO 0.
+* expert parallelism (`parallel.ep`, a mixture of experts): each rank holds E/ep of every stacked
+  expert tensor (its `ExpertParallel.box`, `ep_box` here), in buckets of their own that the
+  expert-data group of dp/ep ranks shares, so ZeRO shards the experts' state over dp/ep ranks
+  (the same 1/dp of the experts per rank as at ep = 1) and the rest over dp.
 
 Activations are an estimate, after Korthikanti et al., "Reducing Activation Recomputation
 in Large Transformer Models" (MLSys 2023), eq. 1-2, adapted to this implementation: per
@@ -94,9 +98,12 @@ OFFLOAD_STATE_BYTES = OFFLOAD_STATE_TENSORS * OFFLOAD_FP32  # app/names.py
 Tensor3DShape = Optional[tuple[int, int, int]]
 
 
-def _local_numel(p: ParamSpec, tp: int, tensor: Tensor3DShape) -> int:
-    """Elements of one tp rank's box of `p` (`_box`'s size, without building it)."""
+def _local_numel(p: ParamSpec, tp: int, tensor: Tensor3DShape, ep: int = 1) -> int:
+    """Elements of one tp rank's box of `p` (`_box`'s size, without building it); stacked experts
+    E/ep of theirs under expert parallelism."""
     shape = list(p.shape)
+    if p.expert:
+        shape[0] //= ep
     if tensor is not None:
         sizes = dict(zip(("tp_x", "tp_y", "tp_z"), tensor))
         for axis, dim in p.split3d:
@@ -106,17 +113,39 @@ def _local_numel(p: ParamSpec, tp: int, tensor: Tensor3DShape) -> int:
     return math.prod(shape)
 
 
-def _box(p: ParamSpec, tp: int, tp_rank: int, tensor: Tensor3DShape) -> ParamMeta:
-    """tp rank `tp_rank`'s box of `p`: only the fields a layout reads (shape, split, decay, tied)."""
+def ep_box(meta: ParamMeta, ep: int, ep_rank: int) -> ParamMeta:
+    """`meta` of stacked experts (E, ...) for place `ep_rank` of an expert group of `ep` ranks: its
+    E/ep experts along dim 0, split {"ep": 0}; `app.model.moe.ExpertParallel.box` without torch
+    (tests/test_plan.py holds the two to the same boxes)."""
+    if ep == 1:
+        return meta
+    shape = list(meta.global_shape)
+    shape[0] //= ep
+    offset = (ep_rank * shape[0],) + (0,) * (len(shape) - 1)
+    return dataclasses.replace(meta, shape=tuple(shape), offset=offset, split={"ep": 0})
+
+
+def _box(p: ParamSpec, tp: int, tp_rank: int, tensor: Tensor3DShape, ep: int = 1, ep_rank: int = 0) -> ParamMeta:
+    """tp rank `tp_rank`'s box of `p` (and under expert parallelism, expert-group place `ep_rank`'s
+    box of stacked experts): only the fields a layout reads (shape, split, decay, tied)."""
     meta = ParamMeta(p.shape, decay=p.decay, tied=p.tied)
+    if p.expert:  # whole on every tp rank (no 3D with experts): split over ep only
+        return ep_box(meta, ep, ep_rank)
     if tensor is not None:
         return box3d(meta, tensor, tp_rank, p.split3d) if p.split3d else meta
     return tp_box(meta, tp, tp_rank, p.split) if p.split is not None else meta
 
 
-def block_params(m: ModelConfig, tp: int, tensor: Tensor3DShape = None) -> int:
-    """Parameters of one transformer block held by one tp rank (its architecture's list)."""
-    return sum(_local_numel(p, tp, tensor) for p in m.spec.block_params(m))
+def block_params(m: ModelConfig, tp: int, tensor: Tensor3DShape = None, ep: int = 1) -> int:
+    """Parameters of one transformer block held by one tp rank (its architecture's list; E/ep of
+    the stacked experts under expert parallelism)."""
+    return sum(_local_numel(p, tp, tensor, ep) for p in m.spec.block_params(m))
+
+
+def block_expert_params(m: ModelConfig, ep: int = 1) -> int:
+    """Elements of one block's stacked experts a rank holds (E/ep of them; 0 for a dense model):
+    whole on every tp rank, split over the expert group."""
+    return sum(_local_numel(p, 1, None, ep) for p in m.spec.block_params(m) if p.expert)
 
 
 def stage_param_metas(
@@ -127,13 +156,16 @@ def stage_param_metas(
     last: bool,
     tp_rank: int = 0,
     tensor: Tensor3DShape = None,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> list[ParamMeta]:
     """The tp boxes of every parameter tp rank `tp_rank` of a pipeline stage holds, in the order
     `GPT.parameters()` yields them (the architecture's `stage_params`, `app/archs/spec.py`). Only the
     fields a layout reads are set (shapes, split, decay, tied), not the initialisation. `tensor`: the
-    boxes of 3D tensor parallelism of that shape (x y z = `tp`)."""
+    boxes of 3D tensor parallelism of that shape (x y z = `tp`). `ep`, `ep_rank`: expert parallelism,
+    the stacked experts' boxes of that place in an expert group (`ep_box`)."""
     before, after = m.spec.end_params(m, first, last)
-    block = [_box(p, tp, tp_rank, tensor) for p in m.spec.block_params(m)]
+    block = [_box(p, tp, tp_rank, tensor, ep, ep_rank) for p in m.spec.block_params(m)]
     return [
         *(_box(p, tp, tp_rank, tensor) for p in before),
         *block * layers,
@@ -142,11 +174,11 @@ def stage_param_metas(
 
 
 def stage_param_list(
-    m: ModelConfig, tp: int, layers: int, first: bool, last: bool, tensor: Tensor3DShape = None
+    m: ModelConfig, tp: int, layers: int, first: bool, last: bool, tensor: Tensor3DShape = None, ep: int = 1
 ) -> list[tuple[int, bool]]:
     """(elements, weight decay) of every parameter one tp rank of a pipeline stage holds, in
     `GPT.parameters()` order (`stage_param_metas`)."""
-    return [(meta.numel, meta.decay) for meta in stage_param_metas(m, tp, layers, first, last, 0, tensor)]
+    return [(meta.numel, meta.decay) for meta in stage_param_metas(m, tp, layers, first, last, 0, tensor, ep)]
 
 
 def stage_units(m: ModelConfig, layers: int, first: bool, last: bool) -> list[str]:
@@ -172,12 +204,14 @@ def stage_params(
     last: bool,
     tensor: Tensor3DShape = None,
     block: Optional[int] = None,
+    ep: int = 1,
 ) -> int:
     """Parameters one tp rank of a pipeline stage holds (its `layers` blocks, embedding, head);
-    `block`: `block_params(m, tp, tensor)` where the caller has it (a plan counts it once)."""
+    `block`: `block_params(m, tp, tensor, ep)` where the caller has it (a plan counts it once); `ep`:
+    expert parallelism (E/ep of the stacked experts)."""
     before, after = m.spec.end_params(m, first, last)
     ends = sum(_local_numel(p, tp, tensor) for p in (*before, *after))
-    return ends + layers * (block_params(m, tp, tensor) if block is None else block)
+    return ends + layers * (block_params(m, tp, tensor, ep) if block is None else block)
 
 
 @dataclass(frozen=True)
@@ -188,6 +222,7 @@ class LayoutSizes:
     shard: int  # the shards this rank updates (`ParamLayout.shard_elements`)
     largest_bucket: int
     largest_unit: int  # ZeRO-3 layouts: the most one gather unit's buckets hold (0 for the others)
+    largest_shard: int = 0  # a bucket's 1/n shard over the ranks sharing it (dp, or dp/ep for experts)
 
 
 # Layouts already built, and the sizes read off them, keyed by every input of `stage_layout`
@@ -230,9 +265,11 @@ def stage_sizes(
         largest_unit = (
             max(unit_elements(layout, stage_units(deck.model, layers, first, last)[::-1]).values()) if units else 0
         )
+        shards = [(b.end - b.start) // layout.sharing(k)[0] for k, b in enumerate(layout.buckets)]
         return LayoutSizes(
-            layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit
-        )
+            layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit,
+            max(shards),
+        )  # fmt: skip
 
     key = ("sizes", *_layout_key(deck, layers, first, last, zero, units))
     return _cached(cache, key, sizes)  # type: ignore[return-value]  # the sizes' keys hold sizes
@@ -253,7 +290,8 @@ def _layout_key(deck: Deck, layers: int, first: bool, last: bool, zero: bool, un
     """Every input of a stage's layout (`_build_layout`'s arguments)."""
     par = deck.parallel
     return (
-        deck.model, par.tp, par.tensor3d, par.pp > 1, deck.dp, _bucket_elements(deck), layers, first, last, zero, units
+        deck.model, par.tp, par.tensor3d, par.pp > 1, deck.dp, _bucket_elements(deck), layers, first, last, zero, units,
+        par.ep,
     )  # fmt: skip
 
 
@@ -275,8 +313,10 @@ def _build_layout(
     last: bool,
     zero: bool,
     units: bool,
+    ep: int = 1,
 ) -> ParamLayout:
-    params = stage_param_metas(m, tp, layers, first, last, 0, tensor)[::-1]
+    """dp rank 0's layout (expert-group place 0: its experts are the first E/ep)."""
+    params = stage_param_metas(m, tp, layers, first, last, 0, tensor, ep)[::-1]
     tied = m.tie_embeddings and pipelined and (first or last)
     return ParamLayout.build(
         params,
@@ -287,22 +327,28 @@ def _build_layout(
         bucket_elements=bucket_elements,
         alone=len(params) - 1 - int(first) if tied else None,  # the embedding, after wpe on the first stage
         units=stage_units(m, layers, first, last)[::-1] if units else None,
+        ep=ep,
     )
 
 
 def unit_buckets(deck: Deck, first: bool, last: bool) -> dict[str, list[int]]:
     """ZeRO-3: the elements of each bucket of a stage's gather units, without the padding to dp
     (the performance model's convention): "embed" (first stage), "block" (each block's; blocks
-    are alike, and a unit's buckets do not depend on its neighbours), "head" (last stage)."""
+    are alike, and a unit's buckets do not depend on its neighbours), "head" (last stage). Under
+    expert parallelism a block's expert buckets (E/ep of the experts, gathered over the dp/ep ranks
+    of the expert-data group) are apart, under "block_experts"."""
     par = deck.parallel
+    # dp = ep: the layout cuts the experts' buckets apart (`ParamLayout.build`), padded to ep at most.
     layout = _build_layout(
-        deck.model, par.tp, par.tensor3d, par.pp > 1, 1, _bucket_elements(deck), 1, first, last, True, True
-    )
+        deck.model, par.tp, par.tensor3d, par.pp > 1, par.ep, _bucket_elements(deck), 1, first, last, True, True,
+        par.ep,
+    )  # fmt: skip
     units = stage_units(deck.model, 1, first, last)[::-1]
     out: dict[str, list[int]] = {}
     for b in layout.buckets:
         unit = units[b.params[0]]
-        out.setdefault("block" if unit.startswith("blocks.") else unit, []).append(b.end - b.start)
+        kind = "block" if unit.startswith("blocks.") else unit
+        out.setdefault(kind + ("_experts" if b.expert else ""), []).append(sum(layout.numels[i] for i in b.params))
     return out
 
 
@@ -445,6 +491,9 @@ class StageEstimate:
     gradient_shard: dict[str, float] = dataclasses.field(default_factory=dict)
     offload_buffers: float = 0.0
     host_transfer: dict[str, float] = dataclasses.field(default_factory=dict)
+    # A mixture of experts: the stacked experts' elements among `params` (E/ep of them under expert
+    # parallelism, `parallel.ep`); 0 for a dense model.
+    expert_params: int = 0
 
     def weights_for(self, zero: int) -> float:
         """Parameter bytes: the whole buffer, or ZeRO-3's shard plus the gathered units' bound."""
@@ -498,7 +547,8 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     micro = deck.num_micro_batches
     tensor = par.tensor3d
     per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e, tensor)
-    block = block_params(m, tp, tensor)
+    block = block_params(m, tp, tensor, par.ep)
+    experts = block_expert_params(m, par.ep)
     tokens = tr.micro_batch * m.seq_len
     layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn, **arch_flops_args(m)) / tp
     if m.moe_experts:  # the experts run whole on every tp rank: their GEMMs are not divided (the layers' mean)
@@ -519,10 +569,11 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     layouts = {} if layouts is None else layouts
     stream_buffers = nvme_buffer_bytes(deck.optim.offload_buffer_mb)
 
-    def bucket_bound(largest: int) -> float:
+    def bucket_bound(sizes: LayoutSizes) -> float:
         """ZeRO-2's gradient buckets held at once: ZERO2_IN_FLIGHT being reduced (with their output
-        shards) and one being filled per chunk, at the layout's largest bucket."""
-        return ((ZERO2_IN_FLIGHT + v) * largest + ZERO2_IN_FLIGHT * largest / dp) * grad_bytes
+        shards) and one being filled per chunk, at the layout's largest bucket (and largest shard:
+        an expert bucket's is 1/(dp/ep) of it under expert parallelism)."""
+        return ((ZERO2_IN_FLIGHT + v) * sizes.largest_bucket + ZERO2_IN_FLIGHT * sizes.largest_shard) * grad_bytes
 
     shapes: dict[tuple[int, bool, bool], dict[str, Any]] = {}  # the stages of one shape share their buffers
 
@@ -539,7 +590,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             "zero1": sharded.shard * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
         }
         optimizer["zero2"] = optimizer["zero1"]  # the same shards; the whole gradient buffer goes
-        buckets = bucket_bound(whole.largest_bucket) if dp > 1 else whole.size * float(grad_bytes)
+        buckets = bucket_bound(whole) if dp > 1 else whole.size * float(grad_bytes)
         # ZeRO-3: ZeRO-2's terms on its own layout (cut at the gather units, so padded apart), the
         # parameters as a shard, and the units gathered at once at the largest unit's size.
         weight_shard, gathered, buckets3 = whole.size * float(e), 0.0, buckets
@@ -548,7 +599,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
             z3 = stage_sizes(deck, layers, first, last, zero=True, cache=layouts, units=True)
             weight_shard = z3.shard * float(e)
             gathered = (2 + ZERO3_PREFETCH) * z3.largest_unit * float(e)
-            buckets3 = bucket_bound(z3.largest_bucket)
+            buckets3 = bucket_bound(z3)
             optimizer["zero3"] = z3.shard * (master + 8.0 + grad_bytes)
         # Offloaded: the fp32 master (always a copy) and two moments per shard element, by ZeRO stage.
         shards = {"zero0": whole.shard, "zero1": sharded.shard, "zero2": sharded.shard, "zero3": whole.shard}
@@ -593,6 +644,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
                 first=first,
                 last=last,
                 params=stage_params(m, tp, sum(mine), first, last, tensor, block),
+                expert_params=sum(mine) * experts,
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),
                 offload_buffers=stream_buffers,

@@ -19,10 +19,16 @@ Per pipeline stage and micro-batch, every pass (forward, backward, recomputed fo
   groups span: the forward ones exposed, the backward input-gradient ones hidden behind
   the weight-gradient GEMM when `parallel.overlap_tp_comm` is on.
 
+* expert parallelism's all-to-alls (`parallel.ep`, a mixture of experts): per MoE layer and
+  micro-batch the counts' exchange and the token rows to the experts' ranks and back, forward and
+  backward (and the forward's again under full recompute), on the ep group's link, exposed but
+  for the forward dispatch's part that the shared experts' GEMMs hide.
+
 The passes run in the order of the schedule (`app.parallel.schedule.build_schedule`), with
 point-to-point transfers between stages, so the bubble, warm-up and stage imbalance come
 out of the simulation. After the pipeline: the exposed part of the data-parallel gradient
-reduction (overlapped with the last backward when `parallel.overlap_grad_reduce` is on), the
+reduction (overlapped with the last backward when `parallel.overlap_grad_reduce` is on; the
+experts' over the expert-data group of dp/ep ranks under expert parallelism), the
 tied-embedding sum, the gradient norm, the step's small all-reduces (norm, non-finite check,
 stop-signal vote) and the optimizer's passes, at HBM bandwidth as `app/optim/optimizer.py`
 runs them, or with `optim.offload` its copies to and from the host, its update on the CPU and
@@ -42,16 +48,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Callable, Optional, Union
 
 from app.archs.spec import ParamSpec
-from app.deck import Deck, ModelConfig
+from app.deck import Deck, ModelConfig, resolve_for_world
 from app.metrics.flops import step_flops
 from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule
 from app.plan.device import Device, device_of
-from app.plan.estimate import block_params, stage_params, unit_buckets
-from app.plan.machine import LinkLevel, Machine
+from app.plan.estimate import block_expert_params, block_params, stage_params, unit_buckets
+from app.plan.machine import LinkLevel, Machine, load_machine
 from app.plan.optimizer_time import (
     OffloadRates,
     grad_norm_bytes,
@@ -84,12 +91,14 @@ def ring_terms(op: str, n: int, gloo: bool) -> tuple[float, float]:
     """(a, c) of a ring collective's cost a x bytes / B + c x latency over `n` ranks, `bytes` its
     full (unsharded) size: all-reduce 2 (n-1)/n and 2 (n-1); all-gather (n-1)/n and n-1; a
     reduce-scatter as an all-gather (NCCL) or as an all-reduce (gloo, see `Link.reduce_scatter`);
-    p2p one message. `app.plan.calibrate` fits measured times with these same terms."""
+    p2p one message; an all-to-all whose full size is what each rank holds before it (n - 1)/n leave
+    the rank, n - 1 messages: an all-gather's terms. `app.plan.calibrate` fits measured times with
+    these same terms."""
     if op == "p2p":
         return 1.0, 1.0
     if op == "all_reduce" or (op == "reduce_scatter" and gloo):
         return 2.0 * (n - 1) / n, 2.0 * (n - 1)
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n, float(n - 1)
     raise ValueError(f"unknown collective {op!r}")
 
@@ -131,8 +140,13 @@ class Link:
         return ring_terms(op, n, self.gloo)[1] * self._fit(op)[1]
 
     def _fit(self, op: str) -> tuple[float, float]:
-        """(bandwidth, latency) of `op`: the calibration's for this group size, else the level's."""
-        return dict(self.measured).get(op, (self.bandwidth, self.latency))
+        """(bandwidth, latency) of `op`: the calibration's for this group size, else the level's. The
+        calibration times no all-to-all: it takes the all-gather's fit, the same bytes per rank and
+        messages (`ring_terms`)."""
+        measured = dict(self.measured)
+        if op == "all_to_all" and op not in measured:
+            op = "all_gather"
+        return measured.get(op, (self.bandwidth, self.latency))
 
     def all_reduce(self, n: int, nbytes: float) -> float:
         ring = self._ring("all_reduce", n, nbytes)
@@ -150,6 +164,11 @@ class Link:
     def all_gather(self, n: int, nbytes: float) -> float:
         """All-gather whose full (gathered) size is `nbytes`."""
         return self._ring("all_gather", n, nbytes)
+
+    def all_to_all(self, n: int, nbytes: float) -> float:
+        """All-to-all of `nbytes` per rank (what it holds before the exchange), (n - 1)/n of them sent
+        to the other ranks (and as many received): expert parallelism's token exchange."""
+        return self._ring("all_to_all", n, nbytes)
 
     def p2p(self, nbytes: float) -> float:
         return self._ring("p2p", 2, nbytes)
@@ -195,7 +214,7 @@ class Prediction:
     hardware_tflops_per_device: float  # with the recomputed forward (Megatron SC21's table)
     mfu: float
     breakdown: dict[str, float]  # compute, recompute, attention, elementwise, exposed comm, bubble, ...
-    levels: dict[str, str]  # axis -> the outermost link level its groups cross
+    levels: dict[str, str]  # axis -> the outermost link level its groups cross (ep, edp: expert parallelism's)
     stage_times: list[float] = field(default_factory=list)  # pipeline finish time of each stage
     # 3D tensor parallelism (parallel.tensor): the slowest stage's exposed tp seconds by sub-axis,
     # tp_x + tp_y + tp_z = breakdown["tp_exposed"]; and tp_z_grad_sum, the Z sum of the replicated
@@ -225,10 +244,11 @@ class _Pass:
     tp: float = 0.0  # exposed tensor-parallel communication
     host: float = 0.0  # framework overhead per op (op_overhead_us)
     axes: tuple[float, float, float] = (0.0, 0.0, 0.0)  # 3D: `tp` by sub-axis (X, Y, Z); 1D: zeros
+    ep: float = 0.0  # expert parallelism's all-to-alls (exposed)
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.elementwise + self.tp + self.host
+        return self.gemm + self.attention + self.elementwise + self.tp + self.host + self.ep
 
     def __add__(self, other: _Pass) -> _Pass:
         return _Pass(
@@ -238,11 +258,13 @@ class _Pass:
             self.tp + other.tp,
             self.host + other.host,
             tuple(a + b for a, b in zip(self.axes, other.axes)),  # type: ignore[arg-type]
+            self.ep + other.ep,
         )
 
     def scaled(self, k: float) -> _Pass:
         axes = tuple(a * k for a in self.axes)
-        return _Pass(self.gemm * k, self.attention * k, self.elementwise * k, self.tp * k, self.host * k, axes)  # type: ignore[arg-type]
+        return _Pass(self.gemm * k, self.attention * k, self.elementwise * k, self.tp * k, self.host * k, axes,  # type: ignore[arg-type]
+                     self.ep * k)  # fmt: skip
 
 
 def tp_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
@@ -288,12 +310,103 @@ def tp_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
     }
 
 
+def moe_tp_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
+    """The tensor-parallel collectives of a block whose MLP is a mixture of experts, per micro-batch,
+    keyed like `tp_collectives`' block lists: the attention's only, since the experts run whole on
+    every tp rank on the block's input as it is (all tokens without sequence parallelism, the
+    rank's sequence shard with it: nothing gathered or reduced around them); under sequence
+    parallelism also the routers' sums over the tokens (E counts, E probability sums and the
+    z-loss's, fp32: one all-reduce, `moe.balance_losses`). Full recomputation runs all of the
+    forward's (the MoE's saved tensors come after them)."""
+    par, tr, m = deck.parallel, deck.train, deck.model
+    if par.tp == 1:
+        return {k: [] for k in ("layer_forward", "layer_recompute", "layer_backward", "layer_backward_overlapped")}
+    x = float(tr.micro_batch * m.seq_len * m.hidden * BYTES[tr.precision])
+    if par.sequence_parallel:
+        forward = [("all_gather", x), ("reduce_scatter", x), ("all_reduce", 4.0 * (2 * m.moe_experts + 1))]
+        return {
+            "layer_forward": forward,
+            "layer_recompute": forward,
+            "layer_backward": [("all_gather", x)],
+            "layer_backward_overlapped": [("reduce_scatter", x)],
+        }
+    return {
+        "layer_forward": [("all_reduce", x)],
+        "layer_recompute": [("all_reduce", x)],
+        "layer_backward": [],
+        "layer_backward_overlapped": [("all_reduce", x)],
+    }
+
+
+def moe_sp_sum(deck: Deck, stage: int) -> float:
+    """Elements of the gradients one rank of pipeline `stage` sums over tp after the dp reduction
+    under sequence parallelism for its MoE blocks: each one's router, stacked experts (E/ep of them)
+    and shared experts, whole on every tp rank and fed the rank's sequence shard, so partial over tp
+    (`ParamMeta.sequence_parallel`); under ZeRO the rank's shards of them (1/dp, the experts
+    1/(dp/ep)). 0 without SP, tp or experts. The norms' and row-parallel biases' few h per block,
+    summed alike, are left out (as for dense blocks)."""
+    m, par = deck.model, deck.parallel
+    if not (m.moe_experts and par.sequence_parallel and par.tp > 1):
+        return 0.0
+    pp, v, dp, ep = par.pp, par.virtual_stages, deck.dp, par.ep
+    blocks = sum(moe_chunk_layers(deck)[c] for c in range(stage, pp * v, pp))
+    params = m.spec.moe_params(m, "blocks.0", 0.0)
+    dense = sum(p.numel for p in params if not p.expert)
+    experts = sum(p.numel for p in params if p.expert) // ep
+    if deck.optim.zero and dp > 1:
+        return blocks * (dense / dp + experts / (dp // ep))
+    return float(blocks * (dense + experts))
+
+
+def ep_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
+    """Expert parallelism's all-to-alls (`parallel.ep` > 1) per MoE layer and micro-batch on one rank,
+    as (op, bytes) with bytes what the rank holds before the exchange ((ep - 1)/ep of it leaves the
+    rank on average, as many bytes arrive; `app/model/moe.py`, `MoE._exchange`).
+
+    The rank routes T tokens (micro_batch x seq_len; T/tp under sequence parallelism), T k
+    assignments, of which at most E x capacity are kept with `model.moe_capacity_factor`. Forward:
+    the counts' all-to-all (E int64, read on the host: the split sizes), the kept assignments' token
+    rows (hidden wide, compute dtype) to their experts' ranks, and the outputs back; backward: the
+    two row exchanges reversed; full recomputation runs the forward's again. Empty at ep = 1."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    if par.ep == 1 or not m.moe_experts:
+        return {"forward": [], "backward": [], "recompute": []}
+    tokens = tr.micro_batch * m.seq_len // (par.tp if par.sequence_parallel else 1)
+    kept = tokens * m.moe_top_k
+    if m.moe_capacity_factor is not None:  # `MoE.capacity`: at most C assignments per expert
+        kept = min(kept, m.moe_experts * max(1, math.ceil(m.moe_capacity_factor * kept / m.moe_experts)))
+    rows = float(kept * m.hidden * BYTES[tr.precision])
+    forward = [("all_to_all", 8.0 * m.moe_experts), ("all_to_all", rows), ("all_to_all", rows)]
+    return {"forward": forward, "backward": [("all_to_all", rows)] * 2, "recompute": forward}
+
+
+def moe_chunk_layers(deck: Deck) -> list[int]:
+    """The MoE layers of each global chunk (`ModelConfig.is_moe` over `deck.chunks`)."""
+    return [sum(deck.model.is_moe(i) for i in chunk) for chunk in deck.chunks]
+
+
+def expert_exchange(deck: Deck, stage: int) -> tuple[int, float]:
+    """(all-to-alls, bytes sent) of one rank of pipeline `stage` per optimizer step under expert
+    parallelism: each `ep_collectives` call sends (ep - 1)/ep of its bytes to the ep group's other
+    ranks (receiving as many). (0, 0.0) at ep = 1."""
+    ep = deck.parallel.ep
+    calls = ep_collectives(deck)
+    per_layer = calls["forward"] + calls["backward"] + (calls["recompute"] if deck.train.recompute == "full" else [])
+    pp, v = deck.parallel.pp, deck.parallel.virtual_stages
+    moe = moe_chunk_layers(deck)
+    n = deck.num_micro_batches * sum(moe[c] for c in range(stage, pp * v, pp))
+    return n * len(per_layer), n * sum(b for _, b in per_layer) * (ep - 1) / ep
+
+
 def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
     """Bytes one rank of pipeline `stage` sends per optimizer step, by (axis, op): the messages
     the time model charges (collectives by their full size, p2p sends by their payload).
     Under 3D tensor parallelism the tp messages are by sub-axis (tp_x, tp_y, tp_z: `tp3d_collectives`).
+    Under expert parallelism: the all-to-alls on "ep" (`ep_collectives`), and the experts' gradient
+    reduction (and ZeRO's gathers) on "edp", the expert-data group, the rest on "dp".
     Not included: scalar all-reduces (loss, gradient norm, the non-finite check) and the tp sums of
-    the replicated parameters' gradients (under sequence parallelism over tp, under 3D over Z)."""
+    the replicated parameters' gradients (under sequence parallelism over tp, under 3D over Z), but
+    for the MoE blocks' (`moe_sp_sum`)."""
     m, par, tr = deck.model, deck.parallel, deck.train
     pp, v, micro = par.pp, par.virtual_stages, deck.num_micro_batches
     e, g = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
@@ -308,13 +421,20 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
             out[(axis, op)] = out.get((axis, op), 0.0) + nbytes
 
     shape = tensor_shape(deck)
+    moe = moe_chunk_layers(deck)
+    moe_blocks = sum(moe[c] for c in mine)  # blocks whose MLP is a mixture of experts
     tp: dict[str, list[tuple[str, str, float]]]
     if shape is None:
         tp = {k: [("tp", op, n) for op, n in v] for k, v in tp_collectives(deck).items()}
+        moe_tp = {k: [("tp", op, n) for op, n in v] for k, v in moe_tp_collectives(deck).items()}
     else:  # by sub-axis, tp_x / tp_y / tp_z
-        tp = tp3d_collectives(deck)
-    per_layer = tp["layer_forward"] + (tp["layer_recompute"] if tr.recompute == "full" else []) + tp["layer_backward"]
-    per_micro = per_layer * layers + tp.get("layer_backward_overlapped", []) * layers
+        tp, moe_tp = tp3d_collectives(deck), {}
+
+    def block(lists: dict[str, list[tuple[str, str, float]]]) -> list[tuple[str, str, float]]:
+        recompute = lists["layer_recompute"] if tr.recompute == "full" else []
+        return lists["layer_forward"] + recompute + lists["layer_backward"] + lists.get("layer_backward_overlapped", [])
+
+    per_micro = block(tp) * (layers - moe_blocks) + (block(moe_tp) * moe_blocks if moe_blocks else [])
     per_micro += (tp["embedding_forward"] + tp["embedding_backward"]) if first else []
     per_micro += (tp["head_forward"] + tp["head_backward"]) if last else []
     for axis, op, nbytes in per_micro:
@@ -322,34 +442,51 @@ def step_messages(deck: Deck, stage: int) -> dict[tuple[str, str], float]:
     if pp > 1:
         sends = sum(int(c < pp * v - 1) + int(c > 0) for c in mine)  # activations forward, gradients back
         add("pp", "send", micro * sends * p2p_bytes(deck))
+    add("tp", "all_reduce", moe_sp_sum(deck, stage) * g)  # the MoE blocks' partial gradients under SP
+    exchange = ep_collectives(deck)
+    per_moe_layer = (
+        exchange["forward"] + exchange["backward"] + (exchange["recompute"] if tr.recompute == "full" else [])
+    )
+    for op, nbytes in per_moe_layer:
+        add("ep", op, micro * moe_blocks * nbytes)
     if deck.dp > 1:
         params = (
-            stage_params(m, par.tp, layers, first, last)
+            stage_params(m, par.tp, layers, first, last, ep=par.ep)
             if shape is None
             else stage_params3d(m, shape, layers, first, last)[0]
         )
-        if deck.optim.zero:
-            # ZeRO-2: once per micro-batch (every bucket reduces each time all its parameters added one gradient).
-            add("dp", "reduce_scatter", (micro if deck.optim.zero >= 2 else 1) * params * g)
-            # ZeRO-3 gathers every unit before its forward and again before its backward (the recompute
-            # reuses the backward's), each micro-batch, and nothing after the step; ZeRO-1/2 once after it.
-            add("dp", "all_gather", (2 * micro if deck.optim.zero >= 3 else 1) * params * e)
-            if deck.optim.zero >= 3 and tied_here(deck, first, last):
-                # The head gathers the tied embedding's bucket again (the embedding freed it).
-                add("dp", "all_gather", micro * unit_buckets(deck, True, True)["embed"][0] * e)
-        else:
-            add("dp", "all_reduce", params * g)
+        experts = layers * block_expert_params(m, par.ep) if par.ep > 1 else 0
+        for axis, n in (("dp", params - experts), ("edp", experts if deck.dp > par.ep else 0)):
+            if deck.optim.zero:
+                # ZeRO-2: once per micro-batch (every bucket reduces each time all its parameters added one gradient).
+                add(axis, "reduce_scatter", (micro if deck.optim.zero >= 2 else 1) * n * g)
+                # ZeRO-3 gathers every unit before its forward and again before its backward (the recompute
+                # reuses the backward's), each micro-batch, and nothing after the step; ZeRO-1/2 once after it.
+                add(axis, "all_gather", (2 * micro if deck.optim.zero >= 3 else 1) * n * e)
+            else:
+                add(axis, "all_reduce", n * g)
+        if deck.optim.zero >= 3 and tied_here(deck, first, last):
+            # The head gathers the tied embedding's bucket again (the embedding freed it).
+            add("dp", "all_gather", micro * unit_buckets(deck, True, True)["embed"][0] * e)
     if m.tie_embeddings and pp > 1 and (first or last):
         add("pp", "all_reduce", (m.vocab_size // par.tp) * m.hidden * g)
     return out
 
 
 def zero3_gathers(
-    deck: Deck, link: Link, chunks: list[int], fwd: list[float], bwd: list[float], overlap: bool
+    deck: Deck,
+    link: Link,
+    chunks: list[int],
+    fwd: list[float],
+    bwd: list[float],
+    overlap: bool,
+    expert_link: Optional[Link] = None,
 ) -> list[tuple[float, float]]:
     """ZeRO-3: the exposed all-gather seconds of each global chunk's forward and backward pass,
     one micro-batch. A pass gathers every unit of its chunk (embedding, blocks, head), bucket by
-    bucket, in the compute dtype; `fwd[c]`, `bwd[c]`: the passes' own times.
+    bucket, in the compute dtype; `fwd[c]`, `bwd[c]`: the passes' own times. Under expert
+    parallelism a block's expert buckets are gathered over the expert-data group (`expert_link`,
+    dp/ep ranks).
 
     With `overlap` (parallel.overlap_param_gather) the next unit's gather runs while a unit
     computes: on GPUs a pass waits for its first unit's gathers, and for whatever of the rest
@@ -363,8 +500,11 @@ def zero3_gathers(
     def gather(buckets: list[int]) -> float:
         return sum(link.all_gather(dp, n * e) for n in buckets)
 
-    block = ends[0]["block"]
-    embed, head, one = gather(ends[0]["embed"]), gather(ends[1]["head"]), gather(block)
+    experts = ends[0].get("block_experts", [])
+    group = expert_link if expert_link is not None else link
+    expert_gathers = sum(group.all_gather(dp // par.ep, n * e) for n in experts)
+    block = ends[0]["block"] + experts
+    embed, head, one = gather(ends[0]["embed"]), gather(ends[1]["head"]), gather(ends[0]["block"]) + expert_gathers
     tied = tied_here(deck, True, pp == 1)  # the head's forward gathers the embedding's bucket again
     head_forward = head + (gather(ends[0]["embed"][:1]) if tied else 0.0)
     out = []
@@ -407,14 +547,21 @@ def group_link(machine: Machine, stride: int, size: int) -> Link:
         link = dataclasses.replace(link, measured=tuple(sorted(measured.items())))
     if size <= 1:
         return link
-    ops = ("all_reduce", "all_gather", "reduce_scatter")
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # all_to_all: the all-reduce's wait
     busy = tuple((op, machine.busy_seconds(op, size, network)) for op in ops)
     return dataclasses.replace(link, busy=busy, busy_p2p=machine.busy_seconds("p2p", 2, network))
 
 
-def axis_links(machine: Machine, layout: GridLayout) -> dict[str, Link]:
-    """Each axis's group link (`group_link`)."""
-    return {axis: group_link(machine, layout.stride(axis), layout.size(axis)) for axis in AXES}
+def axis_links(machine: Machine, layout: GridLayout, ep: int = 1) -> dict[str, Link]:
+    """Each axis's group link (`group_link`); with expert parallelism (ep > 1) also "ep", an expert
+    group (ep consecutive dp ranks: `ProcessGrid.expert_groups`), and "edp", an expert-data group
+    (the dp/ep ranks ep dp-strides apart that hold the same experts)."""
+    links = {axis: group_link(machine, layout.stride(axis), layout.size(axis)) for axis in AXES}
+    if ep > 1:
+        stride = layout.stride("dp")
+        links["ep"] = group_link(machine, stride, ep)
+        links["edp"] = group_link(machine, stride * ep, layout.size("dp") // ep)
+    return links
 
 
 def uses_gloo(machine: Machine) -> bool:
@@ -423,8 +570,9 @@ def uses_gloo(machine: Machine) -> bool:
 
 
 def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
-    """A blocking collective (tp, the step's): its ring, and the wait for the group's ranks to run together."""
-    cost = {"all_reduce": link.all_reduce, "reduce_scatter": link.reduce_scatter, "all_gather": link.all_gather}
+    """A blocking collective (tp, ep, the step's): its ring, and the wait for the group's ranks to run together."""
+    cost = {"all_reduce": link.all_reduce, "reduce_scatter": link.reduce_scatter, "all_gather": link.all_gather,
+            "all_to_all": link.all_to_all}  # fmt: skip
     return cost[op](n, nbytes) + (link.busy_wait(op) if n > 1 and nbytes > 0 else 0.0)
 
 
@@ -546,6 +694,35 @@ def _embedding_passes(
     comm_bwd = sum(_cost(tp_link, par.tp, op, n) for op, n in msgs["embedding_backward"])
     # Token rows + positions gathered and added; backward scatter-adds into the tables.
     return _Pass(0.0, 0.0, dev.stream(4 * x), comm_fwd), _Pass(0.0, 0.0, dev.stream(6 * x), comm_bwd)
+
+
+def _expert_passes(deck: Deck, dev: Device, link: Optional[Link], overlap: bool) -> tuple[_Pass, _Pass, _Pass]:
+    """(forward, backward, full recompute) all-to-alls of one MoE layer on one micro-batch under
+    expert parallelism (`ep_collectives`) on the ep group's `link`, each waited for (the next
+    operation needs its result), but for the forward's dispatch of the token rows, which runs while
+    the shared experts compute (`MoE._exchange`, `all_to_all_start`) where `overlap` (not on gloo's
+    shared cores): only what outlasts their GEMMs is exposed. Zero at ep = 1. The device-to-host copy
+    of the counts is not charged apart (its collective's latency is)."""
+    calls = ep_collectives(deck)
+    if link is None or not calls["forward"]:
+        return _Pass(), _Pass(), _Pass()
+    m, par, tr = deck.model, deck.parallel, deck.train
+    ep, e = par.ep, BYTES[tr.precision]
+    hidden_by = 0.0
+    width = m.moe_shared_experts * m.expert_ffn
+    if overlap and width:  # the shared experts' forward GEMMs on the rank's tokens (whole on every tp rank)
+        tokens = tr.micro_batch * m.seq_len // (par.tp if par.sequence_parallel else 1)
+        hidden_by = (
+            dev.linear(tokens, m.spec.fc_rows(width), m.hidden, e)[0] + dev.linear(tokens, m.hidden, width, e)[0]
+        )
+
+    def seconds(key: str) -> _Pass:
+        costs = [_cost(link, ep, op, n) for op, n in calls[key]]
+        if key != "backward":  # [counts, dispatch, combine]: the dispatch behind the shared experts
+            costs[1] = max(0.0, costs[1] - hidden_by)
+        return _Pass(ep=sum(costs))
+
+    return seconds("forward"), seconds("backward"), seconds("recompute")
 
 
 # -- 3D tensor parallelism (parallel.tensor: app/tensor_parallel/tensor3d.py) ---------------------
@@ -957,11 +1134,13 @@ def param_tensors(layers: int, first: bool, last: bool, m: ModelConfig) -> tuple
 
 def step_collectives(deck: Deck, machine: Machine, layout: GridLayout, links: dict[str, Link]) -> float:
     """The small all-reduces every step makes after the backward: the gradient norm's (over tp
-    and pp, and dp under ZeRO-1), the non-finite check's (over tp, pp and dp), one group at a
-    time (ProcessGrid.all_reduce), and the stop-signal vote (one MPI all-reduce over all
-    ranks). Latency-bound: a few bytes each."""
+    and pp, and dp under ZeRO-1 or with experts split over ep), the non-finite check's (over tp,
+    pp and dp), one group at a time (ProcessGrid.all_reduce), and the stop-signal vote (one MPI
+    all-reduce over all ranks). Latency-bound: a few bytes each."""
     sizes = {"tp": deck.parallel.tp, "pp": deck.parallel.pp, "dp": deck.dp}
-    norm_axes = AXES if deck.optim.zero else ("tp", "pp")
+    # Over dp too where its ranks hold different values: ZeRO's shards, experts split over ep.
+    experts = deck.parallel.ep > 1 and deck.model.moe_experts > 0
+    norm_axes = AXES if deck.optim.zero or experts else ("tp", "pp")
     seconds = sum(_cost(links[a], sizes[a], "all_reduce", 8) for a in norm_axes)
     seconds += sum(_cost(links[a], sizes[a], "all_reduce", 8) for a in AXES)
     world = sizes["tp"] * sizes["pp"] * sizes["dp"]
@@ -978,7 +1157,7 @@ class Placement:
     machine: Machine
     layout: GridLayout
     device: Device
-    links: dict[str, Link]
+    links: dict[str, Link]  # by axis, and expert parallelism's ep and edp (`axis_links`)
     links3: dict[str, Link]  # 3D tensor parallelism's tp_x, tp_y, tp_z; empty for 1D
     offload: Optional[OffloadRates]
 
@@ -996,7 +1175,7 @@ def place(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None) -> 
         machine=machine,
         layout=layout,
         device=device_of(machine, tr.precision, deck.run.malloc_mmap_threshold_kb),
-        links=axis_links(machine, layout),
+        links=axis_links(machine, layout, par.ep),
         links3={} if shape is None else axis_links3d(machine, layout, shape, par.tensor_order),
         offload=None
         if deck.optim.offload == "none"
@@ -1032,31 +1211,46 @@ def predict(
 
     shape = tensor_shape(deck)
     links3 = placed.links3
+    moe = moe_chunk_layers(deck)  # blocks whose MLP is a mixture of experts, by chunk
+    # A MoE block: a dense block's passes but for its tp collectives (`moe_tp_collectives`), plus
+    # expert parallelism's all-to-alls (exposed, but for what the shared experts hide).
+    expert_f = expert_b = expert_r = _Pass()
     if shape is None:
         msgs = tp_collectives(deck)
         layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"], msgs)
         head_f, head_b = _head_passes(deck, dev, links["tp"], msgs)
         emb_f, emb_b = _embedding_passes(deck, dev, links["tp"], msgs)
+        if any(moe):
+            expert_f, expert_b, expert_r = _layer_passes(deck, dev, links["tp"], {**msgs, **moe_tp_collectives(deck)})
+            a2a = _expert_passes(deck, dev, links.get("ep"), not uses_gloo(machine))
+            expert_f, expert_b, expert_r = (p + q for p, q in zip((expert_f, expert_b, expert_r), a2a))
     else:  # 3D: each collective on its sub-axis's link (axis_links3d)
         layer_f, layer_b, layer_r = _layer_passes3d(deck, dev, links3, overlap3d(deck))
         head_f, head_b = _head_passes3d(deck, dev, links3)
         emb_f, emb_b = _embedding_passes3d(deck, dev, links3)
     if tr.recompute == "full":
         layer_b = layer_b + layer_r  # the forward again, just before each block's backward
+        expert_b = expert_b + expert_r
     elif tr.recompute == "selective":
         layer_b = layer_b + _Pass(attention=layer_f.attention, host=layer_f.host / OPS["layer_forward"])  # one op
+        expert_b = expert_b + _Pass(attention=expert_f.attention, host=expert_f.host / OPS["layer_forward"])
     chunks = [len(c) for c in deck.chunks]
     last = pp * v - 1
-    fwd_parts = [layer_f.scaled(n) + (emb_f if c == 0 else _Pass()) + (head_f if c == last else _Pass())
-                 for c, n in enumerate(chunks)]  # fmt: skip
-    bwd_parts = [layer_b.scaled(n) + (emb_b if c == 0 else _Pass()) + (head_b if c == last else _Pass())
-                 for c, n in enumerate(chunks)]  # fmt: skip
+
+    def blocks(dense: _Pass, experts: _Pass, c: int) -> _Pass:
+        """Chunk c's blocks: its dense ones and its MoE ones."""
+        return dense.scaled(chunks[c] - moe[c]) + experts.scaled(moe[c]) if moe[c] else dense.scaled(chunks[c])
+
+    fwd_parts = [blocks(layer_f, expert_f, c) + (emb_f if c == 0 else _Pass()) + (head_f if c == last else _Pass())
+                 for c in range(pp * v)]  # fmt: skip
+    bwd_parts = [blocks(layer_b, expert_b, c) + (emb_b if c == 0 else _Pass()) + (head_b if c == last else _Pass())
+                 for c in range(pp * v)]  # fmt: skip
 
     # Gradient accumulation: after each backward a hook adds every parameter's gradient (compute
     # dtype) into the fp32 (or compute-dtype) buffer: read both, write the buffer.
     stage_layers = [sum(chunks[s + c * pp] for c in range(v)) for s in range(pp)]
     if shape is None:
-        block = block_params(m, tp)
+        block = block_params(m, tp, ep=par.ep)
         params = [stage_params(m, tp, stage_layers[s], s == 0, s == pp - 1, block=block) for s in range(pp)]
         replicated = [0] * pp
     else:
@@ -1070,7 +1264,7 @@ def predict(
     # ZeRO-3: the parameter all-gathers exposed in each pass (they delay the pipeline like compute).
     gathers = [(0.0, 0.0)] * (pp * v)
     if deck.zero3:
-        gathers = zero3_gathers(deck, links["dp"], chunks, fwd, bwd, requested.overlap_param_gather)
+        gathers = zero3_gathers(deck, links["dp"], chunks, fwd, bwd, requested.overlap_param_gather, links.get("edp"))
         fwd = [t + f for t, (f, _) in zip(fwd, gathers)]
         bwd = [t + b for t, (_, b) in zip(bwd, gathers)]
     p2p = links["pp"].p2p(p2p_bytes(deck)) + links["pp"].busy_p2p if pp > 1 else 0.0
@@ -1084,33 +1278,53 @@ def predict(
         bubble = (pp - 1) / v * max(per_stage) + 2 * (pp - 1) * p2p
         finish = [micro * busy + bubble for busy in per_stage]
 
-    # Data parallelism, per stage: bucketed reductions of the stage's gradients.
+    # Data parallelism, per stage: bucketed reductions of the stage's gradients. Under expert
+    # parallelism the experts' buckets (E/ep of the experts) go to the expert-data group's dp/ep ranks.
     bucket = par.dp_bucket_mb * 1e6
+    ep = par.ep if m.moe_experts else 1
+    experts_per_block = block_expert_params(m, ep) if ep > 1 else 0
     dp_exposed, tied, norm, optimizer, offloaded, z_sum = [], 0.0, [], [], [], []
     unit_kinds: dict[tuple[bool, bool], dict[str, list[int]]] = {}  # ZeRO-3: (first, last) -> unit_buckets
     for s in range(pp):
-        grads = params[s] * g
-        buckets = max(1, math.ceil(grads / bucket))
-        per_bucket = grads / buckets
+        experts = stage_layers[s] * experts_per_block
+        # (link, ranks, parameters, buckets): the dense parameters over dp, the experts over dp / ep.
+        groups = [(links["dp"], dp, params[s] - experts, 0)]
+        if experts:
+            groups.append((links["edp"], dp // ep, experts, 0))
         if deck.zero3:  # its buckets are cut at the gather units
             ends = (s == 0, s == pp - 1)
             if ends not in unit_kinds:
                 unit_kinds[ends] = unit_buckets(deck, *ends)
             units = unit_kinds[ends]
-            buckets = stage_layers[s] * len(units["block"]) + len(units.get("embed", ())) + len(units.get("head", ()))
-            per_bucket = grads / buckets
+            dense = stage_layers[s] * len(units["block"]) + len(units.get("embed", ())) + len(units.get("head", ()))
+            counts = [dense, stage_layers[s] * len(units.get("block_experts", ()))]
+            groups = [(link, n, p, counts[i]) for i, (link, n, p, _) in enumerate(groups)]
         # ZeRO-2 reduce-scatters every micro-batch's gradients, each during that micro-batch's backward.
         reductions = micro if opt.zero >= 2 else 1
-        if opt.zero:
-            reduce = reductions * buckets * links["dp"].reduce_scatter(dp, per_bucket)
-            # ZeRO-3 gathers during the passes (above), not after the step.
-            gather = buckets * links["dp"].all_gather(dp, per_bucket / g * e) if opt.zero < 3 else 0.0
-        else:
-            reduce, gather = buckets * links["dp"].all_reduce(dp, per_bucket), 0.0
+        reduce = gather = last_bucket = hidden_reduce = hidden_gather = 0.0
+        buckets = 0
+        op = "reduce_scatter" if opt.zero else "all_reduce"
+        for i, (link, n, p, count) in enumerate(groups):
+            grads = p * g
+            count = count or max(1, math.ceil(grads / bucket))
+            per_bucket = grads / count
+            if opt.zero:
+                part = reductions * count * link.reduce_scatter(n, per_bucket)
+                # ZeRO-3 gathers during the passes (above), not after the step.
+                gather += count * link.all_gather(n, per_bucket / g * e) if opt.zero < 3 else 0.0
+            else:
+                part = count * link.all_reduce(n, per_bucket)
+            if i == 0:  # the last bucket the backward fills holds the first parameters (dense)
+                last_bucket = part / (reductions * count)
+            reduce += part
+            buckets += count
+            # Gloo (below): every bucket's waits for its peers hide but the last one's.
+            first = 1 if i == 0 else 0
+            hidden_reduce += (reductions * count - first) * link.latency_part(op, n)
+            hidden_gather += (count - first) * link.latency_part("all_gather", n)
         # Overlap: the reductions start as the last micro-batch's backward produces each bucket;
         # the last bucket cannot be hidden. The ZeRO-1 gather overlaps the next forward likewise.
         window = reductions * sum(bwd[c] for c in range(s, pp * v, pp)) if par.overlap_grad_reduce else 0.0
-        last_bucket = reduce / (reductions * buckets)
         exposed = max(last_bucket, reduce - window) if par.overlap_grad_reduce else reduce
         if gather:
             first_fwd = sum(fwd[c] for c in range(s, pp * v, pp))
@@ -1119,13 +1333,12 @@ def predict(
             # Gloo runs each bucket's collective on its own thread while the backward (the next
             # forward, for the gather) computes: its copies and sums take the shared cores, charged
             # in full, but its waits for the peers hide, all but the last bucket's.
-            op = "reduce_scatter" if opt.zero else "all_reduce"
-            overlapped = reductions * buckets - 1
-            hidden = overlapped * links["dp"].latency_part(op, dp) if requested.overlap_grad_reduce else 0.0
+            hidden = hidden_reduce if requested.overlap_grad_reduce else 0.0
             if gather and requested.overlap_param_gather:
-                hidden += (buckets - 1) * links["dp"].latency_part("all_gather", dp)
+                hidden += hidden_gather
             exposed = reduce + gather - hidden
-        shard = params[s] / dp if opt.zero and dp > 1 else params[s]
+        # The elements this rank updates: 1/dp of the dense ones, 1/(dp/ep) of its experts (ZeRO).
+        shard = sum(p / n for _, n, p, _ in groups) if opt.zero and dp > 1 else params[s]
         if shape is not None and shape[2] > 1:
             # 3D: after the dp reduction, the gradients of the parameters replicated over Z (this rank's
             # share of them under ZeRO) are summed over Z, one blocking all-reduce (finish_grad_reduce).
@@ -1133,6 +1346,10 @@ def predict(
             exposed += z_sum[-1]
         else:
             z_sum.append(0.0)
+        # Sequence parallelism: the MoE blocks' router, experts and shared experts act on the rank's
+        # sequence shard, so their gradients (this rank's share under ZeRO) are summed over tp after the
+        # dp reduction, one blocking all-reduce (finish_grad_reduce; the norms' few h are left out).
+        exposed += _cost(links["tp"], tp, "all_reduce", moe_sp_sum(deck, s) * g)
         dp_exposed.append(exposed)
         _, matrices = param_tensors(stage_layers[s], s == 0, s == pp - 1, m)
         # The norm's first pass reads the reduced gradients from memory (they outgrew the cache).
@@ -1164,7 +1381,11 @@ def predict(
     mine = [c for c in range(pp * v) if c % pp == slowest]
     busy_f = sum((fwd_parts[c] for c in mine), _Pass()).scaled(micro)
     busy_b = sum((bwd_parts[c] for c in mine), _Pass()).scaled(micro)
-    recompute = layer_r.scaled(sum(chunks[c] for c in mine) * micro).total if tr.recompute == "full" else 0.0
+    recompute = 0.0
+    if tr.recompute == "full":
+        experts = sum(moe[c] for c in mine)
+        recompute = layer_r.scaled((sum(chunks[c] for c in mine) - experts) * micro).total
+        recompute += expert_r.scaled(experts * micro).total if experts else 0.0
     zero3 = micro * sum(sum(gathers[c]) for c in mine)
     busy = busy_f.total + busy_b.total + accumulate[slowest] * micro + zero3
     breakdown = {
@@ -1174,6 +1395,7 @@ def predict(
         "grad_accumulation": accumulate[slowest] * micro,
         "recompute": recompute,  # included in the gemm/attention/elementwise/tp lines above
         "tp_exposed": busy_f.tp + busy_b.tp,
+        "ep_exposed": busy_f.ep + busy_b.ep,  # expert parallelism's all-to-alls (0 without)
         "host_overhead": busy_f.host + busy_b.host,
         "pp_bubble_and_p2p": finish[slowest] - busy,
         "zero3_gathers": zero3,  # the parameter all-gathers the passes wait for
@@ -1204,3 +1426,17 @@ def predict(
         stage_times=after,
         tensor3d=tensor3d,
     )
+
+
+def predict_step_time(
+    deck: Deck, machine: Union[Machine, str, Path], world_size: Optional[int] = None, simulate: bool = True
+) -> float:
+    """Seconds of one optimizer step of `deck` on `machine` (a `Machine`, or a machine file's name
+    under inputs/machines/ or its path), as the dry run predicts it (`predict`). The deck resolved
+    for a world size (`app.deck.resolve_for_world`), or give `world_size` to resolve it here. A
+    `MachineError` names the constants the machine file lacks (inputs/machines/local.yaml has
+    none: calibrate it first, `python -m app.plan.calibrate`, and pass `local_calibrated`)."""
+    if world_size is not None:
+        deck = resolve_for_world(deck, world_size)
+    loaded = machine if isinstance(machine, Machine) else load_machine(machine)
+    return predict(deck, loaded, simulate=simulate).step_time_s

@@ -25,6 +25,11 @@ device memory as host and only adds the drive's time, and host memory is not che
 capacity, so nvme could never rank above host there. A machine file that lacks the offload's
 constants (`Machine.missing_for_prediction`) gets no offloaded candidates.
 
+Expert parallelism (`parallel.ep`) is searched for a mixture of experts: every ep that divides
+both dp and `model.moe_experts` (`expert_degrees`), each a configuration of its own (its memory:
+E/ep of the experts per rank; its time: the all-to-alls against the experts' smaller reduction and
+update, `app.plan.perf`). Dense decks keep ep = 1 and their candidates carry no ep key.
+
 3D tensor parallelism (`parallel.tensor: [x, y, z]`, AxoNN's) is searched next to 1D (`tensor`:
 "both", the default; "1d" or "3d" for one kind): tp any divisor of the world up to
 TENSOR3D_MAX_RANKS (a 3D group may span nodes: its Z sub-axis is meant to), never with SP. For
@@ -108,6 +113,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def expert_degrees(deck: Deck, dp: int) -> list[int]:
+    """The ep a configuration with `dp` data ranks may take: the divisors of dp that divide
+    model.moe_experts (a mixture of experts; [1] for a dense deck)."""
+    experts = deck.model.moe_experts
+    return _divisors(math.gcd(dp, experts)) if experts else [1]
+
+
 # Axis orders tried (innermost first) besides the deck's: dp or pp next to tp on the node.
 ORDERS = ("tp-dp-pp", "tp-pp-dp")
 
@@ -121,9 +133,13 @@ def _configurations(deck: Deck, world: int, machine: Machine, tensor: str = "bot
         grids = itertools.chain(grids, _grids3d(deck, world, machine))
     for sets in grids:
         dp = world // (sets["parallel.tp"] * sets["parallel.pp"])
+        # A mixture of experts: every expert-parallel degree dp and the experts allow (1D only: 3D has
+        # no experts, `app.deck.validate`); dense decks carry no ep key.
+        degrees = expert_degrees(deck, dp) if deck.model.moe_experts and sets.get("parallel.tensor") is None else [None]
         # With pp or dp of 1 every order places the ranks alike: try the deck's only.
         for order in orders if sets["parallel.pp"] > 1 and dp > 1 else orders[:1]:
-            yield {"parallel.order": order, **sets, **offload}
+            for ep in degrees:
+                yield {"parallel.order": order, **sets, **offload, **({} if ep is None else {"parallel.ep": ep})}
 
 
 def _grids(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
@@ -208,6 +224,7 @@ def _own(deck: Deck) -> dict[str, Any]:
         "parallel.sequence_parallel": par.sequence_parallel, "train.micro_batch": tr.micro_batch,
         "train.recompute": tr.recompute, "optim.zero": deck.optim.zero,
         **({"optim.offload": deck.optim.offload} if deck.optim.offload != "none" else {}), **tensor,
+        **({"parallel.ep": par.ep} if deck.model.moe_experts else {}),
     }  # fmt: skip
 
 
@@ -340,9 +357,10 @@ def _row(c: Candidate) -> str:
     peak = p.stage_total(p.peak_stage()) / GiB
     shape = s.get("parallel.tensor")
     tp = f"tp {s['parallel.tp']}" + (f" 3d {_text(shape)}" if shape else "")
+    ep = f" ep {s['parallel.ep']}" if "parallel.ep" in s else ""
     return (
         f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  {tp} pp "
-        f"{s['parallel.pp']} dp {p.deck.dp} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
+        f"{s['parallel.pp']} dp {p.deck.dp}{ep} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
         f"{'y' if s['parallel.sequence_parallel'] else 'n'} recompute {s['train.recompute']} zero {s['optim.zero']}"
         f"{'' if s.get('optim.offload', 'none') == 'none' else ' offload ' + s['optim.offload']} {s['parallel.order']}  "
         f"{peak:.1f} GiB"
