@@ -407,6 +407,34 @@ def test_the_framework_op_counts_are_those_of_the_model():
     assert counts[1][1] - (OPS["layer_backward"] - 24) == OPS["other_backward"]
 
 
+def test_the_framework_op_counts_of_a_mixture_of_experts_block_are_those_of_the_model():
+    """perf.MOE_OPS: the same count for a block whose MLP is 4 experts (top-2, dropless; its 13
+    parameters' hooks 2 ops each in backward), and what one shared expert adds (4 more parameters)."""
+    import torch
+
+    from app.deck import ModelConfig
+    from app.model.gpt import GPT
+    from app.plan.calibrate import count_aten_ops
+    from app.plan.perf import MOE_OPS
+
+    def block_ops(**moe) -> tuple[int, int]:
+        counts = []
+        for layers in (1, 2):
+            cfg = ModelConfig(vocab_size=64, seq_len=16, layers=layers, hidden=32, heads=4, moe_experts=4,
+                              moe_top_k=2, moe_ffn_hidden=32, **moe)  # fmt: skip
+            model = GPT(cfg, seed=1)
+            model.train()
+            tokens, losses = torch.randint(0, 64, (2, 16)), []
+            forward = count_aten_ops(lambda m=model, t=tokens, out=losses: out.append(m.loss(t, t)))
+            counts.append((forward, count_aten_ops(losses[0].backward)))
+        return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
+
+    forward, backward = block_ops()
+    assert (forward, backward + 2 * 13) == (MOE_OPS["layer_forward"], MOE_OPS["layer_backward"])
+    shared_f, shared_b = block_ops(moe_shared_experts=1)
+    assert (shared_f - forward, shared_b - backward + 2 * 4) == (MOE_OPS["shared_forward"], MOE_OPS["shared_backward"])
+
+
 def _calibration_measured() -> dict:
     """What app.plan.calibrate.measure returns, with round numbers (4 ranks on one node)."""
     measured = {"gemm_flops": {"256x256x256": 3e10, "512x512x512": 4e10}, "stream_bytes_s": 1e10, "op_seconds": 5e-6,

@@ -79,6 +79,11 @@ BACKWARD_BYTES = 2.0
 # by tests/test_perf.py. A machine's op_overhead_us (host time per op, measured on CPUs by
 # app.plan.calibrate) multiplies them; on GPUs the launches hide behind the kernels.
 OPS = {"layer_forward": 32, "layer_backward": 66 + 24, "other_forward": 13, "other_backward": 23}
+# A block whose MLP is a mixture of experts (ep = 1, dropless, no shared experts; 13 parameters):
+# the router, the sort into the experts' buffer and the combine are many small ops. Each shared
+# expert MLP adds 10 forward and 22 + 2 x 4 backward (its 4 parameters' hooks). Expert parallelism's exchanges add a few more
+# (not counted). Counted by tests/test_perf.py like OPS.
+MOE_OPS = {"layer_forward": 123, "layer_backward": 128 + 26, "shared_forward": 10, "shared_backward": 22 + 8}
 # Above this many passes (stages x chunks x micro-batches) the pipeline is not simulated pass by
 # pass (about a second of Python); its steady state plus the schedule's bubble is used instead.
 MAX_SIMULATED_PASSES = 200_000
@@ -591,18 +596,24 @@ def _elementwise(deck: Deck, tokens: int, t: int) -> tuple[float, float, float]:
 
 
 def _layer_passes(
-    deck: Deck, dev: Device, tp_link: Link, tp_msgs: dict[str, list[tuple[str, float]]]
+    deck: Deck, dev: Device, tp_link: Link, tp_msgs: dict[str, list[tuple[str, float]]], moe: bool = False
 ) -> tuple[_Pass, _Pass, _Pass]:
-    """(forward, backward, full recompute) of one transformer block on one micro-batch, one tp rank."""
+    """(forward, backward, full recompute) of one transformer block on one micro-batch, one tp rank;
+    `moe`: its MLP a mixture of experts (`_moe_work`)."""
     m, par, tr = deck.model, deck.parallel, deck.train
     t, sp = par.tp, par.sequence_parallel
     e = BYTES[tr.precision]
     tokens, h, f = tr.micro_batch * m.seq_len, m.hidden, m.ffn
     t_sp = t if sp else 1
-    # (n, k): QKV (GQA: (heads + 2 kv) x head_dim rows), out, fc (SwiGLU: gate and up), proj
-    linears = [(m.qkv_rows // t, h), (h, h // t), (m.fc_rows // t, h), (h, f // t)]
+    # (m, n, k): QKV (GQA: (heads + 2 kv) x head_dim rows), out, fc (SwiGLU: gate and up), proj
+    shapes = [(tokens, m.qkv_rows // t, h), (tokens, h, h // t)]
+    shapes += [(tokens, m.fc_rows // t, h), (tokens, h, f // t)] if not moe else []
+    moe_bytes, moe_fresh = 0.0, 0.0
+    if moe:
+        more, moe_bytes, moe_fresh = _moe_work(deck)
+        shapes += more
     # Each Linear's forward, input gradient (m x k from m x n) and weight gradient (n x k from m).
-    gemms = [dev.linear(tokens, n, k, e) for n, k in linears]
+    gemms = [dev.linear(rows, n, k, e) for rows, n, k in shapes]
     fwd_gemm = sum(g[0] for g in gemms)
     dgrad, wgrad = [g[1] for g in gemms], [g[2] for g in gemms]
     attn_fwd, attn_bwd = _attention(deck, dev)
@@ -615,11 +626,13 @@ def _layer_passes(
         per_token += 2 * (2 * h * e + h) / t_sp
     # Bytes per element of a norm and of the activation, and the rotary and GQA chains (`_elementwise`).
     norm, act, chains = _elementwise(deck, tokens, t)
-    layernorm, gelu = tokens * 2 * norm * h / t_sp, tokens * act * f / t
-    elem_fwd = dev.stream(tokens * per_token + chains) + dev.stream(layernorm, "layernorm") + dev.stream(gelu, "gelu")
-    # The MLP's activation (tokens x f/t) is the block's largest new tensor, in the forward and as
-    # the activation function's input gradient: where it is mmapped, its pages fault in (CPUs).
-    fresh = dev.fresh(tokens * f * e / t)
+    layernorm, gelu = tokens * 2 * norm * h / t_sp, (tokens * act * f / t if not moe else act * moe_fresh / e)
+    elem_fwd = dev.stream(tokens * per_token + chains + moe_bytes) + dev.stream(layernorm, "layernorm")
+    elem_fwd += dev.stream(gelu, "gelu")
+    # The MLP's activation (tokens x f/t; the experts' and shared experts' rows) is the block's
+    # largest new tensor, in the forward and as the activation's input gradient: where it is
+    # mmapped, its pages fault in (CPUs).
+    fresh = dev.fresh(tokens * f * e / t if not moe else moe_fresh)
     tp_fwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_forward"])
     tp_recompute = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_recompute"])
     row_bwd = sum(_cost(tp_link, t, op, n) for op, n in tp_msgs["layer_backward"])
@@ -628,11 +641,37 @@ def _layer_passes(
     # overlaps their weight-gradient GEMM when overlap_tp_comm is on.
     hidden_by = [wgrad[0], wgrad[2]] if par.overlap_tp_comm else [0.0, 0.0]
     tp_bwd = row_bwd + sum(max(0.0, c - w) for c, w in zip(col_bwd, hidden_by))
-    host_f, host_b = OPS["layer_forward"] * dev.op_seconds, OPS["layer_backward"] * dev.op_seconds
+    ops = MOE_OPS if moe else OPS
+    host_f, host_b = ops["layer_forward"] * dev.op_seconds, ops["layer_backward"] * dev.op_seconds
+    if moe and m.moe_shared_experts:
+        host_f += MOE_OPS["shared_forward"] * dev.op_seconds
+        host_b += MOE_OPS["shared_backward"] * dev.op_seconds
     forward = _Pass(fwd_gemm, attn_fwd, elem_fwd + fresh, tp_fwd, host_f)
     backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd + fresh, tp_bwd, host_b)
     recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd + fresh, tp_recompute, host_f)  # see tp_collectives
     return forward, backward, recompute
+
+
+def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int]], float, float]:
+    """A mixture of experts' MLP on one tp rank and micro-batch, as `app/model/moe.py` runs it: (its
+    GEMMs as (rows, out, in): the router, the routed rows through an expert's fc and proj, the shared
+    experts; the bytes its dispatch and combine move; the bytes of its new activations). The experts
+    are whole on every tp rank, fed all T tokens (T / tp each under sequence parallelism); each rank's
+    T k assignments (at most the capacity's) are what its experts run on average, whatever ep (the
+    batched matmul over E / ep experts is priced as one GEMM of those rows: even routing). Dispatch:
+    the kept rows gathered, copied into the experts' buffer and the outputs picked out of it
+    (compute dtype), weighted and summed over k: about 8 T k h e bytes."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    e, h, fe = BYTES[tr.precision], m.hidden, m.expert_ffn
+    tokens = tr.micro_batch * m.seq_len // (par.tp if par.sequence_parallel else 1)
+    rows = tokens * m.moe_top_k
+    if m.moe_capacity_factor is not None:  # `MoE.capacity`: at most C assignments per expert
+        rows = min(rows, m.moe_experts * max(1, math.ceil(m.moe_capacity_factor * rows / m.moe_experts)))
+    shared = m.moe_shared_experts * fe
+    gemms = [(tokens, m.moe_experts, h), (rows, m.spec.fc_rows(fe), h), (rows, h, fe)]
+    if shared:
+        gemms += [(tokens, m.spec.fc_rows(shared), h), (tokens, h, shared)]
+    return gemms, 8.0 * rows * h * e, float((rows * fe + tokens * shared) * e)
 
 
 def _attention(deck: Deck, dev: Device, split: Optional[int] = None) -> tuple[float, float]:
@@ -1221,7 +1260,8 @@ def predict(
         head_f, head_b = _head_passes(deck, dev, links["tp"], msgs)
         emb_f, emb_b = _embedding_passes(deck, dev, links["tp"], msgs)
         if any(moe):
-            expert_f, expert_b, expert_r = _layer_passes(deck, dev, links["tp"], {**msgs, **moe_tp_collectives(deck)})
+            moe_msgs = {**msgs, **moe_tp_collectives(deck)}
+            expert_f, expert_b, expert_r = _layer_passes(deck, dev, links["tp"], moe_msgs, moe=True)
             a2a = _expert_passes(deck, dev, links.get("ep"), not uses_gloo(machine))
             expert_f, expert_b, expert_r = (p + q for p, q in zip((expert_f, expert_b, expert_r), a2a))
     else:  # 3D: each collective on its sub-axis's link (axis_links3d)
@@ -1232,8 +1272,8 @@ def predict(
         layer_b = layer_b + layer_r  # the forward again, just before each block's backward
         expert_b = expert_b + expert_r
     elif tr.recompute == "selective":
-        layer_b = layer_b + _Pass(attention=layer_f.attention, host=layer_f.host / OPS["layer_forward"])  # one op
-        expert_b = expert_b + _Pass(attention=expert_f.attention, host=expert_f.host / OPS["layer_forward"])
+        layer_b = layer_b + _Pass(attention=layer_f.attention, host=dev.op_seconds)  # one op
+        expert_b = expert_b + _Pass(attention=expert_f.attention, host=dev.op_seconds)
     chunks = [len(c) for c in deck.chunks]
     last = pp * v - 1
 
