@@ -244,7 +244,7 @@ class MoE(nn.Module):
         """The outputs of rows (R, h) through this rank's experts (`expert`: each row's, local index),
         in the rows' order: one batched matmul per matrix over an (E_local, C, h) buffer, C the most
         rows any expert got (unfilled slots stay zero; their outputs are never read)."""
-        slot, counts = _slots(expert, self.local_experts)
+        slot, counts, _ = _slots(expert, self.local_experts)
         if width is None:
             width = max(1, int(counts.max())) if rows.shape[0] else 1
         where = expert * width + slot
@@ -286,7 +286,7 @@ class MoE(nn.Module):
         aux, z, z_value = balance_losses(logits, probs, experts, self.tp)
         # An assignment's slot is its rank within its expert (token order); beyond the capacity it drops.
         flat = experts.reshape(-1)
-        slot, _ = _slots(flat, n_experts)
+        slot, _, order = _slots(flat, n_experts)
         limit = self.capacity(n)
         src = torch.arange(n, device=x.device).repeat_interleave(k)
         shared: Optional[torch.Tensor] = None
@@ -294,7 +294,6 @@ class MoE(nn.Module):
             kept = torch.arange(n * k, device=x.device) if limit is None else torch.nonzero(slot < limit).view(-1)
             out = self._run_experts(tokens[src[kept]], flat[kept], limit)
         else:  # the kept assignments sorted by expert: the exchange's order
-            order = torch.argsort(flat, stable=True)
             kept = order if limit is None else order[slot[order] < limit]
             out, shared = self._exchange(tokens[src[kept]], flat[kept], lambda: self._shared(tokens))
         dropped = torch.full((), n * k - kept.numel(), dtype=torch.long, device=x.device)
@@ -313,10 +312,11 @@ class MoE(nn.Module):
         return y
 
 
-def _slots(expert: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each row's rank among the rows of its expert, in row order; the rows per expert)."""
+def _slots(expert: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each row's rank among the rows of its expert, in row order; the rows per expert; the rows
+    sorted by expert, stably)."""
     order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=n_experts)
     starts = torch.cumsum(counts, 0) - counts
     ranked = torch.arange(expert.numel(), device=expert.device) - starts[expert[order]]
-    return torch.empty_like(ranked).scatter_(0, order, ranked), counts
+    return torch.empty_like(ranked).scatter_(0, order, ranked), counts, order

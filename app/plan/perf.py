@@ -605,15 +605,15 @@ def _layer_passes(
     e = BYTES[tr.precision]
     tokens, h, f = tr.micro_batch * m.seq_len, m.hidden, m.ffn
     t_sp = t if sp else 1
-    # (m, n, k): QKV (GQA: (heads + 2 kv) x head_dim rows), out, fc (SwiGLU: gate and up), proj
-    shapes = [(tokens, m.qkv_rows // t, h), (tokens, h, h // t)]
-    shapes += [(tokens, m.fc_rows // t, h), (tokens, h, f // t)] if not moe else []
+    # (m, n, k, count): QKV (GQA: (heads + 2 kv) x head_dim rows), out, fc (SwiGLU: gate and up), proj
+    shapes = [(tokens, m.qkv_rows // t, h, 1), (tokens, h, h // t, 1)]
+    shapes += [(tokens, m.fc_rows // t, h, 1), (tokens, h, f // t, 1)] if not moe else []
     moe_bytes, moe_fresh = 0.0, 0.0
     if moe:
         more, moe_bytes, moe_fresh = _moe_work(deck)
         shapes += more
     # Each Linear's forward, input gradient (m x k from m x n) and weight gradient (n x k from m).
-    gemms = [dev.linear(rows, n, k, e) for rows, n, k in shapes]
+    gemms = [tuple(count * x for x in dev.linear(rows, n, k, e)) for rows, n, k, count in shapes]
     fwd_gemm = sum(g[0] for g in gemms)
     dgrad, wgrad = [g[1] for g in gemms], [g[2] for g in gemms]
     attn_fwd, attn_bwd = _attention(deck, dev)
@@ -652,15 +652,18 @@ def _layer_passes(
     return forward, backward, recompute
 
 
-def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int]], float, float]:
+def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int, int]], float, float]:
     """A mixture of experts' MLP on one tp rank and micro-batch, as `app/model/moe.py` runs it: (its
-    GEMMs as (rows, out, in): the router, the routed rows through an expert's fc and proj, the shared
+    GEMMs as (rows, out, in, how many): the router, each local expert's fc and proj, the shared
     experts; the bytes its dispatch and combine move; the bytes of its new activations). The experts
     are whole on every tp rank, fed all T tokens (T / tp each under sequence parallelism); each rank's
-    T k assignments (at most the capacity's) are what its experts run on average, whatever ep (the
-    batched matmul over E / ep experts is priced as one GEMM of those rows: even routing). Dispatch:
-    the kept rows gathered, copied into the experts' buffer and the outputs picked out of it
-    (compute dtype), weighted and summed over k: about 8 T k h e bytes."""
+    T k assignments (at most the capacity's) are what its experts run on average, whatever ep, as
+    E / ep GEMMs (the batched matmul) of as many rows as the busiest expert gets: under uniform
+    random routing an expert's mean mu = T k ep / E rows plus sqrt(2 mu ln(E / ep)) (the expected
+    maximum of E / ep such counts, Gaussian approximation; dropless: the busiest sets the buffer's
+    width), at most ep times the capacity. Dispatch: the kept rows gathered, copied into the
+    experts' buffer and the outputs picked out of it (compute dtype), weighted and summed over k:
+    about 8 T k h e bytes."""
     m, par, tr = deck.model, deck.parallel, deck.train
     e, h, fe = BYTES[tr.precision], m.hidden, m.expert_ffn
     tokens = tr.micro_batch * m.seq_len // (par.tp if par.sequence_parallel else 1)
@@ -668,9 +671,15 @@ def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int]], float, float]:
     if m.moe_capacity_factor is not None:  # `MoE.capacity`: at most C assignments per expert
         rows = min(rows, m.moe_experts * max(1, math.ceil(m.moe_capacity_factor * rows / m.moe_experts)))
     shared = m.moe_shared_experts * fe
-    gemms = [(tokens, m.moe_experts, h), (rows, m.spec.fc_rows(fe), h), (rows, h, fe)]
+    local = m.moe_experts // par.ep
+    mean = rows / local  # an expert's rows: the rank's T k spread over E / ep
+    each = max(1, math.ceil(mean + math.sqrt(2 * mean * math.log(local)))) if local > 1 else max(1, math.ceil(mean))
+    if m.moe_capacity_factor is not None:  # no source sends an expert more than the capacity
+        capacity = max(1, math.ceil(m.moe_capacity_factor * tokens * m.moe_top_k / m.moe_experts))
+        each = min(each, par.ep * capacity)
+    gemms = [(tokens, m.moe_experts, h, 1), (each, m.spec.fc_rows(fe), h, local), (each, h, fe, local)]
     if shared:
-        gemms += [(tokens, m.spec.fc_rows(shared), h), (tokens, h, shared)]
+        gemms += [(tokens, m.spec.fc_rows(shared), h, 1), (tokens, h, shared, 1)]
     return gemms, 8.0 * rows * h * e, float((rows * fe + tokens * shared) * e)
 
 
