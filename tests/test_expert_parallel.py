@@ -1,16 +1,18 @@
 """Expert parallelism (`parallel.ep`, issue 42) end to end: the gradient norm and the checkpoint. Run
 under `mpirun -n 8`.
 
-A mixture-of-experts gpt_tiny (4 experts, top-2, a shared expert) trains on tp2 x dp4 with ep4
-(one expert per rank; sequence parallelism, ZeRO-1: the dense buckets sharded over dp, each expert
-bucket held by one rank) for SAVE_AT steps and writes a checkpoint; it loads on one rank (ep1) and on
-pp2 x dp4 with ep2 (no ZeRO: each expert bucket held whole by the 2 ranks of its expert-data group)
-and training continues. World rank 0 trains the same deck straight through on one rank.
+A mixture-of-experts gpt_tiny (4 experts, top-2, a shared expert, a capacity factor of 1 so that
+some assignments drop) trains on tp2 x dp4 with ep4 (one expert per rank; ZeRO-1: the dense buckets
+sharded over dp, each expert bucket held by one rank) for SAVE_AT steps and writes a checkpoint; it
+loads on one rank (ep1) and on pp2 x dp4 with ep2 (no ZeRO: each expert bucket held whole by the 2
+ranks of its expert-data group) and training continues. World rank 0 trains the same deck straight
+through on one rank.
 
-Checked against that reference: every step's loss and global gradient norm (the norm sums the dense
-parts over tp and pp and the expert parts over ep as well; an expert counted once per expert-data
-replica too many or too few moves it by a factor of 2 or more) within 1e-5 relative, and the final
-parameter shards within 2e-5 absolute: the tolerances of tests/test_parallel_equivalence.py, where
+Checked against that reference: every step's share of assignments dropped, exactly (each source
+rank applies the capacity to its own micro-batch, as one rank does); its loss and global gradient
+norm (the norm sums the dense parts over tp and pp and the expert parts over ep as well; an expert
+counted once per expert-data replica too many or too few moves it by a factor of 2 or more) within
+1e-5 relative; and the final parameter shards within 2e-5 absolute: the tolerances of tests/test_parallel_equivalence.py, where
 the grids differ from one rank only in summation order (~1e-7 relative per operation). Adam's epsilon
 is 1e-6 here, not 1e-8: an element whose gradient is far below epsilon moves by about lr / eps times
 its gradient, which would turn a 1e-10 summation difference in a rarely used embedding row into 3e-5.
@@ -30,27 +32,27 @@ RTOL, PARAM_ATOL = 1e-5, 2e-5
 TINY = (
     "model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
     "model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_shared_experts=1",
-    "model.moe_z_loss_coef=0.001", f"train.steps={STEPS}", "train.global_batch=16", "train.micro_batch=2",
+    "model.moe_z_loss_coef=0.001", "model.moe_capacity_factor=1.0", f"train.steps={STEPS}", "train.global_batch=16", "train.micro_batch=2",
     "optim.lr=3.0e-3", "optim.warmup_steps=2", "optim.grad_clip=0.5", "optim.eps=1e-6", "data.noise=0.1", "run.log_every=100",
     "parallel.dp_bucket_mb=0.02", "run.resume=none", "checkpoint.at_exit=false",
 )  # fmt: skip
-SAVED = (2, 1, 4, ("parallel.ep=4", "parallel.sequence_parallel=true", "optim.zero=1"))
+SAVED = (2, 1, 4, ("parallel.ep=4", "optim.zero=1"))
 LOADS = {"ep1": (1, 1, 1, ()), "pp2-dp4-ep2": (1, 2, 4, ("parallel.ep=2",))}
 _CACHE: dict = {}
 
 
-def _steps(trainer, n: int) -> list[tuple[float, float]]:
-    """(global-batch loss, global gradient norm) of `n` steps."""
+def _steps(trainer, n: int) -> list[tuple[float, float, float]]:
+    """(global-batch loss, global gradient norm, share of the assignments dropped) of `n` steps."""
     trainer.model.train()
     out = []
     for _ in range(n):
         loss, _, norm = trainer.step()
-        out.append((global_loss(loss, trainer.grid, trainer.tp), norm))
+        out.append((global_loss(loss, trainer.grid, trainer.tp), norm, trainer.router_losses()["moe_dropped"]))
     trainer.dp.wait_params()
     return out
 
 
-def _reference(grids, runtime, tmp_path) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+def _reference(grids, runtime, tmp_path) -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
     """The 1-rank run straight through, on world rank 0, broadcast (every rank makes the 1-rank grid)."""
     if "reference" not in _CACHE:
         grids.grid(1, 1, 1)
@@ -63,15 +65,19 @@ def _reference(grids, runtime, tmp_path) -> tuple[list[tuple[float, float]], dic
     return _CACHE["reference"]
 
 
-def _close(got: list[tuple[float, float]], want: list[tuple[float, float]]) -> bool:
-    return all(a == pytest.approx(b, rel=RTOL) for g, w in zip(got, want) for a, b in zip(g, w))
+def _close(got: list[tuple[float, float, float]], want: list[tuple[float, float, float]]) -> bool:
+    """Losses and norms within RTOL, the dropped shares equal."""
+    return len(got) == len(want) and all(
+        g[:2] == pytest.approx(w[:2], rel=RTOL) and g[2] == w[2] for g, w in zip(got, want)
+    )
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("loaded", list(LOADS))
 def test_an_ep4_checkpoint_resumes_on_ep1_and_ep2_with_the_one_rank_losses_and_norms(runtime, grids, tmp_path, loaded):
     ref, ref_params = _reference(grids, runtime, tmp_path)
-    assert max(norm for _, norm in ref) > 0.5  # the clip acts: a wrong norm changes the update
+    assert max(norm for _, norm, _ in ref) > 0.5  # the clip acts: a wrong norm changes the update
+    assert all(0 < dropped < 0.5 for *_, dropped in ref)  # the capacity drops some assignments
     if "checkpoint" not in _CACHE:
         tp, pp, dp, extra = SAVED
         grids.runtime(8)

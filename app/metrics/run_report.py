@@ -127,7 +127,7 @@ class RunReport:
         rt.log(
             f"gridlm: {built.parameters:,} parameters{_arch_words(deck.model)} | world {rt.world_size} on {rt.nodes} node(s) | "
             f"grid tp={grid.size('tp')}{_tensor3d_words(par.tensor3d, par.tensor_order)} pp={grid.size('pp')} dp={grid.size('dp')} "
-            f"({par.order}) | "
+            f"{f'(ep={par.ep}) ' if par.ep > 1 else ''}({par.order}) | "
             f"device {self.device_name}"
         )
         if rt.nodes > 1 or rt.store_source == "GRIDLM_MASTER_ADDR":

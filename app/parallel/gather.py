@@ -1,8 +1,9 @@
 """Assemble the full (1-rank) parameters of a model sharded over the grid, on one rank.
 
 For the equivalence tests (any grid = one rank) on small models: every tensor travels
-through MPI to rank 0 of the grid. Each logical tensor is contributed once: by dp rank 0 (experts split over ep: by each of dp ranks 0 .. ep-1), by tp rank 0
-when it is replicated over tp, and never from the tied head copy (`ParamMeta.tied`).
+through MPI to rank 0 of the grid. Each logical tensor is contributed once: by dp rank 0
+(experts split over ep: their slices by dp ranks 0 .. ep-1), by tp rank 0 when it is
+replicated over tp, and never from the tied head copy (`ParamMeta.tied`).
 Checkpoints (and export, which reads them) write and read hyperslabs in parallel instead.
 """
 

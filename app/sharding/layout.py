@@ -50,8 +50,8 @@ class ParamMeta:
     the shard's shape (empty: the global shape); `split`: grid axis -> dim it is split along;
     along every other axis of tp and dp the parameter is replicated (pp is different: each
     parameter lives on the stage that runs its layer; "ep": a mixture of experts' stacked experts,
-    split along dim 0 over the expert-parallel ranks of dp and replicated over the others). `init`: 'normal' | 'zeros' | 'ones';
-    `std`: for 'normal'; `decay`: weight decay applies. `sequence_parallel`: replicated over
+    split along dim 0 over the expert-parallel ranks of dp and replicated over the others).
+    `init`: 'normal' | 'zeros' | 'ones'; `std`: for 'normal'; `decay`: weight decay applies. `sequence_parallel`: replicated over
     tp, but it acts on a sequence shard, so each tp rank holds a partial gradient that must be
     summed over tp (under 3D tensor parallelism: replicated over tp_z, where the batch is split,
     summed over tp_z). `tied`: the last pipeline stage's copy of the tied embedding; its gradient
