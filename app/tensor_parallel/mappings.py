@@ -252,10 +252,10 @@ class _AllToAllStart(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any,
                 timers: Optional[StepTimers], flight: _Exchange) -> torch.Tensor:  # fmt: skip
         ctx.send, ctx.recv, ctx.group, ctx.timers = send, recv, group, timers
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        work = dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)
+        out, rows = x.new_empty((sum(recv), *x.shape[1:])), x.contiguous()
+        work = dist.all_to_all_single(out, rows, recv, send, group=group, async_op=True)
         flight.pending = launch(timers, "ep", work, "all_to_all")
-        flight.pending.keep = x  # the input, alive until the exchange completes
+        flight.pending.keep = rows  # what is sent, alive until the exchange completes
         return out
 
     @staticmethod
