@@ -48,7 +48,13 @@ def test_the_checkpoint_benchmark_compares_hdf5_torch_save_and_dd(tmp_path, caps
     hdf5, torch_save = float(rows["HDF5 collective"]["GB"]), float(rows["torch.save per rank"]["GB"])
     assert abs(torch_save / hdf5 - 1) < 0.05  # the same tensor bytes, one file per rank
     assert not (tmp_path / "files").exists()  # every checkpoint and dd file removed
-    assert "| dd conv=fsync | 1 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| dd conv=fsync | 1 |" in out
+    # Where a save's time goes: every phase of `Saved.phases` with a time for both HDF5 methods.
+    phases = {line.split("|")[1].strip(): line.split("|")[2:4] for line in out.splitlines() if line.count("|") == 4}
+    for phase in ("snapshot", "H5Dcreate", "H5Fflush", "checksums (in the writes)", "data (in the writes)"):
+        assert all(float(cell) >= 0 for cell in phases[phase]), (phase, phases.get(phase))
+    assert float(phases["data (in the writes)"][1]) > 0
 
 
 def test_the_zero_memory_benchmark_measures_bytes_against_the_plan(tmp_path):

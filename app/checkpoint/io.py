@@ -213,6 +213,9 @@ class Saved:
     bytes: int  # tensor bytes written
     seconds: float  # the whole save, from the snapshot to the commit
     blocked: Optional[float] = None  # of which the step loop waited (None: all of it, a synchronous save)
+    # This rank's seconds per phase of the save (the snapshot, each stage of `write`, the checksums
+    # and the H5Dwrite calls apart, the commit): docs/CHECKPOINT.md, "Where the time goes".
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -317,6 +320,7 @@ def write(
     needed = checkpoint_size(layout, header, cfg.alignment_threshold, cfg.alignment_interval)
 
     stages = Stages(rt)
+    stages.add("snapshot", time.perf_counter() - snap.started)
     f = None
 
     def check_finite() -> None:
@@ -336,7 +340,9 @@ def write(
         stages.run(None, "checking the values", check_finite)
     except Abandon as stop:
         abandon(rt, stop, None, tmp, needed, final, keep_blocks=False)
+    t0 = time.perf_counter()
     on_root(rt, prepare)  # the file system is checked once, the verdict goes to every rank
+    stages.add("free space and spare blocks", time.perf_counter() - t0)
     dxpl = transfer_plist(cfg.io == "collective")
     # One entry per dataset, the RNG rows last; MPI SUM on uint64 wraps mod 2^64, as C.
     sums = np.zeros(len(catalogue) + len(rows), dtype=np.uint64)
@@ -377,14 +383,16 @@ def write(
         write (collective I/O needs every rank's call)."""
         stages.doing = f"writing /{kind}/{name}"
         if kind == "rng":
-            box = [((rt.rank, 0), (1, shape[1]))]
-            sums[index] = checksum(rows[name], box, shape)
-            write_boxes(dset.id, box, rows[name], dxpl)
-            return
-        boxes, values = slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
+            boxes, values = [((rt.rank, 0), (1, shape[1]))], rows[name]
+        else:
+            boxes, values = slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
+        t0 = time.perf_counter()
         if boxes:
             sums[index] = checksum(values, boxes, shape)
+        t1 = time.perf_counter()
         write_boxes(dset.id, boxes, values, dxpl)
+        stages.add("checksums (in the writes)", t1 - t0)
+        stages.add("data (in the writes)", time.perf_counter() - t1)
 
     def write_all(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
         for index, item in enumerate(datasets):
@@ -437,8 +445,10 @@ def write(
         except (OSError, CheckpointError) as err:  # the checkpoint is committed: say so, go on
             rt.log(f"gridlm: warning: checkpoint {final} committed, but retention failed: {err}")
 
+    t0 = time.perf_counter()
     on_root(rt, finish)
-    return Saved(final, snap.step, nbytes, time.perf_counter() - snap.started)
+    stages.add("commit (rename, latest, retention)", time.perf_counter() - t0)
+    return Saved(final, snap.step, nbytes, time.perf_counter() - snap.started, phases=stages.seconds)
 
 
 # HDF5 metadata per dataset (object header with the dtype and checksum attributes, its link

@@ -27,6 +27,7 @@ the file together:
 from __future__ import annotations
 
 import os
+import time
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,12 @@ class Stages:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.doing = ""  # what the stage is doing, for the message; a stage may refine it as it goes
+        # Seconds this rank spent per phase (`add`; each stage under its op or words, the agreements
+        # together): where a write's time goes (`Saved.phases`, benchmarks/checkpoint_bench.py).
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
     def run(self, op: Optional[str], doing: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, then agree. `op` names the collective HDF5 / MPI-IO call it makes, for the
@@ -81,13 +88,17 @@ class Stages:
         settle = getattr(self.runtime.comm, "settle", None)  # a background writer's (background.sleeping_comm)
         if op and settle is not None:
             settle()  # the ranks meet asleep before a collective HDF5 / MPI-IO call, not spinning in it
+        t0 = time.perf_counter()
         with self.runtime.watchdog.blocking(op, axis="world") if op else nullcontext():
             try:
                 result = fn(*args)
             except Exception as err:  # agreed below: no rank goes on to the next collective alone
                 error = err
+        t1 = time.perf_counter()
         mine = None if error is None else Failure.of(error, self.doing)
         failed = failures(self.runtime, mine, f"MPI_Allreduce ({op or doing} agreed)")
+        self.add(op or doing, t1 - t0)
+        self.add("agreements", time.perf_counter() - t1)
         if failed:
             raise Abandon(op or doing, failed, error)
         return result  # type: ignore[return-value]
