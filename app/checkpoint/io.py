@@ -37,7 +37,6 @@ import hashlib
 import json
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
@@ -379,43 +378,25 @@ def write(
             spare_file(tmp).unlink(missing_ok=True)  # its blocks are the metadata's room in the flush that follows
         return created
 
-    def mine(kind: str, name: str, shape: tuple[int, ...]) -> tuple[list, np.ndarray]:
-        """(boxes, values) this rank writes into a dataset (none: it writes nothing there)."""
-        if kind == "rng":
-            return [((rt.rank, 0), (1, shape[1]))], rows[name]
-        return slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
-
-    def write_one(dset: Any, kind: str, name: str, shape: tuple[int, ...]) -> None:
+    def write_one(index: int, dset: Any, kind: str, name: str, shape: tuple[int, ...]) -> None:
         """This rank's slice of one dataset: one H5Dwrite on every rank, even with nothing to
         write (collective I/O needs every rank's call)."""
         stages.doing = f"writing /{kind}/{name}"
+        if kind == "rng":
+            boxes, values = [((rt.rank, 0), (1, shape[1]))], rows[name]
+        else:
+            boxes, values = slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
         t0 = time.perf_counter()
-        write_boxes(dset.id, *mine(kind, name, shape), dxpl)
-        stages.add("data (in the writes)", time.perf_counter() - t0)
+        if boxes:
+            sums[index] = checksum(values, boxes, shape)
+        t1 = time.perf_counter()
+        write_boxes(dset.id, boxes, values, dxpl)
+        stages.add("checksums (in the writes)", t1 - t0)
+        stages.add("data (in the writes)", time.perf_counter() - t1)
 
     def write_all(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
-        for item in datasets:
-            write_one(*item)
-
-    def checksums(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
-        """This rank's partial checksum of every dataset (`sums`); NumPy, on a thread of its own
-        while the data is synced: the sync waits for the disk and releases the GIL."""
-        t0 = time.perf_counter()
-        for index, (_, kind, name, shape) in enumerate(datasets):
-            boxes, values = mine(kind, name, shape)
-            if boxes:
-                sums[index] = checksum(values, boxes, shape)
-        stages.add("checksums (beside the data's sync)", time.perf_counter() - t0)
-
-    def sync_data(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
-        """MPI_File_sync of the data (every rank: it leaves the client caches) with the checksums
-        computed meanwhile; either's error is the stage's."""
-        with ThreadPoolExecutor(1, thread_name_prefix="gridlm-checksums") as pool:
-            summing = pool.submit(checksums, datasets)
-            try:
-                f.flush()
-            finally:
-                summing.result()  # joined (and its error raised) whatever the flush did
+        for index, item in enumerate(datasets):
+            write_one(index, *item)
 
     def attributes(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
         for (dset, *_), value in zip(datasets, sums):
@@ -434,18 +415,15 @@ def write(
         stages.run("H5Fflush", "writing the metadata", f.flush)
         metadata_on_disk = True
         if cfg.io == "collective":  # every H5Dwrite is collective: agree before the next one
-            for dset, kind, name, shape in datasets:
-                stages.run("H5Dwrite", f"writing /{kind}/{name}", write_one, dset, kind, name, shape)
+            for index, (dset, kind, name, shape) in enumerate(datasets):
+                stages.run("H5Dwrite", f"writing /{kind}/{name}", write_one, index, dset, kind, name, shape)
         else:  # independent I/O makes no collective call: one agreement after the last write
             stages.run(None, "writing the datasets", write_all, datasets)
-        # MPI_File_sync on every rank: the data is on the file system, not in client caches; the
-        # checksums are computed while the disk writes it.
-        stages.run("H5Fflush", "flushing the data (MPI_File_sync)", sync_data, datasets)
         with rt.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
             rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         stages.run("H5Awrite", "writing the checksums", attributes, datasets)
-        # Again, for the checksums and `committed` (a few metadata blocks).
-        stages.run("H5Fflush", "flushing the checksums (MPI_File_sync)", f.flush)
+        # MPI_File_sync on every rank: the data is on the file system, not in client caches.
+        stages.run("H5Fflush", "flushing the file (MPI_File_sync)", f.flush)
         stages.run("H5Fclose", "closing the file", f.close)
     except Abandon as stop:
         abandon(rt, stop, f, tmp, needed, final, keep_blocks=metadata_on_disk)
