@@ -196,8 +196,16 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
         return torch.load(torch_file, map_location="cpu", weights_only=True)
 
     times: dict[str, dict[str, list[float]]] = {m: {"save_s": [], "load_s": []} for m in [*HDF5.values(), TORCH]}
-    # Per HDF5 method and phase of the save (`Saved.phases`): each repeat's slowest rank.
+    # Per HDF5 method and phase of the save (`Saved.phases`) and of the load (`load`'s "phases"):
+    # each repeat's slowest rank.
     phases: dict[str, dict[str, list[float]]] = {m: {} for m in HDF5.values()}
+    load_phases: dict[str, dict[str, list[float]]] = {m: {} for m in HDF5.values()}
+
+    def slowest(into: dict[str, list[float]], mine: dict[str, float]) -> None:
+        every = comm.gather(mine, root=0)  # each rank's (a rank-0-only phase is 0 elsewhere)
+        for phase in dict.fromkeys(p for ranks in every or [] for p in ranks):
+            into.setdefault(phase, []).append(max(ranks.get(phase, 0.0) for ranks in every))
+
     h5_bytes = 0
     for repeat in range(args.repeats):
         for mode, method in HDF5.items():
@@ -207,12 +215,11 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
             seconds, saved = _timed(comm, lambda: io.save(trainer, h5dir))
             times[method]["save_s"].append(seconds)
             h5_bytes = saved.bytes
-            every = comm.gather(saved.phases, root=0)  # each rank's (a rank-0-only phase is 0 elsewhere)
-            for phase in dict.fromkeys(p for ranks in every or [] for p in ranks):
-                phases[method].setdefault(phase, []).append(max(ranks.get(phase, 0.0) for ranks in every))
+            slowest(phases[method], saved.phases)
             before_load()
-            seconds, _ = _timed(comm, lambda path=saved.path: io.load(trainer, path))
+            seconds, loaded = _timed(comm, lambda path=saved.path: io.load(trainer, path))
             times[method]["load_s"].append(seconds)
+            slowest(load_phases[method], loaded["phases"])
         clear(torch_file)
         seconds, _ = _timed(comm, torch_save)
         times[TORCH]["save_s"].append(seconds)
@@ -235,6 +242,7 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
             "torch_bytes": torch_bytes,
             "times": times,
             "phases": phases,
+            "load_phases": load_phases,
         }
         Path(args.result).write_text(json.dumps(result, indent=1, default=str))
     shutdown(rt)
@@ -418,17 +426,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{by[m]['save_best_GBps'] / by[TORCH]['save_best_GBps']:.2f}x torch.save"
             for m in HDF5.values()
         )
-        table += "\n\n" + phase_table(result["phases"])
+        table += "\n\n" + phase_table(result["phases"]) + "\n\n" + phase_table(result["load_phases"], "load")
     table += f"\ncheckpoint_bench: wall time {wall:.1f} s"
     return write_tables(out, rows, COLUMNS, table)
 
 
-def phase_table(phases: dict[str, dict[str, list[float]]]) -> str:
-    """Where an HDF5 save's time goes: per phase (`Saved.phases`, in the order the save runs them),
-    the mean over the repeats of the slowest rank's seconds."""
+def phase_table(phases: dict[str, dict[str, list[float]]], kind: str = "save") -> str:
+    """Where an HDF5 save's (load's) time goes: per phase (`Saved.phases`, `load`'s "phases", in the
+    order they run), the mean over the repeats of the slowest rank's seconds."""
     methods = list(phases)
     order = list(dict.fromkeys(p for m in methods for p in phases[m]))
-    lines = ["| save phase (slowest rank, mean s) | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    lines = [f"| {kind} phase (slowest rank, mean s) | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     for phase in order:
         cells = [f"{statistics.mean(phases[m][phase]):.3f}" if phase in phases[m] else "" for m in methods]
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")

@@ -55,6 +55,9 @@ def test_the_checkpoint_benchmark_compares_hdf5_torch_save_and_dd(tmp_path, caps
     for phase in ("snapshot", "H5Dcreate", "H5Fflush", "checksums (in the writes)", "data (in the writes)"):
         assert all(float(cell) >= 0 for cell in phases[phase]), (phase, phases.get(phase))
     assert float(phases["data (in the writes)"][1]) > 0
+    for phase in ("H5Dread", "checksums", "into the model and optimizer"):  # and where a load's goes
+        assert all(float(cell) >= 0 for cell in phases[phase]), (phase, phases.get(phase))
+    assert float(phases["H5Dread"][1]) > 0
 
 
 def test_the_zero_memory_benchmark_measures_bytes_against_the_plan(tmp_path):

@@ -737,6 +737,12 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
 
     rt, deck = state.runtime, state.deck
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}  # this rank's seconds per phase (the result's "phases")
+
+    def timed(phase: str, since: float) -> float:
+        now = time.perf_counter()
+        phases[phase] = phases.get(phase, 0.0) + now - since
+        return now
 
     def validate() -> dict[str, Any]:
         header = read_header(path)
@@ -744,6 +750,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         return header
 
     header = on_root(rt, validate)
+    mark = timed("header (rank 0 reads and checks it)", t0)
     in_file = header["datasets"]
     shards = _shard_states(state)
     catalogue, _ = _catalogue(rt, shards)
@@ -774,7 +781,9 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     sum_of = checksum_for(version)  # format version 1: the weak v1 sum, uint32 partials
     sums = np.zeros(len(keys), dtype=np.uint32 if version < 2 else np.uint64)  # MPI SUM wraps as the sum does
     dxpl = transfer_plist(deck.checkpoint.io == "collective")
+    mark = timed("catalogue", mark)
     with h5py.File(path, "r", driver="mpio", comm=rt.comm) as f:
+        mark = timed("H5Fopen", mark)
         for k, ((group, name), shape) in enumerate(reads.items()):
             dset = f[f"{group}/{name}"]
             mine = readers.get((group, name), [])
@@ -782,12 +791,15 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             # One read of the span every state loading from it holds (the parameters: the whole shard).
             lo, hi = (min(h[0] for h in held), max(h[1] for h in held)) if held else (0, 0)
             raw = read_boxes(dset.id, _boxes(mine[0], lo, hi) if mine else [], dset.dtype, dxpl)
+            mark = timed("H5Dread", mark)
             writer = next((s for s in mine if s.writes), None)
             if writer is not None:  # verify the share this rank would write (they tile the dataset)
                 s0, s1 = writer.write
                 sums[k] = sum_of(raw[s0 - lo : s1 - lo], _boxes(writer, s0, s1), shape)
+                mark = timed("checksums", mark)
             if mine:
                 read[(group, name)] = (lo, decode(raw, in_file[f"{group}/{name}"]["dtype"]))
+                mark = timed("decode", mark)
         rng = None
         if "torch_cpu" in header["rng"] and json.loads(header["grid"]) == grid_signature(state):
             rng = {}
@@ -796,8 +808,10 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 rng[key] = read_boxes(f[f"rng/{key}"].id, box, np.uint8, dxpl)
                 keys.append(f"rng/{key}")
                 sums = np.append(sums, sum_of(rng[key], box, shape))
+    mark = timed("rng rows, H5Fclose", mark)
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _verify(path, in_file, keys, sums, "resume from an older checkpoint (run.resume: <file>) or run.resume: none")
+    mark = timed("checksums summed and verified (MPI_Allreduce)", mark)
     note = V1_NOTE if version < 2 else None
     if note is not None:
         rt.log(f"gridlm: {path}: {note}")
@@ -809,7 +823,9 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 h0, h1 = shard.hold
                 if h0 < h1:
                     _fill(shard, values[h0 - lo : h1 - lo])
+        mark = timed("into the model and optimizer", mark)
         state.optimizer.restored(unpublished=keep_params)
+        timed("optimizer restored (masters, gathers)", mark)
     scaler = json.loads(header["loss_scaler"])
     if state.scaler is not None and scaler is not None:
         state.scaler.load_state_dict(scaler)
@@ -830,6 +846,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "precision": header["precision"],
         "nonfinite_events": int(header.get("nonfinite_events", 0)),  # missing in older files
         "seconds": time.perf_counter() - t0,
+        "phases": phases,
         "note": note,  # V1_NOTE for a format-version-1 file, else None
     }
 
