@@ -46,7 +46,7 @@ import torch
 import yaml
 
 from app.checkpoint.slabs import V1_NOTE, checksum, checksum_for, global_boxes, read_boxes, transfer_plist, write_boxes
-from app.checkpoint.stages import Abandon, Stages, abandon
+from app.checkpoint.stages import Abandon, PhaseTimes, Stages, abandon
 from app.checkpoint.store import (
     commit,
     describe_failure,
@@ -320,7 +320,8 @@ def write(
     needed = checkpoint_size(layout, header, cfg.alignment_threshold, cfg.alignment_interval)
 
     stages = Stages(rt)
-    stages.add("snapshot", time.perf_counter() - snap.started)
+    phases = stages.phases
+    phases.add("snapshot", time.perf_counter() - snap.started)
     f = None
 
     def check_finite() -> None:
@@ -340,9 +341,8 @@ def write(
         stages.run(None, "checking the values", check_finite)
     except Abandon as stop:
         abandon(rt, stop, None, tmp, needed, final, keep_blocks=False)
-    t0 = time.perf_counter()
-    on_root(rt, prepare)  # the file system is checked once, the verdict goes to every rank
-    stages.add("free space and spare blocks", time.perf_counter() - t0)
+    with phases.timed("free space and spare blocks"):
+        on_root(rt, prepare)  # the file system is checked once, the verdict goes to every rank
     dxpl = transfer_plist(cfg.io == "collective")
     # One entry per dataset, the RNG rows last; MPI SUM on uint64 wraps mod 2^64, as C.
     sums = np.zeros(len(catalogue) + len(rows), dtype=np.uint64)
@@ -386,13 +386,11 @@ def write(
             boxes, values = [((rt.rank, 0), (1, shape[1]))], rows[name]
         else:
             boxes, values = slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
-        t0 = time.perf_counter()
-        if boxes:
-            sums[index] = checksum(values, boxes, shape)
-        t1 = time.perf_counter()
-        write_boxes(dset.id, boxes, values, dxpl)
-        stages.add("checksums (in the writes)", t1 - t0)
-        stages.add("data (in the writes)", time.perf_counter() - t1)
+        with phases.timed("checksums (in the writes)"):
+            if boxes:
+                sums[index] = checksum(values, boxes, shape)
+        with phases.timed("data (in the writes)"):
+            write_boxes(dset.id, boxes, values, dxpl)
 
     def write_all(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
         for index, item in enumerate(datasets):
@@ -445,10 +443,9 @@ def write(
         except (OSError, CheckpointError) as err:  # the checkpoint is committed: say so, go on
             rt.log(f"gridlm: warning: checkpoint {final} committed, but retention failed: {err}")
 
-    t0 = time.perf_counter()
-    on_root(rt, finish)
-    stages.add("commit (rename, latest, retention)", time.perf_counter() - t0)
-    return Saved(final, snap.step, nbytes, time.perf_counter() - snap.started, phases=stages.seconds)
+    with phases.timed("commit (rename, latest, retention)"):
+        on_root(rt, finish)
+    return Saved(final, snap.step, nbytes, time.perf_counter() - snap.started, phases=phases.seconds)
 
 
 # HDF5 metadata per dataset (object header with the dtype and checksum attributes, its link
@@ -737,12 +734,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
 
     rt, deck = state.runtime, state.deck
     t0 = time.perf_counter()
-    phases: dict[str, float] = {}  # this rank's seconds per phase (the result's "phases")
-
-    def timed(phase: str, since: float) -> float:
-        now = time.perf_counter()
-        phases[phase] = phases.get(phase, 0.0) + now - since
-        return now
+    phases = PhaseTimes()  # this rank's seconds per phase (the result's "phases")
 
     def validate() -> dict[str, Any]:
         header = read_header(path)
@@ -750,7 +742,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         return header
 
     header = on_root(rt, validate)
-    mark = timed("header (rank 0 reads and checks it)", t0)
+    phases.lap("header (rank 0 reads and checks it)")
     in_file = header["datasets"]
     shards = _shard_states(state)
     catalogue, _ = _catalogue(rt, shards)
@@ -781,9 +773,9 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     sum_of = checksum_for(version)  # format version 1: the weak v1 sum, uint32 partials
     sums = np.zeros(len(keys), dtype=np.uint32 if version < 2 else np.uint64)  # MPI SUM wraps as the sum does
     dxpl = transfer_plist(deck.checkpoint.io == "collective")
-    mark = timed("catalogue", mark)
+    phases.lap("catalogue")
     with h5py.File(path, "r", driver="mpio", comm=rt.comm) as f:
-        mark = timed("H5Fopen", mark)
+        phases.lap("H5Fopen")
         for k, ((group, name), shape) in enumerate(reads.items()):
             dset = f[f"{group}/{name}"]
             mine = readers.get((group, name), [])
@@ -791,15 +783,15 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             # One read of the span every state loading from it holds (the parameters: the whole shard).
             lo, hi = (min(h[0] for h in held), max(h[1] for h in held)) if held else (0, 0)
             raw = read_boxes(dset.id, _boxes(mine[0], lo, hi) if mine else [], dset.dtype, dxpl)
-            mark = timed("H5Dread", mark)
+            phases.lap("H5Dread")
             writer = next((s for s in mine if s.writes), None)
             if writer is not None:  # verify the share this rank would write (they tile the dataset)
                 s0, s1 = writer.write
                 sums[k] = sum_of(raw[s0 - lo : s1 - lo], _boxes(writer, s0, s1), shape)
-                mark = timed("checksums", mark)
+                phases.lap("checksums")
             if mine:
                 read[(group, name)] = (lo, decode(raw, in_file[f"{group}/{name}"]["dtype"]))
-                mark = timed("decode", mark)
+                phases.lap("decode")
         rng = None
         if "torch_cpu" in header["rng"] and json.loads(header["grid"]) == grid_signature(state):
             rng = {}
@@ -808,10 +800,10 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 rng[key] = read_boxes(f[f"rng/{key}"].id, box, np.uint8, dxpl)
                 keys.append(f"rng/{key}")
                 sums = np.append(sums, sum_of(rng[key], box, shape))
-    mark = timed("rng rows, H5Fclose", mark)
+    phases.lap("rng rows, H5Fclose")
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _verify(path, in_file, keys, sums, "resume from an older checkpoint (run.resume: <file>) or run.resume: none")
-    mark = timed("checksums summed and verified (MPI_Allreduce)", mark)
+    phases.lap("checksums summed and verified (MPI_Allreduce)")
     note = V1_NOTE if version < 2 else None
     if note is not None:
         rt.log(f"gridlm: {path}: {note}")
@@ -823,9 +815,9 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 h0, h1 = shard.hold
                 if h0 < h1:
                     _fill(shard, values[h0 - lo : h1 - lo])
-        mark = timed("into the model and optimizer", mark)
+        phases.lap("into the model and optimizer")
         state.optimizer.restored(unpublished=keep_params)
-        timed("optimizer restored (masters, gathers)", mark)
+        phases.lap("optimizer restored (masters, gathers)")
     scaler = json.loads(header["loss_scaler"])
     if state.scaler is not None and scaler is not None:
         state.scaler.load_state_dict(scaler)
@@ -846,7 +838,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "precision": header["precision"],
         "nonfinite_events": int(header.get("nonfinite_events", 0)),  # missing in older files
         "seconds": time.perf_counter() - t0,
-        "phases": phases,
+        "phases": phases.seconds,
         "note": note,  # V1_NOTE for a format-version-1 file, else None
     }
 

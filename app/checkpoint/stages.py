@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext, suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, TypeVar
@@ -64,6 +65,31 @@ class Abandon(Exception):
         self.op, self.failed, self.local = op, failed, local
 
 
+class PhaseTimes:
+    """Seconds spent per phase of a save or a load on this rank (`seconds`, in the order first met):
+    `add` a duration, time a block (`timed`), or `lap` (the time since the previous lap or the start)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.add(phase, now - self._mark)
+        self._mark = now
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - start)
+
+
 class Stages:
     """Runs the stages of one write; `run` returns the stage's result on every rank or raises
     `Abandon` on every rank."""
@@ -71,12 +97,9 @@ class Stages:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.doing = ""  # what the stage is doing, for the message; a stage may refine it as it goes
-        # Seconds this rank spent per phase (`add`; each stage under its op or words, the agreements
-        # together): where a write's time goes (`Saved.phases`, benchmarks/checkpoint_bench.py).
-        self.seconds: dict[str, float] = {}
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        # This rank's seconds per phase (each stage under its op or words, the agreements together):
+        # where a write's time goes (`Saved.phases`, benchmarks/checkpoint_bench.py).
+        self.phases = PhaseTimes()
 
     def run(self, op: Optional[str], doing: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, then agree. `op` names the collective HDF5 / MPI-IO call it makes, for the
@@ -97,8 +120,8 @@ class Stages:
         t1 = time.perf_counter()
         mine = None if error is None else Failure.of(error, self.doing)
         failed = failures(self.runtime, mine, f"MPI_Allreduce ({op or doing} agreed)")
-        self.add(op or doing, t1 - t0)
-        self.add("agreements", time.perf_counter() - t1)
+        self.phases.add(op or doing, t1 - t0)
+        self.phases.add("agreements", time.perf_counter() - t1)
         if failed:
             raise Abandon(op or doing, failed, error)
         return result  # type: ignore[return-value]

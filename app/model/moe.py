@@ -46,7 +46,6 @@ buckets); the router and the shared experts stay replicated like any dense param
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -58,6 +57,7 @@ from torch import nn
 
 from app.runtime.timers import StepTimers, comm_region
 from app.sharding.init import ParamMeta
+from app.sharding.layout import ep_box
 from app.tensor_parallel.layers import replicated_param
 from app.tensor_parallel.mappings import TensorParallel, all_to_all, all_to_all_start, in_backward
 
@@ -74,13 +74,8 @@ class ExpertParallel:
     timers: Optional[StepTimers] = None
 
     def box(self, meta: ParamMeta) -> ParamMeta:
-        """`meta` of stacked experts (E, ...) for this rank: its E / size along dim 0."""
-        if self.size == 1:
-            return meta
-        shape = list(meta.global_shape)
-        shape[0] //= self.size
-        offset = (self.rank * shape[0],) + (0,) * (len(shape) - 1)
-        return dataclasses.replace(meta, shape=tuple(shape), offset=offset, split={"ep": 0})
+        """`meta` of stacked experts (E, ...) for this rank: its E / size along dim 0 (`ep_box`)."""
+        return ep_box(meta, self.size, self.rank)
 
 
 NO_EP = ExpertParallel()
@@ -265,9 +260,8 @@ class MoE(nn.Module):
         with comm_region(ep.timers, "ep", "all_to_all"):
             dist.all_to_all_single(received, counts, group=ep.group)  # (source, local expert) counts
             host = torch.cat([counts, received]).tolist()  # the split sizes: one copy to the host
-        send = [sum(host[i * local : (i + 1) * local]) for i in range(ep.size)]
-        mine = host[self.experts :]
-        recv = [sum(mine[i * local : (i + 1) * local]) for i in range(ep.size)]
+        sent, mine = host[: self.experts], host[self.experts :]
+        send, recv = ([sum(c[i * local : (i + 1) * local]) for i in range(ep.size)] for c in (sent, mine))
         finish = all_to_all_start(rows, send, recv, ep.group, ep.timers)
         side = meanwhile()
         arrived = finish()  # by source, then expert, then source order

@@ -538,10 +538,8 @@ class ShardedOptimizer:
         views = self._lamb_lists(dp.master if masters is None else masters, updates)
         n = len(dp.params)
         sums = views.norms.sum_squares().view(2, n)
-        if dp.layout.has_experts:  # summed over dp as well (`norm_axes`): each copy counted 1 / replicas
-            experts = {i for b in dp.buckets if b.expert for i in b.params}
-            replicas = [dp_replicas(dp, i in experts) for i in range(n)]
-            sums = sums / torch.tensor(replicas, dtype=sums.dtype, device=sums.device)
+        if views.replicas is not None:  # summed over dp as well (`norm_axes`): each copy counted 1 / replicas
+            sums = sums / views.replicas
         self.grid.all_reduce(sums, tuple(a for a in norm_axes(dp) if a != "pp"))
         w_norm, u_norm = sums.sqrt()
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-300), torch.ones_like(w_norm))
@@ -563,6 +561,8 @@ class _LambViews:
     updates: list[torch.Tensor]
     masters: list[torch.Tensor]
     params: list[int]
+    # Experts split over ep: each parameter's dp replicas (`dp_replicas`), dividing its norms' sums.
+    replicas: Optional[torch.Tensor] = None
 
     @classmethod
     def build(
@@ -572,6 +572,10 @@ class _LambViews:
         norms = NormViews(2 * n, masters[0].device if masters else dp.device)
         tp_rank = grid.coords["tp"]
         views = cls(norms, [], [], [], [], [])
+        if layout.has_experts:
+            experts = {i for b in dp.buckets if b.expert for i in b.params}
+            replicas = [float(dp_replicas(dp, i in experts)) for i in range(n)]
+            views.replicas = torch.tensor(replicas * 2, dtype=torch.float64, device=norms.device).view(2, n)
         for b in range(len(masters)):
             runs = layout.decay_runs(b)
             views.decayed_updates += cut(updates[b], runs)

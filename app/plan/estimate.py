@@ -26,7 +26,7 @@ buffers, their padding and the ZeRO-1 shards are counted as they are allocated:
   at most 2 + ZERO3_PREFETCH at once, each counted at the largest unit's buckets (a bound,
   not exact). At dp = 1 every ZeRO stage is ZeRO 0.
 * expert parallelism (`parallel.ep`, a mixture of experts): each rank holds E/ep of every stacked
-  expert tensor (its `ExpertParallel.box`, `ep_box` here), in buckets of their own that the
+  expert tensor (`app.sharding.layout.ep_box`, as `ExpertParallel.box`), in buckets of their own that the
   expert-data group of dp/ep ranks shares, so ZeRO shards the experts' state over dp/ep ranks
   (the same 1/dp of the experts per rank as at ep = 1) and the rest over dp.
 
@@ -82,6 +82,7 @@ from app.sharding.layout import (
     ParamLayout,
     ParamMeta,
     box3d,
+    ep_box,
     tp_box,
 )
 
@@ -111,18 +112,6 @@ def _local_numel(p: ParamSpec, tp: int, tensor: Tensor3DShape, ep: int = 1) -> i
     elif p.split is not None:
         shape[p.split] //= tp
     return math.prod(shape)
-
-
-def ep_box(meta: ParamMeta, ep: int, ep_rank: int) -> ParamMeta:
-    """`meta` of stacked experts (E, ...) for place `ep_rank` of an expert group of `ep` ranks: its
-    E/ep experts along dim 0, split {"ep": 0}; `app.model.moe.ExpertParallel.box` without torch
-    (tests/test_plan.py holds the two to the same boxes)."""
-    if ep == 1:
-        return meta
-    shape = list(meta.global_shape)
-    shape[0] //= ep
-    offset = (ep_rank * shape[0],) + (0,) * (len(shape) - 1)
-    return dataclasses.replace(meta, shape=tuple(shape), offset=offset, split={"ep": 0})
 
 
 def _box(p: ParamSpec, tp: int, tp_rank: int, tensor: Tensor3DShape, ep: int = 1, ep_rank: int = 0) -> ParamMeta:

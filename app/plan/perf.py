@@ -363,6 +363,18 @@ def moe_sp_sum(deck: Deck, stage: int) -> float:
     return float(blocks * (dense + experts))
 
 
+def routed(deck: Deck) -> tuple[int, int, Optional[int]]:
+    """A mixture of experts on one rank and micro-batch: (the tokens it routes, micro_batch x seq_len,
+    / tp under sequence parallelism; the assignments it keeps, T k, at most E x the capacity; the
+    capacity per expert, `MoE.capacity`, None: dropless)."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    tokens = tr.micro_batch * m.seq_len // (par.tp if par.sequence_parallel else 1)
+    if m.moe_capacity_factor is None:
+        return tokens, tokens * m.moe_top_k, None
+    capacity = max(1, math.ceil(m.moe_capacity_factor * tokens * m.moe_top_k / m.moe_experts))
+    return tokens, min(tokens * m.moe_top_k, m.moe_experts * capacity), capacity
+
+
 def ep_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
     """Expert parallelism's all-to-alls (`parallel.ep` > 1) per MoE layer and micro-batch on one rank,
     as (op, bytes) with bytes what the rank holds before the exchange ((ep - 1)/ep of it leaves the
@@ -376,11 +388,7 @@ def ep_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
     m, par, tr = deck.model, deck.parallel, deck.train
     if par.ep == 1 or not m.moe_experts:
         return {"forward": [], "backward": [], "recompute": []}
-    tokens = tr.micro_batch * m.seq_len // (par.tp if par.sequence_parallel else 1)
-    kept = tokens * m.moe_top_k
-    if m.moe_capacity_factor is not None:  # `MoE.capacity`: at most C assignments per expert
-        kept = min(kept, m.moe_experts * max(1, math.ceil(m.moe_capacity_factor * kept / m.moe_experts)))
-    rows = float(kept * m.hidden * BYTES[tr.precision])
+    rows = float(routed(deck)[1] * m.hidden * BYTES[tr.precision])
     forward = [("all_to_all", 8.0 * m.moe_experts), ("all_to_all", rows), ("all_to_all", rows)]
     return {"forward": forward, "backward": [("all_to_all", rows)] * 2, "recompute": forward}
 
@@ -666,16 +674,12 @@ def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int, int]], float, float
     about 8 T k h e bytes."""
     m, par, tr = deck.model, deck.parallel, deck.train
     e, h, fe = BYTES[tr.precision], m.hidden, m.expert_ffn
-    tokens = tr.micro_batch * m.seq_len // (par.tp if par.sequence_parallel else 1)
-    rows = tokens * m.moe_top_k
-    if m.moe_capacity_factor is not None:  # `MoE.capacity`: at most C assignments per expert
-        rows = min(rows, m.moe_experts * max(1, math.ceil(m.moe_capacity_factor * rows / m.moe_experts)))
+    tokens, rows, capacity = routed(deck)
     shared = m.moe_shared_experts * fe
     local = m.moe_experts // par.ep
     mean = rows / local  # an expert's rows: the rank's T k spread over E / ep
     each = max(1, math.ceil(mean + math.sqrt(2 * mean * math.log(local)))) if local > 1 else max(1, math.ceil(mean))
-    if m.moe_capacity_factor is not None:  # no source sends an expert more than the capacity
-        capacity = max(1, math.ceil(m.moe_capacity_factor * tokens * m.moe_top_k / m.moe_experts))
+    if capacity is not None:  # no source sends an expert more than the capacity
         each = min(each, par.ep * capacity)
     gemms = [(tokens, m.moe_experts, h, 1), (each, m.spec.fc_rows(fe), h, local), (each, h, fe, local)]
     if shared:
@@ -759,7 +763,7 @@ def _expert_passes(deck: Deck, dev: Device, link: Optional[Link], overlap: bool)
     hidden_by = 0.0
     width = m.moe_shared_experts * m.expert_ffn
     if overlap and width:  # the shared experts' forward GEMMs on the rank's tokens (whole on every tp rank)
-        tokens = tr.micro_batch * m.seq_len // (par.tp if par.sequence_parallel else 1)
+        tokens = routed(deck)[0]
         hidden_by = (
             dev.linear(tokens, m.spec.fc_rows(width), m.hidden, e)[0] + dev.linear(tokens, m.hidden, width, e)[0]
         )

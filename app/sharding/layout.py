@@ -162,6 +162,17 @@ def tp_box(meta: ParamMeta, tp: int, tp_rank: int, dim: int) -> ParamMeta:
     return dataclasses.replace(meta, offset=tuple(offset), shape=tuple(shape), split=split)
 
 
+def ep_box(meta: ParamMeta, ep: int, ep_rank: int) -> ParamMeta:
+    """`meta` of stacked experts (E, ...) for place `ep_rank` of an expert group of `ep` ranks: its
+    E/ep experts along dim 0, split {"ep": 0} (whole when ep = 1; `app.model.moe.ExpertParallel`)."""
+    if ep == 1:
+        return meta
+    shape = list(meta.global_shape)
+    shape[0] //= ep
+    offset = (ep_rank * shape[0],) + (0,) * (len(shape) - 1)
+    return dataclasses.replace(meta, shape=tuple(shape), offset=offset, split={"ep": 0})
+
+
 @dataclass(frozen=True)
 class Segment:
     """The part of parameter `param` (index in buffer order) inside a bucket's shard: shard

@@ -208,6 +208,16 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _exchange_rows(
+    x: torch.Tensor, send: list[int], recv: list[int], group: Any, timers: Optional[StepTimers]
+) -> torch.Tensor:
+    """The blocking all-to-all of rows (`all_to_all`), timed as the "ep" sub-axis of dp."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    with comm_region(timers, "ep", "all_to_all"):
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows of x, `send[i]` of them to rank i of `group` in rank order, in exchange for `recv[i]` from
     each; backward sends the gradients back the same way (the exchange reversed)."""
@@ -217,17 +227,11 @@ class _AllToAll(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any, timers: Optional[StepTimers]
     ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group, ctx.timers = send, recv, group, timers
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        with comm_region(timers, "ep", "all_to_all"):
-            dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        return out
+        return _exchange_rows(x, send, recv, group, timers)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        with comm_region(ctx.timers, "ep", "all_to_all"):
-            dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return back, None, None, None, None
+        return _exchange_rows(grad, ctx.recv, ctx.send, ctx.group, ctx.timers), None, None, None, None
 
 
 def all_to_all(
@@ -260,10 +264,7 @@ class _AllToAllStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        with comm_region(ctx.timers, "ep", "all_to_all"):
-            dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return back, None, None, None, None, None
+        return _exchange_rows(grad, ctx.recv, ctx.send, ctx.group, ctx.timers), None, None, None, None, None
 
 
 class _AllToAllWait(torch.autograd.Function):
