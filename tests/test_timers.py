@@ -56,3 +56,31 @@ def test_disabled_timers_measure_nothing():
         time.sleep(0.005)
     out = timers.pop()
     assert out["optimizer_s"] == 0 and out["comm_s"]["dp"] == 0
+
+
+class _DoneWork:
+    """A collective's work handle that completed at launch but whose wait still takes time
+    (gloo's wait returns after its own bookkeeping): the wait is exposed, the transfer is not."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.future.set_result(None)
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def wait(self) -> None:
+        time.sleep(self.wait_s)
+
+
+def test_a_wait_after_completion_is_inside_the_communication_time():
+    """CI once saw exposed dp 55 us > comm dp 23 us: the transfer ended before the wait began,
+    its span stopped there, and the wait's own time fell outside every span."""
+    timers = StepTimers(torch.device("cpu"))
+    pending = timers.launched("dp", _DoneWork(wait_s=0.01))
+    time.sleep(0.02)  # compute that hides the (already finished) transfer
+    timers.wait(pending)
+    out = timers.pop()
+    assert out["exposed_comm_s"]["dp"] >= 0.01
+    assert out["exposed_comm_s"]["dp"] <= out["comm_s"]["dp"] < 0.02  # the hidden compute is not comm

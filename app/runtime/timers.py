@@ -8,8 +8,9 @@ Definitions (per optimizer step, this rank):
                            waiting for the last gradient buckets, the grid-wide norm,
                            the update and (without overlap) the parameter all-gather.
   comm_s[axis]             wall time during which a collective on that axis was in
-                           flight (the union of their intervals): a blocking call's
-                           duration; an asynchronous one's from launch to completion
+                           flight or waited for (the union of their intervals): a
+                           blocking call's duration; an asynchronous one's from launch
+                           to completion, and its wait if that outlasted the transfer
                            (measured on CPU by a completion callback; gloo's p2p
                            sends/receives have none, so for them, and on GPU, only the
                            exposed part is counted: a lower bound).
@@ -139,10 +140,14 @@ class StepTimers:
             return  # its duration on the NCCL stream is not visible here; the exposed part is counted
         now = time.perf_counter()
         self.exposed[pending.axis] += now - t_wait
-        # Done before the wait began: the transfer ended then. Otherwise it ended, for this
-        # rank, when the wait returned (so the exposed part lies inside the span).
-        end = pending.done_at[0] if pending.done_at and pending.done_at[0] <= t_wait else now
-        self._spans[pending.axis].append((t_wait if pending.t0 is None else pending.t0, end))
+        # Done before the wait began: the transfer ended then, and the wait's own time (it is
+        # exposed) is a span of its own, so comm_s >= exposed_comm_s holds. Otherwise the
+        # transfer ended, for this rank, when the wait returned.
+        start, spans = (t_wait if pending.t0 is None else pending.t0), self._spans[pending.axis]
+        if pending.done_at and pending.done_at[0] <= t_wait:
+            spans += [(start, pending.done_at[0]), (t_wait, now)]
+        else:
+            spans.append((start, now))
 
     def pop(self) -> dict[str, Any]:
         """This step's times (seconds) since the last pop, and reset; call after the step ends."""
