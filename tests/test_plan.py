@@ -815,3 +815,46 @@ def test_a_3d_grid_without_x_counts_the_same_flops_per_rank_as_1d_tensor_paralle
         deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*grid, "parallel.dp=1")), 2)
         flops.append(estimate_stages(deck)[0].flops_per_micro_batch)
     assert flops[0] == pytest.approx(flops[1], rel=1e-12)
+
+
+@pytest.mark.parametrize("world,rpn", [(24, 8), (60, 8), (36, 6), (40, 16), (42, 4), (30, 7)])
+def test_node_spans_equal_those_of_every_group_counted_one_by_one(world, rpn):
+    """`_group_span` samples one group per residue of its first rank (mod ranks per node) or uses a
+    closed form; enumerating every group of every axis of every grid and order must agree."""
+    from app.plan.dryrun import _group_span
+
+    for tp in [d for d in range(1, world + 1) if world % d == 0]:
+        for pp in [d for d in range(1, world // tp + 1) if (world // tp) % d == 0]:
+            for order in ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "pp-dp-tp"):
+                layout = GridLayout.from_order_string(tp, pp, world // (tp * pp), order, rpn)
+                for axis in ("tp", "pp", "dp"):
+                    stride, n = layout.stride(axis), layout.size(axis)
+                    spans = [
+                        len({(b + i * stride) // rpn for i in range(n)}) for b in range(world) if (b // stride) % n == 0
+                    ]
+                    assert _group_span(layout, stride, n) == max(spans), (tp, pp, order, axis)
+
+
+def test_twins_in_zero_recompute_offload_and_order_share_one_estimate_that_is_each_ones_own():
+    """A search caches one stage estimate for decks that differ only in the ZeRO stage, recompute,
+    offload kind and axis order (`estimate_stages`): each twin's own, uncached estimate must equal
+    it, and a change the estimate depends on (the micro-batch) must not share it."""
+    from dataclasses import replace
+
+    base = resolve_for_world(
+        load_deck(REPO / "inputs/gpt_tiny.yaml", [*SMALL, "parallel.pp=2", "parallel.tp=2", "train.global_batch=16"]), 8
+    )
+    cache: dict = {}
+    shared = estimate_stages(base, cache)
+    for zero, recompute, offload, order in [(1, "full", "none", "tp-pp-dp"), (3, "selective", "host", "tp-dp-pp"),
+                                            (2, "none", "nvme", "pp-tp-dp")]:  # fmt: skip
+        twin = replace(
+            base,
+            parallel=replace(base.parallel, order=order),
+            optim=replace(base.optim, zero=zero, offload=offload),
+            train=replace(base.train, recompute=recompute),
+        )
+        assert estimate_stages(twin, cache) is shared
+        assert list(estimate_stages(twin)) == list(shared)
+    other = replace(base, train=replace(base.train, micro_batch=1))
+    assert estimate_stages(other, cache) is not shared and list(estimate_stages(other, cache)) != list(shared)

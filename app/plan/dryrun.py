@@ -20,7 +20,7 @@ from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
 from app.metrics.flops import step_flops
 from app.names import SCHEDULES, schedule_key, strides3d
-from app.plan.estimate import LayoutCache, StageEstimate, estimate_stages, model_params
+from app.plan.estimate import LayoutCache, StageEstimate, Stages, estimate_stages, model_params
 from app.plan.machine import Machine, MachineError
 from app.plan.perf import Link, Placement, Prediction, axis_links, expert_exchange, place, predict
 from app.runtime.grid import AXES, GridLayout
@@ -46,7 +46,7 @@ class Plan:
     machine: Optional[Machine]
     ranks_per_node: Optional[int]
     layout: GridLayout
-    stages: list[StageEstimate]
+    stages: Stages
     flops: dict[str, float]
     node_span: dict[str, Optional[int]]
     problems: list[str] = field(default_factory=list)
@@ -87,7 +87,8 @@ class Plan:
         )
 
     def peak_stage(self) -> StageEstimate:
-        return max(self.stages, key=self.stage_total)
+        deck = self.deck
+        return self.stages.peak(deck.optim.zero, deck.train.recompute, deck.optim.offload, self.host_is_device)
 
     def imbalance(self) -> float:
         work = [s.flops_per_micro_batch for s in self.stages]
@@ -260,16 +261,21 @@ def _group_span(layout: GridLayout, stride: int, n: int) -> Optional[int]:
 
 
 def _sample_groups(layout: GridLayout, stride: int, n: int) -> list[list[int]]:
-    """The groups (of `n` ranks `stride` apart) whose first rank lies in the first lcm(ranks per
-    node, stride x n) positions.
+    """One group (of `n` ranks `stride` apart) per residue mod ranks per node of the first ranks
+    of the groups in the first lcm(ranks per node, stride x n) positions.
 
     A group is base + i x stride; shifting its base by ranks_per_node shifts its nodes by one,
     so its node count depends on base mod ranks_per_node only, and every residue occurs there.
     """
     rpn = layout.ranks_per_node or 1
     period = math.lcm(rpn, stride * n)
-    bases = [b for b in range(min(period, layout.world_size)) if (b // stride) % n == 0]
-    return [[b + i * stride for i in range(n)] for b in bases]
+    bases: dict[int, int] = {}  # residue -> the first base with it
+    for b in range(min(period, layout.world_size)):
+        if (b // stride) % n == 0 and b % rpn not in bases:
+            bases[b % rpn] = b
+            if len(bases) == rpn:
+                break
+    return [[b + i * stride for i in range(n)] for b in bases.values()]
 
 
 def _check_placement(plan: Plan) -> None:
@@ -319,7 +325,7 @@ def _check_memory(plan: Plan) -> None:
     options += [(f"optim.offload={o}", zero, recompute, o) for o in targets]
     for key, z, r, o in options:
         if (z, r, o) != (zero, recompute, offload) and (z == zero or deck.dp > 1):
-            plan.alternatives[key] = max(plan.stage_total(s, z, r, o) for s in plan.stages)
+            plan.alternatives[key] = plan.stage_total(plan.stages.peak(z, r, o, plan.host_is_device), z, r, o)
     if usable is None:
         plan.warnings.append("no machine: device memory not checked; pass --machine NAME (inputs/machines/)")
         return

@@ -215,9 +215,9 @@ class LayoutSizes:
 
 
 # Layouts already built, and the sizes read off them, keyed by every input of `stage_layout`
-# (the model config whole). A search passes one such dict to every plan, so the grids that
-# share a stage shape share them.
-LayoutCache = dict[tuple, Union[ParamLayout, LayoutSizes]]
+# (the model config whole); and whole stage estimates (`estimate_stages`). A search passes one
+# such dict to every plan, so the grids that share a stage shape share them.
+LayoutCache = dict[tuple, Union[ParamLayout, LayoutSizes, "Stages"]]
 
 
 def stage_layout(
@@ -524,9 +524,43 @@ class StageEstimate:
         )
 
 
-def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[StageEstimate]:
+class Stages(list):
+    """`estimate_stages`' result: the stages in order, and the peak stage of each memory setting
+    kept once found (a search asks the same of the twins that share one list, `estimate_stages`)."""
+
+    def __init__(self, stages: list[StageEstimate]) -> None:
+        super().__init__(stages)
+        self._peaks: dict[tuple, StageEstimate] = {}
+
+    def peak(self, zero: int, recompute: str, offload: str = "none", host_is_device: bool = False) -> StageEstimate:
+        """The stage that needs the most device bytes under these settings (`StageEstimate.total`)."""
+        key = (zero, recompute, offload, host_is_device)
+        if key not in self._peaks:
+            self._peaks[key] = max(self, key=lambda s: s.total(*key))
+        return self._peaks[key]
+
+
+def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> Stages:
     """Per-stage estimates of a deck resolved for a world size (`resolve_for_world`); `layouts`:
-    see `LayoutCache`."""
+    see `LayoutCache`. With a cache, decks that differ only in what the estimates hold every
+    value of (ZeRO stage, recompute, offload kind: `StageEstimate.total` picks one) or do not
+    read (the axis order) share one list: a search plans 24 such twins per grid shape."""
+    if layouts is None:
+        return _estimate_stages(deck, {})
+    opt, par = deck.optim, deck.parallel
+    twin = dataclasses.replace(
+        deck,
+        parallel=dataclasses.replace(par, order=""),
+        optim=dataclasses.replace(opt, zero=0, offload="none", offload_dir=None),
+        train=dataclasses.replace(deck.train, recompute="none"),
+    )
+    key = ("stages", repr(twin), deck.dp)
+    if key not in layouts:
+        layouts[key] = _estimate_stages(deck, layouts)
+    return layouts[key]  # type: ignore[return-value]  # the stages' keys hold stage lists
+
+
+def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
     m, par, tr = deck.model, deck.parallel, deck.train
     tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     chunks = deck.chunks
@@ -555,7 +589,6 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
     logits = m.seq_len * tr.micro_batch * (m.vocab_size // vocab_split) * (e + 8)
     head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / gemm_split
     stages = []
-    layouts = {} if layouts is None else layouts
     stream_buffers = nvme_buffer_bytes(deck.optim.offload_buffer_mb)
 
     def bucket_bound(sizes: LayoutSizes) -> float:
@@ -640,7 +673,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> list[S
                 **{k: dict(v) if isinstance(v, dict) else v for k, v in memory.items()},
             )
         )
-    return stages
+    return Stages(stages)
 
 
 def rank_device_bytes(deck: Deck, stage: int) -> float:

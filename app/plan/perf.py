@@ -1338,6 +1338,9 @@ def predict(
     experts_per_block = block_expert_params(m, ep) if ep > 1 else 0
     dp_exposed, tied, norm, optimizer, offloaded, z_sum = [], 0.0, [], [], [], []
     unit_kinds: dict[tuple[bool, bool], dict[str, list[int]]] = {}  # ZeRO-3: (first, last) -> unit_buckets
+    # Weight matrices per stage (the optimizer's per-tensor ops): the ends' own, plus each block's.
+    end_matrices = {(f, e): param_tensors(0, f, e, m)[1] for f in (False, True) for e in (False, True)}
+    block_matrices = param_tensors(1, False, False, m)[1] - end_matrices[False, False]
     for s in range(pp):
         experts = stage_layers[s] * experts_per_block
         # (link, ranks, parameters, buckets): the dense parameters over dp, the experts over dp / ep.
@@ -1404,7 +1407,7 @@ def predict(
         # dp reduction, one blocking all-reduce (finish_grad_reduce; the norms' few h are left out).
         exposed += _cost(links["tp"], tp, "all_reduce", moe_sp_sum(deck, s) * g)
         dp_exposed.append(exposed)
-        _, matrices = param_tensors(stage_layers[s], s == 0, s == pp - 1, m)
+        matrices = end_matrices[s == 0, s == pp - 1] + stage_layers[s] * block_matrices
         # The norm's first pass reads the reduced gradients from memory (they outgrew the cache).
         norm.append(dev.stream(shard * grad_norm_bytes(g)) + dev.from_memory(shard * g))
         if rates is None:
