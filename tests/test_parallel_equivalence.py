@@ -37,9 +37,15 @@ element, so a low-precision gradient near zero can flip an element's step: such 
 drifts by up to 2 x (sum of the 5 learning rates) ~ 1.9e-2, however correct the grid. Measured
 against the same-precision reference: loss 7.6e-5 and 9.7e-5 (bf16) and 2.1e-6 (fp16)
 relative; the worst element 1.0e-2 and 1.1e-2 (bf16) and 9.6e-4 (fp16); the mean error of the
-worst tensor 1.4e-3 (bf16) and 1.1e-4 (fp16). We allow, bf16: loss 5e-4, element 2e-2 (the
-bound above), tensor mean 3e-3; fp16: loss 2e-5, element 5e-3, tensor mean 5e-4. A real bug
-breaks them: with the sequence-parallel LayerNorm gradients left unsummed over tp in bf16 (a
+worst tensor 1.4e-3 (bf16) and 1.1e-4 (fp16). The attention's key bias has an exactly zero
+gradient (a softmax does not change when every score of a query moves by the same q . b), so
+its gradient is rounding noise alone, and Adam turns that noise into steps of the full learning
+rate: in fp16 the noise clears Adam's epsilon, and which CPU kernels ran decides it. On an
+AVX-512 Xeon (2026-11-28) the fp16 3D case's last qkv bias was off by 4.9e-3 in one element
+and 5.2e-4 on average (16 of its 48 elements are key biases), where an earlier machine measured
+9.6e-4 and 1.1e-4. We allow, bf16: loss 5e-4, element 2e-2 (the bound above), tensor mean
+3e-3; fp16: loss 2e-5, element 2e-2 (the same bound), tensor mean 1.5e-3 (about 3x the worst
+measured). A real bug breaks them: with the sequence-parallel LayerNorm gradients left unsummed over tp in bf16 (a
 mutation of DataParallel.finish_grad_reduce), the sp bf16 case's loss was off by 1.5e-3
 relative and a tensor's mean error was 5.5e-3, while its worst element (1.6e-2) stayed inside
 the element bound: the mean and the loss are the sharp checks.
@@ -61,7 +67,7 @@ from conftest import REPO, reference_run, settle, shard_errors, train_steps
 STEPS = 5
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
 BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PARAM_MEAN_ATOL = 5e-4, 2e-2, 3e-3
-FP16_LOSS_RTOL, FP16_PARAM_ATOL, FP16_PARAM_MEAN_ATOL = 2e-5, 5e-3, 5e-4
+FP16_LOSS_RTOL, FP16_PARAM_ATOL, FP16_PARAM_MEAN_ATOL = 2e-5, 2e-2, 1.5e-3
 TINY = (
     "model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
     f"train.steps={STEPS}", "train.global_batch=16", "train.micro_batch=2",
