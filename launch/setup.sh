@@ -2,7 +2,7 @@
 # gridlm setup: MPI + parallel HDF5 (apt, when none is on PATH), the HDF5 command-line
 # tools (h5ls, h5dump), a .venv with torch, mpi4py, h5py built against parallel HDF5,
 # tokenizers (app.data.prepare), safetensors + transformers (checkpoint export), matplotlib (scaling plots), tensorboard, the test tools,
-# and the app (editable).
+# and the app (editable; it builds the C checksum kernel, app/checkpoint/_checksum.c, in place).
 # Idempotent and prompt-free; a second run with everything present takes seconds.
 #
 # Environment knobs:
@@ -22,13 +22,14 @@ say() { echo "[setup] $*"; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 
 # The stamp records the inputs of this script; any change to them redoes the setup.
-want_stamp="$(cat "$repo/launch/setup.sh" "$repo/setup.py" | sha256sum | cut -c1-16) $torch_spec"
+want_stamp="$(cat "$repo/launch/setup.sh" "$repo/setup.py" "$repo/app/checkpoint/_checksum.c" | sha256sum | cut -c1-16) $torch_spec"
 
 venv_ok() {
   [ -x "$venv/bin/python" ] && command -v mpirun >/dev/null 2>&1 &&
     "$venv/bin/python" - <<'PY' >/dev/null 2>&1
 import importlib.util
 import h5py, hypothesis, matplotlib, mpi4py, numpy, pytest, safetensors, tokenizers, torch, xdist, yaml, app  # noqa: F401
+import app.checkpoint._checksum  # noqa: F401  # the C kernel pip install -e . builds in place
 assert h5py.get_config().mpi and importlib.util.find_spec("transformers") and importlib.util.find_spec("tensorboard")
 PY
 }

@@ -160,13 +160,26 @@ def test_transposed_or_reshaped_tensors_of_the_same_shape_are_caught(dtype):
     assert _caught(x, np.ascontiguousarray(columns))
 
 
+def _kernel(kernel: str, monkeypatch) -> None:
+    """Use the C kernel (skipped where it is not built: a failure under --strict-skips, as CI runs
+    after setup built it) or the NumPy one."""
+    if kernel == "numpy":
+        monkeypatch.setattr(slabs, "_compiled", None)
+    elif slabs._compiled is None:
+        pytest.skip("the C checksum kernel is not built (app/checkpoint/_checksum.c): run launch/setup.sh")
+
+
+@pytest.mark.parametrize("kernel", ["c", "numpy"])
 @pytest.mark.parametrize("chunk", [3, 16, slabs.CHUNK])
 @pytest.mark.parametrize("dtype", ("float32", "uint16", "float16", "uint8"))
-def test_partial_sums_over_any_split_add_up_to_the_whole(dtype, chunk, monkeypatch):
+def test_partial_sums_over_any_split_add_up_to_the_whole(dtype, chunk, kernel, monkeypatch):
     """A tensor cut into a grid of shards (tp), each shard's flat elements cut into ranges
     (dp slices), as ranks write: the uint64 partials add up (mod 2^64, as MPI SUM) to the
-    whole tensor's checksum. Small chunks exercise the row-splitting path."""
+    whole tensor's checksum, by either kernel. Small chunks exercise the row-splitting path
+    (NumPy's elements per pass, and the rows per call of both)."""
     monkeypatch.setattr(slabs, "CHUNK", chunk)
+    monkeypatch.setattr(slabs, "ROWS", chunk)
+    _kernel(kernel, monkeypatch)
     rng = np.random.default_rng(6)
     for _ in range(40):
         shape = tuple(int(n) for n in rng.integers(1, 10, size=rng.integers(1, 4)))
@@ -183,6 +196,27 @@ def test_partial_sums_over_any_split_add_up_to_the_whole(dtype, chunk, monkeypat
                 boxes = global_boxes(tuple(hi - lo for lo, hi in block), offset, lo, hi)
                 partials.append(checksum(local[lo:hi], boxes, shape))
         assert int(np.sum(np.array(partials, dtype=np.uint64), dtype=np.uint64)) == dataset_checksum(full), shape
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16", "uint8", "float64"))
+def test_the_c_kernel_equals_numpy_on_boxes_of_every_shape(dtype, monkeypatch):
+    """The C kernel (built by setup) gives NumPy's partial sums bit for bit: whole tensors, a shard's
+    flat range (partial first and last rows), narrow columns, 0-d and 3-d boxes, every width."""
+    _kernel("c", monkeypatch)
+    rng = np.random.default_rng(7)
+    for shape in [(), (1,), (70001,), (3, 5), (300, 7), (9, 2, 301), (2, 130000)]:
+        full = np.asarray(rng.standard_normal(shape))
+        full = (full * 1e3).astype(np.uint8) if dtype == "uint8" else full.astype(dtype.replace("bfloat16", "float32"))
+        if dtype == "bfloat16":
+            full = as_unsigned(full)[..., None].view(np.uint16)[..., 1].copy()  # the high half: bf16 bits
+        size = full.size
+        for lo, hi in {(0, size), (size // 3, size - size // 5), (1, max(size - 1, 1))}:
+            boxes = global_boxes(shape, (0,) * len(shape), lo, hi)
+            part = full.reshape(-1)[lo:hi]
+            assert slabs.checksum(part, boxes, shape) == slabs.checksum_numpy(part, boxes, shape), (shape, lo, hi)
+    column = np.ascontiguousarray(full[:, 5:7])  # (2, 2) of a (2, 130000) tensor
+    boxes = [((0, 5), (2, 2))]
+    assert slabs.checksum(column, boxes, full.shape) == slabs.checksum_numpy(column, boxes, full.shape)
 
 
 # ---- MPI: format-version-1 checkpoints -------------------------------------------------

@@ -41,10 +41,11 @@ another. Why it cannot be cancelled by simple corruption patterns:
   differ by the constant G, a structure a shift could line up with.
 
 It guards against accidents (bit rot, torn or misplaced writes), not an adversary: the sum
-of a public function is easy to forge. Cost: about 15 uint64 operations per element in
-numpy, chunked (CHUNK elements at a time, so memory stays bounded and the temporaries stay
-in cache): ~700 MB/s of float32 per core, 2.5x slower than the v1 sum (docs/CHECKPOINT.md
-has the measurement). Format-version-1 files carry the v1 sum, kept as `checksum_v1`, and
+of a public function is easy to forge. Cost: about 15 uint64 operations per element. In C
+(`_checksum.c`, one pass, a row at a time) ~3.5 GB/s of float32 per core; in NumPy
+(`checksum_numpy`, the fallback where the C kernel is not built, CHUNK elements at a time
+so that memory stays bounded and the temporaries stay in cache) ~0.45-0.7 GB/s
+(docs/CHECKPOINT.md has the measurements). Format-version-1 files carry the v1 sum, kept as `checksum_v1`, and
 are verified with it (`checksum_for`).
 """
 
@@ -54,6 +55,11 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+
+try:  # the C kernel of `checksum`, built by `pip install -e .` (launch/setup.sh)
+    from app.checkpoint import _checksum as _compiled
+except ImportError:  # not built: the NumPy version, equal and slower
+    _compiled = None
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, count) per dimension
 
@@ -134,6 +140,7 @@ def checksum_v1(values: np.ndarray, boxes: Sequence[Box], global_shape: Sequence
 # 64K elements per chunk: the three 512 KB uint64 temporaries stay in cache; 1M-element chunks
 # measured 25-40% slower.
 CHUNK = 1 << 16
+ROWS = 1 << 16  # rows of a box whose first indices are computed at once (512 KB)
 _G, _K = np.uint64(0x9E3779B97F4A7C15), np.uint64(0x6A09E667F3BCC909)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S1, _S2, _S3 = np.uint64(30), np.uint64(27), np.uint64(31)
@@ -151,38 +158,62 @@ def _mix64(z: np.ndarray, tmp: np.ndarray) -> None:
     z ^= tmp
 
 
-def _box_indices(start: Sequence[int], count: Sequence[int], global_shape: Sequence[int]) -> Iterator[np.ndarray]:
-    """Global row-major flat indices (uint64) of the elements of a box, in order, at most
-    CHUNK at a time (whole rows when they fit, else pieces of one row)."""
-    if not count:  # a 0-d tensor
-        yield np.zeros(1, dtype=np.uint64)
+def _box_rows(
+    start: Sequence[int], count: Sequence[int], global_shape: Sequence[int]
+) -> Iterator[tuple[np.ndarray, int]]:
+    """A box as rows along its last dimension: (global row-major flat index (uint64) of the first
+    element of each of up to ROWS consecutive rows, the row length), in order."""
+    if not count:  # a 0-d tensor: one row of one element
+        yield np.zeros(1, dtype=np.uint64), 1
         return
     strides = [math.prod(global_shape[d + 1 :]) for d in range(len(global_shape))]
     outer, last = tuple(count[:-1]), count[-1]
     rows = math.prod(outer)
-
-    def bases(r: np.ndarray) -> np.ndarray:  # flat index of the first element of rows r of the box
+    for r0 in range(0, rows, ROWS):
+        r = np.arange(r0, min(r0 + ROWS, rows))
         base = np.full(r.size, start[-1], dtype=np.uint64)
         if outer:
             for d, m in enumerate(np.unravel_index(r, outer)):
                 base += (m.astype(np.uint64) + np.uint64(start[d])) * np.uint64(strides[d])
-        return base
+        yield base, last
 
-    if last >= CHUNK:
-        for r in range(rows):
-            base = int(bases(np.array([r]))[0])
-            for c in range(0, last, CHUNK):
-                yield np.arange(base + c, base + min(c + CHUNK, last), dtype=np.uint64)
-    else:
-        cols = np.arange(last, dtype=np.uint64)
-        per = CHUNK // last
-        for r0 in range(0, rows, per):
-            yield (bases(np.arange(r0, min(r0 + per, rows)))[:, None] + cols[None, :]).reshape(-1)
+
+def _box_indices(start: Sequence[int], count: Sequence[int], global_shape: Sequence[int]) -> Iterator[np.ndarray]:
+    """Global row-major flat indices (uint64) of the elements of a box, in order, at most
+    CHUNK at a time (whole rows when they fit, else pieces of one row)."""
+    for bases, last in _box_rows(start, count, global_shape):
+        if last >= CHUNK:
+            for base in bases.tolist():
+                for c in range(0, last, CHUNK):
+                    yield np.arange(base + c, base + min(c + CHUNK, last), dtype=np.uint64)
+        else:
+            cols = np.arange(last, dtype=np.uint64)
+            per = CHUNK // last
+            for r0 in range(0, bases.size, per):
+                yield (bases[r0 : r0 + per, None] + cols[None, :]).reshape(-1)
 
 
 def checksum(values: np.ndarray, boxes: Sequence[Box], global_shape: Sequence[int]) -> np.uint64:
     """This rank's partial sum of C (module docstring) for `values`, the elements of `boxes` in
-    order; partials of any split of a tensor add up (mod 2^64) to the whole tensor's C."""
+    order; partials of any split of a tensor add up (mod 2^64) to the whole tensor's C. By the C
+    kernel (`_checksum.c`, built by setup) where it is built, else by `checksum_numpy`."""
+    if _compiled is None:
+        return checksum_numpy(values, boxes, global_shape)
+    u = as_unsigned(np.ascontiguousarray(values).reshape(-1))
+    total, pos = 0, 0
+    for start, count in boxes:
+        if math.prod(count) == 0:
+            continue
+        for bases, last in _box_rows(start, count, global_shape):
+            n = bases.size * last
+            total += _compiled.rows(u[pos : pos + n], u.itemsize, bases, last)
+            pos += n
+    return np.uint64(total & 0xFFFFFFFFFFFFFFFF)
+
+
+def checksum_numpy(values: np.ndarray, boxes: Sequence[Box], global_shape: Sequence[int]) -> np.uint64:
+    """`checksum` in NumPy, CHUNK elements at a time: the reference the C kernel must equal, and
+    the fallback where it is not built (about 3x slower)."""
     u = as_unsigned(np.ascontiguousarray(values).reshape(-1))
     total = 0
     pos = 0
