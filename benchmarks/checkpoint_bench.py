@@ -256,11 +256,9 @@ def checkpoint_bytes(deck_path: str, sets: list[str]) -> int:
     """Tensor bytes of a checkpoint of the deck's model (what `save` reports as Saved.bytes)."""
     sys.path.insert(0, str(REPO))
     from app.deck import load_deck
-    from app.model.gpt import gpt_num_parameters
+    from app.plan.estimate import checkpoint_bytes as planned
 
-    deck = load_deck(REPO / deck_path, tuple(sets))
-    per_param = {"fp32": 4 + 4 + 4, "bf16": 2 + 4 + 4 + 4, "fp16": 2 + 4 + 4 + 4}[deck.train.precision]
-    return gpt_num_parameters(deck.model) * per_param
+    return planned(load_deck(REPO / deck_path, tuple(sets)))
 
 
 DD_LINE = re.compile(r"^(\d+) bytes .* copied, ([0-9.eE+-]+) s", re.MULTILINE)

@@ -36,6 +36,7 @@ if str(REPO) not in sys.path:  # `python launch/submit.py` puts launch/, not the
 from app.deck import Deck, load_deck, resolve_for_world  # noqa: E402
 from app.errors import GridlmError  # noqa: E402
 from app.plan.dryrun import make_plan  # noqa: E402
+from app.plan.estimate import checkpoint_bytes  # noqa: E402
 from app.plan.machine import MACHINES_DIR, Machine, load_machine, machine_names, machine_path  # noqa: E402
 
 JOBS_DIR = REPO / "launch" / "jobs"
@@ -190,6 +191,7 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
         template = template_path.read_text()
     except OSError as err:
         raise SubmitError(f"machine file {machine.path}: template = {machine.template!r}: {err}") from None
+    checkpoint_gb = checkpoint_bytes(deck) / 1e9
     values: dict[str, Optional[str]] = {
         "job_name": job_name,
         "machine": machine.name,
@@ -205,6 +207,10 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
         "repo": shlex.quote(str(REPO)),
         "workdir": shlex.quote(str(cwd)),
         "deck": shlex.quote(str(deck_path)),
+        # Where the run's checkpoints go (checkpoint.dir, else run.dir/checkpoints): templates stripe it.
+        "checkpoint_dir": shlex.quote(os.path.abspath(cwd / deck.checkpoint_directory)),
+        "checkpoint_gb": f"{checkpoint_gb:,.1f}",
+        "setstripe": machine.setstripe(checkpoint_gb),  # the site's Lustre layout for a file this large
         "overrides": " ".join(f"--set {shlex.quote(o)}" for o in overrides),
         "launch": launch,
     }

@@ -373,3 +373,57 @@ def test_job_header_and_a_wrong_node_count_stops_the_job(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "written for 4 node(s) but the job has 2" in err
     assert "launch/submit.py --nodes 2" in err and "launch:" not in out
+
+
+@pytest.mark.parametrize(
+    "machine, deck, nodes, options",
+    [
+        ("frontier", "inputs/gpt_1t.yaml", 384, "-c 64 -p capacity -S 16M"),  # 14 TB: OLCF's 8 TB row
+        ("frontier", "inputs/gpt_tiny.yaml", 1, ""),  # below 512 GB: Orion's own layout
+        ("perlmutter", "inputs/gpt_1t.yaml", 768, "-c 72"),
+        ("alps", "inputs/gpt_tiny.yaml", 2, "-c 32 -S 4M"),
+        ("polaris", "inputs/gpt_1t.yaml", 768, ""),
+        ("dgx_h100", "inputs/gpt_1t.yaml", 384, ""),
+    ],
+)
+def test_job_scripts_stripe_the_checkpoint_directory_by_the_sites_rule(
+    tmp_path, monkeypatch, capsys, machine, deck, nodes, options
+):
+    """Each site template calls gridlm_stripe on the deck's checkpoint directory with the machine
+    file's lfs setstripe options for this checkpoint's size (none where the site gives none)."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "job.sh"
+    sets = ["--set", "train.global_batch=32"] if "tiny" in deck else []  # a batch for dp 8
+    assert submit.main([deck, "--machine", machine, "--nodes", str(nodes), "--out", str(out), "--force", *sets]) == 0
+    lines = [line.split() for line in out.read_text().splitlines() if line.startswith("gridlm_stripe ")]
+    checkpoints = REPO / "runs" / Path(deck).stem / "checkpoints"
+    assert lines == [["gridlm_stripe", str(checkpoints), *options.split()]], lines
+
+
+def test_gridlm_stripe_runs_lfs_setstripe_with_the_options_or_leaves_the_layout(tmp_path):
+    """gridlm_stripe (launch/jobs/common.sh) against a stand-in `lfs` that records its arguments
+    (this machine has no Lustre): the template's options, GRIDLM_STRIPE instead of them, "none",
+    no options, and no lfs at all."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "lfs").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "lfs").chmod(0o755)
+    common = REPO / "launch" / "jobs" / "common.sh"
+
+    def stripe(args: str, env: dict[str, str], with_lfs: bool = True) -> str:
+        path = f"{bin_dir}:{os.environ['PATH']}" if with_lfs else "/usr/bin:/bin"
+        script = f"source {common}; gridlm_stripe {tmp_path / 'ckpt'} {args}"
+        done = subprocess.run(["bash", "-c", script], env={**env, "PATH": path}, capture_output=True, text=True,
+                              timeout=30, check=True)  # fmt: skip
+        return done.stdout + done.stderr
+
+    log = stripe("-c 64 -p capacity -S 16M", {})
+    assert calls.read_text().splitlines() == [f"setstripe -c 64 -p capacity -S 16M {tmp_path / 'ckpt'}"]
+    assert "lfs setstripe -c 64 -p capacity -S 16M" in log and (tmp_path / "ckpt").is_dir()
+    stripe("-c 64 -S 16M", {"GRIDLM_STRIPE": "-c 4 -S 1M"})
+    assert calls.read_text().splitlines()[-1] == f"setstripe -c 4 -S 1M {tmp_path / 'ckpt'}"
+    for args, env in (("-c 8", {"GRIDLM_STRIPE": "none"}), ("", {})):
+        assert "its file system's layout" in stripe(args, env)
+    assert len(calls.read_text().splitlines()) == 2  # neither called lfs
+    assert "no lfs command" in stripe("-c 8", {}, with_lfs=False)

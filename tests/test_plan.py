@@ -858,3 +858,52 @@ def test_twins_in_zero_recompute_offload_and_order_share_one_estimate_that_is_ea
         assert list(estimate_stages(twin)) == list(shared)
     other = replace(base, train=replace(base.train, micro_batch=1))
     assert estimate_stages(other, cache) is not shared and list(estimate_stages(other, cache)) != list(shared)
+
+
+# ---- checkpoint size and time ------------------------------------------------------------------
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overrides", [(), ("train.precision=bf16", "optim.zero=1")], ids=["fp32", "bf16-zero1"])
+def test_the_planned_checkpoint_bytes_are_the_files_tensor_bytes(runtime, grids, shared_tmp, overrides):
+    """`estimate.checkpoint_bytes` (the dry run's checkpoint size) is the bytes of the datasets a
+    real save writes, the RNG rows left out: parameters, fp32 masters where apart, two moments."""
+    import h5py
+
+    from app.checkpoint.io import save
+
+    tp, pp, dp = GRIDS.get(runtime.world_size, [(1, 1, 1)])[0]
+    trainer = grid_trainer(grids, tp, pp, dp, (*overrides, "run.resume=none", "train.global_batch=16"))
+    path = save(trainer, shared_tmp / "ckpt").path
+    if runtime.rank == 0:
+        sizes: list[int] = []
+        with h5py.File(path, "r") as f:
+            f.visititems(lambda name, obj: sizes.append(obj.nbytes) if isinstance(obj, h5py.Dataset) and not
+                         name.startswith("rng/") else None)  # fmt: skip
+        assert sum(sizes) == estimate.checkpoint_bytes(trainer.deck)
+
+
+def test_the_dry_run_gives_the_checkpoint_time_of_the_machines_file_system():
+    """A checkpoint's bytes over the lesser of the file system's peak and the job's nodes x network
+    injection: the file system's on 384 Frontier nodes, the NICs' on 2 (2 x 100 GB/s < 4,600); no
+    time without the machine file's filesystem_write_gbs; the text says the same."""
+    deck = "inputs/gpt_1t.yaml"
+    for path, nodes, sets, write, read in [(deck, 384, (), 4600, 5500),
+                                           ("inputs/gpt_tiny.yaml", 1, ("train.global_batch=32",), 100, 100)]:  # fmt: skip
+        args = [a for s in sets for a in ("--set", s)]
+        out = dry_run(path, "--dry-run", "--machine", "frontier", "--nodes", str(nodes), "--json", *args)
+        ckpt = json.loads(out.stdout)["checkpoint"]
+        nbytes = estimate.checkpoint_bytes(resolve_for_world(load_deck(REPO / path, sets), nodes * 8))
+        assert ckpt["bytes"] == nbytes and (ckpt["write_gbs"], ckpt["read_gbs"]) == (write, read)
+        assert ckpt["save_s"] == pytest.approx(nbytes / (write * 1e9)) and ckpt["load_s"] == pytest.approx(
+            nbytes / (read * 1e9)
+        )
+    text = dry_run(deck, "--dry-run", "--machine", "frontier", "--nodes", "384").stdout
+    nbytes = estimate.checkpoint_bytes(load_deck(REPO / deck))
+    assert f"a save takes >= {nbytes / 4600e9:,.1f} s at 4,600 GB/s" in text
+    out = json.loads(dry_run(deck, "--dry-run", "--machine", "dgx_h100", "--nodes", "384", "--json").stdout)
+    assert out["checkpoint"]["save_s"] is None and out["checkpoint"]["bytes"] > 0
+    assert (
+        "no time: the machine file gives no filesystem_write_gbs"
+        in dry_run(deck, "--dry-run", "--machine", "dgx_h100", "--nodes", "384").stdout
+    )

@@ -20,7 +20,7 @@ from app.deck import Deck, resolve_for_world
 from app.errors import GridlmError
 from app.metrics.flops import step_flops
 from app.names import SCHEDULES, schedule_key, strides3d
-from app.plan.estimate import LayoutCache, StageEstimate, Stages, estimate_stages, model_params
+from app.plan.estimate import LayoutCache, StageEstimate, Stages, checkpoint_bytes, estimate_stages, model_params
 from app.plan.machine import Machine, MachineError
 from app.plan.perf import Link, Placement, Prediction, axis_links, expert_exchange, place, predict
 from app.runtime.grid import AXES, GridLayout
@@ -516,6 +516,7 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
         },
         "predicted": None if plan.predicted is None else plan.predicted.to_dict(),
         "unpredicted": plan.unpredicted or None,
+        "checkpoint": checkpoint_time(plan),
         "imbalance": plan.imbalance(),
         "problems": plan.problems,
         "warnings": plan.warnings,
@@ -669,6 +670,7 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     else:
         lines.append("             no peak for this device: no ideal step time (MFU would be null)")
     lines += _predicted_lines(plan)
+    lines.append(f"  checkpoint {_checkpoint_line(j['checkpoint'])}")
     if all_ranks:
         lines.append("  ranks      rank node tp pp dp")
         lines += [f"             {r} {n} {t} {p} {d}" for r, n, t, p, d in j["ranks"]]
@@ -680,6 +682,37 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
     else:
         lines.append(f"  ok         no problems found ({plan.seconds:.2f} s)")
     return "\n".join(lines)
+
+
+def checkpoint_time(plan: Plan) -> dict[str, Any]:
+    """One checkpoint's tensor bytes (`estimate.checkpoint_bytes`) and, where the machine file gives
+    its file system's bandwidth (`filesystem_write_gbs`, `filesystem_read_gbs`), the least time a
+    save and a load can take: the bytes over the lesser of that and the job's nodes x network
+    injection (`inter_node_gbs`), each node's share passing its NICs. A floor: metadata, checksums
+    and other jobs' I/O come on top (docs/CHECKPOINT.md has the measured overheads)."""
+    nbytes = checkpoint_bytes(plan.deck)
+    out: dict[str, Any] = {"bytes": nbytes, "filesystem": None, "write_gbs": None, "read_gbs": None,
+                           "save_s": None, "load_s": None}  # fmt: skip
+    m = plan.machine
+    if m is None or m.filesystem_write_gbs is None:
+        return out
+    nic = (plan.nodes or 1) * m.inter_node_gbs
+    write = min(m.filesystem_write_gbs, nic)
+    read = min(m.filesystem_read_gbs or m.filesystem_write_gbs, nic)
+    out.update(filesystem=m.filesystem, write_gbs=write, read_gbs=read, save_s=nbytes / (write * 1e9),
+               load_s=nbytes / (read * 1e9))  # fmt: skip
+    return out
+
+
+def _checkpoint_line(c: dict[str, Any]) -> str:
+    size = f"{c['bytes'] / 1e9:,.1f} GB of tensors (parameters, fp32 masters where apart, two fp32 moments)"
+    if c["save_s"] is None:
+        return f"{size}; no time: the machine file gives no filesystem_write_gbs"
+    return (
+        f"{size}: a save takes >= {c['save_s']:,.1f} s at {c['write_gbs']:,.0f} GB/s, a load >= {c['load_s']:,.1f} s "
+        f"at {c['read_gbs']:,.0f} GB/s ({c['filesystem'] or 'the file system'}; the lesser of its peak and the "
+        "job's nodes x inter_node_gbs)"
+    )
 
 
 def _expert_lines(plan: Plan, peak: StageEstimate) -> list[str]:

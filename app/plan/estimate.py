@@ -363,6 +363,15 @@ def model_params(m: ModelConfig) -> int:
     return stage_params(m, 1, m.layers, True, True)
 
 
+def checkpoint_bytes(deck: Deck) -> int:
+    """Tensor bytes of one checkpoint (what `save` reports, the RNG rows left out): /model in the
+    compute dtype, the two fp32 moments, and the fp32 masters apart where they are not the
+    parameters (bf16 / fp16, or the delayed offload update: app/checkpoint/io.py)."""
+    tr, opt = deck.train, deck.optim
+    masters = 4 if tr.precision != "fp32" or opt.offload_delay else 0
+    return model_params(deck.model) * (BYTES[tr.precision] + masters + 2 * 4)
+
+
 def layer_activation_bytes(
     m: ModelConfig, micro_batch: int, tp: int, sp: bool, element: int, tensor: Tensor3DShape = None
 ) -> float:

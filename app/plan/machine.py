@@ -13,6 +13,7 @@ key or value is named with the file and its full name (gemm.tile, links[1].gbs).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -134,6 +135,34 @@ FIELDS: dict[str, Key] = {
         "left out where nodes have none",
         min=0,
         exclusive_min=True,
+    ),
+    "filesystem": Key(
+        str,
+        None,
+        "the parallel file system checkpoints go to, in words (name, mount point); with filesystem_write_gbs",
+    ),
+    "filesystem_write_gbs": Key(
+        float,
+        None,
+        "that file system's aggregate peak write bandwidth, GB/s (the site's figure): the dry run's checkpoint "
+        "time is the checkpoint's bytes over the lesser of it and the job's nodes x inter_node_gbs",
+        min=0,
+        exclusive_min=True,
+    ),
+    "filesystem_read_gbs": Key(
+        float,
+        None,
+        "its aggregate peak read bandwidth, GB/s (the dry run's load time; the write figure where left out)",
+        min=0,
+        exclusive_min=True,
+    ),
+    "checkpoint_setstripe": Key(
+        dict,
+        None,
+        "the site's Lustre striping for one large shared file: {least checkpoint GB: lfs setstripe options}; "
+        "launch/submit.py gives the job script the options of the largest size at or below the deck's "
+        "checkpoint, and the script applies them to the checkpoint directory (launch/jobs/common.sh "
+        "gridlm_stripe); left out where the site gives none",
     ),
     "gemm": Key(
         dict,
@@ -281,6 +310,10 @@ class Machine:
     nvme_gb: Optional[float] = None
     nvme_read_gbs: Optional[float] = None
     nvme_write_gbs: Optional[float] = None
+    filesystem: Optional[str] = None
+    filesystem_write_gbs: Optional[float] = None
+    filesystem_read_gbs: Optional[float] = None
+    checkpoint_setstripe: Optional[dict[Any, str]] = None
     gemm: Optional[dict[str, Any]] = None
     links: Optional[list[dict[str, Any]]] = None
     op_overhead_us: Optional[float] = None
@@ -294,6 +327,12 @@ class Machine:
     @property
     def memory_per_device_bytes(self) -> float:
         return self.memory_per_device_gib * 2**30
+
+    def setstripe(self, checkpoint_gb: float) -> str:
+        """The lfs setstripe options for a checkpoint of `checkpoint_gb` (`checkpoint_setstripe`: the
+        largest size at or below it); empty where none applies."""
+        fits = [least for least in (self.checkpoint_setstripe or {}) if least <= checkpoint_gb]
+        return (self.checkpoint_setstripe or {})[max(fits)] if fits else ""
 
     def peak(self, precision: str) -> Optional[float]:
         """Peak TFLOP/s per device at `precision`: the peak table's for `device_name`
@@ -440,8 +479,24 @@ def _nested(values: dict[str, Any], file: str) -> dict[str, Any]:
     return out
 
 
+# lfs setstripe options as they go into a job script: flags, numbers, sizes and pool names only.
+SETSTRIPE_OPTIONS = re.compile(r"^[-A-Za-z0-9_ =.]+$")
+
+
 def _validate(m: Machine) -> None:
     where = f"machine file {m.path}"
+    if m.filesystem_read_gbs is not None and m.filesystem_write_gbs is None:
+        raise MachineError(f"{where}: filesystem_read_gbs needs filesystem_write_gbs (the save's bandwidth)")
+    for least, options in (m.checkpoint_setstripe or {}).items():
+        if isinstance(least, bool) or not isinstance(least, (int, float)) or least < 0:
+            raise MachineError(
+                f"{where}: checkpoint_setstripe key {least!r}: must be a checkpoint size in GB (a number >= 0)"
+            )
+        if not isinstance(options, str) or not SETSTRIPE_OPTIONS.match(options):
+            raise MachineError(
+                f"{where}: checkpoint_setstripe.{least} = {options!r}: must be lfs setstripe options (letters, digits, "
+                "spaces, - _ = .), e.g. '-c 8 -S 16M'"
+            )
     if m.path is not None and m.name != m.path.stem:
         raise MachineError(f"{where}: name = {m.name!r} must equal the file stem {m.path.stem!r}")
     try:

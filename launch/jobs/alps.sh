@@ -37,6 +37,10 @@ export OMP_NUM_THREADS={{threads}}  # = srun -c: the 72 Grace cores of one super
 # it through its hostname. If that resolves to an address they cannot reach, set another one:
 # export GRIDLM_MASTER_ADDR=<address of this node on the high-speed network>
 
+# Checkpoints ({{checkpoint_gb}} GB each) on Capstor (Lustre; CSCS recommends it for checkpoints,
+# docs.cscs.ch/platforms/mlp): CSCS's layout for large files, 32 stripes of 4 MB (docs.cscs.ch/guides/storage).
+gridlm_stripe {{checkpoint_dir}} {{setstripe}}
+
 # Python: the venv of launch/setup.sh if there is one (create it inside the uenv); otherwise the
 # uenv's or image's python, which must provide torch, mpi4py and h5py built against Cray MPICH.
 gridlm_use_venv

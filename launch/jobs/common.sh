@@ -89,6 +89,33 @@ gridlm_signal_before_end() {
   _gridlm_log "SIGUSR1 in $after s ($2 s before the walltime of $1 s)"
 }
 
+# gridlm_stripe DIR [OPTIONS...]: give the checkpoint directory the Lustre layout `lfs setstripe
+# OPTIONS` (the machine file's checkpoint_setstripe for this run's checkpoint size, filled in by
+# launch/submit.py) before the job writes there. Every checkpoint is one new file that all ranks
+# write, and a new file takes its directory's layout, so its bytes spread over many storage
+# targets instead of the file system's default. GRIDLM_STRIPE replaces the options (e.g.
+# GRIDLM_STRIPE="-c 16 -S 16M"; "none": leave the layout alone). A directory that is not on
+# Lustre, or a machine without `lfs`, keeps its layout, said in the log.
+gridlm_stripe() {
+  local dir="$1"
+  shift
+  local options="${GRIDLM_STRIPE:-$*}"
+  mkdir -p "$dir"
+  if [ -z "$options" ] || [ "$options" = none ]; then
+    _gridlm_log "checkpoint directory $dir: its file system's layout (no striping for this machine and size;" \
+      "GRIDLM_STRIPE=\"-c N -S SIZE\" sets one)"
+  elif ! command -v lfs >/dev/null 2>&1; then
+    _gridlm_log "checkpoint directory $dir: no lfs command (not Lustre): layout unchanged (wanted: $options)"
+  else
+    # shellcheck disable=SC2086 # the options are words
+    if lfs setstripe $options "$dir"; then
+      _gridlm_log "checkpoint directory $dir: lfs setstripe $options"
+    else
+      _gridlm_log "warning: lfs setstripe $options $dir failed (not on Lustre?): layout unchanged" >&2
+    fi
+  fi
+}
+
 # gridlm_launch CMD...: run the launcher, forward USR1/TERM to it, return ITS exit status.
 gridlm_launch() {
   _gridlm_log "launch: $*"

@@ -27,6 +27,10 @@ export OMP_NUM_THREADS={{threads}}  # = srun -c: the cores of one rank
 # it through its hostname. If that resolves to an address they cannot reach, set another one:
 # export GRIDLM_MASTER_ADDR=<address of this node on the high-speed network>
 
+# Checkpoints ({{checkpoint_gb}} GB each): a DGX cluster's storage is the site's choice (Lustre, GPFS, Weka,
+# NFS); on Lustre set GRIDLM_STRIPE="-c N -S SIZE" for the layout its vendor recommends.
+gridlm_stripe {{checkpoint_dir}} {{setstripe}}
+
 # Python: the venv of launch/setup.sh if there is one; otherwise the python of your modules,
 # conda env or container, which must provide torch (CUDA build), mpi4py and h5py built against
 # the MPI that srun --mpi=pmix starts (OpenMPI / HPC-X).

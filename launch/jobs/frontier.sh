@@ -39,6 +39,11 @@ export OMP_NUM_THREADS={{threads}}  # = srun -c: the cores of one rank
 # it through its hostname. If that resolves to an address they cannot reach, set another one:
 # export GRIDLM_MASTER_ADDR=<address of this node on the high-speed network>
 
+# Checkpoints ({{checkpoint_gb}} GB each) on Orion (Lustre): OLCF asks for manual striping only of files over
+# 512 GB, in the capacity pool with 16 MB stripes: 8 OSTs from 512 GB, 16 from 1 TB, 64 from 8 TB, 128 from 16 TB
+# (docs.olcf.ornl.gov/data/index.html); below that Orion's progressive layout is left alone.
+gridlm_stripe {{checkpoint_dir}} {{setstripe}}
+
 # Python: the venv of launch/setup.sh if there is one; otherwise the python of your modules or
 # conda env, which must provide torch (ROCm build), mpi4py and h5py built against Cray MPICH.
 gridlm_use_venv

@@ -42,6 +42,11 @@ export OMP_NUM_THREADS={{threads}}  # physical cores per rank (srun -c counts 2 
 # it through its hostname. If that resolves to an address they cannot reach, set another one:
 # export GRIDLM_MASTER_ADDR=<address of this node on the high-speed network>
 
+# Checkpoints ({{checkpoint_gb}} GB each) on Perlmutter scratch (all-flash Lustre, default 1 OST): NERSC's
+# single-shared-file advice is stripe_small (8 OSTs) from 1 GB, stripe_medium (24) from 10 GB, stripe_large (72)
+# above 100 GB (docs.nersc.gov/performance/io/lustre/); the stripe size stays the file system's.
+gridlm_stripe {{checkpoint_dir}} {{setstripe}}
+
 # Python: the venv of launch/setup.sh if there is one; otherwise the python of your modules or
 # conda env, which must provide torch (CUDA build), mpi4py and h5py built against Cray MPICH.
 gridlm_use_venv

@@ -46,6 +46,10 @@ export OMP_NUM_THREADS={{threads}}  # = mpiexec --depth: the cores of one rank
 # it through its hostname. If that resolves to an address they cannot reach, set another one:
 # export GRIDLM_MASTER_ADDR=<address of this node on the high-speed network>
 
+# Checkpoints ({{checkpoint_gb}} GB each) on Eagle (Lustre, 160 OSTs): ALCF publishes no striping for one
+# large shared file, so the layout is Eagle's own; GRIDLM_STRIPE="-c N -S SIZE" sets one.
+gridlm_stripe {{checkpoint_dir}} {{setstripe}}
+
 # Python: the venv of launch/setup.sh if there is one; otherwise the conda module's python, which
 # must provide torch (CUDA build), mpi4py and h5py built against Cray MPICH.
 gridlm_use_venv
