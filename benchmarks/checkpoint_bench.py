@@ -1,6 +1,6 @@
 """Benchmark checkpoint I/O on this machine: parallel HDF5 vs torch.save per rank vs dd.
 
-    .venv/bin/python benchmarks/checkpoint_bench.py [--ranks 4] [--repeats 3] [--deck inputs/gpt_tiny.yaml]
+    .venv/bin/python benchmarks/checkpoint_bench.py [--ranks 4] [--case small|large] [--repeats 3] [--deck inputs/gpt_tiny.yaml]
         [--out runs/checkpoint_bench] [--dir DIR] [--drop-caches] [--set section.key=value ...]
 
 One invocation measures, on the same file system (DIR, default <out>/files):
@@ -17,8 +17,9 @@ One invocation measures, on the same file system (DIR, default <out>/files):
                        DIR/torch_rank<r>.pt, then fsyncs it; and `torch.load`s it back
 
 The MPI part is one `mpirun -n RANKS python benchmarks/checkpoint_bench.py --worker` job
-that builds the `Trainer` of the deck (inputs/gpt_tiny.yaml, enlarged by default to a
-~35M-parameter model: ~0.42 GB of fp32 parameters + Adam moments, on tp = 2 x dp = 2 with
+that builds the `Trainer` of the deck (inputs/gpt_tiny.yaml, enlarged by --case small to a
+~35M-parameter model, ~0.42 GB of fp32 parameters + Adam moments, or by --case large to ~183M
+parameters, 2.2 GB; on tp = 2 x dp = 2 (4 ranks) with
 ZeRO-1, so the four ranks write different slices; --set overrides any key) without
 training it, and then, for every repeat, saves and loads with each method in turn. Each
 save and load is timed on rank 0 from a barrier to a barrier (the slowest rank); the
@@ -67,9 +68,14 @@ from typing import Any, Callable, Optional
 from grid_bench import mpi_env, write_tables
 
 REPO = Path(__file__).resolve().parent.parent
-# ~35M parameters: 0.42 GB of fp32 parameters + two Adam moments (tp = 2, dp = auto = 2 on 4 ranks).
-SIZE = ["model.hidden=768", "model.layers=4", "model.heads=12", "model.vocab_size=8192", "model.seq_len=128",
-        "parallel.tp=2", "optim.zero=1", "run.device=cpu", "checkpoint.keep=1"]  # fmt: skip
+# --case: small, ~35M parameters: 0.42 GB of fp32 parameters + two Adam moments; large, ~183M
+# parameters: 2.2 GB. Both on tp = 2, dp = auto (2 on 4 ranks, 4 on 8), ZeRO-1.
+CASES = {
+    "small": ["model.hidden=768", "model.layers=4", "model.heads=12"],
+    "large": ["model.hidden=1536", "model.layers=6", "model.heads=16"],
+}
+SIZE = ["model.vocab_size=8192", "model.seq_len=128", "parallel.tp=2", "optim.zero=1", "run.device=cpu",
+        "checkpoint.keep=1"]  # fmt: skip
 HDF5 = {"collective": "HDF5 collective", "independent": "HDF5 independent"}
 TORCH, DD = "torch.save per rank", "dd conv=fsync"
 COLUMNS = ["method", "ranks", "GB", "save_s", "save_std_s", "save_GBps", "load_s", "load_std_s", "load_GBps",
@@ -355,6 +361,7 @@ def facts(args: argparse.Namespace, directory: Path, fs: str, result: Optional[d
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--case", choices=sorted(CASES), default="small", help="model size: small 0.42 GB, large 2.2 GB")
     parser.add_argument("--repeats", type=int, default=3, help="saves and loads per method")
     parser.add_argument("--deck", default="inputs/gpt_tiny.yaml")
     parser.add_argument("--out", default="runs/checkpoint_bench")
@@ -372,7 +379,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"checkpoint_bench: --drop-caches needs root and a writable {DROP_CACHES}")
     out = (REPO / args.out).resolve()
     directory = (REPO / args.dir).resolve() if args.dir else out / "files"
-    sets = [*SIZE, f"run.dir={out / 'run'}", *args.set]
+    sets = [*CASES[args.case], *SIZE, f"run.dir={out / 'run'}", *args.set]
     try:
         nbytes = checkpoint_bytes(args.deck, sets)
     except Exception as err:  # a deck error: say it before launching anything

@@ -45,7 +45,16 @@ import numpy as np
 import torch
 import yaml
 
-from app.checkpoint.slabs import V1_NOTE, checksum, checksum_for, global_boxes, read_boxes, transfer_plist, write_boxes
+from app.checkpoint.slabs import (
+    V1_NOTE,
+    checksum,
+    checksum_and_nonfinite,
+    checksum_for,
+    global_boxes,
+    read_boxes,
+    transfer_plist,
+    write_boxes,
+)
 from app.checkpoint.stages import Abandon, PhaseTimes, Stages, abandon
 from app.checkpoint.store import (
     commit,
@@ -324,11 +333,19 @@ def write(
     phases.add("snapshot", time.perf_counter() - snap.started)
     f = None
 
+    # One entry per dataset, the RNG rows last; MPI SUM on uint64 wraps mod 2^64, as C.
+    sums = np.zeros(len(catalogue) + len(rows), dtype=np.uint64)
+
     def check_finite() -> None:
-        """A NaN/Inf in any slice this rank would write: refused before the disk is touched."""
-        for group, name, _ in catalogue:
+        """A NaN/Inf in any slice this rank would write: refused before the disk is touched. The
+        checksums of the slices are made in the same pass (the C kernel; else a pass each)."""
+        for index, (group, name, shape) in enumerate(catalogue):
             if (group, name) in slices:
-                bad = count_nonfinite(slices[(group, name)][1], stored_of[group][0])
+                boxes, values = slices[(group, name)]
+                logical = stored_of[group][0]
+                sums[index], bad = checksum_and_nonfinite(values, boxes, shape, logical)
+                if bad is None:
+                    bad = count_nonfinite(values, logical)
                 if bad:
                     raise NonFiniteError(f"/{group}/{name} has {bad} non-finite value{'s' if bad > 1 else ''}")
 
@@ -338,14 +355,12 @@ def write(
             before_write()
 
     try:
-        stages.run(None, "checking the values", check_finite)
+        stages.run(None, "checking the values and their checksums", check_finite)
     except Abandon as stop:
         abandon(rt, stop, None, tmp, needed, final, keep_blocks=False)
     with phases.timed("free space and spare blocks"):
         on_root(rt, prepare)  # the file system is checked once, the verdict goes to every rank
     dxpl = transfer_plist(cfg.io == "collective")
-    # One entry per dataset, the RNG rows last; MPI SUM on uint64 wraps mod 2^64, as C.
-    sums = np.zeros(len(catalogue) + len(rows), dtype=np.uint64)
 
     def create() -> Any:
         return h5py.File(
@@ -382,13 +397,11 @@ def write(
         """This rank's slice of one dataset: one H5Dwrite on every rank, even with nothing to
         write (collective I/O needs every rank's call)."""
         stages.doing = f"writing /{kind}/{name}"
-        if kind == "rng":
+        if kind == "rng":  # the tensors' checksums were made with the NaN/Inf check (`check_finite`)
             boxes, values = [((rt.rank, 0), (1, shape[1]))], rows[name]
+            sums[index] = checksum(values, boxes, shape)
         else:
             boxes, values = slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
-        with phases.timed("checksums (in the writes)"):
-            if boxes:
-                sums[index] = checksum(values, boxes, shape)
         with phases.timed("data (in the writes)"):
             write_boxes(dset.id, boxes, values, dxpl)
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -199,16 +200,32 @@ def checksum(values: np.ndarray, boxes: Sequence[Box], global_shape: Sequence[in
     kernel (`_checksum.c`, built by setup) where it is built, else by `checksum_numpy`."""
     if _compiled is None:
         return checksum_numpy(values, boxes, global_shape)
+    return checksum_and_nonfinite(values, boxes, global_shape, "")[0]
+
+
+# The exponent bits of the stored floats (bf16 as uint16): all ones is Inf or NaN.
+EXPONENT_MASK = {"float32": 0x7F800000, "bfloat16": 0x7F80, "float16": 0x7C00}
+
+
+def checksum_and_nonfinite(
+    values: np.ndarray, boxes: Sequence[Box], global_shape: Sequence[int], logical: str
+) -> tuple[np.uint64, Optional[int]]:
+    """`checksum`, and in the same pass (C kernel) the Inf/NaN elements of `values` whose logical
+    dtype is `logical` (float32, bfloat16 or float16); None for the count where it was not made
+    (no C kernel, another dtype): the caller counts them its own way."""
+    mask = EXPONENT_MASK.get(logical, 0) if values.dtype.itemsize * 8 in (16, 32) else 0
+    if _compiled is None:
+        return checksum_numpy(values, boxes, global_shape), None
     u = as_unsigned(np.ascontiguousarray(values).reshape(-1))
-    total, pos = 0, 0
+    total, pos, bad = 0, 0, 0
     for start, count in boxes:
         if math.prod(count) == 0:
             continue
         for bases, last in _box_rows(start, count, global_shape):
             n = bases.size * last
-            total += _compiled.rows(u[pos : pos + n], u.itemsize, bases, last)
-            pos += n
-    return np.uint64(total & 0xFFFFFFFFFFFFFFFF)
+            part, hits = _compiled.rows(u[pos : pos + n], u.itemsize, bases, last, mask)
+            total, bad, pos = total + part, bad + hits, pos + n
+    return np.uint64(total & 0xFFFFFFFFFFFFFFFF), (bad if mask else None)
 
 
 def checksum_numpy(values: np.ndarray, boxes: Sequence[Box], global_shape: Sequence[int]) -> np.uint64:
