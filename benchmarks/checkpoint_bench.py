@@ -361,7 +361,9 @@ def facts(args: argparse.Namespace, directory: Path, fs: str, result: Optional[d
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--case", choices=sorted(CASES), default="small", help="model size: small 0.42 GB, large 2.2 GB")
+    parser.add_argument(
+        "--case", choices=sorted(CASES), default="small", help="model size: small 0.42 GB, large 2.2 GB"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="saves and loads per method")
     parser.add_argument("--deck", default="inputs/gpt_tiny.yaml")
     parser.add_argument("--out", default="runs/checkpoint_bench")

@@ -345,3 +345,13 @@ def test_a_changed_header_attribute_is_caught_by_load_and_inspect(tmp_path, attr
                       f"run.resume={bad}", "--set", "train.steps=4")  # fmt: skip
     assert resumed.returncode == 2, resumed.stdout + resumed.stderr
     assert "header (step, optimizer steps, sampler" in resumed.stderr and "Traceback" not in resumed.stderr
+
+
+def test_checkpoint_files_are_opened_with_data_sieving_off(tmp_path):
+    """`open_mpio` (every checkpoint save and load) hands ROMIO its hints: the file's MPI-IO info
+    as HDF5 keeps it has data sieving disabled for writes and reads."""
+    from mpi4py import MPI
+
+    with slabs.open_mpio(tmp_path / "f.h5", "w", MPI.COMM_SELF) as f:
+        info = f.id.get_access_plist().get_fapl_mpio()[1]
+        assert {k: info.Get(k) for k in slabs.MPIO_HINTS} == {"romio_ds_write": "disable", "romio_ds_read": "disable"}

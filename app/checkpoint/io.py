@@ -51,6 +51,7 @@ from app.checkpoint.slabs import (
     checksum_and_nonfinite,
     checksum_for,
     global_boxes,
+    open_mpio,
     read_boxes,
     transfer_plist,
     write_boxes,
@@ -316,7 +317,6 @@ def write(
     save fails"). Tests only: `before_write` runs on rank 0 after the free-space check,
     `reserve_space=False` skips the fallocate (to meet a full disk mid-write), and
     `before_commit` runs on rank 0 between the flushed write and the rename."""
-    import h5py
     from mpi4py import MPI
 
     cfg, catalogue, rows, stored_of, slices = snap.config, snap.catalogue, snap.rows, snap.stored_of, snap.slices
@@ -363,10 +363,9 @@ def write(
     dxpl = transfer_plist(cfg.io == "collective")
 
     def create() -> Any:
-        return h5py.File(
-            tmp, "w", driver="mpio", comm=rt.comm,
-            alignment_threshold=cfg.alignment_threshold, alignment_interval=cfg.alignment_interval,
-        )  # fmt: skip
+        return open_mpio(
+            tmp, "w", rt.comm, alignment_threshold=cfg.alignment_threshold, alignment_interval=cfg.alignment_interval
+        )
 
     def create_datasets() -> list[tuple[Any, str, str, tuple[int, ...]]]:
         """All metadata first, every attribute at its final size (`committed` false, checksums
@@ -742,7 +741,6 @@ def _fill(shard: ShardState, values: torch.Tensor) -> None:
 def load(state: TrainingState, path: Path) -> dict[str, Any]:
     """Restore `state` from checkpoint `path` (all ranks), whatever grid wrote it. Everything is
     read and verified before the model, optimizer or sampler change; returns what was loaded."""
-    import h5py
     from mpi4py import MPI
 
     rt, deck = state.runtime, state.deck
@@ -787,7 +785,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     sums = np.zeros(len(keys), dtype=np.uint32 if version < 2 else np.uint64)  # MPI SUM wraps as the sum does
     dxpl = transfer_plist(deck.checkpoint.io == "collective")
     phases.lap("catalogue")
-    with h5py.File(path, "r", driver="mpio", comm=rt.comm) as f:
+    with open_mpio(path, "r", rt.comm) as f:
         phases.lap("H5Fopen")
         for k, ((group, name), shape) in enumerate(reads.items()):
             dset = f[f"{group}/{name}"]
@@ -870,7 +868,6 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
     else /model, each rank reading its own shards with parallel HDF5 (every rank). Every element is
     verified against its dataset's checksum (summed over the ranks whose copy counts, as `load`
     does) before any parameter changes. Returns the header."""
-    import h5py
     from mpi4py import MPI
 
     header = on_root(runtime, lambda: read_header(path))
@@ -884,7 +881,7 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
     sums = np.zeros(len(params), dtype=np.uint32 if version < 2 else np.uint64)
     values: list[torch.Tensor] = []
     dxpl = transfer_plist(False)  # each rank its own shards, of sizes that differ: independent reads
-    with h5py.File(path, "r", driver="mpio", comm=runtime.comm) as f:
+    with open_mpio(path, "r", runtime.comm) as f:
         for k, (name, p) in enumerate(params):
             meta = p.meta  # type: ignore[attr-defined]
             key = f"{source}/{name}"

@@ -287,6 +287,29 @@ def _memory_space(n: int):
     return space
 
 
+# MPI-IO hints for every checkpoint file (ROMIO: Open MPI's romio321, MPICH, Cray MPICH; other
+# MPI-IO layers ignore them). Data sieving off: a rank's slices of a tp-split tensor are strided
+# in the file, and with sieving ROMIO reads and rewrites the whole span around them. Three
+# alternating rounds on a 2-core machine (4 ranks, 0.42 GB, page cache dropped), medians:
+# independent save 0.774 -> 0.694 s, its writes 0.197 -> 0.168 s, load 0.673 -> 0.638 s
+# (docs/CHECKPOINT.md).
+MPIO_HINTS = {"romio_ds_write": "disable", "romio_ds_read": "disable"}
+
+
+def open_mpio(path, mode: str, comm, **kwargs):
+    """h5py.File(path, mode) with the mpio driver on `comm` (collective) and MPIO_HINTS."""
+    import h5py
+    from mpi4py import MPI
+
+    info = MPI.Info.Create()
+    try:
+        for key, value in MPIO_HINTS.items():
+            info.Set(key, value)
+        return h5py.File(path, mode, driver="mpio", comm=comm, info=info, **kwargs)
+    finally:
+        info.Free()  # HDF5 keeps its own copy
+
+
 def transfer_plist(collective: bool):
     """A dataset transfer property list: collective (two-phase) or independent MPI-IO."""
     from h5py import h5fd, h5p
