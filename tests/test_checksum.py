@@ -355,3 +355,23 @@ def test_checkpoint_files_are_opened_with_data_sieving_off(tmp_path):
     with slabs.open_mpio(tmp_path / "f.h5", "w", MPI.COMM_SELF) as f:
         info = f.id.get_access_plist().get_fapl_mpio()[1]
         assert {k: info.Get(k) for k in slabs.MPIO_HINTS} == {"romio_ds_write": "disable", "romio_ds_read": "disable"}
+
+
+def test_attributes_made_at_the_low_level_are_those_h5py_makes(tmp_path):
+    """`new_attributes` (the save's per-dataset `dtype` and `checksum`) gives the HDF5 types and the
+    values that `attrs[name] = value` gives, so readers see the same file."""
+    import h5py
+
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        high, low = f.create_dataset("high", (2,), "f4"), f.create_dataset("low", (2,), "f4")
+        high.attrs["dtype"], high.attrs["checksum"] = "bfloat16", np.uint64(2**64 - 1)
+        slabs.new_attributes(low, {"dtype": "bfloat16", "checksum": np.uint64(2**64 - 1)})
+        low.attrs.modify("checksum", np.uint64(7))  # in place, as the save does after the writes
+        high.attrs.modify("checksum", np.uint64(7))
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        for key in ("dtype", "checksum"):
+            a, b = f["high"].attrs.get_id(key).get_type(), f["low"].attrs.get_id(key).get_type()
+            assert a.equal(b), key
+            assert f["high"].attrs[key] == f["low"].attrs[key] and type(f["high"].attrs[key]) is type(
+                f["low"].attrs[key]
+            )

@@ -51,6 +51,7 @@ from app.checkpoint.slabs import (
     checksum_and_nonfinite,
     checksum_for,
     global_boxes,
+    new_attributes,
     open_mpio,
     read_boxes,
     transfer_plist,
@@ -381,12 +382,11 @@ def write(
         for group, name, shape in catalogue:
             logical, stored = stored_of[group]
             dset = f.require_group(group).create_dataset(name, shape, stored, fill_time="never")
-            dset.attrs["dtype"] = logical
-            dset.attrs["checksum"] = np.uint64(0)
+            new_attributes(dset, {"dtype": logical, "checksum": np.uint64(0)})
             created.append((dset, group, name, shape))
         for key, row in rows.items():
             dset = f.require_group("rng").create_dataset(key, (rt.world_size, row.size), np.uint8, fill_time="never")
-            dset.attrs["checksum"] = np.uint64(0)
+            new_attributes(dset, {"checksum": np.uint64(0)})
             created.append((dset, "rng", key, (rt.world_size, row.size)))
         if rt.rank == 0:
             spare_file(tmp).unlink(missing_ok=True)  # its blocks are the metadata's room in the flush that follows
