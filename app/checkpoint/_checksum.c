@@ -13,7 +13,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <string.h>
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define SEED 0x6A09E667F3BCC909ULL

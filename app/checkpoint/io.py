@@ -46,6 +46,7 @@ import torch
 import yaml
 
 from app.checkpoint.slabs import (
+    EXPONENT_MASK,
     V1_NOTE,
     checksum,
     checksum_and_nonfinite,
@@ -500,7 +501,7 @@ def count_nonfinite(values: torch.Tensor | np.ndarray, logical: str) -> int:
         if values.device.type != "cpu":
             return int(values.numel() - torch.isfinite(values).sum().item())
         values = _numpy(values)
-    mask = {"bfloat16": 0x7F80, "float16": 0x7C00}.get(logical)
+    mask = EXPONENT_MASK[logical] if logical in ("bfloat16", "float16") else None
     if mask is not None:
         exponent = np.bitwise_and(values.view(np.uint16), mask)
         return 0 if exponent.max(initial=0) != mask else int(np.count_nonzero(exponent == mask))
