@@ -451,9 +451,11 @@ class CheckpointConfig:
         2, "keep the newest N checkpoints (never the one `latest` names); 0 keeps all", min=0, max=MAX_STEPS
     )
     io: str = _key(
-        "independent", "MPI-IO mode of the tensor writes and reads: independent (each rank its own slabs; "
-        "measured faster here, docs/CHECKPOINT.md) or collective (two-phase I/O through aggregators)",
-        choices=("collective", "independent"),
+        "posix", "how the ranks move the tensors' bytes: posix (rank 0 makes the HDF5 file and its metadata, "
+        "each rank pwrites / preads its own slabs at the offsets HDF5 allocated; measured fastest, "
+        "docs/CHECKPOINT.md), or through parallel HDF5's MPI-IO: independent (each rank its own slabs) or "
+        "collective (two-phase I/O through aggregators)",
+        choices=("posix", "independent", "collective"),
     )  # fmt: skip
     on_error: str = _key(
         "stop", "a checkpoint write that fails (disk full, I/O or permission error): stop (exit 2; the previous "

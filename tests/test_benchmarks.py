@@ -42,7 +42,7 @@ def test_the_checkpoint_benchmark_compares_hdf5_torch_save_and_dd(tmp_path, caps
     )
     assert rc == 0
     rows = {r["method"]: r for r in csv.DictReader((tmp_path / "table.csv").read_text().splitlines())}
-    assert list(rows) == ["HDF5 collective", "HDF5 independent", "torch.save per rank", "dd conv=fsync"]
+    assert list(rows) == ["HDF5 posix", "HDF5 independent", "HDF5 collective", "torch.save per rank", "dd conv=fsync"]
     for r in rows.values():
         assert float(r["save_GBps"]) > 0 and float(r["load_GBps"]) > 0, r
     hdf5, torch_save = float(rows["HDF5 collective"]["GB"]), float(rows["torch.save per rank"]["GB"])
@@ -50,20 +50,25 @@ def test_the_checkpoint_benchmark_compares_hdf5_torch_save_and_dd(tmp_path, caps
     assert not (tmp_path / "files").exists()  # every checkpoint and dd file removed
     out = capsys.readouterr().out
     assert "| dd conv=fsync | 1 |" in out
-    # Where a save's time goes: every phase of `Saved.phases` with a time for both HDF5 methods.
-    phases = {line.split("|")[1].strip(): line.split("|")[2:4] for line in out.splitlines() if line.count("|") == 4}
-    for phase in (
-        "snapshot",
-        "H5Dcreate",
-        "H5Fflush",
-        "checking the values and their checksums",
-        "data (in the writes)",
+    # Where a save's time goes: every phase of `Saved.phases`, with a time for the methods that have it
+    # (posix, independent, collective).
+    phases = {line.split("|")[1].strip(): line.split("|")[2:5] for line in out.splitlines() if line.count("|") == 5}
+    for phase, methods in (
+        ("snapshot", (0, 1, 2)),
+        ("checking the values and their checksums", (0, 1, 2)),
+        ("data (pwrite)", (0,)),
+        ("fsync (the disk write)", (0,)),
+        ("H5Dcreate", (1, 2)),
+        ("H5Fflush", (1, 2)),
+        ("data (in the writes)", (1, 2)),
+        ("data (pread)", (0,)),  # and where a load's goes
+        ("H5Dread", (1, 2)),
+        ("checksums", (0, 1, 2)),
+        ("into the model and optimizer", (0, 1, 2)),
     ):
-        assert all(float(cell) >= 0 for cell in phases[phase]), (phase, phases.get(phase))
-    assert float(phases["data (in the writes)"][1]) > 0
-    for phase in ("H5Dread", "checksums", "into the model and optimizer"):  # and where a load's goes
-        assert all(float(cell) >= 0 for cell in phases[phase]), (phase, phases.get(phase))
-    assert float(phases["H5Dread"][1]) > 0
+        assert all(float(phases[phase][m]) >= 0 for m in methods), (phase, phases.get(phase))
+    assert float(phases["data (pwrite)"][0]) > 0 and float(phases["data (in the writes)"][1]) > 0
+    assert float(phases["data (pread)"][0]) > 0 and float(phases["H5Dread"][1]) > 0
 
 
 def test_the_zero_memory_benchmark_measures_bytes_against_the_plan(tmp_path):

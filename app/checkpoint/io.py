@@ -36,10 +36,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -48,13 +50,17 @@ import yaml
 from app.checkpoint.slabs import (
     EXPONENT_MASK,
     V1_NOTE,
+    Storage,
     checksum,
     checksum_and_nonfinite,
     checksum_for,
     global_boxes,
     new_attributes,
     open_mpio,
+    pread_boxes,
+    pwrite_boxes,
     read_boxes,
+    storage_of,
     transfer_plist,
     write_boxes,
 )
@@ -74,10 +80,11 @@ from app.deck import CheckpointConfig, Deck, ModelConfig
 from app.errors import CheckpointError, NonFiniteError
 from app.names import AXES, PRECISIONS
 from app.runtime.grid import ProcessGrid
-from app.runtime.mpi import Runtime, on_root
+from app.runtime.mpi import Runtime, failures, on_root
 from app.shards import GROUPS, MASTER, MODEL, JsonState, ShardState, TensorState
 from app.untrusted import parse_json
 
+T = TypeVar("T")
 FORMAT, FORMAT_VERSION = "gridlm-checkpoint", 2
 READABLE_VERSIONS = (1, 2)  # 1: the weak v1 checksum (slabs.checksum_v1)
 # The model keys a checkpoint's tensors depend on (ffn_hidden compared resolved).
@@ -138,14 +145,47 @@ def _shard_states(state: TrainingState) -> dict[tuple[str, str], ShardState]:
 
 def _catalogue(
     runtime: Runtime, shards: dict[tuple[str, str], ShardState]
-) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict[str, torch.dtype]]:
+) -> tuple[
+    list[tuple[str, str, tuple[int, ...]]], dict[str, torch.dtype], dict[tuple[str, str], Optional[tuple[int, ...]]]
+]:
     """(group, name, global shape) of every tensor of the whole model's state, in file order (the
-    groups in GROUPS order, names sorted), and each group's dtype: the same on every rank (a
-    rank holds the tensors of its stage only)."""
-    everyone = runtime.comm.allgather({key: (s.global_shape, s.dtype) for key, s in shards.items()})
-    union = {(group, name, shape) for theirs in everyone for (group, name), (shape, _) in theirs.items()}
-    dtypes = {group: dtype for theirs in everyone for (group, _), (_, dtype) in theirs.items()}
-    return sorted(union, key=lambda item: (GROUPS.index(item[0]), item[1])), dtypes
+    groups in GROUPS order, names sorted), each group's dtype, and each tensor's chunk shape
+    (`chunk_shape`): the same on every rank (a rank holds the tensors of its stage only)."""
+    everyone = runtime.comm.allgather(
+        {key: (s.global_shape, s.dtype, (s.shape, s.offset) if s.writes else None) for key, s in shards.items()}
+    )
+    union = {(group, name, shape) for theirs in everyone for (group, name), (shape, _, _) in theirs.items()}
+    dtypes = {group: dtype for theirs in everyone for (group, _), (_, dtype, _) in theirs.items()}
+    pieces: dict[tuple[str, str], set] = {}
+    for theirs in everyone:
+        for key, (_, _, piece) in theirs.items():
+            if piece is not None:
+                pieces.setdefault(key, set()).add(piece)
+    catalogue = sorted(union, key=lambda item: (GROUPS.index(item[0]), item[1]))
+    chunks = {(group, name): chunk_shape(shape, pieces.get((group, name), set())) for group, name, shape in catalogue}
+    return catalogue, dtypes, chunks
+
+
+# HDF5 caps a chunk at 4 GiB; a shard larger than this (in elements of up to 4 bytes) stays contiguous.
+MAX_CHUNK_ELEMENTS = (1 << 30) - 1
+
+
+def chunk_shape(shape: tuple[int, ...], pieces: set) -> Optional[tuple[int, ...]]:
+    """The chunk shape of a tensor written as `pieces` ((local shape, offset) of each writer's
+    shard): the shard shape when the shards are one equal tiling of the tensor, so that each shard,
+    and each rank's flat range of it, is one contiguous extent of the file (a tp-split row of a
+    row-parallel weight is otherwise strided there); None (contiguous) for a whole or unevenly
+    split tensor."""
+    local = {piece[0] for piece in pieces}
+    if len(local) != 1:
+        return None
+    (block,) = local
+    if block == shape or not block or 0 in block or math.prod(block) > MAX_CHUNK_ELEMENTS:
+        return None
+    if any(o % b for _, offset in pieces for o, b in zip(offset, block)):
+        return None
+    tiles = math.prod(-(-n // b) for n, b in zip(shape, block))
+    return block if len({offset for _, offset in pieces}) == tiles else None
 
 
 def _boxes(shard: ShardState, lo: int, hi: int) -> list:
@@ -240,6 +280,7 @@ class Snapshot:
     header: dict[str, Any]
     health: tuple[int, int]  # nonfinite_events, nonfinite_in_a_row (store.protected)
     catalogue: list[tuple[str, str, tuple[int, ...]]]  # every tensor of the model's state, in file order
+    chunks: dict[tuple[str, str], Optional[tuple[int, ...]]]  # (group, name) -> chunk shape (None: contiguous)
     stored_of: dict[str, tuple[str, Any]]  # group -> (logical dtype, stored numpy dtype)
     slices: dict[tuple[str, str], tuple[list, np.ndarray]]  # (group, name) -> (boxes, values) this rank writes
     rows: dict[str, np.ndarray]  # this rank's RNG states
@@ -262,7 +303,7 @@ def snapshot(state: TrainingState, copy: bool = False) -> Snapshot:
     if state.runtime.device.type == "cuda":
         torch.cuda.synchronize(state.runtime.device)
     shards = _shard_states(state)
-    catalogue, dtypes = _catalogue(rt, shards)
+    catalogue, dtypes, chunks = _catalogue(rt, shards)
     header = rt.comm.bcast(_header(state) if rt.rank == 0 else None, root=0)
     slices = {}
     for key, shard in shards.items():
@@ -279,6 +320,7 @@ def snapshot(state: TrainingState, copy: bool = False) -> Snapshot:
         # For retention (store.protected): non-finite steps so far, and in the current streak.
         health=(int(getattr(state, "nonfinite_events", 0)), int(getattr(state, "nonfinite_in_a_row", 0))),
         catalogue=catalogue,
+        chunks=chunks,
         stored_of={group: STORED[dtype] for group, dtype in dtypes.items()},
         slices=slices,
         rows=_rng_rows(rt),
@@ -325,22 +367,28 @@ def write(
     final = step_file(directory, snap.step)
     tmp = final.with_name(final.name + ".tmp")
     header = snap.header
-    layout = [(math.prod(shape), np.dtype(stored_of[group][1]).itemsize) for group, _, shape in catalogue]
-    layout += [(rt.world_size * row.size, 1) for row in rows.values()]
-    nbytes = sum(n * size for n, size in layout)
+    # Chunks of the shards' shape for pwrite; MPI-IO keeps the contiguous layout: its independent
+    # writes into chunked datasets measured 5-15x slower (docs/CHECKPOINT.md).
+    chunks = snap.chunks if cfg.io == "posix" else {}
+    layout = [
+        (math.prod(shape), np.dtype(stored_of[group][1]).itemsize, _chunk_count(shape, chunks.get((group, name))))
+        for group, name, shape in catalogue
+    ]
+    layout += [(rt.world_size * row.size, 1, 1) for row in rows.values()]
+    nbytes = sum(n * size for n, size, _ in layout)
     needed = checkpoint_size(layout, header, cfg.alignment_threshold, cfg.alignment_interval)
 
     stages = Stages(rt)
     phases = stages.phases
     phases.add("snapshot", time.perf_counter() - snap.started)
-    f = None
 
     # One entry per dataset, the RNG rows last; MPI SUM on uint64 wraps mod 2^64, as C.
     sums = np.zeros(len(catalogue) + len(rows), dtype=np.uint64)
 
     def check_finite() -> None:
-        """A NaN/Inf in any slice this rank would write: refused before the disk is touched. The
-        checksums of the slices are made in the same pass (the C kernel; else a pass each)."""
+        """A NaN/Inf in any slice this rank would write: refused before anything is committed (with
+        MPI-IO before the disk is touched; with posix while the slices are written). The checksums
+        of the slices are made in the same pass (the C kernel; else a pass each)."""
         for index, (group, name, shape) in enumerate(catalogue):
             if (group, name) in slices:
                 boxes, values = slices[(group, name)]
@@ -356,22 +404,19 @@ def write(
         if before_write is not None:
             before_write()
 
-    try:
-        stages.run(None, "checking the values and their checksums", check_finite)
-    except Abandon as stop:
-        abandon(rt, stop, None, tmp, needed, final, keep_blocks=False)
+    if cfg.io != "posix":  # posix checks them while it writes (`write_posix`)
+        try:
+            stages.run(None, "checking the values and their checksums", check_finite)
+        except Abandon as stop:
+            abandon(rt, stop, None, tmp, needed, final, keep_blocks=False)
     with phases.timed("free space and spare blocks"):
         on_root(rt, prepare)  # the file system is checked once, the verdict goes to every rank
-    dxpl = transfer_plist(cfg.io == "collective")
 
-    def create() -> Any:
-        return open_mpio(
-            tmp, "w", rt.comm, alignment_threshold=cfg.alignment_threshold, alignment_interval=cfg.alignment_interval
-        )
-
-    def create_datasets() -> list[tuple[Any, str, str, tuple[int, ...]]]:
+    def create_datasets(f: Any) -> list[tuple[Any, str, str, tuple[int, ...]]]:
         """All metadata first, every attribute at its final size (`committed` false, checksums
-        0), so that after the first flush the close only rewrites blocks the file already has."""
+        0), so that after the first flush the close only rewrites blocks the file already has.
+        Every dataset's storage is allocated now (H5D_ALLOC_TIME_EARLY), each shard of a
+        tp-split tensor a chunk of its own (`chunk_shape`): one contiguous extent per shard."""
         f.attrs.update(header)
         f.attrs["nonfinite_events"], f.attrs["nonfinite_in_a_row"] = snap.health
         events, in_a_row = snap.health
@@ -382,67 +427,160 @@ def write(
         created = []
         for group, name, shape in catalogue:
             logical, stored = stored_of[group]
-            dset = f.require_group(group).create_dataset(name, shape, stored, fill_time="never")
+            dset = f.require_group(group).create_dataset(
+                name, shape, stored, chunks=chunks.get((group, name)), dcpl=_early(), fill_time="never"
+            )
             new_attributes(dset, {"dtype": logical, "checksum": np.uint64(0)})
             created.append((dset, group, name, shape))
         for key, row in rows.items():
-            dset = f.require_group("rng").create_dataset(key, (rt.world_size, row.size), np.uint8, fill_time="never")
+            shape = (rt.world_size, row.size)
+            dset = f.require_group("rng").create_dataset(key, shape, np.uint8, dcpl=_early(), fill_time="never")
             new_attributes(dset, {"checksum": np.uint64(0)})
-            created.append((dset, "rng", key, (rt.world_size, row.size)))
+            created.append((dset, "rng", key, shape))
         if rt.rank == 0:
             spare_file(tmp).unlink(missing_ok=True)  # its blocks are the metadata's room in the flush that follows
         return created
 
-    def write_one(index: int, dset: Any, kind: str, name: str, shape: tuple[int, ...]) -> None:
-        """This rank's slice of one dataset: one H5Dwrite on every rank, even with nothing to
-        write (collective I/O needs every rank's call)."""
-        stages.doing = f"writing /{kind}/{name}"
-        if kind == "rng":  # the tensors' checksums were made with the NaN/Inf check (`check_finite`)
-            boxes, values = [((rt.rank, 0), (1, shape[1]))], rows[name]
-            sums[index] = checksum(values, boxes, shape)
-        else:
-            boxes, values = slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
-        with phases.timed("data (in the writes)"):
-            write_boxes(dset.id, boxes, values, dxpl)
+    def slice_of(kind: str, name: str, shape: tuple[int, ...]) -> tuple[list, np.ndarray]:
+        """This rank's boxes of one dataset and their values (none: empty); an RNG row's checksum
+        is made here (the tensors' were made with the NaN/Inf check, `check_finite`)."""
+        if kind != "rng":
+            return slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
+        boxes = [((rt.rank, 0), (1, shape[1]))]
+        sums[len(catalogue) + list(rows).index(name)] = checksum(rows[name], boxes, shape)
+        return boxes, rows[name]
 
-    def write_all(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
-        for index, item in enumerate(datasets):
-            write_one(index, *item)
+    def write_mpio() -> None:
+        """checkpoint.io independent / collective: every dataset through parallel HDF5 (MPI-IO)."""
+        dxpl = transfer_plist(cfg.io == "collective")
+        f = None
 
-    def attributes(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
-        for (dset, *_), value in zip(datasets, sums):
-            dset.attrs.modify("checksum", value)  # in place: the same blocks
-        f.attrs.modify("committed", True)
+        def write_one(dset: Any, kind: str, name: str, shape: tuple[int, ...]) -> None:
+            """This rank's slice of one dataset: one H5Dwrite on every rank, even with nothing to
+            write (collective I/O needs every rank's call)."""
+            stages.doing = f"writing /{kind}/{name}"
+            boxes, values = slice_of(kind, name, shape)
+            with phases.timed("data (in the writes)"):
+                write_boxes(dset.id, boxes, values, dxpl)
 
-    # Every stage is agreed on all ranks before any rank makes the next collective call
-    # (app/checkpoint/stages.py); a failure makes them all leave the file together.
-    metadata_on_disk = False
-    try:
-        f = stages.run("H5Fcreate", "creating the file", create)
-        if reserve_space:  # rank 0; from here on no rank meets a full disk inside MPI-IO (store.reserve)
-            stages.run("fallocate", f"reserving {format_bytes(needed)}", lambda: rt.rank == 0 and reserve(tmp, needed))
-        datasets = stages.run("H5Dcreate", "creating the datasets", create_datasets)
-        # Writes the metadata (and trims the reservation to the file's size): its blocks are allocated now.
-        stages.run("H5Fflush", "writing the metadata", f.flush)
-        metadata_on_disk = True
-        if cfg.io == "collective":  # every H5Dwrite is collective: agree before the next one
-            for index, (dset, kind, name, shape) in enumerate(datasets):
-                stages.run("H5Dwrite", f"writing /{kind}/{name}", write_one, index, dset, kind, name, shape)
-        else:  # independent I/O makes no collective call: one agreement after the last write
-            stages.run(None, "writing the datasets", write_all, datasets)
-        with rt.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
-            rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-        stages.run("H5Awrite", "writing the checksums", attributes, datasets)
-        # MPI_File_sync on every rank: the data is on the file system, not in client caches.
-        stages.run("H5Fflush", "flushing the file (MPI_File_sync)", f.flush)
-        stages.run("H5Fclose", "closing the file", f.close)
-    except Abandon as stop:
-        abandon(rt, stop, f, tmp, needed, final, keep_blocks=metadata_on_disk)
+        def write_all(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
+            for item in datasets:
+                write_one(*item)
+
+        def attributes(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
+            for (dset, *_), value in zip(datasets, sums):
+                dset.attrs.modify("checksum", value)  # in place: the same blocks
+            f.attrs.modify("committed", True)
+
+        # Every stage is agreed on all ranks before any rank makes the next collective call
+        # (app/checkpoint/stages.py); a failure makes them all leave the file together.
+        metadata_on_disk = False
+        try:
+            f = stages.run("H5Fcreate", "creating the file", lambda: open_mpio(tmp, "w", rt.comm, **alignment))
+            if reserve_space:  # rank 0; from here on no rank meets a full disk inside MPI-IO (store.reserve)
+                stages.run(
+                    "fallocate", f"reserving {format_bytes(needed)}", lambda: rt.rank == 0 and reserve(tmp, needed)
+                )
+            datasets = stages.run("H5Dcreate", "creating the datasets", create_datasets, f)
+            # Writes the metadata (and trims the reservation to the file's size): its blocks are allocated now.
+            stages.run("H5Fflush", "writing the metadata", f.flush)
+            metadata_on_disk = True
+            if cfg.io == "collective":  # every H5Dwrite is collective: agree before the next one
+                for dset, kind, name, shape in datasets:
+                    stages.run("H5Dwrite", f"writing /{kind}/{name}", write_one, dset, kind, name, shape)
+            else:  # independent I/O makes no collective call: one agreement after the last write
+                stages.run(None, "writing the datasets", write_all, datasets)
+            with rt.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
+                rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+            stages.run("H5Awrite", "writing the checksums", attributes, datasets)
+            # MPI_File_sync on every rank: the data is on the file system, not in client caches.
+            stages.run("H5Fflush", "flushing the file (MPI_File_sync)", f.flush)
+            stages.run("H5Fclose", "closing the file", f.close)
+        except Abandon as stop:
+            abandon(rt, stop, f, tmp, needed, final, keep_blocks=metadata_on_disk)
+
+    def write_posix() -> None:
+        """checkpoint.io posix: rank 0 makes the file and all its metadata with serial HDF5, every
+        dataset allocated; each rank then checks its slices for NaN/Inf, checksums them and
+        pwrites them at the offsets HDF5 gave them (`slabs.storage_of`); rank 0 writes the summed
+        checksums, and every rank fsyncs. No MPI-IO, no collective HDF5 call: the ranks meet at
+        three agreements, the offsets' MPI_Bcast and the checksums' MPI_Allreduce. (A thread
+        making the checksums beside the writes measured slower: 4 ranks on 2 cores.)"""
+        import h5py
+
+        def create() -> Optional[list[Storage]]:
+            if rt.rank != 0:
+                return None
+            f = h5py.File(tmp, "w", meta_block_size=META_BLOCK, **alignment)
+            try:
+                storage = [storage_of(dset) for dset, *_ in create_datasets(f)]
+            finally:
+                _close(rt, f)  # writes the metadata; the file's end is past every dataset
+            if any(where is None for where in storage):  # made just above: a bug, not a user error
+                raise RuntimeError(f"{tmp}: HDF5 left a dataset without storage")
+            if reserve_space:  # the blocks under every dataset: no rank meets a full disk in its pwrites
+                size = os.stat(tmp).st_size
+                stages.doing = f"reserving {format_bytes(size)}"
+                reserve(tmp, size)
+            return storage
+
+        def write_data() -> None:
+            stages.doing = "checking the values and their checksums"
+            with phases.timed("checking the values and their checksums"):
+                check_finite()  # a NaN/Inf: NonFiniteError, the stage fails everywhere
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                for index, (kind, name, shape) in enumerate(everything):
+                    boxes, values = slice_of(kind, name, shape)
+                    if boxes:
+                        stages.doing = f"writing /{kind}/{name}"
+                        with phases.timed("data (pwrite)"):
+                            pwrite_boxes(fd, storage[index], boxes, values)
+            finally:
+                os.close(fd)
+
+        def flush() -> None:
+            """Rank 0 first writes the checksums and `committed` into the metadata (in place: the same
+            blocks; the data is in every reader's view already), then every rank's fsync puts data
+            and metadata on the disk: one sync, and the commit's fsync finds nothing left to write."""
+            if rt.rank == 0:
+                with phases.timed("writing the checksums (rank 0)"):
+                    f = h5py.File(tmp, "r+")
+                    try:
+                        for (kind, name, _), value in zip(everything, sums):
+                            f[f"{kind}/{name}"].attrs.modify("checksum", value)
+                        f.attrs.modify("committed", True)
+                    finally:
+                        _close(rt, f)
+            with phases.timed("fsync (the disk write)"):
+                fd = os.open(tmp, os.O_WRONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        everything = [*catalogue, *(("rng", key, (rt.world_size, row.size)) for key, row in rows.items())]
+        try:
+            storage = stages.run(None, "creating the file and its datasets (rank 0, serial HDF5)", create)
+            with rt.watchdog.blocking("MPI_Bcast (dataset offsets)", axis="world"):
+                storage = rt.comm.bcast(storage, root=0)
+            stages.run(None, "writing the datasets", write_data)
+            with rt.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
+                rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+            stages.run(None, "writing the checksums and flushing the file (fsync)", flush)
+        except Abandon as stop:
+            abandon(rt, stop, None, tmp, needed, final, keep_blocks=False)
+
+    alignment = {"alignment_threshold": cfg.alignment_threshold, "alignment_interval": cfg.alignment_interval}
+    if cfg.io == "posix":
+        write_posix()
+    else:
+        write_mpio()
 
     def finish() -> None:
-        if before_commit is not None:
-            before_commit()
         try:
+            if before_commit is not None:
+                before_commit()
             commit(tmp, final)
         except OSError as err:
             if tmp.exists():
@@ -461,11 +599,40 @@ def write(
     return Saved(final, snap.step, nbytes, time.perf_counter() - snap.started, phases=phases.seconds)
 
 
+def _early() -> Any:
+    """A dataset creation property list that allocates the storage when the dataset is made."""
+    from h5py import h5d, h5p
+
+    dcpl = h5p.create(h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+    return dcpl
+
+
+def _close(rt: Runtime, f: Any) -> None:
+    """Close an h5py file; one whose close failed is kept referenced for good (releasing it again
+    crashes HDF5 1.10), and the error goes on."""
+    try:
+        f.close()
+    except Exception:
+        rt.keep_alive.append(f)
+        raise
+
+
+def _chunk_count(shape: tuple[int, ...], chunks: Optional[tuple[int, ...]]) -> int:
+    return 1 if chunks is None else math.prod(-(-n // c) for n, c in zip(shape, chunks))
+
+
 # HDF5 metadata per dataset (object header with the dtype and checksum attributes, its link
 # in the group's B-tree and heap): measured 0.9-1.2 KiB of disk pages per dataset (its small
 # blocks lie between the datasets); counted as one 4 KiB page, so that the reservation and the
 # spare blocks cover it.
 DATASET_METADATA = 4096
+# checkpoint.io posix: HDF5 takes the metadata's space in blocks of this size, so that the object
+# headers of all datasets lie together at the start of the file (one read, not one per dataset,
+# when a load reads the header from a cold cache), not each before its dataset.
+META_BLOCK = 1 << 20
+# A chunked dataset's index (a version-1 B-tree node: 64 chunk entries, about 2.6 KiB).
+CHUNK_INDEX = 4096
 FILE_METADATA = 64 * 1024  # superblock, groups, attribute headers, besides the header strings
 
 
@@ -476,18 +643,20 @@ def metadata_headroom(datasets: int, header: dict[str, Any]) -> int:
 
 
 def checkpoint_size(
-    layout: list[tuple[int, int]], header: dict[str, Any], alignment_threshold: int, alignment_interval: int
+    layout: list[tuple[int, int, int]], header: dict[str, Any], alignment_threshold: int, alignment_interval: int
 ) -> int:
     """An upper bound of the file's size: HDF5's allocation replayed in creation order, each
-    dataset ((elements, item size) in `layout`) after its metadata, the large ones starting at a
-    multiple of the alignment interval, none of the gaps reused (measured: 1.03 x the real
-    size for a 0.44 GB model, 1.26 x for gpt_tiny, whose tensors are about 1 MiB)."""
-    end = metadata_headroom(0, header)
-    for n, size in layout:
-        end += DATASET_METADATA
-        if n * size >= alignment_threshold:
-            end = -(-end // alignment_interval) * alignment_interval
-        end += n * size
+    dataset ((elements, item size, chunks) in `layout`) after its metadata (and its chunk index),
+    each of its chunks of at least the threshold starting at a multiple of the alignment
+    interval, none of the gaps reused (measured: 1.03 x the real size for a 0.44 GB model, 1.26 x
+    for gpt_tiny, whose tensors are about 1 MiB)."""
+    end = metadata_headroom(0, header) + META_BLOCK
+    for n, size, chunks in layout:
+        end += DATASET_METADATA + (CHUNK_INDEX if chunks > 1 else 0)
+        for _ in range(chunks):
+            if n * size // chunks >= alignment_threshold:
+                end = -(-end // alignment_interval) * alignment_interval
+            end += -(-n // chunks) * size
     return end
 
 
@@ -559,6 +728,7 @@ def read_header(path: Path) -> dict[str, Any]:
                         "stored": obj.dtype.str,
                         "dtype": obj.attrs.get("dtype", obj.dtype.name),
                         "checksum": int(obj.attrs["checksum"]) if "checksum" in obj.attrs else None,
+                        "storage": storage_of(obj),  # where its bytes are (checkpoint.io: posix reads them there)
                     }
 
             f.visititems(visit)
@@ -757,7 +927,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     phases.lap("header (rank 0 reads and checks it)")
     in_file = header["datasets"]
     shards = _shard_states(state)
-    catalogue, _ = _catalogue(rt, shards)
+    catalogue, _, _ = _catalogue(rt, shards)
     # The values of the parameters and of the masters: the masters where the file has them (never
     # a rounded fallback); fp32 checkpoints hold them in /model. A delayed update's checkpoint with
     # its update unpublished (offload_pending) gives a delayed run its parameters from /model.
@@ -784,34 +954,75 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     version = int(header["format_version"])
     sum_of = checksum_for(version)  # format version 1: the weak v1 sum, uint32 partials
     sums = np.zeros(len(keys), dtype=np.uint32 if version < 2 else np.uint64)  # MPI SUM wraps as the sum does
-    dxpl = transfer_plist(deck.checkpoint.io == "collective")
+    rng_keys = [f"rng/{key}" for key in header["rng"]]
+    if "torch_cpu" not in header["rng"] or json.loads(header["grid"]) != grid_signature(state):
+        rng_keys = []  # another grid: its RNG states are not this one's
+    posix = deck.checkpoint.io == "posix" and all(in_file[key]["storage"] is not None for key in keys + rng_keys)
     phases.lap("catalogue")
-    with open_mpio(path, "r", rt.comm) as f:
-        phases.lap("H5Fopen")
+
+    def span(group: str, name: str) -> tuple[int, int, list]:
+        """The flat range of the local shard this rank reads of a dataset, and its boxes: one read of
+        the span every state loading from it holds (the parameters: the whole shard)."""
+        mine = readers.get((group, name), [])
+        held = [s.hold for s in mine if s.hold[0] < s.hold[1]]
+        lo, hi = (min(h[0] for h in held), max(h[1] for h in held)) if held else (0, 0)
+        return lo, hi, _boxes(mine[0], lo, hi) if mine else []
+
+    def read_all(read_slab: Callable[[str, list, np.dtype], np.ndarray]) -> Optional[dict[str, np.ndarray]]:
+        """Every dataset this rank needs, through `read_slab(key, boxes, stored dtype)`: the held
+        ranges into `read`, the shares it would write checksummed into `sums`; the RNG rows."""
+        nonlocal sums
         for k, ((group, name), shape) in enumerate(reads.items()):
-            dset = f[f"{group}/{name}"]
+            key = f"{group}/{name}"
             mine = readers.get((group, name), [])
-            held = [s.hold for s in mine if s.hold[0] < s.hold[1]]
-            # One read of the span every state loading from it holds (the parameters: the whole shard).
-            lo, hi = (min(h[0] for h in held), max(h[1] for h in held)) if held else (0, 0)
-            raw = read_boxes(dset.id, _boxes(mine[0], lo, hi) if mine else [], dset.dtype, dxpl)
-            phases.lap("H5Dread")
+            lo, _, boxes = span(group, name)
+            raw = read_slab(key, boxes, np.dtype(in_file[key]["stored"])) if ahead is None else ahead[k].result()
+            phases.lap("H5Dread" if not posix else "data (pread)")
             writer = next((s for s in mine if s.writes), None)
             if writer is not None:  # verify the share this rank would write (they tile the dataset)
                 s0, s1 = writer.write
                 sums[k] = sum_of(raw[s0 - lo : s1 - lo], _boxes(writer, s0, s1), shape)
                 phases.lap("checksums")
             if mine:
-                read[(group, name)] = (lo, decode(raw, in_file[f"{group}/{name}"]["dtype"]))
+                read[(group, name)] = (lo, decode(raw, in_file[key]["dtype"]))
                 phases.lap("decode")
-        rng = None
-        if "torch_cpu" in header["rng"] and json.loads(header["grid"]) == grid_signature(state):
-            rng = {}
-            for key, shape in header["rng"].items():
-                box = [((rt.rank, 0), (1, shape[1]))]
-                rng[key] = read_boxes(f[f"rng/{key}"].id, box, np.uint8, dxpl)
-                keys.append(f"rng/{key}")
-                sums = np.append(sums, sum_of(rng[key], box, shape))
+        if not rng_keys:
+            return None
+        rng = {}
+        for key in rng_keys:
+            box = [((rt.rank, 0), (1, in_file[key]["shape"][1]))]
+            rng[key.removeprefix("rng/")] = read_slab(key, box, np.dtype(np.uint8))
+            sums = np.append(sums, sum_of(rng[key.removeprefix("rng/")], box, in_file[key]["shape"]))
+        keys.extend(rng_keys)
+        return rng
+
+    ahead: Optional[list[Any]] = None  # the reader thread's reads, in `reads` order
+    if posix:  # each rank preads its ranges where the file keeps them (slabs.storage_of)
+
+        def read_ahead(fd: int) -> Optional[dict[str, np.ndarray]]:
+            """A reader thread preads the datasets in order (the GIL is released in the reads) while
+            this one verifies and decodes those already read: the disk never waits for the CPU."""
+            nonlocal ahead
+            pread = lambda key, boxes, dtype: pread_boxes(fd, in_file[key]["storage"], boxes, dtype)  # noqa: E731
+            with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read") as pool:
+                ahead = [
+                    pool.submit(
+                        pread, f"{group}/{name}", span(group, name)[2], np.dtype(in_file[f"{group}/{name}"]["stored"])
+                    )
+                    for group, name in reads
+                ]
+                try:
+                    return read_all(pread)
+                finally:
+                    for future in ahead:
+                        future.cancel()
+
+        rng = read_posix(rt, path, read_ahead)
+    else:
+        dxpl = transfer_plist(deck.checkpoint.io == "collective")
+        with open_mpio(path, "r", rt.comm) as f:
+            phases.lap("H5Fopen")
+            rng = read_all(lambda key, boxes, dtype: read_boxes(f[key].id, boxes, dtype, dxpl))
     phases.lap("rng rows, H5Fclose")
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _verify(path, in_file, keys, sums, "resume from an older checkpoint (run.resume: <file>) or run.resume: none")
@@ -855,6 +1066,25 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     }
 
 
+def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
+    """`read(fd)` on a read-only descriptor of `path` (every rank), then agree: an I/O error on any
+    rank (a truncated file, EIO) is a CheckpointError on every rank, before any rank goes on to a
+    collective call alone."""
+    problem, result = None, None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            result = read(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        problem = f"{describe_failure(err.strerror or str(err), err.errno)} ({err})"
+    failed = failures(rt, problem, "MPI_Allreduce (reads agreed)")
+    if failed:
+        raise CheckpointError(f"cannot read checkpoint {path} on rank {failed[0][0]}: {failed[0][1]}; {CORRUPT}")
+    return result  # type: ignore[return-value]
+
+
 def masters_group(header: dict[str, Any]) -> str:
     """Where a checkpoint's fp32 masters are (`read_header`'s): /optimizer/master in bf16/fp16 runs
     and delayed updates' (never a rounded fallback: a missing one is an error), else /model (fp32
@@ -881,16 +1111,27 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
     sum_of = checksum_for(version)
     sums = np.zeros(len(params), dtype=np.uint32 if version < 2 else np.uint64)
     values: list[torch.Tensor] = []
-    dxpl = transfer_plist(False)  # each rank its own shards, of sizes that differ: independent reads
-    with open_mpio(path, "r", runtime.comm) as f:
+
+    def read_all(read_slab: Callable[[str, list, np.dtype], np.ndarray]) -> None:
         for k, (name, p) in enumerate(params):
             meta = p.meta  # type: ignore[attr-defined]
             key = f"{source}/{name}"
             boxes = global_boxes(meta.local_shape, meta.local_offset, 0, meta.numel)
-            raw = read_boxes(f[key].id, boxes, f[key].dtype, dxpl)
+            raw = read_slab(key, boxes, np.dtype(in_file[key]["stored"]))
             if dp_rank == 0 and meta.owned_by(tp_rank):  # the copies that count cover each element once
                 sums[k] = sum_of(raw, boxes, meta.global_shape)
             values.append(decode(raw, in_file[key]["dtype"]).view(meta.local_shape))
+
+    if all(in_file[f"{source}/{name}"]["storage"] is not None for name, _ in params):
+        read_posix(
+            runtime,
+            path,
+            lambda fd: read_all(lambda key, boxes, dtype: pread_boxes(fd, in_file[key]["storage"], boxes, dtype)),
+        )
+    else:  # a dataset HDF5 must decode (compressed, say): parallel HDF5, each rank its own shards
+        dxpl = transfer_plist(False)
+        with open_mpio(path, "r", runtime.comm) as f:
+            read_all(lambda key, boxes, dtype: read_boxes(f[key].id, boxes, dtype, dxpl))
     with runtime.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
         runtime.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     keys = [f"{source}/{name}" for name, _ in params]

@@ -51,8 +51,12 @@ are verified with it (`checksum_for`).
 
 from __future__ import annotations
 
+import errno
+import itertools
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -349,3 +353,186 @@ def read_boxes(dset_id, boxes: Sequence[Box], dtype: np.dtype, dxpl) -> np.ndarr
     out = np.empty(max(n, 1), dtype=dtype)
     dset_id.read(_memory_space(n), _file_selection(dset_id, boxes), out, dxpl=dxpl)
     return out[:n]
+
+
+# ---- POSIX I/O at the offsets HDF5 allocated (checkpoint.io: posix) ---------------------------
+#
+# HDF5 decides the file (every dataset allocated when created, its bytes at fixed offsets); each
+# rank then moves its own bytes with pwrite / pread, as a rank writing its own torch.save file
+# would, with no MPI-IO layer, no per-dataset HDF5 call and no collective call per dataset.
+# A dataset qualifies when its elements are raw little-endian bytes at known offsets: contiguous,
+# or chunked without filters and every chunk allocated. Anything else (an h5repack'd file with
+# compression, say) is read through HDF5.
+
+MAX_IO = 1 << 30  # bytes per pwrite / pread call (Linux moves at most 2 GiB - 4 KiB per call)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where a dataset's elements are in the file: blocks of shape `block` (the whole dataset when
+    it is contiguous, its chunk shape when chunked), each at a byte offset, keyed by the block's
+    grid coordinates (its first element // block), elements row-major within a block."""
+
+    block: tuple[int, ...]
+    offsets: dict[tuple[int, ...], int]
+    itemsize: int
+
+
+def storage_of(dset) -> Optional[Storage]:
+    """The `Storage` of an h5py dataset, or None when its bytes are not plainly at known offsets
+    (filters, external files, a layout other than contiguous or chunked, storage not allocated, a
+    byte order other than little-endian)."""
+    from h5py import h5d
+
+    shape = tuple(int(n) for n in dset.shape)
+    dtype = dset.dtype
+    if dtype.byteorder == ">" or dtype.fields is not None or dtype.kind not in "fiub":
+        return None
+    dcpl = dset.id.get_create_plist()
+    if dcpl.get_nfilters() or dcpl.get_external_count():
+        return None
+    layout = dcpl.get_layout()
+    if math.prod(shape) == 0:
+        return Storage(shape, {}, dtype.itemsize)
+    if layout == h5d.CONTIGUOUS:
+        offset = dset.id.get_offset()
+        return None if offset is None else Storage(shape, {(0,) * len(shape): int(offset)}, dtype.itemsize)
+    if layout != h5d.CHUNKED:
+        return None
+    block = tuple(int(n) for n in dset.chunks)
+    count = dset.id.get_num_chunks()
+    if count != math.prod(-(-n // b) for n, b in zip(shape, block)):
+        return None  # some chunks never allocated
+    offsets = {}
+    for k in range(count):
+        info = dset.id.get_chunk_info(k)
+        if info.filter_mask or info.byte_offset is None or info.size != math.prod(block) * dtype.itemsize:
+            return None
+        offsets[tuple(o // b for o, b in zip(info.chunk_offset, block))] = int(info.byte_offset)
+    return Storage(block, offsets, dtype.itemsize)
+
+
+def _runs(block: Sequence[int], start: Sequence[int], count: Sequence[int]) -> tuple[np.ndarray, int]:
+    """The elements of a box (start, count) of a row-major block as runs contiguous in the block, in
+    order: (each run's first element's index in the block, the run's length in elements)."""
+    nd = len(block)
+    if nd == 0:
+        return np.zeros(1, dtype=np.int64), 1
+    k = nd - 1
+    while k > 0 and count[k] == block[k]:  # whole trailing dimensions join the run
+        k -= 1
+    strides = [math.prod(block[d + 1 :]) for d in range(nd)]
+    firsts = np.full(1, start[k] * strides[k], dtype=np.int64)
+    for d in range(k - 1, -1, -1):
+        outer = (np.arange(count[d], dtype=np.int64) + start[d]) * strides[d]
+        firsts = (outer[:, None] + firsts[None, :]).reshape(-1)
+    return firsts, count[k] * strides[k]
+
+
+def placements(storage: Storage, box: Box) -> list[tuple[Optional[tuple[slice, ...]], np.ndarray, int]]:
+    """Where the elements of `box` (global coordinates) lie in the file, one entry per block it
+    meets: (the part of the box in that block as slices of the box, None when it is the whole box;
+    the byte offsets of its runs; the bytes per run)."""
+    start, count = box
+    if not count:  # a 0-d dataset
+        return [(None, np.array([storage.offsets[()]], dtype=np.int64), storage.itemsize)]
+    block = storage.block
+    spans = [range(s // b, (s + n - 1) // b + 1) for s, n, b in zip(start, count, block)]
+    whole = all(len(r) == 1 for r in spans)
+    found = []
+    for coord in itertools.product(*spans):
+        lo = [max(s, c * b) for s, c, b in zip(start, coord, block)]
+        hi = [min(s + n, (c + 1) * b) for s, n, c, b in zip(start, count, coord, block)]
+        firsts, run = _runs(block, [a - c * b for a, c, b in zip(lo, coord, block)], [h - a for a, h in zip(lo, hi)])
+        where = None if whole else tuple(slice(a - s, h - s) for a, h, s in zip(lo, hi, start))
+        found.append((where, storage.offsets[coord] + firsts * storage.itemsize, run * storage.itemsize))
+    return found
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        done = os.pwrite(fd, data[:MAX_IO], offset)
+        data, offset = data[done:], offset + done
+
+
+def _pread(fd: int, into: memoryview, offset: int) -> None:
+    while len(into):
+        done = os.preadv(fd, [into[:MAX_IO]], offset)
+        if done == 0:
+            raise OSError(errno.EIO, f"the file ends before byte {offset + len(into):,}: it is truncated")
+        into, offset = into[done:], offset + done
+
+
+def _bytes(values: np.ndarray) -> memoryview:
+    return memoryview(values.reshape(-1).view(np.uint8))
+
+
+def pwrite_boxes(fd: int, storage: Storage, boxes: Sequence[Box], values: np.ndarray) -> None:
+    """Write `values` (the boxes' elements in order) where the file keeps them: one pwrite per run
+    (one per box and block where the box is a flat range of one chunk)."""
+    flat = np.ascontiguousarray(values).reshape(-1)
+    pos = 0
+    for box in boxes:
+        n = math.prod(box[1])
+        part, pos = flat[pos : pos + n], pos + n
+        if n == 0:
+            continue
+        for where, offsets, nbytes in placements(storage, box):
+            data = _bytes(part if where is None else np.ascontiguousarray(part.reshape(box[1])[where]))
+            for i, offset in enumerate(offsets.tolist()):
+                _pwrite(fd, data[i * nbytes : (i + 1) * nbytes], offset)
+
+
+# Runs closer together than this are read as one span (and the gaps dropped): one large read
+# beats many small ones on every file system; a span more than 2x the bytes wanted is read per run.
+SIEVE_BYTES = 4 << 20
+
+
+def _read_runs(fd: int, into: memoryview, offsets: np.ndarray, nbytes: int) -> None:
+    if len(offsets) == 1:
+        return _pread(fd, into, int(offsets[0]))
+    first, span = int(offsets[0]), int(offsets[-1]) + nbytes - int(offsets[0])
+    if span > max(SIEVE_BYTES, 2 * len(into)):
+        for i, offset in enumerate(offsets.tolist()):
+            _pread(fd, into[i * nbytes : (i + 1) * nbytes], offset)
+        return
+    buf = np.empty(span, dtype=np.uint8)
+    _pread(fd, memoryview(buf), first)
+    target = np.frombuffer(into, dtype=np.uint8).reshape(len(offsets), nbytes)
+    gaps = np.diff(offsets)
+    if len(gaps) and (gaps == gaps[0]).all():  # evenly spaced runs (a 2-D box): one strided copy
+        target[...] = np.lib.stride_tricks.as_strided(buf, (len(offsets), nbytes), (int(gaps[0]), 1))
+    else:
+        for i, offset in enumerate((offsets - first).tolist()):
+            target[i] = buf[offset : offset + nbytes]
+
+
+def advise_boxes(fd: int, storage: Storage, boxes: Sequence[Box]) -> None:
+    """Ask the kernel to start reading the file's spans under `boxes` now (POSIX_FADV_WILLNEED): the
+    reads of every dataset a rank loads are then in flight together, while it verifies the first."""
+    for box in boxes:
+        if math.prod(box[1]) == 0:
+            continue
+        for _, offsets, nbytes in placements(storage, box):
+            first = int(offsets[0])
+            os.posix_fadvise(fd, first, int(offsets[-1]) + nbytes - first, os.POSIX_FADV_WILLNEED)
+
+
+def pread_boxes(fd: int, storage: Storage, boxes: Sequence[Box], dtype: np.dtype) -> np.ndarray:
+    """The boxes' elements in order (1-D), read from where the file keeps them."""
+    n = sum(math.prod(c) for _, c in boxes)
+    out = np.empty(n, dtype=dtype)
+    pos = 0
+    for box in boxes:
+        size = math.prod(box[1])
+        part, pos = out[pos : pos + size], pos + size
+        if size == 0:
+            continue
+        for where, offsets, nbytes in placements(storage, box):
+            if where is None:
+                _read_runs(fd, _bytes(part), offsets, nbytes)
+            else:
+                piece = np.empty([s.stop - s.start for s in where], dtype=dtype)
+                _read_runs(fd, _bytes(piece), offsets, nbytes)
+                part.reshape(box[1])[where] = piece
+    return out
