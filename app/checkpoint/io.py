@@ -54,12 +54,15 @@ from app.checkpoint.slabs import (
     checksum,
     checksum_and_nonfinite,
     checksum_for,
+    datasets_of,
     global_boxes,
     new_attributes,
+    new_dataset,
     open_mpio,
     pread_boxes,
     pwrite_boxes,
     read_boxes,
+    rewrite_checksum,
     storage_of,
     transfer_plist,
     write_boxes,
@@ -424,17 +427,16 @@ def write(
             {**header, "nonfinite_events": int(events), "nonfinite_in_a_row": int(in_a_row)}
         )
         f.attrs["committed"] = False  # true last: a copy of a half-written file is refused
-        created = []
+        created, made, groups = [], {}, {}
         for group, name, shape in catalogue:
             logical, stored = stored_of[group]
-            dset = f.require_group(group).create_dataset(
-                name, shape, stored, chunks=chunks.get((group, name)), dcpl=_early(), fill_time="never"
-            )
+            parent = groups.get(group) or groups.setdefault(group, f.require_group(group))
+            dset = new_dataset(parent, name, shape, stored, chunks.get((group, name)), made)
             new_attributes(dset, {"dtype": logical, "checksum": np.uint64(0)})
             created.append((dset, group, name, shape))
         for key, row in rows.items():
             shape = (rt.world_size, row.size)
-            dset = f.require_group("rng").create_dataset(key, shape, np.uint8, dcpl=_early(), fill_time="never")
+            dset = new_dataset(f.require_group("rng"), key, shape, np.dtype(np.uint8), None, made)
             new_attributes(dset, {"checksum": np.uint64(0)})
             created.append((dset, "rng", key, shape))
         if rt.rank == 0:
@@ -469,7 +471,7 @@ def write(
 
         def attributes(datasets: list[tuple[Any, str, str, tuple[int, ...]]]) -> None:
             for (dset, *_), value in zip(datasets, sums):
-                dset.attrs.modify("checksum", value)  # in place: the same blocks
+                rewrite_checksum(dset.id, value)  # in place: the same blocks
             f.attrs.modify("committed", True)
 
         # Every stage is agreed on all ranks before any rank makes the next collective call
@@ -501,16 +503,15 @@ def write(
 
     def write_posix() -> None:
         """checkpoint.io posix: rank 0 makes the file and all its metadata with serial HDF5, every
-        dataset allocated; each rank then checks its slices for NaN/Inf, checksums them and
-        pwrites them at the offsets HDF5 gave them (`slabs.storage_of`); rank 0 writes the summed
-        checksums, and every rank fsyncs. No MPI-IO, no collective HDF5 call: the ranks meet at
-        three agreements, the offsets' MPI_Bcast and the checksums' MPI_Allreduce. (A thread
-        making the checksums beside the writes measured slower: 4 ranks on 2 cores.)"""
+        dataset allocated, while every rank checks its slices for NaN/Inf and checksums them; each
+        rank then pwrites its slices at the offsets HDF5 gave them (`slabs.storage_of`); rank 0
+        writes the summed checksums, and every rank fsyncs. No MPI-IO, no collective HDF5 call:
+        the ranks meet at three agreements, the offsets' MPI_Bcast and the checksums'
+        MPI_Allreduce. (A thread making the checksums beside the writes measured slower here.)"""
         import h5py
+        from h5py import h5d
 
-        def create() -> Optional[list[Storage]]:
-            if rt.rank != 0:
-                return None
+        def create() -> list[Storage]:
             f = h5py.File(tmp, "w", meta_block_size=META_BLOCK, **alignment)
             try:
                 storage = [storage_of(dset) for dset, *_ in create_datasets(f)]
@@ -524,10 +525,20 @@ def write(
                 reserve(tmp, size)
             return storage
 
-        def write_data() -> None:
+        def create_and_check() -> Optional[list[Storage]]:
+            """Rank 0 makes the file while the others check their slices (then checks its own): a
+            NaN/Inf anywhere is a NonFiniteError, the stage fails everywhere and the file goes."""
+            storage = None
+            if rt.rank == 0:
+                stages.doing = "creating the file and its datasets (rank 0, serial HDF5)"
+                with phases.timed("creating the file and its datasets (rank 0, serial HDF5)"):
+                    storage = create()
             stages.doing = "checking the values and their checksums"
             with phases.timed("checking the values and their checksums"):
-                check_finite()  # a NaN/Inf: NonFiniteError, the stage fails everywhere
+                check_finite()
+            return storage
+
+        def write_data() -> None:
             fd = os.open(tmp, os.O_WRONLY)
             try:
                 for index, (kind, name, shape) in enumerate(everything):
@@ -548,7 +559,7 @@ def write(
                     f = h5py.File(tmp, "r+")
                     try:
                         for (kind, name, _), value in zip(everything, sums):
-                            f[f"{kind}/{name}"].attrs.modify("checksum", value)
+                            rewrite_checksum(h5d.open(f.id, f"{kind}/{name}".encode()), value)
                         f.attrs.modify("committed", True)
                     finally:
                         _close(rt, f)
@@ -561,7 +572,7 @@ def write(
 
         everything = [*catalogue, *(("rng", key, (rt.world_size, row.size)) for key, row in rows.items())]
         try:
-            storage = stages.run(None, "creating the file and its datasets (rank 0, serial HDF5)", create)
+            storage = stages.run(None, "creating the file (rank 0), checking the values", create_and_check)
             with rt.watchdog.blocking("MPI_Bcast (dataset offsets)", axis="world"):
                 storage = rt.comm.bcast(storage, root=0)
             stages.run(None, "writing the datasets", write_data)
@@ -597,15 +608,6 @@ def write(
     with phases.timed("commit (rename, latest, retention)"):
         on_root(rt, finish)
     return Saved(final, snap.step, nbytes, time.perf_counter() - snap.started, phases=phases.seconds)
-
-
-def _early() -> Any:
-    """A dataset creation property list that allocates the storage when the dataset is made."""
-    from h5py import h5d, h5p
-
-    dcpl = h5p.create(h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
-    return dcpl
 
 
 def _close(rt: Runtime, f: Any) -> None:
@@ -720,18 +722,12 @@ def read_header(path: Path) -> dict[str, Any]:
                     f"(run.resume: <file>) or start over (run.resume: none)"
                 )
             check_header(attrs, path)
-
-            def visit(name: str, obj: Any) -> None:
-                if isinstance(obj, h5py.Dataset):
-                    catalogue[name] = {
-                        "shape": tuple(obj.shape),
-                        "stored": obj.dtype.str,
-                        "dtype": obj.attrs.get("dtype", obj.dtype.name),
-                        "checksum": int(obj.attrs["checksum"]) if "checksum" in obj.attrs else None,
-                        "storage": storage_of(obj),  # where its bytes are (checkpoint.io: posix reads them there)
-                    }
-
-            f.visititems(visit)
+            try:
+                catalogue = datasets_of(f.id)
+            except (TypeError, ValueError, RuntimeError, KeyError) as err:  # an attribute of another type
+                raise CheckpointError(
+                    f"{path}: a dataset's dtype or checksum attribute cannot be read ({err}); {CORRUPT}"
+                ) from None
     except OSError as err:
         raise CheckpointError(
             f"{path} is not a readable HDF5 file ({err}); it may be truncated or corrupt: resume from an older "

@@ -57,7 +57,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -327,6 +327,40 @@ def new_attributes(obj, values: dict) -> None:
         h5a.create(obj.id, name.encode(), h5t.py_create(data.dtype, logical=True), space).write(data)
 
 
+def rewrite_checksum(dset_id, value: np.uint64) -> None:
+    """Overwrite a dataset's `checksum` attribute (made by `new_attributes`, uint64) in place: the
+    same type and blocks, through the low level (`attrs.modify` checks and converts on each call)."""
+    from h5py import h5a
+
+    h5a.open(dset_id, b"checksum").write(np.array(value, dtype=np.uint64))
+
+
+def new_dataset(parent, name: str, shape: tuple[int, ...], dtype: np.dtype, chunks: Optional[tuple[int, ...]],
+                cache: dict) -> Any:  # fmt: skip
+    """A dataset made through h5py's low level, as `create_dataset(name, shape, dtype, chunks=...,
+    fill_time="never")` makes it but with its storage allocated now (H5D_ALLOC_TIME_EARLY, so that
+    its bytes have an address before any is written), in about half the time: the property lists,
+    types and dataspaces are made once per kind (`cache`, one per file)."""
+    from h5py import Dataset, h5d, h5p, h5s, h5t
+
+    dcpl = cache.get(("dcpl", chunks))
+    if dcpl is None:
+        dcpl = cache[("dcpl", chunks)] = h5p.create(h5p.DATASET_CREATE)
+        dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
+        dcpl.set_obj_track_times(False)  # as h5py: the same bytes for the same content
+        if chunks is not None:
+            dcpl.set_chunk(chunks)
+    dtype = np.dtype(dtype)
+    tid = cache.get(("type", dtype.str))
+    if tid is None:
+        tid = cache[("type", dtype.str)] = h5t.py_create(dtype, logical=True)
+    space = cache.get(("space", shape))
+    if space is None:
+        space = cache[("space", shape)] = h5s.create_simple(shape)
+    return Dataset(h5d.create(parent.id, name.encode(), tid, space, dcpl=dcpl))
+
+
 def transfer_plist(collective: bool):
     """A dataset transfer property list: collective (two-phase) or independent MPI-IO."""
     from h5py import h5fd, h5p
@@ -379,37 +413,72 @@ class Storage:
 
 
 def storage_of(dset) -> Optional[Storage]:
-    """The `Storage` of an h5py dataset, or None when its bytes are not plainly at known offsets
-    (filters, external files, a layout other than contiguous or chunked, storage not allocated, a
-    byte order other than little-endian)."""
-    from h5py import h5d
+    """The `Storage` of a dataset (h5py's Dataset or its low-level DatasetID), or None when its
+    bytes are not plainly at known offsets (filters, external files, a layout other than
+    contiguous or chunked, storage not allocated, a byte order other than little-endian)."""
+    from h5py import Dataset, h5d
 
-    shape = tuple(int(n) for n in dset.shape)
-    dtype = dset.dtype
+    dsid = dset.id if isinstance(dset, Dataset) else dset
+    shape = tuple(int(n) for n in dsid.shape)
+    dtype = dsid.dtype
     if dtype.byteorder == ">" or dtype.fields is not None or dtype.kind not in "fiub":
         return None
-    dcpl = dset.id.get_create_plist()
+    dcpl = dsid.get_create_plist()
     if dcpl.get_nfilters() or dcpl.get_external_count():
         return None
     layout = dcpl.get_layout()
     if math.prod(shape) == 0:
         return Storage(shape, {}, dtype.itemsize)
     if layout == h5d.CONTIGUOUS:
-        offset = dset.id.get_offset()
+        offset = dsid.get_offset()
         return None if offset is None else Storage(shape, {(0,) * len(shape): int(offset)}, dtype.itemsize)
     if layout != h5d.CHUNKED:
         return None
-    block = tuple(int(n) for n in dset.chunks)
-    count = dset.id.get_num_chunks()
+    block = tuple(int(n) for n in dcpl.get_chunk())
+    count = dsid.get_num_chunks()
     if count != math.prod(-(-n // b) for n, b in zip(shape, block)):
         return None  # some chunks never allocated
     offsets = {}
     for k in range(count):
-        info = dset.id.get_chunk_info(k)
+        info = dsid.get_chunk_info(k)
         if info.filter_mask or info.byte_offset is None or info.size != math.prod(block) * dtype.itemsize:
             return None
         offsets[tuple(o // b for o, b in zip(info.chunk_offset, block))] = int(info.byte_offset)
     return Storage(block, offsets, dtype.itemsize)
+
+
+def datasets_of(fid) -> dict[str, dict]:
+    """Every dataset of an open file (its low-level FileID) by path: shape, stored dtype (as
+    `dtype.str`), the `dtype` attribute (the logical dtype; else the stored dtype's name), the
+    `checksum` attribute (None without one) and `storage_of`. Through h5py's low level: a
+    checkpoint's catalogue (hundreds of datasets) in a fraction of what `visititems` takes."""
+    from h5py import h5a, h5d, h5o, h5t
+
+    found: dict[str, dict] = {}
+
+    def scalar(dsid, name: bytes):
+        attr = h5a.open(dsid, name)
+        value = np.zeros(attr.shape, dtype=attr.dtype)
+        attr.read(value, mtype=h5t.py_create(attr.dtype))
+        value = value[()]
+        return value.decode() if isinstance(value, bytes) else value
+
+    def visit(name: bytes, info) -> None:
+        if info.type != h5o.TYPE_DATASET:
+            return
+        dsid = h5d.open(fid, name)
+        dtype = dsid.dtype
+        checksum = scalar(dsid, b"checksum") if h5a.exists(dsid, b"checksum") else None
+        found[name.decode()] = {
+            "shape": tuple(int(n) for n in dsid.shape),
+            "stored": dtype.str,
+            "dtype": scalar(dsid, b"dtype") if h5a.exists(dsid, b"dtype") else dtype.name,
+            "checksum": None if checksum is None else int(checksum),
+            "storage": storage_of(dsid),  # where its bytes are (checkpoint.io: posix reads them there)
+        }
+
+    h5o.visit(fid, visit, info=True)
+    return found
 
 
 def _runs(block: Sequence[int], start: Sequence[int], count: Sequence[int]) -> tuple[np.ndarray, int]:
