@@ -20,6 +20,7 @@ import torch
 from app.checkpoint.io import grid_signature, load, read_header, save
 from app.checkpoint.slabs import (
     checksum,
+    datasets_of,
     flat_boxes,
     global_boxes,
     pread_boxes,
@@ -115,6 +116,10 @@ def test_storage_of_refuses_what_is_not_plain_bytes_at_known_offsets(tmp_path):
         f.create_dataset("late", (8, 8), np.float32)  # contiguous, allocated at the first write
         f.create_dataset("big_endian", data=np.ones(4, ">f4"))
         assert [storage_of(f[name]) for name in ("gzip", "late", "big_endian")] == [None, None, None]
+    with h5py.File(tmp_path / "u.h5", "w", userblock_size=512) as f:  # addresses count from the superblock
+        f.create_dataset("x", data=np.ones(4, np.float32))
+    with h5py.File(tmp_path / "u.h5", "r") as f:
+        assert storage_of(f["x"]) is not None and datasets_of(f.id)["x"]["storage"] is None
 
 
 def test_checksum_is_the_same_however_the_tensor_is_split_and_sees_any_flipped_byte():

@@ -59,6 +59,7 @@ from app.checkpoint.slabs import (
     new_attributes,
     new_dataset,
     open_mpio,
+    open_serial,
     pread_boxes,
     pwrite_boxes,
     read_boxes,
@@ -80,7 +81,7 @@ from app.checkpoint.store import (
     step_file,
 )
 from app.deck import CheckpointConfig, Deck, ModelConfig
-from app.errors import CheckpointError, NonFiniteError
+from app.errors import CheckpointError, GridlmError, NonFiniteError
 from app.names import AXES, PRECISIONS
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, failures, on_root
@@ -508,11 +509,10 @@ def write(
         writes the summed checksums, and every rank fsyncs. No MPI-IO, no collective HDF5 call:
         the ranks meet at three agreements, the offsets' MPI_Bcast and the checksums'
         MPI_Allreduce. (A thread making the checksums beside the writes measured slower here.)"""
-        import h5py
         from h5py import h5d
 
         def create() -> list[Storage]:
-            f = h5py.File(tmp, "w", meta_block_size=META_BLOCK, **alignment)
+            f = open_serial(tmp, "w", meta_block_size=META_BLOCK, **alignment)
             try:
                 storage = [storage_of(dset) for dset, *_ in create_datasets(f)]
             finally:
@@ -556,7 +556,7 @@ def write(
             and metadata on the disk: one sync, and the commit's fsync finds nothing left to write."""
             if rt.rank == 0:
                 with phases.timed("writing the checksums (rank 0)"):
-                    f = h5py.File(tmp, "r+")
+                    f = open_serial(tmp, "r+")
                     try:
                         for (kind, name, _), value in zip(everything, sums):
                             rewrite_checksum(h5d.open(f.id, f"{kind}/{name}".encode()), value)
@@ -694,13 +694,12 @@ def _rng_rows(rt: Runtime) -> dict[str, np.ndarray]:
 def read_header(path: Path) -> dict[str, Any]:
     """Root attributes and the dataset catalogue of a committed checkpoint (serial h5py).
     Raises CheckpointError for anything but a complete gridlm checkpoint."""
-    import h5py
 
     catalogue: dict[str, dict[str, Any]] = {}
     if not path.is_file():  # a FIFO would block HDF5's open; a directory is no checkpoint
         raise CheckpointError(f"{path} is not a file; resume from a step_NNNNNNN.h5 file or run.resume: none")
     try:
-        with h5py.File(path, "r") as f:
+        with open_serial(path, "r") as f:
             attrs = root_attributes(f, path)
             if attrs.get("format") != FORMAT:
                 raise CheckpointError(f"{path} is not a gridlm checkpoint (no format = {FORMAT!r} attribute)")
@@ -972,7 +971,10 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             key = f"{group}/{name}"
             mine = readers.get((group, name), [])
             lo, _, boxes = span(group, name)
-            raw = read_slab(key, boxes, np.dtype(in_file[key]["stored"])) if ahead is None else ahead[k].result()
+            if ahead is None:
+                raw = read_slab(key, boxes, np.dtype(in_file[key]["stored"]))
+            else:  # the reader thread's; its future lets go of it
+                raw, ahead[k] = ahead[k].result(), None
             phases.lap("H5Dread" if not posix else "data (pread)")
             writer = next((s for s in mine if s.writes), None)
             if writer is not None:  # verify the share this rank would write (they tile the dataset)
@@ -1010,8 +1012,9 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                 try:
                     return read_all(pread)
                 finally:
-                    for future in ahead:
-                        future.cancel()
+                    for future in ahead:  # those not taken yet, after an error
+                        if future is not None:
+                            future.cancel()
 
         rng = read_posix(rt, path, read_ahead)
     else:
@@ -1066,16 +1069,20 @@ def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
     """`read(fd)` on a read-only descriptor of `path` (every rank), then agree: an I/O error on any
     rank (a truncated file, EIO) is a CheckpointError on every rank, before any rank goes on to a
     collective call alone."""
-    problem, result = None, None
+    problem, result, error = None, None, None
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
             result = read(fd)
         finally:
             os.close(fd)
-    except OSError as err:
-        problem = f"{describe_failure(err.strerror or str(err), err.errno)} ({err})"
+    except Exception as err:  # agreed first: no rank goes on to the next collective call alone
+        error = err
+        code = getattr(err, "errno", None)
+        problem = f"{describe_failure(getattr(err, 'strerror', None) or str(err), code)} ({err})"
     failed = failures(rt, problem, "MPI_Allreduce (reads agreed)")
+    if error is not None and not isinstance(error, (OSError, GridlmError)):
+        raise error  # a bug: its own traceback
     if failed:
         raise CheckpointError(f"cannot read checkpoint {path} on rank {failed[0][0]}: {failed[0][1]}; {CORRUPT}")
     return result  # type: ignore[return-value]

@@ -314,6 +314,18 @@ def open_mpio(path, mode: str, comm, **kwargs):
         info.Free()  # HDF5 keeps its own copy
 
 
+def open_serial(path, mode: str, **kwargs):
+    """h5py.File(path, mode) on this rank alone, with HDF5's file lock best-effort: a parallel file
+    system mounted without flock (Lustre's default on some sites) makes a plain open fail with
+    ENOSYS; the MPI-IO driver never locks."""
+    import h5py
+
+    version = h5py.version.hdf5_version_tuple
+    if version >= (1, 12, 1) or (version[:2] == (1, 10) and version[2] >= 7):
+        kwargs.setdefault("locking", "best-effort")
+    return h5py.File(path, mode, **kwargs)
+
+
 def new_attributes(obj, values: dict) -> None:
     """Create scalar attributes on a new HDF5 object through h5py's low level: the types
     `obj.attrs[name] = value` gives (a str as variable-length UTF-8, a NumPy scalar as its dtype)
@@ -455,6 +467,8 @@ def datasets_of(fid) -> dict[str, dict]:
     from h5py import h5a, h5d, h5o, h5t
 
     found: dict[str, dict] = {}
+    # HDF5 addresses count from the superblock: after a user block (h5jam) they are not file offsets.
+    plain = fid.get_create_plist().get_userblock() == 0
 
     def scalar(dsid, name: bytes):
         attr = h5a.open(dsid, name)
@@ -474,7 +488,7 @@ def datasets_of(fid) -> dict[str, dict]:
             "stored": dtype.str,
             "dtype": scalar(dsid, b"dtype") if h5a.exists(dsid, b"dtype") else dtype.name,
             "checksum": None if checksum is None else int(checksum),
-            "storage": storage_of(dsid),  # where its bytes are (checkpoint.io: posix reads them there)
+            "storage": storage_of(dsid) if plain else None,  # where its bytes are (checkpoint.io: posix)
         }
 
     h5o.visit(fid, visit, info=True)
