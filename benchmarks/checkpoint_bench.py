@@ -1,6 +1,6 @@
 """Benchmark checkpoint I/O on this machine: parallel HDF5 vs torch.save per rank vs dd.
 
-    .venv/bin/python benchmarks/checkpoint_bench.py [--ranks 4] [--case small|large] [--repeats 3] [--deck inputs/gpt_tiny.yaml]
+    .venv/bin/python benchmarks/checkpoint_bench.py [--ranks 4] [--case small|large] [--repeats 3] [--warmup 1] [--deck inputs/gpt_tiny.yaml]
         [--out runs/checkpoint_bench] [--dir DIR] [--drop-caches] [--set section.key=value ...]
 
 One invocation measures, on the same file system (DIR, default <out>/files):
@@ -25,7 +25,10 @@ that builds the `Trainer` of the deck (inputs/gpt_tiny.yaml, enlarged by --case 
 parameters, 2.2 GB; on tp = 2 x dp = 2 (4 ranks) with
 ZeRO-1, so the four ranks write different slices; --set overrides any key) without
 training it, and then, for every repeat, saves and loads with each method in turn, the order
-rotated by one method per repeat (the place in the order measured up to 40% on a save). Each
+rotated and reversed between repeats (a method's place in the order, and which method ran
+before it, measured up to 40% and 3x on a save). With --drop-caches, every save and every
+load starts after `sync` and a dropped page cache. One untimed round of every method comes
+first (--warmup; a process's first save measured 2-3x its later ones). Each
 save and load is timed on rank 0 from a barrier to a barrier (the slowest rank); the
 files of the previous repeat are deleted before every save, outside the timing. GB/s is
 the tensor bytes (`Saved.bytes`; the HDF5 metadata, RNG rows and header attributes and the
@@ -186,6 +189,12 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
     mine = sum(t.numel() * t.element_size() for t in tensors.values())
     torch_bytes = comm.allreduce(mine, op=MPI.SUM)
 
+    def before_save() -> None:
+        """With --drop-caches every save starts alike too: the previous step's dirty pages written
+        back and its cached pages dropped (a save right after torch.load's 2.2 GB measured 2-3x
+        slower, whichever method it was)."""
+        before_load()
+
     def before_load() -> None:
         if args.drop_caches and rt.local_rank == 0:
             drop_caches()
@@ -221,6 +230,7 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
         checkpoint = dataclasses.replace(deck.checkpoint, io=mode)
         trainer.deck = dataclasses.replace(deck, checkpoint=checkpoint)  # save / load read checkpoint.io
         clear(h5dir)
+        before_save()
         seconds, saved = _timed(comm, lambda: io.save(trainer, h5dir))
         times[method]["save_s"].append(seconds)
         h5_bytes = saved.bytes
@@ -232,6 +242,7 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
 
     def torch_round(first: bool) -> None:
         clear(torch_file)
+        before_save()
         seconds, _ = _timed(comm, torch_save)
         times[TORCH]["save_s"].append(seconds)
         before_load()
@@ -242,10 +253,23 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
 
     h5_bytes = 0
     rounds = [*HDF5.items(), (None, TORCH)]
+    for _ in range(args.warmup):  # untimed: a process's first save measured 2-3x its later ones, whatever the method
+        for mode, method in rounds:
+            if mode is None:
+                torch_round(first=True)
+            else:
+                hdf5_round(mode, method)
+    for method in times:  # what the warm-up measured is dropped
+        times[method] = {"save_s": [], "load_s": []}
+    for per_phase in (*phases.values(), *load_phases.values()):
+        per_phase.clear()
     for repeat in range(args.repeats):
-        # Each repeat starts with the next method: a save measured 0.54 s in one place of the order
-        # and 0.76 s in another (the same code), so no method keeps the same place.
-        for mode, method in rounds[repeat % len(rounds) :] + rounds[: repeat % len(rounds)]:
+        # Each repeat starts with the next method, and every other repeat runs them backwards: a
+        # save measured 0.54 s in one place of the order and 0.76 s in another (the same code), so
+        # no method keeps its place or its predecessor.
+        order = rounds if repeat % 2 == 0 else rounds[::-1]
+        shift = (repeat // 2) % len(rounds)
+        for mode, method in order[shift:] + order[:shift]:
             if mode is None:
                 torch_round(first=repeat == 0)
             else:
@@ -305,6 +329,8 @@ def dd_run(directory: Path, nbytes: int, drop: bool) -> dict[str, float]:
     path = directory / "dd.bin"
     count = max(1, math.ceil(nbytes / DD_BLOCK))
     try:
+        if drop:  # as before every save of the MPI part
+            drop_caches()
         written, save_s = _dd(["if=/dev/zero", f"of={path}", "bs=4M", f"count={count}", "conv=fsync"])
         if drop:
             drop_caches()
@@ -381,6 +407,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--case", choices=sorted(CASES), default="small", help="model size: small 0.42 GB, large 2.2 GB"
     )
     parser.add_argument("--repeats", type=int, default=3, help="saves and loads per method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of every method first")
     parser.add_argument("--deck", default="inputs/gpt_tiny.yaml")
     parser.add_argument("--out", default="runs/checkpoint_bench")
     parser.add_argument("--dir", default=None, help="where the checkpoint files go (default <out>/files)")
@@ -411,7 +438,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     dd = [dd_run(directory, nbytes, args.drop_caches) for _ in range(args.repeats)]
     cmd = ["mpirun", "-n", str(args.ranks), sys.executable, str(Path(__file__).resolve()), "--worker",
-           "--deck", args.deck, "--dir", str(directory), "--repeats", str(args.repeats), "--result", str(result_path),
+           "--deck", args.deck, "--dir", str(directory), "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--result", str(result_path),
            *(["--drop-caches"] if args.drop_caches else []), *(a for s in sets for a in ("--set", s))]  # fmt: skip
     print(f"checkpoint_bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, check=False)
