@@ -54,6 +54,7 @@ from app.checkpoint.slabs import (
     checksum,
     checksum_and_nonfinite,
     checksum_for,
+    chunk_count,
     datasets_of,
     global_boxes,
     new_attributes,
@@ -188,8 +189,7 @@ def chunk_shape(shape: tuple[int, ...], pieces: set) -> Optional[tuple[int, ...]
         return None
     if any(o % b for _, offset in pieces for o, b in zip(offset, block)):
         return None
-    tiles = math.prod(-(-n // b) for n, b in zip(shape, block))
-    return block if len({offset for _, offset in pieces}) == tiles else None
+    return block if len({offset for _, offset in pieces}) == chunk_count(shape, block) else None
 
 
 def _boxes(shard: ShardState, lo: int, hi: int) -> list:
@@ -375,8 +375,9 @@ def write(
     # writes into chunked datasets measured 5-15x slower (docs/CHECKPOINT.md).
     chunks = snap.chunks if cfg.io == "posix" else {}
     layout = [
-        (math.prod(shape), np.dtype(stored_of[group][1]).itemsize, _chunk_count(shape, chunks.get((group, name))))
+        (math.prod(shape), np.dtype(stored_of[group][1]).itemsize, 1 if block is None else chunk_count(shape, block))
         for group, name, shape in catalogue
+        for block in [chunks.get((group, name))]
     ]
     layout += [(rt.world_size * row.size, 1, 1) for row in rows.values()]
     nbytes = sum(n * size for n, size, _ in layout)
@@ -618,10 +619,6 @@ def _close(rt: Runtime, f: Any) -> None:
     except Exception:
         rt.keep_alive.append(f)
         raise
-
-
-def _chunk_count(shape: tuple[int, ...], chunks: Optional[tuple[int, ...]]) -> int:
-    return 1 if chunks is None else math.prod(-(-n // c) for n, c in zip(shape, chunks))
 
 
 # HDF5 metadata per dataset (object header with the dtype and checksum attributes, its link
@@ -955,13 +952,15 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     posix = deck.checkpoint.io == "posix" and all(in_file[key]["storage"] is not None for key in keys + rng_keys)
     phases.lap("catalogue")
 
-    def span(group: str, name: str) -> tuple[int, int, list]:
-        """The flat range of the local shard this rank reads of a dataset, and its boxes: one read of
+    def span(group: str, name: str) -> tuple[int, list]:
+        """The first local element this rank reads of a dataset, and the boxes it reads: one read of
         the span every state loading from it holds (the parameters: the whole shard)."""
         mine = readers.get((group, name), [])
         held = [s.hold for s in mine if s.hold[0] < s.hold[1]]
         lo, hi = (min(h[0] for h in held), max(h[1] for h in held)) if held else (0, 0)
-        return lo, hi, _boxes(mine[0], lo, hi) if mine else []
+        return lo, _boxes(mine[0], lo, hi) if mine else []
+
+    spans = {key: span(*key) for key in reads}
 
     def read_all(read_slab: Callable[[str, list, np.dtype], np.ndarray]) -> Optional[dict[str, np.ndarray]]:
         """Every dataset this rank needs, through `read_slab(key, boxes, stored dtype)`: the held
@@ -970,7 +969,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         for k, ((group, name), shape) in enumerate(reads.items()):
             key = f"{group}/{name}"
             mine = readers.get((group, name), [])
-            lo, _, boxes = span(group, name)
+            lo, boxes = spans[(group, name)]
             if ahead is None:
                 raw = read_slab(key, boxes, np.dtype(in_file[key]["stored"]))
             else:  # the reader thread's; its future lets go of it
@@ -1005,7 +1004,10 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read") as pool:
                 ahead = [
                     pool.submit(
-                        pread, f"{group}/{name}", span(group, name)[2], np.dtype(in_file[f"{group}/{name}"]["stored"])
+                        pread,
+                        f"{group}/{name}",
+                        spans[(group, name)][1],
+                        np.dtype(in_file[f"{group}/{name}"]["stored"]),
                     )
                     for group, name in reads
                 ]

@@ -424,6 +424,11 @@ class Storage:
     itemsize: int
 
 
+def chunk_count(shape: Sequence[int], block: Sequence[int]) -> int:
+    """How many blocks of shape `block` cover an array of `shape` (the partial ones at the edges too)."""
+    return math.prod(-(-n // b) for n, b in zip(shape, block))
+
+
 def storage_of(dset) -> Optional[Storage]:
     """The `Storage` of a dataset (h5py's Dataset or its low-level DatasetID), or None when its
     bytes are not plainly at known offsets (filters, external files, a layout other than
@@ -448,7 +453,7 @@ def storage_of(dset) -> Optional[Storage]:
         return None
     block = tuple(int(n) for n in dcpl.get_chunk())
     count = dsid.get_num_chunks()
-    if count != math.prod(-(-n // b) for n, b in zip(shape, block)):
+    if count != chunk_count(shape, block):
         return None  # some chunks never allocated
     offsets = {}
     for k in range(count):
@@ -550,16 +555,20 @@ def _bytes(values: np.ndarray) -> memoryview:
     return memoryview(values.reshape(-1).view(np.uint8))
 
 
-def pwrite_boxes(fd: int, storage: Storage, boxes: Sequence[Box], values: np.ndarray) -> None:
-    """Write `values` (the boxes' elements in order) where the file keeps them: one pwrite per run
-    (one per box and block where the box is a flat range of one chunk)."""
-    flat = np.ascontiguousarray(values).reshape(-1)
+def _box_parts(flat: np.ndarray, boxes: Sequence[Box]) -> Iterator[tuple[Box, np.ndarray]]:
+    """Each non-empty box with its elements' part of `flat` (the boxes' elements in order)."""
     pos = 0
     for box in boxes:
         n = math.prod(box[1])
-        part, pos = flat[pos : pos + n], pos + n
-        if n == 0:
-            continue
+        if n:
+            yield box, flat[pos : pos + n]
+        pos += n
+
+
+def pwrite_boxes(fd: int, storage: Storage, boxes: Sequence[Box], values: np.ndarray) -> None:
+    """Write `values` (the boxes' elements in order) where the file keeps them: one pwrite per run
+    (one per box and block where the box is a flat range of one chunk)."""
+    for box, part in _box_parts(np.ascontiguousarray(values).reshape(-1), boxes):
         for where, offsets, nbytes in placements(storage, box):
             data = _bytes(part if where is None else np.ascontiguousarray(part.reshape(box[1])[where]))
             for i, offset in enumerate(offsets.tolist()):
@@ -590,27 +599,10 @@ def _read_runs(fd: int, into: memoryview, offsets: np.ndarray, nbytes: int) -> N
             target[i] = buf[offset : offset + nbytes]
 
 
-def advise_boxes(fd: int, storage: Storage, boxes: Sequence[Box]) -> None:
-    """Ask the kernel to start reading the file's spans under `boxes` now (POSIX_FADV_WILLNEED): the
-    reads of every dataset a rank loads are then in flight together, while it verifies the first."""
-    for box in boxes:
-        if math.prod(box[1]) == 0:
-            continue
-        for _, offsets, nbytes in placements(storage, box):
-            first = int(offsets[0])
-            os.posix_fadvise(fd, first, int(offsets[-1]) + nbytes - first, os.POSIX_FADV_WILLNEED)
-
-
 def pread_boxes(fd: int, storage: Storage, boxes: Sequence[Box], dtype: np.dtype) -> np.ndarray:
     """The boxes' elements in order (1-D), read from where the file keeps them."""
-    n = sum(math.prod(c) for _, c in boxes)
-    out = np.empty(n, dtype=dtype)
-    pos = 0
-    for box in boxes:
-        size = math.prod(box[1])
-        part, pos = out[pos : pos + size], pos + size
-        if size == 0:
-            continue
+    out = np.empty(sum(math.prod(c) for _, c in boxes), dtype=dtype)
+    for box, part in _box_parts(out, boxes):
         for where, offsets, nbytes in placements(storage, box):
             if where is None:
                 _read_runs(fd, _bytes(part), offsets, nbytes)
