@@ -45,7 +45,6 @@ to 256 GCDs, each as many plans as a 1D tp.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -55,7 +54,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from app.deck import Deck, validate
+from app.deck import Deck, replaced, validate
 from app.errors import GridlmError
 from app.names import RECOMPUTE
 from app.plan.dryrun import GiB, Plan, make_plan
@@ -200,9 +199,9 @@ def _rank_shapes(deck: Deck, machine: Machine, tp: int, mb: int) -> list[tuple[f
     layout = GridLayout.from_order_string(tp, 1, 1, "tp-dp-pp", machine.devices_per_node)
     out = []
     for shape in _shapes(tp):
-        par = dataclasses.replace(deck.parallel, tp=tp, pp=1, dp="auto", virtual_stages=1, stage_layers=None,
+        par = replaced(deck.parallel, tp=tp, pp=1, dp="auto", virtual_stages=1, stage_layers=None,
                                   sequence_parallel=False, tensor=list(shape))  # fmt: skip
-        variant = dataclasses.replace(deck, parallel=par, train=dataclasses.replace(deck.train, micro_batch=mb))
+        variant = replaced(deck, parallel=par, train=replaced(deck.train, micro_batch=mb))
         try:
             validate(variant)
         except GridlmError:
@@ -244,12 +243,12 @@ def _apply(deck: Deck, sets: dict[str, Any]) -> Deck:
     for key, value in sets.items():
         section, name = key.split(".")
         sections.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
-    changes = {s: dataclasses.replace(getattr(deck, s), **kv) for s, kv in sections.items()}
+    changes = {s: replaced(getattr(deck, s), **kv) for s, kv in sections.items()}
     # dp follows from the world size; a balanced split (the deck's stage_layers fit its own pp only).
-    changes["parallel"] = dataclasses.replace(changes["parallel"], dp="auto", stage_layers=None)
+    changes["parallel"] = replaced(changes["parallel"], dp="auto", stage_layers=None)
     if changes.get("optim", deck.optim).offload != "nvme":  # the deck's nvme directory goes with nvme
-        changes["optim"] = dataclasses.replace(changes.get("optim", deck.optim), offload_dir=None)
-    return dataclasses.replace(deck, **changes)
+        changes["optim"] = replaced(changes.get("optim", deck.optim), offload_dir=None)
+    return replaced(deck, **changes)
 
 
 def _evaluate(
