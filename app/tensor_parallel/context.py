@@ -1,0 +1,300 @@
+"""Context parallelism: each of the cp ranks holds 1/cp of every sequence, and causal attention
+runs over the whole sequence by passing key/value blocks around the cp group (ring attention).
+
+The split (Megatron-Core's load-balanced causal split): the sequence is cut into 2 cp chunks
+and rank i holds chunks i and 2 cp - 1 - i, so that every rank's queries see as many earlier keys
+as every other's (a plain split would give the last rank cp times the first one's work):
+
+    cp = 2, chunks 0 1 2 3:   rank 0 holds 0 and 3,  rank 1 holds 1 and 2
+
+`split_sequence` cuts a rank's part out of a whole sequence, `merge_sequence` puts the parts of all
+the ranks back in order (tests, and whatever needs the whole sequence).
+
+`ring_attention(q, k, v, ring)`: at step s of cp steps, rank r holds the keys and values of rank
+r - s; for each of its two query chunks and each of the two key chunks it holds, the block is
+skipped (keys after the queries), causal (the same chunk) or full (keys before). Partial results
+are merged with their log-sum-exp in fp32 (flash attention's rule), so the output is softmax over
+all the keys whatever the order the blocks arrive in. The next block is sent and received while
+the current one is computed. Backward circulates the keys and values again, with their gradients
+accumulating in fp32 on the way: after cp hops each block's gradient is back on its owner.
+
+Grouped-query attention: k and v have fewer heads (each serving heads / kv_heads query heads);
+they travel unexpanded, and their gradients are summed over the query heads they serve.
+
+`all_to_all_attention(q, k, v, ring)` (DeepSpeed-Ulysses) trades the sequence split for a head
+split around attention instead: one all-to-all gives each rank the whole sequence of heads / cp of
+the heads, plain causal attention runs on them, and one all-to-all gives the sequence split back
+(backward: the same all-to-alls reversed). Its traffic per rank does not grow with cp, but cp must
+divide the heads (and the key/value heads, which are otherwise expanded to one per query head first).
+
+Blocks are computed by explicit matmuls (scores materialised per block: chunk x chunk per head),
+in fp32 whatever the input dtype; the result is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+SEQ_DIM = 2  # q, k, v: (batch, heads, sequence, head_dim)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A cp group as the ring sees it: its size, this rank's place, the torch group (None when
+    cp = 1) and the torch ranks of the next and previous members."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+    next: int = 0
+    prev: int = 0
+
+    @classmethod
+    def of_group(cls, group: Any) -> Ring:
+        """The ring over every member of a torch group, in group-rank order."""
+        if group is None:
+            return cls()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if size == 1:
+            return cls()
+        return cls(
+            size,
+            rank,
+            group,
+            dist.get_global_rank(group, (rank + 1) % size),
+            dist.get_global_rank(group, (rank - 1) % size),
+        )
+
+    def chunks(self, rank: Optional[int] = None) -> tuple[int, int]:
+        """The two chunks (of 2 cp) that `rank` (this one by default) holds."""
+        r = self.rank if rank is None else rank
+        return r, 2 * self.size - 1 - r
+
+
+def split_sequence(x: torch.Tensor, ring: Ring, dim: int) -> torch.Tensor:
+    """This rank's two chunks of the whole sequence along `dim` (its length a multiple of 2 cp)."""
+    if ring.size == 1:
+        return x
+    if x.shape[dim] % (2 * ring.size):
+        raise ValueError(f"sequence of {x.shape[dim]} does not split into 2 x cp = {2 * ring.size} chunks")
+    parts = x.chunk(2 * ring.size, dim=dim)
+    a, b = ring.chunks()
+    return torch.cat((parts[a], parts[b]), dim=dim)
+
+
+def merge_sequence(parts: list[torch.Tensor], ring: Ring, dim: int) -> torch.Tensor:
+    """The whole sequence from every rank's `split_sequence` part (parts[r] from rank r)."""
+    if ring.size == 1:
+        return parts[0]
+    chunks: list[Optional[torch.Tensor]] = [None] * (2 * ring.size)
+    for r, part in enumerate(parts):
+        a, b = ring.chunks(r)
+        chunks[a], chunks[b] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+def positions(seq_len: int, ring: Ring, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The global positions of this rank's tokens (learned position embeddings, rotary angles)."""
+    return split_sequence(torch.arange(seq_len, device=device), ring, 0)
+
+
+def _blocks(ring: Ring, src: int) -> list[tuple[int, int, bool]]:
+    """(query half, key half, causal) for the blocks of this rank's queries that attend to the
+    keys held by rank `src` (halves 0 and 1 of each rank's tokens); the others are skipped."""
+    out = []
+    for qh, qc in enumerate(ring.chunks()):
+        for kh, kc in enumerate(ring.chunks(src)):
+            if kc < qc:
+                out.append((qh, kh, False))
+            elif kc == qc:
+                out.append((qh, kh, True))
+    return out
+
+
+# Message tags: the keys and values, and their gradients (gloo matches by tag; NCCL ignores tags and
+# matches in order, which both sides keep).
+KV_TAG, GRAD_TAG = 41, 42
+
+
+def _exchange(ring: Ring, send: list[torch.Tensor], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
+    """Start sending `send` to the next rank and receiving as many tensors from the previous one."""
+    send = [t.contiguous() for t in send]
+    recv = [torch.empty_like(t) for t in send]
+    works = [dist.isend(t, ring.next, group=ring.group, tag=tag) for t in send]
+    works += [dist.irecv(t, ring.prev, group=ring.group, tag=tag) for t in recv]
+    return recv, works
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _causal_mask(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t.repeat_interleave(group, dim=1) if group > 1 else t
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        qf = q.float()
+        halves = qf.chunk(2, dim=SEQ_DIM)
+        n = halves[0].shape[SEQ_DIM]
+        mask = _causal_mask(n, q.device)
+        out = [torch.zeros_like(h) for h in halves]
+        lse = [torch.full(h.shape[:-1], -math.inf, device=q.device) for h in halves]
+        kv = [k, v]
+        for step in range(ring.size):
+            works: list[Any] = []
+            if step < ring.size - 1:  # the next block travels while this one is computed
+                incoming, works = _exchange(ring, kv, KV_TAG)
+            kh_all, vh_all = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
+            for qh, kh, causal in _blocks(ring, (ring.rank - step) % ring.size):
+                scores = halves[qh] @ kh_all[kh].transpose(-1, -2) * scale
+                if causal:
+                    scores = scores.masked_fill(~mask, -math.inf)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                block_out = torch.exp(scores - block_lse.unsqueeze(-1)) @ vh_all[kh]
+                merged = torch.logaddexp(lse[qh], block_lse)
+                out[qh] = out[qh] * torch.exp(lse[qh] - merged).unsqueeze(-1) + block_out * torch.exp(
+                    block_lse - merged
+                ).unsqueeze(-1)
+                lse[qh] = merged
+            if works:
+                _wait(works)
+                kv = incoming
+        o = torch.cat(out, dim=SEQ_DIM)
+        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=SEQ_DIM))
+        ctx.ring, ctx.scale = ring, scale
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        group = q.shape[1] // k.shape[1]
+        b, kv_heads, s, d = k.shape
+        qf, gf = q.float(), grad.float()
+        delta = (gf * o).sum(dim=-1)  # D = rowsum(dO * O): the softmax's backward
+        q_halves, g_halves = qf.chunk(2, dim=SEQ_DIM), gf.chunk(2, dim=SEQ_DIM)
+        lse_halves, delta_halves = lse.chunk(2, dim=SEQ_DIM), delta.chunk(2, dim=SEQ_DIM)
+        n = q_halves[0].shape[SEQ_DIM]
+        mask = _causal_mask(n, q.device)
+        dq = [torch.zeros_like(h) for h in q_halves]
+        kv = [k, v]
+        acc = [torch.zeros(b, kv_heads, s, d, device=q.device), torch.zeros(b, kv_heads, s, d, device=q.device)]
+        for step in range(ring.size):
+            works: list[Any] = []
+            if step < ring.size - 1:
+                incoming, works = _exchange(ring, kv, KV_TAG)
+            kh_all, vh_all = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
+            dk = torch.zeros(b, kv_heads * group, s, d, device=q.device)
+            dv = torch.zeros_like(dk)
+            dk_halves, dv_halves = dk.chunk(2, dim=SEQ_DIM), dv.chunk(2, dim=SEQ_DIM)
+            for qh, kh, causal in _blocks(ring, (ring.rank - step) % ring.size):
+                scores = q_halves[qh] @ kh_all[kh].transpose(-1, -2) * scale
+                if causal:
+                    scores = scores.masked_fill(~mask, -math.inf)
+                p = torch.exp(scores - lse_halves[qh].unsqueeze(-1))
+                dv_halves[kh].add_(p.transpose(-1, -2) @ g_halves[qh])
+                ds = p * (g_halves[qh] @ vh_all[kh].transpose(-1, -2) - delta_halves[qh].unsqueeze(-1))
+                dq[qh] += ds @ kh_all[kh] * scale
+                dk_halves[kh].add_(ds.transpose(-1, -2) @ q_halves[qh] * scale)
+            if group > 1:  # a key/value head's gradient: the sum over the query heads it serves
+                dk, dv = (t.view(b, kv_heads, group, s, d).sum(dim=2) for t in (dk, dv))
+            acc = [acc[0] + dk, acc[1] + dv]
+            # The block's gradient goes on with it; after cp hops it is back on its owner.
+            acc, acc_works = _exchange(ring, acc, GRAD_TAG) if ring.size > 1 else (acc, [])
+            _wait(acc_works)
+            if works:
+                _wait(works)
+                kv = incoming
+        return torch.cat(dq, dim=SEQ_DIM).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: Optional[float] = None
+) -> torch.Tensor:
+    """Causal softmax(q k^T x scale) v over the whole sequence, this rank holding its two chunks
+    (`split_sequence`) of q (batch, heads, 2 x chunk, head_dim) and of k, v (batch, kv heads, ...);
+    returns this rank's part of the output. scale: 1 / sqrt(head_dim) by default."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if q.shape[SEQ_DIM] % 2:
+        raise ValueError(f"a rank's {q.shape[SEQ_DIM]} tokens are not two equal chunks")
+    return _RingAttention.apply(q, k, v, ring, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+
+
+def _to_heads(x: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """(B, heads, own tokens, D) split by sequence -> (B, heads / cp, whole sequence, D) split by heads:
+    head slice j goes to rank j, and the chunks received from every rank are put back in order."""
+    b, h, s, d = x.shape
+    send = x.reshape(b, ring.size, h // ring.size, s, d).transpose(0, 1).contiguous()  # [dst] slices
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=ring.group)
+    return merge_sequence(list(recv.unbind(0)), ring, dim=SEQ_DIM)  # recv[src]: src's two chunks
+
+
+def _to_sequence(x: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """The inverse of `_to_heads`: (B, heads / cp, whole sequence, D) -> (B, heads, own tokens, D)."""
+    b, hl, _, d = x.shape
+    parts = x.chunk(2 * ring.size, dim=SEQ_DIM)
+    send = torch.stack([torch.cat((parts[a], parts[c]), dim=SEQ_DIM) for a, c in map(ring.chunks, range(ring.size))])
+    recv = torch.empty_like(send)  # [src]: src's heads of this rank's tokens
+    dist.all_to_all_single(recv, send.contiguous(), group=ring.group)
+    return recv.transpose(0, 1).reshape(b, ring.size * hl, -1, d)
+
+
+class _ToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ring: Ring) -> torch.Tensor:
+        ctx.ring = ring
+        return _to_heads(x, ring)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        return _to_sequence(grad, ctx.ring), None
+
+
+class _ToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ring: Ring) -> torch.Tensor:
+        ctx.ring = ring
+        return _to_sequence(x, ring)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        return _to_heads(grad, ctx.ring), None
+
+
+def all_to_all_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: Optional[float] = None
+) -> torch.Tensor:
+    """Causal attention over the whole sequence, like `ring_attention` (the same inputs and output),
+    by two all-to-alls around torch's attention on heads / cp of the heads (module docstring)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    if heads % ring.size:
+        raise ValueError(f"all-to-all context parallelism: cp = {ring.size} must divide the {heads} heads")
+    if ring.size == 1:
+        group = heads // kv_heads
+        k, v = _expand(k, group), _expand(v, group)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if kv_heads % ring.size:  # too few key/value heads to split: one per query head
+        k, v = _expand(k, heads // kv_heads), _expand(v, heads // kv_heads)
+    q, k, v = (_ToHeads.apply(t, ring) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    y = torch.nn.functional.scaled_dot_product_attention(q, _expand(k, group), _expand(v, group), is_causal=True,
+                                                         scale=scale)  # fmt: skip
+    return _ToSequence.apply(y, ring)

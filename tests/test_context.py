@@ -1,0 +1,124 @@
+"""Context-parallel attention (app/tensor_parallel/context.py), the ring and the all-to-all
+(Ulysses), against plain causal attention over the whole sequence: values and gradients, fp32 and bf16, with grouped-query attention and head sizes that are
+not powers of two, on a ring of every rank of the job (1, 2 and 4 ranks in the mpi-1/2/4 groups, 8
+in mpi-8). The all-to-all needs cp to divide the heads: where it does not, it must refuse.
+
+Tolerances. fp32: the ring only regroups the softmax's sums (blocks merged by log-sum-exp) and the
+gradients' sums over key blocks and over ranks, ~1e-7 relative per operation on values of order 1:
+2e-5 absolute. bf16: the ring computes in fp32 from the bf16 inputs and rounds its results to bf16
+(8 significant bits, a relative step of 2^-8 = 3.9e-3); the reference is fp32 attention over the
+same bf16 inputs, so the difference is that one rounding: 1e-2 relative plus 1e-2 absolute. The
+all-to-all only moves data around torch's own attention, which runs in the input dtype on heads / cp
+of the heads: its reference is torch's attention in the same dtype on all of them (the same arithmetic
+per head; against an fp32 reference bf16 attention's own rounding of the probabilities exceeds the
+bound above), with the same tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.tensor_parallel.context import (
+    Ring,
+    all_to_all_attention,
+    merge_sequence,
+    positions,
+    ring_attention,
+    split_sequence,
+)
+
+KINDS = {"ring": ring_attention, "all_to_all": all_to_all_attention}
+
+
+@pytest.fixture
+def ring(grids):
+    """A ring over every rank of the job (the tp group of a tp = world grid, made once)."""
+    grid = grids.grid(grids.world.world_size, 1, 1)
+    return Ring.of_group(grid.group["tp"] if grids.world.world_size > 1 else None)
+
+
+def _reference(q, k, v, grad, dtype=torch.float32):
+    """Plain causal attention over the whole sequence in `dtype`, and its gradients (in fp32)."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True
+    )
+    out.backward(grad.to(dtype))
+    return tuple(t.detach().float() for t in (out, q.grad, k.grad, v.grad))
+
+
+def _gathered(part: torch.Tensor, ring: Ring, comm) -> torch.Tensor:
+    """The whole sequence from every rank's part (MPI allgather of the parts, then `merge_sequence`)."""
+    return merge_sequence(comm.allgather(part.detach().float()), ring, dim=2)
+
+
+def _check(runtime, ring, kind, dtype, heads, kv_heads, head_dim, seq_per_rank=8, batch=2):
+    seq = seq_per_rank * max(ring.size, 1)
+    g = torch.Generator().manual_seed(7)  # the same whole tensors on every rank
+    q = torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(dtype)
+    grad = torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype)
+    # The ring computes in fp32 whatever the inputs; the all-to-all runs torch's attention in the
+    # input dtype on its heads, so its reference is torch's attention in that dtype (module docstring).
+    ref_out, ref_dq, ref_dk, ref_dv = _reference(q, k, v, grad, torch.float32 if kind == "ring" else dtype)
+
+    parts = [split_sequence(t, ring, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    if kind == "all_to_all" and heads % ring.size:
+        with pytest.raises(ValueError, match="must divide"):
+            all_to_all_attention(*parts, ring)
+        return
+    out = KINDS[kind](*parts, ring)
+    assert out.dtype == dtype and out.shape == parts[0].shape
+    out.backward(split_sequence(grad, ring, dim=2))
+    atol, rtol = (2e-5, 0.0) if dtype == torch.float32 else (1e-2, 1e-2)
+    for name, mine, ref in (
+        ("output", out, ref_out),
+        ("dq", parts[0].grad, ref_dq),
+        ("dk", parts[1].grad, ref_dk),
+        ("dv", parts[2].grad, ref_dv),
+    ):
+        assert mine.dtype == dtype, name
+        torch.testing.assert_close(_gathered(mine, ring, runtime.comm), ref, atol=atol, rtol=rtol, msg=name)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(4, 4, 16), (4, 2, 12), (6, 1, 20)], ids=["mha", "gqa2-d12", "mqa-d20"]
+)
+def test_context_parallel_attention_equals_causal_attention_over_the_whole_sequence(
+    runtime, ring, kind, dtype, heads, kv_heads, head_dim
+):
+    _check(runtime, ring, kind, dtype, heads, kv_heads, head_dim)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_context_parallel_attention_on_8_ranks_with_gqa(runtime, ring, kind, dtype):
+    _check(runtime, ring, kind, dtype, heads=8, kv_heads=2, head_dim=12, seq_per_rank=4)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_the_load_balanced_split_gives_every_rank_the_same_causal_work_and_merges_back(cp):
+    """Rank i holds chunks i and 2 cp - 1 - i: every rank's queries see the same number of keys (the
+    causal work), the parts merge back into the sequence, and positions are the global ones."""
+    seq = 4 * cp
+    whole = torch.arange(seq)
+    rings = [Ring(cp, r) if cp > 1 else Ring() for r in range(cp)]
+    parts = [split_sequence(whole, ring, 0) for ring in rings]
+    assert all(len(p) == seq // cp for p in parts)
+    assert torch.equal(merge_sequence(parts, rings[0], 0), whole)
+    assert torch.equal(torch.cat(parts).sort().values, whole)
+    work = {int((p + 1).sum()) for p in parts}  # query at position t attends to t + 1 keys
+    assert len(work) == 1, work
+    for ring, part in zip(rings, parts):
+        assert torch.equal(positions(seq, ring), part)
+    if cp > 1:
+        with pytest.raises(ValueError, match="does not split"):
+            split_sequence(torch.arange(2 * cp + 1), rings[0], 0)
