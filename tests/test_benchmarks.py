@@ -273,3 +273,20 @@ def test_the_performance_model_benchmark_calibrates_runs_and_predicts_a_grid(tmp
     assert row["grid"] == "1x1x2" and not row.get("error")
     assert float(row["measured_ms"]) > 0 and float(row["predicted_ms"]) > 0 and row["terms"]
     assert (tmp_path / "local_2_round0.yaml").is_file()
+
+
+def test_the_cp_benchmark_times_the_ring_with_and_without_overlap_the_all_to_all_and_the_messages(tmp_path):
+    """benchmarks/cp_bench.py at its smallest (2 ranks, 64 tokens, one pass a round, 2 rounds): a row
+    per variant with a time, the overlap's hidden and exposed shares, and the table."""
+    import json
+
+    import cp_bench
+
+    rc = cp_bench.main(["--ranks", "2", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                        "--steps", "1", "--rounds", "2", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    rows = {r["variant"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert set(rows) == {*cp_bench.VARIANTS, "ring_overlap"}
+    assert all(rows[v]["ms"] > 0 and len(rows[v]["rounds"]) == 2 for v in cp_bench.VARIANTS)
+    assert rows["ring_overlap"]["exposed_ms"] >= 0
+    assert "| ring_overlap_off |" in (tmp_path / "table.md").read_text()

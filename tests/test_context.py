@@ -16,6 +16,8 @@ bound above), with the same tolerances.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,7 +31,11 @@ from app.tensor_parallel.context import (
     split_sequence,
 )
 
-KINDS = {"ring": ring_attention, "all_to_all": all_to_all_attention}
+KINDS = {
+    "ring": ring_attention,
+    "ring-overlap-off": functools.partial(ring_attention, overlap=False),
+    "all_to_all": all_to_all_attention,
+}
 
 
 @pytest.fixture
@@ -64,7 +70,7 @@ def _check(runtime, ring, kind, dtype, heads, kv_heads, head_dim, seq_per_rank=8
     grad = torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype)
     # The ring computes in fp32 whatever the inputs; the all-to-all runs torch's attention in the
     # input dtype on its heads, so its reference is torch's attention in that dtype (module docstring).
-    ref_out, ref_dq, ref_dk, ref_dv = _reference(q, k, v, grad, torch.float32 if kind == "ring" else dtype)
+    ref_out, ref_dq, ref_dk, ref_dv = _reference(q, k, v, grad, torch.float32 if kind.startswith("ring") else dtype)
 
     parts = [split_sequence(t, ring, dim=2).clone().requires_grad_() for t in (q, k, v)]
     if kind == "all_to_all" and heads % ring.size:

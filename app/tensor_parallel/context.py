@@ -16,7 +16,9 @@ skipped (keys after the queries), causal (the same chunk) or full (keys before).
 are merged with their log-sum-exp in fp32 (flash attention's rule), so the output is softmax over
 all the keys whatever the order the blocks arrive in. The next block is sent and received while
 the current one is computed. Backward circulates the keys and values again, with their gradients
-accumulating in fp32 on the way: after cp hops each block's gradient is back on its owner.
+accumulating in fp32 on the way (each hop, too, while the next block is computed): after cp hops each
+block's gradient is back on its owner. Per step a rank sends its k and v (input dtype) forward, and
+backward also their fp32 gradients.
 
 Grouped-query attention: k and v have fewer heads (each serving heads / kv_heads query heads);
 they travel unexpanded, and their gradients are summed over the query heads they serve.
@@ -145,12 +147,12 @@ def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float, overlap: bool
+    ) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
-        qf = q.float()
-        halves = qf.chunk(2, dim=SEQ_DIM)
-        n = halves[0].shape[SEQ_DIM]
-        mask = _causal_mask(n, q.device)
+        halves = q.float().chunk(2, dim=SEQ_DIM)
+        mask = _causal_mask(halves[0].shape[SEQ_DIM], q.device)
         out = [torch.zeros_like(h) for h in halves]
         lse = [torch.full(h.shape[:-1], -math.inf, device=q.device) for h in halves]
         kv = [k, v]
@@ -158,81 +160,101 @@ class _RingAttention(torch.autograd.Function):
             works: list[Any] = []
             if step < ring.size - 1:  # the next block travels while this one is computed
                 incoming, works = _exchange(ring, kv, KV_TAG)
-            kh_all, vh_all = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
+                if not overlap:
+                    _wait(works)
+                    works = []  # a work is waited for once
+            keys, values = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
             for qh, kh, causal in _blocks(ring, (ring.rank - step) % ring.size):
-                scores = halves[qh] @ kh_all[kh].transpose(-1, -2) * scale
+                scores = halves[qh] @ keys[kh].transpose(-1, -2) * scale
                 if causal:
                     scores = scores.masked_fill(~mask, -math.inf)
                 block_lse = torch.logsumexp(scores, dim=-1)
-                block_out = torch.exp(scores - block_lse.unsqueeze(-1)) @ vh_all[kh]
+                block_out = torch.exp(scores - block_lse.unsqueeze(-1)) @ values[kh]
                 merged = torch.logaddexp(lse[qh], block_lse)
-                out[qh] = out[qh] * torch.exp(lse[qh] - merged).unsqueeze(-1) + block_out * torch.exp(
-                    block_lse - merged
-                ).unsqueeze(-1)
+                out[qh] = (out[qh] * torch.exp(lse[qh] - merged).unsqueeze(-1)
+                           + block_out * torch.exp(block_lse - merged).unsqueeze(-1))  # fmt: skip
                 lse[qh] = merged
-            if works:
+            if step < ring.size - 1:
                 _wait(works)
                 kv = incoming
         o = torch.cat(out, dim=SEQ_DIM)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=SEQ_DIM))
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.overlap = ring, scale, overlap
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, o, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
+        ring, scale, overlap = ctx.ring, ctx.scale, ctx.overlap
         group = q.shape[1] // k.shape[1]
         b, kv_heads, s, d = k.shape
-        qf, gf = q.float(), grad.float()
+        gf = grad.float()
         delta = (gf * o).sum(dim=-1)  # D = rowsum(dO * O): the softmax's backward
-        q_halves, g_halves = qf.chunk(2, dim=SEQ_DIM), gf.chunk(2, dim=SEQ_DIM)
+        q_halves, g_halves = q.float().chunk(2, dim=SEQ_DIM), gf.chunk(2, dim=SEQ_DIM)
         lse_halves, delta_halves = lse.chunk(2, dim=SEQ_DIM), delta.chunk(2, dim=SEQ_DIM)
-        n = q_halves[0].shape[SEQ_DIM]
-        mask = _causal_mask(n, q.device)
+        mask = _causal_mask(q_halves[0].shape[SEQ_DIM], q.device)
         dq = [torch.zeros_like(h) for h in q_halves]
         kv = [k, v]
-        acc = [torch.zeros(b, kv_heads, s, d, device=q.device), torch.zeros(b, kv_heads, s, d, device=q.device)]
+        grads: Optional[list[torch.Tensor]] = None  # the held block's gradient from the ranks before
+        pending: list[Any] = []
         for step in range(ring.size):
             works: list[Any] = []
             if step < ring.size - 1:
                 incoming, works = _exchange(ring, kv, KV_TAG)
-            kh_all, vh_all = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
+                if not overlap:
+                    _wait(works)
+                    works = []  # a work is waited for once
+            keys, values = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
             dk = torch.zeros(b, kv_heads * group, s, d, device=q.device)
             dv = torch.zeros_like(dk)
             dk_halves, dv_halves = dk.chunk(2, dim=SEQ_DIM), dv.chunk(2, dim=SEQ_DIM)
             for qh, kh, causal in _blocks(ring, (ring.rank - step) % ring.size):
-                scores = q_halves[qh] @ kh_all[kh].transpose(-1, -2) * scale
+                scores = q_halves[qh] @ keys[kh].transpose(-1, -2) * scale
                 if causal:
                     scores = scores.masked_fill(~mask, -math.inf)
                 p = torch.exp(scores - lse_halves[qh].unsqueeze(-1))
                 dv_halves[kh].add_(p.transpose(-1, -2) @ g_halves[qh])
-                ds = p * (g_halves[qh] @ vh_all[kh].transpose(-1, -2) - delta_halves[qh].unsqueeze(-1))
-                dq[qh] += ds @ kh_all[kh] * scale
+                ds = p * (g_halves[qh] @ values[kh].transpose(-1, -2) - delta_halves[qh].unsqueeze(-1))
+                dq[qh] += ds @ keys[kh] * scale
                 dk_halves[kh].add_(ds.transpose(-1, -2) @ q_halves[qh] * scale)
             if group > 1:  # a key/value head's gradient: the sum over the query heads it serves
                 dk, dv = (t.view(b, kv_heads, group, s, d).sum(dim=2) for t in (dk, dv))
-            acc = [acc[0] + dk, acc[1] + dv]
-            # The block's gradient goes on with it; after cp hops it is back on its owner.
-            acc, acc_works = _exchange(ring, acc, GRAD_TAG) if ring.size > 1 else (acc, [])
-            _wait(acc_works)
-            if works:
+            _wait(pending)  # arrived while this block was computed
+            total = [dk, dv] if grads is None else [grads[0] + dk, grads[1] + dv]
+            if ring.size > 1:  # on with the block: after cp hops its gradient is back on its owner
+                grads, pending = _exchange(ring, total, GRAD_TAG)
+                if not overlap:
+                    _wait(pending)
+                    pending = []
+            else:
+                grads = total
+            if step < ring.size - 1:
                 _wait(works)
                 kv = incoming
-        return torch.cat(dq, dim=SEQ_DIM).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None
+        _wait(pending)
+        assert grads is not None
+        return torch.cat(dq, dim=SEQ_DIM).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: Optional[float] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: Ring,
+    scale: Optional[float] = None,
+    overlap: bool = True,
 ) -> torch.Tensor:
     """Causal softmax(q k^T x scale) v over the whole sequence, this rank holding its two chunks
     (`split_sequence`) of q (batch, heads, 2 x chunk, head_dim) and of k, v (batch, kv heads, ...);
-    returns this rank's part of the output. scale: 1 / sqrt(head_dim) by default."""
+    returns this rank's part of the output. scale: 1 / sqrt(head_dim) by default. `overlap`: each
+    block (and, backward, each block's gradient) travels while the one before is computed; False
+    waits for it first (the same results: for measuring what the overlap hides)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if q.shape[SEQ_DIM] % 2:
         raise ValueError(f"a rank's {q.shape[SEQ_DIM]} tokens are not two equal chunks")
-    return _RingAttention.apply(q, k, v, ring, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, ring, scale, overlap)
 
 
 def _to_heads(x: torch.Tensor, ring: Ring) -> torch.Tensor:
