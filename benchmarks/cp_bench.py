@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,19 +34,10 @@ from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's app
+sys.path.insert(0, str(REPO / "benchmarks"))
+from grid_bench import mpi_env  # noqa: E402
 
 VARIANTS = ("ring", "ring_overlap_off", "all_to_all", "ring_messages")
-
-
-def mpi_env() -> dict[str, str]:
-    """Open MPI settings for a one-node run as any user (see launch/env.sh)."""
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def _messages(ring: Any, k: Any, v: Any) -> None:

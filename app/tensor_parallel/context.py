@@ -277,26 +277,18 @@ def _to_sequence(x: torch.Tensor, ring: Ring) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, ring.size * hl, -1, d)
 
 
-class _ToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ring: Ring) -> torch.Tensor:
-        ctx.ring = ring
-        return _to_heads(x, ring)
+class _Relayout(torch.autograd.Function):
+    """Sequence split -> head split (`to_heads`) or back; backward: the other way (a permutation's
+    adjoint is its inverse)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
-        return _to_sequence(grad, ctx.ring), None
-
-
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ring: Ring) -> torch.Tensor:
-        ctx.ring = ring
-        return _to_sequence(x, ring)
+    def forward(ctx: Any, x: torch.Tensor, ring: Ring, to_heads: bool) -> torch.Tensor:
+        ctx.ring, ctx.to_heads = ring, to_heads
+        return (_to_heads if to_heads else _to_sequence)(x, ring)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
-        return _to_heads(grad, ctx.ring), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        return (_to_sequence if ctx.to_heads else _to_heads)(grad, ctx.ring), None, None
 
 
 def all_to_all_attention(
@@ -315,8 +307,8 @@ def all_to_all_attention(
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if kv_heads % ring.size:  # too few key/value heads to split: one per query head
         k, v = _expand(k, heads // kv_heads), _expand(v, heads // kv_heads)
-    q, k, v = (_ToHeads.apply(t, ring) for t in (q, k, v))
+    q, k, v = (_Relayout.apply(t, ring, True) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     y = torch.nn.functional.scaled_dot_product_attention(q, _expand(k, group), _expand(v, group), is_causal=True,
                                                          scale=scale)  # fmt: skip
-    return _ToSequence.apply(y, ring)
+    return _Relayout.apply(y, ring, False)
