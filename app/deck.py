@@ -582,9 +582,9 @@ class Deck:
 
 def replaced(obj: T, **changes: Any) -> T:
     """`dataclasses.replace` for the deck and its sections, without running `__init__` again: a
-    shallow copy with `changes` set. The search derives tens of thousands of decks from one, and
-    `dataclasses.replace` cost it 40 us a call (a quarter of a search). Sections with a
-    `__post_init__` (model: the arch's default tie) go through `dataclasses.replace`."""
+    shallow copy with `changes` set. The search derives tens of thousands of decks from one, eight
+    copies each: 8.4 -> 7.4 s of CPU for the 529.6B row's search on a 2-core machine. Sections with
+    a `__post_init__` (model: the arch's default tie) go through `dataclasses.replace`."""
     cls = type(obj)
     if hasattr(cls, "__post_init__"):
         return dataclasses.replace(obj, **changes)

@@ -1,7 +1,7 @@
 """Context-parallel attention (app/tensor_parallel/context.py), the ring and the all-to-all
-(Ulysses), against plain causal attention over the whole sequence: values and gradients, fp32 and bf16, with grouped-query attention and head sizes that are
-not powers of two, on a ring of every rank of the job (1, 2 and 4 ranks in the mpi-1/2/4 groups, 8
-in mpi-8). The all-to-all needs cp to divide the heads: where it does not, it must refuse.
+(Ulysses), against plain causal attention over the whole sequence: values and gradients, fp32 and
+bf16, with grouped-query attention and head sizes that are not powers of two, on a ring of every
+rank of the job (1, 2 and 4 ranks in the mpi-1/2/4 groups, 8 in mpi-8). The all-to-all needs cp to divide the heads: where it does not, it must refuse.
 
 Tolerances. fp32: the ring only regroups the softmax's sums (blocks merged by log-sum-exp) and the
 gradients' sums over key blocks and over ranks, ~1e-7 relative per operation on values of order 1:

@@ -200,7 +200,7 @@ def _rank_shapes(deck: Deck, machine: Machine, tp: int, mb: int) -> list[tuple[f
     out = []
     for shape in _shapes(tp):
         par = replaced(deck.parallel, tp=tp, pp=1, dp="auto", virtual_stages=1, stage_layers=None,
-                                  sequence_parallel=False, tensor=list(shape))  # fmt: skip
+                       sequence_parallel=False, tensor=list(shape))  # fmt: skip
         variant = replaced(deck, parallel=par, train=replaced(deck.train, micro_batch=mb))
         try:
             validate(variant)
