@@ -38,6 +38,7 @@ log-sum-exp is the next step.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -147,6 +148,29 @@ def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
     return t.repeat_interleave(group, dim=1) if group > 1 else t
 
 
+def _held_blocks(ring: Ring, kv: list[torch.Tensor], overlap: bool) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """The ring's steps, forward and backward alike: (the rank whose keys and values this rank
+    holds, those tensors), the next block travelling while the caller computes on this one (after
+    it, with `overlap` False). A gloo work is waited for once: a second wait hangs."""
+    for step in range(ring.size):
+        works: list[Any] = []
+        if step < ring.size - 1:
+            incoming, works = _exchange(ring, kv, KV_TAG)
+            if not overlap:
+                _wait(works)
+                works = []
+        yield (ring.rank - step) % ring.size, kv
+        if step < ring.size - 1:
+            _wait(works)
+            kv = incoming
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One block's scaled scores q k^T (fp32); the same chunk's keys masked after each query."""
+    scores = q @ k.transpose(-1, -2) * scale
+    return scores.masked_fill(~mask, -math.inf) if causal else scores
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -157,28 +181,16 @@ class _RingAttention(torch.autograd.Function):
         mask = _causal_mask(halves[0].shape[SEQ_DIM], q.device)
         out = [torch.zeros_like(h) for h in halves]
         lse = [torch.full(h.shape[:-1], -math.inf, device=q.device) for h in halves]
-        kv = [k, v]
-        for step in range(ring.size):
-            works: list[Any] = []
-            if step < ring.size - 1:  # the next block travels while this one is computed
-                incoming, works = _exchange(ring, kv, KV_TAG)
-                if not overlap:
-                    _wait(works)
-                    works = []  # a work is waited for once
+        for src, kv in _held_blocks(ring, [k, v], overlap):
             keys, values = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
-            for qh, kh, causal in _blocks(ring, (ring.rank - step) % ring.size):
-                scores = halves[qh] @ keys[kh].transpose(-1, -2) * scale
-                if causal:
-                    scores = scores.masked_fill(~mask, -math.inf)
+            for qh, kh, causal in _blocks(ring, src):
+                scores = _scores(halves[qh], keys[kh], causal, mask, scale)
                 block_lse = torch.logsumexp(scores, dim=-1)
                 block_out = torch.exp(scores - block_lse.unsqueeze(-1)) @ values[kh]
                 merged = torch.logaddexp(lse[qh], block_lse)
                 out[qh] = (out[qh] * torch.exp(lse[qh] - merged).unsqueeze(-1)
                            + block_out * torch.exp(block_lse - merged).unsqueeze(-1))  # fmt: skip
                 lse[qh] = merged
-            if step < ring.size - 1:
-                _wait(works)
-                kv = incoming
         o = torch.cat(out, dim=SEQ_DIM)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=SEQ_DIM))
         ctx.ring, ctx.scale, ctx.overlap = ring, scale, overlap
@@ -196,25 +208,15 @@ class _RingAttention(torch.autograd.Function):
         lse_halves, delta_halves = lse.chunk(2, dim=SEQ_DIM), delta.chunk(2, dim=SEQ_DIM)
         mask = _causal_mask(q_halves[0].shape[SEQ_DIM], q.device)
         dq = [torch.zeros_like(h) for h in q_halves]
-        kv = [k, v]
         grads: Optional[list[torch.Tensor]] = None  # the held block's gradient from the ranks before
         pending: list[Any] = []
-        for step in range(ring.size):
-            works: list[Any] = []
-            if step < ring.size - 1:
-                incoming, works = _exchange(ring, kv, KV_TAG)
-                if not overlap:
-                    _wait(works)
-                    works = []  # a work is waited for once
+        for src, kv in _held_blocks(ring, [k, v], overlap):
             keys, values = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
             dk = torch.zeros(b, kv_heads * group, s, d, device=q.device)
             dv = torch.zeros_like(dk)
             dk_halves, dv_halves = dk.chunk(2, dim=SEQ_DIM), dv.chunk(2, dim=SEQ_DIM)
-            for qh, kh, causal in _blocks(ring, (ring.rank - step) % ring.size):
-                scores = q_halves[qh] @ keys[kh].transpose(-1, -2) * scale
-                if causal:
-                    scores = scores.masked_fill(~mask, -math.inf)
-                p = torch.exp(scores - lse_halves[qh].unsqueeze(-1))
+            for qh, kh, causal in _blocks(ring, src):
+                p = torch.exp(_scores(q_halves[qh], keys[kh], causal, mask, scale) - lse_halves[qh].unsqueeze(-1))
                 dv_halves[kh].add_(p.transpose(-1, -2) @ g_halves[qh])
                 ds = p * (g_halves[qh] @ values[kh].transpose(-1, -2) - delta_halves[qh].unsqueeze(-1))
                 dq[qh] += ds @ keys[kh] * scale
@@ -230,9 +232,6 @@ class _RingAttention(torch.autograd.Function):
                     pending = []
             else:
                 grads = total
-            if step < ring.size - 1:
-                _wait(works)
-                kv = incoming
         _wait(pending)
         assert grads is not None
         return torch.cat(dq, dim=SEQ_DIM).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
