@@ -232,7 +232,10 @@ class _GroupTimer:
             calls.append(time.perf_counter() - t0)
 
         self._timed(both)
-        return max(0.0, self.agreed(statistics.median(calls) - self._timed(fn)))
+        # A rank can wait no less than nothing: clamped before the median, so that a rank whose
+        # loop alone was slowed by a neighbour (a few ms of negative wait) does not cancel a peer's
+        # real wait in the median of two.
+        return self.agreed(max(0.0, statistics.median(calls) - self._timed(fn)))
 
     def collectives(self, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
         import torch
