@@ -30,13 +30,13 @@ from app import archs
 from app.archs.spec import Arch
 from app.deck_yaml import MAX_DECK_BYTES, deck_error, parse_yaml, read_deck_file
 from app.errors import DeckError
-from app.names import AXES, PRECISIONS, RECOMPUTE
+from app.names import AXES, CP_KINDS, GRID_AXES, PRECISIONS, RECOMPUTE
 from app.schema import REQUIRED, Key, Problem, check, check_value, type_name
 
 T = TypeVar("T")
 
 # Upper bounds of the keys: what the code can honour, far above any real run.
-MAX_RANKS = 2**20  # tp x pp x dp; a dry run places every rank of the plan
+MAX_RANKS = 2**20  # tp x cp x pp x dp; a dry run places every rank of the plan
 MAX_LAYERS = 4096  # also bounds pp x virtual_stages (every chunk needs a layer)
 MAX_BATCH = 2**24  # samples; steps x global_batch stays far below 2^63 (int64 checkpoint attributes)
 DEFAULT_ARCH = "gpt2"  # model.arch of a deck that names none: log lines do not name it
@@ -178,7 +178,21 @@ class ParallelConfig:
     dp: Union[int, str] = _key(
         "auto", "data-parallel degree; auto = world size / (tp x pp)", min=1, max=MAX_RANKS, words=("auto",)
     )
-    order: str = _key("tp-dp-pp", "grid axes from innermost (neighbouring ranks) to outermost")
+    order: str = _key(
+        "tp-dp-pp",
+        "grid axes from innermost (neighbouring ranks) to outermost; cp may be placed too (else it "
+        "comes right after tp: tp-cp-dp-pp)",
+    )
+    cp: int = _key(
+        1, "context-parallel degree: ranks that hold the same samples and split every sequence into 2 cp chunks "
+        "(rank i holds chunks i and 2 cp - 1 - i, the same causal work on each); model.seq_len must be a multiple "
+        "of 2 cp; world = tp x cp x pp x dp", min=1, max=4096,
+    )  # fmt: skip
+    cp_kind: str = _key(
+        "ring", "context parallelism's attention: ring (key/value blocks passed around the cp ranks, overlapped "
+        "with the block attention) or all_to_all (Ulysses: the heads split over cp around attention; cp must "
+        "divide the heads per tp rank)", choices=CP_KINDS,
+    )  # fmt: skip
     ep: int = _key(
         1, "mixture of experts: expert-parallel degree, ranks of the dp axis that split the experts (each holds "
         "model.moe_experts / ep) and exchange tokens by all-to-all; must divide dp and model.moe_experts",
@@ -563,7 +577,8 @@ class Deck:
         parallelism, the hidden over X under 3D tensor parallelism. The trainer's and the performance
         model's."""
         m, par = self.model, self.parallel
-        seq = m.seq_len // par.tp if par.sequence_parallel else m.seq_len
+        seq = m.seq_len // par.cp  # context parallelism: this rank's two chunks of every sequence
+        seq = seq // par.tp if par.sequence_parallel else seq
         return self.train.micro_batch, seq, m.hidden // (par.tensor[0] if par.tensor is not None else 1)
 
     @property
@@ -713,10 +728,13 @@ def _validate(deck: Deck) -> None:
     if (m.hidden // m.heads) % 2:
         raise DeckError("model.heads", m.heads, f"hidden / heads = {m.hidden // m.heads} must be even")
     axes = par.order.split("-")
-    if sorted(axes) != sorted(AXES):
+    if sorted(axes) not in (sorted(AXES), sorted(GRID_AXES)):
         raise DeckError(
-            "parallel.order", par.order, "a permutation of tp, pp, dp joined by '-', innermost first, e.g. tp-dp-pp"
-        )
+            "parallel.order", par.order, "a permutation of tp, pp, dp (and cp) joined by '-', innermost first, "
+            "e.g. tp-dp-pp or tp-cp-dp-pp"
+        )  # fmt: skip
+    if par.cp > 1:
+        _validate_cp(deck)
     _validate_model_split(m, par)
     _validate_arch(m, par)
     if sorted(par.tensor_order) != ["x", "y", "z"]:
@@ -727,10 +745,10 @@ def _validate(deck: Deck) -> None:
         raise DeckError(
             "parallel.tensor_order", par.tensor_order, "only used with parallel.tensor (3D tensor parallelism)"
         )
-    ranks = par.tp * par.pp * (par.dp if isinstance(par.dp, int) else 1)
+    ranks = par.tp * par.cp * par.pp * (par.dp if isinstance(par.dp, int) else 1)
     if ranks > MAX_RANKS:
         raise DeckError(
-            "parallel.tp", par.tp, f"tp x pp{' x dp' if isinstance(par.dp, int) else ''} = {ranks:,} ranks; "
+            "parallel.tp", par.tp, f"tp x cp x pp{' x dp' if isinstance(par.dp, int) else ''} = {ranks:,} ranks; "
             f"gridlm runs on at most {MAX_RANKS:,}"
         )  # fmt: skip
     if tr.global_batch % tr.micro_batch:
@@ -765,6 +783,39 @@ def _validate(deck: Deck) -> None:
         raise DeckError("optim.offload_dir", opt.offload_dir, "only used with optim.offload = nvme")
     _validate_data(deck.data)
     _validate_goldfish_eval(deck)
+
+
+def _validate_cp(deck: Deck) -> None:
+    """Context parallelism (parallel.cp > 1): the sequence splits into 2 cp equal chunks (and each
+    rank's two into tp shards under sequence parallelism); what it does not combine with yet."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    if m.seq_len % (2 * par.cp):
+        raise DeckError(
+            "model.seq_len", m.seq_len, f"parallel.cp = {par.cp} splits every sequence into 2 cp = {2 * par.cp} "
+            f"chunks: use a multiple of {2 * par.cp}"
+        )  # fmt: skip
+    if par.sequence_parallel and (m.seq_len // par.cp) % par.tp:
+        raise DeckError(
+            "model.seq_len", m.seq_len, f"sequence parallelism splits each cp rank's {m.seq_len // par.cp} positions "
+            f"over tp = {par.tp}: use a multiple of {par.cp * par.tp}"
+        )  # fmt: skip
+    if par.cp_kind == "all_to_all" and (m.heads // par.tp) % par.cp:
+        raise DeckError(
+            "parallel.cp_kind", par.cp_kind, f"the all-to-all splits each tp rank's {m.heads // par.tp} heads over "
+            f"cp = {par.cp}: use cp_kind: ring, or a cp that divides them"
+        )  # fmt: skip
+    # Not yet: each would need its own split (the 3D grid's Z, the experts' tokens, the masks, the
+    # attention's dropout inside the ring) and its equivalence cases.
+    for key, value, bad in (
+        ("parallel.tensor", par.tensor, par.tensor is not None),
+        ("model.moe_experts", m.moe_experts, bool(m.moe_experts)),
+        ("model.dropout", m.dropout, m.dropout > 0),
+        ("train.goldfish_k", tr.goldfish_k, bool(tr.goldfish_k)),
+    ):
+        if bad:
+            raise DeckError(
+                key, value, f"not yet with context parallelism (parallel.cp = {par.cp}): set parallel.cp: 1"
+            )
 
 
 def _validate_moe(deck: Deck) -> None:
@@ -964,18 +1015,21 @@ def resolve_for_world(deck: Deck, world_size: int) -> Deck:
     par, tr = deck.parallel, deck.train
     if not 1 <= world_size <= MAX_RANKS:
         raise DeckError("parallel.dp", par.dp, f"a world of {world_size:,} ranks; gridlm runs on 1 .. {MAX_RANKS:,}")
-    model_ranks = par.tp * par.pp
+    model_ranks = par.tp * par.cp * par.pp  # the ranks of one data replica
+    names, sizes = (
+        ("tp x cp x pp", f"{par.tp} x {par.cp} x {par.pp}") if par.cp > 1 else ("tp x pp", f"{par.tp} x {par.pp}")
+    )
     if par.dp == "auto":
         if world_size % model_ranks:
-            raise DeckError("parallel.tp", par.tp, f"tp x pp = {model_ranks} must divide the world size {world_size}")
+            raise DeckError("parallel.tp", par.tp, f"{names} = {model_ranks} must divide the world size {world_size}")
         dp = world_size // model_ranks
     else:
         dp = int(par.dp)
-        if par.tp * par.pp * dp != world_size:
+        if model_ranks * dp != world_size:
             raise DeckError(
                 "parallel.dp",
                 dp,
-                f"tp x pp x dp = {par.tp} x {par.pp} x {dp} = {model_ranks * dp} must equal the world size "
+                f"{names} x dp = {sizes} x {dp} = {model_ranks * dp} must equal the world size "
                 f"{world_size}; use dp: auto or launch {model_ranks * dp} ranks",
             )
     z = par.tensor[2] if par.tensor is not None else 1  # 3D tensor parallelism splits the batch over Z too

@@ -68,7 +68,7 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout, connect))
         runtime.watchdog.attach_store(*runtime.store_address, runtime.store_prefix)
         par = deck.parallel
-        grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order)
+        grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order, par.cp)
         body(deck, runtime, grid)
         runtime.watchdog.stop()
         shutdown(runtime)

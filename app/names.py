@@ -10,6 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 AXES = ("tp", "pp", "dp")  # the grid's axes, innermost-first in the default order tp-dp-pp
+# With context parallelism (parallel.cp > 1) a fourth: cp splits every sequence. An order that omits it
+# places it right after tp (Megatron-Core's tp-cp-dp-pp); the outputs name it only where cp > 1.
+GRID_AXES = ("tp", "cp", "pp", "dp")
+CP_KINDS = ("ring", "all_to_all")  # parallel.cp_kind: app/tensor_parallel/context.py
 # 3D tensor parallelism's sub-axes of tp, innermost first: timed apart, and within tp's total.
 TP_SUB_AXES = ("tp_x", "tp_y", "tp_z")
 # Communication timed apart and within its axis's total: 3D tensor parallelism's sub-axes of tp, and

@@ -67,6 +67,7 @@ from app.runtime.mpi import Runtime, agree, on_root
 from app.runtime.preflight import GIB, checkpoint_read, gpu_memory, h5py_has_mpi, preflight
 from app.runtime.signals import StopSignals, signal_name
 from app.runtime.timers import StepTimers
+from app.tensor_parallel.context import NO_CP, ContextParallel, Ring
 from app.tensor_parallel.mappings import TensorParallel
 from app.tensor_parallel.tensor3d import Tensor3D, tensor3d_from_grid
 
@@ -166,7 +167,9 @@ class Trainer:
         if par.ep > 1:  # experts split over ep consecutive dp ranks (`ProcessGrid.expert_groups`)
             place, group, _ = grid.expert_groups(par.ep)["ep"]
             ep = ExpertParallel(par.ep, place, group, self.timers)
-        self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, tr.recompute, ep)
+        # Context parallelism: the cp ranks hold the same samples, each its two chunks of every sequence.
+        cp = ContextParallel(Ring.of_group(grid.group["cp"]), par.cp_kind) if grid.size("cp") > 1 else NO_CP
+        self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, tr.recompute, ep, cp)
         if deck.run.compile:
             self.model.fuse(Kernels.compiled())  # llama's element-wise chains as generated kernels
         compute = torch_dtype(tr.precision)
@@ -260,12 +263,21 @@ class Trainer:
         batches = self._goldfish(batches) if self.deck.train.goldfish_k else self._count_all(batches)
         micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                          for x, y in batches]  # fmt: skip
+        micro_batches = self.own_positions(micro_batches)
         self.dp.start_step(len(micro_batches))
         # Mean over micro-batches in the pipeline, mean over dp in the reduction: the global-batch mean.
         with self.dp.saving():
             # 3D: the Z ranks' gradients are summed (reduce-scatter, `sp_group`), so each is 1/Z of the mean.
             scale = (self.scaler.scale if self.scaler else 1.0) / self.z_size
             return self.pipeline.run(self.model, micro_batches, scale)
+
+    def own_positions(self, micro_batches: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
+        """Context parallelism: this rank's two chunks of every sequence of the micro-batches' tokens
+        and targets (the deck refuses Goldfish's weighted targets with cp); unchanged at cp = 1."""
+        cp = self.model.cp
+        if cp.size == 1:
+            return micro_batches
+        return [(cp.split(x, 1), cp.split(y, 1)) for x, y in micro_batches]
 
     def _count_all(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, Targets]]:
         """No Goldfish: every target of the global batch counts (and the loss path is untouched)."""
@@ -346,7 +358,8 @@ class Trainer:
         g = info["grid"]
         self.runtime.log(
             f"gridlm: resumed from {path} at step {info['step']} ({info['seconds']:.2f} s) | written on "
-            f"tp={g['tp']}{' tensor=' + str(g['tensor']) if 'tensor' in g else ''} pp={g['pp']} dp={g['dp']} "
+            f"tp={g['tp']}{' tensor=' + str(g['tensor']) if 'tensor' in g else ''}{' cp=' + str(g['cp']) if 'cp' in g else ''} "
+            f"pp={g['pp']} dp={g['dp']} "
             f"zero={g['zero']} {info['precision']}"
             + (" | resharded to this grid" if info["resharded"] else "")
             + ("" if info["rng_restored"] else " | RNG states not restored (other grid): dropout masks differ")

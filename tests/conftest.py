@@ -291,13 +291,13 @@ class GridPool:
             self._runtimes[size] = sub
         return self._runtimes[size]
 
-    def grid(self, tp: int, pp: int, dp: int, order: str = "tp-dp-pp"):
-        """The tp x pp x dp grid (in `order`) of this rank's copy, made on first use."""
+    def grid(self, tp: int, pp: int, dp: int, order: str = "tp-dp-pp", cp: int = 1):
+        """The tp x cp x pp x dp grid (in `order`) of this rank's copy, made on first use."""
         from app.runtime.grid import ProcessGrid
 
-        key = (tp, pp, dp, order)
+        key = (tp, pp, dp, order, cp)
         if key not in self._grids:
-            self._grids[key] = ProcessGrid(self.runtime(tp * pp * dp), tp, pp, dp, order)
+            self._grids[key] = ProcessGrid(self.runtime(tp * cp * pp * dp), tp, pp, dp, order, cp)
         return self._grids[key]
 
     def trains(self, size: int) -> bool:

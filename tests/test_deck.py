@@ -569,3 +569,33 @@ def test_replaced_equals_dataclasses_replace_and_refuses_unknown_fields():
         replaced(deck.train, micro_batches=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         new.train.micro_batch = 8  # still frozen
+
+
+def test_context_parallelism_takes_its_ranks_from_the_world_and_refuses_what_it_cannot_split():
+    """parallel.cp: world = tp x cp x pp x dp; the sequence splits into 2 cp chunks (cp x tp shards
+    under SP); the all-to-all splits each tp rank's heads over cp; what cp does not combine with
+    yet is refused by name, with the way out."""
+    deck = load_deck(TINY, ("parallel.cp=2", "parallel.tp=2", "model.seq_len=16"))
+    assert resolve_for_world(deck, 8).dp == 2 and resolve_for_world(deck, 8).stage_message[1] == 8
+    with pytest.raises(DeckError, match=r"tp x cp x pp = 4 must divide the world size 6"):
+        resolve_for_world(deck, 6)
+    with pytest.raises(DeckError, match=r"tp x cp x pp x dp = 2 x 2 x 1 x 3 = 12 must equal the world size 8"):
+        resolve_for_world(load_deck(TINY, ("parallel.cp=2", "parallel.tp=2", "model.seq_len=16", "parallel.dp=3")), 8)
+    sp = load_deck(TINY, ("parallel.cp=2", "parallel.tp=2", "model.seq_len=16", "parallel.sequence_parallel=true"))
+    assert resolve_for_world(sp, 4).stage_message[1] == 4  # 16 / cp / tp
+    for overrides, key, words in (
+        (("parallel.cp=3", "model.seq_len=16"), "model.seq_len", "use a multiple of 6"),
+        (("parallel.cp=2", "parallel.tp=4", "model.seq_len=20", "parallel.sequence_parallel=true"), "model.seq_len",
+         "use a multiple of 8"),
+        (("parallel.cp=4", "model.seq_len=16", "parallel.tp=2", "model.heads=4", "parallel.cp_kind=all_to_all"),
+         "parallel.cp_kind",
+         "splits each tp rank's 2 heads over cp = 4"),
+        (("parallel.cp=2", "model.seq_len=16", "model.dropout=0.1"), "model.dropout", "set parallel.cp: 1"),
+        (("parallel.cp=2", "model.seq_len=16", "parallel.tensor=[1, 1, 2]", "parallel.tp=2"), "parallel.tensor",
+         "not yet with context parallelism"),
+        (("parallel.order=tp-dp-pp-ep",), "parallel.order", "and cp"),
+    ):  # fmt: skip
+        with pytest.raises(DeckError, match=words) as err:
+            load_deck(TINY, overrides)
+        assert err.value.key == key, (overrides, err.value.key)
+    assert load_deck(TINY, ("parallel.order=dp-cp-tp-pp",)).parallel.order == "dp-cp-tp-pp"

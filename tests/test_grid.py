@@ -249,3 +249,24 @@ def test_a_warm_heap_serves_large_temporaries_without_page_faults():
     assert warmed == "True"
     assert int(cold) > 8 * 1024, run.stdout  # at least half of the 16 x 1024 pages faulted afresh
     assert int(warm) < 1024, run.stdout  # not one result's worth
+
+
+@pytest.mark.parametrize("order", ["tp-dp-pp", "tp-cp-dp-pp", "cp-tp-pp-dp", "dp-pp-tp-cp"])
+def test_the_cp_axis_is_a_fourth_axis_and_its_replicas_are_every_dp_and_cp_rank(order):
+    """cp is placed where the order says (right after tp when it does not name it); the grid stays a
+    bijection; the replica group of a rank (dp x cp, dp-major) holds every rank with its tp and pp
+    coordinates; at cp = 1 nothing names cp."""
+    layout = GridLayout.from_order_string(2, 2, 3, order, cp=2)
+    assert layout.world_size == 24 and layout.axes == ("tp", "cp", "pp", "dp")
+    coords = [layout.coords(r) for r in range(24)]
+    assert all(layout.rank(**c) == r for r, c in enumerate(coords))
+    assert len({tuple(c.values()) for c in coords}) == 24
+    if "cp" not in order:
+        assert layout.order == ("tp", "cp", "dp", "pp") and layout.group_of(0, "cp") == [0, 2]
+    for r in range(24):
+        replicas = layout.replica_group_of(r)
+        assert [(coords[q]["dp"], coords[q]["cp"]) for q in replicas] == [(d, c) for d in range(3) for c in range(2)]
+        assert {(coords[q]["tp"], coords[q]["pp"]) for q in replicas} == {(coords[r]["tp"], coords[r]["pp"])}
+    plain = GridLayout.from_order_string(2, 2, 3, "tp-dp-pp")
+    assert set(plain.coords(5)) == set(AXES) and plain.describe()["order"] == "tp-dp-pp"
+    assert "cp" in layout.describe() and "cp" not in plain.describe()

@@ -95,11 +95,16 @@ class Case(NamedTuple):
     param_mean_atol: float = math.inf  # mixed precision: the mean error per tensor (module docstring)
     tensor: tuple[int, int, int] | None = None  # 3D tensor parallelism's [x, y, z] (x y z = tp)
     ep: int = 1  # expert parallelism (a mixture of experts' experts split over ep dp ranks)
+    cp: int = 1  # context parallelism (every sequence split over cp ranks)
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def id(self) -> str:
         tp = "x".join(map(str, self.tensor)) if self.tensor else self.tp
-        tags = [f"tp{tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        tags = [f"tp{tp}"] + ([f"cp{self.cp}"] if self.cp > 1 else []) + [f"pp{self.pp}", f"dp{self.dp}"]
         tags += ["sp"] if self.sp else []
         tags += [f"ep{self.ep}"] if self.ep > 1 else []
         tags += [f"interleaved{self.virtual}"] if self.virtual > 1 else []
@@ -111,7 +116,8 @@ class Case(NamedTuple):
         return (
             f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
             f"parallel.sequence_parallel={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual}",
-            *([f"parallel.tensor={list(self.tensor)}"] if self.tensor else []), f"parallel.ep={self.ep}", *self.extra,
+            *([f"parallel.tensor={list(self.tensor)}"] if self.tensor else []), f"parallel.ep={self.ep}",
+            f"parallel.cp={self.cp}", *self.extra,
         )  # fmt: skip
 
 
@@ -243,6 +249,22 @@ CASES += [
     Case(1, 1, 4, ep=2, extra=(*LLAMA, *MOE, "train.precision=bf16"), **BF16),
 ]
 
+# Context parallelism (parallel.cp): every sequence split over the cp ranks (rank i holds chunks i and
+# 2 cp - 1 - i), causal attention over the whole of it by the ring (key/value blocks passed around,
+# softmax merged by log-sum-exp in fp32) or the all-to-all (heads split over cp around attention);
+# gradients averaged over dp x cp. The ring at seq 256 on cp 2 and 4; with tp and SP, pp, llama's
+# GQA and rotary positions, ZeRO-1 and -3 (sharded over dp x cp), full and selective recompute, bf16.
+SEQ256 = ("model.seq_len=256",)
+A2A = ("parallel.cp_kind=all_to_all",)
+CASES += [
+    Case(1, 1, 1, cp=2, extra=SEQ256), Case(1, 1, 1, cp=4, extra=SEQ256),
+    Case(2, 1, 2, cp=2, sp=True), Case(1, 2, 1, cp=2), Case(1, 2, 2, cp=2, extra=(*LLAMA, "optim.zero=1")),
+    Case(1, 1, 1, cp=2, extra=A2A), Case(2, 1, 1, cp=2, extra=(*A2A, *LLAMA)),
+    Case(1, 1, 2, cp=2, extra=("train.recompute=full", "optim.zero=3")),
+    Case(2, 1, 1, cp=2, extra=("train.recompute=selective",)),
+    Case(1, 1, 2, cp=2, extra=("train.precision=bf16",), **BF16),
+]  # fmt: skip
+
 _REFERENCES: dict = {}
 
 
@@ -256,13 +278,13 @@ def _reference(grids, extra: tuple[str, ...], run_dir) -> tuple[list[float], dic
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path, case):
     ref_losses, ref_params = _reference(grids, case.extra, tmp_path / "solo")
-    size = case.tp * case.pp * case.dp
+    size = case.size
     sub = grids.runtime(size)
     run_dir = sub.comm.bcast(str(tmp_path / "grid"), root=0)
     deck = resolve_for_world(
         load_deck(REPO / "inputs/gpt_tiny.yaml", (*TINY, *case.overrides(), f"run.dir={run_dir}")), size
     )
-    grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order)
+    grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order, case.cp)
     if case.tensor:  # the sub-axes' groups: made by every copy, like the pipeline's (GridPool.stand_by)
         grid.tensor3d(case.tensor, deck.parallel.tensor_order)
     if case.ep > 1:  # the expert groups, likewise

@@ -212,13 +212,15 @@ def decode(values: np.ndarray, logical: str) -> torch.Tensor:
 
 def grid_signature(state: TrainingState) -> dict[str, Any]:
     """The grid a checkpoint was written on; another one loads it resharded, without the RNG states.
-    Under 3D tensor parallelism its [x, y, z] too (absent otherwise, so older files still match),
+    Under 3D tensor parallelism its [x, y, z] too and under context parallelism its cp (each absent
+    otherwise, so older files still match),
     and a tensor_order other than xyz: the same tp split otherwise seeds dropout by other data
     ranks (the batch is split over z)."""
     par = state.deck.parallel
     g = state.grid
     return {
         "tp": g.size("tp"), "pp": g.size("pp"), "dp": g.size("dp"), "order": par.order,
+        **({"cp": g.size("cp")} if g.size("cp") > 1 else {}),
         "virtual_stages": par.virtual_stages, "sequence_parallel": par.sequence_parallel,
         "zero": state.dp.level, "world_size": state.runtime.world_size,
         **({"tensor": list(par.tensor)} if par.tensor is not None else {}),

@@ -126,7 +126,9 @@ def evaluate(trainer: Evaluated, held_out: HeldOut) -> EvalInfo:
 
             # An id out of range on one rank (DataError) ends every rank together.
             batches = agree(rt, read) if isinstance(dataset, MemmapTokens) else read()
-            micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
+            cp = trainer.model.cp  # context parallelism: this rank's two chunks of each sequence
+            micro = [(cp.split(x.to(device, non_blocking=True), 1), cp.split(y.to(device, non_blocking=True), 1))
+                     for x, y in batches]  # fmt: skip
             total += trainer.pipeline.evaluate(trainer.model, micro)
     finally:
         trainer.model.train(was_training)

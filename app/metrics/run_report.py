@@ -124,10 +124,13 @@ class RunReport:
         """The run's shape, before training: four lines, any warnings, the FLOP convention."""
         deck, rt, grid, built = self.deck, self.runtime, self.grid, self.built
         tr, par = deck.train, deck.parallel
+        cp = grid.size("cp")
+        order = "-".join(grid.layout.order) if cp > 1 else par.order  # where cp sits, once it is there
         rt.log(
             f"gridlm: {built.parameters:,} parameters{_arch_words(deck.model)} | world {rt.world_size} on {rt.nodes} node(s) | "
-            f"grid tp={grid.size('tp')}{_tensor3d_words(par.tensor3d, par.tensor_order)} pp={grid.size('pp')} dp={grid.size('dp')} "
-            f"{f'(ep={par.ep}) ' if par.ep > 1 else ''}({par.order}) | "
+            f"grid tp={grid.size('tp')}{_tensor3d_words(par.tensor3d, par.tensor_order)} "
+            f"{f'cp={cp} ' if cp > 1 else ''}pp={grid.size('pp')} dp={grid.size('dp')} "
+            f"{f'(ep={par.ep}) ' if par.ep > 1 else ''}({order}) | "
             f"device {self.device_name}"
         )
         if rt.nodes > 1 or rt.store_source == "GRIDLM_MASTER_ADDR":
@@ -136,14 +139,16 @@ class RunReport:
         rt.log(
             f"gridlm: global batch {tr.global_batch} = micro batch {tr.micro_batch} x "
             f"{built.micro_batches} accumulation x dp {grid.size('dp')}"
-            f"{f' x z {par.batch_split}' if par.batch_split > 1 else ''} | seq {deck.model.seq_len} | "
+            f"{f' x z {par.batch_split}' if par.batch_split > 1 else ''} | seq {deck.model.seq_len}"
+            f"{f' split over cp {par.cp} ({par.cp_kind}, {deck.model.seq_len // par.cp} per rank)' if par.cp > 1 else ''} | "
             f"{tr.steps} steps | data {deck.data.kind} | run dir {self.run_dir}"
         )
         schedule = SCHEDULES[schedule_key(par.virtual_stages)]
         rt.log(
             f"gridlm: pipeline {schedule}, {grid.size('pp')} stage(s) x {par.virtual_stages} chunk(s), "
             f"layers per chunk {built.layers_per_chunk} | sequence parallel {'on' if par.sequence_parallel else 'off'} | "
-            f"groups inside a node: " + ", ".join(f"{a} {'yes' if grid.within_node[a] else 'no'}" for a in AXES)
+            f"groups inside a node: "
+            + ", ".join(f"{a} {'yes' if grid.within_node[a] else 'no'}" for a in grid.layout.axes)
         )
         opt = deck.optim
         overlaps = ", ".join(f"{k.removeprefix('overlap_').replace('_', '-')} {'on' if getattr(par, k) else 'off'}"

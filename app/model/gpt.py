@@ -45,6 +45,7 @@ from app.model.goldfish import CountedTargets
 from app.model.moe import NO_EP, ExpertParallel, MoE, RouterStats
 from app.names import RECOMPUTE
 from app.sharding.init import ParamMeta, init_parameters
+from app.tensor_parallel.context import NO_CP, ContextParallel
 from app.tensor_parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
@@ -103,13 +104,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, theta: float, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, theta: float, start: int = 0, positions: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding (Su et al. 2021) of q and k, (B, heads, S, head_dim), at positions
-    start .. start + S - 1: the two halves of each head's features rotate by angle position x
-    theta^(-2i / d), Hugging Face Llama's convention (rotate_half, not interleaved pairs), angles in fp32."""
+    start .. start + S - 1, or at `positions` (S,) (context parallelism's chunks): the two halves of
+    each head's features rotate by angle position x theta^(-2i / d), Hugging Face Llama's convention
+    (rotate_half, not interleaved pairs), angles in fp32."""
     d, s = q.shape[-1], q.shape[-2]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d))
-    positions = torch.arange(start, start + s, device=q.device, dtype=torch.float32)
+    if positions is None:
+        positions = torch.arange(start, start + s, device=q.device, dtype=torch.float32)
+    else:
+        positions = positions.to(device=q.device, dtype=torch.float32)
     angles = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
@@ -136,6 +143,7 @@ class Attention(nn.Module):
         self.rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rotary  # or compiled (`GPT.fuse`)
         self.math = cfg.attention_kernel == "math"
         self.recompute_core = recompute_core
+        self.cp: ContextParallel = NO_CP  # set by GPT: this rank's part of each sequence
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
         if isinstance(tp, Tensor3D):  # heads split over Y (the qkv's out axis, the proj's in axis)
             self.heads = cfg.heads // tp.y.size
@@ -159,7 +167,9 @@ class Attention(nn.Module):
             grouped = qkv.view(b, s, kv, self.group + 2, self.head_dim)
             q = grouped[:, :, :, : self.group].reshape(b, s, self.heads, self.head_dim).transpose(1, 2)
             k, v = (grouped[:, :, :, self.group + i].transpose(1, 2) for i in (0, 1))
-        if self.rope_theta is not None:
+        if self.rope_theta is not None and self.cp.size > 1:  # this rank's two chunks of the sequence
+            q, k = rotary(q, k, self.rope_theta, positions=self.cp.positions(s * self.cp.size, q.device))
+        elif self.rope_theta is not None:
             # Training's shapes are fixed: the fused kernel (`GPT.fuse`); decoding's vary: eager.
             q, k = (self.rotary if start == 0 and self.training else rotary)(q, k, self.rope_theta, start)
         return q, k, v
@@ -175,6 +185,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._heads(x)
+        if self.cp.size > 1:  # over the cp ranks' whole sequence; k and v travel unexpanded
+            if self.recompute_core and _recomputing(self):
+                y = checkpoint(self.cp.attention, q, k, v, use_reentrant=False)
+            else:
+                y = self.cp.attention(q, k, v)
+            return self._project(y)
         k, v = self._expand(k, v)
         dropout = self.dropout if self.training else 0.0
         if self.recompute_core and _recomputing(self):
@@ -355,11 +371,13 @@ class GPT(nn.Module):
         last: bool = True,
         recompute: str = "none",
         ep: ExpertParallel = NO_EP,
+        cp: ContextParallel = NO_CP,
     ) -> None:
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
         self.cfg, self.tp, self.first, self.last, self.recompute = cfg, tp, first, last, recompute
+        self.cp = cp
         self.drop = nn.Dropout(cfg.dropout)
         if first or (last and cfg.tie_embeddings):
             if isinstance(tp, Tensor3D):
@@ -378,6 +396,8 @@ class GPT(nn.Module):
         ids = range(cfg.layers) if layers is None else layers
         self.router_stats = RouterStats()  # the mixture-of-experts layers' losses this step (app/model/moe.py)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device, recompute, i, self.router_stats, ep) for i in ids})
+        for block in self.blocks.values():
+            block.attn.cp = cp
         if last:
             self.ln_f = _layer_norm(cfg, tp, device)
             if not cfg.tie_embeddings:
@@ -446,6 +466,8 @@ class GPT(nn.Module):
             self._exit("embed")
             return x
         positions = self.wpe[: tokens.shape[1]]
+        if self.cp.size > 1:  # tokens are this rank's two chunks: the rows of their positions
+            positions = self.cp.split(self.wpe[: tokens.shape[1] * self.cp.size], 0)
         if self.tp.sequence_parallel:
             positions = self.tp.split(positions, 0)  # this rank's sequence chunk, like the embedding's
         x = self.drop(embedded + positions)

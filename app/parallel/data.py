@@ -158,8 +158,11 @@ class DataParallel:
         ep: int = 1,
     ) -> None:
         self.timers = timers
-        self.dp, self.dp_rank = grid.size("dp"), grid.coords["dp"]
-        self.group = grid.group["dp"] if self.dp > 1 else None
+        # The replicas of these parameters: dp, times cp under context parallelism (its ranks hold
+        # the same parameters and partial gradients of the same loss: averaged over dp x cp at once).
+        replicas = grid.replicas
+        self.dp, self.dp_rank = replicas.size, replicas.rank
+        self.group = replicas.group if self.dp > 1 else None
         # Expert parallelism: expert buckets are reduced and sharded over the expert-data group.
         self.ep = ep
         self.expert_group = grid.expert_groups(ep)["edp"][1] if ep > 1 else None

@@ -25,7 +25,7 @@ def owned_shards(model: nn.Module, grid: ProcessGrid) -> dict[str, tuple[tuple[i
         meta = p.meta
         # Experts split over ep: the first ep dp ranks hold them all (one expert-data place each).
         replicas = meta.global_shape[0] // meta.local_shape[0] if "ep" in meta.split else 1
-        if grid.coords["dp"] >= replicas or not meta.owned_by(grid.coords["tp"]):
+        if grid.replicas.rank >= replicas or not meta.owned_by(grid.coords["tp"]):
             continue
         offset = meta.offset or (0,) * p.dim()
         shards[name] = (

@@ -14,9 +14,10 @@ from app.tensor_parallel.tensor3d import Tensor3D
 
 def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid, tp: Optional[Tensor3D | TensorParallel] = None) -> float:
     """The global-batch mean loss: held by the last stage (summed over pp), averaged over dp (and
-    under 3D tensor parallelism over Z, which splits the batch too)."""
+    under 3D tensor parallelism over Z, which splits the batch too, and over cp, whose ranks hold
+    equally many positions of each sequence)."""
     value = loss_sum.detach().clone()
-    grid.all_reduce(value, ("pp", "dp"))
+    grid.all_reduce(value, ("pp", "dp", "cp"))
     if isinstance(tp, Tensor3D) and tp.z.size > 1:
         value = tp.z.all_reduce(value) / tp.z.size
-    return float(value) / grid.size("dp")
+    return float(value) / (grid.size("dp") * grid.size("cp"))

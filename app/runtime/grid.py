@@ -1,12 +1,16 @@
-"""The tensor x pipeline x data process grid.
+"""The tensor x context x pipeline x data process grid.
 
 Two layers:
 
 * `GridLayout` is pure: a function of (world size, shape, order, ranks per node) that maps
-  every rank to its (tp, pp, dp) coordinates and lists the rank groups of each axis. It is
+  every rank to its (tp, cp, pp, dp) coordinates and lists the rank groups of each axis. It is
   what the 32,768-rank tests exercise, without launching anything.
 * `ProcessGrid` binds a layout to a running job: an MPI sub-communicator and a
-  torch.distributed group per axis.
+  torch.distributed group per axis, and the dp x cp group that reduces the gradients.
+
+Context parallelism (cp, parallel.cp) is the fourth axis: its ranks hold the same samples and
+parameters and split every sequence. At cp = 1 it is invisible: the outputs name tp, pp and dp
+only (`GridLayout.axes`), and an order without cp places it right after tp.
 
 Order: `order` lists the axes from innermost to outermost, so with the default `tp-dp-pp`
 tp neighbours are adjacent ranks (inside a node when tp divides the ranks per node) and
@@ -19,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from app.errors import LaunchError
-from app.names import AXES, TP_SUB_AXES, strides3d
+from app.names import AXES, GRID_AXES, TP_SUB_AXES, strides3d
 
 if TYPE_CHECKING:
     from app.runtime.mpi import Runtime
@@ -30,7 +34,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GridLayout:
-    """Pure position <-> (tp, pp, dp) mapping.
+    """Pure position <-> (tp, cp, pp, dp) mapping.
 
     Positions are node-major: position r lives on node r // ranks_per_node.
     """
@@ -40,22 +44,33 @@ class GridLayout:
     dp: int
     order: tuple[str, ...] = ("tp", "dp", "pp")
     ranks_per_node: Optional[int] = None
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        if sorted(self.order) != sorted(AXES):
-            raise ValueError(f"order {self.order} must be a permutation of {AXES}")
-        if min(self.tp, self.pp, self.dp) < 1:
-            raise ValueError(f"grid degrees must be >= 1, got tp={self.tp} pp={self.pp} dp={self.dp}")
+        order = tuple(self.order)
+        if "cp" not in order and "tp" in order:  # tp-dp-pp -> tp-cp-dp-pp
+            at = order.index("tp") + 1
+            order = (*order[:at], "cp", *order[at:])
+        if sorted(order) != sorted(GRID_AXES):
+            raise ValueError(f"order {self.order} must be a permutation of {AXES} (and cp, else after tp)")
+        object.__setattr__(self, "order", order)  # frozen: normalised once, here
+        if min(self.tp, self.pp, self.dp, self.cp) < 1:
+            raise ValueError(f"grid degrees must be >= 1, got tp={self.tp} cp={self.cp} pp={self.pp} dp={self.dp}")
 
     @classmethod
     def from_order_string(
-        cls, tp: int, pp: int, dp: int, order: str = "tp-dp-pp", ranks_per_node: Optional[int] = None
+        cls, tp: int, pp: int, dp: int, order: str = "tp-dp-pp", ranks_per_node: Optional[int] = None, cp: int = 1
     ) -> GridLayout:
-        return cls(tp, pp, dp, tuple(order.split("-")), ranks_per_node)
+        return cls(tp, pp, dp, tuple(order.split("-")), ranks_per_node, cp)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes the outputs name: tp, pp, dp, and cp where cp > 1."""
+        return GRID_AXES if self.cp > 1 else AXES
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def size(self, axis: str) -> int:
         return getattr(self, axis)
@@ -68,19 +83,27 @@ class GridLayout:
         return stride
 
     def coords(self, rank: int) -> dict[str, int]:
-        """The (tp, pp, dp) coordinates of `rank`."""
+        """The (tp, pp, dp) coordinates of `rank`, and cp's where cp > 1."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        return {axis: (rank // self.stride(axis)) % self.size(axis) for axis in AXES}
+        return {axis: (rank // self.stride(axis)) % self.size(axis) for axis in self.axes}
 
-    def rank(self, tp: int, pp: int, dp: int) -> int:
-        """The rank at coordinates (tp, pp, dp)."""
-        return tp * self.stride("tp") + pp * self.stride("pp") + dp * self.stride("dp")
+    def rank(self, tp: int, pp: int, dp: int, cp: int = 0) -> int:
+        """The rank at coordinates (tp, cp, pp, dp)."""
+        return tp * self.stride("tp") + cp * self.stride("cp") + pp * self.stride("pp") + dp * self.stride("dp")
 
     def group_of(self, rank: int, axis: str) -> list[int]:
         """The ranks sharing every coordinate of `rank` but `axis`, ordered along `axis`."""
-        base = rank - self.coords(rank)[axis] * self.stride(axis)
+        base = rank - self._coord(rank, axis) * self.stride(axis)
         return [base + i * self.stride(axis) for i in range(self.size(axis))]
+
+    def _coord(self, rank: int, axis: str) -> int:
+        return (rank // self.stride(axis)) % self.size(axis)
+
+    def replica_group_of(self, rank: int) -> list[int]:
+        """The ranks holding the same parameters as `rank` (every coordinate but dp and cp), ordered
+        dp-major: dp rank d's cp ranks are d cp .. d cp + cp - 1. They reduce the gradients together."""
+        return [r for d in self.group_of(rank, "dp") for r in self.group_of(d, "cp")]
 
     def groups(self, axis: str) -> list[list[int]]:
         """All groups along `axis`; together they partition the world."""
@@ -99,10 +122,11 @@ class GridLayout:
     def describe(self) -> dict[str, Any]:
         return {
             "tp": self.tp,
+            **({"cp": self.cp} if self.cp > 1 else {}),
             "pp": self.pp,
             "dp": self.dp,
-            "order": "-".join(self.order),
-            "within_node": {axis: self.axis_within_node(axis) for axis in AXES},
+            "order": "-".join(a for a in self.order if a in self.axes),
+            "within_node": {axis: self.axis_within_node(axis) for axis in self.axes},
         }
 
 
@@ -125,6 +149,16 @@ def placement_warnings(
     return warnings
 
 
+class Replicas(NamedTuple):
+    """The dp x cp ranks that hold the same parameters (`ProcessGrid.replicas`): gradients are
+    averaged and ZeRO shards over them. At cp = 1 the dp group itself."""
+
+    rank: int
+    size: int
+    group: Any
+    ranks: list[int]
+
+
 class ProcessGrid:
     """A `GridLayout` bound to a running job: per-axis torch groups.
 
@@ -137,25 +171,30 @@ class ProcessGrid:
     live in one process (their runtimes should share one `Groups`).
     """
 
-    def __init__(self, runtime: Runtime, tp: int, pp: int, dp: int, order: str = "tp-dp-pp") -> None:
-        if tp * pp * dp != runtime.world_size:
-            raise LaunchError(
-                f"grid tp={tp} x pp={pp} x dp={dp} does not match the {runtime.world_size} ranks launched"
-            )
+    def __init__(self, runtime: Runtime, tp: int, pp: int, dp: int, order: str = "tp-dp-pp", cp: int = 1) -> None:
+        if tp * cp * pp * dp != runtime.world_size:
+            shape = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "") + f" x pp={pp} x dp={dp}"
+            raise LaunchError(f"grid {shape} does not match the {runtime.world_size} ranks launched")
         uniform = len(set(runtime.ranks_per_node_list)) == 1
-        self.layout = GridLayout.from_order_string(tp, pp, dp, order, runtime.ranks_per_node if uniform else None)
+        self.layout = GridLayout.from_order_string(tp, pp, dp, order, runtime.ranks_per_node if uniform else None, cp)
         node_major = sorted(range(runtime.world_size), key=lambda r: runtime.placement[r])
         self.rank = node_major.index(runtime.rank)
         self.coords = self.layout.coords(self.rank)
         self.group: dict[str, Any] = {}
         self._groups, self._backend = runtime.groups, runtime.backend
         self.ranks: dict[str, list[int]] = {}
-        for axis in AXES:
+        for axis in self.layout.axes:
             mine = self.layout.group_of(self.rank, axis)
             self.ranks[axis] = [runtime.global_ranks[node_major[r]] for r in mine]
             # Local synchronisation: only a group's members create it, so set-up costs O(group)
             # per rank instead of a world-wide barrier per group (32k ranks, thousands of groups).
             self.group[axis] = self._groups.new(self.ranks[axis], runtime.backend, runtime.watchdog, axis)
+        self.replicas = Replicas(self.coords["dp"], dp, self.group["dp"], self.ranks["dp"])
+        if cp > 1:
+            mine = self.layout.replica_group_of(self.rank)
+            ranks = [runtime.global_ranks[node_major[r]] for r in mine]
+            group = self._groups.new(ranks, runtime.backend, runtime.watchdog, "dp")
+            self.replicas = Replicas(mine.index(self.rank), dp * cp, group, ranks)
         self.watchdog = runtime.watchdog
         self.watchdog.set_groups(self.ranks)
         self._pipeline_groups: dict[Any, Any] = {}
@@ -164,10 +203,14 @@ class ProcessGrid:
         # From the measured placement (MPI's shared-memory split), not the layout's assumption:
         # do all members of every group of an axis share a node?
         node_of = [runtime.placement[r][0] for r in node_major]  # grid rank -> node
-        self.within_node = {axis: _groups_within_node(self.layout, axis, node_of) for axis in AXES}
+        self.within_node = {axis: _groups_within_node(self.layout, axis, node_of) for axis in self.layout.axes}
 
     def size(self, axis: str) -> int:
         return self.layout.size(axis)
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate on `axis` (0 on cp where cp = 1, which `coords` leaves out)."""
+        return self.coords.get(axis, 0)
 
     def tensor3d(self, shape: tuple[int, int, int], order: str = "xyz") -> dict[str, tuple[int, Any, list[int]]]:
         """The tp group as an X x Y x Z grid laid out `order` (innermost first, `names.strides3d`;
@@ -267,7 +310,7 @@ def _groups_within_node(layout: GridLayout, axis: str, node_of: Sequence[int]) -
     seen: dict[tuple[int, ...], int] = {}
     for r, node in enumerate(node_of):
         coords = layout.coords(r)
-        key = tuple(coords[a] for a in AXES if a != axis)
+        key = tuple(coords[a] for a in layout.axes if a != axis)
         if seen.setdefault(key, node) != node:
             return False
     return True

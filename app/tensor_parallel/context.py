@@ -313,3 +313,36 @@ def all_to_all_attention(
     y = torch.nn.functional.scaled_dot_product_attention(q, _expand(k, group), _expand(v, group), is_causal=True,
                                                          scale=scale)  # fmt: skip
     return _Relayout.apply(y, ring, False)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """What the model needs of context parallelism (parallel.cp, parallel.cp_kind): this rank's part
+    of each sequence (`split`, `positions`) and causal attention over the whole sequence
+    (`attention`). At cp = 1 (`NO_CP`) the model runs as without it."""
+
+    ring: Ring = Ring()
+    kind: str = "ring"  # names.CP_KINDS
+    overlap: bool = True  # the ring's transfers behind its blocks (False: for measuring the overlap)
+
+    @property
+    def size(self) -> int:
+        return self.ring.size
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's two chunks of the whole sequence `x` along `dim`."""
+        return split_sequence(x, self.ring, dim)
+
+    def positions(self, seq_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The global positions of this rank's tokens of a `seq_len` sequence."""
+        return positions(seq_len, self.ring, device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over the whole sequence of this rank's q (B, heads, own tokens, D) and
+        k, v (B, kv heads, own tokens, D): the ring or the all-to-all."""
+        if self.kind == "all_to_all":
+            return all_to_all_attention(q, k, v, self.ring)
+        return ring_attention(q, k, v, self.ring, overlap=self.overlap)
+
+
+NO_CP = ContextParallel()
