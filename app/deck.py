@@ -551,9 +551,16 @@ class Deck:
         return self.parallel.dp
 
     @property
+    def replicas(self) -> int:
+        """The ranks that hold the same parameters: dp, times cp under context parallelism (its ranks
+        split the sequences, not the model). Gradients are averaged and ZeRO shards over them."""
+        return self.dp * self.parallel.cp
+
+    @property
     def zero3(self) -> bool:
-        """ZeRO-3 in effect: `optim.zero` >= 3 and dp > 1 (at dp = 1 nothing is sharded); resolved decks."""
-        return self.optim.zero >= 3 and self.dp > 1
+        """ZeRO-3 in effect: `optim.zero` >= 3 and dp x cp > 1 (with one replica nothing is sharded);
+        resolved decks."""
+        return self.optim.zero >= 3 and self.replicas > 1
 
     @property
     def checkpoint_directory(self) -> str:

@@ -9,7 +9,9 @@ the sequence (app/tensor_parallel/context.py). Per round, the variants run in tu
 reversed every other round, so that none always runs first), each `--steps` forward + backward passes
 after one untimed one; rank 0 prints the medians over the rounds of each variant's slowest rank:
 
-- `ring`: `ring_attention`, each block sent while the one before is computed (the default);
+- `ring`: `ring_attention`, each block sent while the one before is computed (the default), each
+  block by torch's fused kernel where there is one (CPUs);
+- `ring_explicit`: the same with each block as explicit matmuls (what GPUs run until checked);
 - `ring_overlap_off`: the same, waiting for each block before computing it;
 - `all_to_all`: `all_to_all_attention` (needs cp to divide the heads; else skipped, said so);
 - `ring_messages`: only the ring's messages (cp - 1 key/value exchanges forward; backward cp - 1 again
@@ -37,7 +39,7 @@ sys.path.insert(0, str(REPO))  # this checkout's app
 sys.path.insert(0, str(REPO / "benchmarks"))
 from grid_bench import mpi_env  # noqa: E402
 
-VARIANTS = ("ring", "ring_overlap_off", "all_to_all", "ring_messages")
+VARIANTS = ("ring", "ring_explicit", "ring_overlap_off", "all_to_all", "ring_messages")
 
 
 def _messages(ring: Any, k: Any, v: Any) -> None:
@@ -83,6 +85,7 @@ def worker(args: argparse.Namespace) -> int:
 
     runs: dict[str, Callable[[], None]] = {
         "ring": attention(ring_attention),
+        "ring_explicit": attention(lambda *a: ring_attention(*a, fused=False)),
         "ring_overlap_off": attention(lambda *a: ring_attention(*a, overlap=False)),
         "ring_messages": lambda: _messages(ring, k, v),
     }

@@ -378,8 +378,10 @@ def grid_trainer(grids: GridPool, tp: int, pp: int, dp: int, overrides: tuple[st
     from app.train import Trainer
 
     sets = (*overrides, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}")
-    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), tp * pp * dp)
-    return Trainer(deck, grids.runtime(tp * pp * dp), grids.grid(tp, pp, dp, deck.parallel.order))
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
+    cp = deck.parallel.cp  # context parallelism, where the overrides set it
+    deck = resolve_for_world(deck, tp * cp * pp * dp)
+    return Trainer(deck, grids.runtime(tp * cp * pp * dp), grids.grid(tp, pp, dp, deck.parallel.order, cp))
 
 
 def sigterm_after_step(trainer, runtime, step: int) -> None:

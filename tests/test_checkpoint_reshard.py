@@ -177,3 +177,38 @@ def test_a_3d_tensor_checkpoint_loads_on_a_1d_grid_and_back(runtime, grids, tmp_
     assert first == pytest.approx(ref_losses[:SAVE_AT], rel=LOSS_RTOL), f"{first} vs {ref_losses[:SAVE_AT]}"
     assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=LOSS_RTOL), f"{losses} vs {ref_losses[SAVE_AT:]}"
     assert not problems, "\n".join(problems)
+
+
+# Context parallelism: a checkpoint of cp 4 x dp 2 (ZeRO-1 sharded over the 8 dp x cp ranks) loads on
+# one rank and on cp 2 x dp 2 (ZeRO-1 over 4), and training continues as the 1-rank run does.
+CP_SAVED = ("parallel.cp=4", "optim.zero=1")
+CP_LOADS = [(1, ()), (2, ("parallel.cp=2", "optim.zero=1"))]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("load_grid", CP_LOADS, ids=["cp1", "cp2-dp2-zero1"])
+def test_a_context_parallel_checkpoint_resumes_on_another_cp(runtime, grids, tmp_path, load_grid):
+    ref_losses, ref_params = _reference(grids, tmp_path / "solo")
+    if "cp_checkpoint" not in _CACHE:
+        trainer = _trainer(grids, 1, 1, 2, CP_SAVED, runtime.comm.bcast(str(tmp_path / "cp4"), root=0))
+        _CACHE["cp_losses"] = _train(trainer, SAVE_AT)
+        _CACHE["cp_checkpoint"] = trainer.save("test").path
+    assert _CACHE["cp_losses"] == pytest.approx(ref_losses[:SAVE_AT], rel=LOSS_RTOL)
+    dp, extra = load_grid
+    cp = 2 if extra else 1
+    sub = grids.runtime(cp * dp)
+    run_dir = sub.comm.bcast(str(tmp_path / "loaded"), root=0)
+    info, losses, problems = None, None, []
+    if grids.trains(cp * dp):
+        trainer = _trainer(grids, 1, 1, dp, extra, run_dir)
+        info = load(trainer, _CACHE["cp_checkpoint"])
+        losses = _train(trainer, STEPS - SAVE_AT)
+        problems, _ = shard_errors(trainer.model, ref_params, PARAM_ATOL, runtime.rank)
+    else:
+        grids.stand_by(grids.grid(1, 1, dp, "tp-dp-pp", cp), 1)
+    settle(runtime.comm)
+    problems = sum(runtime.comm.allgather(problems), [])
+    info, losses = next(x for x in runtime.comm.allgather((info, losses)) if x[0] is not None)
+    assert info["resharded"] and info["step"] == SAVE_AT
+    assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=LOSS_RTOL), f"{losses} vs {ref_losses[SAVE_AT:]}"
+    assert not problems, "\n".join(problems)

@@ -3,6 +3,10 @@
 bf16, with grouped-query attention and head sizes that are not powers of two, on a ring of every
 rank of the job (1, 2 and 4 ranks in the mpi-1/2/4 groups, 8 in mpi-8). The all-to-all needs cp to divide the heads: where it does not, it must refuse.
 
+The ring computes each block by torch's fused CPU kernel, which returns the log-sum-exp (the
+default on CPUs), or by explicit matmuls (`fused=False`, what GPUs run until the fused path is
+checked on one): both are tested.
+
 Tolerances. fp32: the ring only regroups the softmax's sums (blocks merged by log-sum-exp) and the
 gradients' sums over key blocks and over ranks, ~1e-7 relative per operation on values of order 1:
 2e-5 absolute. bf16: the ring computes in fp32 from the bf16 inputs and rounds its results to bf16
@@ -34,6 +38,7 @@ from app.tensor_parallel.context import (
 KINDS = {
     "ring": ring_attention,
     "ring-overlap-off": functools.partial(ring_attention, overlap=False),
+    "ring-explicit": functools.partial(ring_attention, fused=False),  # the GPUs' blocks, until fused there
     "all_to_all": all_to_all_attention,
 }
 

@@ -23,7 +23,7 @@ from app.names import SCHEDULES, schedule_key, strides3d
 from app.plan.estimate import LayoutCache, StageEstimate, Stages, checkpoint_bytes, estimate_stages, model_params
 from app.plan.machine import Machine, MachineError
 from app.plan.perf import Link, Placement, Prediction, axis_links, expert_exchange, place, predict
-from app.runtime.grid import AXES, GridLayout
+from app.runtime.grid import GridLayout
 from app.sharding.layout import SUB_AXES, ZERO3_PREFETCH
 
 GiB = 2.0**30
@@ -117,10 +117,11 @@ def world_for(
         return world_size, rpn
     par = deck.parallel
     if isinstance(par.dp, int):
-        return par.tp * par.pp * par.dp, rpn
+        return par.tp * par.cp * par.pp * par.dp, rpn
+    shape = f"tp x cp x pp = {par.tp * par.cp * par.pp}" if par.cp > 1 else f"tp x pp = {par.tp * par.pp}"
     raise PlanError(
         f"no world size: parallel.dp is auto; pass --world-size N, or --nodes N with a machine, or set "
-        f"parallel.dp (tp x pp = {par.tp * par.pp})"
+        f"parallel.dp ({shape})"
     )
 
 
@@ -141,7 +142,7 @@ def make_plan(
     deck = resolve_for_world(deck, world_size)
     par = deck.parallel
     rpn = ranks_per_node if ranks_per_node is not None else (machine.devices_per_node if machine else None)
-    layout = GridLayout.from_order_string(par.tp, par.pp, deck.dp, par.order, rpn)
+    layout = GridLayout.from_order_string(par.tp, par.pp, deck.dp, par.order, rpn, par.cp)
     plan = Plan(
         deck=deck,
         world_size=world_size,
@@ -150,7 +151,7 @@ def make_plan(
         layout=layout,
         stages=estimate_stages(deck, layouts),
         flops=step_flops(deck),
-        node_span={axis: _node_span(layout, axis) for axis in AXES},
+        node_span={axis: _node_span(layout, axis) for axis in layout.axes},
     )
     if par.tensor3d is not None:
         plan.node_span.update(_sub_axis_spans(layout, par.tensor3d, par.tensor_order))
@@ -173,6 +174,8 @@ def make_plan(
     plan.links = placement.links if placement is not None else axis_links(machine, layout, par.ep)
     if plan.problems:
         plan.unpredicted = "the plan has problems (below): nothing to predict"
+    elif par.cp > 1:  # memory and placement above know cp; the step-time model does not yet
+        plan.unpredicted = "the performance model does not model context parallelism (parallel.cp) yet"
     elif placement is None:
         missing = machine.missing_for_prediction(deck.train.precision, deck.optim.offload)
         plan.unpredicted = f"machine {machine.name} lacks {', '.join(missing)} (docs/PERFORMANCE_MODEL.md)"
@@ -324,7 +327,7 @@ def _check_memory(plan: Plan) -> None:
         targets.append("nvme")
     options += [(f"optim.offload={o}", zero, recompute, o) for o in targets]
     for key, z, r, o in options:
-        if (z, r, o) != (zero, recompute, offload) and (z == zero or deck.dp > 1):
+        if (z, r, o) != (zero, recompute, offload) and (z == zero or deck.replicas > 1):
             plan.alternatives[key] = plan.stage_total(plan.stages.peak(z, r, o, plan.host_is_device), z, r, o)
     if usable is None:
         plan.warnings.append("no machine: device memory not checked; pass --machine NAME (inputs/machines/)")
@@ -379,7 +382,7 @@ def _check_offload_capacity(plan: Plan) -> None:
     fixes = []
     if offload == "host" and deck.optim.name != "lamb" and not deck.checkpoint.async_:
         fixes.append("--set optim.offload=nvme (the state in a file per rank on node-local disk)")
-    if zero == 0 or deck.dp == 1:
+    if zero == 0 or deck.replicas == 1:
         fixes.append("more data-parallel ranks with optim.zero >= 1 (each holds 1/dp of the state)")
     fixes.append(
         "more pipeline stages or a larger tp (fewer parameters per rank)"
@@ -448,6 +451,7 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
             "tp": par.tp,
             "pp": par.pp,
             "dp": deck.dp,
+            **({"cp": par.cp, "cp_kind": par.cp_kind} if par.cp > 1 else {}),
             "order": par.order,
             "virtual_stages": par.virtual_stages,
             # 3D tensor parallelism's [x, y, z] (null: 1D); the ranks of a stage with different samples.
@@ -555,7 +559,8 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
         f"{'tied' if m.tie_embeddings else 'untied'} embeddings"
     )
     lines.append(
-        f"  grid       tp {par.tp} x pp {par.pp} x dp {deck.dp}, order {par.order} (innermost first); "
+        f"  grid       tp {par.tp}{f' x cp {par.cp} ({par.cp_kind})' if par.cp > 1 else ''} x pp {par.pp} x dp "
+        f"{deck.dp}, order {'-'.join(plan.layout.order) if par.cp > 1 else par.order} (innermost first); "
         f"{deck.num_micro_batches} micro-batch(es) of {tr.micro_batch} per "
         f"{'data rank (dp x z)' if deck.data_ranks != deck.dp else 'dp rank'} per step, global batch {tr.global_batch}"
     )
@@ -793,7 +798,7 @@ def _placement_line(plan: Plan) -> str:
     if plan.ranks_per_node is None:
         return "no node shape (pass --machine or set parallel.gpus_per_node)"
     parts = []
-    for axis in AXES:
+    for axis in plan.layout.axes:
         span, size = plan.node_span[axis], plan.layout.size(axis)
         if size == 1:
             continue
@@ -824,7 +829,7 @@ def _span_words(span: Optional[int]) -> str:
 
 def _describe_node(plan: Plan, node: int) -> str:
     ranks = _node_ranks(plan, node)
-    axes = {a: sorted({r[a] for r in ranks}) for a in AXES}
+    axes = {a: sorted({r[a] for r in ranks}) for a in plan.layout.axes}
     desc = ", ".join(f"{a} {_span(v)}" for a, v in axes.items())
     return f"ranks {ranks[0]['rank']}-{ranks[-1]['rank']}: {desc}"
 

@@ -279,7 +279,7 @@ def _layout_key(deck: Deck, layers: int, first: bool, last: bool, zero: bool, un
     """Every input of a stage's layout (`_build_layout`'s arguments)."""
     par = deck.parallel
     return (
-        deck.model, par.tp, par.tensor3d, par.pp > 1, deck.dp, _bucket_elements(deck), layers, first, last, zero, units,
+        deck.model, par.tp, par.tensor3d, par.pp > 1, deck.replicas, _bucket_elements(deck), layers, first, last, zero, units,
         par.ep,
     )  # fmt: skip
 
@@ -373,15 +373,16 @@ def checkpoint_bytes(deck: Deck) -> int:
 
 
 def layer_activation_bytes(
-    m: ModelConfig, micro_batch: int, tp: int, sp: bool, element: int, tensor: Tensor3DShape = None
+    m: ModelConfig, micro_batch: int, tp: int, sp: bool, element: int, tensor: Tensor3DShape = None, cp: int = 1
 ) -> float:
-    """Activation bytes one block keeps for backward, per micro-batch (no recomputation).
+    """Activation bytes one block keeps for backward, per micro-batch (no recomputation); under
+    context parallelism (`cp`) of the rank's seq_len / cp positions.
 
     `tensor` (3D tensor parallelism, x y z): the residual stream and the LayerNorms' outputs are
     split over X, q, k, v, the attention output and the MLP's over Y (a rank's micro-batch is
     its own: the batch is split over Z). The weight blocks gathered over Z are not kept (each
     pass gathers its block again: `gathered_block_bytes`)."""
-    sbh = m.seq_len * micro_batch * m.hidden
+    sbh = m.seq_len // cp * micro_batch * m.hidden
     e = element
     if tensor is not None:
         x, y, _ = tensor
@@ -563,7 +564,7 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> Stages
         optim=dataclasses.replace(opt, zero=0, offload="none", offload_dir=None),
         train=dataclasses.replace(deck.train, recompute="none"),
     )
-    key = ("stages", repr(twin), deck.dp)
+    key = ("stages", repr(twin), deck.replicas)
     if key not in layouts:
         layouts[key] = _estimate_stages(deck, layouts)
     return layouts[key]  # type: ignore[return-value]  # the stages' keys hold stage lists
@@ -571,18 +572,19 @@ def estimate_stages(deck: Deck, layouts: Optional[LayoutCache] = None) -> Stages
 
 def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
     m, par, tr = deck.model, deck.parallel, deck.train
-    tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
+    tp, pp, dp, v = par.tp, par.pp, deck.replicas, par.virtual_stages  # dp: the replicas ZeRO shards over
     chunks = deck.chunks
     chunk_layers = [len(c) for c in chunks]
     e, grad_bytes = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     master = 0 if tr.precision == "fp32" else 4
     micro = deck.num_micro_batches
     tensor = par.tensor3d
-    per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e, tensor)
+    per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e, tensor, par.cp)
     block = block_params(m, tp, tensor, par.ep)
     experts = block_expert_params(m, par.ep)
-    tokens = tr.micro_batch * m.seq_len
-    layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn, **arch_flops_args(m)) / tp
+    seq = m.seq_len // par.cp  # context parallelism: this rank's positions, and 1/cp of the (balanced) work
+    tokens = tr.micro_batch * seq
+    layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn, **arch_flops_args(m)) / tp / par.cp
     if m.moe_experts:  # the experts run whole on every tp rank: their GEMMs are not divided (the layers' mean)
         share = moe_layers(m) / m.layers
         layer_flops += 3 * tokens * share * (mlp_forward(m, True) - mlp_forward(m, False) / tp)
@@ -594,8 +596,8 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
         hidden_split, vocab_split, gemm_split = x, y, x * y
         dense = linear_step_flops(m, tokens)  # the Linears, forward and backward (GQA, SwiGLU under llama)
         layer_flops = dense / (x * y) + (layer_flops * tp - dense) / y  # the attention core, replicated over X
-    block_input = m.seq_len * tr.micro_batch * m.hidden * e / hidden_split
-    logits = m.seq_len * tr.micro_batch * (m.vocab_size // vocab_split) * (e + 8)
+    block_input = seq * tr.micro_batch * m.hidden * e / hidden_split
+    logits = seq * tr.micro_batch * (m.vocab_size // vocab_split) * (e + 8)
     head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / gemm_split
     stages = []
     stream_buffers = nvme_buffer_bytes(deck.optim.offload_buffer_mb)

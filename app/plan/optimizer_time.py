@@ -97,7 +97,7 @@ def _updates_params_in_place(deck: Deck) -> bool:
     """Whether the update writes the parameters themselves (fp32, no ZeRO-1/2; under ZeRO-3 the
     fp32 master is the parameter shard): otherwise the fp32 master is written again to the
     parameters, or to the ZeRO-1/2 gather's send buffer."""
-    return deck.train.precision == "fp32" and not (deck.optim.zero in (1, 2) and deck.dp > 1)
+    return deck.train.precision == "fp32" and not (deck.optim.zero in (1, 2) and deck.replicas > 1)
 
 
 def _grad_bytes(deck: Deck) -> int:
@@ -244,7 +244,7 @@ def offload_time(
     nvme = deck.optim.offload == "nvme"
     chunks = max(buckets, math.ceil(shard / nvme_chunk_elements(deck))) if nvme else buckets
     cpu = shard * offload_update_bytes(deck)
-    gather = 2 * e if deck.optim.zero in (1, 2) and deck.dp > 1 else 0  # the send buffer's copy
+    gather = 2 * e if deck.optim.zero in (1, 2) and deck.replicas > 1 else 0  # the send buffer's copy
     if host_is_device:
         to_host = to_device = 0.0  # the copies are passes of the update (offload_update_bytes)
         # The gradients' host copy (a pass during backward, on the same cores) and the update.

@@ -165,35 +165,82 @@ def _held_blocks(ring: Ring, kv: list[torch.Tensor], overlap: bool) -> Iterator[
             kv = incoming
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     """One block's scaled scores q k^T (fp32); the same chunk's keys masked after each query."""
     scores = q @ k.transpose(-1, -2) * scale
-    return scores.masked_fill(~mask, -math.inf) if causal else scores
+    return scores.masked_fill(~_causal_mask(q.shape[SEQ_DIM], q.device), -math.inf) if causal else scores
+
+
+def fused_kernel(device: torch.device) -> bool:
+    """Whether torch has a fused attention kernel on `device` that returns the log-sum-exp and takes
+    it back for the gradients: the CPU's flash kernel. Elsewhere (GPUs, until checked on one) a
+    block is explicit matmuls, its scores materialised (chunk x chunk per head, in fp32)."""
+    return device.type == "cpu"
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's softmax(q k^T x scale) v and the log-sum-exp of its scores per query (fp32 in,
+    fp32 out; k, v expanded to q's heads)."""
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def _block_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of dq, dk, dv, given the whole attention's output `out` and log-sum-exp
+    `lse` of these queries (the softmax over every key: P = exp(S - lse), D = rowsum(dO * out))."""
+    if fused:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+        return dq, dk, dv
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    ds = p * (grad @ v.transpose(-1, -2) - (grad * out).sum(dim=-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ grad
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float, overlap: bool
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: Ring,
+        scale: float,
+        overlap: bool,
+        fused: bool,
     ) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
-        halves = q.float().chunk(2, dim=SEQ_DIM)
-        mask = _causal_mask(halves[0].shape[SEQ_DIM], q.device)
+        halves = [h.contiguous() for h in q.float().chunk(2, dim=SEQ_DIM)]
         out = [torch.zeros_like(h) for h in halves]
         lse = [torch.full(h.shape[:-1], -math.inf, device=q.device) for h in halves]
         for src, kv in _held_blocks(ring, [k, v], overlap):
-            keys, values = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
+            keys, values = ([c.contiguous() for c in _expand(t.float(), group).chunk(2, dim=SEQ_DIM)] for t in kv)
             for qh, kh, causal in _blocks(ring, src):
-                scores = _scores(halves[qh], keys[kh], causal, mask, scale)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                block_out = torch.exp(scores - block_lse.unsqueeze(-1)) @ values[kh]
+                block_out, block_lse = _block_forward(halves[qh], keys[kh], values[kh], causal, scale, fused)
                 merged = torch.logaddexp(lse[qh], block_lse)
                 out[qh] = (out[qh] * torch.exp(lse[qh] - merged).unsqueeze(-1)
                            + block_out * torch.exp(block_lse - merged).unsqueeze(-1))  # fmt: skip
                 lse[qh] = merged
         o = torch.cat(out, dim=SEQ_DIM)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=SEQ_DIM))
-        ctx.ring, ctx.scale, ctx.overlap = ring, scale, overlap
+        ctx.ring, ctx.scale, ctx.overlap, ctx.fused = ring, scale, overlap, fused
         return o.to(q.dtype)
 
     @staticmethod
@@ -202,25 +249,32 @@ class _RingAttention(torch.autograd.Function):
         ring, scale, overlap = ctx.ring, ctx.scale, ctx.overlap
         group = q.shape[1] // k.shape[1]
         b, kv_heads, s, d = k.shape
-        gf = grad.float()
-        delta = (gf * o).sum(dim=-1)  # D = rowsum(dO * O): the softmax's backward
-        q_halves, g_halves = q.float().chunk(2, dim=SEQ_DIM), gf.chunk(2, dim=SEQ_DIM)
-        lse_halves, delta_halves = lse.chunk(2, dim=SEQ_DIM), delta.chunk(2, dim=SEQ_DIM)
-        mask = _causal_mask(q_halves[0].shape[SEQ_DIM], q.device)
+        q_halves, g_halves, o_halves, lse_halves = (
+            [h.contiguous() for h in t.chunk(2, dim=SEQ_DIM)] for t in (q.float(), grad.float(), o, lse)
+        )
         dq = [torch.zeros_like(h) for h in q_halves]
         grads: Optional[list[torch.Tensor]] = None  # the held block's gradient from the ranks before
         pending: list[Any] = []
         for src, kv in _held_blocks(ring, [k, v], overlap):
-            keys, values = (_expand(t.float(), group).chunk(2, dim=SEQ_DIM) for t in kv)
+            keys, values = ([c.contiguous() for c in _expand(t.float(), group).chunk(2, dim=SEQ_DIM)] for t in kv)
             dk = torch.zeros(b, kv_heads * group, s, d, device=q.device)
             dv = torch.zeros_like(dk)
             dk_halves, dv_halves = dk.chunk(2, dim=SEQ_DIM), dv.chunk(2, dim=SEQ_DIM)
             for qh, kh, causal in _blocks(ring, src):
-                p = torch.exp(_scores(q_halves[qh], keys[kh], causal, mask, scale) - lse_halves[qh].unsqueeze(-1))
-                dv_halves[kh].add_(p.transpose(-1, -2) @ g_halves[qh])
-                ds = p * (g_halves[qh] @ values[kh].transpose(-1, -2) - delta_halves[qh].unsqueeze(-1))
-                dq[qh] += ds @ keys[kh] * scale
-                dk_halves[kh].add_(ds.transpose(-1, -2) @ q_halves[qh] * scale)
+                dq_block, dk_block, dv_block = _block_backward(
+                    g_halves[qh],
+                    q_halves[qh],
+                    keys[kh],
+                    values[kh],
+                    o_halves[qh],
+                    lse_halves[qh],
+                    causal,
+                    scale,
+                    ctx.fused,
+                )
+                dq[qh] += dq_block
+                dk_halves[kh].add_(dk_block)
+                dv_halves[kh].add_(dv_block)
             if group > 1:  # a key/value head's gradient: the sum over the query heads it serves
                 dk, dv = (t.view(b, kv_heads, group, s, d).sum(dim=2) for t in (dk, dv))
             _wait(pending)  # arrived while this block was computed
@@ -234,7 +288,8 @@ class _RingAttention(torch.autograd.Function):
                 grads = total
         _wait(pending)
         assert grads is not None
-        return torch.cat(dq, dim=SEQ_DIM).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
+        dq_out = torch.cat(dq, dim=SEQ_DIM).to(q.dtype)
+        return dq_out, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -244,18 +299,24 @@ def ring_attention(
     ring: Ring,
     scale: Optional[float] = None,
     overlap: bool = True,
+    fused: Optional[bool] = None,
 ) -> torch.Tensor:
     """Causal softmax(q k^T x scale) v over the whole sequence, this rank holding its two chunks
     (`split_sequence`) of q (batch, heads, 2 x chunk, head_dim) and of k, v (batch, kv heads, ...);
     returns this rank's part of the output. scale: 1 / sqrt(head_dim) by default. `overlap`: each
     block (and, backward, each block's gradient) travels while the one before is computed; False
-    waits for it first (the same results: for measuring what the overlap hides)."""
+    waits for it first (the same results: for measuring what the overlap hides). `fused`: each block
+    by torch's fused kernel (`fused_kernel`: the default where there is one) or explicit matmuls."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if q.shape[SEQ_DIM] % 2:
         raise ValueError(f"a rank's {q.shape[SEQ_DIM]} tokens are not two equal chunks")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, ring, scale, overlap)
+    if fused is None:
+        fused = fused_kernel(q.device)
+    elif fused and not fused_kernel(q.device):
+        raise ValueError(f"no fused attention kernel with a log-sum-exp on {q.device.type} here: fused=False")
+    return _RingAttention.apply(q, k, v, ring, scale, overlap, fused)
 
 
 def _to_heads(x: torch.Tensor, ring: Ring) -> torch.Tensor:
