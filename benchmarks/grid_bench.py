@@ -5,14 +5,15 @@
         [--set section.key=value ...] [--hosts gridlm-node1:4,gridlm-node2:4]
 
 A grid is TPxPPxDP, optionally followed by +sp (sequence parallelism), +vN (N virtual
-stages, interleaved 1F1B), +epN (expert parallelism over N dp ranks, a mixture-of-experts deck)
-and @ORDER (parallel.order, e.g. 2x2x2@tp-pp-dp). --hosts H passes
+stages, interleaved 1F1B), +epN (expert parallelism over N dp ranks, a mixture-of-experts deck),
++cpN (context parallelism over N more ranks: TP x PP x DP x N of them), +a2a (its all-to-all
+attention instead of the ring) and @ORDER (parallel.order, e.g. 2x2x2@tp-pp-dp). --hosts H passes
 `--host H` to mpirun (simulated nodes of launch/cluster_local.sh, with its exports). Each grid
 runs `mpirun -n TP*PP*DP python -m app DECK` with
 run.timers on, and the table (Markdown on stdout, plus table.md and table.csv in
 --out) reports from its summary.json: the mean step time after the warm-up steps (and
 its standard deviation), tokens/s, and the milliseconds per step rank 0 was blocked on
-tp, pp and dp communication (exposed; see app/runtime/timers.py). Rank 0 is tp rank 0 of
+tp, pp and dp communication (exposed; see app/runtime/timers.py), and rank 0's peak resident memory. Rank 0 is tp rank 0 of
 the first pipeline stage: its pp time includes waiting for the pipeline to fill and
 drain (the bubble), not only transfer time.
 """
@@ -32,9 +33,9 @@ from pathlib import Path
 from app.metrics.summary import Summary
 
 REPO = Path(__file__).resolve().parent.parent
-GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+|\+ep\d+)*)(?:@([a-z]+-[a-z]+-[a-z]+))?$")
+GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+|\+ep\d+|\+cp\d+|\+a2a)*)(?:@([a-z]+(?:-[a-z]+){2,3}))?$")
 COLUMNS = ["grid", "ranks", "step_ms", "step_std_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms",
-           "final_loss"]  # fmt: skip
+           "final_loss", "peak_rss_gib"]  # fmt: skip
 
 
 def parse_grid(spec: str) -> tuple[int, int, int, bool, int]:
@@ -49,15 +50,24 @@ def parse_grid(spec: str) -> tuple[int, int, int, bool, int]:
 
 
 def grid_order(spec: str) -> tuple[str, ...]:
-    """The deck overrides of a grid's @ORDER and +epN ('1x1x4+ep2@tp-pp-dp' -> ('parallel.ep=2',
-    'parallel.order=tp-pp-dp'))."""
+    """The deck overrides of a grid's @ORDER, +epN, +cpN and +a2a ('1x1x4+ep2@tp-pp-dp' ->
+    ('parallel.ep=2', 'parallel.order=tp-pp-dp'))."""
     match = GRID.match(spec)
     if match is None:
         return ()
     ep = re.search(r"\+ep(\d+)", match.group(4))
-    return ((f"parallel.ep={ep.group(1)}",) if ep else ()) + (
-        (f"parallel.order={match.group(5)}",) if match.group(5) else ()
+    return (
+        ((f"parallel.ep={ep.group(1)}",) if ep else ())
+        + ((f"parallel.cp={context_ranks(spec)}",) if context_ranks(spec) > 1 else ())
+        + (("parallel.cp_kind=all_to_all",) if "+a2a" in match.group(4) else ())
+        + ((f"parallel.order={match.group(5)}",) if match.group(5) else ())
     )
+
+
+def context_ranks(spec: str) -> int:
+    """A grid's +cpN: the context-parallel degree (1 without)."""
+    cp = re.search(r"\+cp(\d+)", spec)
+    return int(cp.group(1)) if cp else 1
 
 
 def host_args(hosts: str | None) -> list[str]:
@@ -82,7 +92,7 @@ FRESH = ("run.resume=none", "checkpoint.at_exit=false")
 
 def run_grid(spec: str, args: argparse.Namespace) -> dict:
     tp, pp, dp, sp, virtual = parse_grid(spec)
-    ranks = tp * pp * dp
+    ranks = tp * pp * dp * context_ranks(spec)
     run_dir = Path(args.out) / spec.replace("+", "_").replace("@", "_")
     sets = [
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.sequence_parallel={str(sp).lower()}",
@@ -103,6 +113,7 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
         "pp_comm_ms": 1e3 * comm.get("pp", 0.0),
         "dp_comm_ms": 1e3 * comm.get("dp", 0.0),
         "final_loss": summary.final_loss,
+        "peak_rss_gib": (summary.memory_bytes_rank0 or {}).get("peak_rss", 0) / 2**30,
     }
 
 
@@ -130,16 +141,17 @@ def median_cell(rows: list[dict], key: str, fmt: str = ".0f") -> str:
 def markdown(rows: list[dict]) -> str:
     head = (
         "| grid (tp x pp x dp) | ranks | step ms (± std) | tokens/s | exposed tp comm ms | exposed pp comm ms "
-        "| exposed dp comm ms | final loss |"
+        "| exposed dp comm ms | final loss | peak RSS GiB |"
     )
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 9]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['grid']} | {r['ranks']} | failed ({r['error']}) | | | | | |")
+            lines.append(f"| {r['grid']} | {r['ranks']} | failed ({r['error']}) | | | | | | |")
             continue
         lines.append(
             f"| {r['grid']} | {r['ranks']} | {r['step_ms']:.1f} ± {r['step_std_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tp_comm_ms']:.1f} | {r['pp_comm_ms']:.1f} | {r['dp_comm_ms']:.1f} | {r['final_loss']:.4f} |"
+            f"{r['tp_comm_ms']:.1f} | {r['pp_comm_ms']:.1f} | {r['dp_comm_ms']:.1f} | {r['final_loss']:.4f} | "
+            f"{r['peak_rss_gib']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -62,7 +62,7 @@ import torch
 from app.deck import load_deck, resolve_for_world
 from app.parallel.gather import gather_parameters
 from app.train import Trainer
-from conftest import REPO, reference_run, settle, shard_errors, train_steps
+from conftest import REPO, grid_trainer, reference_run, settle, shard_errors, train_steps
 
 STEPS = 5
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -321,3 +321,31 @@ def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path
     assert losses == pytest.approx(ref_losses, rel=case.loss_rtol), f"{case.id}: {losses} vs {ref_losses}"
     assert losses[-1] < losses[0]  # it learns
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_gradient_norm_under_context_parallelism_is_the_one_rank_norm(runtime, grids, tmp_path, zero):
+    """The first step's global gradient norm on cp 2 x dp 2 equals one rank's (fp32, 1e-6 relative:
+    sums regrouped), with ZeRO-1's shards spread over dp x cp counted once each and, without ZeRO,
+    the dp x cp replicas once in all. The losses cannot show a wrong norm: clipping scales the
+    gradients, and Adam's update does not change with their scale."""
+    sets = (*TINY, "train.steps=1", f"optim.zero={zero}")
+    grids.grid(1, 1, 1)
+    ref = None
+    if runtime.rank == 0:
+        ref = grid_trainer(grids, 1, 1, 1, (*sets, f"run.dir={tmp_path / 'solo'}")).step()[2]
+    settle(runtime.comm)
+    ref = runtime.comm.bcast(ref, root=0)
+    sub = grids.runtime(4)
+    run_dir = sub.comm.bcast(str(tmp_path / "cp"), root=0)
+    norm = None
+    if grids.trains(4):
+        trainer = grid_trainer(grids, 1, 1, 2, (*sets, "parallel.cp=2", f"run.dir={run_dir}"))
+        norm = trainer.step()[2]
+        trainer.dp.wait_params()
+    else:
+        grids.stand_by(grids.grid(1, 1, 2, "tp-dp-pp", 2), 1)
+    settle(runtime.comm)
+    norm = next(x for x in runtime.comm.allgather(norm) if x is not None)
+    assert norm == pytest.approx(ref, rel=1e-6), (norm, ref)

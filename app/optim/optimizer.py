@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from app.deck import OptimConfig
 from app.errors import NonFiniteError
-from app.names import AXES
+from app.names import GRID_AXES
 from app.optim.host_adamw import HostAdamW
 from app.optim.multi_tensor import NormViews, clip_runs, complement, cut, fused_adamw
 from app.optim.offload import HostStore, NvmeStore, OffloadStore
@@ -98,9 +98,9 @@ def dp_replicas(dp: DataParallel, expert: bool) -> int:
 
 def norm_axes(dp: DataParallel) -> tuple[str, ...]:
     """The axes a sum over this rank's parts (divided by `dp_replicas`) is summed over: all of them
-    when ZeRO shards the buckets over dp or experts are split over ep, else tp and pp (dp replicas
-    hold the same values)."""
-    return AXES if dp.zero or dp.layout.has_experts else ("tp", "pp")
+    when ZeRO shards the buckets over dp (and cp: the shards are spread over dp x cp) or experts are
+    split over ep, else tp and pp (dp and cp replicas hold the same values)."""
+    return GRID_AXES if dp.zero or dp.layout.has_experts else ("tp", "pp")
 
 
 @torch.no_grad()
@@ -123,7 +123,7 @@ def step_verdict(
         else (~torch.isfinite(loss_sum.detach())).to(torch.float64)
     )
     flags = torch.stack((loss_bad, (~torch.isfinite(squares)).to(torch.float64)))
-    grid.all_reduce(flags, AXES, dist.ReduceOp.MAX)
+    grid.all_reduce(flags, GRID_AXES, dist.ReduceOp.MAX)  # every rank, cp's included
     norm, loss_flag, norm_flag = torch.cat((squares.sqrt().reshape(1), flags)).tolist()
     return norm, loss_flag > 0, norm_flag > 0
 
