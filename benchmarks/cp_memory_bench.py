@@ -147,7 +147,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{r['planned_activations'] / GIB:.3f} | {r['activation_bytes'] / GIB:.3f} | {r['activation_error']:+.1%} | "
             f"{r['peak_rss'] / GIB:.2f} | {r['rss_over_cp1_estimate']:.2f} |"
         )
-    facts = f"gpt_tiny (4 layers, hidden 256), seq {args.seq}, micro batch {args.micro_batch}, fp32, budget {args.budget_gib} GiB"
+    facts = (f"gpt_tiny (4 layers, hidden 256), seq {args.seq}, micro batch {args.micro_batch}, fp32, budget "
+             f"{args.budget_gib} GiB; the cp = 1 estimate: {base['planned_total'] / GIB:.2f} GiB per rank "
+             f"({'fits' if base['planned_total'] <= args.budget_gib * GIB else 'does not fit'})")  # fmt: skip
     table = facts + "\n\n" + "\n".join(text) + "\n"
     (out / "table.md").write_text(table)
     print(table)

@@ -25,12 +25,16 @@ die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 want_stamp="$(cat "$repo/launch/setup.sh" "$repo/setup.py" "$repo/app/checkpoint/_checksum.c" | sha256sum | cut -c1-16) $torch_spec"
 
 venv_ok() {
+  # From / : `app` must come from the venv's editable install of this checkout, not from the current
+  # directory (a venv shared with another checkout's setup points at that one; scripts run from
+  # benchmarks/ would import it).
   [ -x "$venv/bin/python" ] && command -v mpirun >/dev/null 2>&1 &&
-    "$venv/bin/python" - <<'PY' >/dev/null 2>&1
-import importlib.util
+    (cd / && "$venv/bin/python" - "$repo" <<'PY' >/dev/null 2>&1)
+import importlib.util, os, sys
 import h5py, hypothesis, matplotlib, mpi4py, numpy, pytest, safetensors, tokenizers, torch, xdist, yaml, app  # noqa: F401
 import app.checkpoint._checksum  # noqa: F401  # the C kernel pip install -e . builds in place
 assert h5py.get_config().mpi and importlib.util.find_spec("transformers") and importlib.util.find_spec("tensorboard")
+assert os.path.realpath(app.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep)
 PY
 }
 

@@ -907,3 +907,31 @@ def test_the_dry_run_gives_the_checkpoint_time_of_the_machines_file_system():
         "no time: the machine file gives no filesystem_write_gbs"
         in dry_run(deck, "--dry-run", "--machine", "dgx_h100", "--nodes", "384").stdout
     )
+
+
+def test_the_dry_run_places_and_sizes_context_parallelism_and_says_what_it_does_not_predict():
+    """cp 4 at seq 16k: world = tp x cp x pp x dp, every cp group inside a node of 4, a quarter of cp 1's
+    activations per rank (each holds a quarter of every sequence; benchmarks/cp_memory_bench.py
+    measures them within 1%), the optimizer state sharded over dp x cp under ZeRO-1; no step time
+    (the performance model has no cp terms yet), and --search refuses cp rather than reject every
+    candidate."""
+    sets = ("model.seq_len=16384", "train.micro_batch=2", "train.global_batch=4")
+    machine = load_machine("selene")
+    one = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), 2, machine)
+    cp = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "parallel.cp=4")), 8, machine)
+    assert cp.deck.dp == 2 and cp.layout.axes == ("tp", "cp", "pp", "dp") and cp.node_span["cp"] == 1
+    a1, a4 = (p.stages[0].activations["none"] for p in (one, cp))
+    assert a4 == pytest.approx(a1 / 4, rel=0.02)
+    zero1 = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "parallel.cp=4", "optim.zero=1")), 8, machine)
+    full = cp.stages[0].optimizer["zero0"]
+    # 1/8 of the moments plus the gradient shard: 12/64 of the whole (over dp alone it would be 12/16)
+    assert zero1.stages[0].optimizer["zero1"] == pytest.approx(full * 12 / 64, rel=0.01)
+    assert cp.predicted is None and "context parallelism" in cp.unpredicted
+    grid = to_json(cp)["grid"]
+    assert grid["cp"] == 4 and grid["cp_kind"] == "ring" and "cp" not in to_json(one)["grid"]
+    out = subprocess.run(
+        [sys.executable, "-m", "app", str(REPO / "inputs/gpt_tiny.yaml"), "--search", "--machine", "selene",
+         "--world-size", "8", *(a for s in (*sets, "parallel.cp=2") for a in ("--set", s))],
+        capture_output=True, text=True, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2 and "does not consider context parallelism" in out.stderr, out.stderr

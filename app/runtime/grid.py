@@ -102,7 +102,7 @@ class GridLayout:
 
     def replica_group_of(self, rank: int) -> list[int]:
         """The ranks holding the same parameters as `rank` (every coordinate but dp and cp), ordered
-        dp-major: dp rank d's cp ranks are d cp .. d cp + cp - 1. They reduce the gradients together."""
+        dp-major: (dp d, cp c) is the replica d x cp + c. They reduce the gradients together."""
         return [r for d in self.group_of(rank, "dp") for r in self.group_of(d, "cp")]
 
     def groups(self, axis: str) -> list[list[int]]:
