@@ -290,3 +290,21 @@ def test_the_cp_benchmark_times_the_ring_with_and_without_overlap_the_all_to_all
     assert all(rows[v]["ms"] > 0 and len(rows[v]["rounds"]) == 2 for v in cp_bench.VARIANTS)
     assert rows["ring_overlap"]["exposed_ms"] >= 0
     assert "| ring_overlap_off |" in (tmp_path / "table.md").read_text()
+
+
+def test_the_cp_memory_benchmark_measures_activations_against_the_plan(tmp_path):
+    """benchmarks/cp_memory_bench.py at a small size (seq 256 on cp 1 and 2, one step): a row per cp
+    with the kept activations within 15% of the dry run's (the issue's bound), cp 2 keeping about
+    half of cp 1's, and a peak RSS."""
+    import json
+
+    import cp_memory_bench
+
+    rc = cp_memory_bench.main(["--cp", "1", "2", "--seq", "256", "--micro-batch", "2", "--steps", "1",
+                               "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    rows = {r["cp"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert set(rows) == {1, 2}
+    assert all(abs(r["activation_error"]) < 0.15 and r["peak_rss"] > 0 for r in rows.values()), rows
+    assert rows[2]["activation_bytes"] == pytest.approx(rows[1]["activation_bytes"] / 2, rel=0.15)
+    assert "| 2 |" in (tmp_path / "table.md").read_text()
