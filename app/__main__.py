@@ -124,10 +124,6 @@ def _search(args: argparse.Namespace, deck: Any, world: int, machine: Any) -> in
     if machine is None:
         print("gridlm: --search needs a machine: pass --machine NAME (inputs/machines/)", file=sys.stderr)
         return 2
-    if deck.parallel.cp > 1:  # every candidate would be refused for want of a step time
-        print(f"gridlm: --search does not consider context parallelism yet (parallel.cp = {deck.parallel.cp}): "
-              "search with parallel.cp: 1, then plan the cp grid with --dry-run", file=sys.stderr)  # fmt: skip
-        return 2
     result = search.search(deck, world, machine, args.top, args.tensor)
     _emit(search.dump_json(result) if args.json else search.format_text(result, args.deck))
     if not result.best:

@@ -909,12 +909,15 @@ def test_the_dry_run_gives_the_checkpoint_time_of_the_machines_file_system():
     )
 
 
-def test_the_dry_run_places_and_sizes_context_parallelism_and_says_what_it_does_not_predict():
+def test_the_dry_run_places_sizes_and_times_context_parallelism_and_the_search_tries_it():
     """cp 4 at seq 16k: world = tp x cp x pp x dp, every cp group inside a node of 4, a quarter of cp 1's
     activations per rank (each holds a quarter of every sequence; benchmarks/cp_memory_bench.py
-    measures them within 1%), the optimizer state sharded over dp x cp under ZeRO-1; no step time
-    (the performance model has no cp terms yet), and --search refuses cp rather than reject every
-    candidate."""
+    measures them within 1%), the optimizer state sharded over dp x cp under ZeRO-1; a step time from
+    each rank's share (`context_view`) plus the rest of the attention and the ring, which grows when
+    the cp groups leave the node; the search tries cp on long sequences."""
+    from app.plan import search
+    from app.plan.perf import context_view
+
     sets = ("model.seq_len=16384", "train.micro_batch=2", "train.global_batch=4")
     machine = load_machine("selene")
     one = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), 2, machine)
@@ -926,12 +929,26 @@ def test_the_dry_run_places_and_sizes_context_parallelism_and_says_what_it_does_
     full = cp.stages[0].optimizer["zero0"]
     # 1/8 of the moments plus the gradient shard: 12/64 of the whole (over dp alone it would be 12/16)
     assert zero1.stages[0].optimizer["zero1"] == pytest.approx(full * 12 / 64, rel=0.01)
-    assert cp.predicted is None and "context parallelism" in cp.unpredicted
     grid = to_json(cp)["grid"]
     assert grid["cp"] == 4 and grid["cp_kind"] == "ring" and "cp" not in to_json(one)["grid"]
-    out = subprocess.run(
-        [sys.executable, "-m", "app", str(REPO / "inputs/gpt_tiny.yaml"), "--search", "--machine", "selene",
-         "--world-size", "8", *(a for s in (*sets, "parallel.cp=2") for a in ("--set", s))],
-        capture_output=True, text=True, cwd=REPO, check=False,
+    view = context_view(cp.deck)
+    assert (view.model.seq_len, view.dp, view.parallel.cp, view.train.global_batch) == (4096, 8, 1, 16)
+    assert view.num_micro_batches == cp.deck.num_micro_batches
+    # The attention of 1/4 of the queries over every key: a quarter of cp 1's, the ring's messages
+    # hidden behind it inside a node (NVLink).
+    assert cp.predicted is not None and one.predicted is not None
+    assert cp.predicted.breakdown["attention"] == pytest.approx(one.predicted.breakdown["attention"] / 4, rel=1e-9)
+    # Behind tp 8, cp 2 crosses the network: the ring's hops still hide behind its 4096-token blocks,
+    # the all-to-all's four blocking exchanges each way do not.
+    wide = (*sets, "model.heads=16", "parallel.tp=8", "parallel.cp=2")
+    ring, a2a = (
+        make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", (*wide, f"parallel.cp_kind={kind}")), 16, machine).predicted
+        for kind in ("ring", "all_to_all")
     )  # fmt: skip
-    assert out.returncode == 2 and "does not consider context parallelism" in out.stderr, out.stderr
+    solo = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "model.heads=16")), 1, machine).predicted
+    assert ring.breakdown["attention"] == pytest.approx(solo.breakdown["attention"] / 16, rel=1e-9)
+    assert a2a.breakdown["attention"] > 1.03 * ring.breakdown["attention"]
+    tried = list(search._configurations(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), 8, machine, "1d"))
+    assert {c.get("parallel.cp", 1) for c in tried} == {1, 2, 4, 8}
+    short = list(search._configurations(load_deck(REPO / "inputs/gpt_tiny.yaml"), 8, machine, "1d"))
+    assert all("parallel.cp" not in c for c in short)  # seq 128: no cp tried

@@ -174,8 +174,6 @@ def make_plan(
     plan.links = placement.links if placement is not None else axis_links(machine, layout, par.ep)
     if plan.problems:
         plan.unpredicted = "the plan has problems (below): nothing to predict"
-    elif par.cp > 1:  # memory and placement above know cp; the step-time model does not yet
-        plan.unpredicted = "the performance model does not model context parallelism (parallel.cp) yet"
     elif placement is None:
         missing = machine.missing_for_prediction(deck.train.precision, deck.optim.offload)
         plan.unpredicted = f"machine {machine.name} lacks {', '.join(missing)} (docs/PERFORMANCE_MODEL.md)"

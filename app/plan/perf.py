@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from app.archs.spec import ParamSpec
-from app.deck import Deck, ModelConfig, resolve_for_world
+from app.deck import Deck, ModelConfig, replaced, resolve_for_world
 from app.metrics.flops import step_flops
 from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule
@@ -569,7 +569,9 @@ def axis_links(machine: Machine, layout: GridLayout, ep: int = 1) -> dict[str, L
     """Each axis's group link (`group_link`); with expert parallelism (ep > 1) also "ep", an expert
     group (ep consecutive dp ranks: `ProcessGrid.expert_groups`), and "edp", an expert-data group
     (the dp/ep ranks ep dp-strides apart that hold the same experts)."""
-    links = {axis: group_link(machine, layout.stride(axis), layout.size(axis)) for axis in AXES}
+    links = {axis: group_link(machine, layout.stride(axis), layout.size(axis)) for axis in layout.axes}
+    if layout.cp > 1:  # the gradients' group is dp x cp (ProcessGrid.replicas): from the inner one, as wide
+        links["dp"] = group_link(machine, min(layout.stride("dp"), layout.stride("cp")), layout.dp * layout.cp)
     if ep > 1:
         stride = layout.stride("dp")
         links["ep"] = group_link(machine, stride, ep)
@@ -713,6 +715,56 @@ def _attention(deck: Deck, dev: Device, split: Optional[int] = None) -> tuple[fl
     # Backward: four GEMMs (dV, dP, dQ, dK) over the scores; dropout, softmax and mask gradients.
     backward = 2 * flops / gemm_rate + dev.stream(scores * (4 * e + drop + 3 * e + 2 * e))
     return forward, backward
+
+
+def context_view(deck: Deck) -> Deck:
+    """A context-parallel deck as one of its ranks works it, for the terms that do not see cp: its
+    seq_len / cp positions of each sequence, the dp x cp ranks that share the parameters as dp (the
+    gradients are reduced and ZeRO shards over them), and a global batch cp times larger, so that
+    each keeps its micro-batches. What differs is added by `_ring_passes`: the attention over the
+    whole sequence (cp times the view's) and the ring's messages."""
+    m, par, tr = deck.model, deck.parallel, deck.train
+    order = "-".join(a for a in par.order.split("-") if a != "cp")
+    return replaced(
+        deck,
+        model=replaced(m, seq_len=m.seq_len // par.cp),
+        parallel=replaced(par, cp=1, dp=deck.dp * par.cp, order=order),
+        train=replaced(tr, global_batch=tr.global_batch * par.cp),
+    )
+
+
+def _ring_passes(
+    view: Deck, dev: Device, link: Link, cp: int, layer_f: _Pass, layer_b: _Pass, gloo: bool
+) -> tuple[_Pass, _Pass]:
+    """What context parallelism adds to a block's forward and backward over `context_view`'s: the
+    rest of the attention (a rank's queries meet the whole sequence's keys, causally: cp times the
+    view's work, the load-balanced split giving every rank as much), and the ring's messages. Forward:
+    cp - 1 hops, each the rank's keys and values (2 x micro-batch x seq / cp x kv heads / tp x head
+    size, compute dtype); backward: those again and cp hops of their fp32 gradients. Each hop travels
+    while a block is computed: exposed beyond the attention's time, or in full on CPU ranks (gloo's
+    copies take the cores the blocks run on). The all-to-all kind instead: four blocking all-to-alls
+    each way. Counted with the attention."""
+    m, tr, par = view.model, view.train, view.parallel
+    e, d = BYTES[tr.precision], m.hidden // m.heads
+    attention_f, attention_b = layer_f.attention * (cp - 1), layer_b.attention * (cp - 1)
+    if par.cp_kind == "all_to_all":
+        # q, k, v to the head split and the output back, forward; their gradients backward: blocking
+        # all-to-alls of the rank's tensors (k and v expanded to every query head where cp does not
+        # divide the key/value heads).
+        heads, kv_heads = m.heads // par.tp, m.kv // par.tp
+        kv_heads = kv_heads if kv_heads % cp == 0 else heads
+        tokens = tr.micro_batch * m.seq_len * d * e
+        moved = sum(link.all_to_all(cp, tokens * h) for h in (heads, kv_heads, kv_heads, heads))
+        return _Pass(attention=attention_f + moved), _Pass(attention=attention_b + moved)
+    kv = 2.0 * tr.micro_batch * m.seq_len * (m.kv // par.tp) * d  # elements a hop
+    send_f = (cp - 1) * link.p2p(kv * e)
+    send_b = (cp - 1) * link.p2p(kv * e) + cp * link.p2p(kv * 4)
+    hidden_f = 0.0 if gloo else layer_f.attention + attention_f
+    hidden_b = 0.0 if gloo else layer_b.attention + attention_b
+    return (
+        _Pass(attention=attention_f + max(0.0, send_f - hidden_f)),
+        _Pass(attention=attention_b + max(0.0, send_b - hidden_b)),
+    )
 
 
 def _head_passes(
@@ -1220,9 +1272,9 @@ def place(deck: Deck, machine: Machine, layout: Optional[GridLayout] = None) -> 
     tr, par = deck.train, deck.parallel
     machine.require_prediction(tr.precision, deck.optim.offload)
     if layout is None:
-        layout = GridLayout.from_order_string(par.tp, par.pp, deck.dp, par.order, machine.devices_per_node)
+        layout = GridLayout.from_order_string(par.tp, par.pp, deck.dp, par.order, machine.devices_per_node, par.cp)
     shape = tensor_shape(deck)
-    world = par.tp * par.pp * deck.dp
+    world = par.tp * par.cp * par.pp * deck.dp
     return Placement(
         machine=machine,
         layout=layout,
@@ -1246,10 +1298,14 @@ def predict(
     out as `layout`, or as `placement` when the caller has placed it already; `place`).
     `simulate=False` takes the pipeline's steady state plus its bubble instead of simulating
     every pass (the search ranks thousands of grids so, then simulates the best)."""
-    m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
-    tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     placed = placement if placement is not None else place(deck, machine, layout)
     dev, rates, layout, links = placed.device, placed.offload, placed.layout, placed.links
+    counted = step_flops(deck)  # the model's FLOPs, whatever the split
+    cp = deck.parallel.cp
+    if cp > 1:  # each rank's share, as a grid without cp sees it (`context_view`); the ring added below
+        deck = context_view(deck)
+    m, par, tr, opt = deck.model, deck.parallel, deck.train, deck.optim
+    tp, pp, dp, v = par.tp, par.pp, deck.dp, par.virtual_stages
     requested = deck.parallel  # the overlap the deck asks for (gloo's dp reductions, below)
     if uses_gloo(machine):
         # CPU ranks: gloo's copies and reductions run on the same cores as the compute, so nothing
@@ -1270,6 +1326,9 @@ def predict(
     if shape is None:
         msgs = tp_collectives(deck)
         layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"], msgs)
+        if cp > 1:
+            ring_f, ring_b = _ring_passes(deck, dev, links["cp"], cp, layer_f, layer_b, uses_gloo(machine))
+            layer_f, layer_b, layer_r = layer_f + ring_f, layer_b + ring_b, layer_r + ring_f
         head_f, head_b = _head_passes(deck, dev, links["tp"], msgs)
         emb_f, emb_b = _embedding_passes(deck, dev, links["tp"], msgs)
         if any(moe):
@@ -1462,7 +1521,6 @@ def predict(
         "optimizer": optimizer[slowest],  # on the device
         "optimizer_offload": offloaded[slowest],  # optim.offload: copies, the CPU update, the file
     }
-    counted = step_flops(deck)
     flops, hardware = counted["model"], counted["hardware"]
     devices = tp * pp * dp
     levels = {axis: links[axis].level for axis in links}

@@ -121,6 +121,21 @@ def expert_degrees(deck: Deck, dp: int) -> list[int]:
 
 # Axis orders tried (innermost first) besides the deck's: dp or pp next to tp on the node.
 ORDERS = ("tp-dp-pp", "tp-pp-dp")
+# Context parallelism is tried from this sequence length on (or wherever the deck sets parallel.cp):
+# shorter sequences fit a rank, and cp only adds the ring's messages to them.
+CP_MIN_SEQ = 8192
+
+
+def context_degrees(deck: Deck, ranks: int, sets: dict[str, Any]) -> list[int]:
+    """The cp a configuration with `ranks` = world / (tp x pp) may take: 1, and for long sequences (CP_MIN_SEQ) or a deck that sets cp, every divisor of `ranks` that splits the
+    sequence into 2 cp chunks (cp x tp shards under SP), on a 1D grid of a dense deck without dropout
+    or the Goldfish loss (what `app.deck` allows with cp)."""
+    m, par = deck.model, deck.parallel
+    refused = m.moe_experts or m.dropout > 0 or deck.train.goldfish_k or sets.get("parallel.tensor") is not None
+    if refused or (m.seq_len < CP_MIN_SEQ and par.cp == 1):
+        return [1]
+    shards = 2 * (sets["parallel.tp"] if sets.get("parallel.sequence_parallel") else 1)
+    return [1] + [cp for cp in _divisors(ranks)[1:] if m.seq_len % (cp * shards) == 0 and m.seq_len % (2 * cp) == 0]
 
 
 def _configurations(deck: Deck, world: int, machine: Machine, tensor: str = "both") -> Iterator[dict[str, Any]]:
@@ -131,14 +146,21 @@ def _configurations(deck: Deck, world: int, machine: Machine, tensor: str = "bot
     if tensor != "1d":
         grids = itertools.chain(grids, _grids3d(deck, world, machine))
     for sets in grids:
-        dp = world // (sets["parallel.tp"] * sets["parallel.pp"])
-        # A mixture of experts: every expert-parallel degree dp and the experts allow (1D only: 3D has
-        # no experts, `app.deck.validate`); dense decks carry no ep key.
-        degrees = expert_degrees(deck, dp) if deck.model.moe_experts and sets.get("parallel.tensor") is None else [None]
-        # With pp or dp of 1 every order places the ranks alike: try the deck's only.
-        for order in orders if sets["parallel.pp"] > 1 and dp > 1 else orders[:1]:
-            for ep in degrees:
-                yield {"parallel.order": order, **sets, **offload, **({} if ep is None else {"parallel.ep": ep})}
+        ranks = world // (sets["parallel.tp"] * sets["parallel.pp"])
+        for cp in context_degrees(deck, ranks, sets):
+            dp = ranks // cp
+            # The key where cp is tried (a deck without it keeps its candidates' keys as they were).
+            context = {"parallel.cp": cp} if cp > 1 or deck.parallel.cp > 1 else {}
+            # A mixture of experts: every expert-parallel degree dp and the experts allow (1D only: 3D has
+            # no experts, `app.deck.validate`); dense decks carry no ep key.
+            degrees = (
+                expert_degrees(deck, dp) if deck.model.moe_experts and sets.get("parallel.tensor") is None else [None]
+            )
+            # With pp or dp of 1 every order places the ranks alike: try the deck's only.
+            for order in orders if sets["parallel.pp"] > 1 and dp > 1 else orders[:1]:
+                for ep in degrees:
+                    yield {"parallel.order": order, **sets, **context, **offload,
+                           **({} if ep is None else {"parallel.ep": ep})}  # fmt: skip
 
 
 def _grids(deck: Deck, world: int, machine: Machine) -> Iterator[dict[str, Any]]:
@@ -224,6 +246,7 @@ def _own(deck: Deck) -> dict[str, Any]:
         "train.recompute": tr.recompute, "optim.zero": deck.optim.zero,
         **({"optim.offload": deck.optim.offload} if deck.optim.offload != "none" else {}), **tensor,
         **({"parallel.ep": par.ep} if deck.model.moe_experts else {}),
+        **({"parallel.cp": par.cp} if par.cp > 1 else {}),
     }  # fmt: skip
 
 
@@ -357,6 +380,7 @@ def _row(c: Candidate) -> str:
     shape = s.get("parallel.tensor")
     tp = f"tp {s['parallel.tp']}" + (f" 3d {_text(shape)}" if shape else "")
     ep = f" ep {s['parallel.ep']}" if "parallel.ep" in s else ""
+    tp += f" cp {s['parallel.cp']}" if s.get("parallel.cp", 1) > 1 else ""
     return (
         f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  {tp} pp "
         f"{s['parallel.pp']} dp {p.deck.dp}{ep} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
