@@ -220,7 +220,7 @@ def grid_signature(state: TrainingState) -> dict[str, Any]:
     g = state.grid
     return {
         "tp": g.size("tp"), "pp": g.size("pp"), "dp": g.size("dp"), "order": par.order,
-        **({"cp": g.size("cp")} if g.size("cp") > 1 else {}),
+        **({"cp": par.cp} if par.cp > 1 else {}),
         "virtual_stages": par.virtual_stages, "sequence_parallel": par.sequence_parallel,
         "zero": state.dp.level, "world_size": state.runtime.world_size,
         **({"tensor": list(par.tensor)} if par.tensor is not None else {}),
