@@ -263,21 +263,13 @@ class Trainer:
         batches = self._goldfish(batches) if self.deck.train.goldfish_k else self._count_all(batches)
         micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                          for x, y in batches]  # fmt: skip
-        micro_batches = self.own_positions(micro_batches)
+        micro_batches = self.model.cp.split_batches(micro_batches)  # context parallelism: this rank's chunks
         self.dp.start_step(len(micro_batches))
         # Mean over micro-batches in the pipeline, mean over dp in the reduction: the global-batch mean.
         with self.dp.saving():
             # 3D: the Z ranks' gradients are summed (reduce-scatter, `sp_group`), so each is 1/Z of the mean.
             scale = (self.scaler.scale if self.scaler else 1.0) / self.z_size
             return self.pipeline.run(self.model, micro_batches, scale)
-
-    def own_positions(self, micro_batches: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
-        """Context parallelism: this rank's two chunks of every sequence of the micro-batches' tokens
-        and targets (the deck refuses Goldfish's weighted targets with cp); unchanged at cp = 1."""
-        cp = self.model.cp
-        if cp.size == 1:
-            return micro_batches
-        return [(cp.split(x, 1), cp.split(y, 1)) for x, y in micro_batches]
 
     def _count_all(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, Targets]]:
         """No Goldfish: every target of the global batch counts (and the loss path is untouched)."""

@@ -126,9 +126,8 @@ def evaluate(trainer: Evaluated, held_out: HeldOut) -> EvalInfo:
 
             # An id out of range on one rank (DataError) ends every rank together.
             batches = agree(rt, read) if isinstance(dataset, MemmapTokens) else read()
-            cp = trainer.model.cp  # context parallelism: this rank's two chunks of each sequence
-            micro = [(cp.split(x.to(device, non_blocking=True), 1), cp.split(y.to(device, non_blocking=True), 1))
-                     for x, y in batches]  # fmt: skip
+            micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
+            micro = trainer.model.cp.split_batches(micro)  # context parallelism: this rank's chunks
             total += trainer.pipeline.evaluate(trainer.model, micro)
     finally:
         trainer.model.train(was_training)

@@ -134,8 +134,8 @@ def context_degrees(deck: Deck, ranks: int, sets: dict[str, Any]) -> list[int]:
     refused = m.moe_experts or m.dropout > 0 or deck.train.goldfish_k or sets.get("parallel.tensor") is not None
     if refused or (m.seq_len < CP_MIN_SEQ and par.cp == 1):
         return [1]
-    shards = 2 * (sets["parallel.tp"] if sets.get("parallel.sequence_parallel") else 1)
-    return [1] + [cp for cp in _divisors(ranks)[1:] if m.seq_len % (cp * shards) == 0 and m.seq_len % (2 * cp) == 0]
+    sp = sets["parallel.tp"] if sets.get("parallel.sequence_parallel") else 1  # SP splits a rank's positions
+    return [1] + [cp for cp in _divisors(ranks)[1:] if m.seq_len % (2 * cp) == 0 and (m.seq_len // cp) % sp == 0]
 
 
 def _configurations(deck: Deck, world: int, machine: Machine, tensor: str = "both") -> Iterator[dict[str, Any]]:

@@ -260,13 +260,19 @@ class ProcessGrid:
 
     def all_reduce(self, tensor: Any, axes: Sequence[str], op: Any = None) -> None:
         """In place: reduce `tensor` (sum by default) over each of `axes` in turn (a reduction
-        over several axes = over their product group); axes of size 1 cost nothing."""
+        over several axes = over their product group); axes of size 1 cost nothing. dp and cp
+        together are one collective over their product group (`replicas`)."""
         import torch.distributed as dist
 
+        op = op if op is not None else dist.ReduceOp.SUM
+        if self.size("cp") > 1 and {"dp", "cp"} <= set(axes):
+            with self.watchdog.blocking("all_reduce", "dp"):
+                dist.all_reduce(tensor, op=op, group=self.replicas.group)
+            axes = [a for a in axes if a not in ("dp", "cp")]
         for axis in axes:
             if self.size(axis) > 1:
                 with self.watchdog.blocking("all_reduce", axis):
-                    dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=self.group[axis])
+                    dist.all_reduce(tensor, op=op, group=self.group[axis])
 
     def describe(self) -> dict[str, Any]:
         return {**self.layout.describe(), "within_node": dict(self.within_node)}

@@ -394,6 +394,13 @@ class ContextParallel:
         """This rank's two chunks of the whole sequence `x` along `dim`."""
         return split_sequence(x, self.ring, dim)
 
+    def split_batches(self, micro_batches: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
+        """This rank's two chunks of every sequence of the micro-batches' tokens and targets, (B, S)
+        each (the deck refuses Goldfish's weighted targets with cp); unchanged at cp = 1."""
+        if self.size == 1:
+            return micro_batches
+        return [(self.split(x, 1), self.split(y, 1)) for x, y in micro_batches]
+
     def positions(self, seq_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """The global positions of this rank's tokens of a `seq_len` sequence."""
         return positions(seq_len, self.ring, device)
