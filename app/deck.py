@@ -811,12 +811,11 @@ def _validate_cp(deck: Deck) -> None:
             "parallel.cp_kind", par.cp_kind, f"the all-to-all splits each tp rank's {m.heads // par.tp} heads over "
             f"cp = {par.cp}: use cp_kind: ring, or a cp that divides them"
         )  # fmt: skip
-    # Not yet: each would need its own split (the 3D grid's Z, the experts' tokens, the masks, the
-    # attention's dropout inside the ring) and its equivalence cases.
+    # Not yet: each would need its own split (the 3D grid's Z, the experts' tokens, the masks) and
+    # its equivalence cases.
     for key, value, bad in (
         ("parallel.tensor", par.tensor, par.tensor is not None),
         ("model.moe_experts", m.moe_experts, bool(m.moe_experts)),
-        ("model.dropout", m.dropout, m.dropout > 0),
         ("train.goldfish_k", tr.goldfish_k, bool(tr.goldfish_k)),
     ):
         if bad:

@@ -155,9 +155,11 @@ class Trainer:
         self.z_size = z_size
         self.data_rank = data_rank = grid.coords["dp"] * z_size + z
         self.sampler = GlobalBatchSampler(tr.global_batch, tr.micro_batch, data_rank, deck.data_ranks)
-        # Dropout masks differ between data ranks and stages, but not between the tp ranks of a
-        # stage: their replicated activations (and so their replicated parameters) must stay equal.
-        torch.manual_seed(tr.seed + 1_000_003 * (data_rank * grid.size("pp") + grid.coords["pp"]))
+        # Dropout masks differ between data ranks, cp ranks (other tokens) and stages, but not between
+        # the tp ranks of a stage: their replicated activations (and so parameters) must stay equal.
+        # At cp = 1 the seeds are those of the runs before cp.
+        stream = (data_rank * grid.size("cp") + grid.coord("cp")) * grid.size("pp") + grid.coords["pp"]
+        torch.manual_seed(tr.seed + 1_000_003 * stream)
         self.chunks = deck.chunks
         self.pipeline = Pipeline(grid, self.chunks, deck.stage_message, self.timers, prefetch=par.overlap_pp_comm)
         pipe = self.pipeline

@@ -270,6 +270,45 @@ def test_resume_on_the_same_grid_is_bitwise_exact(runtime, grids, shared_tmp, ex
     _all_ranks_ok(runtime, problems)
 
 
+@pytest.mark.mpi(min_size=4)
+def test_dropout_under_context_parallelism_draws_per_cp_rank_keeps_replicas_equal_and_resumes_bitwise(
+    runtime, grids, shared_tmp
+):
+    """model.dropout on tp 2 x cp 2 (the ring's attention dropout and the residual dropout): the
+    generator of each rank is seeded per cp rank (other tokens, other masks) and the same on the tp
+    ranks of a cp rank (their replicated activations need the same masks); after the steps, every
+    replicated parameter is the same on all four ranks, and a run resumed from step 3 continues
+    with the uninterrupted run's losses and state, bitwise (the per-rank generator states restored)."""
+    extra = ("model.dropout=0.1", "parallel.cp=2")
+    straight = grid_trainer(grids, 2, 1, 1, (*SMALL, f"run.dir={shared_tmp / 'straight'}", *extra))
+    sub = straight.runtime
+    states = sub.comm.allgather(torch.get_rng_state())
+    cp_of = sub.comm.allgather(straight.grid.coord("cp"))
+    same = [[torch.equal(states[a], states[b]) for b in range(4)] for a in range(4)]
+    expected = _train(straight, 5)
+    first = grid_trainer(grids, 2, 1, 1, (*SMALL, f"run.dir={shared_tmp / 'first'}", *extra))
+    _train(first, 3)
+    saved = first.save("test")
+    resumed = grid_trainer(grids, 2, 1, 1, (*SMALL, f"run.dir={shared_tmp / 'resumed'}", *extra))
+    info = load(resumed, saved.path)
+    assert info["rng_restored"] and not info["resharded"]
+    got = _train(resumed, 2)
+    modules = straight.model if isinstance(straight.model, (list, tuple)) else [straight.model]
+    replicated = next(p for m in modules for n, p in m.named_parameters() if n.endswith("ln1.weight")).detach().clone()
+    problems = [f"rank {sub.rank}: state tensor {i} differs after the resume"
+                for i, (a, b) in enumerate(zip(_state(straight), _state(resumed))) if not torch.equal(a, b)]  # fmt: skip
+    if got != expected[3:]:
+        problems.append(f"rank {sub.rank}: resumed losses {got} != {expected[3:]}")
+    ln = sub.comm.allgather(replicated)
+    if any(not torch.equal(ln[0], other) for other in ln):
+        problems.append(f"rank {sub.rank}: a replicated LayerNorm weight differs between the ranks")
+    for a in range(4):
+        for b in range(4):
+            if same[a][b] != (cp_of[a] == cp_of[b]):
+                problems.append(f"ranks {a} (cp {cp_of[a]}) and {b} (cp {cp_of[b]}): generators equal = {same[a][b]}")
+    _all_ranks_ok(runtime, problems)
+
+
 # Written by gridlm e69f108, before components described their own checkpoint state (io.py then
 # walked DataParallel's buckets and the optimizer's moments itself): `mpirun -n 4 python -m app
 # inputs/gpt_tiny.yaml` with SMALL, these keys, tp=2 dp=2, train.steps=3, checkpoint at exit.

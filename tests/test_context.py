@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from app.tensor_parallel.context import (
     Ring,
     all_to_all_attention,
+    dropout_mask,
     merge_sequence,
     positions,
     ring_attention,
@@ -113,6 +114,85 @@ def test_context_parallel_attention_equals_causal_attention_over_the_whole_seque
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_context_parallel_attention_on_8_ranks_with_gqa(runtime, ring, kind, dtype):
     _check(runtime, ring, kind, dtype, heads=8, kv_heads=2, head_dim=12, seq_per_rank=4)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "overlap-off"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (4, 2, 12)], ids=["mha", "gqa2-d12"])
+def test_ring_attention_with_dropout_equals_attention_with_the_blocks_masks(
+    runtime, ring, overlap, heads, kv_heads, head_dim
+):
+    """Attention dropout inside the ring: the output and gradients equal plain causal attention over
+    the whole sequence whose probabilities are multiplied by the masks `dropout_mask` gives each
+    (query chunk, key chunk) block for the call's seed (one draw of torch's generator, made the
+    same on every rank here). fp32: the same tolerance as without dropout (2e-5), the masks being
+    exact 0 and 1 / (1 - p)."""
+    p, batch, seq_per_rank = 0.3, 2, 8
+    chunks, seq = 2 * ring.size, seq_per_rank * ring.size
+    chunk = seq // chunks
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(batch, heads, seq, head_dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=g) for _ in range(2))
+    grad = torch.randn(batch, heads, seq, head_dim, generator=g)
+    torch.manual_seed(5)
+    seed = int(torch.randint(0, 2**62, (1,)).item())  # the draw ring_attention makes after the same seeding
+    mask, kept = torch.zeros(batch, heads, seq, seq), []
+    for qc in range(chunks):
+        for kc in range(qc + 1):
+            block = dropout_mask(seed, qc, kc, (batch, heads, chunk, chunk), p, q.device)
+            mask[..., qc * chunk : (qc + 1) * chunk, kc * chunk : (kc + 1) * chunk] = block
+            kept.append(block.flatten())
+    kept = torch.cat(kept)
+    assert (
+        set(kept.unique().tolist()) == {0.0, torch.tensor(1 / (1 - p)).item()}
+        and abs((kept == 0).float().mean() - p) < 0.05
+    )
+    rq, rk, rv = (t.clone().requires_grad_() for t in (q, k, v))
+    group = heads // kv_heads
+    scores = rq @ rk.repeat_interleave(group, 1).transpose(-1, -2) / head_dim**0.5
+    scores = scores.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
+    ref = (torch.softmax(scores, dim=-1) * mask) @ rv.repeat_interleave(group, 1)
+    ref.backward(grad)
+
+    parts = [split_sequence(t, ring, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)
+    out = ring_attention(*parts, ring, overlap=overlap, dropout=p)
+    out.backward(split_sequence(grad, ring, dim=2))
+    for name, mine, want in (
+        ("output", out, ref),
+        *zip(("dq", "dk", "dv"), (t.grad for t in parts), (rq.grad, rk.grad, rv.grad)),
+    ):
+        torch.testing.assert_close(_gathered(mine, ring, runtime.comm), want.detach(), atol=2e-5, rtol=0.0, msg=name)
+    with pytest.raises(ValueError, match="dropout"):
+        ring_attention(*parts, ring, fused=True, dropout=p)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_recomputation_under_cp_with_dropout_leaves_loss_and_gradients_bitwise_unchanged(ring, recompute, arch):
+    """The recomputed forward draws the ring's dropout seed again from the restored generator: the
+    same masks, so the same loss and gradients, bitwise, as without recomputation."""
+    from app.deck import ModelConfig
+    from app.model.gpt import GPT
+    from app.tensor_parallel.context import ContextParallel
+
+    cp = ContextParallel(ring)
+    seq = 4 * max(ring.size, 1)
+    cfg = ModelConfig(arch=arch, vocab_size=96, seq_len=seq, layers=2, hidden=32, heads=4, dropout=0.1)
+    tokens = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(1))
+    results = []
+    for mode in ("none", recompute):
+        model = GPT(cfg, seed=3, cp=cp, recompute=mode).train()
+        torch.manual_seed(11)  # dropout masks
+        loss = model.loss(cp.split(tokens, 1), cp.split(targets, 1))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (want_loss, want_grads), (loss, grads) = results
+    assert torch.equal(loss, want_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

@@ -185,14 +185,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._heads(x)
+        dropout = self.dropout if self.training else 0.0
         if self.cp.size > 1:  # over the cp ranks' whole sequence; k and v travel unexpanded
             if self.recompute_core and _recomputing(self):
-                y = checkpoint(self.cp.attention, q, k, v, use_reentrant=False)
+                y = checkpoint(self.cp.attention, q, k, v, dropout, use_reentrant=False)
             else:
-                y = self.cp.attention(q, k, v)
+                y = self.cp.attention(q, k, v, dropout)
             return self._project(y)
         k, v = self._expand(k, v)
-        dropout = self.dropout if self.training else 0.0
         if self.recompute_core and _recomputing(self):
             y = checkpoint(_attention_core, q, k, v, dropout, self.math, use_reentrant=False)
         else:

@@ -20,6 +20,13 @@ accumulating in fp32 on the way (each hop, too, while the next block is computed
 block's gradient is back on its owner. Per step a rank sends its k and v (input dtype) forward, and
 backward also their fp32 gradients.
 
+Attention dropout (model.dropout): each block's probabilities are dropped by a mask drawn from its own
+generator, seeded by one draw of torch's generator per call and the block's global (query chunk, key
+chunk) (`dropout_mask`), so that backward (and a recomputed forward, which restores the generator)
+draws the same masks, and the masks of the whole sequence are one function of that draw whatever
+the ring's order. The log-sum-exp stays that of the undropped scores, so the blocks merge as without
+dropout. Blocks with dropout run as explicit matmuls (torch's fused CPU kernel takes no mask).
+
 Grouped-query attention: k and v have fewer heads (each serving heads / kv_heads query heads);
 they travel unexpanded, and their gradients are summed over the query heads they serve.
 
@@ -40,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -178,17 +185,36 @@ def fused_kernel(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def dropout_mask(
+    seed: int, q_chunk: int, k_chunk: int, shape: tuple[int, ...], p: float, device: torch.device
+) -> torch.Tensor:
+    """The attention dropout of the block of query chunk `q_chunk` and key chunk `k_chunk` (global
+    chunk numbers) for the call that drew `seed`: 1 / (1 - p) where a probability is kept, 0 where it
+    is dropped (fp32, `shape` = (batch, heads, chunk, chunk))."""
+    block = q_chunk * 65_537 + k_chunk  # chunks < 2 cp <= 8192
+    generator = torch.Generator(device=device).manual_seed((seed + block * 0x9E3779B97F4A7C15) % 2**63)
+    keep = torch.rand(shape, generator=generator, device=device) >= p
+    return keep.float() / (1.0 - p)
+
+
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, fused: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    fused: bool,
+    drop: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's softmax(q k^T x scale) v and the log-sum-exp of its scores per query (fp32 in,
-    fp32 out; k, v expanded to q's heads)."""
+    fp32 out; k, v expanded to q's heads); `drop`: the block's `dropout_mask`, on the probabilities."""
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     scores = _scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return (probs if drop is None else probs * drop) @ v, lse
 
 
 def _block_backward(
@@ -201,17 +227,21 @@ def _block_backward(
     causal: bool,
     scale: float,
     fused: bool,
+    drop: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's share of dq, dk, dv, given the whole attention's output `out` and log-sum-exp
-    `lse` of these queries (the softmax over every key: P = exp(S - lse), D = rowsum(dO * out))."""
+    `lse` of these queries (the softmax over every key: P = exp(S - lse), D = rowsum(dO * out)).
+    With dropout's mask Z (`drop`): out = (P * Z) v, so dV = (P * Z)^T dO and dS = P * ((dO v^T) * Z - D)."""
     if fused:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, scale=scale
         )
         return dq, dk, dv
     p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
-    ds = p * (grad @ v.transpose(-1, -2) - (grad * out).sum(dim=-1, keepdim=True))
-    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ grad
+    dp = grad @ v.transpose(-1, -2)
+    kept = p if drop is None else p * drop
+    ds = p * ((dp if drop is None else dp * drop) - (grad * out).sum(dim=-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, kept.transpose(-1, -2) @ grad
 
 
 class _RingAttention(torch.autograd.Function):
@@ -225,22 +255,26 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         overlap: bool,
         fused: bool,
+        dropout: float,
+        seed: int,
     ) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         halves = [h.contiguous() for h in q.float().chunk(2, dim=SEQ_DIM)]
+        drop = _drops(ring, halves[0].shape, dropout, seed, q.device)
         out = [torch.zeros_like(h) for h in halves]
         lse = [torch.full(h.shape[:-1], -math.inf, device=q.device) for h in halves]
         for src, kv in _held_blocks(ring, [k, v], overlap):
             keys, values = ([c.contiguous() for c in _expand(t.float(), group).chunk(2, dim=SEQ_DIM)] for t in kv)
             for qh, kh, causal in _blocks(ring, src):
-                block_out, block_lse = _block_forward(halves[qh], keys[kh], values[kh], causal, scale, fused)
+                mask = drop(src, qh, kh)
+                block_out, block_lse = _block_forward(halves[qh], keys[kh], values[kh], causal, scale, fused, mask)
                 merged = torch.logaddexp(lse[qh], block_lse)
                 out[qh] = (out[qh] * torch.exp(lse[qh] - merged).unsqueeze(-1)
                            + block_out * torch.exp(block_lse - merged).unsqueeze(-1))  # fmt: skip
                 lse[qh] = merged
         o = torch.cat(out, dim=SEQ_DIM)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=SEQ_DIM))
-        ctx.ring, ctx.scale, ctx.overlap, ctx.fused = ring, scale, overlap, fused
+        ctx.ring, ctx.scale, ctx.overlap, ctx.fused, ctx.dropout, ctx.seed = ring, scale, overlap, fused, dropout, seed
         return o.to(q.dtype)
 
     @staticmethod
@@ -253,6 +287,7 @@ class _RingAttention(torch.autograd.Function):
             [h.contiguous() for h in t.chunk(2, dim=SEQ_DIM)] for t in (q.float(), grad.float(), o, lse)
         )
         dq = [torch.zeros_like(h) for h in q_halves]
+        drop = _drops(ring, q_halves[0].shape, ctx.dropout, ctx.seed, q.device)
         grads: Optional[list[torch.Tensor]] = None  # the held block's gradient from the ranks before
         pending: list[Any] = []
         for src, kv in _held_blocks(ring, [k, v], overlap):
@@ -271,6 +306,7 @@ class _RingAttention(torch.autograd.Function):
                     causal,
                     scale,
                     ctx.fused,
+                    drop(src, qh, kh),
                 )
                 dq[qh] += dq_block
                 dk_halves[kh].add_(dk_block)
@@ -289,7 +325,22 @@ class _RingAttention(torch.autograd.Function):
         _wait(pending)
         assert grads is not None
         dq_out = torch.cat(dq, dim=SEQ_DIM).to(q.dtype)
-        return dq_out, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
+        return dq_out, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None
+
+
+def _drops(
+    ring: Ring, half: torch.Size, p: float, seed: int, device: torch.device
+) -> Callable[[int, int, int], Optional[torch.Tensor]]:
+    """The masks of this rank's blocks with the keys of rank `src`: (src, query half, key half) ->
+    `dropout_mask` of their global chunks (None without dropout). `half`: (B, heads, chunk, D)."""
+    shape = (*half[:-1], half[-2])
+
+    def mask(src: int, qh: int, kh: int) -> Optional[torch.Tensor]:
+        if p == 0.0:
+            return None
+        return dropout_mask(seed, ring.chunks()[qh], ring.chunks(src)[kh], shape, p, device)
+
+    return mask
 
 
 def ring_attention(
@@ -300,23 +351,29 @@ def ring_attention(
     scale: Optional[float] = None,
     overlap: bool = True,
     fused: Optional[bool] = None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """Causal softmax(q k^T x scale) v over the whole sequence, this rank holding its two chunks
     (`split_sequence`) of q (batch, heads, 2 x chunk, head_dim) and of k, v (batch, kv heads, ...);
     returns this rank's part of the output. scale: 1 / sqrt(head_dim) by default. `overlap`: each
     block (and, backward, each block's gradient) travels while the one before is computed; False
     waits for it first (the same results: for measuring what the overlap hides). `fused`: each block
-    by torch's fused kernel (`fused_kernel`: the default where there is one) or explicit matmuls."""
+    by torch's fused kernel (`fused_kernel`: the default where there is one) or explicit matmuls.
+    `dropout`: the probability of dropping an attention probability (explicit blocks, masks by
+    `dropout_mask`; the seed is one draw of torch's CPU generator)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if q.shape[SEQ_DIM] % 2:
         raise ValueError(f"a rank's {q.shape[SEQ_DIM]} tokens are not two equal chunks")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if fused is None:
-        fused = fused_kernel(q.device)
-    elif fused and not fused_kernel(q.device):
-        raise ValueError(f"no fused attention kernel with a log-sum-exp on {q.device.type} here: fused=False")
-    return _RingAttention.apply(q, k, v, ring, scale, overlap, fused)
+        fused = fused_kernel(q.device) and dropout == 0.0
+    elif fused and (dropout > 0.0 or not fused_kernel(q.device)):
+        raise ValueError(
+            f"no fused attention kernel with a log-sum-exp and dropout on {q.device.type} here: fused=False"
+        )
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0.0 else 0
+    return _RingAttention.apply(q, k, v, ring, scale, overlap, fused, dropout, seed)
 
 
 def _to_heads(x: torch.Tensor, ring: Ring) -> torch.Tensor:
@@ -354,10 +411,16 @@ class _Relayout(torch.autograd.Function):
 
 
 def all_to_all_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: Optional[float] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: Ring,
+    scale: Optional[float] = None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention over the whole sequence, like `ring_attention` (the same inputs and output),
-    by two all-to-alls around torch's attention on heads / cp of the heads (module docstring)."""
+    by two all-to-alls around torch's attention on heads / cp of the heads (module docstring);
+    `dropout`: torch's attention dropout on them."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
@@ -366,13 +429,13 @@ def all_to_all_attention(
     if ring.size == 1:
         group = heads // kv_heads
         k, v = _expand(k, group), _expand(v, group)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
     if kv_heads % ring.size:  # too few key/value heads to split: one per query head
         k, v = _expand(k, heads // kv_heads), _expand(v, heads // kv_heads)
     q, k, v = (_Relayout.apply(t, ring, True) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
-    y = torch.nn.functional.scaled_dot_product_attention(q, _expand(k, group), _expand(v, group), is_causal=True,
-                                                         scale=scale)  # fmt: skip
+    y = torch.nn.functional.scaled_dot_product_attention(q, _expand(k, group), _expand(v, group), dropout_p=dropout,
+                                                         is_causal=True, scale=scale)  # fmt: skip
     return _Relayout.apply(y, ring, False)
 
 
@@ -405,12 +468,12 @@ class ContextParallel:
         """The global positions of this rank's tokens of a `seq_len` sequence."""
         return positions(seq_len, self.ring, device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
         """Causal attention over the whole sequence of this rank's q (B, heads, own tokens, D) and
-        k, v (B, kv heads, own tokens, D): the ring or the all-to-all."""
+        k, v (B, kv heads, own tokens, D): the ring or the all-to-all; `dropout` on the probabilities."""
         if self.kind == "all_to_all":
-            return all_to_all_attention(q, k, v, self.ring)
-        return ring_attention(q, k, v, self.ring, overlap=self.overlap)
+            return all_to_all_attention(q, k, v, self.ring, dropout=dropout)
+        return ring_attention(q, k, v, self.ring, overlap=self.overlap, dropout=dropout)
 
 
 NO_CP = ContextParallel()
