@@ -795,7 +795,7 @@ def _validate(deck: Deck) -> None:
 def _validate_cp(deck: Deck) -> None:
     """Context parallelism (parallel.cp > 1): the sequence splits into 2 cp equal chunks (and each
     rank's two into tp shards under sequence parallelism); what it does not combine with yet."""
-    m, par, tr = deck.model, deck.parallel, deck.train
+    m, par = deck.model, deck.parallel
     if m.seq_len % (2 * par.cp):
         raise DeckError(
             "model.seq_len", m.seq_len, f"parallel.cp = {par.cp} splits every sequence into 2 cp = {2 * par.cp} "
@@ -811,12 +811,11 @@ def _validate_cp(deck: Deck) -> None:
             "parallel.cp_kind", par.cp_kind, f"the all-to-all splits each tp rank's {m.heads // par.tp} heads over "
             f"cp = {par.cp}: use cp_kind: ring, or a cp that divides them"
         )  # fmt: skip
-    # Not yet: each would need its own split (the 3D grid's Z, the experts' tokens, the masks) and
-    # its equivalence cases.
+    # Not yet: each would need its own split (the 3D grid's Z, the experts' tokens) and its
+    # equivalence cases.
     for key, value, bad in (
         ("parallel.tensor", par.tensor, par.tensor is not None),
         ("model.moe_experts", m.moe_experts, bool(m.moe_experts)),
-        ("train.goldfish_k", tr.goldfish_k, bool(tr.goldfish_k)),
     ):
         if bad:
             raise DeckError(

@@ -286,7 +286,9 @@ class Trainer:
         counted targets of the whole global batch is summed over dp (and Z, which splits the
         batch under 3D), and a counted target weighs M / N (M micro-batches in the global batch):
         after the pipeline's mean over this rank's micro-batches and the dp (and Z) mean of the
-        gradients, the loss and its gradient are the mean over the N counted targets, as on 1 rank."""
+        gradients, the loss and its gradient are the mean over the N counted targets, as on 1 rank.
+        Under cp every cp rank holds the same whole samples: the masks come from the whole targets,
+        the count is the same on each, and `ContextParallel.split_batches` then splits the weights."""
         tr = self.deck.train
         keeps = [goldfish_keep(y, tr.goldfish_k, tr.goldfish_context, tr.goldfish_rule) for _, y in batches]
         count = torch.tensor(sum(int(keep.sum()) for keep in keeps), dtype=torch.int64, device=self.device)
@@ -295,7 +297,9 @@ class Trainer:
             count = self.tp.z.all_reduce(count)
         counted = int(count)
         self._note_targets(counted, tr.global_batch * self.deck.model.seq_len)
-        weight = self.sampler.num_micro_batches * self.deck.data_ranks / max(counted, 1)
+        # Context parallelism: each cp rank sums its chunks' weighted CE, and the gradients are
+        # averaged over dp x cp, so a cp rank's share weighs cp times more (the sum over cp then).
+        weight = self.sampler.num_micro_batches * self.deck.data_ranks * self.grid.size("cp") / max(counted, 1)
         return [(x, CountedTargets(y, keep.to(torch.float32) * weight)) for (x, y), keep in zip(batches, keeps)]
 
     def _note_targets(self, counted: int, every: int) -> None:

@@ -263,6 +263,9 @@ CASES += [
     Case(1, 1, 2, cp=2, extra=("train.recompute=full", "optim.zero=3")),
     Case(2, 1, 1, cp=2, extra=("train.recompute=selective",)),
     Case(1, 1, 2, cp=2, extra=("train.precision=bf16",), **BF16),
+    # Goldfish: the masks from the whole targets (every cp rank holds the whole samples), the
+    # weights split with them; each cp rank's weighted sum counts cp times (the mean over dp x cp).
+    Case(2, 1, 2, cp=2, sp=True, extra=GOLDFISH),
 ]  # fmt: skip
 
 _REFERENCES: dict = {}

@@ -459,10 +459,15 @@ class ContextParallel:
 
     def split_batches(self, micro_batches: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
         """This rank's two chunks of every sequence of the micro-batches' tokens and targets, (B, S)
-        each (the deck refuses Goldfish's weighted targets with cp); unchanged at cp = 1."""
+        each; targets with loss weights (Goldfish's `CountedTargets`, a NamedTuple of (B, S)
+        tensors) are split field by field. Unchanged at cp = 1."""
         if self.size == 1:
             return micro_batches
-        return [(self.split(x, 1), self.split(y, 1)) for x, y in micro_batches]
+
+        def targets(y: Any) -> Any:
+            return type(y)(*(self.split(t, 1) for t in y)) if isinstance(y, tuple) else self.split(y, 1)
+
+        return [(self.split(x, 1), targets(y)) for x, y in micro_batches]
 
     def positions(self, seq_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """The global positions of this rank's tokens of a `seq_len` sequence."""
