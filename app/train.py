@@ -256,8 +256,13 @@ class Trainer:
     def forward_backward(self) -> torch.Tensor:
         """The pipeline over this dp rank's micro-batches; gradients land in the dp buckets."""
 
+        # Context parallelism: each cp rank reads its chunks only, unless Goldfish needs the whole
+        # targets for its masks (then every cp rank reads the whole samples and splits them).
+        whole = bool(self.deck.train.goldfish_k) or self.model.cp.size == 1
+        positions = None if whole else self.model.cp.spans(self.deck.model.seq_len)
+
         def read() -> list[tuple[torch.Tensor, torch.Tensor]]:
-            return [get_batch(self.dataset, indices) for indices in self.sampler.next_step()]
+            return [get_batch(self.dataset, indices, positions) for indices in self.sampler.next_step()]
 
         # A token id out of range on one dp rank (DataError) must end every rank, not strand the
         # others in the first collective; synthetic data is in range by construction.
@@ -265,7 +270,8 @@ class Trainer:
         batches = self._goldfish(batches) if self.deck.train.goldfish_k else self._count_all(batches)
         micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                          for x, y in batches]  # fmt: skip
-        micro_batches = self.model.cp.split_batches(micro_batches)  # context parallelism: this rank's chunks
+        if whole:
+            micro_batches = self.model.cp.split_batches(micro_batches)  # context parallelism: this rank's chunks
         self.dp.start_step(len(micro_batches))
         # Mean over micro-batches in the pipeline, mean over dp in the reduction: the global-batch mean.
         with self.dp.saving():

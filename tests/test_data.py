@@ -259,6 +259,52 @@ def test_build_dataset_and_get_batch_give_shifted_int64_tensors(dataset_prefix):
         build_dataset(SimpleNamespace(kind="memmap", path=None, noise=0.0), model, 0)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_context_parallel_rank_reads_its_chunks_only_and_gets_the_split_of_the_whole_batch(dataset_prefix, cp):
+    """get_batch with a cp rank's spans (`ContextParallel.spans`) equals the rank's split of the
+    whole batch, for synthetic, memmap and blended data; the memmap rows read hold only the spans'
+    tokens (the chunks and each one's next token)."""
+    from app.data import BlendedTokens
+    from app.tensor_parallel.context import ContextParallel, Ring
+
+    seq = 16
+    datasets = {
+        "synthetic": SyntheticTokens(257, seq, 3, 0.2),
+        "memmap": MemmapTokens(dataset_prefix, seq, 257, 0),
+        "blend": BlendedTokens([(0.5, dataset_prefix), (0.5, dataset_prefix)], seq, 257, 1),
+    }
+    for name, ds in datasets.items():
+        whole = get_batch(ds, [0, 3, 7])
+        for rank in range(cp):
+            split = ContextParallel(Ring(cp, rank))
+            positions = split.spans(seq)
+            assert sum(b - a for a, b in positions) == seq // cp
+            x, y = get_batch(ds, [0, 3, 7], positions)
+            assert torch.equal(x, split.split(whole[0], 1)), (name, rank)
+            assert torch.equal(y, split.split(whole[1], 1)), (name, rank)
+    read = datasets["memmap"].sample(3, [(a, b + 1) for a, b in ContextParallel(Ring(cp, 0)).spans(seq)])
+    assert len(read) == seq // cp + 2  # two chunks, each with the token after it
+
+
+def test_an_id_above_the_vocab_in_a_cp_rank_s_chunk_is_named_at_its_token(tmp_path):
+    """The batch check of a rank that reads spans names the token's place in the file, not its
+    column in the rank's rows."""
+    from app.tensor_parallel.context import ContextParallel, Ring
+
+    seq = 16
+    tokens = np.random.default_rng(1).integers(0, 257, 4 * seq + 1).astype(np.uint16)
+    ds_tokens = write_tokens(tmp_path / "cp", tokens, max_token_id=256)
+    ds = MemmapTokens(ds_tokens, seq_len=seq, vocab_size=512, seed=2)
+    window = ds.window_of(0)
+    positions = ContextParallel(Ring(2, 0)).spans(seq)  # chunks 0 and 3: positions 0..3 and 12..15
+    position = window * seq + 13
+    patch_token(ds_tokens, position, 5000)
+    with pytest.raises(DataError, match=f"token id 5000 at token {position} \\(sample 0\\)"):
+        get_batch(ds, [0], positions)
+    x, _ = get_batch(ds, [0], ContextParallel(Ring(2, 1)).spans(seq))  # chunks 1 and 2: not read
+    assert x.shape == (1, seq // 2)
+
+
 # Token ids >= model.vocab_size: refused at open (recorded max, then a sample of the .bin), and
 # per batch for what the sample missed; every message names the file and the fix.
 

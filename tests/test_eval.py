@@ -163,6 +163,9 @@ EVAL_CASES = [
     Case(2, 2, 2, sp=True, virtual=2),
     Case(1, 2, 2, extra=("optim.zero=3", "train.goldfish_k=3", "train.goldfish_context=4")),
     t3d((1, 2, 2), 1, 2),
+    # context parallelism: each cp rank reads its chunks of the held-out samples (Goldfish's
+    # training reads whole samples for the masks)
+    Case(2, 1, 2, cp=2, sp=True, extra=("train.goldfish_k=3", "train.goldfish_context=4")),
 ]
 
 
@@ -184,13 +187,13 @@ def test_eval_loss_on_a_grid_matches_single_rank(runtime, grids, tmp_path, case)
         settle(runtime.comm)
         _REFERENCES[shared] = runtime.comm.bcast(value, root=0)
     reference = _REFERENCES[shared]
-    size = case.tp * case.pp * case.dp
+    size = case.size
     sub = grids.runtime(size)
     run_dir = sub.comm.bcast(str(tmp_path / "grid"), root=0)
     deck = resolve_for_world(
         load_deck(REPO / "inputs/gpt_tiny.yaml", (*shared, *case.overrides(), f"run.dir={run_dir}")), size
     )
-    grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order)
+    grid = grids.grid(case.tp, case.pp, case.dp, deck.parallel.order, case.cp)
     if case.tensor:
         grid.tensor3d(case.tensor)
     value = None

@@ -1,18 +1,20 @@
 """Data: tokenizers, synthetic, memmapped and blended token datasets, and the global batch sampler.
 
 A dataset has `vocab_size`, `seq_len`, `num_samples` (None if infinite) and
-`sample(index) -> int64 array (seq_len + 1,)`, a pure function of the index and seed.
+`sample(index, spans=None) -> int64 array (seq_len + 1,)` (or the tokens of `spans`, app.data.spans), a
+pure function of the index and seed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
 from app.data.blend import BlendedTokens
 from app.data.memmap import MemmapTokens
 from app.data.sampler import GlobalBatchSampler
+from app.data.spans import inputs_and_targets, offsets, token_spans
 from app.data.synthetic import SyntheticTokens
 from app.data.tokenizer import ByteTokenizer
 from app.errors import DataError
@@ -53,8 +55,12 @@ def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> Dataset:
     raise DataError(f"data.kind = {data_cfg.kind!r}: use synthetic or memmap")
 
 
-def get_batch(dataset: Dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples -> (inputs, targets), each int64 CPU tensors of shape (B, seq_len).
+def get_batch(
+    dataset: Dataset, indices: list[int], positions: Optional[list[tuple[int, int]]] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples -> (inputs, targets), each int64 CPU tensors of shape (B, seq_len); with
+    `positions` (spans [a, b) of input positions, `app.data.spans`), only those positions, one
+    after the other, and only their tokens are read (a context-parallel rank's chunks).
 
     A memmap batch holding an id >= model.vocab_size raises DataError naming the file and the
     sample (before the embedding would fail with an IndexError). Only this dp rank's samples
@@ -63,8 +69,12 @@ def get_batch(dataset: Dataset, indices: list[int]) -> tuple[torch.Tensor, torch
     """
     import torch  # here: `python -m app.data.prepare` starts without loading torch
 
-    batch = np.stack([dataset.sample(i) for i in indices]).astype(np.int64)
+    spans = None if positions is None else token_spans(positions)
+    batch = np.stack([dataset.sample(i, spans) for i in indices]).astype(np.int64)
     if not isinstance(dataset, SyntheticTokens):
-        dataset.check_batch(batch, indices)
+        dataset.check_batch(batch, indices, None if positions is None else offsets(positions))
+    if positions is not None:
+        inputs, targets = inputs_and_targets(batch, positions)
+        return torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(np.ascontiguousarray(targets))
     tokens = torch.from_numpy(batch)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -21,9 +21,12 @@ hold the same tokenizer's ids (same kind, tokenizer.json hash, vocab_size and EO
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from app.data.memmap import MemmapTokens
+from app.data.spans import Spans
 from app.data.tokenizer import IDENTITY, identity
 from app.errors import DataError
 
@@ -90,18 +93,19 @@ class BlendedTokens:
         k = int(self.owner[slot])
         return k, period * int(self.counts[k]) + int(self.rank[slot])
 
-    def sample(self, index: int) -> np.ndarray:
-        """Sample `index` (any index >= 0) -> int64 (seq_len + 1,), from the dataset `locate` names."""
+    def sample(self, index: int, spans: Spans = None) -> np.ndarray:
+        """Sample `index` (any index >= 0) -> int64 (seq_len + 1,), from the dataset `locate` names
+        (with `spans`, those tokens of it)."""
         k, j = self.locate(index)
-        return self.datasets[k].sample(j)
+        return self.datasets[k].sample(j, spans)
 
-    def check_batch(self, tokens: np.ndarray, indices: list[int]) -> None:
+    def check_batch(self, tokens: np.ndarray, indices: list[int], offsets: Optional[np.ndarray] = None) -> None:
         """As MemmapTokens.check_batch; the message names the file the bad row came from."""
         if tokens.size == 0 or int(tokens.max()) < self.datasets[0].model_vocab_size:
             return
         row = int(np.argmax(tokens.max(axis=1)))
         k, j = self.locate(indices[row])
-        self.datasets[k].check_batch(tokens[row : row + 1], [j])
+        self.datasets[k].check_batch(tokens[row : row + 1], [j], offsets)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{w:g}: {ds.prefix!r}" for w, ds in zip(self.weights, self.datasets))

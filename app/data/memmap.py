@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import numpy as np
 
+from app.data.spans import Spans
 from app.errors import DataError
 from app.untrusted import read_json
 
@@ -213,15 +215,16 @@ class MemmapTokens:
                 f"records no max_token_id) but model.vocab_size is {v}, so ids must be < {v}; {fix_vocab(v, top)}"
             )
 
-    def check_batch(self, tokens: np.ndarray, indices: list[int]) -> None:
+    def check_batch(self, tokens: np.ndarray, indices: list[int], offsets: Optional[np.ndarray] = None) -> None:
         """Raise DataError if a batch of samples (B, seq_len + 1) holds an id >= model.vocab_size,
         naming the file, the sample index and where the id is. One max over the batch: ids are
-        unsigned on disk, so no min is needed."""
+        unsigned on disk, so no min is needed. `offsets`: where in its sample each column was read
+        (samples read by spans); None: column c is token c."""
         if tokens.size == 0 or int(tokens.max()) < self.model_vocab_size:
             return
         row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
         top, index = int(tokens[row, col]), int(indices[row])
-        at = self.start + self.window_of(index) * self.seq_len + int(col)
+        at = self.start + self.window_of(index) * self.seq_len + int(col if offsets is None else offsets[col])
         v = self.model_vocab_size
         raise DataError(
             f"data file {self.prefix}.bin holds token id {top} at token {at} (sample {index}) but "
@@ -229,10 +232,15 @@ class MemmapTokens:
             f"larger vocabulary (the checks at open read only a sample of it); {fix_vocab(v, top)}"
         )
 
-    def window(self, w: int) -> np.ndarray:
+    def window(self, w: int, spans: Spans = None) -> np.ndarray:
         """Window w of this part in file order: tokens [w * seq_len, w * seq_len + seq_len + 1) from the
-        part's start, as int64."""
+        part's start, as int64; with `spans`, only the tokens [lo, hi) of each span of it, in order
+        (only those pages of the file are read)."""
         start = self.start + w * self.seq_len
+        if spans is not None:
+            return np.concatenate(
+                [np.asarray(self.tokens[start + lo : start + hi], dtype=np.int64) for lo, hi in spans]
+            )
         return np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def window_of(self, index: int) -> int:
@@ -245,9 +253,10 @@ class MemmapTokens:
             self._epoch = epoch
         return int(self._perm[i])
 
-    def sample(self, index: int) -> np.ndarray:
-        """Sample `index` (any index >= 0, wrapping over epochs) -> int64 (seq_len + 1,)."""
-        return self.window(self.window_of(index))
+    def sample(self, index: int, spans: Spans = None) -> np.ndarray:
+        """Sample `index` (any index >= 0, wrapping over epochs) -> int64 (seq_len + 1,); with
+        `spans`, the tokens of those spans of it (`window`)."""
+        return self.window(self.window_of(index), spans)
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from app.data.spans import Spans
+
 # Small co-prime-ish strides: the model must infer the stride from context, not memorise it.
 STRIDES = np.array([1, 2, 3, 5, 7, 11, 13, 17], dtype=np.int64)
 
@@ -23,8 +25,9 @@ class SyntheticTokens:
             raise ValueError(f"bad synthetic data: vocab_size={vocab_size}, seq_len={seq_len}, noise={noise}")
         self.vocab_size, self.seq_len, self.seed, self.noise = vocab_size, seq_len, seed, noise
 
-    def sample(self, index: int) -> np.ndarray:
-        """Returns int64 tokens of shape (seq_len + 1,) in [0, vocab_size)."""
+    def sample(self, index: int, spans: Spans = None) -> np.ndarray:
+        """Returns int64 tokens of shape (seq_len + 1,) in [0, vocab_size); with `spans`, the
+        tokens [lo, hi) of each span, one after the other (`app.data.Spans`)."""
         if index < 0:
             raise IndexError(f"sample index must be >= 0, got {index}")
         # Seeding by (seed, index) makes the sample independent of rank and call order.
@@ -35,7 +38,7 @@ class SyntheticTokens:
         tokens = (start + stride * np.arange(n, dtype=np.int64)) % v
         flip = rng.random(n) < self.noise
         tokens[flip] = rng.integers(v, size=int(flip.sum()))
-        return tokens.astype(np.int64)
+        return tokens if spans is None else np.concatenate([tokens[lo:hi] for lo, hi in spans])
 
     def __repr__(self) -> str:
         return (

@@ -116,18 +116,18 @@ def evaluate(trainer: Evaluated, held_out: HeldOut) -> EvalInfo:
     device = trainer.device
     total = torch.zeros((), device=device)
     was_training = trainer.model.training
+    positions = trainer.model.cp.spans(deck.model.seq_len)  # context parallelism: this rank's chunks only
     trainer.model.eval()  # no dropout
     try:
         for _ in range(deck.eval.batches):
             indices = sampler.next_step()
 
             def read(indices: list[list[int]] = indices) -> list[tuple[torch.Tensor, torch.Tensor]]:
-                return [get_batch(dataset, i) for i in indices]
+                return [get_batch(dataset, i, positions) for i in indices]
 
             # An id out of range on one rank (DataError) ends every rank together.
             batches = agree(rt, read) if isinstance(dataset, MemmapTokens) else read()
             micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
-            micro = trainer.model.cp.split_batches(micro)  # context parallelism: this rank's chunks
             total += trainer.pipeline.evaluate(trainer.model, micro)
     finally:
         trainer.model.train(was_training)

@@ -473,6 +473,14 @@ class ContextParallel:
         """The global positions of this rank's tokens of a `seq_len` sequence."""
         return positions(seq_len, self.ring, device)
 
+    def spans(self, seq_len: int) -> Optional[list[tuple[int, int]]]:
+        """This rank's chunks of a `seq_len` sequence as ranges [a, b) of positions, in the order
+        `split` keeps them (what the data loader reads, `app.data.get_batch`); None at cp = 1."""
+        if self.size == 1:
+            return None
+        chunk = seq_len // (2 * self.size)
+        return [(c * chunk, (c + 1) * chunk) for c in self.ring.chunks()]
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
         """Causal attention over the whole sequence of this rank's q (B, heads, own tokens, D) and
         k, v (B, kv heads, own tokens, D): the ring or the all-to-all; `dropout` on the probabilities."""
