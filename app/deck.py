@@ -811,11 +811,12 @@ def _validate_cp(deck: Deck) -> None:
             "parallel.cp_kind", par.cp_kind, f"the all-to-all splits each tp rank's {m.heads // par.tp} heads over "
             f"cp = {par.cp}: use cp_kind: ring, or a cp that divides them"
         )  # fmt: skip
-    # Not yet: each would need its own split (the 3D grid's Z, the experts' tokens) and its
-    # equivalence cases.
+    # Not yet: each would need its own split (the 3D grid's Z; the capacity's token order over the
+    # cp ranks' chunks; the experts' exchange beside cp) and its equivalence cases.
     for key, value, bad in (
         ("parallel.tensor", par.tensor, par.tensor is not None),
-        ("model.moe_experts", m.moe_experts, bool(m.moe_experts)),
+        ("model.moe_capacity_factor", m.moe_capacity_factor, bool(m.moe_experts) and m.moe_capacity_factor is not None),
+        ("parallel.ep", par.ep, par.ep > 1),
     ):
         if bad:
             raise DeckError(

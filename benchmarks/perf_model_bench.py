@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/perf_model_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 20]
         [--grids 1x1x4 2x1x2 ...] [--rounds 3] [--calibrate-repeat 3] [--out runs/perf_model_bench]
-        [--hosts gridlm-node1:4,gridlm-node2:4 [--shape 200mbit]]
+        [--hosts gridlm-node1:4,gridlm-node2:4 [--shape 200mbit]] [--set model.seq_len=1024 ...]
 
 Each of --rounds rounds first calibrates this machine at every world size among the grids
 (`mpirun -n N python -m app.plan.calibrate`: primitives only), then runs every grid once with
@@ -46,7 +46,7 @@ def calibrate(ranks: int, out: Path, round_: int, hosts: str | None = None, repe
 
 def ranks(spec: str) -> int:
     tp, pp, dp, _, _ = grid_bench.parse_grid(spec)
-    return tp * pp * dp
+    return tp * grid_bench.context_ranks(spec) * pp * dp
 
 
 def predicted(deck_path: str, spec: str, extra: tuple[str, ...], machine_path: Path) -> dict:
@@ -58,7 +58,7 @@ def predicted(deck_path: str, spec: str, extra: tuple[str, ...], machine_path: P
     sets = (f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
             f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.virtual_stages={virtual}",
             *grid_bench.grid_order(spec), *extra)  # fmt: skip
-    deck = resolve_for_world(load_deck(REPO / deck_path, sets), tp * pp * dp)
+    deck = resolve_for_world(load_deck(REPO / deck_path, sets), ranks(spec))
     p = predict(deck, load_machine(machine_path))
     worst = sorted(((v, k) for k, v in p.breakdown.items() if k != "recompute"), reverse=True)[:3]
     return {"predicted_ms": 1e3 * p.step_time_s, "terms": ", ".join(f"{k} {1e3 * v:.0f}" for v, k in worst)}
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-repeat", type=int, default=3, help="app.plan.calibrate --repeat (default 3)")
     parser.add_argument("--hosts", default=None, help="mpirun --host for every job (simulated nodes)")
     parser.add_argument("--shape", default=None, help="with --hosts: limit every node's link to RATE (e.g. 200mbit)")
+    parser.add_argument("--set", action="append", default=[], help="a deck override for every grid (repeatable)")
     args = parser.parse_args(argv)
     if args.shape:
         subprocess.run([str(REPO / "launch/cluster_local.sh"), "shape", args.shape], check=True)
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 out=str(Path(args.out) / "runs"),
                 steps=args.steps,
                 deck=args.deck,
-                set=list(EXTRA.get(spec, ())),
+                set=[*args.set, *EXTRA.get(spec, ())],
                 hosts=args.hosts,
             )
             measured = grid_bench.run_grid(spec, run_args)
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
                 errors[spec] = measured["error"]
                 continue
             steps_ms[spec].append(measured["step_ms"])
-            predictions[spec].append(predicted(args.deck, spec, EXTRA.get(spec, ()), machines[ranks(spec)]))
+            extra = (*args.set, *EXTRA.get(spec, ()))
+            predictions[spec].append(predicted(args.deck, spec, extra, machines[ranks(spec)]))
     rows = []
     for spec in args.grids:
         extra = EXTRA.get(spec, ())

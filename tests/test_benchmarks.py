@@ -263,14 +263,15 @@ def test_the_overlap_benchmark_runs_dp1_and_dp2_with_and_without_zero1(tmp_path,
 def test_the_performance_model_benchmark_calibrates_runs_and_predicts_a_grid(tmp_path):
     """benchmarks/perf_model_bench.py end to end at its smallest: one round calibrates 2 ranks
     (`mpirun -n 2 python -m app.plan.calibrate --repeat 1`, the only whole-flow run of calibrate in
-    the suite), runs gpt_tiny on 1x1x2 for 3 steps and predicts it from that calibration."""
+    the suite), runs gpt_tiny on cp 2 (its ranks counted in the world) with a deck override for 3
+    steps and predicts it from that calibration."""
     import perf_model_bench
 
-    rc = perf_model_bench.main(["--grids", "1x1x2", "--steps", "3", "--rounds", "1", "--calibrate-repeat", "1",
-                                "--out", str(tmp_path)])  # fmt: skip
+    rc = perf_model_bench.main(["--grids", "1x1x1+cp2", "--steps", "3", "--rounds", "1", "--calibrate-repeat", "1",
+                                "--set", "train.global_batch=8", "--out", str(tmp_path)])  # fmt: skip
     assert rc == 0
     (row,) = csv.DictReader((tmp_path / "table.csv").read_text().splitlines())
-    assert row["grid"] == "1x1x2" and not row.get("error")
+    assert row["grid"] == "1x1x1+cp2" and row["ranks"] == "2" and not row.get("error")
     assert float(row["measured_ms"]) > 0 and float(row["predicted_ms"]) > 0 and row["terms"]
     assert (tmp_path / "local_2_round0.yaml").is_file()
 

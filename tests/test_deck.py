@@ -590,7 +590,8 @@ def test_context_parallelism_takes_its_ranks_from_the_world_and_refuses_what_it_
         (("parallel.cp=4", "model.seq_len=16", "parallel.tp=2", "model.heads=4", "parallel.cp_kind=all_to_all"),
          "parallel.cp_kind",
          "splits each tp rank's 2 heads over cp = 4"),
-        (("parallel.cp=2", "model.seq_len=16", "model.moe_experts=4"), "model.moe_experts", "set parallel.cp: 1"),
+        (("parallel.cp=2", "model.seq_len=16", "model.moe_experts=4", "model.moe_capacity_factor=1.0"),
+         "model.moe_capacity_factor", "set parallel.cp: 1"),
         (("parallel.cp=2", "model.seq_len=16", "parallel.tensor=[1, 1, 2]", "parallel.tp=2"), "parallel.tensor",
          "not yet with context parallelism"),
         (("parallel.order=tp-dp-pp-ep",), "parallel.order", "and cp"),
@@ -601,3 +602,4 @@ def test_context_parallelism_takes_its_ranks_from_the_world_and_refuses_what_it_
     assert load_deck(TINY, ("parallel.order=dp-cp-tp-pp",)).parallel.order == "dp-cp-tp-pp"
     assert load_deck(TINY, ("parallel.cp=2", "model.seq_len=16", "model.dropout=0.1")).model.dropout == 0.1
     assert load_deck(TINY, ("parallel.cp=2", "model.seq_len=16", "train.goldfish_k=4")).train.goldfish_k == 4
+    assert load_deck(TINY, ("parallel.cp=2", "model.seq_len=16", "model.moe_experts=4")).model.moe_experts == 4

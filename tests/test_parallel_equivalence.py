@@ -266,6 +266,10 @@ CASES += [
     # Goldfish: the masks from the whole targets (every cp rank holds the whole samples), the
     # weights split with them; each cp rank's weighted sum counts cp times (the mean over dp x cp).
     Case(2, 1, 2, cp=2, sp=True, extra=GOLDFISH),
+    # Mixture of experts (dropless): each cp rank routes its chunks; the load-balancing and z-losses'
+    # token sums over cp (and tp under SP), each rank's share of their gradient counted cp times.
+    Case(1, 1, 2, cp=2, extra=(*MOE, "model.moe_aux_loss_coef=0.5")),
+    Case(2, 1, 2, cp=2, sp=True, extra=(*LLAMA, *MOE, "model.moe_aux_loss_coef=0.5")),
 ]  # fmt: skip
 
 _REFERENCES: dict = {}

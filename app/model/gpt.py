@@ -398,6 +398,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, device, recompute, i, self.router_stats, ep) for i in ids})
         for block in self.blocks.values():
             block.attn.cp = cp
+            if isinstance(block.mlp, MoE):  # routes this rank's chunks; its losses' sums span the cp group
+                block.mlp.cp = cp
         if last:
             self.ln_f = _layer_norm(cfg, tp, device)
             if not cfg.tie_embeddings:

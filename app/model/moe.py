@@ -30,7 +30,9 @@ them. Each token's k outputs are summed in a fixed order, so the result does not
 grid. Under tensor parallelism the experts are whole on every tp rank: without sequence
 parallelism each rank routes all tokens, with it each its own sequence shard (the weights'
 gradients then partial sums over tp, like the norms'; the losses' token sums summed over tp:
-`balance_losses`; dropless only).
+`balance_losses`; dropless only). Under context parallelism each cp rank routes its chunks of
+the sequence: the losses' token sums are summed over cp too, and each rank's share of their
+gradient counts cp times, the gradients being averaged over dp x cp (dropless, ep 1 only).
 
 Expert parallelism (`parallel.ep`, `ExpertParallel`): the ep ranks of an expert group (consecutive
 dp ranks, `ProcessGrid.expert_groups`) hold E / ep experts each, (E / ep, out, in) boxes of the
@@ -58,6 +60,7 @@ from torch import nn
 from app.runtime.timers import StepTimers, comm_region
 from app.sharding.init import ParamMeta
 from app.sharding.layout import ep_box
+from app.tensor_parallel.context import NO_CP, ContextParallel
 from app.tensor_parallel.layers import replicated_param
 from app.tensor_parallel.mappings import TensorParallel, all_to_all, all_to_all_start, in_backward
 
@@ -130,25 +133,34 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def balance_losses(
-    logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, tp: Optional[TensorParallel] = None
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    tp: Optional[TensorParallel] = None,
+    cp: ContextParallel = NO_CP,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the load-balancing loss E sum_e f_e P_e, the z-loss mean_t logsumexp^2, the z-loss's value)
-    over a micro-batch's T tokens. Under sequence parallelism (`tp`) this rank holds T / tp of them:
-    the sums over the tokens are summed over tp (one all-reduce), and a rank's losses carry the
-    gradient of its own tokens only, so that the tp ranks' backward passes add up to the whole's
-    (the aux value is the whole's on every rank; the z-loss is this rank's share of the whole's,
-    whose value the third element gives for the log)."""
+    over a micro-batch's T tokens. Under sequence parallelism (`tp`) this rank holds T / tp of them,
+    under context parallelism (`cp`) T / cp: the sums over the tokens are summed over tp and cp (an
+    all-reduce each), and a rank's losses carry the gradient of its own tokens only, so that the
+    ranks' backward passes add up to the whole's (the aux value is the whole's on every rank; the
+    z-loss is this rank's share of the whole's, whose value the third element gives for the log)."""
     n_experts = probs.shape[-1]
     counts = torch.bincount(experts.reshape(-1), minlength=n_experts).to(probs.dtype)
     mass = probs.sum(dim=0)
     lse2 = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
     tokens = probs.shape[0]
-    if tp is not None and tp.size > 1:
-        local = torch.cat([counts, mass.detach(), lse2.detach().reshape(1)])
-        whole = tp.all_reduce(local)
+    split = (tp is not None and tp.size > 1) or cp.size > 1
+    if split:
+        whole = torch.cat([counts, mass.detach(), lse2.detach().reshape(1)])
+        if tp is not None and tp.size > 1:
+            whole = tp.all_reduce(whole)
+            tokens *= tp.size
+        if cp.size > 1:
+            whole = cp.all_reduce(whole)
+            tokens *= cp.size
         counts = whole[:n_experts]
         mass = mass + (whole[n_experts : 2 * n_experts] - mass.detach())  # the gradient reaches this rank's tokens
-        tokens *= tp.size
         z_value = whole[-1] / tokens
     else:
         z_value = lse2.detach() / tokens
@@ -187,6 +199,7 @@ class MoE(nn.Module):
         self.act, self.stats = act, stats
         # Sequence parallelism: each tp rank routes its own sequence shard (a partial gradient per rank).
         self.tp = tp if tp.sequence_parallel and tp.size > 1 else None
+        self.cp: ContextParallel = NO_CP  # set by GPT: each cp rank routes its chunks of the sequence
 
         def param(meta: ParamMeta) -> nn.Parameter:
             return replicated_param(meta, tp, device, sequence_sharded_input=True)
@@ -277,7 +290,7 @@ class MoE(nn.Module):
         n, k, n_experts = tokens.shape[0], self.top_k, self.experts
         logits = F.linear(tokens, self.router.weight)
         probs, weights, experts = route(logits, k)
-        aux, z, z_value = balance_losses(logits, probs, experts, self.tp)
+        aux, z, z_value = balance_losses(logits, probs, experts, self.tp, self.cp)
         # An assignment's slot is its rank within its expert (token order); beyond the capacity it drops.
         flat = experts.reshape(-1)
         slot, _, order = _slots(flat, n_experts)
@@ -301,6 +314,8 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and not in_backward():
             self.stats.add(aux, z_value, dropped, n * k)
         extra = self.aux_coef * aux + self.z_coef * z
+        if self.cp.size > 1:  # gradients are averaged over cp (`balance_losses`: each rank's part of the whole's)
+            extra = extra * self.cp.size
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             y = _AttachLoss.apply(y, extra, self.stats.scale)
         return y

@@ -127,11 +127,12 @@ CP_MIN_SEQ = 8192
 
 
 def context_degrees(deck: Deck, ranks: int, sets: dict[str, Any]) -> list[int]:
-    """The cp a configuration with `ranks` = world / (tp x pp) may take: 1, and for long sequences (CP_MIN_SEQ) or a deck that sets cp, every divisor of `ranks` that splits the
-    sequence into 2 cp chunks (cp x tp shards under SP), on a 1D grid of a dense deck without dropout
-    or the Goldfish loss (what `app.deck` allows with cp)."""
+    """The cp a configuration with `ranks` = world / (tp x pp) may take: 1, and for long sequences
+    (CP_MIN_SEQ) or a deck that sets cp, every divisor of `ranks` that splits the sequence into 2 cp
+    chunks (cp x tp shards under SP), on a 1D grid, for a mixture of experts without a capacity (what
+    `app.deck` allows with cp; its experts then stay whole on every rank, ep 1)."""
     m, par = deck.model, deck.parallel
-    refused = m.moe_experts or m.dropout > 0 or deck.train.goldfish_k or sets.get("parallel.tensor") is not None
+    refused = (m.moe_experts and m.moe_capacity_factor is not None) or sets.get("parallel.tensor") is not None
     if refused or (m.seq_len < CP_MIN_SEQ and par.cp == 1):
         return [1]
     sp = sets["parallel.tp"] if sets.get("parallel.sequence_parallel") else 1  # SP splits a rank's positions
@@ -154,7 +155,9 @@ def _configurations(deck: Deck, world: int, machine: Machine, tensor: str = "bot
             # A mixture of experts: every expert-parallel degree dp and the experts allow (1D only: 3D has
             # no experts, `app.deck.validate`); dense decks carry no ep key.
             degrees = (
-                expert_degrees(deck, dp) if deck.model.moe_experts and sets.get("parallel.tensor") is None else [None]
+                ([1] if cp > 1 else expert_degrees(deck, dp))
+                if deck.model.moe_experts and sets.get("parallel.tensor") is None
+                else [None]
             )
             # With pp or dp of 1 every order places the ranks alike: try the deck's only.
             for order in orders if sets["parallel.pp"] > 1 and dp > 1 else orders[:1]:

@@ -473,6 +473,13 @@ class ContextParallel:
         """The global positions of this rank's tokens of a `seq_len` sequence."""
         return positions(seq_len, self.ring, device)
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A new tensor: x summed over the cp group (a mixture of experts' token sums)."""
+        x = x.contiguous().clone()
+        if self.size > 1:
+            dist.all_reduce(x, group=self.ring.group)
+        return x
+
     def spans(self, seq_len: int) -> Optional[list[tuple[int, int]]]:
         """This rank's chunks of a `seq_len` sequence as ranges [a, b) of positions, in the order
         `split` keeps them (what the data loader reads, `app.data.get_batch`); None at cp = 1."""
