@@ -438,6 +438,25 @@ def shard_errors(
     return problems, worst
 
 
+def assert_recompute_is_bitwise(make_model, tokens, targets, recompute: str) -> None:
+    """The loss and every gradient of `make_model(recompute)` equal those of `make_model("none")`,
+    bitwise, with the same dropout masks (the generator seeded alike before each): recomputation
+    re-runs the same forward, collectives included, with the generator restored."""
+    import torch
+
+    results = []
+    for mode in ("none", recompute):
+        model = make_model(mode).train()
+        torch.manual_seed(11)  # dropout masks
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (want_loss, want_grads), (loss, grads) = results
+    assert torch.equal(loss, want_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
+
+
 def train_steps(trainer, steps: int) -> list[float]:
     """Run `steps` optimizer steps; the global-batch losses (under 3D tensor parallelism averaged over
     Z too, which splits the batch). Leaves no ZeRO all-gather in flight."""

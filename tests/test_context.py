@@ -35,6 +35,7 @@ from app.tensor_parallel.context import (
     ring_attention,
     split_sequence,
 )
+from conftest import assert_recompute_is_bitwise
 
 KINDS = {
     "ring": ring_attention,
@@ -182,17 +183,9 @@ def test_recomputation_under_cp_with_dropout_leaves_loss_and_gradients_bitwise_u
     cfg = ModelConfig(arch=arch, vocab_size=96, seq_len=seq, layers=2, hidden=32, heads=4, dropout=0.1)
     tokens = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(0))
     targets = torch.randint(0, 96, (2, seq), generator=torch.Generator().manual_seed(1))
-    results = []
-    for mode in ("none", recompute):
-        model = GPT(cfg, seed=3, cp=cp, recompute=mode).train()
-        torch.manual_seed(11)  # dropout masks
-        loss = model.loss(cp.split(tokens, 1), cp.split(targets, 1))
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (want_loss, want_grads), (loss, grads) = results
-    assert torch.equal(loss, want_loss)
-    for name, grad in grads.items():
-        assert torch.equal(grad, want_grads[name]), name
+    assert_recompute_is_bitwise(
+        lambda mode: GPT(cfg, seed=3, cp=cp, recompute=mode), cp.split(tokens, 1), cp.split(targets, 1), recompute
+    )
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

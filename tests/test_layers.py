@@ -24,6 +24,7 @@ from app.tensor_parallel.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from conftest import assert_recompute_is_bitwise
 
 ATOL = 1e-5
 
@@ -168,14 +169,4 @@ def test_recomputation_under_tp_and_sp_leaves_loss_and_gradients_bitwise_unchang
     par = dataclasses.replace(tp, sequence_parallel=True, overlap=True)
     tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     targets = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
-    results = []
-    for mode in ("none", recompute):
-        model = GPT(cfg, seed=3, tp=par, recompute=mode).train()
-        torch.manual_seed(11)  # dropout masks
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (want_loss, want_grads), (loss, grads) = results
-    assert torch.equal(loss, want_loss)
-    for name, grad in grads.items():
-        assert torch.equal(grad, want_grads[name]), name
+    assert_recompute_is_bitwise(lambda mode: GPT(cfg, seed=3, tp=par, recompute=mode), tokens, targets, recompute)
