@@ -19,6 +19,8 @@ TP_SUB_AXES = ("tp_x", "tp_y", "tp_z")
 # Communication timed apart and within its axis's total: 3D tensor parallelism's sub-axes of tp, and
 # expert parallelism's token all-to-all ("ep", within dp: the ep ranks are dp ranks).
 SUB_AXES = {**dict.fromkeys(TP_SUB_AXES, "tp"), "ep": "dp"}
+# Grid axes beyond AXES that the timers and reports name only where they communicated (cp > 1).
+USED_AXES = ("cp",)
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of each precision
 RECOMPUTE = ("none", "full", "selective")  # train.recompute

@@ -170,7 +170,9 @@ class Trainer:
             place, group, _ = grid.expert_groups(par.ep)["ep"]
             ep = ExpertParallel(par.ep, place, group, self.timers)
         # Context parallelism: the cp ranks hold the same samples, each its two chunks of every sequence.
-        cp = ContextParallel(Ring.of_group(grid.group["cp"]), par.cp_kind) if grid.size("cp") > 1 else NO_CP
+        cp = NO_CP
+        if grid.size("cp") > 1:  # its messages charged to the step timers' cp axis
+            cp = ContextParallel(Ring.of_group(grid.group["cp"], self.timers), par.cp_kind)
         self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, tr.recompute, ep, cp)
         if deck.run.compile:
             self.model.fuse(Kernels.compiled())  # llama's element-wise chains as generated kernels

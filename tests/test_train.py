@@ -12,6 +12,7 @@ normalisation can amplify that for tiny second moments, so after 5 steps we allo
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -227,6 +228,36 @@ def test_zero2_and_zero3_release_every_bucket_buffer_after_backward(runtime, zer
     assert all(getattr(p, "main_grad", None) is None for p in model.parameters())
     assert dp.bucket_bytes == 0 and dp.gathered_bytes == 0
     assert all(f.full is None for f in dp.flight)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_context_parallel_communication_is_timed_on_its_own_axis(runtime, shared_tmp, grids, kind, capsys):
+    """cp = the world: the ring's sends and receives (or the all-to-alls) are charged to a "cp" axis
+    in every step's timers and the summary, exposed <= total, and the end-of-run line names it; tp
+    and pp did not communicate (the gradients' reduction over the dp x cp replicas is dp's)."""
+    deck = resolve_for_world(
+        load_deck(
+            REPO / "inputs/gpt_tiny.yaml",
+            (
+                *SMALL,
+                "train.steps=2",
+                f"run.dir={shared_tmp / kind}",
+                f"parallel.cp={runtime.world_size}",
+                f"parallel.cp_kind={kind}",
+                "parallel.dp=1",
+            ),
+        ),  # fmt: skip
+        runtime.world_size,
+    )
+    summary = Trainer(deck, runtime, grids.grid(1, 1, 1, deck.parallel.order, runtime.world_size)).run()
+    runtime.comm.Barrier()
+    for r in read_metrics(shared_tmp / kind):
+        assert 0 < r["exposed_comm_s"]["cp"] <= r["comm_s"]["cp"] + 1e-6
+        assert r["comm_s"]["tp"] == r["comm_s"]["pp"] == 0 and r["comm_s"]["dp"] > 0
+    assert summary["timers"]["comm_s"]["cp"] > 0 and summary["exposed_comm_fraction"] > 0
+    if runtime.is_root:  # rank 0 prints the end-of-run lines
+        assert re.search(r"communication tp 0\.0, pp 0\.0, dp [\d.]+, cp [\d.]+ ms", capsys.readouterr().out)
 
 
 @pytest.mark.mpi

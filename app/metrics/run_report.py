@@ -37,7 +37,7 @@ from app.metrics.summary import (
     Summary,
     TimersInfo,
 )
-from app.names import AXES, SCHEDULES, SUB_AXES, reduce_precision, schedule_key
+from app.names import AXES, SCHEDULES, SUB_AXES, USED_AXES, reduce_precision, schedule_key
 from app.runtime.grid import ProcessGrid, placement_warnings
 from app.runtime.mpi import Runtime, node_summary, on_root
 from app.runtime.timers import PHASES
@@ -90,9 +90,10 @@ class Built:
 def mean_timings(timings: list[dict[str, Any]]) -> TimersInfo:
     """Per-step means of the `StepTimers.pop()` records (numbers and per-axis dicts)."""
     out: dict[str, Any] = {f"{p}_s": sum(t[f"{p}_s"] for t in timings) / len(timings) for p in PHASES}
-    subs = [a for a in SUB_AXES if any(a in t["comm_s"] for t in timings)]  # 3D tensor parallelism, ep
+    # cp, 3D tensor parallelism's sub-axes, ep: where they communicated
+    used = [a for a in (*USED_AXES, *SUB_AXES) if any(a in t["comm_s"] for t in timings)]
     for key in ("comm_s", "exposed_comm_s"):
-        out[key] = {a: sum(t[key].get(a, 0.0) for t in timings) / len(timings) for a in (*AXES, *subs)}
+        out[key] = {a: sum(t[key].get(a, 0.0) for t in timings) / len(timings) for a in (*AXES, *used)}
     return TimersInfo(**out)
 
 
@@ -292,7 +293,11 @@ class RunReport:
         deck, rt, tr, par, built = self.deck, self.runtime, self.deck.train, self.deck.parallel, self.built
         mean_time, std_time, skipped = mean_step_time(self.step_times, deck.run.timing_warmup)
         timers = mean_timings(self.timings[skipped:]) if deck.run.timers else None
-        exposed = sum(timers["exposed_comm_s"][a] for a in AXES) / mean_time if timers else None
+        exposed = (
+            sum(timers["exposed_comm_s"][a] for a in (*AXES, *USED_AXES) if a in timers["exposed_comm_s"]) / mean_time
+            if timers
+            else None
+        )
         tflops_per_rank = self.flops_per_step / mean_time / rt.world_size / 1e12
         hw_tflops_per_rank = self.hardware_flops_per_step / mean_time / rt.world_size / 1e12
         study = deck.run.study
@@ -396,12 +401,13 @@ class RunReport:
         )
         if s.timers is not None:
             t = s.timers
+            axes = [a for a in (*AXES, *USED_AXES) if a in t["comm_s"]]  # cp where it communicated
             rt.log(
                 f"gridlm: rank 0 per step: forward {t['forward_s'] * 1e3:.1f} ms, backward "
                 f"{t['backward_s'] * 1e3:.1f} ms, optimizer {t['optimizer_s'] * 1e3:.1f} ms | communication "
-                + ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}" for a in AXES)
+                + ", ".join(f"{a} {t['comm_s'][a] * 1e3:.1f}" for a in axes)
                 + " ms, exposed "
-                + ", ".join(f"{a} {t['exposed_comm_s'][a] * 1e3:.1f}" for a in AXES)
+                + ", ".join(f"{a} {t['exposed_comm_s'][a] * 1e3:.1f}" for a in axes)
                 + f" ms ({100 * (s.exposed_comm_fraction or 0.0):.1f}% of the step)"
                 + _sub_axes_words(t)
             )

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from app.names import AXES, SUB_AXES
+from app.names import AXES, SUB_AXES, USED_AXES
 from app.runtime.watchdog import AnyWatchdog, NullWatchdog
 
 PHASES = ("forward", "backward", "optimizer")
@@ -61,13 +61,13 @@ class StepTimers:
 
     def _reset(self) -> None:
         self.phases = dict.fromkeys(PHASES, 0.0)
-        self.comm = dict.fromkeys(AXES + tuple(SUB_AXES), 0.0)
-        self.exposed = dict.fromkeys(AXES + tuple(SUB_AXES), 0.0)
+        self.comm = dict.fromkeys(AXES + USED_AXES + tuple(SUB_AXES), 0.0)
+        self.exposed = dict.fromkeys(AXES + USED_AXES + tuple(SUB_AXES), 0.0)
         self._charged: set[str] = set()  # the axes charged this step (sub-axes are reported only then)
         # GPU: (bucket dict, key, start event, end event), summed in pop().
         self._events: list[tuple[dict[str, float], str, Any, Any]] = []
         # CPU: (start, end) of every collective per axis; comm_s is the length of their union.
-        self._spans: dict[str, list[tuple[float, float]]] = {a: [] for a in AXES + tuple(SUB_AXES)}
+        self._spans: dict[str, list[tuple[float, float]]] = {a: [] for a in AXES + USED_AXES + tuple(SUB_AXES)}
 
     @contextmanager
     def _timed(self, *targets: tuple[dict[str, float], str]) -> Iterator[None]:
@@ -156,20 +156,21 @@ class StepTimers:
             for bucket, key, start, end in self._events:
                 bucket[key] += start.elapsed_time(end) / 1e3
         subs = [a for a in SUB_AXES if a in self._charged]
+        used = [a for a in USED_AXES if a in self._charged]  # cp: an axis of its own, named where used
         for sub in subs:  # a sub-axis's collectives are its axis's too (tp_x: tp's, ep: dp's)
             axis = SUB_AXES[sub]
             self.exposed[axis] += self.exposed[sub]
             self._spans[axis] += self._spans[sub]
             if self.cuda:
                 self.comm[axis] += self.comm[sub]
-        for axis in (*AXES, *subs):
+        for axis in (*AXES, *used, *subs):
             if self.cuda:  # overlapped durations are not measured on GPU: at least the exposed part
                 self.comm[axis] = max(self.comm[axis], self.exposed[axis])
             else:
                 self.comm[axis] = union_length(self._spans[axis])
         out = {f"{p}_s": self.phases[p] for p in PHASES}
-        out["comm_s"] = {a: self.comm[a] for a in (*AXES, *subs)}
-        out["exposed_comm_s"] = {a: self.exposed[a] for a in (*AXES, *subs)}
+        out["comm_s"] = {a: self.comm[a] for a in (*AXES, *used, *subs)}
+        out["exposed_comm_s"] = {a: self.exposed[a] for a in (*AXES, *used, *subs)}
         self._reset()
         return out
 

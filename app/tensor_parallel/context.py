@@ -46,11 +46,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from app.runtime.timers import Pending, StepTimers, comm_region, launch, wait
 
 SEQ_DIM = 2  # q, k, v: (batch, heads, sequence, head_dim)
 
@@ -65,9 +67,11 @@ class Ring:
     group: Any = None
     next: int = 0
     prev: int = 0
+    # The step timers its messages and all-to-alls are charged to (axis "cp"; None: untimed).
+    timers: Optional[StepTimers] = field(default=None, compare=False)
 
     @classmethod
-    def of_group(cls, group: Any) -> Ring:
+    def of_group(cls, group: Any, timers: Optional[StepTimers] = None) -> Ring:
         """The ring over every member of a torch group, in group-rank order."""
         if group is None:
             return cls()
@@ -80,6 +84,7 @@ class Ring:
             group,
             dist.get_global_rank(group, (rank + 1) % size),
             dist.get_global_rank(group, (rank - 1) % size),
+            timers,
         )
 
     def chunks(self, rank: Optional[int] = None) -> tuple[int, int]:
@@ -133,18 +138,19 @@ def _blocks(ring: Ring, src: int) -> list[tuple[int, int, bool]]:
 KV_TAG, GRAD_TAG = 41, 42
 
 
-def _exchange(ring: Ring, send: list[torch.Tensor], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
-    """Start sending `send` to the next rank and receiving as many tensors from the previous one."""
+def _exchange(ring: Ring, send: list[torch.Tensor], tag: int) -> tuple[list[torch.Tensor], list[Pending]]:
+    """Start sending `send` to the next rank and receiving as many tensors from the previous one
+    (charged to the ring's timers, axis cp)."""
     send = [t.contiguous() for t in send]
     recv = [torch.empty_like(t) for t in send]
     works = [dist.isend(t, ring.next, group=ring.group, tag=tag) for t in send]
     works += [dist.irecv(t, ring.prev, group=ring.group, tag=tag) for t in recv]
-    return recv, works
+    return recv, [launch(ring.timers, "cp", work, "ring send/receive") for work in works]
 
 
-def _wait(works: list[Any]) -> None:
-    for work in works:
-        work.wait()
+def _wait(ring: Ring, pending: list[Pending]) -> None:
+    for one in pending:
+        wait(ring.timers, one)
 
 
 def _causal_mask(n: int, device: torch.device) -> torch.Tensor:
@@ -160,15 +166,15 @@ def _held_blocks(ring: Ring, kv: list[torch.Tensor], overlap: bool) -> Iterator[
     holds, those tensors), the next block travelling while the caller computes on this one (after
     it, with `overlap` False). A gloo work is waited for once: a second wait hangs."""
     for step in range(ring.size):
-        works: list[Any] = []
+        works: list[Pending] = []
         if step < ring.size - 1:
             incoming, works = _exchange(ring, kv, KV_TAG)
             if not overlap:
-                _wait(works)
+                _wait(ring, works)
                 works = []
         yield (ring.rank - step) % ring.size, kv
         if step < ring.size - 1:
-            _wait(works)
+            _wait(ring, works)
             kv = incoming
 
 
@@ -289,7 +295,7 @@ class _RingAttention(torch.autograd.Function):
         dq = [torch.zeros_like(h) for h in q_halves]
         drop = _drops(ring, q_halves[0].shape, ctx.dropout, ctx.seed, q.device)
         grads: Optional[list[torch.Tensor]] = None  # the held block's gradient from the ranks before
-        pending: list[Any] = []
+        pending: list[Pending] = []
         for src, kv in _held_blocks(ring, [k, v], overlap):
             keys, values = ([c.contiguous() for c in _expand(t.float(), group).chunk(2, dim=SEQ_DIM)] for t in kv)
             dk = torch.zeros(b, kv_heads * group, s, d, device=q.device)
@@ -313,16 +319,16 @@ class _RingAttention(torch.autograd.Function):
                 dv_halves[kh].add_(dv_block)
             if group > 1:  # a key/value head's gradient: the sum over the query heads it serves
                 dk, dv = (t.view(b, kv_heads, group, s, d).sum(dim=2) for t in (dk, dv))
-            _wait(pending)  # arrived while this block was computed
+            _wait(ring, pending)  # arrived while this block was computed
             total = [dk, dv] if grads is None else [grads[0] + dk, grads[1] + dv]
             if ring.size > 1:  # on with the block: after cp hops its gradient is back on its owner
                 grads, pending = _exchange(ring, total, GRAD_TAG)
                 if not overlap:
-                    _wait(pending)
+                    _wait(ring, pending)
                     pending = []
             else:
                 grads = total
-        _wait(pending)
+        _wait(ring, pending)
         assert grads is not None
         dq_out = torch.cat(dq, dim=SEQ_DIM).to(q.dtype)
         return dq_out, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None
@@ -382,7 +388,8 @@ def _to_heads(x: torch.Tensor, ring: Ring) -> torch.Tensor:
     b, h, s, d = x.shape
     send = x.reshape(b, ring.size, h // ring.size, s, d).transpose(0, 1).contiguous()  # [dst] slices
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=ring.group)
+    with comm_region(ring.timers, "cp", "all_to_all"):
+        dist.all_to_all_single(recv, send, group=ring.group)
     return merge_sequence(list(recv.unbind(0)), ring, dim=SEQ_DIM)  # recv[src]: src's two chunks
 
 
@@ -392,7 +399,8 @@ def _to_sequence(x: torch.Tensor, ring: Ring) -> torch.Tensor:
     parts = x.chunk(2 * ring.size, dim=SEQ_DIM)
     send = torch.stack([torch.cat((parts[a], parts[c]), dim=SEQ_DIM) for a, c in map(ring.chunks, range(ring.size))])
     recv = torch.empty_like(send)  # [src]: src's heads of this rank's tokens
-    dist.all_to_all_single(recv, send.contiguous(), group=ring.group)
+    with comm_region(ring.timers, "cp", "all_to_all"):
+        dist.all_to_all_single(recv, send.contiguous(), group=ring.group)
     return recv.transpose(0, 1).reshape(b, ring.size * hl, -1, d)
 
 
@@ -477,7 +485,8 @@ class ContextParallel:
         """A new tensor: x summed over the cp group (a mixture of experts' token sums)."""
         x = x.contiguous().clone()
         if self.size > 1:
-            dist.all_reduce(x, group=self.ring.group)
+            with comm_region(self.ring.timers, "cp", "all_reduce"):
+                dist.all_reduce(x, group=self.ring.group)
         return x
 
     def spans(self, seq_len: int) -> Optional[list[tuple[int, int]]]:
