@@ -50,11 +50,11 @@ def _messages(ring: Any, k: Any, v: Any) -> None:
 
     for _ in range(2 * (ring.size - 1)):  # forward's and backward's key/value hops
         _, works = _exchange(ring, [k, v], KV_TAG)
-        _wait(works)
+        _wait(ring, works)
     grads = [torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)]
     for _ in range(ring.size):  # backward's fp32 gradients, back to their owners
         grads, works = _exchange(ring, grads, GRAD_TAG)
-        _wait(works)
+        _wait(ring, works)
 
 
 def worker(args: argparse.Namespace) -> int:

@@ -421,7 +421,11 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         name, half = f"b{b} heads{heads} s{s} d{d}", 0.5 * 4.0 * b * s * s * heads * d
         t_forward = _timed(forward, comm, sync, repeat)
         attention["forward"][name] = half / t_forward
-        attention["backward"][name] = 2.5 * half / max(_timed(both, comm, sync, repeat) - t_forward, 1e-12)
+        # Backward as the difference of two timings: under another tenant's load it can come out near
+        # zero (a machine file with an efficiency of 1e8); a backward recomputes the scores and runs
+        # more matmuls than its forward, so it is never taken as shorter than the forward.
+        t_backward = max(_timed(both, comm, sync, repeat) - t_forward, t_forward)
+        attention["backward"][name] = 2.5 * half / t_backward
     del q, k_, v, grad
     warm_heap(HEAP)
     # Element-wise: an eager op reads its operands and writes a new tensor (as gridlm's LayerNorm,
