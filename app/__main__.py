@@ -16,6 +16,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
+from app.runtime.process import exit_now
+
 if TYPE_CHECKING:
     from app.deck import Deck
     from app.runtime.grid import ProcessGrid
@@ -178,7 +180,7 @@ def run(argv: Optional[list[str]] = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run())
+    exit_now(run())
 
 
 if __name__ == "__main__":

@@ -49,26 +49,28 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         set_threads,
         shutdown,
     )
+    from app.runtime.process import start_up
     from app.runtime.watchdog import EXIT_CODE as WATCHDOG_EXIT
     from app.runtime.watchdog import start_watchdog
 
     runtime = init_mpi()
     try:
-        deck = agree(runtime, lambda: load(runtime.world_size))
-        # From here on no rank waits forever: a blocked call past run.comm_timeout_s aborts the job.
-        start_watchdog(runtime, deck.run.comm_timeout_s)
-        agree(runtime, lambda: bind_device(runtime, deck.run.device))
-        set_threads(runtime, deck.run.threads)
-        set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)
-        # torch's own timeout comes after the watchdog's, which names the operation and the ranks.
-        timeout = deck.run.comm_timeout_s + 60
-        # Reaching rank 0's store takes milliseconds; a minute covers a busy 32k-rank start, and a
-        # wrong GRIDLM_MASTER_ADDR fails within it rather than after torch's whole timeout.
-        connect = min(deck.run.comm_timeout_s, 60.0)
-        agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout, connect))
-        runtime.watchdog.attach_store(*runtime.store_address, runtime.store_prefix)
-        par = deck.parallel
-        grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order, par.cp)
+        with start_up():  # torch's million objects imported without the collector walking them
+            deck = agree(runtime, lambda: load(runtime.world_size))
+            # From here on no rank waits forever: a blocked call past run.comm_timeout_s aborts the job.
+            start_watchdog(runtime, deck.run.comm_timeout_s)
+            agree(runtime, lambda: bind_device(runtime, deck.run.device))
+            set_threads(runtime, deck.run.threads)
+            set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)
+            # torch's own timeout comes after the watchdog's, which names the operation and the ranks.
+            timeout = deck.run.comm_timeout_s + 60
+            # Reaching rank 0's store takes milliseconds; a minute covers a busy 32k-rank start, and
+            # a wrong GRIDLM_MASTER_ADDR fails within it rather than after torch's whole timeout.
+            connect = min(deck.run.comm_timeout_s, 60.0)
+            agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout, connect))
+            runtime.watchdog.attach_store(*runtime.store_address, runtime.store_prefix)
+            par = deck.parallel
+            grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order, par.cp)
         body(deck, runtime, grid)
         runtime.watchdog.stop()
         shutdown(runtime)

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+from app.runtime.process import exit_now
 from app.shards import GROUPS
 
 OK, CORRUPT, USAGE = 0, 1, 2
@@ -279,7 +280,7 @@ def run(argv: Optional[list[str]] = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run())
+    exit_now(run())
 
 
 if __name__ == "__main__":

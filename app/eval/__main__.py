@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.errors import CheckpointError
+from app.runtime.process import exit_now
 
 if TYPE_CHECKING:
     from app.deck import Deck
@@ -110,7 +110,7 @@ def run(argv: Optional[list[str]] = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run())
+    exit_now(run())
 
 
 if __name__ == "__main__":

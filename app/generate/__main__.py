@@ -16,12 +16,12 @@ token unless --ignore-eos. Exit status as `python -m app` (2 for a user mistake,
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from app.errors import DataError
+from app.runtime.process import exit_now
 
 if TYPE_CHECKING:
     from app.deck import Deck
@@ -135,7 +135,7 @@ def run(argv: Optional[list[str]] = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run())
+    exit_now(run())
 
 
 if __name__ == "__main__":

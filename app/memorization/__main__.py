@@ -12,12 +12,12 @@ from `app.data.prepare` (the training data, or any text to test). Rank 0 prints 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from app.generate.__main__ import _positive
+from app.runtime.process import exit_now
 
 if TYPE_CHECKING:
     from app.deck import Deck
@@ -82,7 +82,7 @@ def run(argv: Optional[list[str]] = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run())
+    exit_now(run())
 
 
 if __name__ == "__main__":
