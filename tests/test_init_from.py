@@ -113,13 +113,15 @@ def test_init_from_gives_the_hf_loss_on_one_rank_and_tp2_pp2(arch, data, tmp_pat
     grids = ((1, ()), (4, ("--set", "parallel.tp=2", "--set", "parallel.pp=2")), (2, ("--set", "optim.zero=1")))
     if arch == "mixtral":
         grids = ((1, ()), (4, ("--set", "parallel.tp=2", "--set", "parallel.ep=2")))
-    for ranks, grid in grids:
+    for ranks, grid_sets in grids:
         run_dir = tmp_path / f"run{ranks}"
-        out = run_app(ranks, "inputs/gpt_tiny.yaml", *base_sets(tmp_path / "hf", prefix, run_dir, arch), *grid)
+        out = run_app(ranks, "inputs/gpt_tiny.yaml", *base_sets(tmp_path / "hf", prefix, run_dir, arch), *grid_sets)
         assert out.returncode == 0, out.stdout + out.stderr
         assert f"gridlm: initial weights from {tmp_path / 'hf'}: " in out.stdout
         loss = read_metrics(run_dir)[0]["loss"]
         assert abs(loss - want) < 1e-5, (ranks, loss, want)
+        grid = json.loads((run_dir / "summary.json").read_text())["grid"]  # ep named only where it splits
+        assert grid.get("ep") == (2 if "parallel.ep=2" in grid_sets else None) and "cp" not in grid, grid
 
 
 def test_a_tied_hf_model_starts_an_untied_head_as_the_embedding(data, tmp_path):

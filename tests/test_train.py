@@ -256,6 +256,7 @@ def test_context_parallel_communication_is_timed_on_its_own_axis(runtime, shared
         assert 0 < r["exposed_comm_s"]["cp"] <= r["comm_s"]["cp"] + 1e-6
         assert r["comm_s"]["tp"] == r["comm_s"]["pp"] == 0 and r["comm_s"]["dp"] > 0
     assert summary["timers"]["comm_s"]["cp"] > 0 and summary["exposed_comm_fraction"] > 0
+    assert summary["grid"]["cp"] == runtime.world_size and "ep" not in summary["grid"]
     if runtime.is_root:  # rank 0 prints the end-of-run lines
         assert re.search(r"communication tp 0\.0, pp 0\.0, dp [\d.]+, cp [\d.]+ ms", capsys.readouterr().out)
 

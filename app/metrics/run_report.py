@@ -311,6 +311,7 @@ class RunReport:
                 **self.grid.describe(),
                 tensor=list(par.tensor3d) if par.tensor3d else None,
                 tensor_order=par.tensor_order if par.tensor3d else None,
+                **({"ep": par.ep} if par.ep > 1 else {}),
             ),
             parameters=built.parameters,
             parameters_rank0=built.parameters_rank0,
