@@ -84,3 +84,41 @@ def test_under_mpirun_a_missing_file_is_printed_once_and_every_rank_exits_2(modu
     args = _args(ENTRY_POINTS[module]["missing"], tmp_path)
     out = run_mpi(2, sys.executable, "-m", module, *args, timeout=300)
     _one_line_exit_2(out, MISSING)
+
+
+EXIT_NOW = """
+import atexit, sys, threading, time
+from pathlib import Path
+from mpi4py import MPI
+from app.runtime.process import exit_now, start_up
+
+out = Path(sys.argv[1]) / f"rank{MPI.COMM_WORLD.Get_rank()}"
+with start_up():
+    import gc
+    assert not gc.isenabled()
+assert gc.isenabled() and gc.get_freeze_count() > 0
+atexit.register(lambda: out.with_suffix(".atexit").write_text("ran"))
+def late():  # a background writer still busy when the body returns
+    time.sleep(0.5)
+    out.with_suffix(".thread").write_text("done")
+threading.Thread(target=late).start()
+MPI.COMM_WORLD.Barrier()
+sys.stdout.write(f"unflushed {MPI.COMM_WORLD.Get_rank()}")  # no newline: still in the buffer
+exit_now(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_exit_now_keeps_what_a_normal_exit_does_under_mpirun(code, tmp_path):
+    """app.runtime.process.exit_now, every entry point's end: under mpirun -n 2 each rank waits for its
+    non-daemon thread, runs its atexit handlers, flushes stdout and finalises MPI (without that
+    mpirun reports an improper exit and fails the job), and the job's status is the code given."""
+    script = tmp_path / "exit_now.py"
+    script.write_text(EXIT_NOW)
+    out = run_mpi(2, sys.executable, str(script), str(tmp_path), str(code), timeout=120)
+    assert out.returncode == code, out.stdout + out.stderr
+    assert "exiting improperly" not in out.stdout + out.stderr
+    assert "unflushed 0" in out.stdout and "unflushed 1" in out.stdout, out.stdout
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.atexit").read_text() == "ran"
+        assert (tmp_path / f"rank{rank}.thread").read_text() == "done"
