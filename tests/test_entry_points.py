@@ -88,6 +88,7 @@ def test_under_mpirun_a_missing_file_is_printed_once_and_every_rank_exits_2(modu
 
 EXIT_NOW = """
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from mpi4py import MPI
 from app.runtime.process import exit_now, start_up
@@ -102,6 +103,8 @@ def late():  # a background writer still busy when the body returns
     time.sleep(0.5)
     out.with_suffix(".thread").write_text("done")
 threading.Thread(target=late).start()
+pool = ThreadPoolExecutor(1)  # an executor nobody shut down: its idle worker must not hold the exit
+pool.submit(int).result()
 MPI.COMM_WORLD.Barrier()
 sys.stdout.write(f"unflushed {MPI.COMM_WORLD.Get_rank()}")  # no newline: still in the buffer
 exit_now(int(sys.argv[2]))
@@ -112,13 +115,25 @@ exit_now(int(sys.argv[2]))
 def test_exit_now_keeps_what_a_normal_exit_does_under_mpirun(code, tmp_path):
     """app.runtime.process.exit_now, every entry point's end: under mpirun -n 2 each rank waits for its
     non-daemon thread, runs its atexit handlers, flushes stdout and finalises MPI (without that
-    mpirun reports an improper exit and fails the job), and the job's status is the code given."""
+    mpirun reports an improper exit and fails the job), and the job's status is the code given; an
+    executor left running does not hold the exit (its idle worker is told to stop, as at a normal
+    exit)."""
     script = tmp_path / "exit_now.py"
     script.write_text(EXIT_NOW)
-    out = run_mpi(2, sys.executable, str(script), str(tmp_path), str(code), timeout=120)
+    out = run_mpi(2, sys.executable, str(script), str(tmp_path), str(code), timeout=60)
     assert out.returncode == code, out.stdout + out.stderr
     assert "exiting improperly" not in out.stdout + out.stderr
     assert "unflushed 0" in out.stdout and "unflushed 1" in out.stdout, out.stdout
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.atexit").read_text() == "ran"
         assert (tmp_path / f"rank{rank}.thread").read_text() == "done"
+
+
+def test_under_cprofile_the_entry_point_exits_normally_and_the_profile_is_written(tmp_path):
+    """exit_now skips the interpreter's teardown, where cProfile (and coverage) write their results:
+    under a profiler an entry point exits the normal way, so `python -m cProfile -o FILE -m app` works."""
+    prof = tmp_path / "app.prof"
+    cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "app", "inputs/gpt_tiny.yaml", "--dry-run"]
+    out = subprocess.run(cmd, cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert prof.is_file() and prof.stat().st_size > 0

@@ -39,16 +39,18 @@ def start_up() -> Iterator[None]:
 def exit_now(code: int) -> NoReturn:
     """End the process with `code`, doing what a normal exit does that matters and skipping the rest.
 
-    In order: wait for the threads a normal exit waits for (non-daemon: a background checkpoint
-    writer), run the atexit handlers (logging, h5py's files, torch's), finalise MPI if mpi4py
-    started it (its own finaliser is a C exit hook that os._exit skips, and mpirun reports a rank
-    that exits without MPI_Finalize as failed), flush stdout and stderr, then `os._exit`: no
-    module teardown.
+    In order, as the interpreter's own exit: threading's shutdown (its exit hooks tell idle
+    executor workers to stop, then every non-daemon thread is joined: a background checkpoint
+    writer finishes), the atexit handlers (logging, h5py's files, torch's); then MPI finalised if
+    mpi4py started it (its own finaliser is a C exit hook that os._exit skips, and mpirun reports
+    a rank that exits without MPI_Finalize as failed), stdout and stderr flushed, and `os._exit`:
+    no module teardown. Under a profiler or tracer (cProfile, coverage), which writes at the normal
+    exit, it is a plain `sys.exit`. (`threading._shutdown` and `atexit._run_exitfuncs` are what CPython's
+    finalisation calls; private, present from 3.8 to 3.13.) Call it from the main thread.
     """
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)  # cProfile or coverage measures this process: it writes its results at the normal exit
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
