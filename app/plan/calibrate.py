@@ -726,4 +726,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from app.runtime.process import exit_now
+
+    exit_now(main())
