@@ -304,17 +304,39 @@ def test_a_v1_checkpoint_loads_inspects_and_exports_with_a_note_and_v2_sees_two_
             read_header(v1)
 
 
+HEADER_RUN = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=16", "train.steps=2",
+              "train.global_batch=4", "train.micro_batch=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    """One 2-step run's checkpoint, which `python -m app.checkpoint inspect` passes: the untouched
+    file every header case below changes a copy of."""
+    import subprocess
+    import sys
+
+    from conftest import app_env, run_app
+
+    run_dir = tmp_path_factory.mktemp("header") / "run"
+    out = run_app(1, "inputs/gpt_tiny.yaml", *(a for s in (*HEADER_RUN, f"run.dir={run_dir}") for a in ("--set", s)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    good = run_dir / "checkpoints" / "step_0000002.h5"
+    inspect = [sys.executable, "-m", "app.checkpoint", "inspect", str(good)]
+    ok = subprocess.run(inspect, cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    return good
+
+
 @pytest.mark.parametrize(
     "attr, change",
     [("step", lambda v: v + 1), ("optimizer_steps", lambda v: v + 2),
      ("sampler", lambda v: v.replace(str(json.loads(v)["consumed_samples"]), "330"))],
 )  # fmt: skip
-def test_a_changed_header_attribute_is_caught_by_load_and_inspect(tmp_path, attr, change):
+def test_a_changed_header_attribute_is_caught_by_load_and_inspect(good_checkpoint, tmp_path, attr, change):
     """The header's digest (app/checkpoint/io.py `header_digest`): a checkpoint whose step, optimizer
     steps or sampler position was changed after it was written (a bit flip resumed at step 21 with
     the wrong learning rate, or at the wrong data) is refused by a resume (exit 2, one line) and by
-    `python -m app.checkpoint inspect` (exit 2); the untouched file loads."""
-    import shutil
+    `python -m app.checkpoint inspect` (exit 2); the untouched file loads (the fixture)."""
     import subprocess
     import sys
 
@@ -322,14 +344,8 @@ def test_a_changed_header_attribute_is_caught_by_load_and_inspect(tmp_path, attr
 
     from conftest import app_env, run_app
 
-    run_dir = tmp_path / "run"
-    sets = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=16", "train.steps=2",
-            "train.global_batch=4", "train.micro_batch=2", f"run.dir={run_dir}"]  # fmt: skip
-    out = run_app(1, "inputs/gpt_tiny.yaml", *(a for s in sets for a in ("--set", s)))
-    assert out.returncode == 0, out.stderr[-2000:]
-    good = run_dir / "checkpoints" / "step_0000002.h5"
     bad = tmp_path / "changed.h5"
-    shutil.copy(good, bad)
+    shutil.copy(good_checkpoint, bad)
     with h5py.File(bad, "r+") as f:
         value = f.attrs[attr]
         value = value.item() if hasattr(value, "item") else value
@@ -337,12 +353,10 @@ def test_a_changed_header_attribute_is_caught_by_load_and_inspect(tmp_path, attr
         assert new != value
         f.attrs.modify(attr, new) if isinstance(new, int) else f.attrs.__setitem__(attr, new)
     inspect = [sys.executable, "-m", "app.checkpoint", "inspect"]
-    ok = subprocess.run([*inspect, str(good)], cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0, ok.stderr
     found = subprocess.run([*inspect, str(bad)], cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=120)
     assert found.returncode == 2 and "does not match its checksum" in found.stderr, found.stdout + found.stderr
-    resumed = run_app(1, "inputs/gpt_tiny.yaml", *(a for s in sets for a in ("--set", s)), "--set",
-                      f"run.resume={bad}", "--set", "train.steps=4")  # fmt: skip
+    sets = (*HEADER_RUN, f"run.dir={tmp_path / 'run'}", f"run.resume={bad}", "train.steps=4")
+    resumed = run_app(1, "inputs/gpt_tiny.yaml", *(a for s in sets for a in ("--set", s)))
     assert resumed.returncode == 2, resumed.stdout + resumed.stderr
     assert "header (step, optimizer steps, sampler" in resumed.stderr and "Traceback" not in resumed.stderr
 
