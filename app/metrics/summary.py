@@ -13,19 +13,24 @@ writes them. Keys it does not know are ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, NotRequired, Optional, TypedDict, Union
+from typing import Any, Optional, TypedDict, Union
 
 
-class GridInfo(TypedDict):
+class _GridAxesAboveOne(TypedDict, total=False):
+    """Axes named only where they split something (above 1); `NotRequired` needs Python 3.11."""
+
+    cp: int  # context parallelism: every sequence split over cp ranks
+    ep: int  # expert parallelism: the experts split over ep of the dp ranks
+
+
+class GridInfo(_GridAxesAboveOne):
     tp: int
-    cp: NotRequired[int]  # context parallelism, only where cp > 1
     pp: int
     dp: int
     order: str  # innermost axis first, e.g. "tp-dp-pp"
     within_node: dict[str, bool]  # axis -> every group of that axis is inside one node
     tensor: Optional[list[int]]  # 3D tensor parallelism's [x, y, z] (x y z = tp); None: 1D
     tensor_order: Optional[str]  # 3D: the sub-axes' order in the tp group, innermost first; None: 1D
-    ep: NotRequired[int]  # expert parallelism (experts split over ep of the dp ranks), only where ep > 1
 
 
 class PipelineInfo(TypedDict):
