@@ -150,15 +150,12 @@ def balance_losses(
     mass = probs.sum(dim=0)
     lse2 = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
     tokens = probs.shape[0]
-    split = (tp is not None and tp.size > 1) or cp.size > 1
-    if split:
+    splits = [g for g in (tp, cp) if g is not None and g.size > 1]  # the groups holding the other tokens
+    if splits:
         whole = torch.cat([counts, mass.detach(), lse2.detach().reshape(1)])
-        if tp is not None and tp.size > 1:
-            whole = tp.all_reduce(whole)
-            tokens *= tp.size
-        if cp.size > 1:
-            whole = cp.all_reduce(whole)
-            tokens *= cp.size
+        for group in splits:
+            whole = group.all_reduce(whole)
+            tokens *= group.size
         counts = whole[:n_experts]
         mass = mass + (whole[n_experts : 2 * n_experts] - mass.detach())  # the gradient reaches this rank's tokens
         z_value = whole[-1] / tokens

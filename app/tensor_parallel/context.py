@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from app.runtime.timers import Pending, StepTimers, comm_region, launch, wait
+from app.tensor_parallel.mappings import reduced_copy
 
 SEQ_DIM = 2  # q, k, v: (batch, heads, sequence, head_dim)
 
@@ -484,11 +485,9 @@ class ContextParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A new tensor: x summed over the cp group (a mixture of experts' token sums)."""
-        x = x.contiguous().clone()
-        if self.size > 1:
-            with comm_region(self.ring.timers, "cp", "all_reduce"):
-                dist.all_reduce(x, group=self.ring.group)
-        return x
+        if self.size == 1:
+            return x.contiguous().clone()
+        return reduced_copy(x, self.ring.group, self.ring.timers, "cp")
 
     def spans(self, seq_len: int) -> Optional[list[tuple[int, int]]]:
         """This rank's chunks of a `seq_len` sequence as ranges [a, b) of positions, in the order

@@ -36,6 +36,16 @@ if TYPE_CHECKING:
 SEQ_DIM = 1
 
 
+def reduced_copy(
+    x: torch.Tensor, group: Any, timers: Optional[StepTimers], axis: str, op: Any = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """A new tensor: x summed (or max-ed) over `group`, charged to `axis` of the step timers."""
+    x = x.contiguous().clone()
+    with comm_region(timers, axis, "all_reduce"):
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """What a tensor-parallel layer needs to know: its tp group, its place in it, and SP.
@@ -67,10 +77,7 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """A new tensor: x summed (or max-ed) over the tp group."""
-        x = x.contiguous().clone()
-        with comm_region(self.timers, self.axis, "all_reduce"):
-            dist.all_reduce(x, op=op, group=self.group)
-        return x
+        return reduced_copy(x, self.group, self.timers, self.axis, op)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate the tp ranks' x along `dim`, in tp-rank order."""
