@@ -66,6 +66,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "aborts the job",
     )
     parser.addoption(
+        "--quick",
+        action="store_true",
+        default=False,
+        help="leave out the tests marked full: the quick tier, which launch/test.sh runs unless given --full "
+        "(docs/TESTING.md)",
+    )
+    parser.addoption(
         "--mpi-min-size",
         type=int,
         default=0,
@@ -93,15 +100,22 @@ LONGEST_FIRST = (
 )
 
 
+def _deselect(config: pytest.Config, items: list[pytest.Item], out: Any) -> None:
+    """Drop the items for which `out(item)` holds, reported as deselected (not skipped: a group's
+    floor and --strict-skips count what it was asked to run)."""
+    config.hook.pytest_deselected(items=[item for item in items if out(item)])
+    items[:] = [item for item in items if not out(item)]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the serial group's workers (the same order on every one)
         rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
         items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep theirs
     floor = config.getoption("--mpi-min-size")
     if floor:
-        kept = [item for item in items if _min_size(item) >= floor]
-        config.hook.pytest_deselected(items=[item for item in items if _min_size(item) < floor])
-        items[:] = kept
+        _deselect(config, items, lambda item: _min_size(item) < floor)
+    if config.getoption("--quick"):
+        _deselect(config, items, lambda item: item.get_closest_marker("full") is not None)
     for marker, option, reason in (
         ("slurm", "--with-slurm", "needs --with-slurm (launch/test.sh starts a local Slurm)"),
         ("multinode", "--with-cluster", "needs --with-cluster (launch/test.sh starts 2 simulated nodes)"),

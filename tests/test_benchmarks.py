@@ -20,6 +20,7 @@ def test_grid_specs_parse_and_bad_ones_are_refused():
         grid_bench.parse_grid("2x2")
 
 
+@pytest.mark.full
 def test_the_benchmark_runs_grids_and_writes_a_table_with_communication_times(tmp_path, capsys):
     shrink = ["--set", "model.hidden=64", "--set", "model.seq_len=32"]
     rc = grid_bench.main(["--steps", "3", "--grids", "1x1x2", "2x1x1+sp", "--out", str(tmp_path), *shrink])
@@ -32,6 +33,7 @@ def test_the_benchmark_runs_grids_and_writes_a_table_with_communication_times(tm
     assert "| 2x1x1+sp | 2 |" in capsys.readouterr().out
 
 
+@pytest.mark.full
 def test_the_checkpoint_benchmark_compares_hdf5_torch_save_and_dd(tmp_path, capsys):
     import checkpoint_bench
 
@@ -71,6 +73,7 @@ def test_the_checkpoint_benchmark_compares_hdf5_torch_save_and_dd(tmp_path, caps
     assert float(phases["data (pread)"][0]) > 0 and float(phases["H5Dread"][1]) > 0
 
 
+@pytest.mark.full
 def test_the_zero_memory_benchmark_measures_bytes_against_the_plan(tmp_path):
     """benchmarks/zero_memory_bench.py on a real 2-rank run: ZeRO-1's optimizer state and shard are
     the plan's exactly; ZeRO-2's bucket buffers are above zero and within the plan's bound."""
@@ -86,6 +89,7 @@ def test_the_zero_memory_benchmark_measures_bytes_against_the_plan(tmp_path):
     assert 0 < rows["2"]["gradients"] <= rows["2"]["planned_gradients"] < rows["1"]["gradients"]
 
 
+@pytest.mark.full
 def test_the_async_checkpoint_benchmark_measures_blocked_and_step_times(tmp_path, capsys):
     import checkpoint_async_bench
 
@@ -114,6 +118,7 @@ def test_the_async_checkpoint_benchmark_measures_blocked_and_step_times(tmp_path
     assert "| async nice 10 |" in capsys.readouterr().out
 
 
+@pytest.mark.full
 def test_the_variant_benchmark_alternates_variants_and_sets_rss_against_the_plan(tmp_path, capsys):
     """Two variants (ZeRO-1 and ZeRO-3 at dp 2), one round: each row is a real run (its step time,
     its exposed dp communication, its rank 0's peak RSS) beside the dry run's peak per rank."""
@@ -133,6 +138,7 @@ def test_the_variant_benchmark_alternates_variants_and_sets_rss_against_the_plan
     assert "| optim.zero=3 parallel.dp_bucket_mb=0.01 |" in capsys.readouterr().out
 
 
+@pytest.mark.full
 def test_the_prepare_benchmark_measures_mb_s_per_rank_count_and_checks_the_bytes_agree(tmp_path, capsys):
     """One round on a small corpus of this machine's text: bytes and a trained BPE, each at 1 and 2
     ranks; every row a real mpirun of prepare, whose token file equals the 1-rank file's."""
@@ -212,6 +218,7 @@ def test_the_gpu_offload_check_runs_its_flow_on_cpu_ranks_and_says_when_there_is
 TINY_SETS = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32"]
 
 
+@pytest.mark.full
 def test_the_tensor3d_bytes_benchmark_counts_1d_and_3d_variants(tmp_path):
     """benchmarks/tensor3d_bytes_bench.py (with count_collectives.py): a 1D and a 3D variant, one round,
     tiny shapes. It broke once unnoticed (count_collectives' wrapper of ProcessGrid.tensor3d missed its
@@ -228,6 +235,7 @@ def test_the_tensor3d_bytes_benchmark_counts_1d_and_3d_variants(tmp_path):
     assert float(rows["3d:1x2x1"]["tp_y_bytes"]) > 0
 
 
+@pytest.mark.full
 def test_the_offload_benchmark_times_the_host_update_against_a_triad_and_the_offloaded_step(tmp_path):
     """benchmarks/offload_bench.py at its smallest: one round of the host update over 2^16 elements,
     of gpt_tiny's step with optim.offload none, host and host with the delayed update, 2 steps each,
@@ -247,6 +255,7 @@ def test_the_offload_benchmark_times_the_host_update_against_a_triad_and_the_off
     assert float(rows[0]["ratio"]) == 1.0 and float(rows[3]["ratio"]) == 1.0
 
 
+@pytest.mark.full
 def test_the_overlap_benchmark_runs_dp1_and_dp2_with_and_without_zero1(tmp_path, capsys):
     """benchmarks/overlap_bench.py, tiny shapes, 3 steps per configuration: every configuration runs
     and the dp = 2 ones report their dp communication."""
@@ -259,6 +268,7 @@ def test_the_overlap_benchmark_runs_dp1_and_dp2_with_and_without_zero1(tmp_path,
     assert all(float(r["dp_comm_ms"]) > 0 for r in rows if r["ranks"] == "2")
 
 
+@pytest.mark.full
 @pytest.mark.timeout(900)  # about 45 s on a quiet machine; 2 busy cores beside it took 6 minutes
 def test_the_performance_model_benchmark_calibrates_runs_and_predicts_a_grid(tmp_path):
     """benchmarks/perf_model_bench.py end to end at its smallest: one round calibrates 2 ranks
@@ -276,6 +286,7 @@ def test_the_performance_model_benchmark_calibrates_runs_and_predicts_a_grid(tmp
     assert (tmp_path / "local_2_round0.yaml").is_file()
 
 
+@pytest.mark.full
 def test_the_cp_benchmark_times_the_ring_with_and_without_overlap_the_all_to_all_and_the_messages(tmp_path):
     """benchmarks/cp_bench.py at its smallest (2 ranks, 64 tokens, one pass a round, 2 rounds): a row
     per variant with a time, the overlap's hidden and exposed shares, and the table."""
@@ -293,6 +304,7 @@ def test_the_cp_benchmark_times_the_ring_with_and_without_overlap_the_all_to_all
     assert "| ring_overlap_off |" in (tmp_path / "table.md").read_text()
 
 
+@pytest.mark.full
 def test_the_cp_memory_benchmark_measures_activations_against_the_plan(tmp_path):
     """benchmarks/cp_memory_bench.py at a small size (seq 256 on cp 1 and 2, one step): a row per cp
     with the kept activations within 15% of the dry run's (the issue's bound), cp 2 keeping about

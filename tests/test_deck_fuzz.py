@@ -259,6 +259,7 @@ def deck_file(tmp_path_factory):
 
 @settings(FUZZ, max_examples=300)
 @given(deck_and_world=decks_within_the_rules())
+@pytest.mark.full
 def test_every_deck_within_the_rules_plans(deck_file, deck_and_world):
     """What the deck accepts, the dry run plans: no bound lets a value through that the plan cannot take."""
     deck, world = deck_and_world
@@ -286,6 +287,7 @@ def test_any_set_list_over_the_tiny_deck_is_refused_or_planned(sets, world):
     dry_run(REPO / "inputs" / "gpt_tiny.yaml", sets, world, False)
 
 
+@pytest.mark.full
 def test_valid_extreme_decks_plan_quickly():
     """Decks at the bounds the deck accepts: the plan must stay fast (no per-micro-batch walk)."""
     extreme = (

@@ -118,10 +118,16 @@ def test_sampling_is_reproducible_by_seed_and_the_same_on_tp2(llama_ckpt):
     "args, message",
     [
         (("--prompt", "hi"), "--prompt needs a tokenizer"),
-        (("--prompt-ids", "1,x"), "expected comma-separated token ids"),
+        pytest.param(("--prompt-ids", "1,x"), "expected comma-separated token ids", marks=pytest.mark.full),
         (("--prompt-ids", "1,999"), "id 999 is outside the model's vocabulary 0 .. 127"),
-        (("--prompt-ids", "1", "--set", "parallel.tp=2"), "only run.* keys can be set"),
-        (("--prompt-ids", "1", "--tokenizer", "byte"), "the tokenizer has 257 ids but the model's vocabulary is 128"),
+        pytest.param(
+            ("--prompt-ids", "1", "--set", "parallel.tp=2"), "only run.* keys can be set", marks=pytest.mark.full
+        ),
+        pytest.param(
+            ("--prompt-ids", "1", "--tokenizer", "byte"),
+            "the tokenizer has 257 ids but the model's vocabulary is 128",
+            marks=pytest.mark.full,
+        ),
     ],
 )
 def test_user_mistakes_exit_2_with_one_message(llama_ckpt, args, message):
@@ -130,6 +136,7 @@ def test_user_mistakes_exit_2_with_one_message(llama_ckpt, args, message):
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+@pytest.mark.full
 def test_gpt2_positions_and_grids_the_model_cannot_take_are_refused(gpt2_ckpt, tmp_path):
     out = generate(1, gpt2_ckpt, "--prompt-ids", PROMPT, "--max-new-tokens", 25)
     assert out.returncode == 2 and "need 33 positions; this gpt2 model learned 32" in out.stderr, out.stderr

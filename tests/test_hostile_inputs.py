@@ -56,6 +56,7 @@ def test_a_hostile_machine_file_is_one_line_and_exit_2(tmp_path, case):
     assert rss < 200_000, rss
 
 
+@pytest.mark.full
 def test_an_alias_bomb_in_a_checkpoint_s_stored_deck_is_refused_quickly(tmp_path):
     """A checkpoint written before the header digest (the attribute removed here), its deck
     attribute replaced by an alias bomb: inspect and a resume refuse it in one line, bounded."""

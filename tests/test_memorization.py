@@ -51,6 +51,7 @@ def memorization(ranks: int, run_dir, prefix) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.full
 def test_a_memorised_text_is_reproduced_without_goldfish_and_not_with_it(text, tmp_path):
     train(text, tmp_path / "plain", 0)
     train(text, tmp_path / "goldfish", 4)

@@ -106,7 +106,7 @@ def bad_step(text: str, pattern: str) -> int:
 # ---- end to end: 2-rank jobs --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.full), "fp16"])
 def test_abort_stops_with_status_3_before_checkpointing_the_bad_state(tmp_path, precision):
     status, text, run_dir = diverge(tmp_path, precision, "train.steps=10", "train.nonfinite=abort")
     assert status == 3, text
@@ -118,7 +118,7 @@ def test_abort_stops_with_status_3_before_checkpointing_the_bad_state(tmp_path, 
     assert summary is None  # the run did not finish
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.full), "fp16"])
 def test_skip_drops_non_finite_steps_and_aborts_after_max_skipped_in_a_row(tmp_path, precision):
     # fp32 finishes (5 skipped steps allowed, at most 10); bf16 and fp16 allow 2 in a row.
     finish = precision == "fp32"
@@ -153,7 +153,7 @@ def test_skip_drops_non_finite_steps_and_aborts_after_max_skipped_in_a_row(tmp_p
         assert summary is None
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.full), "fp16"])
 def test_rollback_reloads_the_last_checkpoint_and_skips_the_bad_batches(tmp_path, precision):
     # fp32 finishes: each rollback skips one more batch, up to train.steps; bf16 and fp16 abort
     # after 2 rollbacks with no update in between.

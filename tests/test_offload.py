@@ -88,7 +88,7 @@ def test_the_host_store_hands_out_whole_bucket_shards():
 OFFLOAD_RTOL = {"fp32": 1e-6, "bf16": 1e-4}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.full)])
 def test_offloaded_runs_equal_each_other_bit_for_bit_and_the_device_run(tmp_path, precision):
     """One rank, 4 steps: optim.offload host (whole bucket shards) and nvme (a 0.05 MB buffer, so
     every bucket is streamed in several chunks) log the same losses and gradient norms to the bit

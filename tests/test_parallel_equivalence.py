@@ -10,6 +10,11 @@ and reused by the cases (tests/conftest.py, GridPool). After each of 5 optimizer
 the global-batch loss must equal the reference's; afterwards every rank's parameter
 shards must equal the same slices of the reference, and the gathered full parameters too.
 
+Tiers: the cases marked quick=True (a third, chosen to exercise every axis size, 3D sub-axis and
+deck setting of the matrix: test_the_quick_cases_cover_every_setting_of_the_matrix) run in every
+`launch/test.sh`; the others are marked `full` and run with `launch/test.sh --full`
+(docs/TESTING.md).
+
 Tolerance (fp32): the runs differ only in summation order — tp splits every matmul's
 inner sum (row-parallel layers) and the softmax denominator over vocab shards, dp and
 gradient accumulation regroup the batch sum, sequence parallelism regroups the
@@ -96,6 +101,7 @@ class Case(NamedTuple):
     tensor: tuple[int, int, int] | None = None  # 3D tensor parallelism's [x, y, z] (x y z = tp)
     ep: int = 1  # expert parallelism (a mixture of experts' experts split over ep dp ranks)
     cp: int = 1  # context parallelism (every sequence split over cp ranks)
+    quick: bool = False  # in the covering subset every tier runs (the rest: launch/test.sh --full)
 
     @property
     def size(self) -> int:
@@ -127,20 +133,20 @@ CASES = [
     Case(2, 1, 1), Case(2, 1, 1, sp=True), Case(1, 2, 1), Case(1, 2, 1, virtual=2), Case(1, 1, 2),
     Case(2, 2, 1), Case(2, 2, 1, sp=True), Case(2, 2, 1, virtual=2), Case(2, 1, 2), Case(2, 1, 2, sp=True),
     Case(1, 2, 2), Case(1, 2, 2, virtual=2),
-    Case(2, 2, 2), Case(2, 2, 2, sp=True), Case(2, 2, 2, virtual=2), Case(2, 2, 2, sp=True, virtual=2),
-    Case(4, 1, 1), Case(4, 1, 1, sp=True), Case(4, 2, 1, sp=True), Case(4, 1, 2),
-    Case(1, 4, 1), Case(1, 4, 2), Case(2, 4, 1, sp=True),
-    Case(2, 2, 2, extra=("parallel.order=pp-dp-tp",)),
-    Case(1, 2, 2, extra=("parallel.stage_layers=[1, 3]",)),
+    Case(2, 2, 2), Case(2, 2, 2, sp=True), Case(2, 2, 2, virtual=2), Case(2, 2, 2, sp=True, virtual=2, quick=True),
+    Case(4, 1, 1), Case(4, 1, 1, sp=True), Case(4, 2, 1, sp=True), Case(4, 1, 2, quick=True),
+    Case(1, 4, 1, quick=True), Case(1, 4, 2), Case(2, 4, 1, sp=True),
+    Case(2, 2, 2, extra=("parallel.order=pp-dp-tp",), quick=True),
+    Case(1, 2, 2, extra=("parallel.stage_layers=[1, 3]",), quick=True),
     Case(2, 2, 2, sp=True, extra=("model.tie_embeddings=false",)),
     # Overlap off (every switch) equals overlap on (the default in every case above).
-    Case(2, 2, 2, sp=True, virtual=2, extra=OVERLAP_OFF), Case(1, 1, 2, extra=OVERLAP_OFF),
+    Case(2, 2, 2, sp=True, virtual=2, extra=OVERLAP_OFF), Case(1, 1, 2, extra=OVERLAP_OFF, quick=True),
     # ZeRO-1, with and without overlap; accumulation 1 vs 4 (micro_batch 8 vs 2) at the same global batch.
     Case(1, 1, 2, extra=("optim.zero=1",)), Case(2, 2, 2, sp=True, extra=("optim.zero=1",)),
     Case(1, 2, 2, virtual=2, extra=("optim.zero=1", *OVERLAP_OFF[:2])),
-    Case(1, 1, 2, extra=("train.micro_batch=8",)), Case(2, 1, 2, extra=("optim.zero=1", "train.micro_batch=8")),
+    Case(1, 1, 2, extra=("train.micro_batch=8",), quick=True), Case(2, 1, 2, extra=("optim.zero=1", "train.micro_batch=8")),
     # LAMB: the trust ratio from tp- and ZeRO-sharded norms equals the 1-rank one.
-    Case(2, 2, 2, sp=True, extra=("optim.name=lamb", "optim.zero=1")), Case(2, 1, 2, extra=("optim.name=lamb",)),
+    Case(2, 2, 2, sp=True, extra=("optim.name=lamb", "optim.zero=1"), quick=True), Case(2, 1, 2, extra=("optim.name=lamb",)),
     # Recomputation changes nothing numerically.
     Case(2, 2, 2, sp=True, extra=("train.recompute=full", "optim.zero=1")),
     Case(2, 1, 2, extra=("train.recompute=selective",)),
@@ -150,22 +156,22 @@ BF16 = {"loss_rtol": BF16_LOSS_RTOL, "param_atol": BF16_PARAM_ATOL, "param_mean_
 FP16 = {"loss_rtol": FP16_LOSS_RTOL, "param_atol": FP16_PARAM_ATOL, "param_mean_atol": FP16_PARAM_MEAN_ATOL}
 CASES += [
     Case(2, 1, 2, extra=("optim.zero=1", "train.precision=bf16"), **BF16),
-    Case(2, 2, 2, sp=True, extra=("train.precision=bf16", "train.grad_reduce_dtype=compute"), **BF16),
-    Case(1, 2, 2, extra=("optim.zero=1", "train.precision=fp16"), **FP16),
+    Case(2, 2, 2, sp=True, extra=("train.precision=bf16", "train.grad_reduce_dtype=compute"), **BF16, quick=True),
+    Case(1, 2, 2, extra=("optim.zero=1", "train.precision=fp16"), **FP16, quick=True),
     # ZeRO-2: dp alone (overlap on and off); with tp, pp and SP; with interleaving, recompute and bf16.
     Case(1, 1, 2, extra=("optim.zero=2",)), Case(1, 1, 2, extra=("optim.zero=2", *OVERLAP_OFF[:2])),
     Case(2, 2, 2, sp=True, extra=("optim.zero=2",)),
-    Case(1, 2, 2, virtual=2, extra=("optim.zero=2", "train.recompute=full", "train.precision=bf16"), **BF16),
+    Case(1, 2, 2, virtual=2, extra=("optim.zero=2", "train.recompute=full", "train.precision=bf16"), **BF16, quick=True),
     # ZeRO-3: the same three, and an untied head on one stage (the embedding and head apart).
     Case(1, 1, 2, extra=("optim.zero=3",)), Case(1, 1, 2, extra=("optim.zero=3", *OVERLAP_OFF[:2])),
     Case(2, 2, 2, sp=True, extra=("optim.zero=3",)),
-    Case(1, 2, 2, virtual=2, extra=("optim.zero=3", "train.recompute=full", "train.precision=bf16"), **BF16),
-    Case(2, 1, 2, extra=("optim.zero=3", "model.tie_embeddings=false", "train.recompute=selective")),
+    Case(1, 2, 2, virtual=2, extra=("optim.zero=3", "train.recompute=full", "train.precision=bf16"), **BF16, quick=True),
+    Case(2, 1, 2, extra=("optim.zero=3", "model.tie_embeddings=false", "train.recompute=selective"), quick=True),
     # Optimizer offload to host memory and to NVMe files (a 0.05 MB buffer: many chunks per bucket),
     # on dp2 and tp2 dp2; with LAMB (host only), bf16 masters, ZeRO-1, -2 and -3.
-    Case(1, 1, 2, extra=("optim.offload=host", "optim.zero=2")),
+    Case(1, 1, 2, extra=("optim.offload=host", "optim.zero=2"), quick=True),
     Case(2, 1, 2, extra=("optim.offload=host", "optim.zero=1", "optim.name=lamb", "train.precision=bf16"), **BF16),
-    Case(1, 1, 2, extra=("optim.offload=nvme", "optim.offload_buffer_mb=0.05")),
+    Case(1, 1, 2, extra=("optim.offload=nvme", "optim.offload_buffer_mb=0.05"), quick=True),
     Case(2, 1, 2, extra=("optim.offload=nvme", "optim.offload_buffer_mb=0.05", "optim.zero=3")),
 ]  # fmt: skip
 
@@ -184,11 +190,11 @@ def t3d(shape: tuple[int, int, int], pp: int, dp: int, *extra: str, **kwargs) ->
 MB8, MB4 = "train.micro_batch=8", "train.micro_batch=4"
 CASES += [
     t3d((2, 1, 1), 2, 2), t3d((1, 2, 1), 2, 2, "optim.zero=1"),
-    t3d((1, 1, 2), 2, 2, "train.precision=bf16", **BF16),
+    t3d((1, 1, 2), 2, 2, "train.precision=bf16", **BF16, quick=True),
     t3d((2, 2, 1), 2, 1, "train.recompute=full"), t3d((2, 1, 2), 1, 2, "optim.zero=2"),
     t3d((1, 2, 2), 2, 1, "model.tie_embeddings=false"), t3d((4, 1, 1), 1, 2, "train.recompute=selective"),
-    t3d((1, 4, 1), 2, 1), t3d((1, 1, 4), 1, 2, "optim.zero=3"),
-    t3d((8, 1, 1), 1, 1, MB8), t3d((1, 8, 1), 1, 1, MB8, "model.heads=8"), t3d((1, 1, 8), 1, 1),
+    t3d((1, 4, 1), 2, 1), t3d((1, 1, 4), 1, 2, "optim.zero=3", quick=True),
+    t3d((8, 1, 1), 1, 1, MB8), t3d((1, 8, 1), 1, 1, MB8, "model.heads=8", quick=True), t3d((1, 1, 8), 1, 1),
     t3d((4, 2, 1), 1, 1, MB8), t3d((4, 1, 2), 1, 1, MB4), t3d((2, 4, 1), 1, 1, MB8), t3d((1, 4, 2), 1, 1, MB4),
     t3d((2, 1, 4), 1, 1), t3d((1, 2, 4), 1, 1), t3d((2, 2, 2), 1, 1, MB4),
     t3d((2, 2, 1), 1, 2, MB4, "optim.zero=3", "model.tie_embeddings=false"),
@@ -198,18 +204,18 @@ CASES += [
     # Every 3D overlap (OAR, ORS, OAG) is on above (the defaults); here all off, and on again with a
     # full recomputation over Z (the recomputed forward prefetches the gathers backward takes).
     t3d((2, 2, 2), 1, 1, MB4, "parallel.overlap_tp_comm=false", "parallel.overlap_tensor_reduce_scatter=false",
-        "parallel.overlap_tensor_all_gather=false"),
+        "parallel.overlap_tensor_all_gather=false", quick=True),
     t3d((1, 2, 2), 2, 1, "train.recompute=full"),
     # Another order of the sub-axes in the tp group (parallel.tensor_order, innermost first): the
     # same blocks on other ranks, so the same sums.
-    t3d((2, 2, 2), 1, 1, MB4, "parallel.tensor_order=zyx"),
-    t3d((2, 1, 2), 1, 2, "parallel.tensor_order=zxy", "optim.zero=1"),
+    t3d((2, 2, 2), 1, 1, MB4, "parallel.tensor_order=zyx", quick=True),
+    t3d((2, 1, 2), 1, 2, "parallel.tensor_order=zxy", "optim.zero=1", quick=True),
 ]  # fmt: skip
 # Goldfish: the mask comes from the targets before any split, and the loss is the mean over the
 # global batch's counted targets (their count summed over dp and Z): the same on every grid.
 CASES += [
     Case(2, 1, 1, extra=GOLDFISH), Case(1, 2, 1, extra=GOLDFISH), Case(1, 1, 2, extra=GOLDFISH),
-    Case(2, 1, 2, sp=True, extra=GOLDFISH), t3d((2, 1, 2), 1, 2, *GOLDFISH),
+    Case(2, 1, 2, sp=True, extra=GOLDFISH, quick=True), t3d((2, 1, 2), 1, 2, *GOLDFISH),
 ]  # fmt: skip
 
 
@@ -218,14 +224,14 @@ CASES += [
 # and dp; with ZeRO-1 on dp 4; bf16; and without GQA, tied, ZeRO-1 over pp 2 (the tied head's copy).
 LLAMA = ("model.arch=llama", "model.kv_heads=2")
 CASES += [
-    Case(2, 2, 2, sp=True, extra=LLAMA),
+    Case(2, 2, 2, sp=True, extra=LLAMA, quick=True),
     Case(2, 1, 4, extra=(*LLAMA, "optim.zero=1")),
     Case(2, 2, 2, extra=(*LLAMA, "train.precision=bf16"), **BF16),
-    Case(2, 2, 2, extra=("model.arch=llama", "model.tie_embeddings=true", "optim.zero=1")),
+    Case(2, 2, 2, extra=("model.arch=llama", "model.tie_embeddings=true", "optim.zero=1"), quick=True),
     # run.compile: llama's RMSNorm, rotary embedding and SwiGLU as torch.compile kernels, against the
     # eager 1-rank run, under tp, SP, pp and dp, and inside full recomputation with ZeRO-3.
     Case(2, 2, 2, sp=True, extra=(*LLAMA, "run.compile=true")),
-    Case(2, 1, 2, extra=(*LLAMA, "run.compile=true", "train.recompute=full", "optim.zero=3")),
+    Case(2, 1, 2, extra=(*LLAMA, "run.compile=true", "train.recompute=full", "optim.zero=3"), quick=True),
 ]
 
 # Mixture of experts (app/model/moe.py) with a shared expert: the experts whole on every tp rank (under
@@ -236,15 +242,17 @@ MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "m
 CASES += [
     Case(2, 2, 2, extra=MOE),
     Case(2, 2, 2, sp=True, extra=(*LLAMA, *MOE, "model.moe_aux_loss_coef=0.5")),
-    Case(1, 2, 2, extra=(*LLAMA, *MOE, "model.moe_capacity_factor=1.0", "model.moe_every=2", "optim.zero=1")),
+    Case(
+        1, 2, 2, extra=(*LLAMA, *MOE, "model.moe_capacity_factor=1.0", "model.moe_every=2", "optim.zero=1"), quick=True
+    ),
 ]
 # Expert parallelism: 2 or 4 experts per rank, tokens exchanged by all-to-all, expert gradients reduced
 # over the dp / ep ranks holding the same experts (with ZeRO-1 sharded over them; LAMB's and the clipped
 # norm's expert parts summed over ep); with a capacity factor, the source ranks drop what one rank drops.
 CASES += [
-    Case(1, 1, 4, ep=2, extra=(*MOE, "optim.name=lamb")),
+    Case(1, 1, 4, ep=2, extra=(*MOE, "optim.name=lamb"), quick=True),
     Case(2, 1, 2, sp=True, ep=2, extra=(*LLAMA, *MOE)),
-    Case(1, 2, 4, ep=4, extra=(*LLAMA, *MOE, "model.moe_capacity_factor=1.0")),
+    Case(1, 2, 4, ep=4, extra=(*LLAMA, *MOE, "model.moe_capacity_factor=1.0"), quick=True),
     Case(1, 2, 4, ep=2, extra=(*MOE, "optim.zero=1")),
     Case(1, 1, 4, ep=2, extra=(*LLAMA, *MOE, "train.precision=bf16"), **BF16),
 ]
@@ -257,9 +265,9 @@ CASES += [
 SEQ256 = ("model.seq_len=256",)
 A2A = ("parallel.cp_kind=all_to_all",)
 CASES += [
-    Case(1, 1, 1, cp=2, extra=SEQ256), Case(1, 1, 1, cp=4, extra=SEQ256),
+    Case(1, 1, 1, cp=2, extra=SEQ256, quick=True), Case(1, 1, 1, cp=4, extra=SEQ256, quick=True),
     Case(2, 1, 2, cp=2, sp=True), Case(1, 2, 1, cp=2), Case(1, 2, 2, cp=2, extra=(*LLAMA, "optim.zero=1")),
-    Case(1, 1, 1, cp=2, extra=A2A), Case(2, 1, 1, cp=2, extra=(*A2A, *LLAMA)),
+    Case(1, 1, 1, cp=2, extra=A2A, quick=True), Case(2, 1, 1, cp=2, extra=(*A2A, *LLAMA)),
     Case(1, 1, 2, cp=2, extra=("train.recompute=full", "optim.zero=3")),
     Case(2, 1, 1, cp=2, extra=("train.recompute=selective",)),
     Case(1, 1, 2, cp=2, extra=("train.precision=bf16",), **BF16),
@@ -268,8 +276,8 @@ CASES += [
     Case(2, 1, 2, cp=2, sp=True, extra=GOLDFISH),
     # Mixture of experts (dropless): each cp rank routes its chunks; the load-balancing and z-losses'
     # token sums over cp (and tp under SP), each rank's share of their gradient counted cp times.
-    Case(1, 1, 2, cp=2, extra=(*MOE, "model.moe_aux_loss_coef=0.5")),
-    Case(2, 1, 2, cp=2, sp=True, extra=(*LLAMA, *MOE, "model.moe_aux_loss_coef=0.5")),
+    Case(1, 1, 2, cp=2, extra=(*MOE, "model.moe_aux_loss_coef=0.5"), quick=True),
+    Case(2, 1, 2, cp=2, sp=True, extra=(*LLAMA, *MOE, "model.moe_aux_loss_coef=0.5"), quick=True),
 ]  # fmt: skip
 
 _REFERENCES: dict = {}
@@ -281,8 +289,30 @@ def _reference(grids, extra: tuple[str, ...], run_dir) -> tuple[list[float], dic
     return reference_run(grids, (*TINY, *shared, f"run.dir={run_dir}"), STEPS, _REFERENCES)
 
 
+def features(case: Case) -> set[str]:
+    """What a case exercises: each split axis with its size (3D: the sub-axes split and their
+    product), SP, interleaving, and every extra deck setting."""
+    found = {f"{axis}={getattr(case, axis)}" for axis in ("pp", "dp", "cp", "ep") if getattr(case, axis) > 1}
+    if case.tensor:
+        found |= {f"tensor.{axis}" for axis, n in zip("xyz", case.tensor) if n > 1} | {f"tensor={case.tp}"}
+    elif case.tp > 1:
+        found.add(f"tp={case.tp}")
+    found |= ({"sp"} if case.sp else set()) | ({f"virtual={case.virtual}"} if case.virtual > 1 else set())
+    return found | set(case.extra)
+
+
+def test_the_quick_cases_cover_every_setting_of_the_matrix():
+    """The quick tier (every CI run) trains a third of the cases: together they must exercise every
+    axis size, 3D sub-axis, switch and deck setting that any case does, so that a new setting added
+    to the matrix alone fails here until one of its cases is marked quick."""
+    quick = set().union(*(features(c) for c in CASES if c.quick))
+    missing = set().union(*(features(c) for c in CASES)) - quick
+    assert not missing, f"no quick=True case exercises {sorted(missing)}"
+    assert 0 < sum(c.quick for c in CASES) < len(CASES)
+
+
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=() if c.quick else pytest.mark.full) for c in CASES])
 def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path, case):
     ref_losses, ref_params = _reference(grids, case.extra, tmp_path / "solo")
     size = case.size

@@ -60,7 +60,11 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_finishes_with_a_good_c
     assert steps == list(range(1, stopped + 1))  # one job's records only, not interleaved with the refused one's
 
 
-@pytest.mark.parametrize("name", [".gridlm.lock", "metrics.jsonl", "deck.yaml", "checkpoints/latest"])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.full) for n in (".gridlm.lock", "deck.yaml")]
+    + ["metrics.jsonl", "checkpoints/latest"],
+)
 def test_a_symlink_planted_where_gridlm_writes_is_refused_and_its_target_untouched(tmp_path, name):
     """Pre-planted symlinks named like gridlm's own files in run.dir and checkpoint.dir made a run
     overwrite their targets. Now the run refuses at start, naming the link (exit 2), and the
