@@ -16,6 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
+from app.job import deck_parser
 from app.runtime.process import exit_now
 
 if TYPE_CHECKING:
@@ -25,20 +26,11 @@ if TYPE_CHECKING:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m app",
-        description="Train a GPT over a tensor x pipeline x data grid of MPI ranks.",
-        epilog="Example: mpirun -n 4 python -m app inputs/gpt_tiny.yaml --set train.steps=50",
-    )
-    parser.add_argument("deck", help="YAML input deck (see docs/DECK.md, the deck reference)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one deck key (repeatable), e.g. --set train.steps=50 --set run.dir=runs/x",
-    )
+    parser = deck_parser(
+        "python -m app", "Train a GPT over a tensor x pipeline x data grid of MPI ranks.",
+        "mpirun -n 4 python -m app inputs/gpt_tiny.yaml --set train.steps=50",
+        "YAML input deck (see docs/DECK.md, the deck reference)", "--set train.steps=50 --set run.dir=runs/x",
+    )  # fmt: skip
     plan = parser.add_argument_group("dry run (no MPI launch: grid, placement, memory and FLOPs of the deck)")
     plan.add_argument("--dry-run", action="store_true", help="plan the deck and exit: 0 if it can run, 2 if not")
     plan.add_argument("--world-size", type=int, metavar="N", help="ranks to plan for (default: tp x pp x dp)")

@@ -12,6 +12,7 @@ left waiting in a collective.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
 from contextlib import suppress
@@ -21,6 +22,18 @@ if TYPE_CHECKING:
     from app.deck import Deck
     from app.runtime.grid import ProcessGrid
     from app.runtime.mpi import Runtime
+
+
+def deck_parser(prog: str, description: str, example: str, deck_help: str, set_example: str) -> argparse.ArgumentParser:
+    """The command line an MPI entry point that reads a deck starts with: the deck, and `--set`
+    overrides of its keys (`deck_file` applies them)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=f"Example: {example}")
+    parser.add_argument("deck", help=deck_help)
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help=f"override one deck key (repeatable), e.g. {set_example}",
+    )  # fmt: skip
+    return parser
 
 
 def deck_file(path: str, overrides: tuple[str, ...]) -> Callable[[int], Deck]:

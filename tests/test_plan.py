@@ -15,7 +15,14 @@ from app.metrics.peaks import peak_tflops
 from app.names import BYTES, reduce_precision
 from app.plan import estimate
 from app.plan.dryrun import make_plan, to_json
-from app.plan.estimate import estimate_stages, stage_layout, stage_param_list, stage_param_metas, stage_params
+from app.plan.estimate import (
+    StageKey,
+    estimate_stages,
+    stage_layout,
+    stage_param_list,
+    stage_param_metas,
+    stage_params,
+)
 from app.plan.machine import MachineError, load_machine, machine_names
 from app.runtime.grid import GridLayout
 from conftest import REPO, grid_trainer, train_steps
@@ -139,7 +146,7 @@ def test_expert_parallel_boxes_and_buckets_equal_the_built_model(arch, tp, ep, z
                             "train.micro_batch=1"))  # fmt: skip
     deck = resolve_for_world(deck, tp * 4)
     m, layers = deck.model, list(range(deck.model.layers))
-    planned = stage_layout(deck, m.layers, True, True, zero)
+    planned = stage_layout(deck, StageKey(m.layers, True, True, zero))
     assert planned.has_experts and planned.ep == ep
     stage = estimate_stages(deck)[0]
     for dp_rank in range(4):
@@ -478,7 +485,7 @@ def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, grids, 
         deck = trainer.deck
         stage = estimate_stages(deck)[trainer.grid.coords["pp"]]
         zero = deck.optim.zero
-        planned = stage_layout(deck, sum(stage.layers), stage.first, stage.last, bool(zero))
+        planned = stage_layout(deck, StageKey(sum(stage.layers), stage.first, stage.last, bool(zero)))
         # The plan's is dp rank 0's: the same buckets, and shards of the same size.
         assert [(b.start, b.end, b.params, b.shard_hi - b.shard_lo) for b in planned.buckets] == [
             (b.start, b.end, b.params, b.shard_hi - b.shard_lo) for b in trainer.dp.layout.buckets
@@ -503,7 +510,7 @@ def test_expert_parallel_buffers_equal_the_plan(runtime, grids, zero):
         trainer = grid_trainer(grids, 1, 1, dp, sets)
         deck = trainer.deck
         stage = estimate_stages(deck)[0]
-        planned = stage_layout(deck, sum(stage.layers), stage.first, stage.last, bool(zero))
+        planned = stage_layout(deck, StageKey(sum(stage.layers), stage.first, stage.last, bool(zero)))
         assert [(b.start, b.end, b.params, b.expert, b.shard_hi - b.shard_lo) for b in planned.buckets] == [
             (b.start, b.end, b.params, b.expert, b.shard_hi - b.shard_lo) for b in trainer.dp.layout.buckets
         ]
@@ -587,7 +594,7 @@ def test_zero3_memory_is_a_parameter_shard_plus_three_gathered_units(overrides):
     g = e if tr.grad_reduce_dtype == "compute" else 4
     for s in estimate_stages(deck):
         layers = sum(s.layers)
-        layout = stage_layout(deck, layers, s.first, s.last, zero=True, units=True)
+        layout = stage_layout(deck, StageKey(layers, s.first, s.last, zero=True, units=True))
         units = stage_units(deck.model, layers, s.first, s.last)[::-1]  # buffer order
         per_unit: dict[str, int] = {}
         for b in layout.buckets:
@@ -609,7 +616,7 @@ def test_zero3_memory_is_a_parameter_shard_plus_three_gathered_units(overrides):
             s.weights_for(0)
             == s.weights_for(2)
             == s.weights
-            == stage_layout(deck, layers, s.first, s.last, False).size * e
+            == stage_layout(deck, StageKey(layers, s.first, s.last, False)).size * e
         )
 
 
@@ -684,7 +691,7 @@ def test_offload_moves_the_master_and_moments_off_the_device(offload, precision,
     g = BYTES[reduce_precision(precision, deck.train.grad_reduce_dtype)]
     for s in estimate_stages(deck):
         layout = stage_layout(
-            deck, sum(s.layers), s.first, s.last, zero=dp > 1 and zero > 0, units=dp > 1 and zero == 3
+            deck, StageKey(sum(s.layers), s.first, s.last, zero=dp > 1 and zero > 0, units=dp > 1 and zero == 3)
         )
         shard = layout.shard_elements()
         sharded = dp > 1 and zero > 0
@@ -710,7 +717,7 @@ def test_host_offload_saves_memory_on_a_gpu_machine_and_costs_it_on_a_cpu_one():
     was the parameter); on the CPU machine it adds the fp32 master copy and the gradients' host copy;
     nvme saves there too (the moments and master go to the file; the gradients' copy stays)."""
     deck = load_deck(None, (*SMALL, "parallel.dp=1"))
-    size = stage_layout(deck, 5, True, True, zero=False).shard_elements()
+    size = stage_layout(deck, StageKey(5, True, True, zero=False)).shard_elements()
     for name, host_offload, nvme in (("selene", -8 * size, -8 * size), ("local", 8 * size, None)):
         plans = {o: make_plan(load_deck(None, (*SMALL, "parallel.dp=1", f"optim.offload={o}")), 1, load_machine(name))
                  for o in ("none", "host", "nvme")}  # fmt: skip

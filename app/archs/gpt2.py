@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from app.archs.hf import Rule, put_transposed, qkv_rows, qkv_rows_back, same, transposed
+from app.archs.hf import Rule, config_tail, put_transposed, qkv_rows, qkv_rows_back, same, transposed
 from app.archs.spec import Arch, HFFormat
 
 
@@ -58,14 +58,10 @@ def hf_config(model: dict[str, Any]) -> dict[str, Any]:
         "resid_pdrop": model["dropout"],
         "embd_pdrop": model["dropout"],
         "attn_pdrop": model["dropout"],
-        "initializer_range": model["init_std"],
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": bool(model["tie_embeddings"]),
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "torch_dtype": "float32",
+        **config_tail(model),
     }
 
 
@@ -144,15 +140,7 @@ def hf_unsupported(config: dict[str, Any], m: Any) -> Optional[str]:
 HF = HFFormat("gpt2", "transformer.", hf_config, hf_rules, hf_expected, hf_unsupported)
 
 GPT2 = Arch(
-    name="gpt2",
-    summary="learned positions, LayerNorm, GELU MLP, biases",
-    positions="learned",
-    norm="layernorm",
-    mlp="gelu",
-    bias=True,
-    grouped_query=False,
-    tensor3d=True,
-    tie_embeddings=True,
-    ffn=lambda hidden: 4 * hidden,
-    hf=HF,
-)
+    name="gpt2", summary="learned positions, LayerNorm, GELU MLP, biases",
+    positions="learned", norm="layernorm", mlp="gelu", bias=True, grouped_query=False,
+    tensor3d=True, tie_embeddings=True, ffn=lambda hidden: 4 * hidden, hf=HF,
+)  # fmt: skip

@@ -4,9 +4,21 @@ of a gridlm parameter, and the row permutations the fused gridlm tensors need. n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
+
+
+def config_tail(model: dict[str, Any]) -> dict[str, Any]:
+    """The config.json fields every entry ends with alike: the init std, tying, no special tokens, and
+    float32 weights (what an export writes)."""
+    return {
+        "initializer_range": model["init_std"],
+        "tie_word_embeddings": bool(model["tie_embeddings"]),
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "torch_dtype": "float32",
+    }
 
 
 def same(x: np.ndarray) -> np.ndarray:

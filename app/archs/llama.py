@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from app.archs.hf import Rule, qkv_parts, same
+from app.archs.hf import Rule, config_tail, qkv_parts, same
 from app.archs.spec import Arch, HFFormat
 
 
@@ -65,11 +65,7 @@ def _llama_config(model: dict[str, Any]) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "attention_dropout": model["dropout"],
-        "initializer_range": model["init_std"],
-        "tie_word_embeddings": bool(model["tie_embeddings"]),
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "torch_dtype": "float32",
+        **config_tail(model),
     }
 
 
@@ -215,15 +211,7 @@ HF = HFFormat("llama", "model.", hf_config, hf_rules, hf_expected, hf_unsupporte
               unexportable=mixtral_blocks)  # fmt: skip
 
 LLAMA = Arch(
-    name="llama",
-    summary="rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases",
-    positions="rotary",
-    norm="rmsnorm",
-    mlp="swiglu",
-    bias=False,
-    grouped_query=True,
-    tensor3d=False,
-    tie_embeddings=False,
-    ffn=lambda hidden: -(-8 * hidden // (3 * 64)) * 64,
-    hf=HF,
-)
+    name="llama", summary="rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases",
+    positions="rotary", norm="rmsnorm", mlp="swiglu", bias=False, grouped_query=True,
+    tensor3d=False, tie_embeddings=False, ffn=lambda hidden: -(-8 * hidden // (3 * 64)) * 64, hf=HF,
+)  # fmt: skip

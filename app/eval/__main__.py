@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.errors import CheckpointError
+from app.job import deck_parser
 from app.runtime.process import exit_now
 
 if TYPE_CHECKING:
@@ -27,19 +28,16 @@ if TYPE_CHECKING:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.eval",
-        description="Evaluate a checkpoint's validation loss on held-out data, on any grid (launch like training).",
-        epilog="Example: mpirun -n 4 python -m app.eval inputs/gpt_tiny.yaml --checkpoint runs/gpt_tiny/checkpoints",
+    parser = deck_parser(
+        "python -m app.eval",
+        "Evaluate a checkpoint's validation loss on held-out data, on any grid (launch like training).",
+        "mpirun -n 4 python -m app.eval inputs/gpt_tiny.yaml --checkpoint runs/gpt_tiny/checkpoints",
+        "the YAML input deck of the run (its model, eval and data sections)",
+        "--set eval.batches=8 --set parallel.tp=2",
     )
-    parser.add_argument("deck", help="the YAML input deck of the run (its model, eval and data sections)")
     parser.add_argument(
         "--checkpoint", required=True, metavar="CKPT", help="a checkpoint file (.h5), or a directory: its `latest`"
     )
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-        help="override one deck key (repeatable), e.g. --set eval.batches=8 --set parallel.tp=2",
-    )  # fmt: skip
     parser.add_argument("--out", metavar="FILE", help="where to write the result (default <run.dir>/eval/step_N.json)")
     return parser.parse_args(argv)
 

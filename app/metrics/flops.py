@@ -91,16 +91,9 @@ def linear_step_flops(model: ModelConfig, tokens: int) -> float:
 
 
 def gpt_step_flops(
-    global_batch: int,
-    seq_len: int,
-    layers: int,
-    hidden: int,
-    vocab: int,
-    ffn: int,
-    causal: bool = False,
-    kv_hidden: Optional[int] = None,
-    gated: bool = False,
-) -> float:
+    global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int,
+    causal: bool = False, kv_hidden: Optional[int] = None, gated: bool = False,
+) -> float:  # fmt: skip
     """Model FLOPs per step term by term (forward x 3 for forward + backward).
 
     Per layer and token, forward: QKV 2*3h^2, output projection 2h^2, MLP 2*2*h*ffn,
@@ -119,16 +112,9 @@ def gpt_step_flops(
 
 
 def gpt_hardware_step_flops(
-    global_batch: int,
-    seq_len: int,
-    layers: int,
-    hidden: int,
-    vocab: int,
-    ffn: int,
-    recompute: str,
-    kv_hidden: Optional[int] = None,
-    gated: bool = False,
-) -> float:
+    global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, ffn: int, recompute: str,
+    kv_hidden: Optional[int] = None, gated: bool = False,
+) -> float:  # fmt: skip
     """FLOPs executed per step: `gpt_step_flops` plus the forward work recomputation repeats.
 
     recompute: "none" (= model FLOPs), "full" (every layer's forward again; equals

@@ -69,7 +69,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 from app.archs.spec import ParamSpec
 from app.deck import Deck, ModelConfig
@@ -220,48 +220,42 @@ class LayoutSizes:
 LayoutCache = dict[tuple, Union[ParamLayout, LayoutSizes, "Stages"]]
 
 
-def stage_layout(
-    deck: Deck,
-    layers: int,
-    first: bool,
-    last: bool,
-    zero: bool,
-    cache: Optional[LayoutCache] = None,
-    units: bool = False,
-) -> ParamLayout:
+class StageKey(NamedTuple):
+    """What a pipeline stage's parameter layout depends on besides the deck: its blocks, whether
+    it holds the embedding (first) and the head (last), ZeRO's sharding over dp (`zero`), and
+    ZeRO-3's buckets cut at the gather units (`units`, with zero=True)."""
+
+    layers: int
+    first: bool
+    last: bool
+    zero: bool
+    units: bool = False
+
+
+def stage_layout(deck: Deck, stage: StageKey, cache: Optional[LayoutCache] = None) -> ParamLayout:
     """The `ParamLayout` a stage's `DataParallel` allocates (dp rank 0; every dp rank's shard is
-    the same size): the parameters in reverse registration order, the tied embedding alone.
-    `units`: ZeRO-3's layout, whose buckets are cut at the gather units (`stage_units`); build
-    it with `zero=True`."""
-    key = _layout_key(deck, layers, first, last, zero, units)
+    the same size): the parameters in reverse registration order, the tied embedding alone; ZeRO-3's
+    (`stage.units`) cut at the gather units (`stage_units`)."""
+    key = _layout_key(deck, stage)
     return _cached(cache, key, lambda: _build_layout(*key))  # type: ignore[return-value]  # layouts' keys hold layouts
 
 
-def stage_sizes(
-    deck: Deck,
-    layers: int,
-    first: bool,
-    last: bool,
-    zero: bool,
-    cache: Optional[LayoutCache] = None,
-    units: bool = False,
-) -> LayoutSizes:
-    """`LayoutSizes` of `stage_layout(...)` (the same arguments), kept in `cache` beside it: a
-    search reads them for thousands of plans."""
+def stage_sizes(deck: Deck, stage: StageKey, cache: Optional[LayoutCache] = None) -> LayoutSizes:
+    """`LayoutSizes` of `stage_layout(deck, stage)`, kept in `cache` beside it: a search reads them for
+    thousands of plans."""
 
     def sizes() -> LayoutSizes:
-        layout = stage_layout(deck, layers, first, last, zero, cache, units)
-        largest_unit = (
-            max(unit_elements(layout, stage_units(deck.model, layers, first, last)[::-1]).values()) if units else 0
-        )
+        layout = stage_layout(deck, stage, cache)
+        largest_unit = 0
+        if stage.units:
+            largest_unit = max(unit_elements(layout, stage_units(deck.model, *stage[:3])[::-1]).values())
         shards = [(b.end - b.start) // layout.sharing(k)[0] for k, b in enumerate(layout.buckets)]
         return LayoutSizes(
             layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit,
             max(shards),
         )  # fmt: skip
 
-    key = ("sizes", *_layout_key(deck, layers, first, last, zero, units))
-    return _cached(cache, key, sizes)  # type: ignore[return-value]  # the sizes' keys hold sizes
+    return _cached(cache, ("sizes", *_layout_key(deck, stage)), sizes)  # type: ignore[return-value]  # sizes' keys
 
 
 def _cached(
@@ -275,12 +269,11 @@ def _cached(
     return cache[key]
 
 
-def _layout_key(deck: Deck, layers: int, first: bool, last: bool, zero: bool, units: bool) -> tuple:
+def _layout_key(deck: Deck, stage: StageKey) -> tuple:
     """Every input of a stage's layout (`_build_layout`'s arguments)."""
     par = deck.parallel
     return (
-        deck.model, par.tp, par.tensor3d, par.pp > 1, deck.replicas, _bucket_elements(deck), layers, first, last, zero, units,
-        par.ep,
+        deck.model, par.tp, par.tensor3d, par.pp > 1, deck.replicas, _bucket_elements(deck), *stage, par.ep,
     )  # fmt: skip
 
 
@@ -616,8 +609,8 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
         element, and under ZeRO-1/2 the reduce-scatter's gradient shard."""
         if (layers, first, last) in shapes:
             return shapes[(layers, first, last)]
-        whole = stage_sizes(deck, layers, first, last, zero=False, cache=layouts)  # middle stages share it
-        sharded = stage_sizes(deck, layers, first, last, zero=True, cache=layouts) if dp > 1 else whole
+        whole = stage_sizes(deck, StageKey(layers, first, last, False), layouts)  # middle stages share it
+        sharded = stage_sizes(deck, StageKey(layers, first, last, True), layouts) if dp > 1 else whole
         optimizer = {
             "zero0": whole.shard * (master + 8.0),
             "zero1": sharded.shard * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
@@ -629,7 +622,7 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
         weight_shard, gathered, buckets3 = whole.size * float(e), 0.0, buckets
         optimizer["zero3"] = optimizer["zero0"]
         if dp > 1:
-            z3 = stage_sizes(deck, layers, first, last, zero=True, cache=layouts, units=True)
+            z3 = stage_sizes(deck, StageKey(layers, first, last, True, units=True), layouts)
             weight_shard = z3.shard * float(e)
             gathered = (2 + ZERO3_PREFETCH) * z3.largest_unit * float(e)
             buckets3 = bucket_bound(z3)

@@ -1102,13 +1102,24 @@ def _embedding_passes3d(deck: Deck, dev: Device, links: dict[str, Link]) -> tupl
     ) + _comm_pass(comm_b)
 
 
-def _chunk_and_input(a: Action, stage: int, pp: int, last: int) -> tuple[int, Optional[tuple[str, int, int]]]:
-    """The global chunk of `stage`'s action `a`, and the pass (kind, micro, chunk) whose output
-    it receives: the previous chunk's forward, the next chunk's backward (None at the ends)."""
+def _start_of(
+    a: Action, stage: int, pp: int, last: int, done: dict, clock: float, post: float, p2p: float
+) -> tuple[int, Optional[float]]:
+    """The global chunk of `stage`'s action `a`, and the earliest it can start: when the stage is
+    free (`clock`) and the pass whose output it receives (the previous chunk's forward, the next
+    chunk's backward; none at the ends) has arrived, `p2p` after both its end (`done`) and the
+    receive's posting (`post`: when the previous action began, with prefetch). None: that pass
+    has not been simulated yet."""
     chunk = a.virtual * pp + stage
     if a.kind == "F":
-        return chunk, (("F", a.micro, chunk - 1) if chunk > 0 else None)
-    return chunk, (("B", a.micro, chunk + 1) if chunk < last else None)
+        dep = ("F", a.micro, chunk - 1) if chunk > 0 else None
+    else:
+        dep = ("B", a.micro, chunk + 1) if chunk < last else None
+    if dep is None:
+        return chunk, clock
+    if dep not in done:
+        return chunk, None
+    return chunk, max(clock, max(done[dep], post) + p2p)
 
 
 def _simulate(
@@ -1125,15 +1136,9 @@ def _simulate(
         for s in range(pp):
             while position[s] < len(schedules[s]):
                 a = schedules[s][position[s]]
-                chunk, dep = _chunk_and_input(a, s, pp, last)
-                start = clock[s]
-                if dep is not None:
-                    if dep not in done:
-                        break
-                    # The transfer starts when both the send and the receive are posted; with
-                    # prefetch the receive was posted when the previous action began.
-                    post = posted[s] if prefetch else clock[s]
-                    start = max(start, max(done[dep], post) + p2p)
+                chunk, start = _start_of(a, s, pp, last, done, clock[s], posted[s] if prefetch else clock[s], p2p)
+                if start is None:
+                    break
                 posted[s] = start
                 end = start + (fwd[chunk] if a.kind == "F" else bwd[chunk])
                 done[(a.kind, a.micro, chunk)] = end
@@ -1172,12 +1177,9 @@ def _simulate_shared(
             if s in running or s in pending or position[s] >= len(schedules[s]):
                 continue
             a = schedules[s][position[s]]
-            chunk, dep = _chunk_and_input(a, s, pp, last)
-            start = clock[s]
-            if dep is not None:
-                if dep not in done:
-                    continue
-                start = max(start, max(done[dep], posted[s] if prefetch else clock[s]) + p2p)
+            chunk, start = _start_of(a, s, pp, last, done, clock[s], posted[s] if prefetch else clock[s], p2p)
+            if start is None:
+                continue
             posted[s] = start
             pending[s] = (start, fwd[chunk] if a.kind == "F" else bwd[chunk], (a.kind, a.micro, chunk))
         for s, (start, work, key) in list(pending.items()):

@@ -1,4 +1,4 @@
-"""Tensor- and sequence-parallel communication, one autograd.Function per step.
+"""Tensor- and sequence-parallel communication: (forward, backward) pairs of collectives.
 
 Each mapping is a pair (forward, backward) of collectives over the tp group, side by side
 (Megatron-LM's mappings.py, Shoeybi et al. 2019; Korthikanti et al. 2022 for the
@@ -130,79 +130,62 @@ class TensorParallel:
         return x.chunk(self.size, dim=dim)[self.rank].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return x
+def _same(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _sum(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    return tp.all_reduce(x)
+
+
+def _own_chunk(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    return tp.split(x, SEQ_DIM)
+
+
+def _gather(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    return tp.all_gather(x, SEQ_DIM)
+
+
+def _sum_and_split(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    return tp.reduce_scatter(x, SEQ_DIM)
+
+
+Step = Callable[[TensorParallel, torch.Tensor], torch.Tensor]
+
+
+class _Mapping(torch.autograd.Function):
+    """One row of the module docstring's table: `forward` over the tp group, and `backward` on the
+    gradient."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.tp.all_reduce(grad), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        return tp.all_reduce(x)
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, forward: Step, backward: Step) -> torch.Tensor:
+        ctx.tp, ctx.backward_step = tp, backward
+        return forward(tp, x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return tp.split(x, SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.tp.all_gather(grad, SEQ_DIM), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return tp.all_gather(x, SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # The consumer is tp-parallel compute: each rank holds a partial gradient; sum and split.
-        return ctx.tp.reduce_scatter(grad, SEQ_DIM), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return tp.reduce_scatter(x, SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.tp.all_gather(grad, SEQ_DIM), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.backward_step(ctx.tp, grad), None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+    return x if tp.size == 1 else _Mapping.apply(x, tp, _same, _sum)
 
 
 def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+    return x if tp.size == 1 else _Mapping.apply(x, tp, _sum, _same)
 
 
 def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _ScatterToSequence.apply(x, tp)
+    return x if tp.size == 1 else _Mapping.apply(x, tp, _own_chunk, _gather)
 
 
 def gather_from_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp)
+    # The consumer is tp-parallel compute: each rank holds a partial gradient; sum and split.
+    return x if tp.size == 1 else _Mapping.apply(x, tp, _gather, _sum_and_split)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp)
+    return x if tp.size == 1 else _Mapping.apply(x, tp, _sum_and_split, _gather)
 
 
 def leave_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
