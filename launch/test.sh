@@ -5,7 +5,7 @@
 # is skipped where none can be had: not root, no apt-get), and the multinode tests across 2
 # simulated nodes (launch/cluster_local.sh: mpirun and sbatch -N 2, a killed node, a cut link;
 # skipped, with the reason, where namespaces cannot be made). Extra arguments go to every pytest
-# call (e.g. -k grid, -x). GRIDLM_TEST_WORKERS: the serial group's worker processes (default 3;
+# call (e.g. -k grid, -x). GRIDLM_TEST_WORKERS: the serial group's worker processes (default 4;
 # 0 runs it in one process).
 # Two tiers (docs/TESTING.md): by default the quick one (CI's), which leaves out the tests marked
 # `full` — two thirds of the 8-rank grid matrix (the third that runs exercises every axis size and
@@ -71,10 +71,11 @@ run_group() {  # name, limit in seconds, command...
 
 # Serial: everything not marked mpi or slurm (those groups follow), in parallel worker processes
 # (pytest-xdist; a file's tests stay on one worker). Most of these tests wait on the mpirun jobs
-# they start, so 3 workers keep 2 cores busy: 6m14s -> 3m35s on this kind of machine. (The MPI
-# groups do not run beside it: ranks in lockstep collectives lose far more to shared cores; the
-# 4-rank group took 3m00s instead of 38s.)
-workers="${GRIDLM_TEST_WORKERS:-3}"
+# they start, so more workers than cores keep 2 cores busy: 6m14s -> 3m35s with 3 on this kind of
+# machine; the quick tier's took 6m05s with 3, 5m31s with 4 and 5m52s with 6 (2026-11-29, one run
+# each). (The MPI groups do not run beside it: ranks in lockstep collectives lose far more to
+# shared cores; the 4-rank group took 3m00s instead of 38s.)
+workers="${GRIDLM_TEST_WORKERS:-4}"
 run_group serial 1500 python -m pytest "${pytest_args[@]}" "$(floor serial)" -n "$workers" --dist loadfile \
   -m "not mpi and not slurm and not multinode" tests/
 for n in 1 2 4; do
