@@ -248,7 +248,8 @@ def stage_sizes(deck: Deck, stage: StageKey, cache: Optional[LayoutCache] = None
         layout = stage_layout(deck, stage, cache)
         largest_unit = 0
         if stage.units:
-            largest_unit = max(unit_elements(layout, stage_units(deck.model, *stage[:3])[::-1]).values())
+            units = stage_units(deck.model, stage.layers, stage.first, stage.last)[::-1]  # buffer order
+            largest_unit = max(unit_elements(layout, units).values())
         shards = [(b.end - b.start) // layout.sharing(k)[0] for k, b in enumerate(layout.buckets)]
         return LayoutSizes(
             layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit,
