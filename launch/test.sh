@@ -45,7 +45,8 @@ floor() {  # group name -> --min-tests N (as root only), for this tier
   local n
   case "$tier-$1" in
     full-serial) n=1156 ;; quick-serial) n=1116 ;; full-mpi-8) n=139 ;; quick-mpi-8) n=61 ;;  # tests marked full
-    *-mpi-1) n=90 ;; *-mpi-2) n=128 ;; *-mpi-4) n=140 ;; *-slurm) n=4 ;; *-multinode) n=9 ;;  # the same in both
+    full-multinode) n=9 ;; quick-multinode) n=7 ;;
+    *-mpi-1) n=90 ;; *-mpi-2) n=128 ;; *-mpi-4) n=140 ;; *-slurm) n=4 ;;  # the same in both
     *) n=0 ;;
   esac
   # Not with a selection of the caller's (-k, -x, a file): it runs fewer on purpose.
@@ -77,12 +78,6 @@ run_group() {  # name, limit in seconds, command...
 workers="${GRIDLM_TEST_WORKERS:-4}"
 run_group serial 1500 python -m pytest "${pytest_args[@]}" "$(floor serial)" -n "$workers" --dist loadfile \
   -m "not mpi and not slurm and not multinode" tests/
-for n in 1 2 4; do
-  run_group "mpi-$n" 600 mpirun -n "$n" python -m pytest "${pytest_args[@]}" "$(floor "mpi-$n")" "${mpi_args[@]}" tests/
-done
-# 8 ranks: the tests that need 8 (the any-grid = one-rank matrix, checkpoint resharding); the
-# rest already ran above.
-run_group mpi-8 3000 mpirun -n 8 python -m pytest "${pytest_args[@]}" "$(floor mpi-8)" "${mpi_args[@]}" --mpi-min-size 8 tests/
 
 # Groups that need a service this run starts: a one-node Slurm (srun, sbatch --wait of real jobs)
 # and 2 simulated nodes (namespaces on a bridge, a Slurm of one slurmd per node). Each is stopped
@@ -132,8 +127,39 @@ service_group() {
   rm -f "$log"
 }
 
-service_group slurm "$here/slurm_local.sh" "" "cannot provide Slurm here" \
-  --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
+# The Slurm group waits on the scheduler and its jobs for most of its half minute, so it runs beside
+# the one-rank group (one core busy) in a subshell, whose output, failures and groups are taken
+# back when both are done. (Beside the groups whose ranks run in lockstep it would slow them down.)
+beside="$(mktemp -d)"
+(
+  failed=() done_groups=()
+  trap stop_started EXIT
+  trap 'exit 143' TERM
+  service_group slurm "$here/slurm_local.sh" "" "cannot provide Slurm here" \
+    --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
+  printf '%s\n' "${failed[@]}" >"$beside/failed"
+  printf '%s\n' "${done_groups[@]}" >"$beside/done"
+) >"$beside/log" 2>&1 &
+slurm_pid=$!
+trap 'kill "$slurm_pid" 2>/dev/null; wait "$slurm_pid" || true; stop_started' EXIT
+take_back_slurm() {
+  local rc=0 line
+  wait "$slurm_pid" || rc=$?
+  trap stop_started EXIT
+  cat "$beside/log"
+  [ -f "$beside/done" ] || failed+=("slurm (exit $rc)")
+  while read -r line; do [ -z "$line" ] || failed+=("$line"); done < <(cat "$beside/failed" 2>/dev/null)
+  while read -r line; do [ -z "$line" ] || done_groups+=("$line"); done < <(cat "$beside/done" 2>/dev/null)
+  rm -rf "$beside"
+}
+for n in 1 2 4; do
+  run_group "mpi-$n" 600 mpirun -n "$n" python -m pytest "${pytest_args[@]}" "$(floor "mpi-$n")" "${mpi_args[@]}" tests/
+  if [ "$n" = 1 ]; then take_back_slurm; fi
+done
+# 8 ranks: the tests that need 8 (the any-grid = one-rank matrix, checkpoint resharding); the
+# rest already ran above.
+run_group mpi-8 3000 mpirun -n 8 python -m pytest "${pytest_args[@]}" "$(floor mpi-8)" "${mpi_args[@]}" --mpi-min-size 8 tests/
+
 service_group multinode "$here/cluster_local.sh" "2" "cannot provide simulated nodes here" \
   --with-cluster -m multinode tests/test_multinode.py
 

@@ -211,12 +211,13 @@ def test_tp_groups_stay_on_a_node_and_pp_or_dp_groups_cross_nodes(cluster, tmp_p
         assert report[order]["within_node"] == {"tp": True, outer: False, ({"pp", "dp"} - {outer}).pop(): True}
 
 
+# The quick tier launches the first (tests/test_rendezvous.py refuses all three in-process).
 @pytest.mark.parametrize(
     ("value", "message"),
     [
         ("10.231.0.12", "is not an address of rank 0's node gridlm-node1"),
-        ("127.0.0.1", "is a loopback address, but the job spans 2 nodes"),
-        ("no-such-host.invalid", "does not resolve on rank 0's node gridlm-node1"),
+        pytest.param("127.0.0.1", "is a loopback address, but the job spans 2 nodes", marks=pytest.mark.full),
+        pytest.param("no-such-host.invalid", "does not resolve on rank 0's node gridlm-node1", marks=pytest.mark.full),
     ],
 )
 def test_a_wrong_master_addr_fails_fast_with_the_fix(cluster, tmp_path, value, message):
