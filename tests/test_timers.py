@@ -79,8 +79,13 @@ def test_a_wait_after_completion_is_inside_the_communication_time():
     its span stopped there, and the wait's own time fell outside every span."""
     timers = StepTimers(torch.device("cpu"))
     pending = timers.launched("dp", _DoneWork(wait_s=0.01))
-    time.sleep(0.02)  # compute that hides the (already finished) transfer
+    t0 = time.perf_counter()
+    time.sleep(0.05)  # compute that hides the (already finished) transfer
+    t1 = time.perf_counter()
     timers.wait(pending)
+    hidden, waited = t1 - t0, time.perf_counter() - t1
     out = timers.pop()
     assert out["exposed_comm_s"]["dp"] >= 0.01
-    assert out["exposed_comm_s"]["dp"] <= out["comm_s"]["dp"] < 0.02  # the hidden compute is not comm
+    # The hidden compute is not comm: comm is the wait, give or take the launch's bookkeeping. The
+    # bound is measured, not assumed (a loaded machine once stretched a 10 ms wait to 20.06 ms).
+    assert out["exposed_comm_s"]["dp"] <= out["comm_s"]["dp"] < waited + hidden / 2
