@@ -97,11 +97,13 @@ fi
 say "installing numpy, pyyaml, mpi4py, safetensors, tokenizers, transformers, matplotlib, tensorboard, pytest tools and h5py build tools"
 "${pip[@]}" install --no-compile numpy pyyaml mpi4py safetensors tokenizers transformers matplotlib tensorboard pytest pytest-mpi pytest-timeout pytest-xdist hypothesis ruff \
   "Cython>=3,<4" pkgconfig "setuptools>=77" wheel
-say "byte-compiling the installed packages"
+# The rest compiles beside h5py's and gridlm's installs (waited for before the final check).
 # compileall exits 1 for a file that does not compile (torch ships one in Python 3.12 syntax):
 # skipped, as pip skips it.
 [ -z "$compiling" ] || wait "$compiling" || true
-"${compile[@]}" -j 0 -x '/transformers/models/(?!(__init__|auto/|gpt2/|llama/|mixtral/))' "$site" || true
+say "byte-compiling the installed packages (beside the next steps)"
+"${compile[@]}" -j 0 -x '/transformers/models/(?!(__init__|auto/|gpt2/|llama/|mixtral/))' "$site" &
+compiling=$!
 
 # --- 3. h5py against parallel HDF5 -----------------------------------------------------
 if ! "$venv/bin/python" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' >/dev/null 2>&1; then
@@ -132,6 +134,7 @@ fi
 say "installing gridlm (editable)"
 "${pip[@]}" install --no-build-isolation --no-deps -e "$repo"
 
+wait "$compiling" || true
 venv_ok || die "the environment does not import (torch, h5py, matplotlib, mpi4py, yaml, pytest, app); see messages above"
 echo "$want_stamp" >"$stamp"
 say "done: $("$venv/bin/python" -c 'import torch, h5py, mpi4py; print("torch", torch.__version__, "| h5py", h5py.__version__, "(mpi) | mpi4py", mpi4py.__version__)')"
