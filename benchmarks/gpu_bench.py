@@ -161,6 +161,14 @@ def run_adamw(deck, device, steps: int) -> dict:
     return {"step_s": (time.perf_counter() - t) / steps, "parameters": n}
 
 
+def keep_log(where: Path, stdout, stderr) -> None:
+    """A case's whole output beside its results (appended per round), for a run that failed far away."""
+    where.mkdir(parents=True, exist_ok=True)
+    text = [t.decode(errors="replace") if isinstance(t, bytes) else (t or "") for t in (stdout, stderr)]
+    with (where / "log.txt").open("a") as f:
+        f.write(text[0] + text[1])
+
+
 def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path, timeout: float) -> dict:
     run_dir = out / case / deck_name
     cmd = [sys.executable, "-m", "app", str(REPO / "inputs" / "gpu" / f"{deck_name}.yaml")]
@@ -169,8 +177,10 @@ def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        keep_log(run_dir, e.stdout, e.stderr)
         return {"error": f"timed out after {timeout:.0f} s"}
+    keep_log(run_dir, proc.stdout, proc.stderr)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}"}
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -201,8 +211,10 @@ def measure(case: str, deck_name: str, args: argparse.Namespace, sets: list[str]
            "--steps", str(args.steps), *(a for s in sets for a in ("--set", s))]  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout, check=False)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        keep_log(args.out / case / deck_name, e.stdout, e.stderr)
         return {"error": f"timed out after {args.timeout:.0f} s"}
+    keep_log(args.out / case / deck_name, proc.stdout, proc.stderr)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])

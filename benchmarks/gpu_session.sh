@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One lent-GPU session's measurements in one command, most valuable first, within a wall-clock budget
+# (device time is short: ../shared/RECIPES.md). Each stage runs only if the time it needs is left;
+# everything it wrote is tarred into $OUT (or runs/gpu_session) for the closing note.
+#
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh [budget_s]          (on the GPU machine, repo root)
+#   DEVICE=cpu bash benchmarks/gpu_session.sh 300                    (the flow on a CPU, tiny shapes)
+#
+# Stages: gridlm on the three inputs/gpu decks; llama and 1.3B with run.compile; torch's fused AdamW
+# over 1.3B parameters (the optimizer's roofline); 1.3B with optim.offload host, exact and delayed
+# (issue 41); benchmarks/gpu_offload_check.py (the offload CUDA paths against known outcomes); the
+# Hugging Face peers eager; a second round of gridlm.
+set -u
+cd "$(dirname "$0")/.."
+budget=${1:-480}
+device=${DEVICE:-cuda}
+out=${OUT:-runs/gpu_session}
+work=runs/gpu_session_work
+rm -rf "$work"
+mkdir -p "$work" "$out"
+start=$(date +%s)
+py=${PYTHON:-python3}
+tiny=()
+[ "$device" = cpu ] && tiny=(--tiny)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+left() { echo $((budget - ($(date +%s) - start))); }
+
+# stage NAME NEEDS_S COMMAND...: run COMMAND (bounded by the time left) if NEEDS_S seconds are left.
+stage() {
+    local name=$1 needs=$2
+    shift 2
+    local t
+    t=$(left)
+    if [ "$t" -lt "$needs" ]; then
+        echo "== $name: skipped ($t s left, needs $needs)" | tee -a "$work/summary.txt"
+        return
+    fi
+    echo "== $name (t=$(($(date +%s) - start)) s)" | tee -a "$work/summary.txt"
+    local s0
+    s0=$(date +%s)
+    timeout -k 5 "$t" "$@" >"$work/$name.log" 2>&1
+    local rc=$?
+    echo "   rc=$rc in $(($(date +%s) - s0)) s" | tee -a "$work/summary.txt"
+    grep -E '^\||^device:|^(PASS|FAIL|ok|check)' "$work/$name.log" | tee -a "$work/summary.txt"
+}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+    $py -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, "python", sys.version.split()[0])'
+    git log --oneline -1 2>/dev/null
+    nproc
+} >"$work/machine.txt" 2>&1
+cat "$work/machine.txt"
+
+# gpu_bench.py's common arguments (timeout(1) runs a command, not a shell function)
+bench=($py benchmarks/gpu_bench.py --device "$device" "${tiny[@]}" --out "$work/bench" --timeout 240)
+
+stage gridlm 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm adamw
+stage compile 90 "${bench[@]}" --rounds 1 --decks llama_0.84b gpt_1.3b --cases gridlm_compile
+stage offload 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b --cases gridlm_offload gridlm_offload_delay
+stage offload_check 60 $py benchmarks/gpu_offload_check.py --device "$device" --out "$work/offload_check"
+stage hf 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf
+stage gridlm_round2 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm
+
+echo "== done in $(($(date +%s) - start)) s" | tee -a "$work/summary.txt"
+cp "$work/summary.txt" "$work/machine.txt" "$out/" 2>/dev/null
+[ -f "$work/bench/results.jsonl" ] && cp "$work/bench/results.jsonl" "$out/"
+tar czf "$out/logs.tgz" --exclude='*.h5' --exclude='*.bin' "$work" 2>/dev/null
+ls -la "$out"
