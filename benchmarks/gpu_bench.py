@@ -174,7 +174,9 @@ def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path
     cmd = [sys.executable, "-m", "app", str(REPO / "inputs" / "gpu" / f"{deck_name}.yaml")]
     extra = [*sets, f"train.steps={steps + WARMUP}", f"run.dir={run_dir}", f"run.log_every={steps + WARMUP}"]
     cmd += [a for s in extra for a in ("--set", s)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    # not a rank of this process's launcher, but keep the site's MCA settings (OMPI_MCA_*)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_")) or k.startswith("OMPI_MCA_")}  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:

@@ -23,6 +23,9 @@ py=${PYTHON:-python3}
 tiny=()
 [ "$device" = cpu ] && tiny=(--tiny)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# A singleton MPI_Init (python -m app without mpirun) starts an orted, whose rsh launcher aborts
+# when neither ssh nor rsh exists (a bare GPU image); any agent found on PATH will do, none is run.
+command -v ssh >/dev/null || command -v rsh >/dev/null || export OMPI_MCA_plm_rsh_agent=false
 
 left() { echo $((budget - ($(date +%s) - start))); }
 
@@ -61,8 +64,8 @@ stage gridlm 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b -
 stage compile 90 "${bench[@]}" --rounds 1 --decks llama_0.84b gpt_1.3b --cases gridlm_compile
 stage offload 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b --cases gridlm_offload gridlm_offload_delay
 stage offload_check 60 $py benchmarks/gpu_offload_check.py --device "$device" --out "$work/offload_check"
-stage hf 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf
 stage gridlm_round2 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm
+stage hf 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf
 
 echo "== done in $(($(date +%s) - start)) s" | tee -a "$work/summary.txt"
 cp "$work/summary.txt" "$work/machine.txt" "$out/" 2>/dev/null
