@@ -174,7 +174,7 @@ class Trainer:
         if grid.size("cp") > 1:  # its messages charged to the step timers' cp axis
             cp = ContextParallel(Ring.of_group(grid.group["cp"], self.timers), par.cp_kind)
         self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, tr.recompute, ep, cp)
-        if deck.run.compile:
+        if deck.run.compiles(self.device.type == "cuda"):
             self.model.fuse(Kernels.compiled())  # llama's element-wise chains as generated kernels
         compute = torch_dtype(tr.precision)
         tied = (self.model.wte.weight, pipe.tied_group) if pipe.tied_group is not None and m.tie_embeddings else None

@@ -1,7 +1,7 @@
 """gridlm on one GPU against what a PyTorch user gets elsewhere: step time, TFLOP/s and MFU.
 
     python benchmarks/gpu_bench.py [--decks gpt_1.3b gpt_2.7b llama_0.84b] [--rounds 3] [--steps 10]
-        [--cases gridlm gridlm_compile gridlm_offload gridlm_offload_delay hf hf_compile adamw] [--set key=value ...]
+        [--cases gridlm gridlm_eager gridlm_offload gridlm_offload_delay hf hf_compile adamw] [--set key=value ...]
         [--out runs/gpu_bench] [--timeout 900]
     python benchmarks/gpu_bench.py --device cpu --tiny --rounds 1     (the whole flow on a CPU, tiny shapes)
 
@@ -9,8 +9,9 @@ For every deck of inputs/gpu/ named, in each of --rounds rounds (the cases alter
 drifting machine moves them alike), each case runs in its own process with its own timeout:
 
 - `gridlm`: `python -m app DECK` for --steps steps; its summary.json gives the step (mean after the
-  warm-up), TFLOP/s, MFU and the forward / backward / optimizer times of rank 0; `gridlm_compile`
-  the same with run.compile=true (llama's element-wise chains compiled, app/model/fused.py);
+  warm-up), TFLOP/s, MFU and the forward / backward / optimizer times of rank 0 (the deck's
+  defaults: on a GPU llama's element-wise chains compiled, app/model/fused.py); `gridlm_eager`
+  the same with run.compile=false;
   `gridlm_offload` with optim.offload=host (the optimizer on the CPU, issue 41's exact offload)
   and `gridlm_offload_delay` with the delayed update too (optim.offload_delay=1);
 - `hf`, `hf_compile`: the Hugging Face model of the same shape (GPT2LMHeadModel for gpt2 decks,
@@ -44,11 +45,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DECKS = ["gpt_1.3b", "gpt_2.7b", "llama_0.84b"]
-CASES = ["gridlm", "gridlm_compile", "gridlm_offload", "gridlm_offload_delay", "hf", "hf_compile", "adamw"]
+CASES = ["gridlm", "gridlm_eager", "gridlm_offload", "gridlm_offload_delay", "hf", "hf_compile", "adamw"]
 # gridlm's cases and the deck keys each adds.
 GRIDLM = {
     "gridlm": [],
-    "gridlm_compile": ["run.compile=true"],
+    "gridlm_eager": ["run.compile=false"],
     "gridlm_offload": ["optim.offload=host"],
     "gridlm_offload_delay": ["optim.offload=host", "optim.offload_delay=1"],
 }

@@ -6,10 +6,10 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh [budget_s]          (on the GPU machine, repo root)
 #   DEVICE=cpu bash benchmarks/gpu_session.sh 300                    (the flow on a CPU, tiny shapes)
 #
-# Stages: gridlm on the three inputs/gpu decks; llama and 1.3B with run.compile; torch's fused AdamW
-# over 1.3B parameters (the optimizer's roofline); 1.3B with optim.offload host, exact and delayed
-# (issue 41); benchmarks/gpu_offload_check.py (the offload CUDA paths against known outcomes); the
-# Hugging Face peers eager; a second round of gridlm.
+# Stages: gridlm on the three inputs/gpu decks (run.compile's default: compiled on GPUs) and torch's
+# fused AdamW over their parameters (the optimizer's roofline); llama eager; 1.3B with optim.offload host, exact and delayed
+# (issue 41); benchmarks/gpu_offload_check.py (the offload CUDA paths against known outcomes); a
+# second round of gridlm; the Hugging Face peers compiled and eager; a third round of gridlm.
 set -u
 cd "$(dirname "$0")/.."
 budget=${1:-480}
@@ -61,11 +61,13 @@ cat "$work/machine.txt"
 bench=($py benchmarks/gpu_bench.py --device "$device" "${tiny[@]}" --out "$work/bench" --timeout 240)
 
 stage gridlm 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm adamw
-stage compile 90 "${bench[@]}" --rounds 1 --decks llama_0.84b gpt_1.3b --cases gridlm_compile
+stage eager 90 "${bench[@]}" --rounds 1 --decks llama_0.84b --cases gridlm_eager
 stage offload 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b --cases gridlm_offload gridlm_offload_delay
 stage offload_check 60 $py benchmarks/gpu_offload_check.py --device "$device" --out "$work/offload_check"
 stage gridlm_round2 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm
+stage hf_compile 200 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf_compile
 stage hf 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf
+stage gridlm_round3 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm
 
 echo "== done in $(($(date +%s) - start)) s" | tee -a "$work/summary.txt"
 cp "$work/summary.txt" "$work/machine.txt" "$out/" 2>/dev/null

@@ -172,7 +172,7 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
     tmp_path, capsys, monkeypatch
 ):
     """benchmarks/gpu_bench.py's whole flow on a CPU with tiny shapes (--device cpu --tiny): gridlm,
-    gridlm with run.compile, offloaded and with the delayed update, the Hugging Face peer eager and
+    gridlm with run.compile false, offloaded and with the delayed update, the Hugging Face peer eager and
     compiled, and fused AdamW, one JSON line
     each and the table; the
     peers train models of gridlm's parameter count. Without a GPU the default run says so in one
@@ -187,7 +187,7 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert rc == 0, out
-    assert [r["case"] for r in rows] == ["gridlm", "gridlm_compile", "gridlm_offload", "gridlm_offload_delay", "hf",
+    assert [r["case"] for r in rows] == ["gridlm", "gridlm_eager", "gridlm_offload", "gridlm_offload_delay", "hf",
                                          "hf_compile", "adamw"]  # fmt: skip
     assert all(r["step_s"] > 0 for r in rows) and len({r["parameters"] for r in rows}) == 1
     assert rows[0]["optimizer_s"] > 0 and rows[0]["predicted_s"] > 0

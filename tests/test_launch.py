@@ -32,6 +32,7 @@ LAUNCH_4_NODES = {
     "dgx_h100": "srun -N 4 -n 32 --ntasks-per-node=8 -c 14 --cpu-bind=cores --gpus-per-node=8 --mpi=pmix",
     "selene": "srun -N 4 -n 32 --ntasks-per-node=8 -c 16 --cpu-bind=cores --gpus-per-node=8 --mpi=pmix",
     "h100_1gpu": "srun -N 4 -n 4 --ntasks-per-node=1 -c 16 --cpu-bind=cores --gpus-per-node=1 --mpi=pmix",
+    "h200_1gpu": "srun -N 4 -n 4 --ntasks-per-node=1 -c 16 --cpu-bind=cores --gpus-per-node=1 --mpi=pmix",
     "local": "srun -N 4 -n 16 --mpi=pmix",
 }
 

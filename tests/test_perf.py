@@ -1043,8 +1043,8 @@ def test_the_dry_run_predicts_the_h100_forward_and_backward_of_the_gpt_decks_wit
     docs/PERFORMANCE_MODEL.md)."""
     machine = load_machine("dgx_h100")
     errors = {}
-    for name, measured in H100_FORWARD_BACKWARD_MS.items():
-        p = predict(resolve_for_world(load_deck(REPO / f"inputs/gpu/{name}.yaml", ()), 1), machine)
+    for name, measured in H100_FORWARD_BACKWARD_MS.items():  # measured eager (before run.compile)
+        p = predict(resolve_for_world(load_deck(REPO / f"inputs/gpu/{name}.yaml", ("run.compile=false",)), 1), machine)
         b = p.breakdown
         predicted = (p.step_time_s - b["grad_norm"] - b["optimizer"] - b["step_collectives"]) * 1e3
         errors[name] = predicted / measured - 1
@@ -1055,6 +1055,40 @@ def test_the_dry_run_predicts_the_h100_forward_and_backward_of_the_gpt_decks_wit
     assert abs(errors["gpt_1.3b"]) <= 0.15 and abs(errors["gpt_2.7b"]) <= 0.15, errors
 
 
+# One step of the inputs/gpu decks measured on one NVIDIA H200 (141 GB, CUDA 13.0, torch 2.11, driver 580) at
+# commit ac44790 (benchmarks/gpu_bench.py; rank 0's timers, the mean of two runs of 10 steps): forward +
+# backward ms (llama also with run.compile) and the optimizer's ms (gradient norm and fused AdamW).
+# Replace these when a GPU run measures them again, with the card and commit.
+H200_FORWARD_BACKWARD_MS = {"gpt_1.3b": 267.1, "gpt_2.7b": 567.4, "llama_0.84b": 250.2, "llama_0.84b compiled": 180.7}
+H200_OPTIMIZER_MS = {"gpt_1.3b": 15.2, "gpt_2.7b": 30.0, "llama_0.84b": 10.8}
+
+
+def test_the_dry_run_predicts_the_h200_step_of_the_gpu_decks(capsys):
+    """With h200_1gpu.yaml (the datasheet's HBM at the fraction torch's fused AdamW reached on that card,
+    nothing fitted to these decks), the predicted forward + backward of the GPT decks and of the compiled
+    Llama deck is within 15% of the H200 measurement above (today -7%, -7%, -13%), and the optimizer
+    term (norm + update) within 25% (today +19%, +21%, +6%). The eager Llama deck is printed, not held
+    (-19%: its unfused chains' passes are counted from the code, not from a profile)."""
+    machine = load_machine("h200_1gpu")
+    errors = {}
+    for key, measured in H200_FORWARD_BACKWARD_MS.items():
+        name, *compiled = key.split()
+        deck = resolve_for_world(load_deck(REPO / f"inputs/gpu/{name}.yaml", (f"run.compile={bool(compiled)}",)), 1)
+        p = predict(deck, machine)
+        b = p.breakdown
+        predicted = (p.step_time_s - b["grad_norm"] - b["optimizer"] - b["step_collectives"]) * 1e3
+        errors[key] = predicted / measured - 1
+        line = f"{key}: forward + backward predicted {predicted:.0f} ms, measured {measured:.0f} ({errors[key]:+.0%})"
+        if name in H200_OPTIMIZER_MS and not compiled:
+            optimizer = (b["grad_norm"] + b["optimizer"]) * 1e3
+            errors[f"{key} optimizer"] = optimizer / H200_OPTIMIZER_MS[name] - 1
+            line += f"; optimizer {optimizer:.1f} ms, measured {H200_OPTIMIZER_MS[name]} ({errors[f'{key} optimizer']:+.0%})"
+        with capsys.disabled():
+            print(f"\n{line}")
+    held = {k: e for k, e in errors.items() if k != "llama_0.84b"}
+    assert all(abs(e) <= (0.25 if k.endswith("optimizer") else 0.15) for k, e in held.items()), errors
+
+
 def test_llama_s_eager_element_wise_chains_are_charged_and_compile_fuses_them():
     """`perf._elementwise` counts the passes over memory of gridlm's eager RMSNorm (4e + 24 bytes an
     element), SwiGLU (5e) and rotary embedding (10e per q and k element) plus GQA's key/value copies;
@@ -1062,7 +1096,7 @@ def test_llama_s_eager_element_wise_chains_are_charged_and_compile_fuses_them():
     grows by those bytes at the machine's memory rate, and shrinks again with run.compile."""
     from app.plan.perf import _elementwise
 
-    deck = resolve_for_world(load_deck(REPO / "inputs/gpu/llama_0.84b.yaml", ()), 1)
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpu/llama_0.84b.yaml", ("run.compile=false",)), 1)
     m, tokens = deck.model, deck.train.micro_batch * deck.model.seq_len
     d = m.hidden // m.heads  # 128; 16 query heads, 4 kv heads; bf16: e = 2
     gqa = tokens * 2 * (4 + 16) * d * 2
@@ -1072,6 +1106,12 @@ def test_llama_s_eager_element_wise_chains_are_charged_and_compile_fuses_them():
     assert _elementwise(deck, tokens, 2)[2] == _elementwise(deck, tokens, 1)[2] / 2  # tp splits the heads
     machine = load_machine("dgx_h100")
     assert predict(compiled, machine).step_time_s < predict(deck, machine).step_time_s
+    # run.compile null (the default): compiled on a GPU machine, eager on CPU ranks (`RunConfig.compiles`)
+    default = resolve_for_world(load_deck(REPO / "inputs/gpu/llama_0.84b.yaml", ()), 1)
+    assert default.run.compile is None
+    assert predict(default, machine).step_time_s == predict(compiled, machine).step_time_s
+    cpu = dataclasses.replace(machine, device_name="cpu", peak_tflops={"bf16": 989.4})  # the rates, CPU ranks
+    assert predict(default, cpu).step_time_s == predict(deck, cpu).step_time_s > predict(compiled, cpu).step_time_s
 
 
 # -- expert parallelism (parallel.ep) -------------------------------------------------------------

@@ -597,6 +597,7 @@ def _elementwise(deck: Deck, tokens: int, t: int) -> tuple[float, float, float]:
     of the activation per ffn element, and the rotary embedding's and GQA's bytes on this tp rank).
     GQA's repeat_interleave reads the kv heads' keys and values and writes them for every query head."""
     m, e, compiled = deck.model, BYTES[deck.train.precision], deck.run.compile
+    assert compiled is not None, "predict resolves run.compile for the machine"
     d = m.hidden // m.heads
     rotated = tokens * (m.heads + m.kv) * d / t  # this rank's q and k elements
     chains = rotated * m.spec.rotary_bytes(e, compiled)
@@ -1315,6 +1316,10 @@ def predict(
         par = dataclasses.replace(par, overlap_tp_comm=False, overlap_pp_comm=False, overlap_grad_reduce=False,
                                   overlap_param_gather=False)  # fmt: skip
         deck = dataclasses.replace(deck, parallel=par)
+    # run.compile: null -> what the machine's ranks do (compiled chains on GPUs), for `_elementwise`
+    deck = dataclasses.replace(
+        deck, run=dataclasses.replace(deck.run, compile=deck.run.compiles(not uses_gloo(machine)))
+    )
     e = BYTES[tr.precision]
     g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     micro = deck.num_micro_batches
