@@ -404,6 +404,11 @@ class RunConfig:
     )
     timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0, max=MAX_STEPS)
     timers: bool = _key(True, "time forward, backward, optimizer and (exposed) communication per axis, every step")
+    profile: int = _key(
+        0, "profile this many steps after run.timing_warmup with torch.profiler: rank 0 writes <run.dir>/profile.txt "
+        "(device time and kernel counts per step by kind, the kernels by time); 0: off. Profiled steps run slower",
+        min=0, max=MAX_STEPS,
+    )  # fmt: skip
     compile: Optional[bool] = _key(
         None,
         "fuse the blocks' element-wise chains (llama's RMSNorm, rotary embedding, SwiGLU) with torch.compile; "

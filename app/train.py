@@ -40,6 +40,7 @@ from app.deck import Deck
 from app.deck_paths import check_paths
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
 from app.eval import eval_dataset, evaluate
+from app.metrics.profile import StepProfiler
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo, EvalInfo
 from app.model.fused import Kernels
@@ -229,6 +230,9 @@ class Trainer:
             eval_source=self.eval_data.source if self.eval_data is not None else None,
         )
         self.report = RunReport(deck, runtime, grid, self.run_dir, built)
+        self.profiler = StepProfiler(
+            deck.run.profile, deck.run.timing_warmup, runtime.rank, self.run_dir / "profile.txt", self.device
+        )
 
     @property
     def nonfinite_events(self) -> int:
@@ -479,6 +483,7 @@ class Trainer:
         report.open(start, resumed=self.resumed is not None)
         self.model.train()
         interrupted = self._train_to(steps)
+        self._profiled(self.profiler.close())  # the run ended inside the profiled steps
         self.phase = "checkpoint"
         self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
         self.optimizer.publish()  # optim.offload_delay: the run ends on its last update's parameters
@@ -548,6 +553,10 @@ class Trainer:
             return self.finish_save() is not None and saved_now and writing == self.steps_done
         return saved_now
 
+    def _profiled(self, written: Optional[Path]) -> None:
+        if written is not None:
+            self.runtime.log(f"gridlm: profile of {self.profiler.done} step(s) written to {written}")
+
     def _train_step(self) -> None:
         """One timed step, reported when it is due."""
         deck, rt = self.deck, self.runtime
@@ -556,10 +565,12 @@ class Trainer:
             self._skip_bad_batch()
             return
         _sync(self.device)
+        self.profiler.begin()
         t0 = time.perf_counter()
         loss_sum, lr, norm = self.step()
         _sync(self.device)
         self.report.timed(time.perf_counter() - t0, self.timers.pop())
+        self._profiled(self.profiler.end())
         step = self.steps_done
         if self.step_nonfinite:
             if deck.train.nonfinite == "rollback":

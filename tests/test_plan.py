@@ -248,6 +248,15 @@ def test_published_decks_plan_without_problems(path):
     assert plan.node_span["tp"] == 1
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "inputs/gpu").glob("*.yaml")), ids=lambda p: p.stem)
+def test_the_gpu_decks_plan_without_problems_on_their_machine_and_on_one_h200(path):
+    """benchmarks/gpu_session.sh runs these on one GPU: each fits its own machine file (dgx_h100, or
+    h100_1gpu for the offloaded 6.1B: device and host memory) and the H200 node they ran on."""
+    deck = load_deck(path)
+    for machine in (load_machine(deck.run.machine), load_machine("h200_1gpu")):
+        assert make_plan(deck, 1, machine).problems == [], machine.name
+
+
 def test_the_823m_deck_fits_this_machine_only_with_zero3_or_offload():
     """inputs/gpt_823m_zero3.yaml on 4 ranks of `local`: the plan fits with ZeRO-3 (and with ZeRO-3
     plus nvme offload), not with ZeRO 0-2 alone, nor ZeRO-2 with nvme offload (whose host copy of the
