@@ -487,6 +487,7 @@ class Trainer:
         self.phase = "checkpoint"
         self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
         self.optimizer.publish()  # optim.offload_delay: the run ends on its last update's parameters
+        self._log_host_update()
         self.phase = "the end of the run"
         return self._finish(interrupted)
 
@@ -552,6 +553,18 @@ class Trainer:
             writing = self.writer.step
             return self.finish_save() is not None and saved_now and writing == self.steps_done
         return saved_now
+
+    def _log_host_update(self) -> None:
+        """optim.offload with AdamW: the host's update per step (after the timing warm-up), which the
+        optimizer timer shows only where the step waits for it (optim.offload_delay)."""
+        times = sorted(list(self.optimizer.host_update_s)[self.deck.run.timing_warmup :])
+        if times:
+            delay = self.deck.optim.offload_delay
+            self.runtime.log(
+                f"gridlm: offloaded update on the host: {times[len(times) // 2] * 1e3:.1f} ms a step (median of "
+                f"{len(times)}; {'beside the next step' if delay else 'after the backward'}, "
+                f"{torch.get_num_threads()} threads)"
+            )
 
     def _profiled(self, written: Optional[Path]) -> None:
         if written is not None:

@@ -78,16 +78,20 @@ stage gridlm 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b -
 stage eager 90 "${bench[@]}" --rounds 1 --decks llama_0.84b --cases gridlm_eager
 stage offload 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b --cases gridlm_offload gridlm_offload_delay
 stage offload_check 60 $py benchmarks/gpu_offload_check.py --device "$device" --out "$work/offload_check"
-profile() {  # DECK...: run.profile's kernel table of 2 steps of each deck (the model's terms, what to fuse)
-    local d rc=0
-    for d in "$@"; do
-        timeout -k 5 "$(left)" $py -m app "inputs/gpu/$d.yaml" "${tiny_sets[@]}" --set run.device="$device" --set run.profile=2 \
-            --set train.steps=5 --set run.dir="$work/profile/$d" || rc=1
+# run.profile's tables of 2 steps of each deck (the model's terms, what to fuse), and of the 1.3B deck
+# with the delayed offloaded update (the host's operators beside the step: where the overlap is lost).
+profile() {
+    local d sets rc=0
+    for d in gpt_1.3b llama_0.84b gpt_2.7b gpt_1.3b:offload_delay; do
+        sets=()
+        [ "${d#*:}" = offload_delay ] && sets=(--set optim.offload=host --set optim.offload_delay=1)
+        timeout -k 5 "$(left)" $py -m app "inputs/gpu/${d%%:*}.yaml" "${tiny_sets[@]}" "${sets[@]}" \
+            --set run.device="$device" --set run.profile=2 --set train.steps=5 --set run.dir="$work/profile/$d" || rc=1
         head -12 "$work/profile/$d/profile.txt"
     done
     return $rc
 }
-stage profile 90 profile gpt_1.3b llama_0.84b gpt_2.7b
+stage profile 120 profile
 stage gridlm_round2 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm
 stage hf_compile 200 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf_compile
 stage hf 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf

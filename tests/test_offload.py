@@ -8,6 +8,7 @@ bug (a chunk written to the wrong offset, a stale slot, a lost moment)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -104,6 +105,10 @@ def test_offloaded_runs_equal_each_other_bit_for_bit_and_the_device_run(tmp_path
         out = run_app(1, "inputs/gpt_tiny.yaml", *[a for s in (*sets, *extra) for a in ("--set", s)], timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         logged[offload] = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / offload) if "loss" in r]
+        # The host update's own time is logged (4 steps, 2 of them the timing warm-up), only when offloaded.
+        said = re.search(r"gridlm: offloaded update on the host: ([\d.]+) ms a step \(median of 2; after the backward",
+                         out.stdout)  # fmt: skip
+        assert (said is not None and float(said[1]) > 0) == (offload != "none"), out.stdout[-2000:]
     assert len(logged["none"]) == 4
     assert logged["host"] == logged["nvme"], logged
     rtol = OFFLOAD_RTOL[precision]

@@ -36,6 +36,12 @@ def test_the_summary_gives_each_kind_and_kernel_per_step():
     assert "| `aten::mm` | gemm | 15.000 | 20 | 750.0 |" in text
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert [r.split("`")[1] for r in rows] == ["aten::mm", "aten::gelu", "aten::_foreach_add_"]  # by time
+    assert "Host:" not in text
+    # On a GPU, the host's operators follow (here: as if these ran on the host beside CUDA kernels).
+    gpu = summarise([Kernel("sm90_xmma_gemm_bf16", 40, 0.030)], steps=2, device="cuda", host=kernels)
+    assert gpu.startswith("gridlm profile: 2 step(s) on cuda; per step: 20 kernels, 15.00 ms of device time")
+    assert "Host: 25 ATen operators per step, 20.00 ms of self CPU time per step" in gpu
+    assert "| `aten::gelu` | 4.000 | 4 |" in gpu
 
 
 def test_a_profiled_run_counts_the_gemms_the_model_launches(tmp_path):

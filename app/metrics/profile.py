@@ -66,8 +66,11 @@ class Kernel:
         return kind_of(self.name)
 
 
-def summarise(kernels: list[Kernel], steps: int, device: str, top: int = 30) -> str:
-    """profile.txt's text: per step, the time and launches of each kind, then the `top` kernels."""
+def summarise(
+    kernels: list[Kernel], steps: int, device: str, top: int = 30, host: Optional[list[Kernel]] = None
+) -> str:
+    """profile.txt's text: per step, the time and launches of each kind, then the `top` kernels;
+    on GPUs also the host's ATen operators (`host`: every thread's, e.g. an offloaded update's)."""
     total = sum(k.seconds for k in kernels) or 1e-30
     unit = "kernels" if device == "cuda" else "operators"
     lines = [
@@ -92,25 +95,33 @@ def summarise(kernels: list[Kernel], steps: int, device: str, top: int = 30) -> 
             f"| `{name}` | {k.kind} | {k.seconds / steps * 1e3:.3f} | {k.calls / steps:g} | "
             f"{k.seconds / max(k.calls, 1) * 1e6:.1f} |"
         )
+    if host:
+        busy = sum(k.seconds for k in host)
+        lines += ["", f"Host: {sum(k.calls for k in host) / steps:.0f} ATen operators per step, {busy / steps * 1e3:.2f} ms of "
+                  "self CPU time per step over all threads (beside the device time above: a step whose host time "
+                  "approaches its device time is bound by launching kernels, not by running them)", "",
+                  "| host operator | ms per step | calls per step |", "|---|---|---|"]  # fmt: skip
+        for k in sorted(host, key=lambda k: -k.seconds)[:15]:
+            lines.append(f"| `{k.name}` | {k.seconds / steps * 1e3:.3f} | {k.calls / steps:g} |")
     return "\n".join(lines) + "\n"
 
 
-def kernels_of(profile: Any, device: str) -> list[Kernel]:
-    """The profile's kernels (CUDA: the device-side events) or CPU operators with their totals."""
-    found: dict[str, list[float]] = {}
+def kernels_of(profile: Any) -> tuple[list[Kernel], list[Kernel]]:
+    """The profile's CUDA kernels (device-side events, their device time) and its host ATen
+    operators (their self CPU time), each name with its totals."""
+    found: tuple[dict[str, list[float]], dict[str, list[float]]] = ({}, {})
     for event in profile.events():
-        if device == "cuda":
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            seconds = event.device_time_total * 1e-6  # a kernel's own device time
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            into, seconds = found[0], event.device_time_total * 1e-6  # a kernel's own device time
+        elif event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith("aten::"):
+            into, seconds = found[1], event.self_cpu_time_total * 1e-6
         else:
-            if event.device_type != torch.autograd.DeviceType.CPU or not event.name.startswith("aten::"):
-                continue
-            seconds = event.self_cpu_time_total * 1e-6
-        calls_and_time = found.setdefault(event.name, [0, 0.0])
+            continue
+        calls_and_time = into.setdefault(event.name, [0, 0.0])
         calls_and_time[0] += 1
         calls_and_time[1] += seconds
-    return [Kernel(name, int(c), t) for name, (c, t) in found.items()]
+    kernels, host = ([Kernel(name, int(c), t) for name, (c, t) in kind.items()] for kind in found)
+    return kernels, host
 
 
 class StepProfiler:
@@ -150,5 +161,10 @@ class StepProfiler:
         if not self.done:
             return None
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(summarise(kernels_of(profile, self.device), self.done, self.device))
+        kernels, host = kernels_of(profile)
+        if self.device == "cuda":
+            text = summarise(kernels, self.done, self.device, host=host)
+        else:  # CPU ranks: the operators are the kernels
+            text = summarise(host, self.done, self.device)
+        self.out.write_text(text)
         return self.out

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 import sys
+import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -270,6 +272,9 @@ class ShardedOptimizer:
         self._host_unscale_t = torch.ones((), dtype=torch.float32)
         self._host_adamw: dict[tuple[int, ...], HostAdamW] = {}
         self._transfer: Optional[HostTransfer] = None
+        # Seconds of each recent AdamW pass on the host, from its first chunk to its last (the run's
+        # log reports them: with the delay, whether the update slows beside forward and backward).
+        self.host_update_s: deque[float] = deque(maxlen=1000)
         # optim.offload_delay: the update in flight on the host thread, and whether an update's
         # parameters wait in the staging buffer to be published (checkpointed: `unpublished`).
         self.delay = cfg.offload_delay if self.store is not None else 0
@@ -517,6 +522,7 @@ class ShardedOptimizer:
         thread), into the staging buffer."""
         dp, transfer = self.dp, self._transfer
         assert transfer is not None
+        t0 = time.perf_counter()
         self._host_step_t.fill_(float(step))
         unscale = None if grad_scale == 1.0 else self._host_unscale_t.fill_(1.0 / grad_scale)
         for chunk in store.stream(range(len(dp.buckets))):
@@ -529,6 +535,7 @@ class ShardedOptimizer:
                 update = self._host_adamw[key] = HostAdamW((chunk.master, chunk.exp_avg, chunk.exp_avg_sq), runs)
             update.step(self.cfg, lr, self._host_step_t, g, unscale)
             (transfer.stage if staged else transfer.param)(b, lo, chunk.master)
+        self.host_update_s.append(time.perf_counter() - t0)
 
     def _lamb_apply(self, lr: float, updates: list[torch.Tensor], masters: Optional[list[torch.Tensor]] = None) -> None:
         """w <- w - lr * (||w|| / ||u||) * u, the norms over each whole logical parameter
