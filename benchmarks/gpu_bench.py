@@ -13,7 +13,8 @@ drifting machine moves them alike), each case runs in its own process with its o
   defaults: on a GPU llama's element-wise chains compiled, app/model/fused.py); `gridlm_eager`
   the same with run.compile=false;
   `gridlm_offload` with optim.offload=host (the optimizer on the CPU, issue 41's exact offload)
-  and `gridlm_offload_delay` with the delayed update too (optim.offload_delay=1);
+  and `gridlm_offload_delay` with the delayed update too (optim.offload_delay=1), their JSON with
+  the host update's own time from the run's log (host_update_s);
 - `hf`, `hf_compile`: the Hugging Face model of the same shape (GPT2LMHeadModel for gpt2 decks,
   LlamaForCausalLM for llama; sdpa attention, bf16 autocast over fp32 weights, the deck's
   micro-batches accumulated, torch.optim.AdamW(fused=True)), eager and under torch.compile; the
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -188,9 +190,10 @@ def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path
         return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}"}
     summary = json.loads((run_dir / "summary.json").read_text())
     timers = summary.get("timers") or {}
+    host = re.search(r"gridlm: offloaded update on the host: ([\d.]+) ms a step", proc.stdout)  # offloaded cases
     return {"step_s": summary["step_time_s"], "parameters": summary["parameters"],
             "forward_s": timers.get("forward_s"), "backward_s": timers.get("backward_s"),
-            "optimizer_s": timers.get("optimizer_s")}  # fmt: skip
+            "optimizer_s": timers.get("optimizer_s"), "host_update_s": float(host[1]) / 1e3 if host else None}  # fmt: skip
 
 
 def one_case(args: argparse.Namespace) -> int:

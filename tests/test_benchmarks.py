@@ -191,6 +191,8 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
                                          "hf_compile", "adamw"]  # fmt: skip
     assert all(r["step_s"] > 0 for r in rows) and len({r["parameters"] for r in rows}) == 1
     assert rows[0]["optimizer_s"] > 0 and rows[0]["predicted_s"] > 0
+    # The offloaded cases carry the host update's own time from their logs; the others none.
+    assert [r["case"] for r in rows if r.get("host_update_s")] == ["gridlm_offload", "gridlm_offload_delay"]
     assert "| gpt_1.3b | hf_compile |" in out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_bench.main(["--rounds", "1"]) == 2
