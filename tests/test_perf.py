@@ -583,6 +583,46 @@ def test_calibration_writes_a_machine_file_the_model_reads(tmp_path):
     assert prediction.breakdown["host_overhead"] > 0 and prediction.step_time_s > 0
 
 
+def test_a_gpu_calibration_measures_against_the_datasheet_peak_and_keeps_the_gpu_s_shape(tmp_path):
+    """On a GPU (measured["device"] cuda; the numbers an H200 might give): the bf16 GEMMs' median
+    against the datasheet's 989.4 TFLOP/s is the efficiency (the peak stays the datasheet's, which
+    MFU uses), the SMs measured are the compute units and the base's tile stays; the stream past the
+    L2 cache is hbm_gbs and there is no second memory rate, no per-op host time (launches overlap the
+    kernels) and no page-fault rate. The one-GPU decks predict on it. Its shapes are the training
+    ones, in bf16, not a CPU's: every GEMM at least 4096 tokens, attention at sequence 2048 or more."""
+    import yaml
+
+    from app.plan.calibrate import GPU_ATTENTION_SHAPES, GPU_GEMM_SHAPES, machine_file
+
+    assert min(m for m, _, _ in GPU_GEMM_SHAPES) >= 4096 and min(s for _, _, s, _ in GPU_ATTENTION_SHAPES) >= 2048
+    base = yaml.safe_load((REPO / "inputs/machines/h200_1gpu.yaml").read_text())
+    measured = _calibration_measured()
+    measured.pop("memory_bytes_s")
+    measured.update(device="cuda", compute_units=132, world=1, ranks_per_node=1, stream_bytes_s=4.2e12,
+                    gemm_flops={"a fwd": 7.0e14, "a dgrad": 7.5e14, "b fwd": 8.0e14},
+                    attention_flops={"forward": {"s": 4.0e14}, "backward": {"s": 3.0e14}},
+                    elementwise_bytes_s={"layernorm": 2.0e12, "gelu": 3.0e12, "softmax": 5.0e12})  # fmt: skip
+    data = machine_file(base, "h200_cal", measured, "mpirun -n 1 python -m app.plan.calibrate --base h200_1gpu")
+    path = tmp_path / "h200_cal.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    machine = load_machine(path)
+    assert machine.peak("bf16") == 989.4 and "peak_tflops" not in data
+    assert machine.gemm["efficiency"] == round(7.5e14 / 989.4e12, 4)
+    assert machine.gemm["attention_efficiency"] == round(4.0e14 / 989.4e12, 4)
+    assert machine.gemm["compute_units"] == 132 and machine.gemm["tile"] == [256, 128]
+    assert "memory_efficiency" not in machine.gemm  # the stream measured is the achieved rate
+    assert machine.hbm_gbs == 4200.0 and machine.memory_gbs is None and machine.fault_gbs is None
+    assert not machine.op_overhead_us
+    assert machine.elementwise_gbs == {"layernorm": 2000.0, "gelu": 3000.0}
+    assert "bf16 GEMM" in machine.sources[0] and "datasheet peak 989.4" in machine.sources[0]
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpu/gpt_1.3b.yaml"), 1)
+    p = predict(deck, machine)
+    assert p.step_time_s > 0 and p.breakdown["host_overhead"] == 0
+    # A device the peak table lacks: the best bf16 rate measured is its peak.
+    unknown = machine_file({**base, "device_name": "NewGPU"}, "x", measured, "calibrate")
+    assert unknown["peak_tflops"] == {"bf16": 800.0} and unknown["gemm"]["efficiency"] == round(7.5 / 8.0, 4)
+
+
 def test_calibration_times_the_disk_and_writes_its_rates(tmp_path):
     """The disk: `time_disk` writes a file with fsync and reads it back with its pages dropped from
     the page cache (so from the drive), then removes it; `machine_file` writes the node's rates as

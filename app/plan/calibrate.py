@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import yaml
 
 from app.deck_yaml import read_yaml_file
+from app.metrics.peaks import peak_tflops
 from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS, MachineError
 from app.plan.perf import BACKWARD_BYTES, ring_terms
 
@@ -51,6 +52,16 @@ GEMM_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 768, 
 # (batch, heads, seq, head dim) of the causal attention timed (forward and backward).
 ATTENTION_SHAPES = [(4, 8, 64, 32), (4, 8, 128, 64), (2, 16, 256, 64)]
 ELEMENTWISE = 4 * 2**20  # bytes of each operand and of the result of the element-wise op timed
+# On GPUs the shapes a one-GPU training step runs (the decks of inputs/gpu/: micro-batches of 4 x 2048
+# and 2 x 2048 tokens): in bf16, each Linear of the GPT 1.3B and 2.7B and Llama 0.84B blocks and the
+# 1.3B head. Sizes a CPU times make a GPU look slow (a 2048-cube GEMM at a fraction of its peak: the
+# first H100 calibration predicted +340%, issue 38).
+GPU_GEMM_SHAPES = [(8192, 6144, 2048), (8192, 2048, 2048), (8192, 8192, 2048), (8192, 2048, 8192),
+                   (4096, 7680, 2560), (4096, 2560, 2560), (4096, 10240, 2560), (4096, 2560, 10240),
+                   (8192, 11008, 2048), (8192, 2048, 5504), (8192, 51200, 2048)]  # fmt: skip
+GPU_ATTENTION_SHAPES = [(4, 16, 2048, 128), (2, 32, 2048, 80), (1, 32, 4096, 128)]
+# Operands past a GPU's L2 cache (50 MB on an H100, 60 on an H200, 256 on an MI300X): 4x the largest.
+GPU_STREAM_BYTES = 1 << 30
 HEAP = 64 * 2**20  # warm heap for the compute primitives: more than their largest result (GEMM 16 MiB)
 # Memory past the caches: STREAM's rule (McCalpin, www.cs.virginia.edu/stream/ref.html: each array
 # at least 4x the size of the caches). Measured here (2026-11-27, result allocated once, 4 ranks on
@@ -388,7 +399,11 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
 
     comm = runtime.comm
     dev = runtime.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)  # kernels are asynchronous
+    gpu = dev.type == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)  # kernels are asynchronous
+    # GPUs: the training shapes in bf16 (their datasheet peak is the reference); CPUs: fp32, small.
+    dtype = torch.bfloat16 if gpu else torch.float32
+    gemm_shapes, attention_shapes = (GPU_GEMM_SHAPES, GPU_ATTENTION_SHAPES) if gpu else (GEMM_SHAPES, ATTENTION_SHAPES)
     # A run's temporaries come from the heap its activations grew, not from fresh mmapped pages: the
     # compute primitives are timed on such a heap (without it, every result of 1 MiB or more paid its
     # page faults here and the element-wise rates came out 10x low; see warm_heap). The results a
@@ -396,19 +411,19 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
     fault = _fault_rate(dev, comm, sync, repeat) if dev.type == "cpu" else None  # GPUs cache their memory
     warm_heap(HEAP)
     gemm = {}
-    for m, n, k in GEMM_SHAPES:
+    for m, n, k in gemm_shapes:
         # The three layouts of a Linear in training: forward x W^T, input gradient dY W, weight
         # gradient dY^T X.
-        x, w, dy = torch.randn(m, k, device=dev), torch.randn(n, k, device=dev), torch.randn(m, n, device=dev)
+        x, w, dy = (torch.randn(*shape, device=dev, dtype=dtype) for shape in ((m, k), (n, k), (m, n)))
         for layout, fn in (("fwd", lambda x=x, w=w: F.linear(x, w)), ("dgrad", lambda dy=dy, w=w: dy @ w),
                            ("wgrad", lambda dy=dy, x=x: dy.t() @ x)):  # fmt: skip
             gemm[f"{m}x{n}x{k} {layout}"] = 2.0 * m * n * k / _timed(fn, comm, sync, repeat)
     del x, w, dy  # the largest shape's operands would hold the warm heap: warm it again for each part
     warm_heap(HEAP)
     attention: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
-    for b, heads, s, d in ATTENTION_SHAPES:
-        q, k_, v = (torch.randn(b, heads, s, d, device=dev, requires_grad=True) for _ in range(3))
-        grad = torch.randn(b, heads, s, d, device=dev)
+    for b, heads, s, d in attention_shapes:
+        q, k_, v = (torch.randn(b, heads, s, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, heads, s, d, device=dev, dtype=dtype)
 
         def forward(q=q, k_=k_, v=v) -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k_, v, is_causal=True)
@@ -430,18 +445,24 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
     warm_heap(HEAP)
     # Element-wise: an eager op reads its operands and writes a new tensor (as gridlm's LayerNorm,
     # GELU, adds and dropout do): allocating the result (from the warm heap) is part of its cost.
-    x, y = torch.randn(ELEMENTWISE // 4, device=dev), torch.randn(ELEMENTWISE // 4, device=dev)
-    stream = 3 * ELEMENTWISE / _timed(lambda: torch.add(x, y), comm, sync, repeat)
-    # Past the caches, STREAM's add into a result allocated once: a result of hundreds of MB would
-    # be mmapped and faulted afresh by every call, which no run's update does (its temporaries are a
-    # bucket's size, from the heap).
-    big = memory_operand_bytes(runtime.local_size)
-    a, b, c = (torch.randn(big // 4, device=dev) for _ in range(3))
-    memory = 3 * big / _timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c), comm, sync, repeat)
-    del a, b, c  # hundreds of MB a rank
+    # On a GPU past its L2 cache: the device's memory (hbm_gbs), there is no second rate.
+    size = GPU_STREAM_BYTES if gpu else ELEMENTWISE
+    x, y = torch.randn(size // 4, device=dev), torch.randn(size // 4, device=dev)
+    stream = 3 * size / _timed(lambda x=x, y=y: torch.add(x, y), comm, sync, repeat)
+    del x, y
+    memory = None
+    if not gpu:
+        # Past the caches, STREAM's add into a result allocated once: a result of hundreds of MB would
+        # be mmapped and faulted afresh by every call, which no run's update does (its temporaries are
+        # a bucket's size, from the heap).
+        big = memory_operand_bytes(runtime.local_size)
+        a, b, c = (torch.randn(big // 4, device=dev) for _ in range(3))
+        memory = 3 * big / _timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c), comm, sync, repeat)
+        del a, b, c  # hundreds of MB a rank
     chain = _module_chain(dev)
     op = _timed(chain, comm, sync, repeat) / count_aten_ops(chain)
-    elementwise = _elementwise(dev, comm, sync, repeat, op)
+    # A GPU's launches overlap its kernels (the host runs ahead): no host time to take out, none charged.
+    elementwise = _elementwise(dev, comm, sync, repeat, 0.0 if gpu else op)
 
     cool_heap()
 
@@ -455,7 +476,7 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
             part: {shape: agreed(v) for shape, v in rates.items()} for part, rates in attention.items()
         },
         "stream_bytes_s": agreed(stream),
-        "memory_bytes_s": agreed(memory),
+        **({} if memory is None else {"memory_bytes_s": agreed(memory)}),
         **({} if fault is None else {"fault_bytes_s": fault}),  # agreed by _fault_rate
         "elementwise_bytes_s": {kind: agreed(v) for kind, v in elementwise.items()},
         "op_seconds": agreed(op),
@@ -464,6 +485,8 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         "nodes": runtime.nodes,
         "world": runtime.world_size,
         "ranks_per_node": runtime.local_size,
+        "device": dev.type,
+        **({"compute_units": torch.cuda.get_device_properties(dev).multi_processor_count} if gpu else {}),
     }
 
 
@@ -565,7 +588,16 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
         base["memory_per_device_gib"] * base["devices_per_node"] / out["devices_per_node"], 2
     )
     out["description"] = f"{base['description']}; primitives measured by app.plan.calibrate"
-    out["peak_tflops"] = {"fp32": round(best / 1e12, 6)}  # the best measured GEMM rate: MFU against it
+    gpu = measured.get("device") == "cuda"
+    # GPUs: bf16 GEMMs against the datasheet's peak (app/metrics/peaks.py by the base's device_name,
+    # the one MFU uses); where the table lacks the device, the best rate measured is its bf16 peak.
+    # CPUs: the best measured fp32 GEMM rate is the peak (MFU against it).
+    datasheet = peak_tflops(str(base.get("device_name", "")), "bf16") if gpu else None
+    if gpu and datasheet is None:
+        out["peak_tflops"] = {"bf16": round(best / 1e12, 3)}
+    elif not gpu:
+        out["peak_tflops"] = {"fp32": round(best / 1e12, 6)}
+    reference = datasheet * 1e12 if datasheet is not None else best
     out["hbm_gbs"] = round(measured["stream_bytes_s"] / 1e9, 3)
     if "memory_bytes_s" in measured:  # past the caches (STREAM-sized operands)
         out["memory_gbs"] = round(measured["memory_bytes_s"] / 1e9, 3)
@@ -580,16 +612,21 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
             f"written with fsync {out['nvme_write_gbs']} GB/s, read with pread after POSIX_FADV_DONTNEED "
             f"{out['nvme_read_gbs']} GB/s per node"
         )
-    # The model applies one efficiency to every GEMM: the median shape and layout's share of the best.
-    # No waves on a CPU (one compute unit, tiles of one element).
+    # The model applies one efficiency to every GEMM: the median shape and layout's share of the peak.
+    # No waves on a CPU (one compute unit, tiles of one element); a GPU's SMs, the base's tile.
+    base_gemm = base.get("gemm") or {}
     out["gemm"] = {
-        "efficiency": round(statistics.median(measured["gemm_flops"].values()) / best, 4),
-        "compute_units": 1,
-        "tile": [1, 1],
+        "efficiency": round(statistics.median(measured["gemm_flops"].values()) / reference, 4),
+        "compute_units": int(measured["compute_units"]) if gpu else 1,
+        "tile": list(base_gemm.get("tile", [256, 128])) if gpu else [1, 1],
     }
     for key, part in (("attention_efficiency", "forward"), ("attention_backward_efficiency", "backward")):
-        out["gemm"][key] = round(statistics.median(measured["attention_flops"][part].values()) / best, 4)
-    out["op_overhead_us"] = round(measured["op_seconds"] * 1e6, 3)
+        out["gemm"][key] = round(statistics.median(measured["attention_flops"][part].values()) / reference, 4)
+    if gpu:  # launches overlap the kernels; the measured stream is the memory (no second rate)
+        for key in ("op_overhead_us", "memory_gbs", "fault_gbs"):
+            out.pop(key, None)
+    else:
+        out["op_overhead_us"] = round(measured["op_seconds"] * 1e6, 3)
     slower = {k: v for k, v in measured["elementwise_bytes_s"].items() if v < measured["stream_bytes_s"]}
     if slower:  # the kinds a memory stream would under-charge (compute-bound on CPUs)
         out["elementwise_gbs"] = {k: round(v / 1e9, 3) for k, v in slower.items()}
@@ -642,7 +679,8 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     attention = "; ".join(f"{part} " + ", ".join(f"{s} {v / 1e9:.1f}" for s, v in rates.items())
                           for part, rates in measured["attention_flops"].items())  # fmt: skip
     out["sources"] = [
-        f"measured on {today} by `{command}`, every rank at once: fp32 GEMM GFLOP/s per rank {shapes}; "
+        f"measured on {today} by `{command}`, every rank at once: {'bf16' if gpu else 'fp32'} GEMM GFLOP/s per "
+        f"rank {shapes}{f' (against the datasheet peak {datasheet} TFLOP/s)' if datasheet else ''}; "
         f"causal attention GFLOP/s {attention}; element-wise op "
         f"{measured['stream_bytes_s'] / 1e9:.2f} GB/s; element-wise kinds GB/s (model bytes) {kinds}; "
         + (f"a fresh mmapped result's page faults {out['fault_gbs']} GB/s; " if "fault_gbs" in out else "")
@@ -717,8 +755,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         data = machine_file(base, out.stem, measured, command)
         header = f"# Written by app.plan.calibrate ({command}); primitives only, see its docstring.\n"
         out.write_text(header + yaml.safe_dump(data, sort_keys=False, width=120))
-        print(f"calibrate: wrote {out}: fp32 GEMM up to {data['peak_tflops']['fp32'] * 1e3:.1f} GFLOP/s per rank, "
-              f"{data['hbm_gbs']} GB/s, {data['op_overhead_us']} us per op, links {data['links']}", flush=True)  # fmt: skip
+        best = max(measured["gemm_flops"].values())
+        print(f"calibrate: wrote {out}: GEMM up to {best / 1e9:.1f} GFLOP/s per rank (efficiency "
+              f"{data['gemm']['efficiency']}), {data['hbm_gbs']} GB/s, {data.get('op_overhead_us', 0)} us per op, "
+              f"links {data['links']}", flush=True)  # fmt: skip
     import torch.distributed as dist
 
     dist.destroy_process_group()
