@@ -35,8 +35,9 @@ if [ "$device" = cpu ]; then
         --set model.vocab_size=128 --set train.precision=fp32)
 fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-# A singleton MPI_Init (python -m app without mpirun) starts an orted, whose rsh launcher aborts
-# when neither ssh nor rsh exists (a bare GPU image); any agent found on PATH will do, none is run.
+# A singleton MPI_Init (a process without mpirun) starts an orted, whose rsh launcher aborts when
+# neither ssh nor rsh exists (a bare GPU image); any agent found on PATH will do, none is run.
+# gridlm sets it itself (app.runtime.mpi.singleton_rsh_agent); the benchmarks' own mpi4py need it too.
 command -v ssh >/dev/null || command -v rsh >/dev/null || export OMPI_MCA_plm_rsh_agent=false
 
 left() { echo $((budget - ($(date +%s) - start))); }

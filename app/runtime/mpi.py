@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import sys
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
@@ -75,8 +77,29 @@ class Runtime:
             print(*args, flush=True)
 
 
+# Variables a launcher (mpirun / mpiexec of Open MPI, srun, PMI or PMIx) gives the processes it starts.
+LAUNCHED_BY = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_STEP_ID")
+
+
+def singleton_rsh_agent(environ: MutableMapping[str, str]) -> Optional[str]:
+    """Set Open MPI's rsh agent for a process started without a launcher (`python -m app deck`),
+    where it is needed; the value set, or None. Such a process's MPI_Init starts a runtime daemon
+    whose rsh launcher aborts it ("Local abort before MPI_INIT completed") when neither ssh nor rsh
+    is on PATH, as in a bare GPU container (measured on an H200 image, 2026-11-29). Any program on
+    PATH satisfies the check; none is run for one local process. Launched ranks and a site's own
+    setting are left as they are; other MPIs ignore the variable."""
+    if any(key in environ for key in LAUNCHED_BY) or "OMPI_MCA_plm_rsh_agent" in environ:
+        return None
+    path = environ.get("PATH", os.defpath)
+    if shutil.which("ssh", path=path) or shutil.which("rsh", path=path) or not shutil.which("false", path=path):
+        return None
+    environ["OMPI_MCA_plm_rsh_agent"] = "false"
+    return "false"
+
+
 def init_mpi(comm: Any = None) -> Runtime:
     """Discover rank, size and the node layout with `Split_type(COMM_TYPE_SHARED)`."""
+    singleton_rsh_agent(os.environ)  # before mpi4py's import initialises MPI
     from mpi4py import MPI
 
     comm = comm if comm is not None else MPI.COMM_WORLD
