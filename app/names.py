@@ -84,3 +84,8 @@ def rank_ranges(ranks: Sequence[int]) -> str:
             start = r
         prev = r
     return ", ".join(parts)
+
+
+# Variables a launcher (mpirun / mpiexec, srun, a PMI or PMIx launcher) gives the ranks it starts:
+# a process without any of them is one rank started by hand (`python -m app`, `python -m app.data.prepare`).
+LAUNCHER_RANK = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")

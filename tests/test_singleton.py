@@ -27,7 +27,7 @@ def test_the_agent_is_set_only_for_a_launcherless_process_without_ssh(tmp_path):
     bare = str(_bin_without_ssh(tmp_path / "bin"))
     env = {"PATH": bare}
     assert singleton_rsh_agent(env) == "false" and env["OMPI_MCA_plm_rsh_agent"] == "false"
-    for launched in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_STEP_ID"):  # a launcher's rank
+    for launched in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):  # a launcher's rank
         assert singleton_rsh_agent({"PATH": bare, launched: "0"}) is None
     site = {"PATH": bare, "OMPI_MCA_plm_rsh_agent": "/opt/site/ssh"}
     assert singleton_rsh_agent(site) is None and site["OMPI_MCA_plm_rsh_agent"] == "/opt/site/ssh"

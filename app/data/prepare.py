@@ -45,6 +45,7 @@ from app.data.tokenizer import (
     train_bpe,
 )
 from app.errors import DataError, GridlmError
+from app.names import LAUNCHER_RANK
 from app.untrusted import read_bytes
 
 T = TypeVar("T")
@@ -342,9 +343,6 @@ def _commit(meta: dict, finals: list[str], tmps: list[str], tok_final: Optional[
         os.replace(tmps[3], tok_final)
     for tmp, final in zip(tmps[:3], finals):
         os.replace(tmp, final)
-
-
-LAUNCHER_RANK = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")  # set by mpirun, mpiexec, srun
 
 
 def launched_comm() -> Any:

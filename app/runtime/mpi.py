@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from app.errors import GridlmError, LaunchError
+from app.names import LAUNCHER_RANK
 from app.runtime.groups import Groups
 from app.runtime.watchdog import AnyWatchdog, NullWatchdog
 
@@ -77,10 +78,6 @@ class Runtime:
             print(*args, flush=True)
 
 
-# Variables a launcher (mpirun / mpiexec of Open MPI, srun, PMI or PMIx) gives the processes it starts.
-LAUNCHED_BY = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_STEP_ID")
-
-
 def singleton_rsh_agent(environ: MutableMapping[str, str]) -> Optional[str]:
     """Set Open MPI's rsh agent for a process started without a launcher (`python -m app deck`),
     where it is needed; the value set, or None. Such a process's MPI_Init starts a runtime daemon
@@ -88,7 +85,7 @@ def singleton_rsh_agent(environ: MutableMapping[str, str]) -> Optional[str]:
     is on PATH, as in a bare GPU container (measured on an H200 image, 2026-11-29). Any program on
     PATH satisfies the check; none is run for one local process. Launched ranks and a site's own
     setting are left as they are; other MPIs ignore the variable."""
-    if any(key in environ for key in LAUNCHED_BY) or "OMPI_MCA_plm_rsh_agent" in environ:
+    if any(key in environ for key in LAUNCHER_RANK) or "OMPI_MCA_plm_rsh_agent" in environ:
         return None
     path = environ.get("PATH", os.defpath)
     if shutil.which("ssh", path=path) or shutil.which("rsh", path=path) or not shutil.which("false", path=path):
