@@ -73,9 +73,11 @@ class ModelConfig:
     dropout: float = _key(0.0, "dropout probability (0 keeps runs grid-independent)", min=0.0, max=0.99)
     attention_kernel: str = _key(
         "auto",
-        "scaled_dot_product_attention backend: auto (torch picks: flash / memory-efficient on GPUs), or math "
-        "(scores materialised, as in Megatron-LM 2021: to reproduce such runs)",
-        choices=("auto", "math"),
+        "scaled_dot_product_attention backend: auto (torch picks: flash / memory-efficient on GPUs); flash, cudnn "
+        "(NVIDIA GPUs) or efficient (GPUs) to choose one (benchmarks/gpu_bench.py compares them); or math (scores "
+        "materialised, as in Megatron-LM 2021: to reproduce such runs). A backend with no kernel for the run's "
+        "device, dtype and head size is a deck error before the first step",
+        choices=("auto", "flash", "cudnn", "efficient", "math"),
     )
     layernorm_eps: float = _key(1e-5, "LayerNorm (llama: RMSNorm) epsilon", min=0.0, max=1.0)
     init_std: float = _key(

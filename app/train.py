@@ -45,7 +45,7 @@ from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo, EvalInfo
 from app.model.fused import Kernels
 from app.model.goldfish import CountedTargets, goldfish_keep
-from app.model.gpt import GPT, Targets
+from app.model.gpt import GPT, Targets, check_attention_kernel
 from app.model.moe import NO_EP, ExpertParallel
 from app.names import reduce_precision, torch_dtype
 from app.optim.offload import offload_path
@@ -174,6 +174,7 @@ class Trainer:
         cp = NO_CP
         if grid.size("cp") > 1:  # its messages charged to the step timers' cp axis
             cp = ContextParallel(Ring.of_group(grid.group["cp"], self.timers), par.cp_kind)
+        check_attention_kernel(m, self.device, torch_dtype(tr.precision))  # a backend that cannot run here
         self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, tr.recompute, ep, cp)
         if deck.run.compiles(self.device.type == "cuda"):
             self.model.fuse(Kernels.compiled())  # llama's element-wise chains as generated kernels

@@ -1,7 +1,7 @@
 """gridlm on one GPU against what a PyTorch user gets elsewhere: step time, TFLOP/s and MFU.
 
     python benchmarks/gpu_bench.py [--decks gpt_1.3b gpt_2.7b llama_0.84b] [--rounds 3] [--steps 10]
-        [--cases gridlm gridlm_eager gridlm_offload gridlm_offload_delay hf hf_compile adamw] [--set key=value ...]
+        [--cases gridlm gridlm_eager gridlm_cudnn gridlm_offload gridlm_offload_delay hf hf_compile adamw] [--set key=value ...]
         [--out runs/gpu_bench] [--timeout 900]
     python benchmarks/gpu_bench.py --device cpu --tiny --rounds 1     (the whole flow on a CPU, tiny shapes)
 
@@ -11,7 +11,8 @@ drifting machine moves them alike), each case runs in its own process with its o
 - `gridlm`: `python -m app DECK` for --steps steps; its summary.json gives the step (mean after the
   warm-up), TFLOP/s, MFU and the forward / backward / optimizer times of rank 0 (the deck's
   defaults: on a GPU llama's element-wise chains compiled, app/model/fused.py); `gridlm_eager`
-  the same with run.compile=false;
+  the same with run.compile=false; `gridlm_cudnn` with model.attention_kernel=cudnn (cuDNN's fused
+  attention instead of the one torch picks; GPUs only, left out with --device cpu);
   `gridlm_offload` with optim.offload=host (the optimizer on the CPU, issue 41's exact offload)
   and `gridlm_offload_delay` with the delayed update too (optim.offload_delay=1), their JSON with
   the host update's own time from the run's log (host_update_s);
@@ -47,11 +48,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DECKS = ["gpt_1.3b", "gpt_2.7b", "llama_0.84b"]
-CASES = ["gridlm", "gridlm_eager", "gridlm_offload", "gridlm_offload_delay", "hf", "hf_compile", "adamw"]
+CASES = ["gridlm", "gridlm_eager", "gridlm_cudnn", "gridlm_offload", "gridlm_offload_delay", "hf", "hf_compile",
+         "adamw"]  # fmt: skip
+GPU_ONLY = {"gridlm_cudnn"}  # left out with --device cpu (no such kernel there)
 # gridlm's cases and the deck keys each adds.
 GRIDLM = {
     "gridlm": [],
     "gridlm_eager": ["run.compile=false"],
+    "gridlm_cudnn": ["model.attention_kernel=cudnn"],
     "gridlm_offload": ["optim.offload=host"],
     "gridlm_offload_delay": ["optim.offload=host", "optim.offload_delay=1"],
 }
@@ -291,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = [*(TINY if args.tiny else []), f"run.device={args.device}", *args.sets]
     if args.device == "cpu":
         sets.append("train.precision=fp32")
+        args.cases = [c for c in args.cases if c not in GPU_ONLY]
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"

@@ -9,14 +9,15 @@
 #
 # Stages, most valuable first: gridlm on the three inputs/gpu decks (run.compile's default: compiled
 # on GPUs) and torch's fused AdamW over their parameters (the optimizer's roofline); run.profile's
-# kernel tables of each deck and of the delayed offloaded step; the GPU calibration and the dry run
-# on it; the Hugging Face peers compiled; a second round of gridlm; 1.3B with optim.offload host,
-# exact and delayed (issue 41, with the host update's own time); a third round; llama eager;
-# benchmarks/gpu_offload_check.py (the offload CUDA paths against known outcomes); the Hugging Face
-# peers eager; GPT 6.1B offloaded on 80 GB of the GPU. All of it takes about 15 minutes on an H200
-# with 16 cores, more than one device call (600 s) and about a session's device time: run the first
-# call with a budget of 540 s, then STAGES= what it skipped, dropping what an earlier session measured
-# (2026-11-29, H200: offload_check passed; hf eager 467 / 266 ms).
+# kernel tables of each deck and of the delayed offloaded step; cuDNN's attention against the one
+# torch picks; the GPU calibration and the dry run on it; the Hugging Face peers compiled; a second
+# round of gridlm; 1.3B with optim.offload host, exact and delayed (issue 41, with the host update's
+# own time); a third round; llama eager; benchmarks/gpu_offload_check.py (the offload CUDA paths
+# against known outcomes); the Hugging Face peers eager; GPT 6.1B offloaded on 80 GB of the GPU.
+# All of it takes about 16 minutes on an H200 with 16 cores, more than one device call (600 s) and
+# a session's device time: run the first call with a budget of 540 s, then STAGES= what it skipped,
+# dropping what an earlier session measured (2026-11-29, H200: offload_check passed; hf eager 467 /
+# 266 ms).
 set -u
 cd "$(dirname "$0")/.."
 budget=${1:-480}
@@ -120,6 +121,7 @@ runpy.run_module('app', run_name='__main__', alter_sys=True)" inputs/gpu/gpt_6.1
 # Most valuable first (what the issues still lack on a GPU), each only if its time is left.
 stage gridlm 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm adamw
 stage profile 120 profile
+stage cudnn 80 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm_cudnn
 stage calibrate 90 calibrate
 stage hf_compile 240 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf_compile
 stage gridlm_round2 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm

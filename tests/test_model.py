@@ -247,14 +247,16 @@ def test_mean_step_time_leaves_out_warmup_only_when_steps_remain():
     assert mean_step_time([4.0, 2.0], 2) == (3.0, pytest.approx(2**0.5), 0)
 
 
+@pytest.mark.parametrize("kernel", ["math", "flash"])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_the_math_attention_kernel_computes_the_same_attention(recompute):
-    """model.attention_kernel=math (scores materialised, to reproduce 2021 runs) is the same
-    function as torch's default kernel: fp32, equal up to summation order. Measured: 1e-7
-    relative on the loss and 6e-8 absolute on gradients (the largest 0.4); we allow 1e-5 on
-    both, 100x above that, while a wrong mask or scale moves the loss at the 1e-2 level."""
+def test_a_chosen_attention_kernel_computes_the_same_attention(recompute, kernel):
+    """model.attention_kernel=math (scores materialised, to reproduce 2021 runs) or flash (one
+    backend chosen, as cudnn and efficient are on GPUs) is the same function as torch's default
+    kernel: fp32, equal up to summation order. Measured (math): 1e-7 relative on the loss and 6e-8
+    absolute on gradients (the largest 0.4); we allow 1e-5 on both, 100x above that, while a wrong
+    mask or scale moves the loss at the 1e-2 level."""
     want_loss, want_grads = _loss_and_grads(recompute, CFG)
-    loss, grads = _loss_and_grads(recompute, dataclasses.replace(CFG, attention_kernel="math"))
+    loss, grads = _loss_and_grads(recompute, dataclasses.replace(CFG, attention_kernel=kernel))
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
     for name, grad in grads.items():
         assert (grad - want_grads[name]).abs().max().item() < 1e-5, name
@@ -283,3 +285,23 @@ def test_the_flop_count_is_what_the_model_multiplies(arch):
         model.loss(tokens, tokens)
     attention = b * s * layers * 4 * s * h
     assert counter.get_total_flops() == gpt_step_flops(b, s, layers, h, v, f, **arch_flops_args(m)) / 3 - attention
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
+def test_a_kernel_the_device_lacks_is_a_deck_error_before_the_first_step(kernel):
+    """cudnn and efficient have no CPU kernel: check_attention_kernel (the trainer calls it before
+    building the model) names the key, the device, dtype and head size and the fix, where torch
+    would fail inside the first forward; flash, math and auto pass."""
+    from app.errors import DeckError
+    from app.model.gpt import check_attention_kernel
+
+    with pytest.raises(DeckError) as err:
+        check_attention_kernel(dataclasses.replace(CFG, attention_kernel=kernel), torch.device("cpu"), torch.float32)
+    message = str(err.value)
+    assert (
+        f"model.attention_kernel = '{kernel}'" in message
+        and f"(cpu, float32, head size {CFG.hidden // CFG.heads})" in message
+    )
+    assert "use auto" in message
+    for fine in ("auto", "flash", "math"):
+        check_attention_kernel(dataclasses.replace(CFG, attention_kernel=fine), torch.device("cpu"), torch.float32)

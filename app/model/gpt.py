@@ -41,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from app.deck import ModelConfig
+from app.errors import DeckError
 from app.model.goldfish import CountedTargets
 from app.model.moe import NO_EP, ExpertParallel, MoE, RouterStats
 from app.names import RECOMPUTE
@@ -141,7 +142,7 @@ class Attention(nn.Module):
         self.group = cfg.heads // cfg.kv  # query heads per key/value head (grouped-query attention)
         self.rope_theta = cfg.rope_theta if cfg.spec.positions == "rotary" else None
         self.rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rotary  # or compiled (`GPT.fuse`)
-        self.math = cfg.attention_kernel == "math"
+        self.backend = ATTENTION_BACKENDS.get(cfg.attention_kernel)  # None: torch picks
         self.recompute_core = recompute_core
         self.cp: ContextParallel = NO_CP  # set by GPT: this rank's part of each sequence
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
@@ -194,9 +195,9 @@ class Attention(nn.Module):
             return self._project(y)
         k, v = self._expand(k, v)
         if self.recompute_core and _recomputing(self):
-            y = checkpoint(_attention_core, q, k, v, dropout, self.math, use_reentrant=False)
+            y = checkpoint(_attention_core, q, k, v, dropout, self.backend, use_reentrant=False)
         else:
-            y = _attention_core(q, k, v, dropout, self.math)
+            y = _attention_core(q, k, v, dropout, self.backend)
         return self._project(y)
 
     def decode(self, x: torch.Tensor, cache: LayerCache, start: int) -> torch.Tensor:
@@ -206,7 +207,7 @@ class Attention(nn.Module):
         k, v = self._expand(*cache.append(k, v, start))
         s, total = q.shape[2], k.shape[2]
         if s == total:  # the prompt: causal over itself
-            y = _attention_core(q, k, v, 0.0, self.math)
+            y = _attention_core(q, k, v, 0.0, self.backend)
         elif s == 1:  # one new token: every cached position is before it
             y = F.scaled_dot_product_attention(q, k, v)
         else:  # several new positions after cached ones: causal, offset
@@ -249,13 +250,38 @@ class KVCache:
         return self.layers.setdefault(i, LayerCache(self.capacity))
 
 
+# model.attention_kernel's choices of one backend (auto: none, torch picks by device, dtype and shape).
+ATTENTION_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                      "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+
+
+def check_attention_kernel(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """A DeckError naming model.attention_kernel when the backend it names has no kernel for this
+    run's device, compute dtype and head size (cudnn or efficient on CPU ranks, flash in fp32 on
+    a GPU), before the first step rather than as torch's error inside it: one causal call of a
+    tiny batch with the run's head size."""
+    backend = ATTENTION_BACKENDS.get(cfg.attention_kernel)
+    if backend is None or backend == SDPBackend.MATH:
+        return
+    q = torch.zeros(1, 1, 8, cfg.hidden // cfg.heads, device=device, dtype=dtype)
+    try:
+        _attention_core(q, q, q, cfg.dropout, backend)
+    except RuntimeError:
+        raise DeckError(
+            "model.attention_kernel", cfg.attention_kernel,
+            f"torch has no {cfg.attention_kernel} kernel for this run ({device.type}, {str(dtype).removeprefix('torch.')}, "
+            f"head size {cfg.hidden // cfg.heads}); use auto (torch picks one that runs) or flash",
+        ) from None  # fmt: skip
+
+
 def _attention_core(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, math_kernel: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, backend: Optional[SDPBackend] = None
 ) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(d)) v: (B, heads, S, head_dim) each -> the same shape.
-    `math_kernel`: torch's reference backend, which materialises the scores (model.attention_kernel)."""
-    if math_kernel:
-        with sdpa_kernel(SDPBackend.MATH):
+    """Causal softmax(q k^T / sqrt(d)) v: (B, heads, S, head_dim) each -> the same shape, with
+    `backend` only (model.attention_kernel; MATH, torch's reference, materialises the scores), or
+    the one torch picks."""
+    if backend is not None:
+        with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 

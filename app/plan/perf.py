@@ -704,7 +704,7 @@ def _attention(deck: Deck, dev: Device, split: Optional[int] = None) -> tuple[fl
     t = deck.parallel.tp if split is None else split
     e, b, s, h = BYTES[tr.precision], tr.micro_batch, m.seq_len, m.hidden
     flops = 4.0 * b * s * s * h / t
-    if m.attention_kernel == "auto":
+    if m.attention_kernel != "math":  # auto and the fused kernels (flash, cudnn, efficient)
         forward = 0.5 * flops / (dev.peak_flops * dev.attention_efficiency)
         backward_efficiency = dev.attention_backward_efficiency or dev.attention_efficiency
         return forward, 2.5 * 0.5 * flops / (dev.peak_flops * backward_efficiency)
