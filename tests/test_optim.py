@@ -45,6 +45,50 @@ def _torch_adamw(model: torch.nn.Module, **kind) -> torch.optim.Optimizer:
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_step_s_first_gradient_is_copied_in_and_a_missing_one_is_zero(grids, overlap):
+    """The gradient buffer is not zeroed at start_step: each accumulator's first gradient of a step
+    is copied in, later ones added, and what got none is zeroed when its bucket's reduction starts.
+    Three Linears and a parameter no micro-batch uses; the middle Linear only in the second of two
+    micro-batches. The buffer is filled with NaN before each step (what a zeroing pass would have
+    hidden): every accumulator equals the sum of autograd's gradients over the micro-batches, the
+    unused one is exactly zero, over two steps (the second starting from the first's sums)."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    unused = torch.nn.Parameter(torch.ones(3))
+    model = torch.nn.Module()
+    model.layers, model.unused = layers, unused
+    for name, p in model.named_parameters():
+        p.meta = ParamMeta(tuple(p.shape), decay=name.endswith("weight"))
+    ref = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    dp = DataParallel(model, grids.grid(1, 1, 1), bucket_mb=0.00005, overlap_grad_reduce=overlap)  # buckets
+    assert len(dp.buckets) > 1
+
+    def forward(x: torch.Tensor, micro: int) -> torch.Tensor:
+        for i, layer in enumerate(layers):
+            if i != 1 or micro == 1:
+                x = torch.tanh(layer(x))
+        return x.pow(2).sum()
+
+    for step in range(2):
+        dp.grad_buffer.fill_(float("nan"))
+        dp.start_step(2)
+        for name in ref:
+            ref[name].zero_()
+        for micro in range(2):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + micro))
+            grads = torch.autograd.grad(forward(x, micro), [p for _, p in model.named_parameters()], allow_unused=True)
+            for (name, _), g in zip(model.named_parameters(), grads):
+                if g is not None:
+                    ref[name] += g
+            forward(x, micro).backward()
+        dp.finish_grad_reduce()
+        for name, p in model.named_parameters():
+            assert torch.equal(p.main_grad, ref[name]), (step, name)
+        assert torch.equal(unused.main_grad, torch.zeros(3))
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("fused", [False, True], ids=["cpu-eager", "gpu-fused"])
 def test_flat_adamw_is_torch_adamw(runtime, monkeypatch, fused, grids):
     """CPU ranks: torch.optim.AdamW's single-tensor arithmetic on the flat shards, equal to 1

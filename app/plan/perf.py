@@ -1375,8 +1375,11 @@ def predict(
     else:
         params, replicated = map(list, zip(*(stage_params3d(m, shape, stage_layers[s], s == 0, s == pp - 1)
                                              for s in range(pp))))  # fmt: skip
-    # The buffer, as large as the stage's parameters, comes from memory and goes back each time.
-    accumulate = [dev.stream(p * (e + 2 * g)) + dev.from_memory(p * 2 * g) for p in params]
+    # The buffer, as large as the stage's parameters, comes from memory and goes back each time; a
+    # step's first gradient is copied in (`DataParallel.fresh`: the buffer written, not read), so a
+    # micro-batch moves g / micro fewer bytes on average. ZeRO-2/3's per-bucket buffers start zeroed.
+    first = 0.0 if opt.zero >= 2 and dp > 1 else g / micro
+    accumulate = [dev.stream(p * (e + 2 * g - first)) + dev.from_memory(p * (2 * g - first)) for p in params]
     per_stage_chunks = {c: c % pp for c in range(pp * v)}
     fwd = [p.total for p in fwd_parts]
     bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]
