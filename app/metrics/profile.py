@@ -19,27 +19,14 @@ from typing import Any, Optional
 import torch
 
 # A kernel's kind by substrings of its name, first match wins (CUDA kernel names; ATen op names on CPUs).
+GEMM_MARKS = ("gemm", "cutlass", "cublas", "sm90_xmma", "sm80_xmma", "nvjet", "aten::mm", "aten::addmm", "aten::bmm",
+              "aten::linear", "aten::matmul")  # fmt: skip
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collective", ("nccl", "c10d::", "gloo", "allreduce", "all_gather", "reduce_scatter")),
-    ("copy", ("memcpy", "memset", "aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous")),
+    ("copy", ("memcpy", "memset", "aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "_efficient_attention")),
     ("optimizer", ("adam", "multi_tensor_apply", "_foreach", "lamb")),
-    (
-        "gemm",
-        (
-            "gemm",
-            "cutlass",
-            "cublas",
-            "sm90_xmma",
-            "sm80_xmma",
-            "nvjet",
-            "aten::mm",
-            "aten::addmm",
-            "aten::bmm",
-            "aten::linear",
-            "aten::matmul",
-        ),
-    ),  # fmt: skip
+    ("gemm", GEMM_MARKS),
 )
 OTHER = "element-wise and other"
 
