@@ -47,3 +47,36 @@ def test_compiled_element_wise_chains_equal_the_eager_ones_values_and_gradients(
     for name, a, b in zip(names, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_a_node_that_cannot_build_the_kernels_gets_a_deck_error_naming_run_compile(tmp_path):
+    """run.compile on a node without a working C++ compiler (CXX=/bin/false, a fresh inductor cache
+    so that nothing built before is reused): the run ends with exit 2 and one line naming
+    run.compile, the kernel and the fix, not inductor's traceback from inside the first step."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    sets = ["model.arch=llama", "model.layers=2", "run.compile=true", "train.steps=1", "checkpoint.at_exit=false",
+            "run.resume=none", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", *(a for s in sets for a in ("--set", s))],
+                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    assert "gridlm: deck error: run.compile = True: torch.compile could not build" in out, out[-3000:]
+    assert "set run.compile: false" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_errors_of_the_computation_pass_through_the_guard():
+    """Only torch.compile's own failures become the deck error: an error of the computation (here a
+    shape mismatch) is raised as it was."""
+    from app.model.fused import _guarded
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.ones(3, 3)
+
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        _guarded(broken, "broken", True)(torch.ones(2, 2))

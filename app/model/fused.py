@@ -20,11 +20,13 @@ compare trainings within 1e-5.
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from app.errors import DeckError
 from app.model.gpt import rotary, swiglu
 from app.tensor_parallel.layers import rms_norm
 
@@ -42,7 +44,36 @@ class Kernels:
         return cls(rms_norm, rotary, swiglu)
 
     @classmethod
-    def compiled(cls) -> Kernels:
+    def compiled(cls, setting: object = True) -> Kernels:
         """Each function under torch.compile (inductor, static shapes, no graph breaks allowed:
-        a function that cannot compile whole fails at its first call, not silently)."""
-        return cls(*(torch.compile(f, dynamic=False, fullgraph=True) for f in (rms_norm, rotary, swiglu)))
+        a function that cannot compile whole fails at its first call, not silently). A failure
+        to build a kernel (no working C++ compiler or Triton on the node) is a DeckError naming
+        run.compile (its `setting`) and the fix, not torch's traceback from inside the step."""
+        return cls(*(_guarded(torch.compile(f, dynamic=False, fullgraph=True), f.__name__, setting)
+                     for f in (rms_norm, rotary, swiglu)))  # fmt: skip
+
+
+def _compile_failure(err: BaseException) -> bool:
+    """An error of torch.compile's own machinery (dynamo, inductor, Triton, the C++ compiler it
+    runs), not of the computation (an out-of-memory error passes through)."""
+    return type(err).__module__.startswith(("torch._dynamo", "torch._inductor", "triton")) or isinstance(
+        err, subprocess.CalledProcessError
+    )
+
+
+def _guarded(fn: Callable[..., Any], name: str, setting: object) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            if not _compile_failure(err):
+                raise
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise DeckError(
+                "run.compile", setting,
+                f"torch.compile could not build {name} on this node ({type(err).__name__}: {first}); set "
+                "run.compile: false (the eager chains, slower on GPUs) or give the node a working C++ compiler "
+                "and Triton",
+            ) from err  # fmt: skip
+
+    return call
