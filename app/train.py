@@ -21,6 +21,7 @@ with a checkpoint (`app/checkpoint/`, docs/CHECKPOINT.md).
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -558,11 +559,11 @@ class Trainer:
     def _log_host_update(self) -> None:
         """optim.offload with AdamW: the host's update per step (after the timing warm-up), which the
         optimizer timer shows only where the step waits for it (optim.offload_delay)."""
-        times = sorted(list(self.optimizer.host_update_s)[self.deck.run.timing_warmup :])
+        times = list(self.optimizer.host_update_s)[self.deck.run.timing_warmup :]
         if times:
             delay = self.deck.optim.offload_delay
             self.runtime.log(
-                f"gridlm: offloaded update on the host: {times[len(times) // 2] * 1e3:.1f} ms a step (median of "
+                f"gridlm: offloaded update on the host: {statistics.median(times) * 1e3:.1f} ms a step (median of "
                 f"{len(times)}; {'beside the next step' if delay else 'after the backward'}, "
                 f"{torch.get_num_threads()} threads)"
             )

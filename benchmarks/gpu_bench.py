@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -176,6 +177,20 @@ def keep_log(where: Path, stdout, stderr) -> None:
         f.write(text[0] + text[1])
 
 
+def run_case(cmd: list[str], where: Path, timeout: float, env: Optional[dict] = None):
+    """Run one case's process, its output kept in `where`: (the finished process, None), or (None,
+    the row's error) when it timed out or failed."""
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        keep_log(where, e.stdout, e.stderr)
+        return None, {"error": f"timed out after {timeout:.0f} s"}
+    keep_log(where, proc.stdout, proc.stderr)
+    if proc.returncode != 0:
+        return None, {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}"}
+    return proc, None
+
+
 def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path, timeout: float) -> dict:
     run_dir = out / case / deck_name
     cmd = [sys.executable, "-m", "app", str(REPO / "inputs" / "gpu" / f"{deck_name}.yaml")]
@@ -184,14 +199,9 @@ def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path
     # not a rank of this process's launcher, but keep the site's MCA settings (OMPI_MCA_*)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_", "PMI_")) or k.startswith("OMPI_MCA_")}  # fmt: skip
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired as e:
-        keep_log(run_dir, e.stdout, e.stderr)
-        return {"error": f"timed out after {timeout:.0f} s"}
-    keep_log(run_dir, proc.stdout, proc.stderr)
-    if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}"}
+    proc, error = run_case(cmd, run_dir, timeout, env)
+    if proc is None:
+        return error
     summary = json.loads((run_dir / "summary.json").read_text())
     timers = summary.get("timers") or {}
     host = re.search(r"gridlm: offloaded update on the host: ([\d.]+) ms a step", proc.stdout)  # offloaded cases
@@ -219,14 +229,9 @@ def measure(case: str, deck_name: str, args: argparse.Namespace, sets: list[str]
         return run_gridlm(case, deck_name, [*sets, *GRIDLM[case]], args.steps, args.out, args.timeout)
     cmd = [sys.executable, __file__, "--case", case, "--deck", deck_name, "--device", args.device,
            "--steps", str(args.steps), *(a for s in sets for a in ("--set", s))]  # fmt: skip
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout, check=False)
-    except subprocess.TimeoutExpired as e:
-        keep_log(args.out / case / deck_name, e.stdout, e.stderr)
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    keep_log(args.out / case / deck_name, proc.stdout, proc.stderr)
-    if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}"}
+    proc, error = run_case(cmd, args.out / case / deck_name, args.timeout)
+    if proc is None:
+        return error
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
