@@ -193,6 +193,7 @@ def test_silent_rank_is_named_by_its_heartbeat_and_a_beating_one_is_not():
     # In a job only the watchdog's own thread uses its store client (TCPStore clients are not
     # thread-safe); stop that thread so that this test's calls are the client's only user.
     dog.stop()
+    assert not dog._thread.is_alive(), "the watchdog thread outlived stop(): it would share the store client"
     store.set(
         HEARTBEAT_KEY.format(1), json.dumps({"seq": 1, "step": 4, "micro": 0, "op": "wait for irecv", "axis": "pp"})
     )
@@ -200,19 +201,29 @@ def test_silent_rank_is_named_by_its_heartbeat_and_a_beating_one_is_not():
     assert "last seen at step 4, micro-batch 0 in wait for irecv" in dog._suspects("pp", wait_heartbeats=True)
 
     stop = threading.Event()
+    beats = [1]
 
     def beat() -> None:  # rank 1 alive: its counter moves
-        seq = 1
         while not stop.wait(0.05):
-            seq += 1
+            beats[0] += 1
             store.set(
-                HEARTBEAT_KEY.format(1), json.dumps({"seq": seq, "step": 4, "micro": 0, "op": None, "axis": None})
+                HEARTBEAT_KEY.format(1),
+                json.dumps({"seq": beats[0], "step": 4, "micro": 0, "op": None, "axis": None}),
             )
 
     beating = threading.Thread(target=beat)
     beating.start()
     try:
-        assert dog._suspects("pp", wait_heartbeats=True) == ""
+        # A loaded machine can starve the beating thread for the whole look (1.5 intervals): then
+        # rank 1 truly did not beat and naming it is right. Look again (at most 3 times) until the
+        # beater ran through a look, and only then ask that rank 1 is not named.
+        for _ in range(3):
+            before = beats[0]
+            found = dog._suspects("pp", wait_heartbeats=True)
+            if beats[0] - before >= 3:
+                break
+        assert beats[0] - before >= 3, "the beating thread never ran through a look: the machine is overloaded"
+        assert found == ""
     finally:
         stop.set()
         beating.join()
