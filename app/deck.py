@@ -277,6 +277,12 @@ class TrainConfig:
         "fp32", "dtype gradients are accumulated and reduced in: fp32, or compute (= train.precision)",
         choices=("fp32", "compute"),
     )  # fmt: skip
+    fuse_grad_accumulation: Optional[bool] = _key(
+        None, "the weight-gradient GEMM of each block Linear and of an untied head adds straight into the "
+        "gradient accumulator (Megatron's gradient accumulation fusion: no weight gradient of its own, no pass "
+        "adding it; not under 3D tensor parallelism); null = on GPU ranks, off on CPU ranks (where plain autograd's "
+        "results stay bitwise)",
+    )  # fmt: skip
     loss_scale: float = _key(65536.0, "fp16: initial dynamic loss scale", min=1.0, max=MAX_LOSS_SCALE)
     loss_scale_window: int = _key(
         1000, "fp16: double the loss scale after this many steps without overflow", min=1, max=MAX_STEPS
@@ -312,6 +318,11 @@ class TrainConfig:
         "mod 1,000,003, looked up in their seeded table); splitmix, gridlm's earlier rule (a SplitMix64 chain "
         "over the h targets before it)", choices=("hash-table", "splitmix"),
     )  # fmt: skip
+
+    def fuses_grad_accumulation(self, gpu: bool) -> bool:
+        """Whether the weight-gradient GEMMs add into the accumulators on ranks whose device is a GPU
+        (`gpu`) or a CPU: train.fuse_grad_accumulation, or where it is null, on GPUs only."""
+        return gpu if self.fuse_grad_accumulation is None else self.fuse_grad_accumulation
 
 
 @dataclass(frozen=True)

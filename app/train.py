@@ -196,6 +196,7 @@ class Trainer:
             seed=tr.seed,
             device=self.device,
             ep=par.ep,
+            fuse_wgrad=tr.fuses_grad_accumulation(self.device.type == "cuda"),
         )
         self.dp.prefetch_hooks(self.model.first_uses())
         if isinstance(self.tp, Tensor3D):  # ORS: the deferred weight gradients go where autograd's go

@@ -85,6 +85,14 @@ def test_the_built_model_holds_exactly_the_listed_parameters_on_1d_tp(arch, tie,
         for rank in range(tp):
             tpp = TensorParallel(tp, rank, sequence_parallel=sp)
             assert built(deck, tpp, layers, first, last) == listed(deck, tp, rank, None, sp, layers, first, last)
+        # The weights whose gradient GEMM may add into the accumulator (train.fuse_grad_accumulation):
+        # the builder's marks are the list's `linear` (the performance model counts them from it).
+        model = GPT(
+            deck.model, 1, torch.device("meta"), TensorParallel(tp, 0, sequence_parallel=sp), layers, first, last
+        )
+        marked = [n for n, p in model.named_parameters() if getattr(p, "wgrad_fusable", False)]
+        assert marked == [p.name for p in deck.model.spec.stage_params(deck.model, layers, first, last) if p.linear]
+        assert marked and all(n.endswith(".weight") or n == "head" for n in marked)
     # The ZeRO-3 gather units too: the first of `GPT.param_units` to hold each parameter (a tied
     # embedding on a one-stage model is in "embed" and again in "head").
     model = GPT(deck.model, 1, torch.device("meta"))

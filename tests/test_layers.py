@@ -117,6 +117,61 @@ def test_column_then_row_parallel_linear_equals_the_dense_mlp(runtime, tp, seque
 
 
 @pytest.mark.mpi
+def test_fused_weight_gradients_go_into_the_accumulators_and_equal_autograd_s(runtime, tp, grids, monkeypatch):
+    """Gradient accumulation fusion (train.fuse_grad_accumulation): a column- and a row-parallel
+    Linear (bias on; tp = the group's size, the `_Linear` path at tp 1) under DataParallel, 2 steps of
+    2 micro-batches, the gradient buffer filled with NaN before each step. With fusion each weight's
+    gradient GEMM writes (first micro-batch) or adds (second) into its accumulator — 2 weights x 2
+    micro-batches x 2 steps calls, autograd's placeholder never reaching the buffer — and every
+    accumulator equals the unfused run's (autograd's gradient, then the hook's copy and add). fp32:
+    an addmm into the accumulator rounds once where mm-then-add rounds twice, ~1e-7 relative on
+    values of order 1-10: rtol 1e-6 (a lost or doubled micro-batch is off by 50-100%)."""
+    from app.parallel.data import DataParallel
+
+    grid = grids.grid(tp.size, 1, 1)
+    calls = []
+    wgrad_into = DataParallel.wgrad_into
+
+    def counted(self, p, grad_t, inputs):
+        calls.append(id(p))
+        return wgrad_into(self, p, grad_t, inputs)
+
+    monkeypatch.setattr(DataParallel, "wgrad_into", counted)
+    cpu = torch.device("cpu")
+
+    def run(fuse: bool) -> list[dict[str, torch.Tensor]]:
+        model = torch.nn.Module()
+        model.fc, model.proj = (
+            ColumnParallelLinear(6, 4 * tp.size, 0.5, tp, cpu),
+            RowParallelLinear(4 * tp.size, 6, 0.5, tp, cpu),
+        )
+        for name, p in model.named_parameters():
+            p.data = counter_normal(7, name, dataclasses.replace(p.meta, std=0.5), tuple(p.shape), cpu)
+        dp = DataParallel(model, grid, bucket_mb=0.00005, fuse_wgrad=fuse)
+        assert dp.fused_wgrads == (2 if fuse else 0) and not dp.mixed_gemm
+        out = []
+        for step in range(2):
+            dp.grad_buffer.fill_(float("nan"))
+            dp.start_step(2)
+            for micro in range(2):
+                x = _same_on_every_rank((2, 3, 6), seed=20 + 2 * step + micro)
+                model.proj(torch.tanh(model.fc(x))).pow(2).sum().backward()
+                assert all(p.grad is None for p in model.parameters())  # the hooks took every gradient
+            dp.finish_grad_reduce()
+            out.append({name: p.main_grad.clone() for name, p in model.named_parameters()})
+        return out
+
+    unfused = run(False)
+    assert calls == []
+    fused = run(True)
+    assert len(calls) == 8
+    for step, (want, got) in enumerate(zip(unfused, fused)):
+        for name in want:
+            assert torch.isfinite(got[name]).all(), (step, name)
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=f"step {step} {name}")
+
+
+@pytest.mark.mpi
 def test_vocab_parallel_embedding_equals_the_full_lookup(runtime, tp):
     cpu = torch.device("cpu")
     emb = VocabParallelEmbedding(4 * tp.size, 3, 1.0, tp, cpu)

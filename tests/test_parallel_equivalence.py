@@ -234,6 +234,20 @@ CASES += [
     Case(2, 1, 2, extra=(*LLAMA, "run.compile=true", "train.recompute=full", "optim.zero=3"), quick=True),
 ]
 
+# Gradient accumulation fusion (train.fuse_grad_accumulation; null = GPUs only): each block Linear's
+# and an untied head's weight-gradient GEMM writes or adds into its accumulator (4 micro-batches a
+# step here), against the unfused 1-rank run: tp's column- and row-parallel Linears with SP and pp;
+# the plain Linear path (tp 1) with ZeRO-2's bucket buffers; llama's head with ZeRO-1; ZeRO-3 with
+# recomputation and bf16 (no mixed-dtype GEMM on CPU: the hook's rounding there). An addmm rounds
+# once where mm-then-add rounds twice: a summation-order change, inside the fp32 tolerances.
+FUSE = "train.fuse_grad_accumulation=true"
+CASES += [
+    Case(2, 2, 2, sp=True, extra=(FUSE, "model.tie_embeddings=false"), quick=True),
+    Case(1, 1, 2, extra=(FUSE, "optim.zero=2"), quick=True),
+    Case(2, 1, 2, extra=(*LLAMA, FUSE, "optim.zero=1")),
+    Case(1, 2, 2, virtual=2, extra=(FUSE, "optim.zero=3", "train.recompute=full", "train.precision=bf16"), **BF16),
+]
+
 # Mixture of experts (app/model/moe.py) with a shared expert: the experts whole on every tp rank (under
 # SP each routes its sequence shard), under pp and dp with ZeRO-1; with a capacity factor of 1 (some assignments
 # dropped), the same ones on every grid.
@@ -334,6 +348,10 @@ def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path
             deck.parallel.tensor_order,
         ):
             problems.append(f"trained on tp {trainer.tp}, not the 3D grid {case.tensor} {deck.parallel.tensor_order}")
+        if (FUSE in case.extra) != (trainer.dp.fused_wgrads > 0):  # the fused path is the one under test
+            problems.append(
+                f"{trainer.dp.fused_wgrads} weights fuse their gradients with {FUSE!r} {FUSE in case.extra}"
+            )
         losses = train_steps(trainer, STEPS)
         with trainer.dp.gathered():  # ZeRO-3 keeps only shards: the whole parameters for the checks
             found, worst = shard_errors(trainer.model, ref_params, case.param_atol, runtime.rank, case.param_mean_atol)

@@ -1085,7 +1085,8 @@ def test_the_dry_run_predicts_the_h100_forward_and_backward_of_the_gpt_decks_wit
     machine = load_machine("dgx_h100")
     errors = {}
     for name, measured in H100_FORWARD_BACKWARD_MS.items():  # measured eager (before run.compile)
-        p = predict(resolve_for_world(load_deck(REPO / f"inputs/gpu/{name}.yaml", ("run.compile=false",)), 1), machine)
+        deck = load_deck(REPO / f"inputs/gpu/{name}.yaml", ("run.compile=false", "train.fuse_grad_accumulation=false"))
+        p = predict(resolve_for_world(deck, 1), machine)
         b = p.breakdown
         predicted = (p.step_time_s - b["grad_norm"] - b["optimizer"] - b["step_collectives"]) * 1e3
         errors[name] = predicted / measured - 1
@@ -1114,8 +1115,9 @@ def test_the_dry_run_predicts_the_h200_step_of_the_gpu_decks(capsys):
     errors = {}
     for key, measured in H200_FORWARD_BACKWARD_MS.items():
         name, *compiled = key.split()
-        deck = resolve_for_world(load_deck(REPO / f"inputs/gpu/{name}.yaml", (f"run.compile={bool(compiled)}",)), 1)
-        p = predict(deck, machine)
+        # measured before train.fuse_grad_accumulation existed: predicted without it
+        sets = (f"run.compile={bool(compiled)}", "train.fuse_grad_accumulation=false")
+        p = predict(resolve_for_world(load_deck(REPO / f"inputs/gpu/{name}.yaml", sets), 1), machine)
         b = p.breakdown
         predicted = (p.step_time_s - b["grad_norm"] - b["optimizer"] - b["step_collectives"]) * 1e3
         errors[key] = predicted / measured - 1
@@ -1128,6 +1130,38 @@ def test_the_dry_run_predicts_the_h200_step_of_the_gpu_decks(capsys):
             print(f"\n{line}")
     held = {k: e for k, e in errors.items() if k != "llama_0.84b"}
     assert all(abs(e) <= (0.25 if k.endswith("optimizer") else 0.15) for k, e in held.items()), errors
+
+
+def test_gradient_accumulation_fusion_saves_the_gradient_s_round_trip_on_gpus_only():
+    """train.fuse_grad_accumulation: each Linear weight's gradient GEMM writes its fp32 accumulator
+    instead of a bf16 gradient that a pass then reads and adds: 2e = 4 bytes fewer an element and
+    micro-batch, over the Linear weights (`ParamSpec.linear`: the blocks', not the tied embedding). On
+    the H200 2.7B deck (4 micro-batches) the grad_accumulation term drops by exactly those bytes at
+    the machine's HBM rate; null means on for a GPU machine and off for CPU ranks, where the
+    prediction is unchanged unless the deck asks for it."""
+    from app.plan.device import device_of
+    from app.plan.estimate import linear_weight_params
+
+    gpu = load_machine("h200_1gpu")
+    # The same constants as CPU ranks (gloo), with the card's bf16 peak given as theirs.
+    cpu = dataclasses.replace(gpu, device_name="cpu", peak_tflops={"bf16": gpu.peak("bf16")})
+
+    def term(path: str, machine, value: str) -> tuple[float, object]:
+        deck = resolve_for_world(load_deck(REPO / path, (f"train.fuse_grad_accumulation={value}",)), 1)
+        return predict(deck, machine).breakdown["grad_accumulation"], deck
+
+    off, deck = term("inputs/gpu/gpt_2.7b.yaml", gpu, "false")
+    on, _ = term("inputs/gpu/gpt_2.7b.yaml", gpu, "true")
+    default, _ = term("inputs/gpu/gpt_2.7b.yaml", gpu, "null")
+    m = deck.model
+    linear = linear_weight_params(m, 1, m.layers, True, True)
+    assert linear == 4 * m.hidden * m.hidden * m.layers + 2 * m.hidden * m.ffn * m.layers  # qkv, proj, fc, proj
+    saved = deck.num_micro_batches * linear * 2 * 2 / device_of(gpu, "bf16").hbm_bytes_s  # bf16: e = 2
+    assert off - on == pytest.approx(saved, rel=1e-9) and default == on
+    cpu_off, _ = term("inputs/gpu/gpt_2.7b.yaml", cpu, "false")
+    cpu_default, _ = term("inputs/gpu/gpt_2.7b.yaml", cpu, "null")
+    cpu_on, _ = term("inputs/gpu/gpt_2.7b.yaml", cpu, "true")
+    assert cpu_default == cpu_off and cpu_on < cpu_off
 
 
 def test_llama_s_eager_element_wise_chains_are_charged_and_compile_fuses_them():

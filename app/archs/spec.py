@@ -73,7 +73,10 @@ class ParamSpec:
     (`app.sharding.layout.ParamMeta.sequence_parallel`). `split3d`: its cuts under 3D tensor
     parallelism (`box3d`). `unit`: the ZeRO-3 gather unit (embed, blocks.<i>, head). `tied`: the last
     stage's copy of a tied embedding. `expert`: a mixture of experts' stacked experts (E, ...), split
-    along dim 0 over expert parallelism (`parallel.ep`, `app.model.moe.ExpertParallel`)."""
+    along dim 0 over expert parallelism (`parallel.ep`, `app.model.moe.ExpertParallel`). `linear`: the
+    weight of a Linear that is its only user (a block's, an untied head), so that its gradient GEMM can
+    add straight into its accumulator (train.fuse_grad_accumulation; the built parameter's
+    `wgrad_fusable` under 1D tensor parallelism)."""
 
     name: str
     shape: tuple[int, ...]
@@ -86,6 +89,7 @@ class ParamSpec:
     unit: str = ""
     tied: bool = False
     expert: bool = False
+    linear: bool = False
 
     @property
     def numel(self) -> int:
@@ -193,7 +197,7 @@ class Arch:
         """A Linear's weight (out, in) and bias: column-parallel (rows split over tp; 3D's A layout)
         or row-parallel (columns split; 3D's B layout, its bias whole over tp)."""
         out = [ParamSpec(f"{name}.weight", (n_out, n_in), std=std, split=0 if column else 1,
-                         split3d=A_SPLITS if column else B_SPLITS, unit=unit)]  # fmt: skip
+                         split3d=A_SPLITS if column else B_SPLITS, unit=unit, linear=True)]  # fmt: skip
         if self.bias:
             if column:
                 bias = ParamSpec(f"{name}.bias", (n_out,), "zeros", decay=False, split=0, split3d=(("tp_y", 0),),
@@ -257,15 +261,15 @@ class Arch:
         modules' (the embedding, or the last stage's copy of a tied one), [the blocks], the final norm."""
         h, v, std = m.hidden, m.vocab_size, m.init_std
 
-        def table(name: str, unit: str, tied: bool = False) -> ParamSpec:  # vocab-parallel; 3D: the A layout
-            return ParamSpec(name, (v, h), std=std, split=0, split3d=A_SPLITS, unit=unit, tied=tied)
+        def table(name: str, unit: str, tied: bool = False, linear: bool = False) -> ParamSpec:  # vocab-parallel
+            return ParamSpec(name, (v, h), std=std, split=0, split3d=A_SPLITS, unit=unit, tied=tied, linear=linear)
 
         before = []
         if first and self.learned_positions:  # the hidden split over X under 3D, like the residual stream
             before.append(ParamSpec("wpe", (m.seq_len, h), std=std, seq_sharded=True, split3d=(("tp_x", 1),),
                                     unit="embed"))  # fmt: skip
         if last and not m.tie_embeddings:
-            before.append(table("head", "head"))
+            before.append(table("head", "head", linear=True))  # the head's Linear is its only user
         if first or (last and m.tie_embeddings):
             before.append(table("wte.weight", "embed" if first else "head", tied=not first))
         return before, self.norm_params("ln_f", h, "head") if last else []

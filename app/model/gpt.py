@@ -434,6 +434,7 @@ class GPT(nn.Module):
                     self.head = param3d(head, tp, weight_splits(False), device)
                 else:
                     self.head = tp_param(head, tp, 0, device)
+                    self.head.wgrad_fusable = True  # the head's Linear is its only user
         if device is None or torch.device(device).type != "meta":
             init_parameters(self, seed)
         self.gate: Optional[ParamGate] = None

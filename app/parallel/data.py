@@ -130,6 +130,20 @@ class GradSink(Protocol):
         """Every reduction and sum of the step is done."""
 
 
+def mixed_gemm_works(device: torch.device, inputs: torch.dtype, out: torch.dtype) -> bool:
+    """Whether this device multiplies `inputs` matrices into an `out` matrix and adds into one in a
+    single GEMM (`torch.mm`/`addmm` with out_dtype: CUDA only, torch >= 2.8)."""
+    if device.type != "cuda" or inputs == out:
+        return False
+    try:
+        a, c = torch.ones(16, 16, dtype=inputs, device=device), torch.ones(16, 16, dtype=out, device=device)
+        torch.mm(a, a, out_dtype=out, out=c)
+        torch.addmm(c, a, a, out_dtype=out, out=c)
+        return bool(c[0, 0].item() == 32.0)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
 class DataParallel:
     """Flat buffers, bucketed dp reductions and the (sharded) fp32 master weights of one rank.
 
@@ -156,6 +170,7 @@ class DataParallel:
         seed: Optional[int] = None,
         device: Optional[torch.device] = None,
         ep: int = 1,
+        fuse_wgrad: bool = False,
     ) -> None:
         self.timers = timers
         # The replicas of these parameters: dp, times cp under context parallelism (its ranks hold
@@ -264,6 +279,16 @@ class DataParallel:
             if self.grad_buffer is not None:
                 p.main_grad = self.grad_buffer[off : off + p.numel()].view(p.shape)  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(self._on_grad)
+            if fuse_wgrad and getattr(p, "wgrad_fusable", False) and p is not self.tied_param:
+                p.wgrad_into = self.wgrad_into  # type: ignore[attr-defined]  # the Linear's backward calls it
+            elif hasattr(p, "wgrad_into"):  # an earlier DataParallel's, over the same model
+                del p.wgrad_into
+        # Parameters whose gradient of this backward a GEMM already added into the accumulator
+        # (`wgrad_into`): their hook only counts it.
+        self.in_main: set[int] = set()
+        self.fused_wgrads = sum(hasattr(p, "wgrad_into") for p in self.params)
+        # A GPU GEMM of compute-dtype inputs that writes the fp32 accumulator (torch >= 2.8 on CUDA).
+        self.mixed_gemm = bool(self.fused_wgrads) and mixed_gemm_works(device, compute_dtype, reduce_dtype)
         self.micro_batches, self.reduced = 1, False
         self.sink: Optional[GradSink] = None  # `attach_sink`
         self.late: list[bool] = []
@@ -358,10 +383,38 @@ class DataParallel:
         if self.sink is not None:
             self.sink.begin()
         self.fresh = [True] * len(self.params)  # each accumulator's first gradient is copied in
+        self.in_main.clear()  # (left over only by a backward that raised)
         for f in self.flight:
             f.ready, f.launched, f.count = 0, False, 0
             if self.shard_grads:
                 f.grad_shard.zero_()  # type: ignore[union-attr]  # the micro-batches' reductions add into it
+
+    @torch.no_grad()
+    def wgrad_into(self, p: torch.Tensor, grad_t: torch.Tensor, inputs: torch.Tensor) -> None:
+        """Gradient accumulation fusion (train.fuse_grad_accumulation): p's weight gradient
+        grad_t @ inputs goes straight into its accumulator, by one GEMM that writes it (a step's first
+        gradient, `fresh`) or adds into it; the placeholder autograd then hands the hook is not read.
+        A GPU GEMM of bf16/fp16 inputs writes and adds in the fp32 accumulator's own dtype."""
+        k = self.bucket_of[id(p)]
+        if self.shard_grads:
+            if self.flight[k].full is None:
+                self._open(k)
+            fresh = False  # ZeRO-2/3's bucket buffers start zeroed
+        else:
+            i = self.index_of[id(p)]
+            fresh, self.fresh[i] = self.fresh[i], False
+        main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
+        if grad_t.dtype == main.dtype:
+            torch.mm(grad_t, inputs, out=main) if fresh else main.addmm_(grad_t, inputs)
+        elif self.mixed_gemm:
+            if fresh:
+                torch.mm(grad_t, inputs, out_dtype=main.dtype, out=main)
+            else:
+                torch.addmm(main, grad_t, inputs, out_dtype=main.dtype, out=main)
+        else:  # no mixed-dtype GEMM (CPU): the same rounding as the hook's add, no fusion
+            product = grad_t.mm(inputs)
+            main.copy_(product) if fresh else main.add_(product)
+        self.in_main.add(id(p))
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -376,10 +429,14 @@ class DataParallel:
         launch the bucket's reduction once it has all of them."""
         k = self.bucket_of[id(p)]
         flight = self.flight[k]
+        added = id(p) in self.in_main  # by the weight-gradient GEMM (`wgrad_into`): `grad` is a placeholder
+        if added:
+            self.in_main.discard(id(p))
         if self.shard_grads:
             if flight.full is None:
                 self._open(k)
-            p.main_grad.add_(grad)  # type: ignore[attr-defined]
+            if not added:
+                p.main_grad.add_(grad)  # type: ignore[attr-defined]
             flight.count += 1
             if flight.count == len(self.buckets[k].params):
                 self._reduce_partial(k)
@@ -387,7 +444,9 @@ class DataParallel:
                     self._free(k)  # no later node of this backward reads its parameters
             return
         i = self.index_of[id(p)]
-        if self.fresh[i]:
+        if added:
+            pass
+        elif self.fresh[i]:
             p.main_grad.copy_(grad)  # type: ignore[attr-defined]
             self.fresh[i] = False
         else:

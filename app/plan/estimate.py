@@ -203,6 +203,15 @@ def stage_params(
     return ends + layers * (block_params(m, tp, tensor, ep) if block is None else block)
 
 
+def linear_weight_params(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
+    """Elements of the Linear weights one tp rank of a pipeline stage holds under 1D tensor
+    parallelism (`ParamSpec.linear`: the blocks' and an untied head's), whose gradient GEMMs add
+    straight into their accumulators under train.fuse_grad_accumulation."""
+    before, after = m.spec.end_params(m, first, last)
+    ends = sum(_local_numel(p, tp, None) for p in (*before, *after) if p.linear)
+    return ends + layers * sum(_local_numel(p, tp, None) for p in m.spec.block_params(m) if p.linear)
+
+
 @dataclass(frozen=True)
 class LayoutSizes:
     """What the memory estimate reads off a stage's layout (`stage_sizes`), in elements."""

@@ -57,7 +57,7 @@ from app.metrics.flops import step_flops
 from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule
 from app.plan.device import Device, device_of
-from app.plan.estimate import block_expert_params, block_params, stage_params, unit_buckets
+from app.plan.estimate import block_expert_params, block_params, linear_weight_params, stage_params, unit_buckets
 from app.plan.machine import LinkLevel, Machine, load_machine
 from app.plan.optimizer_time import (
     OffloadRates,
@@ -1379,7 +1379,16 @@ def predict(
     # step's first gradient is copied in (`DataParallel.fresh`: the buffer written, not read), so a
     # micro-batch moves g / micro fewer bytes on average. ZeRO-2/3's per-bucket buffers start zeroed.
     first = 0.0 if opt.zero >= 2 and dp > 1 else g / micro
-    accumulate = [dev.stream(p * (e + 2 * g - first)) + dev.from_memory(p * (2 * g - first)) for p in params]
+    # train.fuse_grad_accumulation (1D; on GPUs by default): a Linear weight's gradient GEMM writes the
+    # accumulator itself (g bytes instead of its own e) and reads it back after the first micro-batch;
+    # no gradient of e bytes is read again, no pass of its own (charged as passes, not hidden in the GEMM).
+    fused = [0] * pp
+    if shape is None and tr.fuses_grad_accumulation(not uses_gloo(machine)):
+        fused = [linear_weight_params(m, tp, stage_layers[s], s == 0, s == pp - 1) for s in range(pp)]
+    accumulate = [
+        dev.stream((p - f) * (e + 2 * g - first) + f * (2 * g - e - first)) + dev.from_memory(p * (2 * g - first))
+        for p, f in zip(params, fused)
+    ]
     per_stage_chunks = {c: c % pp for c in range(pp * v)}
     fwd = [p.total for p in fwd_parts]
     bwd = [p.total + accumulate[per_stage_chunks[c]] / v for c, p in enumerate(bwd_parts)]

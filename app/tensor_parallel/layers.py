@@ -10,6 +10,9 @@ values as that slice of the 1-rank model.
                            backward collective overlapped with the weight gradient
     RowParallelLinear      W split by columns (out, in/tp): input split, output partial
                            sums -> all-reduce (or reduce-scatter along the sequence, SP)
+    weight_grad / linear   gradient accumulation fusion (train.fuse_grad_accumulation): a
+                           weight that DataParallel gave `wgrad_into` has its gradient GEMM
+                           add straight into its accumulator; autograd gets a placeholder
     VocabParallelEmbedding rows of the (vocab, hidden) table split over tp
     vocab_parallel_cross_entropy  loss from vocab-split logits; never gathers them
 
@@ -82,6 +85,44 @@ class RMSNorm(nn.Module):
         return self.kernel(x, self.weight, self.eps)
 
 
+def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """dW = grad_out^T inputs (both 2-D: tokens x features). Where the weight's gradient accumulator
+    takes it straight (`weight.wgrad_into`, set by DataParallel under train.fuse_grad_accumulation),
+    the GEMM writes or adds into the accumulator and autograd gets an unfilled placeholder: the
+    parameter's gradient hook still runs (on this thread, in order) and only counts it."""
+    into = getattr(weight, "wgrad_into", None)
+    if into is None:
+        return grad_out.t().matmul(inputs).to(weight.dtype)
+    into(weight, grad_out.t(), inputs)
+    return torch.empty_like(weight)  # never read: the hook sees that `wgrad_into` took the gradient
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear(x, W, b) whose weight gradient goes through `weight_grad` (a fused weight's only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_out.matmul(weight) if need_x else None
+        grad_w = weight_grad(weight, flat_grad, x.reshape(-1, x.shape[-1])) if need_w else None
+        grad_b = flat_grad.sum(dim=0) if need_b else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, or, for a weight whose gradient is fused into its accumulator, `_Linear`."""
+    if hasattr(weight, "wgrad_into") and torch.is_grad_enabled():
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     """y = F.linear(copy_to_tp(x), W, b) — gather_from_sequence(x) under SP — as one step,
     so that backward can overlap the input gradient's tp collective with the
@@ -121,7 +162,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         if need_w:
             flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
             flat_total = total.reshape(-1, total.shape[-1]).to(grad_out.dtype)
-            grad_w = flat_grad.t().matmul(flat_total).to(weight.dtype)
+            grad_w = weight_grad(weight, flat_grad, flat_total)
         if need_b:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(dim=0).to(ctx.bias_dtype)
         if handle is not None:
@@ -139,7 +180,7 @@ def column_parallel_linear(
     x: (B, S, in), or (B, S / tp, in) under SP (all-gathered here). Returns (B, S, out / tp).
     """
     if tp.size == 1:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _ColumnParallelLinear.apply(x, weight, bias, tp)
 
 
@@ -152,6 +193,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = tp_param(ParamMeta((n_out, n_in), std=std), tp, 0, device)
+        self.weight.wgrad_fusable = True  # used by this Linear only: its gradient may go to the accumulator
         self.bias = tp_param(ParamMeta((n_out,), init="zeros", decay=False), tp, 0, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,10 +209,11 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = tp_param(ParamMeta((n_out, n_in), std=std), tp, 1, device)
+        self.weight.wgrad_fusable = True  # used by this Linear only: its gradient may go to the accumulator
         self.bias = replicated_param(ParamMeta((n_out,), init="zeros", decay=False), tp, device, True) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = leave_tp_region(F.linear(x, self.weight), self.tp)
+        y = leave_tp_region(linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
 
