@@ -1,7 +1,8 @@
 """gridlm on one GPU against what a PyTorch user gets elsewhere: step time, TFLOP/s and MFU.
 
     python benchmarks/gpu_bench.py [--decks gpt_1.3b gpt_2.7b llama_0.84b] [--rounds 3] [--steps 10]
-        [--cases gridlm gridlm_eager gridlm_cudnn gridlm_offload gridlm_offload_delay hf hf_compile adamw] [--set key=value ...]
+        [--cases gridlm gridlm_unfused gridlm_eager gridlm_cudnn gridlm_offload gridlm_offload_delay hf hf_compile
+                 adamw] [--set key=value ...]
         [--out runs/gpu_bench] [--timeout 900]
     python benchmarks/gpu_bench.py --device cpu --tiny --rounds 1     (the whole flow on a CPU, tiny shapes)
 
@@ -10,8 +11,10 @@ drifting machine moves them alike), each case runs in its own process with its o
 
 - `gridlm`: `python -m app DECK` for --steps steps; its summary.json gives the step (mean after the
   warm-up), TFLOP/s, MFU and the forward / backward / optimizer times of rank 0 (the deck's
-  defaults: on a GPU llama's element-wise chains compiled, app/model/fused.py); `gridlm_eager`
-  the same with run.compile=false; `gridlm_cudnn` with model.attention_kernel=cudnn (cuDNN's fused
+  defaults: on a GPU llama's element-wise chains compiled, app/model/fused.py, and the weight
+  gradients' accumulation fused into their GEMMs); `gridlm_unfused` the same with
+  train.fuse_grad_accumulation=false (GPUs only: the CPU default); `gridlm_eager` the same with
+  run.compile=false; `gridlm_cudnn` with model.attention_kernel=cudnn (cuDNN's fused
   attention instead of the one torch picks; GPUs only, left out with --device cpu);
   `gridlm_offload` with optim.offload=host (the optimizer on the CPU, issue 41's exact offload)
   and `gridlm_offload_delay` with the delayed update too (optim.offload_delay=1), their JSON with
@@ -27,7 +30,9 @@ drifting machine moves them alike), each case runs in its own process with its o
 TFLOP/s and MFU of every case use gridlm's model-FLOP count of the deck (app.metrics.flops, the
 Megatron convention) and the device's peak (app.metrics.peaks), so the columns compare. Each case
 prints one JSON line (also appended to OUT/results.jsonl), and the end a table of the medians
-over the rounds with the device's name, and gridlm's dry-run prediction on dgx_h100 beside it.
+over the rounds with the device's name, gridlm's dry-run prediction on dgx_h100 beside it, and
+gridlm's final loss (cases of one deck that change no numerics agree; fused and unfused accumulation
+to bf16 noise).
 Without a CUDA device (and without --device cpu) it prints one line saying so and exits 2.
 A benchmark, not a test: it asserts nothing about time.
 """
@@ -49,12 +54,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DECKS = ["gpt_1.3b", "gpt_2.7b", "llama_0.84b"]
-CASES = ["gridlm", "gridlm_eager", "gridlm_cudnn", "gridlm_offload", "gridlm_offload_delay", "hf", "hf_compile",
-         "adamw"]  # fmt: skip
-GPU_ONLY = {"gridlm_cudnn"}  # left out with --device cpu (no such kernel there)
+CASES = ["gridlm", "gridlm_unfused", "gridlm_eager", "gridlm_cudnn", "gridlm_offload", "gridlm_offload_delay", "hf",
+         "hf_compile", "adamw"]  # fmt: skip
+# Left out with --device cpu: no such kernel there (cuDNN); the CPU default already (unfused).
+GPU_ONLY = {"gridlm_cudnn", "gridlm_unfused"}
 # gridlm's cases and the deck keys each adds.
 GRIDLM = {
     "gridlm": [],
+    "gridlm_unfused": ["train.fuse_grad_accumulation=false"],  # the gradients added by a pass of their own
     "gridlm_eager": ["run.compile=false"],
     "gridlm_cudnn": ["model.attention_kernel=cudnn"],
     "gridlm_offload": ["optim.offload=host"],
@@ -207,7 +214,8 @@ def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path
     host = re.search(r"gridlm: offloaded update on the host: ([\d.]+) ms a step", proc.stdout)  # offloaded cases
     return {"step_s": summary["step_time_s"], "parameters": summary["parameters"],
             "forward_s": timers.get("forward_s"), "backward_s": timers.get("backward_s"),
-            "optimizer_s": timers.get("optimizer_s"), "host_update_s": float(host[1]) / 1e3 if host else None}  # fmt: skip
+            "optimizer_s": timers.get("optimizer_s"), "host_update_s": float(host[1]) / 1e3 if host else None,
+            "final_loss": summary.get("final_loss")}  # fmt: skip
 
 
 def one_case(args: argparse.Namespace) -> int:
@@ -239,8 +247,9 @@ def table(rows: list[dict], device_name: str) -> str:
     keys = sorted({(r["deck"], r["case"]) for r in rows}, key=lambda k: (DECKS.index(k[0]) if k[0] in DECKS else 9,
                                                                            CASES.index(k[1])))  # fmt: skip
     lines = [f"device: {device_name}",
-             "| deck | case | step ms | TFLOP/s | MFU | forward / backward / optimizer ms | predicted ms (dgx_h100) |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| deck | case | step ms | TFLOP/s | MFU | forward / backward / optimizer ms | predicted ms (dgx_h100) "
+             "| final loss |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def med(got: list[dict], key: str):
         values = [r[key] for r in got if r.get(key) is not None]
@@ -250,15 +259,16 @@ def table(rows: list[dict], device_name: str) -> str:
         got = [r for r in rows if r["deck"] == deck and r["case"] == case and "error" not in r]
         if not got:
             errors = [r["error"] for r in rows if r["deck"] == deck and r["case"] == case]
-            lines.append(f"| {deck} | {case} | {errors[-1] if errors else 'no result'} | | | | |")
+            lines.append(f"| {deck} | {case} | {errors[-1] if errors else 'no result'} | | | | | |")
             continue
         step, tflops, mfu = med(got, "step_s"), med(got, "tflops"), med(got, "mfu")
         phases = [med(got, k) for k in ("forward_s", "backward_s", "optimizer_s")]
         phase = " / ".join(f"{p * 1e3:.1f}" for p in phases) if all(p is not None for p in phases) else ""
-        predicted = med(got, "predicted_s")
+        predicted, loss = med(got, "predicted_s"), med(got, "final_loss")  # the loss: same-deck cases agree
         lines.append(f"| {deck} | {case} | {step * 1e3:.1f} | {tflops:.1f} | "
                      f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {phase} | "
-                     f"{'' if predicted is None else f'{predicted * 1e3:.0f}'} |")  # fmt: skip
+                     f"{'' if predicted is None else f'{predicted * 1e3:.0f}'} | "
+                     f"{'' if loss is None else f'{loss:.4f}'} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -33,7 +33,9 @@ same tolerances hold.
 
 The same holds with the overlaps on or off, with ZeRO-1, -2 and -3, gradient accumulation 1 or 4,
 LAMB and recomputation (all exact rearrangements of the same fp32 arithmetic), and with the Goldfish
-loss mask (the same targets dropped on every grid; the weighted sum regroups like the mean).
+loss mask (the same targets dropped on every grid; the weighted sum regroups like the mean). Gradient
+accumulation fused into the weight-gradient GEMMs (an addmm into the accumulator, against the unfused
+1-rank run) measured at most 2.3e-7 relative on the loss and 5.2e-6 absolute on a parameter.
 
 Mixed precision (bf16, fp16 with loss scaling) is compared with the 1-rank run in the same
 precision (and gradient-reduction dtype). Rounding to 8 (bf16) or 11 (fp16) significant bits
