@@ -87,7 +87,10 @@ def named(key: Any) -> str:
 
 
 def shown(value: Any) -> str:
-    """repr(value), cut to MAX_SHOWN characters, so that a message stays one short line."""
+    """A value as the deck or machine file writes it: null, true and false as YAML spells them, the
+    rest as repr(value), cut to MAX_SHOWN characters, so that a message stays one short line."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
     try:
         text = repr(value)
     except ValueError:  # an int past Python's 4300-digit limit of int -> str

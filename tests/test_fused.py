@@ -66,7 +66,7 @@ def test_a_node_that_cannot_build_the_kernels_gets_a_deck_error_naming_run_compi
                           timeout=300, check=False)  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode == 2, out[-3000:]
-    assert "gridlm: deck error: run.compile = True: torch.compile could not build" in out, out[-3000:]
+    assert "gridlm: deck error: run.compile = true: torch.compile could not build" in out, out[-3000:]
     assert "set run.compile: false" in out and "Traceback" not in out, out[-3000:]
 
 

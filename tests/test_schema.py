@@ -158,6 +158,8 @@ def test_a_key_may_say_how_to_fix_a_value_of_the_wrong_type():
 def test_messages_stay_one_short_line_whatever_the_file_held():
     assert shown("x" * 1000) == repr("x" * 1000)[:200] + "..."
     assert shown(10**5000) == f"<an int of {(10**5000).bit_length():,} bits>"
+    # null, true and false as the YAML file spells them (not Python's None, True, False)
+    assert (shown(None), shown(True), shown(False), shown(0), shown("null")) == ("null", "true", "false", "0", "'null'")
     assert len(str(problem({"name": "a", "k" * 10_000: "v" * 10_000}))) < 1000
     bad = problem({"name": "a", "n\x00" * 80: 1})
     assert "\x00" not in str(bad).split(":")[0] and len(str(bad).split(": ")[0]) < 200
