@@ -132,14 +132,14 @@ class GradSink(Protocol):
 
 def mixed_gemm_works(device: torch.device, inputs: torch.dtype, out: torch.dtype) -> bool:
     """Whether this device multiplies `inputs` matrices into an `out` matrix and adds into one in a
-    single GEMM (`torch.mm`/`addmm` with out_dtype: CUDA only, torch >= 2.8)."""
-    if device.type != "cuda" or inputs == out:
+    single GEMM (`torch.mm`/`addmm` with out_dtype: CUDA's, torch >= 2.8; not CPUs' in torch 2.13)."""
+    if inputs == out or device.type == "meta":
         return False
-    try:
-        a, c = torch.ones(16, 16, dtype=inputs, device=device), torch.ones(16, 16, dtype=out, device=device)
-        torch.mm(a, a, out_dtype=out, out=c)
-        torch.addmm(c, a, a, out_dtype=out, out=c)
-        return bool(c[0, 0].item() == 32.0)
+    try:  # as `wgrad_into` calls them: the gradient transposed (a view), the accumulator the output
+        a, c = torch.ones(16, 8, dtype=inputs, device=device), torch.ones(8, 8, dtype=out, device=device)
+        torch.mm(a.t(), a, out_dtype=out, out=c)
+        torch.addmm(c, a.t(), a, out_dtype=out, out=c)
+        return bool((c == 32.0).all().item())
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
