@@ -394,8 +394,9 @@ def write(
 
     def check_finite() -> None:
         """A NaN/Inf in any slice this rank would write: refused before anything is committed (with
-        MPI-IO before the disk is touched; with posix while the slices are written). The checksums
-        of the slices are made in the same pass (the C kernel; else a pass each)."""
+        MPI-IO before the disk is touched; with posix before the pwrites, rank 0's beside its
+        fsync). The checksums of the slices are made in the same pass (the C kernel; else a pass
+        each)."""
         for index, (group, name, shape) in enumerate(catalogue):
             if (group, name) in slices:
                 boxes, values = slices[(group, name)]
@@ -507,11 +508,14 @@ def write(
 
     def write_posix() -> None:
         """checkpoint.io posix: rank 0 makes the file and all its metadata with serial HDF5, every
-        dataset allocated, while every rank checks its slices for NaN/Inf and checksums them; each
-        rank then pwrites its slices at the offsets HDF5 gave them (`slabs.storage_of`); rank 0
-        writes the summed checksums, and every rank fsyncs. No MPI-IO, no collective HDF5 call:
-        the ranks meet at three agreements, the offsets' MPI_Bcast and the checksums'
-        MPI_Allreduce. (A thread making the checksums beside the writes measured slower here.)"""
+        dataset allocated, while the other ranks check their slices for NaN/Inf and checksum them;
+        each rank then pwrites its slices at the offsets HDF5 gave them (`slabs.storage_of`) and
+        fsyncs them, rank 0 checking and checksumming its own slices while its fsync waits on the
+        disk (the check is CPU, the sync I/O: rank 0's check leaves the critical path); rank 0 then
+        writes the summed checksums and `committed` in place and fsyncs those blocks. No MPI-IO, no
+        collective HDF5 call: the ranks meet at the offsets' MPI_Bcast and the checksums'
+        MPI_Allreduce. (A thread making the checksums beside the pwrites measured slower here: both
+        are CPU work.)"""
         from h5py import h5d
 
         def create() -> list[Storage]:
@@ -528,18 +532,20 @@ def write(
                 reserve(tmp, size)
             return storage
 
-        def create_and_check() -> Optional[list[Storage]]:
-            """Rank 0 makes the file while the others check their slices (then checks its own): a
-            NaN/Inf anywhere is a NonFiniteError, the stage fails everywhere and the file goes."""
-            storage = None
-            if rt.rank == 0:
-                stages.doing = "creating the file and its datasets (rank 0, serial HDF5)"
-                with phases.timed("creating the file and its datasets (rank 0, serial HDF5)"):
-                    storage = create()
+        def check() -> None:
             stages.doing = "checking the values and their checksums"
             with phases.timed("checking the values and their checksums"):
                 check_finite()
-            return storage
+
+        def create_or_check() -> Optional[list[Storage]]:
+            """Rank 0 makes the file while the others check their slices: a NaN/Inf anywhere is a
+            NonFiniteError, the stage fails everywhere and the file goes."""
+            if rt.rank != 0:
+                check()
+                return None
+            stages.doing = "creating the file and its datasets (rank 0, serial HDF5)"
+            with phases.timed("creating the file and its datasets (rank 0, serial HDF5)"):
+                return create()
 
         def write_data() -> None:
             fd = os.open(tmp, os.O_WRONLY)
@@ -553,35 +559,52 @@ def write(
             finally:
                 os.close(fd)
 
-        def flush() -> None:
-            """Rank 0 first writes the checksums and `committed` into the metadata (in place: the same
-            blocks; the data is in every reader's view already), then every rank's fsync puts data
-            and metadata on the disk: one sync, and the commit's fsync finds nothing left to write."""
-            if rt.rank == 0:
-                with phases.timed("writing the checksums (rank 0)"):
-                    f = open_serial(tmp, "r+")
-                    try:
-                        for (kind, name, _), value in zip(everything, sums):
-                            rewrite_checksum(h5d.open(f.id, f"{kind}/{name}".encode()), value)
-                        f.attrs.modify("committed", True)
-                    finally:
-                        _close(rt, f)
-            with phases.timed("fsync (the disk write)"):
+        def fsync(phase: str) -> None:
+            with phases.timed(phase):
                 fd = os.open(tmp, os.O_WRONLY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
 
+        def sync_and_check() -> None:
+            """Every rank's written slices to the disk; rank 0 checks its own meanwhile (a NaN/Inf
+            there fails the stage everywhere, after the sync, and the file goes)."""
+            if rt.rank != 0:
+                fsync("fsync (the disk write)")
+                return
+            with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-fsync") as pool:
+                synced = pool.submit(fsync, "fsync (the disk write)")
+                try:
+                    check()
+                finally:
+                    synced.result()  # its error, if any, once the check is done
+
+        def commit_sums() -> None:
+            """Rank 0 writes the checksums and `committed` into the metadata (in place: the same
+            blocks) and syncs those blocks; the data is on the disk already."""
+            if rt.rank != 0:
+                return
+            with phases.timed("writing the checksums (rank 0)"):
+                f = open_serial(tmp, "r+")
+                try:
+                    for (kind, name, _), value in zip(everything, sums):
+                        rewrite_checksum(h5d.open(f.id, f"{kind}/{name}".encode()), value)
+                    f.attrs.modify("committed", True)
+                finally:
+                    _close(rt, f)
+            fsync("fsync (the checksums, rank 0)")
+
         everything = [*catalogue, *(("rng", key, (rt.world_size, row.size)) for key, row in rows.items())]
         try:
-            storage = stages.run(None, "creating the file (rank 0), checking the values", create_and_check)
+            storage = stages.run(None, "creating the file (rank 0), checking the values", create_or_check)
             with rt.watchdog.blocking("MPI_Bcast (dataset offsets)", axis="world"):
                 storage = rt.comm.bcast(storage, root=0)
             stages.run(None, "writing the datasets", write_data)
+            stages.run(None, "flushing the datasets (fsync), checking the values (rank 0)", sync_and_check)
             with rt.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
                 rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-            stages.run(None, "writing the checksums and flushing the file (fsync)", flush)
+            stages.run(None, "writing the checksums (rank 0)", commit_sums)
         except Abandon as stop:
             abandon(rt, stop, None, tmp, needed, final, keep_blocks=False)
 
