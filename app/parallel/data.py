@@ -405,15 +405,19 @@ class DataParallel:
             fresh, self.fresh[i] = self.fresh[i], False
         main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
         if grad_t.dtype == main.dtype:
-            torch.mm(grad_t, inputs, out=main) if fresh else main.addmm_(grad_t, inputs)
+            if fresh:
+                torch.mm(grad_t, inputs, out=main)
+            else:
+                main.addmm_(grad_t, inputs)
         elif self.mixed_gemm:
             if fresh:
                 torch.mm(grad_t, inputs, out_dtype=main.dtype, out=main)
             else:
                 torch.addmm(main, grad_t, inputs, out_dtype=main.dtype, out=main)
-        else:  # no mixed-dtype GEMM (CPU): the same rounding as the hook's add, no fusion
-            product = grad_t.mm(inputs)
-            main.copy_(product) if fresh else main.add_(product)
+        elif fresh:  # no mixed-dtype GEMM (CPU): the hook's copy or add, and its rounding (no fusion)
+            main.copy_(grad_t.mm(inputs))
+        else:
+            main.add_(grad_t.mm(inputs))
         self.in_main.add(id(p))
 
     @torch.no_grad()
@@ -444,12 +448,10 @@ class DataParallel:
                     self._free(k)  # no later node of this backward reads its parameters
             return
         i = self.index_of[id(p)]
-        if added:
-            pass
-        elif self.fresh[i]:
+        if not added and self.fresh[i]:
             p.main_grad.copy_(grad)  # type: ignore[attr-defined]
             self.fresh[i] = False
-        else:
+        elif not added:
             p.main_grad.add_(grad)  # type: ignore[attr-defined]
         flight.ready += 1
         if self.overlap_grad_reduce and flight.ready == len(self.buckets[k].params) * self.micro_batches:
