@@ -31,8 +31,9 @@ TFLOP/s and MFU of every case use gridlm's model-FLOP count of the deck (app.met
 Megatron convention) and the device's peak (app.metrics.peaks), so the columns compare. Each case
 prints one JSON line (also appended to OUT/results.jsonl), and the end a table of the medians
 over the rounds with the device's name, gridlm's dry-run prediction on dgx_h100 beside it, and
-gridlm's final loss (cases of one deck that change no numerics agree; fused and unfused accumulation
-to bf16 noise).
+gridlm's final loss (cases of one deck that change no numerics agree); then, for each deck with both
+`gridlm` and `gridlm_unfused` rows in OUT/results.jsonl, a "fusion check" line: the two final losses
+within 1% (ok, or FAILED and exit 1) and the two step times.
 Without a CUDA device (and without --device cpu) it prints one line saying so and exits 2.
 A benchmark, not a test: it asserts nothing about time.
 """
@@ -283,6 +284,27 @@ def predicted_step(deck) -> float | None:
         return None
 
 
+FUSION_RTOL = 1e-2  # bf16 over 12 steps: another rounding of the weight gradients, not another model
+
+
+def fusion_check(rows: list[dict]) -> list[str]:
+    """One line per deck measured on a GPU with the weight gradients' accumulation fused (`gridlm`,
+    the GPU default) and unfused (`gridlm_unfused`): their final losses (the medians) within
+    FUSION_RTOL, ok or FAILED, and the step time each way."""
+    lines = []
+    for deck in dict.fromkeys(r["deck"] for r in rows):
+        got = {c: [r for r in rows if r["deck"] == deck and r["case"] == c and r.get("final_loss") is not None]
+               for c in ("gridlm", "gridlm_unfused")}  # fmt: skip
+        if not all(got.values()):
+            continue
+        fused, unfused = (statistics.median(r["final_loss"] for r in got[c]) for c in ("gridlm", "gridlm_unfused"))
+        f_step, u_step = (statistics.median(r["step_s"] for r in got[c]) for c in ("gridlm", "gridlm_unfused"))
+        verdict = "ok" if abs(fused - unfused) <= FUSION_RTOL * abs(unfused) else "FAILED"
+        lines.append(f"fusion check {deck}: final loss fused {fused:.4f} vs unfused {unfused:.4f} "
+                     f"({verdict}, rtol {FUSION_RTOL:g}); step {f_step * 1e3:.1f} vs {u_step * 1e3:.1f} ms")  # fmt: skip
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decks", nargs="+", default=DECKS, choices=DECKS)
@@ -334,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(row) + "\n")
                 rows.append(row)
     print(table(rows, device_name))
-    return 0 if all("error" not in r for r in rows) else 1
+    # over every row in OUT/results.jsonl: gpu_session.sh measures the two cases in separate calls
+    checks = fusion_check([json.loads(line) for line in results.read_text().splitlines() if line.strip()])
+    print("\n".join(checks))
+    ok = all("error" not in r for r in rows) and not any("FAILED" in line for line in checks)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ stage() {
     fi
     local rc=$?
     echo "   rc=$rc in $(($(date +%s) - s0)) s" | tee -a "$work/summary.txt"
-    grep -E '^\||^device:|^gridlm profile|^gridlm: done|calibrated: |^calibrate: |^(PASS|FAIL|ok|check)' "$work/$name.log" | tee -a "$work/summary.txt"
+    grep -E '^\||^device:|^gridlm profile|^gridlm: done|calibrated: |^calibrate: |^(PASS|FAIL|ok|check)|^fusion check' "$work/$name.log" | tee -a "$work/summary.txt"
 }
 
 {

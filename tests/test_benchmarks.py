@@ -200,6 +200,26 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
     assert len(err) == 1 and "no CUDA device" in err[0]
 
 
+def test_the_fusion_check_compares_fused_and_unfused_final_losses_per_deck():
+    """gpu_bench.fusion_check: a deck with both `gridlm` (fused on GPUs) and `gridlm_unfused` rows gets
+    one line, ok within 1% of the unfused final loss (medians over rounds) and FAILED past it; a deck
+    with one of them, or a row without a loss (an error), gets none."""
+    import gpu_bench
+
+    def row(deck: str, case: str, loss, step: float = 0.5) -> dict:
+        return {"deck": deck, "case": case, "final_loss": loss, "step_s": step}
+
+    rows = [row("gpt_2.7b", "gridlm", 5.00, 0.59), row("gpt_2.7b", "gridlm", 5.02, 0.58),
+            row("gpt_2.7b", "gridlm_unfused", 5.03, 0.60), row("gpt_1.3b", "gridlm", 4.0),
+            row("gpt_1.3b", "gridlm_unfused", 4.1), row("llama_0.84b", "gridlm", 3.0),
+            row("llama_0.84b", "gridlm_unfused", None)]  # fmt: skip
+    lines = gpu_bench.fusion_check(rows)
+    assert len(lines) == 2, lines
+    assert lines[0] == ("fusion check gpt_2.7b: final loss fused 5.0100 vs unfused 5.0300 (ok, rtol 0.01); "
+                        "step 585.0 vs 600.0 ms")  # fmt: skip
+    assert lines[1].startswith("fusion check gpt_1.3b: final loss fused 4.0000 vs unfused 4.1000 (FAILED")
+
+
 def test_the_gpu_offload_check_runs_its_flow_on_cpu_ranks_and_says_when_there_is_no_gpu(tmp_path, capsys, monkeypatch):
     """benchmarks/gpu_offload_check.py with --device cpu, 2 steps, fp32: the five runs (none, host,
     nvme, host delayed, host delayed on CPU ranks) and the three checks, all ok (on CPU ranks the
