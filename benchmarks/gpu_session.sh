@@ -15,7 +15,7 @@
 # round of gridlm; 1.3B with optim.offload host, exact and delayed (issue 41, with the host update's
 # own time); a third round; llama eager; benchmarks/gpu_offload_check.py (the offload CUDA paths
 # against known outcomes); the Hugging Face peers eager; GPT 6.1B offloaded on 80 GB of the GPU.
-# All of it takes about 16 minutes on an H200 with 16 cores, more than one device call (600 s) and
+# All of it takes about 17 minutes on an H200 with 16 cores, more than one device call (600 s) and
 # a session's device time: run the first call with a budget of 540 s, then STAGES= what it skipped,
 # dropping what an earlier session measured (2026-11-29, H200: offload_check passed; hf eager 467 /
 # 266 ms).

@@ -1152,12 +1152,18 @@ def test_gradient_accumulation_fusion_saves_the_gradient_s_round_trip_on_gpus_on
 
     off, deck = term("inputs/gpu/gpt_2.7b.yaml", gpu, "false")
     on, _ = term("inputs/gpu/gpt_2.7b.yaml", gpu, "true")
-    default, _ = term("inputs/gpu/gpt_2.7b.yaml", gpu, "null")
+    default, null_deck = term("inputs/gpu/gpt_2.7b.yaml", gpu, "null")
     m = deck.model
     linear = linear_weight_params(m, 1, m.layers, True, True)
     assert linear == 4 * m.hidden * m.hidden * m.layers + 2 * m.hidden * m.ffn * m.layers  # qkv, proj, fc, proj
     saved = deck.num_micro_batches * linear * 2 * 2 / device_of(gpu, "bf16").hbm_bytes_s  # bf16: e = 2
     assert off - on == pytest.approx(saved, rel=1e-9) and default == on
+    # The dry run says which: the fused term is labelled so.
+    from app.plan.dryrun import format_text, make_plan
+
+    fused_text, unfused_text = (format_text(make_plan(d, 1, gpu), "2.7b") for d in (null_deck, deck))
+    assert f"grad accumulation (fused into the GEMMs) {default:.3g} s" in fused_text
+    assert f"grad accumulation {off:.3g} s" in unfused_text and "(fused" not in unfused_text
     cpu_off, _ = term("inputs/gpu/gpt_2.7b.yaml", cpu, "false")
     cpu_default, _ = term("inputs/gpu/gpt_2.7b.yaml", cpu, "null")
     cpu_on, _ = term("inputs/gpu/gpt_2.7b.yaml", cpu, "true")

@@ -22,7 +22,17 @@ from app.metrics.flops import step_flops
 from app.names import SCHEDULES, schedule_key, strides3d
 from app.plan.estimate import LayoutCache, StageEstimate, Stages, checkpoint_bytes, estimate_stages, model_params
 from app.plan.machine import Machine, MachineError
-from app.plan.perf import Link, Placement, Prediction, axis_links, expert_exchange, place, predict
+from app.plan.perf import (
+    Link,
+    Placement,
+    Prediction,
+    axis_links,
+    expert_exchange,
+    place,
+    predict,
+    tensor_shape,
+    uses_gloo,
+)
 from app.runtime.grid import GridLayout
 from app.sharding.layout import SUB_AXES, ZERO3_PREFETCH
 
@@ -755,6 +765,8 @@ def _predicted_lines(plan: Plan) -> list[str]:
     # with offload the device's optimizer line is 0 and left out).
     optional = {"zero3_gathers", "optimizer_offload", "ep_exposed"}
     optional |= {"optimizer"} if plan.deck.optim.offload != "none" else set()
+    if tensor_shape(plan.deck) is None and plan.deck.train.fuses_grad_accumulation(not uses_gloo(plan.machine)):
+        parts = [(k, "grad accumulation (fused into the GEMMs)" if k == "grad_accumulation" else v) for k, v in parts]
     return [
         f"  predicted  step {p.step_time_s:.3g} s on {plan.machine.name}; "
         f"{p.hardware_tflops_per_device:.1f} TFLOP/s per device counting recompute, {p.tflops_per_device:.1f} "
