@@ -116,16 +116,44 @@ def test_column_then_row_parallel_linear_equals_the_dense_mlp(runtime, tp, seque
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+def _accumulated(tp, grid, fuse: bool, dtype: torch.dtype = torch.float32, mixed: bool = False) -> list[dict]:
+    """A column- and a row-parallel Linear (bias on; tp = the group's size, the `_Linear` path at
+    tp 1) under DataParallel in `dtype` (fp32 accumulators), 2 steps of 2 micro-batches, the gradient
+    buffer filled with NaN before each step: each step's accumulators. `mixed`: what the probe
+    (`mixed_gemm_works`) must find, a bf16 GEMM into fp32 (the caller stands one in on this CPU)."""
+    from app.parallel.data import DataParallel
+
+    cpu = torch.device("cpu")
+    model = torch.nn.Module()
+    model.fc, model.proj = (
+        ColumnParallelLinear(6, 4 * tp.size, 0.5, tp, cpu),
+        RowParallelLinear(4 * tp.size, 6, 0.5, tp, cpu),
+    )
+    for name, p in model.named_parameters():
+        p.data = counter_normal(7, name, dataclasses.replace(p.meta, std=0.5), tuple(p.shape), cpu)
+    dp = DataParallel(model, grid, compute_dtype=dtype, bucket_mb=0.00005, fuse_wgrad=fuse)
+    assert dp.fused_wgrads == (2 if fuse else 0) and dp.mixed_gemm == mixed  # the probe's verdict
+    out = []
+    for step in range(2):
+        dp.grad_buffer.fill_(float("nan"))
+        dp.start_step(2)
+        for micro in range(2):
+            x = _same_on_every_rank((2, 3, 6), seed=20 + 2 * step + micro).to(dtype)
+            model.proj(torch.tanh(model.fc(x))).float().pow(2).sum().backward()
+            assert all(p.grad is None for p in model.parameters())  # the hooks took every gradient
+        dp.finish_grad_reduce()
+        out.append({name: p.main_grad.clone() for name, p in model.named_parameters()})
+    return out
+
+
 @pytest.mark.mpi
 def test_fused_weight_gradients_go_into_the_accumulators_and_equal_autograd_s(runtime, tp, grids, monkeypatch):
-    """Gradient accumulation fusion (train.fuse_grad_accumulation): a column- and a row-parallel
-    Linear (bias on; tp = the group's size, the `_Linear` path at tp 1) under DataParallel, 2 steps of
-    2 micro-batches, the gradient buffer filled with NaN before each step. With fusion each weight's
-    gradient GEMM writes (first micro-batch) or adds (second) into its accumulator — 2 weights x 2
-    micro-batches x 2 steps calls, autograd's placeholder never reaching the buffer — and every
-    accumulator equals the unfused run's (autograd's gradient, then the hook's copy and add). fp32:
-    an addmm into the accumulator rounds once where mm-then-add rounds twice, ~1e-7 relative on
-    values of order 1-10: rtol 1e-6 (a lost or doubled micro-batch is off by 50-100%)."""
+    """Gradient accumulation fusion (train.fuse_grad_accumulation), fp32 (`_accumulated`): with fusion
+    each weight's gradient GEMM writes (first micro-batch) or adds (second) into its accumulator — 2
+    weights x 2 micro-batches x 2 steps calls, autograd's placeholder never reaching the buffer — and
+    every accumulator equals the unfused run's (autograd's gradient, then the hook's copy and add). An
+    addmm into the accumulator rounds once where mm-then-add rounds twice, ~1e-7 relative on values of
+    order 1-10: rtol 1e-6 (a lost or doubled micro-batch is off by 50-100%)."""
     from app.parallel.data import DataParallel, mixed_gemm_works
 
     grid = grids.grid(tp.size, 1, 1)
@@ -137,41 +165,54 @@ def test_fused_weight_gradients_go_into_the_accumulators_and_equal_autograd_s(ru
         return wgrad_into(self, p, grad_t, inputs)
 
     monkeypatch.setattr(DataParallel, "wgrad_into", counted)
-    cpu = torch.device("cpu")
-
-    def run(fuse: bool) -> list[dict[str, torch.Tensor]]:
-        model = torch.nn.Module()
-        model.fc, model.proj = (
-            ColumnParallelLinear(6, 4 * tp.size, 0.5, tp, cpu),
-            RowParallelLinear(4 * tp.size, 6, 0.5, tp, cpu),
-        )
-        for name, p in model.named_parameters():
-            p.data = counter_normal(7, name, dataclasses.replace(p.meta, std=0.5), tuple(p.shape), cpu)
-        dp = DataParallel(model, grid, bucket_mb=0.00005, fuse_wgrad=fuse)
-        assert dp.fused_wgrads == (2 if fuse else 0) and not dp.mixed_gemm
-        out = []
-        for step in range(2):
-            dp.grad_buffer.fill_(float("nan"))
-            dp.start_step(2)
-            for micro in range(2):
-                x = _same_on_every_rank((2, 3, 6), seed=20 + 2 * step + micro)
-                model.proj(torch.tanh(model.fc(x))).pow(2).sum().backward()
-                assert all(p.grad is None for p in model.parameters())  # the hooks took every gradient
-            dp.finish_grad_reduce()
-            out.append({name: p.main_grad.clone() for name, p in model.named_parameters()})
-        return out
-
-    unfused = run(False)
+    unfused = _accumulated(tp, grid, False)
     assert calls == []
     # The probe for a GPU's bf16 GEMM into an fp32 accumulator: no such kernel on this CPU (its
     # error caught), nothing to probe between equal dtypes.
+    cpu = torch.device("cpu")
     assert not mixed_gemm_works(cpu, torch.bfloat16, torch.float32) and not mixed_gemm_works(cpu, *[torch.float32] * 2)
-    fused = run(True)
+    fused = _accumulated(tp, grid, True)
     assert len(calls) == 8
     for step, (want, got) in enumerate(zip(unfused, fused)):
         for name in want:
             assert torch.isfinite(got[name]).all(), (step, name)
             torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=f"step {step} {name}")
+
+
+@pytest.mark.mpi
+def test_the_gpu_s_bf16_gemms_into_fp32_accumulators_write_then_add(runtime, tp, grids, monkeypatch):
+    """The CUDA branch of `wgrad_into` (bf16 weights, fp32 accumulators, `torch.mm`/`addmm` with
+    out_dtype), run on this CPU with those two calls stood in for by fp32 GEMMs of the bf16 inputs:
+    the probe finds them, the step's first micro-batch is an mm into the accumulator, the second an
+    addmm onto it (2 weights x 2 steps each), and the accumulators equal the unfused bf16 run's within
+    the unfused run's rounding of each micro-batch's weight gradient to bf16: 8 significant bits, up
+    to 2^-9 of the largest gradient, twice, doubled for margin: 2^-7 of the tensor's largest value
+    (measured up to 2^-9; a lost micro-batch is off by about half the largest)."""
+    grid = grids.grid(tp.size, 1, 1)
+    mm, addmm, used = torch.mm, torch.addmm, []
+
+    def mm_as_gpu(a, b, *, out_dtype=None, out=None):
+        if out_dtype is None:
+            return mm(a, b, out=out)
+        used.append("mm")
+        return out.copy_(mm(a.to(out_dtype), b.to(out_dtype)))
+
+    def addmm_as_gpu(c, a, b, *, out_dtype=None, out=None):
+        if out_dtype is None:
+            return addmm(c, a, b, out=out)
+        used.append("addmm")
+        return out.copy_(addmm(c, a.to(out_dtype), b.to(out_dtype)))
+
+    unfused = _accumulated(tp, grid, False, torch.bfloat16)
+    monkeypatch.setattr(torch, "mm", mm_as_gpu)
+    monkeypatch.setattr(torch, "addmm", addmm_as_gpu)
+    fused = _accumulated(tp, grid, True, torch.bfloat16, mixed=True)
+    assert sorted(used) == ["addmm"] * 5 + ["mm"] * 5  # the probe's pair, then 4 of each
+    for step, (want, got) in enumerate(zip(unfused, fused)):
+        for name in want:
+            assert torch.isfinite(got[name]).all(), (step, name)
+            bound = 2.0**-7 * want[name].abs().max().item()  # 2 x (2 micro-batches x 2^-9 of the largest)
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=bound, msg=f"step {step} {name}")
 
 
 @pytest.mark.mpi
