@@ -389,20 +389,25 @@ class DataParallel:
             if self.shard_grads:
                 f.grad_shard.zero_()  # type: ignore[union-attr]  # the micro-batches' reductions add into it
 
+    def _first_write(self, p: torch.Tensor) -> bool:
+        """Whether this is the step's first gradient into p's accumulator, which is then copied in, not
+        added (`fresh`, cleared here). ZeRO-2/3: p's bucket buffer opened (zeroed) if it is not; never."""
+        if self.shard_grads:
+            k = self.bucket_of[id(p)]
+            if self.flight[k].full is None:
+                self._open(k)
+            return False
+        i = self.index_of[id(p)]
+        fresh, self.fresh[i] = self.fresh[i], False
+        return fresh
+
     @torch.no_grad()
     def wgrad_into(self, p: torch.Tensor, grad_t: torch.Tensor, inputs: torch.Tensor) -> None:
         """Gradient accumulation fusion (train.fuse_grad_accumulation): p's weight gradient
         grad_t @ inputs goes straight into its accumulator, by one GEMM that writes it (a step's first
         gradient, `fresh`) or adds into it; the placeholder autograd then hands the hook is not read.
         A GPU GEMM of bf16/fp16 inputs writes and adds in the fp32 accumulator's own dtype."""
-        k = self.bucket_of[id(p)]
-        if self.shard_grads:
-            if self.flight[k].full is None:
-                self._open(k)
-            fresh = False  # ZeRO-2/3's bucket buffers start zeroed
-        else:
-            i = self.index_of[id(p)]
-            fresh, self.fresh[i] = self.fresh[i], False
+        fresh = self._first_write(p)
         main: torch.Tensor = p.main_grad  # type: ignore[attr-defined]
         if grad_t.dtype == main.dtype:
             if fresh:
@@ -433,26 +438,20 @@ class DataParallel:
         launch the bucket's reduction once it has all of them."""
         k = self.bucket_of[id(p)]
         flight = self.flight[k]
-        added = id(p) in self.in_main  # by the weight-gradient GEMM (`wgrad_into`): `grad` is a placeholder
-        if added:
-            self.in_main.discard(id(p))
+        fresh = self._first_write(p)  # (False after `wgrad_into` took this gradient)
+        if id(p) in self.in_main:  # the weight-gradient GEMM added it (`wgrad_into`): `grad` is a placeholder
+            self.in_main.remove(id(p))
+        elif fresh:
+            p.main_grad.copy_(grad)  # type: ignore[attr-defined]
+        else:
+            p.main_grad.add_(grad)  # type: ignore[attr-defined]
         if self.shard_grads:
-            if flight.full is None:
-                self._open(k)
-            if not added:
-                p.main_grad.add_(grad)  # type: ignore[attr-defined]
             flight.count += 1
             if flight.count == len(self.buckets[k].params):
                 self._reduce_partial(k)
                 if self.shard_params:
                     self._free(k)  # no later node of this backward reads its parameters
             return
-        i = self.index_of[id(p)]
-        if not added and self.fresh[i]:
-            p.main_grad.copy_(grad)  # type: ignore[attr-defined]
-            self.fresh[i] = False
-        elif not added:
-            p.main_grad.add_(grad)  # type: ignore[attr-defined]
         flight.ready += 1
         if self.overlap_grad_reduce and flight.ready == len(self.buckets[k].params) * self.micro_batches:
             self._launch_reduce(k)
