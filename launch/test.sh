@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Run the whole test suite: setup if needed, then the serial tests and the MPI tests under
-# mpirun -n 1, 2 and 4, the grid-equivalence and checkpoint-reshard tests under mpirun -n 8, and
-# the Slurm tests (srun, sbatch) against a local one-node Slurm (launch/slurm_local.sh; the group
-# is skipped where none can be had: not root, no apt-get), and the multinode tests across 2
-# simulated nodes (launch/cluster_local.sh: mpirun and sbatch -N 2, a killed node, a cut link;
-# skipped, with the reason, where namespaces cannot be made). Extra arguments go to every pytest
-# call (e.g. -k grid, -x). GRIDLM_TEST_WORKERS: the serial group's worker processes (default 4;
-# 0 runs it in one process).
+# mpirun -n 1, 2 and 4, the grid-equivalence and checkpoint-reshard tests under mpirun -n 8, the
+# multinode tests across 2 simulated nodes (launch/cluster_local.sh: mpirun and sbatch -N 2, a
+# killed node, a cut link; beside the serial group; skipped, with the reason, where namespaces
+# cannot be made) and the Slurm tests (srun, sbatch) against a local one-node Slurm
+# (launch/slurm_local.sh; beside the one-rank group; skipped where none can be had: not root, no
+# apt-get). Extra arguments go to every pytest call (e.g. -k grid, -x). GRIDLM_TEST_WORKERS: the
+# serial group's worker processes (default 4; 0 runs it in one process).
 # Two tiers (docs/TESTING.md): by default the quick one (CI's), which leaves out the tests marked
 # `full` — two thirds of the 8-rank grid matrix (the third that runs exercises every axis size and
 # setting of it), the benchmark scripts' smoke runs, and the second and later cases of a few
@@ -44,9 +44,9 @@ if [ "$(id -u)" = 0 ]; then pytest_args+=(--strict-skips); root=1; fi
 floor() {  # group name -> --min-tests N (as root only), for this tier
   local n
   case "$tier-$1" in
-    full-serial) n=1179 ;; quick-serial) n=1139 ;; full-mpi-8) n=143 ;; quick-mpi-8) n=63 ;;  # tests marked full
+    full-serial) n=1183 ;; quick-serial) n=1143 ;; full-mpi-8) n=143 ;; quick-mpi-8) n=63 ;;  # tests marked full
     full-multinode) n=9 ;; quick-multinode) n=7 ;;
-    *-mpi-1) n=94 ;; *-mpi-2) n=132 ;; *-mpi-4) n=144 ;; *-slurm) n=4 ;;  # the same in both
+    *-mpi-1) n=94 ;; *-mpi-2) n=133 ;; *-mpi-4) n=148 ;; *-slurm) n=4 ;;  # the same in both
     *) n=0 ;;
   esac
   # Not with a selection of the caller's (-k, -x, a file): it runs fewer on purpose.
@@ -69,16 +69,6 @@ run_group() {  # name, limit in seconds, command...
   esac
 }
 
-# Serial: everything not marked mpi or slurm (those groups follow), in parallel worker processes
-# (pytest-xdist; a file's tests stay on one worker). Most of these tests wait on the mpirun jobs
-# they start, so more workers than cores keep 2 cores busy: 6m14s -> 3m35s with 3 on this kind of
-# machine; the quick tier's took 6m05s with 3, 5m31s with 4 and 5m52s with 6 (2026-11-29, one run
-# each). (The MPI groups do not run beside it: ranks in lockstep collectives lose far more to
-# shared cores; the 4-rank group took 3m00s instead of 38s.)
-workers="${GRIDLM_TEST_WORKERS:-4}"
-run_group serial 1500 python -m pytest "${pytest_args[@]}" "$(floor serial)" -n "$workers" --dist loadfile \
-  -m "not mpi and not slurm and not multinode" tests/
-
 # Groups that need a service this run starts: a one-node Slurm (srun, sbatch --wait of real jobs)
 # and 2 simulated nodes (namespaces on a bridge, a Slurm of one slurmd per node). Each is stopped
 # on every way out (trap) unless it was up before this run (then it is someone else's, e.g. a
@@ -91,9 +81,6 @@ stop_started() {
   done
   started=()
 }
-trap stop_started EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
 done_groups=()
 
 # service_group NAME SCRIPT "START ARGS" CANNOT_PREFIX PYTEST_ARGS...: start the service (its
@@ -127,41 +114,71 @@ service_group() {
   rm -f "$log"
 }
 
-# The Slurm group waits on the scheduler and its jobs for most of its half minute, so it runs beside
-# the one-rank group (one core busy) in a subshell, whose output, failures and groups are taken
-# back when both are done. (Beside the groups whose ranks run in lockstep it would slow them down.)
-beside="$(mktemp -d)"
-(
-  failed=() done_groups=()
-  trap stop_started EXIT
-  trap 'exit 143' TERM
-  service_group slurm "$here/slurm_local.sh" "" "cannot provide Slurm here" \
-    --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
-  printf '%s\n' "${failed[@]}" >"$beside/failed"
-  printf '%s\n' "${done_groups[@]}" >"$beside/done"
-) >"$beside/log" 2>&1 &
-slurm_pid=$!
-trap 'kill "$slurm_pid" 2>/dev/null; wait "$slurm_pid" || true; stop_started' EXIT
-take_back_slurm() {
-  local rc=0 line
-  wait "$slurm_pid" || rc=$?
-  trap stop_started EXIT
-  cat "$beside/log"
-  [ -f "$beside/done" ] || failed+=("slurm (exit $rc)")
-  while read -r line; do [ -z "$line" ] || failed+=("$line"); done < <(cat "$beside/failed" 2>/dev/null)
-  while read -r line; do [ -z "$line" ] || done_groups+=("$line"); done < <(cat "$beside/done" 2>/dev/null)
-  rm -rf "$beside"
+# The service groups wait on schedulers, daemons and timeouts most of their time, so each runs
+# beside a group that leaves a core to spare, in a background subshell whose output, failures and
+# groups are taken back (printed after that group's) when both are done: the multinode group
+# beside the serial one (about a quarter of the serial group's CPU time is tests waiting on their
+# jobs), the Slurm group beside the one-rank group (one core busy). Never beside the groups whose
+# ranks run in lockstep collectives: they lose far more to shared cores.
+declare -A beside_pid beside_dir
+stop_beside() {
+  local name
+  for name in "${!beside_pid[@]}"; do
+    kill "${beside_pid[$name]}" 2>/dev/null || true
+    wait "${beside_pid[$name]}" 2>/dev/null || true
+  done
+  stop_started
 }
+trap stop_beside EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+beside() {  # NAME COMMAND...: run COMMAND (service_group ...) in the background
+  local name="$1" dir
+  shift
+  dir="$(mktemp -d)"
+  (
+    failed=() done_groups=() started=()
+    trap stop_started EXIT
+    trap 'exit 143' TERM
+    "$@"
+    printf '%s\n' "${failed[@]}" >"$dir/failed"
+    printf '%s\n' "${done_groups[@]}" >"$dir/done"
+  ) >"$dir/log" 2>&1 &
+  beside_pid[$name]=$! beside_dir[$name]="$dir"
+}
+take_back() {  # NAME: wait for the background group, print its output, take its results
+  local name="$1" rc=0 line dir="${beside_dir[$1]}"
+  wait "${beside_pid[$name]}" || rc=$?
+  unset "beside_pid[$name]" "beside_dir[$name]"
+  cat "$dir/log"
+  [ -f "$dir/done" ] || failed+=("$name (exit $rc)")
+  while read -r line; do [ -z "$line" ] || failed+=("$line"); done < <(cat "$dir/failed" 2>/dev/null)
+  while read -r line; do [ -z "$line" ] || done_groups+=("$line"); done < <(cat "$dir/done" 2>/dev/null)
+  rm -rf "$dir"
+}
+
+beside multinode service_group multinode "$here/cluster_local.sh" "2" "cannot provide simulated nodes here" \
+  --with-cluster -m multinode tests/test_multinode.py
+
+# Serial: everything not marked mpi or slurm (those groups follow), in parallel worker processes
+# (pytest-xdist; a file's tests stay on one worker). Most of these tests wait on the mpirun jobs
+# they start, so more workers than cores keep 2 cores busy: 6m14s -> 3m35s with 3 on this kind of
+# machine; the quick tier's took 6m05s with 3, 5m31s with 4 and 5m52s with 6 (2026-11-29, one run
+# each).
+workers="${GRIDLM_TEST_WORKERS:-4}"
+run_group serial 1500 python -m pytest "${pytest_args[@]}" "$(floor serial)" -n "$workers" --dist loadfile \
+  -m "not mpi and not slurm and not multinode" tests/
+take_back multinode
+
+beside slurm service_group slurm "$here/slurm_local.sh" "" "cannot provide Slurm here" \
+  --with-slurm -m slurm tests/test_slurm.py tests/test_study.py
 for n in 1 2 4; do
   run_group "mpi-$n" 600 mpirun -n "$n" python -m pytest "${pytest_args[@]}" "$(floor "mpi-$n")" "${mpi_args[@]}" tests/
-  if [ "$n" = 1 ]; then take_back_slurm; fi
+  if [ "$n" = 1 ]; then take_back slurm; fi
 done
 # 8 ranks: the tests that need 8 (the any-grid = one-rank matrix, checkpoint resharding); the
 # rest already ran above.
 run_group mpi-8 3000 mpirun -n 8 python -m pytest "${pytest_args[@]}" "$(floor mpi-8)" "${mpi_args[@]}" --mpi-min-size 8 tests/
-
-service_group multinode "$here/cluster_local.sh" "2" "cannot provide simulated nodes here" \
-  --with-cluster -m multinode tests/test_multinode.py
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "=== FAILED: ${failed[*]}"
