@@ -214,11 +214,12 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
     def torch_load() -> dict:
         return torch.load(torch_file, map_location="cpu", weights_only=True)
 
-    times: dict[str, dict[str, list[float]]] = {m: {"save_s": [], "load_s": []} for m in [*HDF5.values(), TORCH]}
+    modes = {mode: HDF5[mode] for mode in args.modes.split(",")}
+    times: dict[str, dict[str, list[float]]] = {m: {"save_s": [], "load_s": []} for m in [*modes.values(), TORCH]}
     # Per HDF5 method and phase of the save (`Saved.phases`) and of the load (`load`'s "phases"):
     # each repeat's slowest rank.
-    phases: dict[str, dict[str, list[float]]] = {m: {} for m in HDF5.values()}
-    load_phases: dict[str, dict[str, list[float]]] = {m: {} for m in HDF5.values()}
+    phases: dict[str, dict[str, list[float]]] = {m: {} for m in modes.values()}
+    load_phases: dict[str, dict[str, list[float]]] = {m: {} for m in modes.values()}
 
     def slowest(into: dict[str, list[float]], mine: dict[str, float]) -> None:
         every = comm.gather(mine, root=0)  # each rank's (a rank-0-only phase is 0 elsewhere)
@@ -239,6 +240,7 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
         seconds, loaded = _timed(comm, lambda path=saved.path: io.load(trainer, path))
         times[method]["load_s"].append(seconds)
         slowest(load_phases[method], loaded["phases"])
+        read_bytes[method] = comm.allreduce(loaded["read_bytes"])  # the same every repeat
 
     def torch_round(first: bool) -> None:
         clear(torch_file)
@@ -252,7 +254,8 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
             raise RuntimeError(f"rank {rt.rank}: torch.load returned other values than were saved")
 
     h5_bytes = 0
-    rounds = [*HDF5.items(), (None, TORCH)]
+    read_bytes: dict[str, int] = {}  # per HDF5 method: tensor bytes every rank read from the file, summed
+    rounds = [*modes.items(), (None, TORCH)]
     for _ in range(args.warmup):  # untimed: a process's first save measured 2-3x its later ones, whatever the method
         for mode, method in rounds:
             if mode is None:
@@ -289,6 +292,7 @@ def _measure(rt: Any, args: argparse.Namespace) -> int:
             "times": times,
             "phases": phases,
             "load_phases": load_phases,
+            "read_bytes": read_bytes,
         }
         Path(args.result).write_text(json.dumps(result, indent=1, default=str))
     shutdown(rt)
@@ -414,10 +418,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--drop-caches", action="store_true", help="root: drop the page cache before every load (sync; echo 3)"
     )
+    parser.add_argument(
+        "--modes",
+        default=",".join(HDF5),
+        help=f"the checkpoint.io modes measured, comma-separated (default {','.join(HDF5)})",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="extra deck override")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = [m for m in args.modes.split(",") if m not in HDF5]
+    if unknown or not args.modes:
+        raise SystemExit(f"checkpoint_bench: --modes {args.modes}: each of them one of {', '.join(HDF5)}")
     if args.worker:
         return worker(args)
     if args.drop_caches and not can_drop_caches():
@@ -438,7 +450,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     dd = [dd_run(directory, nbytes, args.drop_caches) for _ in range(args.repeats)]
     cmd = ["mpirun", "-n", str(args.ranks), sys.executable, str(Path(__file__).resolve()), "--worker",
-           "--deck", args.deck, "--dir", str(directory), "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--result", str(result_path),
+           "--deck", args.deck, "--dir", str(directory), "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--result", str(result_path), "--modes", args.modes,
            *(["--drop-caches"] if args.drop_caches else []), *(a for s in sets for a in ("--set", s))]  # fmt: skip
     print(f"checkpoint_bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, check=False)
@@ -454,7 +466,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = None
     if proc.returncode != 0 or not result_path.is_file():
         print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
-        rows = [{"method": m, "ranks": args.ranks, "error": f"exit {proc.returncode}"} for m in [*HDF5.values(), TORCH]]
+        rows = [
+            {"method": HDF5[m], "ranks": args.ranks, "error": f"exit {proc.returncode}"} for m in args.modes.split(",")
+        ]
+        rows.append({"method": TORCH, "ranks": args.ranks, "error": f"exit {proc.returncode}"})
     else:
         result = json.loads(result_path.read_text())
         rows = []
@@ -474,9 +489,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{by[m]['save_GBps'] / by[TORCH]['save_GBps']:.2f}x torch.save per rank (goal > 1); best repeats: "
             f"{100 * by[m]['save_best_GBps'] / by[DD]['save_best_GBps']:.0f}% of dd, "
             f"{by[m]['save_best_GBps'] / by[TORCH]['save_best_GBps']:.2f}x torch.save"
-            for m in HDF5.values()
+            for m in (HDF5[mode] for mode in args.modes.split(","))
         )
         table += "\n\n" + phase_table(result["phases"]) + "\n\n" + phase_table(result["load_phases"], "load")
+        table += "\n" + "\n".join(
+            f"checkpoint_bench: {m} load read {n / 1e9:.3f} GB from the file over all ranks, "
+            f"{n / result['hdf5_bytes']:.2f}x its tensor bytes"
+            for m, n in result["read_bytes"].items()
+        )
     table += f"\ncheckpoint_bench: wall time {wall:.1f} s"
     return write_tables(out, rows, COLUMNS, table)
 

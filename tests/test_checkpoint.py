@@ -452,6 +452,136 @@ def test_a_flipped_byte_is_named_and_nothing_is_loaded(runtime, grids, shared_tm
                             if not torch.equal(a, b)])  # fmt: skip
 
 
+def _file_tensor_bytes(path) -> int:
+    """The bytes of a checkpoint's tensor datasets (every group but the RNG rows)."""
+    import h5py
+
+    sizes = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: sizes.append(obj.nbytes) if isinstance(obj, h5py.Dataset) and not name.startswith("rng") else None)  # fmt: skip
+    return sum(sizes)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp_replicas_read_each_byte_of_the_file_once_and_load_bitwise(runtime, grids, shared_tmp, zero):
+    """tp 2 x dp 2: the two dp replicas of a parameter shard (and, without ZeRO, of the Adam
+    moments) each read a piece of it and all-gather the other's (io.load, shared_reads), so that
+    the four ranks together read the file's tensor bytes once, but for the vectors each tp rank
+    holds whole (LayerNorms, row-parallel biases: 2.5% of this tiny model's bytes), which both tp
+    ranks read: at most 1.05x the file (read alone, the parameters would be read twice: 1.2-1.33x
+    the file with ZeRO-1, about 2x without); the loaded state equals the saved one bitwise."""
+    extra = (f"optim.zero={zero}",)
+    first = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'first'}", *extra))
+    _train(first, 2)
+    saved = first.save("test")
+    fresh = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'fresh'}", *extra))
+    info = load(fresh, saved.path)
+    sub = first.runtime
+    read = sub.comm.allreduce(info["read_bytes"])
+    file_bytes = sub.comm.bcast(_file_tensor_bytes(saved.path) if sub.rank == 0 else None, root=0)
+    problems = (
+        []
+        if file_bytes <= read <= 1.05 * file_bytes
+        else [f"the ranks read {read:,} bytes of a file of {file_bytes:,} tensor bytes"]
+    )
+    if info["shared_datasets"] == 0:
+        problems.append(f"rank {sub.rank}: no dataset was read in pieces")
+    problems += [f"rank {sub.rank}: state tensor {i} differs after the load"
+                 for i, (a, b) in enumerate(zip(_state(first), _state(fresh))) if not torch.equal(a, b)]  # fmt: skip
+    _all_ranks_ok(sub, problems)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_read_error_on_one_rank_of_a_shared_read_is_named_on_every_rank_and_nothing_loads(
+    runtime, grids, shared_tmp, monkeypatch
+):
+    """One rank's pread fails (EIO, injected on rank 1's third dataset) while its dp peer waits to
+    all-gather the piece: the failing rank still takes its part in every all-gather, so no rank
+    hangs; every rank raises the CheckpointError naming rank 1 and the I/O error, and no tensor of
+    the model or optimizer changed."""
+    import errno
+
+    from app.checkpoint import io
+
+    trainer = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'first'}"))
+    _train(trainer, 2)
+    path = trainer.save("test").path
+    victim = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'victim'}"))
+    sub = victim.runtime
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*args, **kwargs)
+
+    real = io.pread_boxes
+    if sub.rank == 1:
+        monkeypatch.setattr(io, "pread_boxes", failing)
+    before = _state(victim)
+    with pytest.raises(CheckpointError, match=r"cannot read checkpoint .* on rank 1: .*Input/output error"):
+        load(victim, path)
+    assert victim.steps_done == 0
+    _all_ranks_ok(sub, [f"tensor {i} changed" for i, (a, b) in enumerate(zip(before, _state(victim)))
+                        if not torch.equal(a, b)])  # fmt: skip
+
+
+@pytest.mark.parametrize("n, itemsize, members", [(10, 4, 2), (3 << 20, 4, 3), ((1 << 20) + 7, 2, 4), (5, 8, 8)])
+def test_the_pieces_of_a_shared_read_tile_its_span_on_mib_boundaries(n, itemsize, members):
+    """SharedReads.cuts: the members' pieces cover the span once, in order, each boundary inside the
+    span on a MiB multiple (whole pages, large extents); a dataset not shared is one piece."""
+    from app.checkpoint.shared_reads import ALIGN_BYTES, SharedReads
+
+    class Comm:
+        def Get_size(self) -> int:
+            return members
+
+    shares = SharedReads(Comm(), frozenset({"a"}))
+    cuts = shares.cuts("a", n, itemsize)
+    assert cuts[0] == 0 and cuts[-1] == n and len(cuts) == members + 1
+    assert cuts == sorted(cuts)
+    assert all(c * itemsize % ALIGN_BYTES == 0 for c in cuts[1:-1])
+    if n * itemsize >= members * ALIGN_BYTES:  # large enough: every member reads a part
+        assert all(b > a for a, b in zip(cuts, cuts[1:]))
+    assert shares.cuts("b", n, itemsize) == [0, n]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_reads_group_the_ranks_reading_alike_and_gather_their_pieces(runtime, monkeypatch):
+    """shared_reads.plan over real MPI: ranks whose parameter spans are equal form one communicator,
+    and of it only the datasets read alike by every member are shared; `gather` fills each member's
+    whole span from the pieces, over several MPI_Allgatherv rounds where a piece is larger than
+    GATHER_BYTES (set to 4 KiB here)."""
+    from app.checkpoint import shared_reads
+
+    comm, rank = runtime.comm, runtime.rank
+    pair = rank // 2  # ranks 2k and 2k + 1 read the same parameters; the last rank of an odd world alone
+    spans = {("model", "w"): (0, 3000, pair), ("optimizer/exp_avg", "w"): (rank, 3000), ("model", "b"): None}
+    shares = shared_reads.plan(comm, spans, [("model", "w"), ("model", "b")])
+    try:
+        partners = comm.allgather(pair).count(pair)
+        problems = []
+        if shares.members != partners:
+            problems.append(f"rank {rank}: {shares.members} members, expected {partners}")
+        want = {("model", "w")} if partners > 1 else set()
+        if set(shares.shared) != want:
+            problems.append(f"rank {rank}: shared {sorted(shares.shared)}, expected {sorted(want)}")
+        if partners > 1:
+            monkeypatch.setattr(shared_reads, "GATHER_BYTES", 4096)
+            monkeypatch.setattr(shared_reads, "ALIGN_BYTES", 1024)
+            values = np.full(2500, -1.0)
+            a, b = shares.piece(("model", "w"), values.size, values.itemsize)
+            values[a:b] = np.arange(a, b)
+            shares.gather(("model", "w"), values)
+            if not np.array_equal(values, np.arange(2500.0)):
+                problems.append(f"rank {rank}: the gathered span is not the pieces in order")
+    finally:
+        shares.free()
+    _all_ranks_ok(runtime, problems)
+
+
 @pytest.mark.mpi
 def test_bad_checkpoints_are_refused_with_the_cause(runtime, grids, shared_tmp):
     trainer = _trainer(grids, shared_tmp)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import yaml
 
+from app.checkpoint.shared_reads import plan as plan_shares
 from app.checkpoint.slabs import (
     EXPONENT_MASK,
     V1_NOTE,
@@ -977,29 +978,64 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     posix = deck.checkpoint.io == "posix" and all(in_file[key]["storage"] is not None for key in keys + rng_keys)
     phases.lap("catalogue")
 
-    def span(group: str, name: str) -> tuple[int, list]:
-        """The first local element this rank reads of a dataset, and the boxes it reads: one read of
-        the span every state loading from it holds (the parameters: the whole shard)."""
-        mine = readers.get((group, name), [])
-        held = [s.hold for s in mine if s.hold[0] < s.hold[1]]
-        lo, hi = (min(h[0] for h in held), max(h[1] for h in held)) if held else (0, 0)
-        return lo, _boxes(mine[0], lo, hi) if mine else []
+    def span(group: str, name: str) -> tuple[int, int]:
+        """The local elements [lo, hi) this rank reads of a dataset: one read of the span every
+        state loading from it holds (the parameters: the whole shard)."""
+        held = [s.hold for s in readers.get((group, name), []) if s.hold[0] < s.hold[1]]
+        return (min(h[0] for h in held), max(h[1] for h in held)) if held else (0, 0)
 
     spans = {key: span(*key) for key in reads}
 
-    def read_all(read_slab: Callable[[str, list, np.dtype], np.ndarray]) -> Optional[dict[str, np.ndarray]]:
-        """Every dataset this rank needs, through `read_slab(key, boxes, stored dtype)`: the held
-        ranges into `read`, the shares it would write checksummed into `sums`; the RNG rows."""
+    def alike(key: tuple[str, str]) -> Optional[tuple]:
+        """What this rank reads of a dataset, equal on two ranks exactly when they read the same
+        elements (`_boxes` of the first reader's shard), None for nothing."""
+        lo, hi = spans[key]
+        first = readers[key][0] if lo < hi else None
+        return None if first is None else (lo, hi, tuple(first.shape), tuple(first.offset))
+
+    # The ranks reading the same span of a dataset (the dp replicas of a parameter shard; of the
+    # optimizer state too without ZeRO) read a piece each and all-gather the rest (shared_reads).
+    shares = plan_shares(rt.comm, {key: alike(key) for key in reads}, [k for k in reads if k[0] in (MODEL, MASTER)])
+
+    own_bytes: dict[tuple[str, str], int] = {}  # what this rank reads of each dataset itself
+
+    def fetch(key: tuple[str, str], read_slab: Callable[..., np.ndarray]) -> np.ndarray:
+        """The span of a dataset this rank reads, all of it, or only its piece of a shared one."""
+        lo, hi = spans[key]
+        dtype = np.dtype(in_file[f"{key[0]}/{key[1]}"]["stored"])
+        mine = readers.get(key, [])
+        a, b = shares.piece(key, hi - lo, dtype.itemsize)
+        own_bytes[key] = (b - a) * dtype.itemsize
+        if (a, b) == (0, hi - lo):
+            return read_slab(f"{key[0]}/{key[1]}", _boxes(mine[0], lo, hi) if mine else [], dtype)
+        values = np.empty(hi - lo, dtype=dtype)
+        read_slab(f"{key[0]}/{key[1]}", _boxes(mine[0], lo + a, lo + b), dtype, values[a:b])
+        return values
+
+    def read_all(read_slab: Callable[..., np.ndarray]) -> Optional[dict[str, np.ndarray]]:
+        """Every dataset this rank needs, through `read_slab(key, boxes, stored dtype[, out])`: the
+        held ranges into `read`, the shares it would write checksummed into `sums`; the RNG rows.
+        A read that fails is raised after the last dataset: until then this rank still takes its
+        part in the shared reads' all-gathers, which its peers would otherwise wait in forever."""
         nonlocal sums
+        failed: Optional[BaseException] = None
         for k, ((group, name), shape) in enumerate(reads.items()):
             key = f"{group}/{name}"
             mine = readers.get((group, name), [])
-            lo, boxes = spans[(group, name)]
-            if ahead is None:
-                raw = read_slab(key, boxes, np.dtype(in_file[key]["stored"]))
-            else:  # the reader thread's; its future lets go of it
-                raw, ahead[k] = ahead[k].result(), None
+            lo, hi = spans[(group, name)]
+            try:
+                if ahead is None:
+                    raw = fetch((group, name), read_slab)
+                else:  # the reader thread's; its future lets go of it
+                    raw, ahead[k] = ahead[k].result(), None
+            except (OSError, GridlmError) as err:
+                failed = failed or err
+                raw = np.zeros(hi - lo, dtype=np.dtype(in_file[key]["stored"]))
             phases.lap("H5Dread" if not posix else "data (pread)")
+            if (group, name) in shares.shared:
+                with rt.watchdog.blocking("MPI_Allgatherv (checkpoint pieces)", axis="dp"):
+                    shares.gather((group, name), raw)
+                phases.lap("pieces all-gathered (MPI_Allgatherv)")
             writer = next((s for s in mine if s.writes), None)
             if writer is not None:  # verify the share this rank would write (they tile the dataset)
                 s0, s1 = writer.write
@@ -1008,6 +1044,8 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             if mine:
                 read[(group, name)] = (lo, decode(raw, in_file[key]["dtype"]))
                 phases.lap("decode")
+        if failed is not None:
+            raise failed
         if not rng_keys:
             return None
         rng = {}
@@ -1025,17 +1063,9 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             """A reader thread preads the datasets in order (the GIL is released in the reads) while
             this one verifies and decodes those already read: the disk never waits for the CPU."""
             nonlocal ahead
-            pread = lambda key, boxes, dtype: pread_boxes(fd, in_file[key]["storage"], boxes, dtype)  # noqa: E731
+            pread = lambda key, boxes, dtype, out=None: pread_boxes(fd, in_file[key]["storage"], boxes, dtype, out)  # noqa: E731
             with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read") as pool:
-                ahead = [
-                    pool.submit(
-                        pread,
-                        f"{group}/{name}",
-                        spans[(group, name)][1],
-                        np.dtype(in_file[f"{group}/{name}"]["stored"]),
-                    )
-                    for group, name in reads
-                ]
+                ahead = [pool.submit(fetch, key, pread) for key in reads]
                 try:
                     return read_all(pread)
                 finally:
@@ -1043,12 +1073,26 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
                         if future is not None:
                             future.cancel()
 
-        rng = read_posix(rt, path, read_ahead)
+        try:
+            rng = read_posix(rt, path, read_ahead)
+        finally:
+            shares.free()
     else:
         dxpl = transfer_plist(deck.checkpoint.io == "collective")
+
+        def h5read(key: str, boxes: list, dtype: np.dtype, out: Optional[np.ndarray] = None) -> np.ndarray:
+            values = read_boxes(f[key].id, boxes, dtype, dxpl)
+            if out is None:
+                return values
+            out[...] = values
+            return out
+
         with open_mpio(path, "r", rt.comm) as f:
             phases.lap("H5Fopen")
-            rng = read_all(lambda key, boxes, dtype: read_boxes(f[key].id, boxes, dtype, dxpl))
+            try:
+                rng = read_all(h5read)
+            finally:
+                shares.free()
     phases.lap("rng rows, H5Fclose")
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _verify(path, in_file, keys, sums, "resume from an older checkpoint (run.resume: <file>) or run.resume: none")
@@ -1088,6 +1132,8 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "nonfinite_events": int(header.get("nonfinite_events", 0)),  # missing in older files
         "seconds": time.perf_counter() - t0,
         "phases": phases.seconds,
+        "read_bytes": sum(own_bytes.values()),  # this rank's tensor bytes read from the file (not the RNG rows)
+        "shared_datasets": len(shares.shared),  # read in pieces and all-gathered with the ranks reading alike
         "note": note,  # V1_NOTE for a format-version-1 file, else None
     }
 
@@ -1095,23 +1141,36 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
 def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
     """`read(fd)` on a read-only descriptor of `path` (every rank), then agree: an I/O error on any
     rank (a truncated file, EIO) is a CheckpointError on every rank, before any rank goes on to a
-    collective call alone."""
-    problem, result, error = None, None, None
+    collective call alone. The open is agreed before any rank reads: `read` may make collective
+    calls (the shared reads' all-gathers) that a rank which could not open the file would never
+    join."""
+
+    def agree(error: Optional[BaseException], op: str) -> None:
+        problem = None
+        if error is not None:
+            code = getattr(error, "errno", None)
+            problem = f"{describe_failure(getattr(error, 'strerror', None) or str(error), code)} ({error})"
+        failed = failures(rt, problem, op)  # agreed first: no rank goes on to the next collective call alone
+        if error is not None and not isinstance(error, (OSError, GridlmError)):
+            raise error  # a bug: its own traceback
+        if failed:
+            raise CheckpointError(f"cannot read checkpoint {path} on rank {failed[0][0]}: {failed[0][1]}; {CORRUPT}")
+
+    fd, result, error = None, None, None
     try:
-        fd = os.open(path, os.O_RDONLY)
         try:
-            result = read(fd)
-        finally:
+            fd = os.open(path, os.O_RDONLY)
+        except Exception as err:
+            error = err
+        agree(error, "MPI_Allreduce (file opened)")
+        try:
+            result = read(fd)  # type: ignore[arg-type]
+        except Exception as err:
+            error = err
+    finally:
+        if fd is not None:
             os.close(fd)
-    except Exception as err:  # agreed first: no rank goes on to the next collective call alone
-        error = err
-        code = getattr(err, "errno", None)
-        problem = f"{describe_failure(getattr(err, 'strerror', None) or str(err), code)} ({err})"
-    failed = failures(rt, problem, "MPI_Allreduce (reads agreed)")
-    if error is not None and not isinstance(error, (OSError, GridlmError)):
-        raise error  # a bug: its own traceback
-    if failed:
-        raise CheckpointError(f"cannot read checkpoint {path} on rank {failed[0][0]}: {failed[0][1]}; {CORRUPT}")
+    agree(error, "MPI_Allreduce (reads agreed)")
     return result  # type: ignore[return-value]
 
 

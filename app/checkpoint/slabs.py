@@ -599,9 +599,13 @@ def _read_runs(fd: int, into: memoryview, offsets: np.ndarray, nbytes: int) -> N
             target[i] = buf[offset : offset + nbytes]
 
 
-def pread_boxes(fd: int, storage: Storage, boxes: Sequence[Box], dtype: np.dtype) -> np.ndarray:
-    """The boxes' elements in order (1-D), read from where the file keeps them."""
-    out = np.empty(sum(math.prod(c) for _, c in boxes), dtype=dtype)
+def pread_boxes(
+    fd: int, storage: Storage, boxes: Sequence[Box], dtype: np.dtype, out: Optional[np.ndarray] = None
+) -> np.ndarray:
+    """The boxes' elements in order (1-D), read from where the file keeps them (into `out`, a 1-D
+    array of as many elements, where given)."""
+    if out is None:
+        out = np.empty(sum(math.prod(c) for _, c in boxes), dtype=dtype)
     for box, part in _box_parts(out, boxes):
         for where, offsets, nbytes in placements(storage, box):
             if where is None:
