@@ -443,13 +443,18 @@ def test_a_flipped_byte_is_named_and_nothing_is_loaded(runtime, grids, shared_tm
             f.seek(offset + 1001)
             f.write(bytes([byte ^ 0x01]))
     runtime.comm.Barrier()
-    victim = _trainer(grids, shared_tmp / "victim")
+    _refused_and_unchanged(_trainer(grids, shared_tmp / "victim"), path, f"checksum mismatch in dataset /{name}:")
+
+
+def _refused_and_unchanged(victim: Trainer, path, match: str) -> None:
+    """`load(victim, path)` raises the CheckpointError `match` on every rank, and no tensor of the
+    model or optimizer changed."""
     before = _state(victim)
-    with pytest.raises(CheckpointError, match=f"checksum mismatch in dataset /{name}:"):
+    with pytest.raises(CheckpointError, match=match):
         load(victim, path)
     assert victim.steps_done == 0
-    _all_ranks_ok(runtime, [f"tensor {i} changed" for i, (a, b) in enumerate(zip(before, _state(victim)))
-                            if not torch.equal(a, b)])  # fmt: skip
+    _all_ranks_ok(victim.runtime, [f"tensor {i} changed" for i, (a, b) in enumerate(zip(before, _state(victim)))
+                                   if not torch.equal(a, b)])  # fmt: skip
 
 
 def _file_tensor_bytes(path) -> int:
@@ -520,12 +525,7 @@ def test_a_read_error_on_one_rank_of_a_shared_read_is_named_on_every_rank_and_no
     real = io.pread_boxes
     if sub.rank == 1:
         monkeypatch.setattr(io, "pread_boxes", failing)
-    before = _state(victim)
-    with pytest.raises(CheckpointError, match=r"cannot read checkpoint .* on rank 1: .*Input/output error"):
-        load(victim, path)
-    assert victim.steps_done == 0
-    _all_ranks_ok(sub, [f"tensor {i} changed" for i, (a, b) in enumerate(zip(before, _state(victim)))
-                        if not torch.equal(a, b)])  # fmt: skip
+    _refused_and_unchanged(victim, path, r"cannot read checkpoint .* on rank 1: .*Input/output error")
 
 
 @pytest.mark.parametrize("n, itemsize, members", [(10, 4, 2), (3 << 20, 4, 3), ((1 << 20) + 7, 2, 4), (5, 8, 8)])
