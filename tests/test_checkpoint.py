@@ -498,6 +498,37 @@ def test_dp_replicas_read_each_byte_of_the_file_once_and_load_bitwise(runtime, g
 
 
 @pytest.mark.mpi(min_size=4)
+def test_an_inference_load_on_tp2_dp2_shares_the_reads_and_gives_the_trained_parameters(
+    runtime, grids, shared_tmp, monkeypatch
+):
+    """`io.read_parameters` (app.generate, app.eval, app.memorization) on tp 2 x dp 2: the two dp
+    replicas read every parameter shard in pieces (plan_shares, spied on: each rank shares all of
+    them) and the model it fills holds the trained parameters bitwise."""
+    from app.checkpoint import io
+    from app.generate import load_model
+
+    trainer = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'run'}"))
+    _train(trainer, 2)
+    path = trainer.save("test").path
+    plans = []
+
+    def spy(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+
+    real = io.plan_shares
+    monkeypatch.setattr(io, "plan_shares", spy)
+    model, header = load_model(trainer.deck, trainer.runtime, trainer.grid, path)
+    trained = dict(trainer.model.named_parameters())
+    loaded = dict(model.named_parameters())
+    problems = [f"{name} differs" for name, p in loaded.items() if not torch.equal(p, trained[name])]
+    if len(plans) != 1 or plans[0].members != 2 or len(plans[0].shared) != len(loaded):
+        problems.append(f"rank {trainer.runtime.rank}: reads not shared by the dp pair: {plans}")
+    assert header["step"] == 2
+    _all_ranks_ok(trainer.runtime, problems)
+
+
+@pytest.mark.mpi(min_size=4)
 def test_a_read_error_on_one_rank_of_a_shared_read_is_named_on_every_rank_and_nothing_loads(
     runtime, grids, shared_tmp, monkeypatch
 ):
@@ -534,18 +565,15 @@ def test_the_pieces_of_a_shared_read_tile_its_span_on_mib_boundaries(n, itemsize
     span on a MiB multiple (whole pages, large extents); a dataset not shared is one piece."""
     from app.checkpoint.shared_reads import ALIGN_BYTES, SharedReads
 
-    class Comm:
-        def Get_size(self) -> int:
-            return members
-
-    shares = SharedReads(Comm(), frozenset({"a"}))
+    shares = SharedReads(None, frozenset({"a"}), members - 1, members)
     cuts = shares.cuts("a", n, itemsize)
     assert cuts[0] == 0 and cuts[-1] == n and len(cuts) == members + 1
     assert cuts == sorted(cuts)
     assert all(c * itemsize % ALIGN_BYTES == 0 for c in cuts[1:-1])
     if n * itemsize >= members * ALIGN_BYTES:  # large enough: every member reads a part
         assert all(b > a for a, b in zip(cuts, cuts[1:]))
-    assert shares.cuts("b", n, itemsize) == [0, n]
+    assert shares.cuts("b", n, itemsize) == [0, n] and shares.piece("b", n, itemsize) == (0, n)
+    assert shares.piece("a", n, itemsize) == (cuts[-2], n)  # the last member's
 
 
 @pytest.mark.mpi(min_size=2)

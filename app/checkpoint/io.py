@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import yaml
 
+from app.checkpoint.shared_reads import SharedReads
 from app.checkpoint.shared_reads import plan as plan_shares
 from app.checkpoint.slabs import (
     EXPONENT_MASK,
@@ -1004,12 +1005,8 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         lo, hi = spans[key]
         dtype = np.dtype(in_file[f"{key[0]}/{key[1]}"]["stored"])
         mine = readers.get(key, [])
-        a, b = shares.piece(key, hi - lo, dtype.itemsize)
-        own_bytes[key] = (b - a) * dtype.itemsize
-        if (a, b) == (0, hi - lo):
-            return read_slab(f"{key[0]}/{key[1]}", _boxes(mine[0], lo, hi) if mine else [], dtype)
-        values = np.empty(hi - lo, dtype=dtype)
-        read_slab(f"{key[0]}/{key[1]}", _boxes(mine[0], lo + a, lo + b), dtype, values[a:b])
+        boxes_of = lambda a, b: _boxes(mine[0], lo + a, lo + b) if mine else []  # noqa: E731
+        values, own_bytes[key] = read_span(read_slab, f"{key[0]}/{key[1]}", shares, key, hi - lo, boxes_of, dtype)
         return values
 
     def read_all(read_slab: Callable[..., np.ndarray]) -> Optional[dict[str, np.ndarray]]:
@@ -1079,18 +1076,10 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             shares.free()
     else:
         dxpl = transfer_plist(deck.checkpoint.io == "collective")
-
-        def h5read(key: str, boxes: list, dtype: np.dtype, out: Optional[np.ndarray] = None) -> np.ndarray:
-            values = read_boxes(f[key].id, boxes, dtype, dxpl)
-            if out is None:
-                return values
-            out[...] = values
-            return out
-
         with open_mpio(path, "r", rt.comm) as f:
             phases.lap("H5Fopen")
             try:
-                rng = read_all(h5read)
+                rng = read_all(h5_reader(f, dxpl))
             finally:
                 shares.free()
     phases.lap("rng rows, H5Fclose")
@@ -1136,6 +1125,40 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "shared_datasets": len(shares.shared),  # read in pieces and all-gathered with the ranks reading alike
         "note": note,  # V1_NOTE for a format-version-1 file, else None
     }
+
+
+def read_span(
+    read_slab: Callable[..., np.ndarray],
+    key: str,
+    shares: SharedReads,
+    span: Any,
+    n: int,
+    boxes_of: Callable[[int, int], list],
+    dtype: np.dtype,
+) -> tuple[np.ndarray, int]:
+    """The `n` elements of dataset `key` this rank needs (`boxes_of(a, b)`: the boxes of elements
+    [a, b) of them), read here, or of a span shared as `span` only this rank's piece (the rest is
+    left for `shares.gather`); and the bytes read here."""
+    a, b = shares.piece(span, n, dtype.itemsize)
+    if (a, b) == (0, n):
+        return read_slab(key, boxes_of(0, n), dtype), n * dtype.itemsize
+    values = np.empty(n, dtype=dtype)
+    read_slab(key, boxes_of(a, b), dtype, values[a:b])
+    return values, (b - a) * dtype.itemsize
+
+
+def h5_reader(f: Any, dxpl: Any) -> Callable[..., np.ndarray]:
+    """`read_slab(key, boxes, dtype[, out])` through parallel HDF5 (H5Dread of the boxes of `key` in
+    the open file `f`), for a dataset HDF5 must decode."""
+
+    def read(key: str, boxes: list, dtype: np.dtype, out: Optional[np.ndarray] = None) -> np.ndarray:
+        values = read_boxes(f[key].id, boxes, dtype, dxpl)
+        if out is None:
+            return values
+        out[...] = values
+        return out
+
+    return read
 
 
 def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
@@ -1185,7 +1208,8 @@ def masters_group(header: dict[str, Any]) -> str:
 def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_rank: int, dp_rank: int) -> dict[str, Any]:
     """Fill `model`'s parameters (each tagged with its `ParamMeta`: global shape, shard offset)
     from checkpoint `path`, for inference on this grid: the fp32 masters when the file has them,
-    else /model, each rank reading its own shards with parallel HDF5 (every rank). Every element is
+    else /model, each rank reading its own shards (the dp replicas of a shard in shared pieces,
+    `shared_reads`; preads, or parallel HDF5 for a dataset it must decode). Every element is
     verified against its dataset's checksum (summed over the ranks whose copy counts, as `load`
     does) before any parameter changes. Returns the header."""
     from mpi4py import MPI
@@ -1200,30 +1224,46 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
     sum_of = checksum_for(version)
     sums = np.zeros(len(params), dtype=np.uint32 if version < 2 else np.uint64)
     values: list[torch.Tensor] = []
+    keys = [f"{source}/{name}" for name, _ in params]
+    # The dp replicas read a piece of each shard and all-gather the rest, as `load` does.
+    shard_of = {key: (tuple(p.meta.local_shape), tuple(p.meta.local_offset)) for key, (_, p) in zip(keys, params)}  # type: ignore[attr-defined]
+    shares = plan_shares(runtime.comm, shard_of, keys)
 
-    def read_all(read_slab: Callable[[str, list, np.dtype], np.ndarray]) -> None:
-        for k, (name, p) in enumerate(params):
+    def read_all(read_slab: Callable[..., np.ndarray]) -> None:
+        failed: Optional[BaseException] = None  # raised after the last all-gather, as in `load`
+        for k, (key, (_, p)) in enumerate(zip(keys, params)):
             meta = p.meta  # type: ignore[attr-defined]
-            key = f"{source}/{name}"
-            boxes = global_boxes(meta.local_shape, meta.local_offset, 0, meta.numel)
-            raw = read_slab(key, boxes, np.dtype(in_file[key]["stored"]))
+            dtype = np.dtype(in_file[key]["stored"])
+            boxes_of = lambda a, b, meta=meta: global_boxes(meta.local_shape, meta.local_offset, a, b)  # noqa: E731
+            try:
+                raw, _ = read_span(read_slab, key, shares, key, meta.numel, boxes_of, dtype)
+            except (OSError, GridlmError) as err:
+                failed, raw = failed or err, np.zeros(meta.numel, dtype=dtype)
+            if key in shares.shared:
+                with runtime.watchdog.blocking("MPI_Allgatherv (checkpoint pieces)", axis="dp"):
+                    shares.gather(key, raw)
             if dp_rank == 0 and meta.owned_by(tp_rank):  # the copies that count cover each element once
-                sums[k] = sum_of(raw, boxes, meta.global_shape)
+                sums[k] = sum_of(raw, boxes_of(0, meta.numel), meta.global_shape)
             values.append(decode(raw, in_file[key]["dtype"]).view(meta.local_shape))
+        if failed is not None:
+            raise failed
 
-    if all(in_file[f"{source}/{name}"]["storage"] is not None for name, _ in params):
-        read_posix(
-            runtime,
-            path,
-            lambda fd: read_all(lambda key, boxes, dtype: pread_boxes(fd, in_file[key]["storage"], boxes, dtype)),
-        )
-    else:  # a dataset HDF5 must decode (compressed, say): parallel HDF5, each rank its own shards
-        dxpl = transfer_plist(False)
-        with open_mpio(path, "r", runtime.comm) as f:
-            read_all(lambda key, boxes, dtype: read_boxes(f[key].id, boxes, dtype, dxpl))
+    try:
+        if all(in_file[key]["storage"] is not None for key in keys):
+            read_posix(
+                runtime,
+                path,
+                lambda fd: read_all(
+                    lambda key, boxes, dtype, out=None: pread_boxes(fd, in_file[key]["storage"], boxes, dtype, out)
+                ),
+            )
+        else:  # a dataset HDF5 must decode (compressed, say): parallel HDF5, each rank its own shards
+            with open_mpio(path, "r", runtime.comm) as f:
+                read_all(h5_reader(f, transfer_plist(False)))
+    finally:
+        shares.free()
     with runtime.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
         runtime.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-    keys = [f"{source}/{name}" for name, _ in params]
     _verify(
         path, in_file, keys, sums, f"use an older checkpoint (`python -m app.checkpoint inspect {path}` lists them)"
     )

@@ -30,15 +30,14 @@ def _digest(value: Any) -> int:
 
 @dataclass
 class SharedReads:
-    """The ranks reading alike (`comm`, None when this rank reads alone) and the datasets they
+    """The ranks reading alike (`comm`, None when this rank reads alone; this rank's `index` in it
+    and its `members`, kept apart so that a reader thread asks no MPI call) and the datasets they
     read in pieces (`shared`: the same span on every member)."""
 
     comm: Any = None
     shared: frozenset = field(default_factory=frozenset)
-
-    @property
-    def members(self) -> int:
-        return 1 if self.comm is None else self.comm.Get_size()
+    index: int = 0
+    members: int = 1
 
     def cuts(self, key: Hashable, n: int, itemsize: int) -> list[int]:
         """Where the members' pieces of an `n`-element span of `key` start (and the span ends)."""
@@ -51,8 +50,8 @@ class SharedReads:
         """The elements [a, b) of the span this rank reads itself (the whole span when not shared)."""
         if key not in self.shared:
             return 0, n
-        cuts, me = self.cuts(key, n, itemsize), self.comm.Get_rank()
-        return cuts[me], cuts[me + 1]
+        cuts = self.cuts(key, n, itemsize)
+        return cuts[self.index], cuts[self.index + 1]
 
     def gather(self, key: Hashable, values: np.ndarray) -> None:
         """Fill `values` (the whole span, this rank's piece read) with the other members' pieces."""
@@ -95,4 +94,4 @@ def plan(comm: Any, spans: dict[Hashable, Optional[Hashable]], group_by: Sequenc
     table = np.empty((sub.Get_size(), len(keys)), dtype=np.int64)
     sub.Allgather(digests, table)
     alike = (table == table[0]).all(axis=0) & (table[0] >= 0)
-    return SharedReads(sub, frozenset(k for k, same in zip(keys, alike) if same))
+    return SharedReads(sub, frozenset(k for k, same in zip(keys, alike) if same), sub.Get_rank(), sub.Get_size())
