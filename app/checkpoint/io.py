@@ -33,6 +33,7 @@ write, so the ranks cover every element once).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -1020,19 +1021,15 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             key = f"{group}/{name}"
             mine = readers.get((group, name), [])
             lo, hi = spans[(group, name)]
-            try:
-                if ahead is None:
-                    raw = fetch((group, name), read_slab)
-                else:  # the reader thread's; its future lets go of it
-                    raw, ahead[k] = ahead[k].result(), None
-            except (OSError, GridlmError) as err:
-                failed = failed or err
-                raw = np.zeros(hi - lo, dtype=np.dtype(in_file[key]["stored"]))
-            phases.lap("H5Dread" if not posix else "data (pread)")
-            if (group, name) in shares.shared:
-                with rt.watchdog.blocking("MPI_Allgatherv (checkpoint pieces)", axis="dp"):
-                    shares.gather((group, name), raw)
-                phases.lap("pieces all-gathered (MPI_Allgatherv)")
+            if ahead is None:
+                take = functools.partial(fetch, (group, name), read_slab)
+            else:  # the reader thread's read; its future lets go of it
+                take, ahead[k] = ahead[k].result, None
+            raw, error = gathered(
+                shares, rt, (group, name), take, hi - lo, np.dtype(in_file[key]["stored"]),
+                phases, "H5Dread" if not posix else "data (pread)",
+            )  # fmt: skip
+            failed = failed or error
             writer = next((s for s in mine if s.writes), None)
             if writer is not None:  # verify the share this rank would write (they tile the dataset)
                 s0, s1 = writer.write
@@ -1054,34 +1051,30 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         return rng
 
     ahead: Optional[list[Any]] = None  # the reader thread's reads, in `reads` order
-    if posix:  # each rank preads its ranges where the file keeps them (slabs.storage_of)
 
-        def read_ahead(fd: int) -> Optional[dict[str, np.ndarray]]:
-            """A reader thread preads the datasets in order (the GIL is released in the reads) while
-            this one verifies and decodes those already read: the disk never waits for the CPU."""
-            nonlocal ahead
-            pread = lambda key, boxes, dtype, out=None: pread_boxes(fd, in_file[key]["storage"], boxes, dtype, out)  # noqa: E731
-            with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read") as pool:
-                ahead = [pool.submit(fetch, key, pread) for key in reads]
-                try:
-                    return read_all(pread)
-                finally:
-                    for future in ahead:  # those not taken yet, after an error
-                        if future is not None:
-                            future.cancel()
-
-        try:
-            rng = read_posix(rt, path, read_ahead)
-        finally:
-            shares.free()
-    else:
-        dxpl = transfer_plist(deck.checkpoint.io == "collective")
-        with open_mpio(path, "r", rt.comm) as f:
-            phases.lap("H5Fopen")
+    def read_ahead(fd: int) -> Optional[dict[str, np.ndarray]]:
+        """A reader thread preads the datasets in order (the GIL is released in the reads) while
+        this one verifies and decodes those already read: the disk never waits for the CPU."""
+        nonlocal ahead
+        pread = lambda key, boxes, dtype, out=None: pread_boxes(fd, in_file[key]["storage"], boxes, dtype, out)  # noqa: E731
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read") as pool:
+            ahead = [pool.submit(fetch, key, pread) for key in reads]
             try:
-                rng = read_all(h5_reader(f, dxpl))
+                return read_all(pread)
             finally:
-                shares.free()
+                for future in ahead:  # those not taken yet, after an error
+                    if future is not None:
+                        future.cancel()
+
+    try:
+        if posix:  # each rank preads its ranges where the file keeps them (slabs.storage_of)
+            rng = read_posix(rt, path, read_ahead)
+        else:
+            with open_mpio(path, "r", rt.comm) as f:
+                phases.lap("H5Fopen")
+                rng = read_all(h5_reader(f, transfer_plist(deck.checkpoint.io == "collective")))
+    finally:
+        shares.free()
     phases.lap("rng rows, H5Fclose")
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _verify(path, in_file, keys, sums, "resume from an older checkpoint (run.resume: <file>) or run.resume: none")
@@ -1145,6 +1138,36 @@ def read_span(
     values = np.empty(n, dtype=dtype)
     read_slab(key, boxes_of(a, b), dtype, values[a:b])
     return values, (b - a) * dtype.itemsize
+
+
+def gathered(
+    shares: SharedReads,
+    rt: Runtime,
+    span: Any,
+    take: Callable[[], np.ndarray],
+    n: int,
+    dtype: np.dtype,
+    phases: Optional[PhaseTimes] = None,
+    read_phase: str = "",
+) -> tuple[np.ndarray, Optional[BaseException]]:
+    """A dataset's `n` elements once this rank's read (`take()`) is done and, for a span shared as
+    `span`, the other members' pieces are all-gathered into it. A read that failed (OSError,
+    GridlmError) is returned, not raised, with zeros in its place: this rank still joins the
+    all-gathers its peers wait in, and raises after its last dataset. `phases`: lap the read as
+    `read_phase`, then the all-gather."""
+    error = None
+    try:
+        raw = take()
+    except (OSError, GridlmError) as err:
+        raw, error = np.zeros(n, dtype=dtype), err
+    if phases is not None:
+        phases.lap(read_phase)
+    if span in shares.shared:
+        with rt.watchdog.blocking("MPI_Allgatherv (checkpoint pieces)", axis="dp"):
+            shares.gather(span, raw)
+        if phases is not None:
+            phases.lap("pieces all-gathered (MPI_Allgatherv)")
+    return raw, error
 
 
 def h5_reader(f: Any, dxpl: Any) -> Callable[..., np.ndarray]:
@@ -1235,13 +1258,10 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
             meta = p.meta  # type: ignore[attr-defined]
             dtype = np.dtype(in_file[key]["stored"])
             boxes_of = lambda a, b, meta=meta: global_boxes(meta.local_shape, meta.local_offset, a, b)  # noqa: E731
-            try:
-                raw, _ = read_span(read_slab, key, shares, key, meta.numel, boxes_of, dtype)
-            except (OSError, GridlmError) as err:
-                failed, raw = failed or err, np.zeros(meta.numel, dtype=dtype)
-            if key in shares.shared:
-                with runtime.watchdog.blocking("MPI_Allgatherv (checkpoint pieces)", axis="dp"):
-                    shares.gather(key, raw)
+            # Called within this iteration (by `gathered`), so the loop variables are this dataset's.
+            take = lambda: read_span(read_slab, key, shares, key, meta.numel, boxes_of, dtype)[0]  # noqa: E731,B023
+            raw, error = gathered(shares, runtime, key, take, meta.numel, dtype)
+            failed = failed or error
             if dp_rank == 0 and meta.owned_by(tp_rank):  # the copies that count cover each element once
                 sums[k] = sum_of(raw, boxes_of(0, meta.numel), meta.global_shape)
             values.append(decode(raw, in_file[key]["dtype"]).view(meta.local_shape))
