@@ -152,7 +152,8 @@ GRIDS_3D_1D = {
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize(
     "saved, loaded",
-    [("3d", "1d"), ("1d", "3d"), ("3d", "3d-zyx")],
+    # The sub-axes in another order in the full tier (the quick one trains zyx in the any-grid matrix).
+    [("3d", "1d"), ("1d", "3d"), pytest.param("3d", "3d-zyx", marks=pytest.mark.full)],
     ids=["tp2x2x2-to-tp4-pp2", "tp4-pp2-to-tp2x2x2", "tp2x2x2-to-zyx"],
 )
 def test_a_3d_tensor_checkpoint_loads_on_a_1d_grid_and_back(runtime, grids, tmp_path, saved, loaded):

@@ -256,8 +256,9 @@ def test_dry_run_prints_and_writes_the_prediction():
 
 @pytest.mark.parametrize(
     "row",
-    # Three rows in every tier (dp alone; tp 8 and dp; tp 8, pp 8 and dp); the rest in the full tier.
-    [pytest.param(r, marks=() if r["params_b"] in ("1.7", "18.4", "145.6") else pytest.mark.full) for r in _rows()],
+    # Three rows in every tier (dp alone; tp 8 and dp; tp 8, pp 2 and dp: 512 GPUs, a fifth of the
+    # 1536-GPU row's 20 s of CPU); the rest in the full tier.
+    [pytest.param(r, marks=() if r["params_b"] in ("1.7", "18.4", "39.1") else pytest.mark.full) for r in _rows()],
     ids=lambda r: r["params_b"] + "B",
 )
 def test_the_search_finds_a_configuration_at_least_as_fast_as_the_published_one(row):
@@ -281,9 +282,10 @@ def test_the_search_finds_a_configuration_at_least_as_fast_as_the_published_one(
 
 
 def test_search_cli_json_and_its_refusals():
-    cmd = [sys.executable, "-m", "app", "inputs/megatron/gpt_7.5b.yaml", "--search", "--world-size", "128", "--json"]
+    # 32 GPUs, not the paper's 128: the same search in two thirds of the CPU.
+    cmd = [sys.executable, "-m", "app", "inputs/megatron/gpt_7.5b.yaml", "--search", "--world-size", "32", "--json"]
     out = json.loads(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout)
-    assert out["world_size"] == 128 and out["machine"] == "selene" and len(out["best"]) == 5
+    assert out["world_size"] == 32 and out["machine"] == "selene" and len(out["best"]) == 5
     assert out["best"][0]["overrides"].startswith("--set parallel.order=")
     assert out["best"][0]["predicted"]["step_time_s"] <= out["deck"]["predicted"]["step_time_s"]
     # A machine without the model's constants: exit 2, naming what it lacks.
