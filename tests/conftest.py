@@ -260,6 +260,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_SESSION] = session
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session: pytest.Session) -> None:
+    gc.disable()  # until the test modules are imported (pytest_collection_finish)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """As a rank's start-up (`app.runtime.process.start_up`): what collection imported (torch, the
+    app, the test modules: about a million objects that live as long as the session) frozen, out of
+    the collector's reach, and the collector back on. Unfrozen, each full collection during the
+    tests walked them all: 8 a rank of about 250 ms each in the 2-rank group (2.6 s of 47 s)."""
+    gc.freeze()
+    gc.enable()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Under mpirun, once everything is written: end the rank as the app's MPI entry points do

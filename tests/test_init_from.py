@@ -7,7 +7,10 @@ reads all of them, in whatever order, and its loss is HF's mean cross-entropy ov
 At lr 0 the run's step-1 loss must equal HF's within 1e-5: the same fp32 weights and math, the
 summation order apart (measured differences are ~1e-7 on losses ~5); a wrong layout moves it
 by 1e-2 or more. Checked on 1 rank, on tp 2 x pp 2, and on dp 2 with ZeRO-1 (the fp32 masters sharded
-over dp are set too).
+over dp are set too). The command line (`python -m app`, run.init_from in the deck) runs once per
+architecture (gpt2 and llama on 1 rank, Mixtral on tp 2 x ep 2); the other grids start in-process
+on the 4-rank group's ranks (`Trainer.initialise_from_hf`, what the job calls), without the 4 s of
+CPU each rank's start costs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_metrics, run_app
+from conftest import grid_trainer, read_metrics, run_app, settle, train_steps
 
 VOCAB, SEQ, BATCH, HIDDEN, LAYERS, HEADS = 128, 32, 8, 64, 2, 4
 DECK_MODEL = {
@@ -103,25 +106,62 @@ def data(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
-def test_init_from_gives_the_hf_loss_on_one_rank_and_tp2_pp2(arch, data, tmp_path):
-    """A saved Hugging Face GPT-2, Llama or Mixtral (llama blocks with experts) starts a run whose
-    first loss is Hugging Face's within 1e-5 on 1 rank, tp2 pp2 and dp2 ZeRO-1 (Mixtral: 1 rank
-    and tp2 dp2 ep2, each rank holding 2 of the 4 experts, whole on both tp ranks)."""
+def test_init_from_gives_the_hf_loss_through_the_command_line(arch, data, tmp_path):
+    """`python -m app` with run.init_from: a saved Hugging Face GPT-2 or Llama on 1 rank, a Mixtral
+    (llama blocks with experts) on tp2 dp2 ep2, each rank holding 2 of the 4 experts, whole on both tp
+    ranks; the first loss is Hugging Face's within 1e-5, and the summary names ep only where it splits."""
     prefix, tokens = data
     model = save_hf(arch, tmp_path / "hf")
     want = hf_loss(model, tokens)
-    grids = ((1, ()), (4, ("--set", "parallel.tp=2", "--set", "parallel.pp=2")), (2, ("--set", "optim.zero=1")))
-    if arch == "mixtral":
-        grids = ((1, ()), (4, ("--set", "parallel.tp=2", "--set", "parallel.ep=2")))
-    for ranks, grid_sets in grids:
-        run_dir = tmp_path / f"run{ranks}"
-        out = run_app(ranks, "inputs/gpt_tiny.yaml", *base_sets(tmp_path / "hf", prefix, run_dir, arch), *grid_sets)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert f"gridlm: initial weights from {tmp_path / 'hf'}: " in out.stdout
-        loss = read_metrics(run_dir)[0]["loss"]
-        assert abs(loss - want) < 1e-5, (ranks, loss, want)
-        grid = json.loads((run_dir / "summary.json").read_text())["grid"]  # ep named only where it splits
-        assert grid.get("ep") == (2 if "parallel.ep=2" in grid_sets else None) and "cp" not in grid, grid
+    ranks, grid_sets = (4, ("--set", "parallel.tp=2", "--set", "parallel.ep=2")) if arch == "mixtral" else (1, ())
+    run_dir = tmp_path / "run"
+    out = run_app(ranks, "inputs/gpt_tiny.yaml", *base_sets(tmp_path / "hf", prefix, run_dir, arch), *grid_sets)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"gridlm: initial weights from {tmp_path / 'hf'}: " in out.stdout
+    loss = read_metrics(run_dir)[0]["loss"]
+    assert abs(loss - want) < 1e-5, (ranks, loss, want)
+    grid = json.loads((run_dir / "summary.json").read_text())["grid"]
+    assert grid.get("ep") == (2 if arch == "mixtral" else None) and "cp" not in grid, grid
+
+
+# The grids the command line does not run, per architecture: (tp, pp, dp, overrides).
+IN_PROCESS_GRIDS = {
+    "gpt2": ((2, 2, 1, ()), (1, 1, 2, ("optim.zero=1",))),
+    "llama": ((2, 2, 1, ()), (1, 1, 2, ("optim.zero=1",))),
+    "mixtral": ((1, 1, 1, ()),),
+}
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
+def test_init_from_gives_the_hf_loss_on_tp2_pp2_dp2_zero1_and_one_rank(arch, runtime, grids, shared_tmp):
+    """The same start on the grids above, each in the group's last copy of it (`GridPool.trains`):
+    tp2 pp2 and dp2 ZeRO-1 for GPT-2 and Llama, 1 rank for Mixtral; the first loss is Hugging
+    Face's within 1e-5 on each."""
+    hf_dir, prefix = shared_tmp / "hf", shared_tmp / "batch"
+    want = None
+    if runtime.rank == 0:
+        want = hf_loss(save_hf(arch, hf_dir), write_batch(prefix))
+    want = runtime.comm.bcast(want, root=0)  # the model and the tokens are written
+    losses, problems = {}, []
+    for tp, pp, dp, extra in IN_PROCESS_GRIDS[arch]:
+        size = tp * pp * dp
+        grids.runtime(size)
+        if grids.trains(size):
+            sets = base_sets(hf_dir, prefix, shared_tmp / f"run-tp{tp}-pp{pp}-dp{dp}", arch)[1::2]  # the --set values
+            trainer = grid_trainer(grids, tp, pp, dp, (*sets, *extra))
+            trainer.initialise_from_hf(hf_dir)
+            loss = train_steps(trainer, 1)[0]
+            if abs(loss - want) >= 1e-5:
+                problems.append(f"tp{tp} pp{pp} dp{dp} {extra}: loss {loss} != Hugging Face's {want}")
+            losses[tp, pp, dp] = loss
+        else:
+            grids.stand_by(grids.grid(tp, pp, dp), 1)
+        settle(runtime.comm)
+    problems = sum(runtime.comm.allgather(problems), [])
+    trained = {k for d in runtime.comm.allgather(losses) for k in d}
+    assert trained == {(tp, pp, dp) for tp, pp, dp, _ in IN_PROCESS_GRIDS[arch]}, trained
+    assert not problems, "\n".join(problems)
 
 
 def test_a_tied_hf_model_starts_an_untied_head_as_the_embedding(data, tmp_path):
