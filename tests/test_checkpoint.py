@@ -531,13 +531,16 @@ def test_an_inference_load_on_tp2_dp2_shares_the_reads_and_gives_the_trained_par
 
 
 @pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("mode", ["posix", "independent", "collective"])
 def test_a_read_error_on_one_rank_of_a_shared_read_is_named_on_every_rank_and_nothing_loads(
-    runtime, grids, shared_tmp, monkeypatch
+    runtime, grids, shared_tmp, monkeypatch, mode
 ):
-    """One rank's pread fails (EIO, injected on rank 1's third dataset) while its dp peer waits to
-    all-gather the piece: the failing rank still takes its part in every all-gather, so no rank
-    hangs; every rank raises the CheckpointError naming rank 1 and the I/O error, and no tensor of
-    the model or optimizer changed."""
+    """One rank's read fails (EIO, injected on rank 1's third dataset) while its dp peer waits to
+    all-gather the piece: the failing rank still takes its part in every all-gather (and, through
+    parallel HDF5, in every later collective read and the file's close), so no rank hangs; every
+    rank raises the CheckpointError naming rank 1 and the I/O error, and no tensor of the model or
+    optimizer changed. posix: the pread fails; the MPI-IO modes: H5Dread returns, then the error is
+    raised (a collective read must still be joined by every rank)."""
     import errno
 
     from app.checkpoint import io
@@ -545,19 +548,27 @@ def test_a_read_error_on_one_rank_of_a_shared_read_is_named_on_every_rank_and_no
     trainer = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'first'}"))
     _train(trainer, 2)
     path = trainer.save("test").path
-    victim = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'victim'}"))
+    victim = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'victim'}", f"checkpoint.io={mode}"))
     sub = victim.runtime
     calls = []
 
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(*args, **kwargs)
+    def third_fails(read):
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3 and mode == "posix":
+                raise OSError(errno.EIO, "Input/output error")
+            out = read(*args, **kwargs)
+            if len(calls) == 3:
+                raise OSError(errno.EIO, "Input/output error")
+            return out
 
-    real = io.pread_boxes
-    if sub.rank == 1:
-        monkeypatch.setattr(io, "pread_boxes", failing)
+        return failing
+
+    if sub.rank == 1 and mode == "posix":
+        monkeypatch.setattr(io, "pread_boxes", third_fails(io.pread_boxes))
+    elif sub.rank == 1:
+        real = io.h5_reader
+        monkeypatch.setattr(io, "h5_reader", lambda *args, **kwargs: third_fails(real(*args, **kwargs)))
     _refused_and_unchanged(victim, path, r"cannot read checkpoint .* on rank 1: .*Input/output error")
 
 

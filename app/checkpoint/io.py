@@ -1038,15 +1038,20 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             if mine:
                 read[(group, name)] = (lo, decode(raw, in_file[key]["dtype"]))
                 phases.lap("decode")
+        rng = {}
+        for key in rng_keys:
+            box = [((rt.rank, 0), (1, in_file[key]["shape"][1]))]
+            try:
+                row = read_slab(key, box, np.dtype(np.uint8))
+            except (OSError, GridlmError) as err:  # raised below: a collective read after it needs this rank too
+                failed = failed or err
+                continue
+            rng[key.removeprefix("rng/")] = row
+            sums = np.append(sums, sum_of(row, box, in_file[key]["shape"]))
         if failed is not None:
             raise failed
         if not rng_keys:
             return None
-        rng = {}
-        for key in rng_keys:
-            box = [((rt.rank, 0), (1, in_file[key]["shape"][1]))]
-            rng[key.removeprefix("rng/")] = read_slab(key, box, np.dtype(np.uint8))
-            sums = np.append(sums, sum_of(rng[key.removeprefix("rng/")], box, in_file[key]["shape"]))
         keys.extend(rng_keys)
         return rng
 
@@ -1070,9 +1075,12 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         if posix:  # each rank preads its ranges where the file keeps them (slabs.storage_of)
             rng = read_posix(rt, path, read_ahead)
         else:
-            with open_mpio(path, "r", rt.comm) as f:
+
+            def read_file(f: Any) -> Optional[dict[str, np.ndarray]]:
                 phases.lap("H5Fopen")
-                rng = read_all(h5_reader(f, transfer_plist(deck.checkpoint.io == "collective")))
+                return read_all(h5_reader(f, transfer_plist(deck.checkpoint.io == "collective")))
+
+            rng = read_mpio(rt, path, read_file)
     finally:
         shares.free()
     phases.lap("rng rows, H5Fclose")
@@ -1184,31 +1192,33 @@ def h5_reader(f: Any, dxpl: Any) -> Callable[..., np.ndarray]:
     return read
 
 
+def agree_read(rt: Runtime, path: Path, error: Optional[BaseException], op: str) -> None:
+    """Agree on a read of `path` that may have failed on some ranks (`error`: this rank's): an I/O
+    error on any rank (a truncated file, EIO) is a CheckpointError naming it on every rank, before any
+    rank goes on to a collective call alone; another exception is a bug, raised with its traceback
+    (after the agreement, so that its peers end too)."""
+    problem = None
+    if error is not None:
+        code = getattr(error, "errno", None)
+        problem = f"{describe_failure(getattr(error, 'strerror', None) or str(error), code)} ({error})"
+    failed = failures(rt, problem, op)  # agreed first: no rank goes on to the next collective call alone
+    if error is not None and not isinstance(error, (OSError, GridlmError)):
+        raise error
+    if failed:
+        raise CheckpointError(f"cannot read checkpoint {path} on rank {failed[0][0]}: {failed[0][1]}; {CORRUPT}")
+
+
 def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
-    """`read(fd)` on a read-only descriptor of `path` (every rank), then agree: an I/O error on any
-    rank (a truncated file, EIO) is a CheckpointError on every rank, before any rank goes on to a
-    collective call alone. The open is agreed before any rank reads: `read` may make collective
-    calls (the shared reads' all-gathers) that a rank which could not open the file would never
-    join."""
-
-    def agree(error: Optional[BaseException], op: str) -> None:
-        problem = None
-        if error is not None:
-            code = getattr(error, "errno", None)
-            problem = f"{describe_failure(getattr(error, 'strerror', None) or str(error), code)} ({error})"
-        failed = failures(rt, problem, op)  # agreed first: no rank goes on to the next collective call alone
-        if error is not None and not isinstance(error, (OSError, GridlmError)):
-            raise error  # a bug: its own traceback
-        if failed:
-            raise CheckpointError(f"cannot read checkpoint {path} on rank {failed[0][0]}: {failed[0][1]}; {CORRUPT}")
-
+    """`read(fd)` on a read-only descriptor of `path` (every rank), then `agree_read`. The open is
+    agreed before any rank reads: `read` may make collective calls (the shared reads' all-gathers)
+    that a rank which could not open the file would never join."""
     fd, result, error = None, None, None
     try:
         try:
             fd = os.open(path, os.O_RDONLY)
         except Exception as err:
             error = err
-        agree(error, "MPI_Allreduce (file opened)")
+        agree_read(rt, path, error, "MPI_Allreduce (file opened)")
         try:
             result = read(fd)  # type: ignore[arg-type]
         except Exception as err:
@@ -1216,7 +1226,21 @@ def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
     finally:
         if fd is not None:
             os.close(fd)
-    agree(error, "MPI_Allreduce (reads agreed)")
+    agree_read(rt, path, error, "MPI_Allreduce (reads agreed)")
+    return result  # type: ignore[return-value]
+
+
+def read_mpio(rt: Runtime, path: Path, read: Callable[[Any], T]) -> T:
+    """`read(f)` on `path` opened through parallel HDF5 (every rank), then `agree_read`: a rank whose
+    H5Dread failed raises only after the file's collective close, and with every other rank, instead
+    of leaving them in the checksums' MPI_Allreduce."""
+    result, error = None, None
+    with open_mpio(path, "r", rt.comm) as f:
+        try:
+            result = read(f)
+        except Exception as err:
+            error = err
+    agree_read(rt, path, error, "MPI_Allreduce (reads agreed)")
     return result  # type: ignore[return-value]
 
 
@@ -1278,8 +1302,7 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
                 ),
             )
         else:  # a dataset HDF5 must decode (compressed, say): parallel HDF5, each rank its own shards
-            with open_mpio(path, "r", runtime.comm) as f:
-                read_all(h5_reader(f, transfer_plist(False)))
+            read_mpio(runtime, path, lambda f: read_all(h5_reader(f, transfer_plist(False))))
     finally:
         shares.free()
     with runtime.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
