@@ -100,7 +100,11 @@ SMALL = (
 )  # fmt: skip
 
 
-def test_app_eval_of_a_checkpoint_equals_the_in_training_evaluation_on_another_grid(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-rank (dp 2) training with an evaluation every 2 steps and a checkpoint at each: the data
+    flags, the run directory, the job's output and its metrics by step."""
+    tmp_path = tmp_path_factory.mktemp("trained")
     prefix = str(tmp_path / "docs")
     write_tokens(prefix, documents(60, seed=3))
     run_dir = tmp_path / "run"
@@ -111,7 +115,11 @@ def test_app_eval_of_a_checkpoint_equals_the_in_training_evaluation_on_another_g
         "--set", "checkpoint.keep=0",
     )  # fmt: skip
     assert train.returncode == 0, train.stderr[-3000:]
-    records = {r["step"]: r for r in read_metrics(run_dir)}
+    return data, run_dir, train, {r["step"]: r for r in read_metrics(run_dir)}
+
+
+def test_in_training_evaluation_is_logged_recorded_and_summarised(trained):
+    _, run_dir, train, records = trained
     assert {s for s, r in records.items() if "val_loss" in r} == {2, 4}
     assert records[2]["val_perplexity"] == pytest.approx(math.exp(records[2]["val_loss"]))
     assert records[2]["val_loss"] != records[4]["val_loss"]  # the model changed in between
@@ -120,19 +128,25 @@ def test_app_eval_of_a_checkpoint_equals_the_in_training_evaluation_on_another_g
     assert summary["eval"]["tokens"] == 2 * 8 * 16 and "data.split" in summary["eval"]["source"]
     assert "| val loss" in train.stdout
 
-    # The step-2 checkpoint, written on dp 2, evaluated on pp 2 (dp 1) and on 1 rank.
+
+# The step-2 checkpoint, written on dp 2, evaluated on 1 rank and (full tier) on pp 2: evaluation on
+# the pipeline and other grids is also the 8-rank group's test_eval_loss_on_a_grid_matches_single_rank.
+@pytest.mark.parametrize(
+    "ranks, grid", [(1, ()), pytest.param(2, ("--set", "parallel.pp=2"), marks=pytest.mark.full)], ids=["1-rank", "pp2"]
+)
+def test_app_eval_of_a_checkpoint_equals_the_in_training_evaluation_on_another_grid(trained, tmp_path, ranks, grid):
+    data, run_dir, _, records = trained
     checkpoint = run_dir / "checkpoints" / "step_0000002.h5"
-    for ranks, grid in ((2, ("--set", "parallel.pp=2")), (1, ())):
-        out_file = tmp_path / f"eval{ranks}.json"
-        out = run_mpi(
-            ranks, sys.executable, "-m", "app.eval", "inputs/gpt_tiny.yaml", *SMALL, *data, *grid,
-            "--set", f"run.dir={run_dir}", "--checkpoint", str(checkpoint), "--out", str(out_file),
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr[-3000:]
-        result = json.loads(out_file.read_text())
-        assert result["step"] == 2 and result["checkpoint"] == str(checkpoint)
-        assert result["loss"] == pytest.approx(records[2]["val_loss"], rel=EVAL_RTOL)
-        assert f"val loss {result['loss']:.4f}" in out.stdout
+    out_file = tmp_path / f"eval{ranks}.json"
+    out = run_mpi(
+        ranks, sys.executable, "-m", "app.eval", "inputs/gpt_tiny.yaml", *SMALL, *data, *grid,
+        "--set", f"run.dir={tmp_path / 'eval'}", "--checkpoint", str(checkpoint), "--out", str(out_file),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out_file.read_text())
+    assert result["step"] == 2 and result["checkpoint"] == str(checkpoint)
+    assert result["loss"] == pytest.approx(records[2]["val_loss"], rel=EVAL_RTOL)
+    assert f"val loss {result['loss']:.4f}" in out.stdout
 
 
 def test_app_eval_mistakes_end_every_rank_with_a_message(tmp_path):
