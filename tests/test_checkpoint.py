@@ -572,6 +572,35 @@ def test_a_read_error_on_one_rank_of_a_shared_read_is_named_on_every_rank_and_no
     _refused_and_unchanged(victim, path, r"cannot read checkpoint .* on rank 1: .*Input/output error")
 
 
+@pytest.mark.mpi(min_size=4)
+def test_a_bug_in_one_ranks_shared_read_ends_every_rank_instead_of_its_dp_peer_waiting(
+    runtime, grids, shared_tmp, monkeypatch
+):
+    """A read that raises something other than an I/O error (a ValueError, injected in rank 1's third
+    pread while its dp peer waits to all-gather the piece) is deferred as an I/O error is: rank 1 raises
+    it, with its own traceback, after the last all-gather, and every other rank the CheckpointError
+    naming rank 1 and it, instead of waiting in MPI_Allgatherv for the watchdog."""
+    from app.checkpoint import io
+
+    trainer = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'first'}"))
+    _train(trainer, 2)
+    path = trainer.save("test").path
+    victim = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'victim'}"))
+    sub, calls, real = victim.runtime, [], io.pread_boxes
+
+    def buggy(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("a planted bug")
+        return real(*args, **kwargs)
+
+    if sub.rank == 1:
+        monkeypatch.setattr(io, "pread_boxes", buggy)
+    with pytest.raises(ValueError if sub.rank == 1 else CheckpointError, match="a planted bug") as raised:
+        load(victim, path)
+    assert sub.rank == 1 or "on rank 1" in str(raised.value), raised.value
+
+
 @pytest.mark.parametrize("n, itemsize, members", [(10, 4, 2), (3 << 20, 4, 3), ((1 << 20) + 7, 2, 4), (5, 8, 8)])
 def test_the_pieces_of_a_shared_read_tile_its_span_on_mib_boundaries(n, itemsize, members):
     """SharedReads.cuts: the members' pieces cover the span once, in order, each boundary inside the

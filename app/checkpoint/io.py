@@ -1159,14 +1159,15 @@ def gathered(
     read_phase: str = "",
 ) -> tuple[np.ndarray, Optional[BaseException]]:
     """A dataset's `n` elements once this rank's read (`take()`) is done and, for a span shared as
-    `span`, the other members' pieces are all-gathered into it. A read that failed (OSError,
-    GridlmError) is returned, not raised, with zeros in its place: this rank still joins the
-    all-gathers its peers wait in, and raises after its last dataset. `phases`: lap the read as
-    `read_phase`, then the all-gather."""
+    `span`, the other members' pieces are all-gathered into it. A read that failed (an I/O error,
+    and a bug too: its peers must not wait in the all-gather for the watchdog) is returned, not
+    raised, with zeros in its place: this rank still joins the all-gathers its peers wait in, and
+    raises after its last dataset (`agree_read`). `phases`: lap the read as `read_phase`, then the
+    all-gather."""
     error = None
     try:
         raw = take()
-    except (OSError, GridlmError) as err:
+    except Exception as err:
         raw, error = np.zeros(n, dtype=dtype), err
     if phases is not None:
         phases.lap(read_phase)
