@@ -4,8 +4,9 @@
 # Slurm tests (srun, sbatch) against a local one-node Slurm (launch/slurm_local.sh; beside the
 # one-rank group; skipped where none can be had: not root, no apt-get) and the multinode tests
 # across 2 simulated nodes (launch/cluster_local.sh: mpirun and sbatch -N 2, a killed node, a cut
-# link; skipped, with the reason, where namespaces cannot be made). Extra arguments go to every pytest call (e.g. -k grid, -x). GRIDLM_TEST_WORKERS: the
-# serial group's worker processes (default 4; 0 runs it in one process).
+# link; skipped, with the reason, where namespaces cannot be made). Extra arguments go to every
+# pytest call (e.g. -k grid, -x). GRIDLM_TEST_WORKERS: the serial group's worker processes
+# (default 4; 0 runs it in one process).
 # Two tiers (docs/TESTING.md): by default the quick one (CI's), which leaves out the tests marked
 # `full` — two thirds of the 8-rank grid matrix (the third that runs exercises every axis size and
 # setting of it), the benchmark scripts' smoke runs, and the second and later cases of a few

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -530,6 +531,30 @@ def test_an_inference_load_on_tp2_dp2_shares_the_reads_and_gives_the_trained_par
     _all_ranks_ok(trainer.runtime, problems)
 
 
+def _saved_and_victim(grids, shared_tmp, *extra: str) -> tuple[Path, Trainer]:
+    """A tp 2 x dp 2 checkpoint of 2 steps, and a fresh trainer on the same grid (`extra` keys) to load it."""
+    trainer = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'first'}"))
+    _train(trainer, 2)
+    path = trainer.save("test").path
+    return path, grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'victim'}", *extra))
+
+
+def _third_call_raises(read, error: Exception, after_read: bool = False):
+    """`read` whose third call raises `error` (before reading, or `after_read`: once it returned)."""
+    calls = []
+
+    def reading(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 and not after_read:
+            raise error
+        out = read(*args, **kwargs)
+        if len(calls) == 3:
+            raise error
+        return out
+
+    return reading
+
+
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("mode", ["posix", "independent", "collective"])
 def test_a_read_error_on_one_rank_of_a_shared_read_is_named_on_every_rank_and_nothing_loads(
@@ -545,30 +570,13 @@ def test_a_read_error_on_one_rank_of_a_shared_read_is_named_on_every_rank_and_no
 
     from app.checkpoint import io
 
-    trainer = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'first'}"))
-    _train(trainer, 2)
-    path = trainer.save("test").path
-    victim = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'victim'}", f"checkpoint.io={mode}"))
-    sub = victim.runtime
-    calls = []
-
-    def third_fails(read):
-        def failing(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 3 and mode == "posix":
-                raise OSError(errno.EIO, "Input/output error")
-            out = read(*args, **kwargs)
-            if len(calls) == 3:
-                raise OSError(errno.EIO, "Input/output error")
-            return out
-
-        return failing
-
-    if sub.rank == 1 and mode == "posix":
-        monkeypatch.setattr(io, "pread_boxes", third_fails(io.pread_boxes))
-    elif sub.rank == 1:
+    path, victim = _saved_and_victim(grids, shared_tmp, f"checkpoint.io={mode}")
+    eio = OSError(errno.EIO, "Input/output error")
+    if victim.runtime.rank == 1 and mode == "posix":
+        monkeypatch.setattr(io, "pread_boxes", _third_call_raises(io.pread_boxes, eio))
+    elif victim.runtime.rank == 1:
         real = io.h5_reader
-        monkeypatch.setattr(io, "h5_reader", lambda *args, **kwargs: third_fails(real(*args, **kwargs)))
+        monkeypatch.setattr(io, "h5_reader", lambda *args: _third_call_raises(real(*args), eio, after_read=True))
     _refused_and_unchanged(victim, path, r"cannot read checkpoint .* on rank 1: .*Input/output error")
 
 
@@ -582,23 +590,13 @@ def test_a_bug_in_one_ranks_shared_read_ends_every_rank_instead_of_its_dp_peer_w
     naming rank 1 and it, instead of waiting in MPI_Allgatherv for the watchdog."""
     from app.checkpoint import io
 
-    trainer = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'first'}"))
-    _train(trainer, 2)
-    path = trainer.save("test").path
-    victim = grid_trainer(grids, 2, 1, 2, (*SMALL, f"run.dir={shared_tmp / 'victim'}"))
-    sub, calls, real = victim.runtime, [], io.pread_boxes
-
-    def buggy(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise ValueError("a planted bug")
-        return real(*args, **kwargs)
-
-    if sub.rank == 1:
-        monkeypatch.setattr(io, "pread_boxes", buggy)
-    with pytest.raises(ValueError if sub.rank == 1 else CheckpointError, match="a planted bug") as raised:
+    path, victim = _saved_and_victim(grids, shared_tmp)
+    rank = victim.runtime.rank
+    if rank == 1:
+        monkeypatch.setattr(io, "pread_boxes", _third_call_raises(io.pread_boxes, ValueError("a planted bug")))
+    with pytest.raises(ValueError if rank == 1 else CheckpointError, match="a planted bug") as raised:
         load(victim, path)
-    assert sub.rank == 1 or "on rank 1" in str(raised.value), raised.value
+    assert rank == 1 or "on rank 1" in str(raised.value), raised.value
 
 
 @pytest.mark.parametrize("n, itemsize, members", [(10, 4, 2), (3 << 20, 4, 3), ((1 << 20) + 7, 2, 4), (5, 8, 8)])
