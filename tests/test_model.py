@@ -51,7 +51,8 @@ def test_a_shard_initialises_to_the_same_slice_of_the_full_tensor(dim):
 def test_initial_values_of_a_range_equal_that_slice_of_the_shard():
     """What a ZeRO shard built from a meta model relies on: any flat range of a tp shard's
     values, computed alone, is bitwise the same slice of the whole shard's values (also across
-    the generator's chunk boundary of 2^22 elements), and zeros/ones inits fill their range."""
+    the generator's chunk boundaries: 2^16 elements on a CPU, 2^22 on an accelerator), and zeros/ones
+    inits fill their range."""
     from app.sharding.init import initial_values
 
     shard = ParamMeta((64, 50), std=0.5, offset=(32, 10), shape=(32, 20))
@@ -64,6 +65,48 @@ def test_initial_values_of_a_range_equal_that_slice_of_the_shard():
     assert torch.equal(initial_values(5, "wte.weight", long, lo, hi, CPU), full[lo:hi])
     assert torch.equal(initial_values(5, "ln.bias", ParamMeta((9,), init="zeros"), 2, 7, CPU), torch.zeros(5))
     assert torch.equal(initial_values(5, "ln.weight", ParamMeta((9,), init="ones"), 0, 9, CPU), torch.ones(9))
+
+
+def _splitmix_normal(seed: int, name: str, index: int, std: float) -> float:
+    """Element `index` (global, flat) of parameter `name`: app/sharding/init.py's docstring rule
+    written again on Python ints (SplitMix64, two 53-bit uniforms, Box-Muller)."""
+    import zlib
+
+    mask, gamma = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    key = mix(((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)) * gamma & mask)
+
+    def uniform(counter: int) -> float:
+        return (mix((key + (counter + 1) * gamma) & mask) >> 11) * 2.0**-53
+
+    u1, u2 = 1.0 - uniform(2 * index), uniform(2 * index + 1)
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2 * math.pi * u2) * std
+
+
+def test_initial_values_follow_the_documented_generator_element_by_element():
+    """The generator itself, pinned: elements of a whole parameter, of a shard split along dim 0 (one
+    run of global indices) and along dim 1 (rows of a run each), past the CPU chunk of 2^16 elements,
+    equal the rule computed on Python ints. Tolerance: torch's vectorised float64 log/cos may differ
+    from libm's in the last bit; rounded to float32 that is at most one float32 ulp (rel 1.2e-7)."""
+    from app.sharding.init import initial_values
+
+    cases = [
+        (ParamMeta((97, 32), std=0.02), 0, 97 * 32),
+        (ParamMeta((600, 300), std=0.5, offset=(300, 0), shape=(300, 300)), 65_000, 66_000),
+        (ParamMeta((600, 300), std=0.5, offset=(0, 150), shape=(600, 150)), 65_000, 66_000),
+    ]
+    for meta, lo, hi in cases:
+        got = initial_values(11, "blocks.0.mlp.fc.weight", meta, lo, hi, CPU)
+        rows, cols = meta.local_shape
+        for i in [*range(lo, lo + 40), *range(hi - 40, hi)]:
+            index = (i // cols + meta.local_offset[0]) * meta.global_shape[1] + i % cols + meta.local_offset[1]
+            want = _splitmix_normal(11, "blocks.0.mlp.fc.weight", index, meta.std)
+            assert got[i - lo].item() == pytest.approx(want, rel=2.4e-7, abs=1e-12), (meta, i)
 
 
 def test_counter_normal_has_the_requested_moments():
