@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import yaml
 
 from app.checkpoint.background import background_writer, describe
 from app.checkpoint.io import Saved
@@ -39,6 +38,7 @@ from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.data.synthetic import SyntheticTokens
 from app.deck import Deck
 from app.deck_paths import check_paths
+from app.deck_yaml import dump_yaml
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
 from app.eval import eval_dataset, evaluate
 from app.metrics.profile import StepProfiler
@@ -91,7 +91,7 @@ def _make_run_dir(runtime: Runtime, deck: Deck) -> tuple[Path, Optional[RunLock]
         lock = acquire_run_lock(run_dir, warn=runtime.log)
         held.append(lock)
         try:
-            (run_dir / "deck.yaml").write_text(yaml.safe_dump(deck.to_dict(), sort_keys=False))
+            (run_dir / "deck.yaml").write_text(dump_yaml(deck.to_dict(), sort_keys=False))
         except OSError as err:
             raise GridlmError(
                 f"cannot write run directory run.dir = {str(run_dir)!r}: {err.strerror}; set run.dir to a writable path"

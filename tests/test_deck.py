@@ -359,6 +359,24 @@ def test_aliases_in_set_are_refused():
     assert err.key == "run.dir" and "aliases" in str(err)
 
 
+def test_every_yaml_file_of_the_repository_reads_as_pyyamls_safe_loader_reads_it():
+    """The bounded loader parses with libyaml where PyYAML has it, under PyYAML's own composer and
+    resolver: every deck, machine file and study of inputs/ reads to the same value as through
+    yaml.SafeLoader (pure Python), ints, floats, nulls and booleans included, and so does a deck
+    written back by dump_yaml."""
+    import yaml
+
+    from app.deck_yaml import dump_yaml, parse_yaml
+
+    files = sorted((REPO / "inputs").rglob("*.yaml"))
+    assert len(files) > 20
+    for path in files:
+        text = path.read_text()
+        assert parse_yaml(text, ("DECK", str(path))) == yaml.load(text, Loader=yaml.SafeLoader), path
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", ("run.dir=/tmp/ü x", "optim.lr=1e-3")).to_dict()
+    assert yaml.load(dump_yaml(deck, sort_keys=False), Loader=yaml.SafeLoader) == deck
+
+
 @pytest.mark.parametrize(
     "value",
     [

@@ -85,6 +85,7 @@ from app.checkpoint.store import (
     step_file,
 )
 from app.deck import CheckpointConfig, Deck, ModelConfig
+from app.deck_yaml import dump_yaml
 from app.errors import CheckpointError, GridlmError, NonFiniteError
 from app.names import AXES, PRECISIONS
 from app.runtime.grid import ProcessGrid
@@ -259,7 +260,7 @@ def _header(state: TrainingState) -> dict[str, Any]:
         "offload_pending": int(state.optimizer.unpublished),
         "precision": state.deck.train.precision,
         "loss_scaler": json.dumps(None if scaler is None else scaler.state_dict()),
-        "deck": yaml.safe_dump(state.deck.to_dict(), sort_keys=False),
+        "deck": dump_yaml(state.deck.to_dict(), sort_keys=False),
         "grid": json.dumps(grid_signature(state)),
         "versions": json.dumps(versions()),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

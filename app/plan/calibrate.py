@@ -36,9 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import yaml
-
-from app.deck_yaml import read_yaml_file
+from app.deck_yaml import dump_yaml, read_yaml_file
 from app.metrics.peaks import peak_tflops
 from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS, MachineError
 from app.plan.perf import BACKWARD_BYTES, ring_terms
@@ -754,7 +752,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             command += f" on {runtime.nodes} nodes: {node_summary(runtime)}"
         data = machine_file(base, out.stem, measured, command)
         header = f"# Written by app.plan.calibrate ({command}); primitives only, see its docstring.\n"
-        out.write_text(header + yaml.safe_dump(data, sort_keys=False, width=120))
+        out.write_text(header + dump_yaml(data, sort_keys=False, width=120))
         best = max(measured["gemm_flops"].values())
         print(f"calibrate: wrote {out}: GEMM up to {best / 1e9:.1f} GFLOP/s per rank (efficiency "
               f"{data['gemm']['efficiency']}), {data['hbm_gbs']} GB/s, {data.get('op_overhead_us', 0)} us per op, "
