@@ -95,10 +95,6 @@ fi
 if [ ! -x "$venv/bin/python" ]; then
   say "creating $venv with $python ($("$python" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null || echo '?'))"
   "$python" -m venv "$venv" || die "'$python -m venv' failed (on Debian: apt-get install python3-venv)"
-  # A distribution's venv starts with the pip it ships (Debian 12: 23.0), which warns at length
-  # about every missing index directory a site's pip.conf names; a current pip does not.
-  "$venv/bin/python" -m pip install --disable-pip-version-check -q -U pip >/dev/null 2>&1 ||
-    say "warning: could not upgrade pip in $venv (going on with $("$venv/bin/python" -m pip --version | cut -d' ' -f1-2))"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # pip byte-compiles every file it installs, on one core: 50 of the 80 s these installs took on a

@@ -599,6 +599,43 @@ def test_a_bug_in_one_ranks_shared_read_ends_every_rank_instead_of_its_dp_peer_w
     assert rank == 1 or "on rank 1" in str(raised.value), raised.value
 
 
+@pytest.mark.mpi(min_size=4)
+def test_a_bug_in_one_ranks_rng_row_read_still_joins_the_next_rows_collective_read(
+    runtime, grids, shared_tmp, monkeypatch
+):
+    """Through collective MPI-IO every rank reads each RNG row (torch_cpu, and on a GPU torch_cuda) in a
+    collective H5Dread. A bug raised on rank 1 once its first row was read (a ValueError) is deferred
+    as an I/O error is, so rank 1 still joins the second row's collective read: rank 1 raises it and
+    every other rank the CheckpointError naming it. (Before, rank 1 left for the file's close while the
+    others waited in the second read.) Two rows here as on a GPU: a copy of torch_cpu's state saved
+    beside it."""
+    from app.checkpoint import io
+
+    rows = io._rng_rows
+    monkeypatch.setattr(io, "_rng_rows", lambda rt: {**rows(rt), "spare": rows(rt)["torch_cpu"]})
+    path, victim = _saved_and_victim(grids, shared_tmp, "checkpoint.io=collective")
+    assert len(read_header(path)["rng"]) == 2
+    rank = victim.runtime.rank
+    if rank == 1:
+        real = io.h5_reader
+
+        def reader(*args):
+            read = real(*args)
+
+            def reading(key, *rest, **kwargs):
+                out = read(key, *rest, **kwargs)
+                if key.startswith("rng/"):  # the first row: read, then the bug
+                    raise ValueError("a planted bug")
+                return out
+
+            return reading
+
+        monkeypatch.setattr(io, "h5_reader", reader)
+    with pytest.raises(ValueError if rank == 1 else CheckpointError, match="a planted bug") as raised:
+        load(victim, path)
+    assert rank == 1 or "on rank 1" in str(raised.value), raised.value
+
+
 @pytest.mark.parametrize("n, itemsize, members", [(10, 4, 2), (3 << 20, 4, 3), ((1 << 20) + 7, 2, 4), (5, 8, 8)])
 def test_the_pieces_of_a_shared_read_tile_its_span_on_mib_boundaries(n, itemsize, members):
     """SharedReads.cuts: the members' pieces cover the span once, in order, each boundary inside the

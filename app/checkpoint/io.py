@@ -1044,8 +1044,8 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
             box = [((rt.rank, 0), (1, in_file[key]["shape"][1]))]
             try:
                 row = read_slab(key, box, np.dtype(np.uint8))
-            except (OSError, GridlmError) as err:  # raised below: a collective read after it needs this rank too
-                failed = failed or err
+            except Exception as err:  # raised below, a bug too (as in `gathered`): the next row's read may be
+                failed = failed or err  # collective (MPI-IO), and this rank must join it
                 continue
             rng[key.removeprefix("rng/")] = row
             sums = np.append(sums, sum_of(row, box, in_file[key]["shape"]))
