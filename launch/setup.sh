@@ -127,8 +127,8 @@ say "byte-compiling the installed packages (beside the next steps)"
 compiling=$!
 
 # --- 3. h5py against parallel HDF5 -----------------------------------------------------
-h5py_mpi() { "$venv/bin/python" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' >/dev/null 2>&1; }
-if ! h5py_mpi; then
+h5py_mpi() { "$venv/bin/python" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)'; }
+if ! h5py_mpi >/dev/null 2>&1; then
   "${pip[@]}" uninstall -y h5py >/dev/null 2>&1 || true
   h5env=(CC=mpicc HDF5_MPI=ON H5PY_SETUP_REQUIRES=0)
   if [ -n "${HDF5_DIR:-}" ]; then
@@ -154,9 +154,9 @@ if ! h5py_mpi; then
   if [ -n "$kept" ] && ls "$kept"/h5py-*.whl >/dev/null 2>&1; then
     say "installing h5py from the wheel built before against parallel HDF5 ($kept)"
     "${pip[@]}" install --no-deps "$kept"/h5py-*.whl >/dev/null 2>&1 || true
-    h5py_mpi || { say "that wheel does not import with MPI: building again"; rm -rf "$kept"; "${pip[@]}" uninstall -y h5py >/dev/null 2>&1 || true; }
+    h5py_mpi >/dev/null 2>&1 || { say "that wheel does not import with MPI: building again"; rm -rf "$kept"; "${pip[@]}" uninstall -y h5py >/dev/null 2>&1 || true; }
   fi
-  if ! h5py_mpi; then
+  if ! h5py_mpi >/dev/null 2>&1; then
     # Parallel C build of the extension modules; the cfg path must be absolute.
     cfg="$(mktemp --suffix=.cfg)" built="$(mktemp -d)"
     printf '[build_ext]\nparallel = %s\n' "$(nproc)" >"$cfg"
@@ -165,13 +165,13 @@ if ! h5py_mpi; then
     env "${h5env[@]}" DIST_EXTRA_CONFIG="$cfg" \
       "${pip[@]}" wheel --no-build-isolation --no-binary=h5py --no-deps -w "$built" h5py
     "${pip[@]}" install --no-deps "$built"/h5py-*.whl
-    if [ -n "$kept" ] && h5py_mpi && mkdir -p "$kept" 2>/dev/null; then
+    if [ -n "$kept" ] && h5py_mpi >/dev/null 2>&1 && mkdir -p "$kept" 2>/dev/null; then
       cp "$built"/h5py-*.whl "$kept"/ 2>/dev/null || say "warning: could not keep the h5py wheel in $kept"
     fi
     rm -rf "$cfg" "$built"
   fi
 fi
-"$venv/bin/python" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' ||
+h5py_mpi ||
   die "h5py is not built against parallel HDF5 (h5py.get_config().mpi is False).
   Fix: make sure mpicc and a parallel HDF5 (libhdf5-openmpi-dev, or HDF5_DIR) are visible, then
   GRIDLM_FORCE_SETUP=1 launch/setup.sh"

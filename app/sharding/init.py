@@ -39,19 +39,9 @@ def new_param(meta: ParamMeta, device: torch.device | None = None) -> nn.Paramet
     return p
 
 
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
-
 def _mix_(z: torch.Tensor, t: torch.Tensor) -> None:
-    """`_mix` in place on `z` (int64), with `t` (its size) as scratch: no allocation per pass."""
+    """SplitMix64's finaliser in place on `z` (int64, wrap-around multiply), with `t` (its size) as
+    scratch: no allocation per pass. Right shifts are masked: torch's >> is arithmetic."""
     for k, mul in ((30, _MIX1), (27, _MIX2), (31, 0)):
         torch.bitwise_right_shift(z, k, out=t)
         z.bitwise_xor_(t.bitwise_and_((1 << (64 - k)) - 1))
@@ -62,7 +52,8 @@ def _mix_(z: torch.Tensor, t: torch.Tensor) -> None:
 def _key(seed: int, name: str) -> int:
     """64-bit stream key of one parameter: depends on its name and the seed, never the rank."""
     z = torch.tensor([(seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)], dtype=torch.int64)
-    return int(_mix(z * _GAMMA)[0])
+    _mix_(z.mul_(_GAMMA), torch.empty_like(z))
+    return int(z[0])
 
 
 def _uniform_(key: int, counters: torch.Tensor, z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
