@@ -1198,16 +1198,26 @@ def agree_read(rt: Runtime, path: Path, error: Optional[BaseException], op: str)
     """Agree on a read of `path` that may have failed on some ranks (`error`: this rank's): an I/O
     error on any rank (a truncated file, EIO) is a CheckpointError naming it on every rank, before any
     rank goes on to a collective call alone; another exception is a bug, raised with its traceback
-    (after the agreement, so that its peers end too)."""
-    problem = None
+    on its rank (after the agreement, so that its peers end too) and named as an internal error on
+    the others, without the advice for a damaged file (as `stages.abandon` names a save's bug)."""
+    problem: Optional[tuple[str, bool]] = None  # (what happened, whether it is a bug)
     if error is not None:
-        code = getattr(error, "errno", None)
-        problem = f"{describe_failure(getattr(error, 'strerror', None) or str(error), code)} ({error})"
+        if isinstance(error, (OSError, GridlmError)):
+            code = getattr(error, "errno", None)
+            problem = (f"{describe_failure(getattr(error, 'strerror', None) or str(error), code)} ({error})", False)
+        else:
+            problem = (f"{type(error).__name__}: {error}", True)
     failed = failures(rt, problem, op)  # agreed first: no rank goes on to the next collective call alone
-    if error is not None and not isinstance(error, (OSError, GridlmError)):
-        raise error
+    if problem is not None and problem[1]:
+        raise error  # type: ignore[misc]
     if failed:
-        raise CheckpointError(f"cannot read checkpoint {path} on rank {failed[0][0]}: {failed[0][1]}; {CORRUPT}")
+        rank, (text, bug) = failed[0]
+        if bug:
+            raise CheckpointError(
+                f"cannot read checkpoint {path}: internal error on rank {rank}: {text} (a bug in gridlm, not a "
+                f"fault of the file: rank {rank} prints its traceback)"
+            )
+        raise CheckpointError(f"cannot read checkpoint {path} on rank {rank}: {text}; {CORRUPT}")
 
 
 def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
