@@ -347,3 +347,32 @@ def test_the_cp_memory_benchmark_measures_activations_against_the_plan(tmp_path)
     assert all(abs(r["activation_error"]) < 0.15 and r["peak_rss"] > 0 for r in rows.values()), rows
     assert rows[2]["activation_bytes"] == pytest.approx(rows[1]["activation_bytes"] / 2, rel=0.15)
     assert "| 2 |" in (tmp_path / "table.md").read_text()
+
+
+def test_the_read_pattern_benchmark_tiles_the_file_in_each_order_and_times_all_three(tmp_path, capsys):
+    """benchmarks/read_pattern_bench.py: each order's readers together read every byte of the file
+    once (one stream, contiguous ranges, interleaved pieces, the last piece short), and a short run
+    on a small file prints one row per order with its time and GB/s; bad counts are refused."""
+    import read_pattern_bench as bench
+
+    size, procs, piece = 10 * 1024 + 7, 3, 1024
+    for order in ("one stream", "contiguous ranges", "interleaved pieces"):
+        plan = bench.ranges(size, order, procs, piece)
+        assert len(plan) == (1 if order == "one stream" else procs)
+        covered = sorted(r for mine in plan for r in mine)
+        assert covered[0][0] == 0 and sum(n for _, n in covered) == size, order
+        assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:])), order  # no gap, no overlap
+    assert bench.ranges(size, "interleaved pieces", procs, piece)[1][0] == (piece, piece)  # reader 1: piece 1 first
+
+    assert (
+        bench.main(["--size-mb", "2", "--procs", "2", "--piece-mb", "0.25", "--repeats", "1", "--dir", str(tmp_path)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "order" not in line]
+    assert [r[1].strip() for r in rows] == ["one stream", "contiguous ranges", "interleaved pieces"], out
+    assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows), out
+    assert list(tmp_path.iterdir()) == []  # the file it wrote is gone
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--procs", "0"])
+    assert refused.value.code == 2
