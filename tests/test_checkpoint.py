@@ -666,8 +666,10 @@ def test_the_pieces_of_a_shared_read_tile_its_span_on_mib_boundaries(n, itemsize
 def test_shared_reads_group_the_ranks_reading_alike_and_gather_their_pieces(runtime, monkeypatch):
     """shared_reads.plan over real MPI: ranks whose parameter spans are equal form one communicator,
     and of it only the datasets read alike by every member are shared; `gather` fills each member's
-    whole span from the pieces, over several MPI_Allgatherv rounds where a piece is larger than
-    GATHER_BYTES (set to 4 KiB here)."""
+    whole span from the pieces, over several MPI_Allgatherv rounds where the span is larger than
+    GATHER_BYTES (set to 4 KiB here), each round's counts and displacements inside its window of
+    at most GATHER_BYTES (MPI's C ints: a span over 2 GiB gathered with displacements from the
+    span's start failed with MPI_ERR_ARG)."""
     from app.checkpoint import shared_reads
 
     comm, rank = runtime.comm, runtime.rank
@@ -688,9 +690,30 @@ def test_shared_reads_group_the_ranks_reading_alike_and_gather_their_pieces(runt
             values = np.full(2500, -1.0)
             a, b = shares.piece(("model", "w"), values.size, values.itemsize)
             values[a:b] = np.arange(a, b)
+            calls = []
+
+            class Spy:  # the communicator, recording each Allgatherv's buffer, counts and displacements
+                def __init__(self, comm):
+                    self.comm = comm
+
+                def Allgatherv(self, send, recv):
+                    calls.append((len(recv[0]), list(recv[1]), list(recv[2])))
+                    self.comm.Allgatherv(send, recv)
+
+                def Free(self):
+                    self.comm.Free()
+
+            shares.comm = Spy(shares.comm)
             shares.gather(("model", "w"), values)
             if not np.array_equal(values, np.arange(2500.0)):
                 problems.append(f"rank {rank}: the gathered span is not the pieces in order")
+            if len(calls) != -(-values.nbytes // 4096):
+                problems.append(
+                    f"rank {rank}: {len(calls)} Allgatherv calls for {values.nbytes} bytes in 4 KiB windows"
+                )
+            for size, counts, displs in calls:
+                if size > 4096 or any(d < 0 or d + c > size for c, d in zip(counts, displs)):
+                    problems.append(f"rank {rank}: a round outside its window: {size} bytes, {counts}, {displs}")
     finally:
         shares.free()
     _all_ranks_ok(runtime, problems)

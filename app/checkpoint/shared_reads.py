@@ -12,14 +12,15 @@ with no staging buffer.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
-GATHER_BYTES = 1 << 30  # per member per MPI_Allgatherv call (MPI counts are C ints)
+# Bytes of the span per MPI_Allgatherv call: MPI's counts and displacements are C ints, so each
+# call gathers one window of the span, displacements relative to the window's start.
+GATHER_BYTES = 1 << 30
 ALIGN_BYTES = 1 << 20  # piece boundaries on MiB multiples of a span: whole pages, large extents
 
 
@@ -61,13 +62,15 @@ class SharedReads:
             return
         itemsize = values.dtype.itemsize
         cuts = [c * itemsize for c in self.cuts(key, values.size, itemsize)]
-        counts = np.diff(cuts)
         buf = values.reshape(-1).view(np.uint8)
-        for r in range(max(1, math.ceil(int(counts.max()) / GATHER_BYTES))):
-            lo = [min(c + r * GATHER_BYTES, e) for c, e in zip(cuts, cuts[1:])]
-            hi = [min(c + (r + 1) * GATHER_BYTES, e) for c, e in zip(cuts, cuts[1:])]
-            sizes = [h - lo_ for lo_, h in zip(lo, hi)]
-            self.comm.Allgatherv(MPI.IN_PLACE, [buf, sizes, lo, MPI.BYTE])
+        # Window by window of the span (never a displacement past 2^31 - 1: a span of a shard over
+        # 2 GiB, e.g. an embedding at tp 1, failed with MPI_ERR_ARG), each member the part of its
+        # piece inside the window (most none), in place.
+        for w0 in range(0, max(1, buf.size), GATHER_BYTES):
+            w1 = min(w0 + GATHER_BYTES, buf.size)
+            lo = [min(max(c, w0), w1) for c in cuts[:-1]]
+            sizes = [min(max(e, w0), w1) - a for a, e in zip(lo, cuts[1:])]
+            self.comm.Allgatherv(MPI.IN_PLACE, [buf[w0:w1], sizes, [a - w0 for a in lo], MPI.BYTE])
 
     def free(self) -> None:
         if self.comm is not None:
