@@ -298,7 +298,8 @@ class TrainConfig:
     )  # fmt: skip
     max_skipped: int = _key(
         10,
-        "nonfinite skip/rollback: abort after this many consecutive non-finite steps (or rollbacks)",
+        "nonfinite skip/rollback: abort after this many consecutive non-finite steps (or rollbacks without "
+        "training past the bad step)",
         min=1,
         max=MAX_STEPS,
     )

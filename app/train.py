@@ -33,7 +33,7 @@ from app.checkpoint.background import background_writer, describe
 from app.checkpoint.io import Saved
 from app.checkpoint.io import load as load_checkpoint
 from app.checkpoint.io import save as save_checkpoint
-from app.checkpoint.store import checkpoint_dir, read_latest, resolve_resume, step_file
+from app.checkpoint.store import checkpoint_dir, resolve_resume, step_file
 from app.data import GlobalBatchSampler, build_dataset, get_batch
 from app.data.synthetic import SyntheticTokens
 from app.deck import Deck
@@ -354,7 +354,7 @@ class Trainer:
                     return math.inf  # every rank skips: the parameters stay as they are
             norm /= scale
             self.optimizer.step(lr, clip_coefficient(norm, self.deck.optim.grad_clip) / scale)
-            self.guard.updated()
+            self.guard.updated(self.steps_done)
         return norm
 
     def resume(self) -> Optional[dict[str, Any]]:
@@ -367,6 +367,7 @@ class Trainer:
         agree(self.runtime, lambda: checkpoint_read(path, h5py_has_mpi()))
         info = load_checkpoint(self, path)
         self.nonfinite_events = info["nonfinite_events"]
+        self.guard.resumed(info["nonfinite_in_a_row"], info["step"])  # a streak the checkpoint was written in
         self.resumed = info
         g = info["grid"]
         self.runtime.log(
@@ -499,6 +500,7 @@ class Trainer:
         them, or None."""
         deck, rt = self.deck, self.runtime
         every, interrupted = deck.checkpoint.every, None
+        saved_now = False  # the last step's checkpoint started (none yet)
         with StopSignals() as signals:
             while self.steps_done < steps:
                 self._train_step()
@@ -638,14 +640,23 @@ class Trainer:
             f"(non-finite before the rollback)"
         )
 
+    def last_checkpoint(self) -> Optional[Path]:
+        """This job's newest committed checkpoint, the same on every rank: the last `save` that
+        committed, else the checkpoint it resumed from; None before either."""
+        if self.checkpoints:
+            return Path(self.checkpoints[-1]["path"])
+        return None if self.resumed is None else Path(self.resumed["path"])
+
     def _rollback(self) -> None:
-        """train.nonfinite: rollback (every rank): reload the newest committed checkpoint, remember the
-        batch that gave the NaN so that the replay skips it, and cut the metrics back to the
-        checkpoint's step so that no step is recorded twice."""
+        """train.nonfinite: rollback (every rank): reload this job's newest committed checkpoint (its last
+        save, else the one it resumed from), remember the batch that gave the NaN so that the replay
+        skips it, and cut the metrics back to the checkpoint's step so that no step is recorded twice.
+        Never `latest` of another line of the run directory: after a resume from an older file, or
+        with run.resume: none beside an earlier run's checkpoints, that is a later or foreign state."""
         rt, step, what = self.runtime, self.steps_done, self.step_nonfinite
         directory = checkpoint_dir(self.deck)
-        self.finish_save()  # `latest` as the write in flight leaves it
-        path = on_root(rt, lambda: read_latest(directory))
+        self.finish_save()  # the write in flight committed (or failed) first
+        path = self.last_checkpoint()
         if path is None:
             raise NonFiniteError(self.guard.no_checkpoint(step, what, directory))
         self.bad_batches.add(self.batch_start)

@@ -210,8 +210,8 @@ def test_fp16_loss_scale_below_min_loss_scale_aborts(tmp_path):
 # ---- in one job: a NaN on one rank only, rolled back or skipped ---------------------------
 
 
-def _poison(trainer: Any, batch_start: int) -> None:
-    """Make the last rank's loss NaN for the batch starting at sample `batch_start` (its
+def _poison(trainer: Any, *batch_starts: int) -> None:
+    """Make the last rank's loss NaN for the batches starting at samples `batch_starts` (its
     gradients stay finite: only the grid-wide check can tell the other ranks)."""
     real = trainer.forward_backward
     rt = trainer.runtime
@@ -219,7 +219,7 @@ def _poison(trainer: Any, batch_start: int) -> None:
     def forward_backward() -> torch.Tensor:
         start = trainer.sampler.consumed_samples
         loss = real()
-        return loss * math.nan if start == batch_start and rt.rank == rt.world_size - 1 else loss
+        return loss * math.nan if start in batch_starts and rt.rank == rt.world_size - 1 else loss
 
     trainer.forward_backward = forward_backward
 
@@ -267,6 +267,58 @@ def test_a_nan_on_one_rank_is_rolled_back_on_every_rank_and_matches_skipping_the
     assert resumed.steps_done == 6 and resumed.nonfinite_events == 1
     if resumed.run_lock is not None:
         resumed.run_lock.release()
+
+
+@pytest.mark.mpi
+def test_rollback_goes_to_this_jobs_checkpoint_and_a_streak_lasts_until_past_the_bad_step(runtime, shared_tmp, grids):
+    """Three faults found in review (2026-11-30), each in one job of the small deck (8 samples a step):
+    - a job resumed from an older file (step 4, while `latest` names step 8 of the line it left) rolls
+      back to that file, not forward to `latest` (which trained past train.steps = 7, or raised
+      UnboundLocalError when the rollback was its first step);
+    - train.max_skipped counts rollbacks until an update past the bad step: the steps a rollback
+      replays from its checkpoint (every 4 steps) no longer end the streak, so a second bad batch
+      right after the first ends the job (max_skipped = 1) instead of rolling back again;
+    - a job resumed from a checkpoint written inside a streak of skipped steps goes on counting it."""
+    from app.deck import load_deck, resolve_for_world
+    from app.train import Trainer
+
+    base = (*SMALL, "checkpoint.keep=0", "optim.lr=3e-3")
+
+    def job(name: str, *sets: str, poison: tuple[int, ...] = ()) -> Any:
+        deck = load_deck(REPO / TINY, (*base, f"run.dir={shared_tmp / name}", *sets))
+        t = Trainer(resolve_for_world(deck, runtime.world_size), runtime, grids.grid(1, 1, runtime.world_size))
+        _poison(t, *poison)
+        return t
+
+    def run(t: Any) -> Any:
+        try:
+            return t.run()
+        finally:
+            t.close()
+            if t.run_lock is not None:
+                t.run_lock.release()
+
+    run(job("line", "train.steps=8", "checkpoint.every=4"))  # step_4 and step_8; latest names step 8
+    older = shared_tmp / "line" / "checkpoints" / "step_0000004.h5"
+    back = job("line", "train.steps=7", "checkpoint.every=4", f"run.resume={older}", "train.nonfinite=rollback",
+               poison=(5 * 8,))  # fmt: skip
+    summary = run(back)
+    assert back.guard.rollbacks == 1 and summary["rollbacks"] == 1
+    assert back.steps_done == 7  # rolled back to step 4, step 5 again, step 6's batch skipped, step 7
+    assert read_latest(shared_tmp / "line" / "checkpoints").name == "step_0000007.h5"
+
+    streak = job("streak", "train.steps=9", "checkpoint.every=4", "train.nonfinite=rollback", "train.max_skipped=1",
+                 poison=(5 * 8, 6 * 8))  # fmt: skip
+    with pytest.raises(NonFiniteError, match=r"at step 7, after 1 rollbacks without an update in a row"):
+        run(streak)
+    assert streak.guard.rollbacks == 1
+
+    run(job("skips", "train.steps=4", "checkpoint.every=1", "train.nonfinite=skip", "train.max_skipped=2",
+            poison=(2 * 8, 3 * 8)))  # fmt: skip  # steps 3 and 4 skipped: step 4's checkpoint is 2 into a streak
+    resumed = job("skips", "train.steps=6", "checkpoint.every=1", "train.nonfinite=skip", "train.max_skipped=2",
+                  "run.resume=auto", poison=(4 * 8,))  # fmt: skip
+    with pytest.raises(NonFiniteError, match=r"at step 5, after 2 non-finite steps skipped in a row"):
+        run(resumed)
 
 
 def strict_metrics(run_dir: Path) -> list[dict]:
@@ -348,7 +400,7 @@ def test_nonfinite_guard_counts_streaks_and_aborts():
         NonFiniteGuard("abort", 10, "fp16").nonfinite(7, ["loss", "grad_norm"])
     skip = NonFiniteGuard("skip", 2, "fp32")
     assert skip.nonfinite(1, ["loss"]) == skip.nonfinite(2, ["loss"]) == "skip"
-    skip.updated()  # a good step ends the streak
+    skip.updated(3)  # a good step ends the streak
     assert skip.nonfinite(4, ["grad_norm"]) == skip.nonfinite(5, ["grad_norm"]) == "skip"
     with pytest.raises(NonFiniteError, match=r"gradient norm at step 6, after 2 non-finite steps skipped in a row"):
         skip.nonfinite(6, ["grad_norm"])
@@ -358,4 +410,19 @@ def test_nonfinite_guard_counts_streaks_and_aborts():
     with pytest.raises(NonFiniteError, match="after 1 rollbacks without an update in a row"):
         rollback.nonfinite(4, ["loss"])
     assert "bf16" not in rollback.fix()  # only fp16 runs are told to switch precision
+    # A rollback's replay (steps up to the bad one) updates, but only an update past it ends the streak.
+    replayed = NonFiniteGuard("rollback", 1, "fp32")
+    assert replayed.nonfinite(6, ["loss"]) == "rollback"
+    replayed.updated(5)  # step 5 trained again after the rollback to step 4
+    with pytest.raises(NonFiniteError, match="at step 7, after 1 rollbacks without an update in a row"):
+        replayed.nonfinite(7, ["loss"])
+    past = NonFiniteGuard("rollback", 1, "fp32")
+    past.nonfinite(6, ["loss"])
+    past.updated(7)  # step 7 trained, past the bad batch: the streak is over
+    assert past.nonfinite(9, ["loss"]) == "rollback" and past.in_a_row == 1
+    resumed = NonFiniteGuard("skip", 2, "fp32")
+    resumed.resumed(2, 4)  # a checkpoint of step 4 written 2 skipped steps into a streak
+    resumed.updated(4)  # not past step 4
+    with pytest.raises(NonFiniteError, match="after 2 non-finite steps skipped in a row"):
+        resumed.nonfinite(5, ["loss"])
     assert "set checkpoint.every" in rollback.no_checkpoint(3, ["loss"], Path("ckpt"))

@@ -1121,6 +1121,7 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
         "rng_restored": rng is not None,
         "precision": header["precision"],
         "nonfinite_events": int(header.get("nonfinite_events", 0)),  # missing in older files
+        "nonfinite_in_a_row": int(header.get("nonfinite_in_a_row", 0)),
         "seconds": time.perf_counter() - t0,
         "phases": phases.seconds,
         "read_bytes": sum(own_bytes.values()),  # this rank's tensor bytes read from the file (not the RNG rows)

@@ -179,24 +179,33 @@ class NonFiniteGuard:
 
     abort: raise at once (before the update, so nothing of the bad state is checkpointed).
     skip: drop the step; raise when more than `max_skipped` are non-finite in a row.
-    rollback: the trainer reloads the last checkpoint; raise after more than `max_skipped`
-    rollbacks with no parameter update in between. An fp16 overflow (finite loss) is the
-    `LossScaler`'s business, not this one's.
+    rollback: the trainer reloads the job's last checkpoint; raise after more than `max_skipped`
+    rollbacks with no parameter update past the streak's last non-finite step in between (the
+    steps a rollback replays up to it do not end the streak). An fp16 overflow (finite loss) is
+    the `LossScaler`'s business, not this one's.
     """
 
     def __init__(self, policy: str, max_skipped: int, precision: str) -> None:
         self.policy, self.max_skipped, self.precision = policy, max_skipped, precision
         self.events = 0  # non-finite steps so far, resumes included (checkpoint header nonfinite_events)
         self.rollbacks = 0  # this run's
-        self.in_a_row = 0  # non-finite steps (skip) or rollbacks (rollback) since the last update
+        self.in_a_row = 0  # non-finite steps (skip) or rollbacks (rollback) since the last update past them
+        self.bad_step = 0  # the streak's latest non-finite step: only an update after it ends the streak
 
     def fix(self) -> str:
         bf16 = ", or use train.precision: bf16 (fp32's range)" if self.precision == "fp16" else ""
         return f"lower optim.lr or raise optim.warmup_steps{bf16}"
 
-    def updated(self) -> None:
-        """A step updated the parameters: the streak is over."""
-        self.in_a_row = 0
+    def updated(self, step: int) -> None:
+        """Step `step` updated the parameters: the streak is over if that is past its last non-finite
+        step (a rollback replays the steps from its checkpoint up to there: they do not end it)."""
+        if step > self.bad_step:
+            self.in_a_row = 0
+
+    def resumed(self, in_a_row: int, step: int) -> None:
+        """A resume from a checkpoint of `step` written `in_a_row` non-finite steps or rollbacks into
+        a streak (its header's nonfinite_in_a_row): the streak goes on from there."""
+        self.in_a_row, self.bad_step = int(in_a_row), int(step)
 
     def nonfinite(self, step: int, what: list[str]) -> str:
         """Count non-finite step `step` (`what`: keys of NONFINITE_NAMES); returns the action,
@@ -210,6 +219,7 @@ class NonFiniteGuard:
                 f"a bad batch)"
             )
         self.in_a_row += 1
+        self.bad_step = max(self.bad_step, step)
         if self.in_a_row > self.max_skipped:
             streak = "non-finite steps skipped" if self.policy == "skip" else "rollbacks without an update"
             raise NonFiniteError(
