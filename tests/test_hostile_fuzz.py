@@ -222,6 +222,27 @@ def test_any_checkpoint_header_is_refused_or_read(tmp_path_factory, checkpoint, 
         assert outcome == "refused", changes  # a changed header under the writer's digest never loads
 
 
+@pytest.mark.parametrize("version", [True, "model:\n  hidden: -1\n", 2.0, -1, 3])
+def test_a_format_version_of_another_type_or_value_is_one_line_naming_it(tmp_path, checkpoint, version):
+    """Found by a long randomized run of the fuzz test above (2026-11-30): format_version = True (a bool,
+    which equals 1) was read as version 1, its v1 checksums failed and inspect exited 1 calling the data
+    corrupt; a string with newlines came back in a three-line message. Each is now one line naming the
+    value (exit 2), with the advice for a damaged header, and a newer integer version still says to update."""
+    from app.checkpoint.io import HEADER_DIGEST, header_digest, read_header
+
+    path = tmp_path / checkpoint.name
+    shutil.copyfile(checkpoint, path)
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = version
+        f.attrs[HEADER_DIGEST] = header_digest(_attributes(f))  # a consistent rewrite: only the value is wrong
+    with pytest.raises(CheckpointError, match=r"has format version ") as refused:
+        read_header(path)
+    assert repr(version) in str(refused.value) and "\n" not in str(refused.value), refused.value
+    assert ("update gridlm" in str(refused.value)) == (version == 3), refused.value
+    rc, err = _inspect(path)
+    assert rc == 2 and err.startswith("gridlm: ") and err.count("\n") == 1, err
+
+
 def test_a_consistently_rewritten_bad_header_is_refused_by_a_resume(tmp_path, checkpoint):
     """A header whose values were changed and its digest recomputed (not a bit flip: a hand edit, or
     a file of a buggy tool): the resume ends in one line naming the attribute, exit 2, no traceback."""

@@ -734,10 +734,14 @@ def read_header(path: Path) -> dict[str, Any]:
                     f"{path} is incomplete (no 'committed' attribute: copied or renamed during a write); "
                     f"resume from an older checkpoint"
                 )
-            if attrs.get("format_version") not in READABLE_VERSIONS:
+            version = attrs.get("format_version")
+            if type(version) is not int or version not in READABLE_VERSIONS:  # not True (== 1), not 2.0
+                shown = repr(version)
+                newer = type(version) is int and version > max(READABLE_VERSIONS)
                 raise CheckpointError(
-                    f"{path} has format version {attrs.get('format_version')}; this gridlm reads versions "
-                    f"{', '.join(map(str, READABLE_VERSIONS))}: update gridlm"
+                    f"{path} has format version {shown[:80]}{'...' if len(shown) > 80 else ''}; this gridlm reads "
+                    f"versions {', '.join(map(str, READABLE_VERSIONS))}: "
+                    + ("update gridlm" if newer else f"the header is damaged; {CORRUPT}")
                 )
             # Files written before the digest have none: they load as they did.
             if HEADER_DIGEST in attrs and attrs[HEADER_DIGEST] != header_digest(attrs):
