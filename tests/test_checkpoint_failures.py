@@ -43,10 +43,12 @@ WIDE = ("model.vocab_size=256", "model.hidden=128", "model.layers=2")
 # ---- serial: retention, causes, sizes ----------------------------------------------------
 
 
-def _fake(directory: Path, step: int, events: int | None, in_a_row: int = 0) -> Path:
+def _fake(directory: Path, step: int, events: int | None, in_a_row: int = 0, created: str | None = None) -> Path:
     path = step_file(directory, step)
     with h5py.File(path, "w") as f:
         f.attrs["committed"] = True
+        if created is not None:
+            f.attrs["created"] = created
         if events is not None:
             f.attrs["nonfinite_events"] = events
             f.attrs["nonfinite_in_a_row"] = in_a_row
@@ -77,6 +79,29 @@ def test_retention_keeps_the_last_checkpoints_written_before_nonfinite_steps(tmp
         _fake(other, step, None)
     retain(other, keep=1)
     assert [s for s, _ in committed(other)] == [3]
+
+
+def test_retention_keeps_the_checkpoints_written_last_not_the_highest_steps(tmp_path):
+    """Found in review (2026-11-30): an earlier run left steps 400 and 500 in the directory (a new run
+    with run.resume: none, or one resumed from an older file, writes beside them); the new run writes
+    100 (clean), then a NaN is skipped and it writes 200 and 300. With keep = 2 retention ranked by
+    step: it took the stale 500 for the newest, deleted 100 (the last checkpoint before the problem,
+    which must stay) and then 200, keeping one of the run's own files. Ranked by when each was
+    written (the header's `created`), the run keeps 200 and 300, and 100 as the last before its
+    problem; the earlier run's files are the older ones and go."""
+    for step, day in ((400, 1), (500, 2)):
+        _fake(tmp_path, step, 0, 0, created=f"2026-11-{day:02d}T10:00:00+0000")
+    for step, events, minute in ((100, 0, 10), (200, 1, 20), (300, 1, 30)):
+        _fake(tmp_path, step, events, 0, created=f"2026-11-30T10:{minute:02d}:00+0000")
+        retain(tmp_path, keep=2)
+    assert [s for s, _ in committed(tmp_path)] == [100, 200, 300]
+    # The same second (a tiny run): the step decides, as before.
+    same = tmp_path / "same"
+    same.mkdir()
+    for step in (3, 1, 2):
+        _fake(same, step, 0, 0, created="2026-11-30T10:00:00+0000")
+    retain(same, keep=1)
+    assert [s for s, _ in committed(same)] == [2, 3]  # 3 the newest; 2 is what `latest` names
 
 
 def test_io_errors_are_named_from_errno_or_from_the_mpi_and_hdf5_texts():

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 from contextlib import suppress
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -137,27 +138,34 @@ def commit(tmp: Path, final: Path) -> None:
     fsync_path(directory)
 
 
-def health(path: Path) -> tuple[int, int]:
-    """(`nonfinite_events`, `nonfinite_in_a_row`) of a checkpoint: non-finite steps before it in
-    the run, and in the streak it was written in (0: after a normal update). (0, 0) for files
-    without them (older files) or that cannot be read."""
+def facts(path: Path) -> tuple[float, int, int]:
+    """(when it was written, `nonfinite_events`, `nonfinite_in_a_row`) of a checkpoint: the header's
+    `created` time (else the file's mtime: files of older tools), the non-finite steps before it in
+    the run and in the streak it was written in (0: after a normal update; 0 for files without
+    them or that cannot be read)."""
     import h5py
 
+    when = os.stat(path).st_mtime
     try:
         with h5py.File(path, "r") as f:
-            return int(f.attrs.get("nonfinite_events", 0)), int(f.attrs.get("nonfinite_in_a_row", 0))
+            created = f.attrs.get("created")
+            if isinstance(created, bytes):
+                created = created.decode("utf-8", "replace")
+            with suppress(TypeError, ValueError):
+                when = datetime.strptime(created, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+            return when, int(f.attrs.get("nonfinite_events", 0)), int(f.attrs.get("nonfinite_in_a_row", 0))
     except (OSError, ValueError, TypeError):
-        return 0, 0
+        return when, 0, 0
 
 
-def protected(found: list[Path]) -> set[Path]:
-    """Of committed checkpoints (oldest first), the ones retention never deletes because a
-    non-finite step followed them: the last one written before the run's first problem
-    (the newest with no event), and, while a streak of non-finite steps goes on (train.nonfinite:
-    skip or rollback), the last one written before that streak began."""
+def protected(found: list[Path], states: list[tuple[int, int]]) -> set[Path]:
+    """Of committed checkpoints (in the order they were written) and their (`nonfinite_events`,
+    `nonfinite_in_a_row`), the ones retention never deletes because a non-finite step followed
+    them: the last one written before the run's first problem (the newest with no event), and,
+    while a streak of non-finite steps goes on (train.nonfinite: skip or rollback), the last one
+    written before that streak began."""
     if not found:
         return set()
-    states = [health(p) for p in found]
     keep: set[Path] = set()
     if states[-1][0] > 0:  # problems happened: the last checkpoint before the first one
         clean = [p for p, (events, _) in zip(found, states) if events == 0]
@@ -169,18 +177,22 @@ def protected(found: list[Path]) -> set[Path]:
 
 
 def retain(directory: Path, keep: int) -> list[Path]:
-    """Rank 0: delete committed checkpoints beyond the newest `keep` (0 keeps all) and leftover
+    """Rank 0: delete committed checkpoints beyond the `keep` written last (0 keeps all) and leftover
     .tmp files of interrupted writes. Returns what was deleted. Never deleted: the one `latest`
     names, and the `protected` ones (written before a NaN/Inf: to go back to should training
-    have diverged)."""
+    have diverged). Newest means written last (the header's `created`, the step between two of
+    the same second), not the highest step: files of an earlier run with higher steps (after
+    run.resume: none, or a resume from an older file) are older than the run writing now."""
     latest = read_latest(directory)
     doomed = [p for p in directory.glob("step_*.h5.tmp*")]  # and their spare files
     if keep > 0:
-        found = [p for _, p in committed(directory)]
-        older = found[:-keep]
-        if older:
-            spared = protected(found) | {latest}
-            doomed += [p for p in older if p not in spared]
+        found = committed(directory)
+        if len(found) > keep:
+            known = {path: facts(path) for _, path in found}
+            found.sort(key=lambda sp: (known[sp[1]][0], sp[0]))  # written last, last
+            paths = [path for _, path in found]
+            spared = protected(paths, [known[p][1:] for p in paths]) | {latest}
+            doomed += [p for p in paths[:-keep] if p not in spared]
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed
