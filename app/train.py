@@ -470,6 +470,13 @@ class Trainer:
             raise out_of_memory(self, err) from None
 
     def _run(self, steps: int) -> dict[str, Any]:
+        # SIGUSR1 / SIGTERM are recorded from the resume to the end: one that arrives while a large
+        # checkpoint loads stops the run after its first step (with a checkpoint), one during the
+        # last write is moot, and neither kills the rank by the default action mid-way.
+        with StopSignals() as signals:
+            return self._run_recording(steps, signals)
+
+    def _run_recording(self, steps: int, signals: StopSignals) -> dict[str, Any]:
         deck, rt, report = self.deck, self.runtime, self.report
         self.phase = "resume"
         self.resume()
@@ -486,7 +493,7 @@ class Trainer:
             return {"steps": steps, "start_step": start, "resumed_from": self.resumed}
         report.open(start, resumed=self.resumed is not None)
         self.model.train()
-        interrupted = self._train_to(steps)
+        interrupted = self._train_to(steps, signals)
         self._profiled(self.profiler.close())  # the run ended inside the profiled steps
         self.phase = "checkpoint"
         self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
@@ -495,38 +502,37 @@ class Trainer:
         self.phase = "the end of the run"
         return self._finish(interrupted)
 
-    def _train_to(self, steps: int) -> Optional[str]:
-        """The steps up to `steps`, their checkpoints and the stop signals; the signal that stopped
-        them, or None."""
+    def _train_to(self, steps: int, signals: StopSignals) -> Optional[str]:
+        """The steps up to `steps`, their checkpoints and the stop signals (`signals` records them);
+        the signal that stopped them, or None."""
         deck, rt = self.deck, self.runtime
         every, interrupted = deck.checkpoint.every, None
         saved_now = False  # the last step's checkpoint started (none yet)
-        with StopSignals() as signals:
-            while self.steps_done < steps:
-                self._train_step()
-                if self.step_nonfinite and deck.train.nonfinite == "rollback":
-                    self._rollback()
-                    continue
-                step = self.steps_done
-                if self.writer is not None and self.writer.done_everywhere():
-                    self.finish_save()  # the background write ended on every rank: log it now
-                # A skipped step (train.nonfinite: skip, a replayed bad batch) left the state as it was:
-                # finite, so it may be saved (and save refuses anything non-finite anyway).
-                # None: it failed under checkpoint.on_error: continue; a stop or the end saves again.
-                saved_now = bool(every) and step % every == 0 and self.save(f"every {every} steps") is not None
-                received = signals.agreed(rt.comm, rt.watchdog)
-                if received:
-                    interrupted = signal_name(received)
-                    if not self._committed(saved_now):
-                        self.save(interrupted, final=True)
-                    rt.log(
-                        f"gridlm: {interrupted} received: stopped after step {step} of {steps} with a checkpoint; "
-                        f"resubmit the job to continue (run.resume: auto)"
-                    )
-                    break
-            else:
-                if deck.checkpoint.at_exit and not self._committed(saved_now):
-                    self.save("end of training", final=True)
+        while self.steps_done < steps:
+            self._train_step()
+            if self.step_nonfinite and deck.train.nonfinite == "rollback":
+                self._rollback()
+                continue
+            step = self.steps_done
+            if self.writer is not None and self.writer.done_everywhere():
+                self.finish_save()  # the background write ended on every rank: log it now
+            # A skipped step (train.nonfinite: skip, a replayed bad batch) left the state as it was:
+            # finite, so it may be saved (and save refuses anything non-finite anyway).
+            # None: it failed under checkpoint.on_error: continue; a stop or the end saves again.
+            saved_now = bool(every) and step % every == 0 and self.save(f"every {every} steps") is not None
+            received = signals.agreed(rt.comm, rt.watchdog)
+            if received:
+                interrupted = signal_name(received)
+                if not self._committed(saved_now):
+                    self.save(interrupted, final=True)
+                rt.log(
+                    f"gridlm: {interrupted} received: stopped after step {step} of {steps} with a checkpoint; "
+                    f"resubmit the job to continue (run.resume: auto)"
+                )
+                break
+        else:
+            if deck.checkpoint.at_exit and not self._committed(saved_now):
+                self.save("end of training", final=True)
         return interrupted
 
     def _finish(self, interrupted: Optional[str]) -> dict[str, Any]:

@@ -767,6 +767,34 @@ def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_step_with_a_checkp
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after run()
 
 
+@pytest.mark.mpi
+def test_a_stop_signal_while_the_checkpoint_loads_stops_the_run_after_its_first_step(runtime, grids, shared_tmp):
+    """Found in review (2026-11-30): SIGUSR1 and SIGTERM were caught only inside the step loop, so one
+    that arrived during the resume (a large checkpoint loading when the scheduler's warning came) ended
+    the rank by the default action: no checkpoint, no exit 0. Now they are recorded from the resume to
+    the end: the run trains one step, checkpoints it and stops, as after any step."""
+    first = _trainer(grids, shared_tmp, "train.steps=2", "checkpoint.every=2")
+    first.run()
+    first.close()
+    if first.run_lock is not None:
+        first.run_lock.release()
+    trainer = _trainer(grids, shared_tmp, "train.steps=20", "run.resume=auto")
+    resume = trainer.resume
+
+    def resume_then_signal():
+        info = resume()
+        if runtime.rank == runtime.world_size - 1:  # as a scheduler's warning to one rank, mid-load
+            signal.raise_signal(signal.SIGUSR1)
+        return info
+
+    trainer.resume = resume_then_signal
+    summary = trainer.run()
+    assert trainer.resumed is not None and trainer.resumed["step"] == 2
+    assert trainer.steps_done == 3 and summary["interrupted"] == "SIGUSR1"
+    assert read_latest(shared_tmp / "checkpoints") == step_file(shared_tmp / "checkpoints", 3)
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handler is gone after run()
+
+
 def test_sigusr1_through_mpirun_checkpoints_exits_0_and_the_next_job_resumes(tmp_path):
     """What a Slurm job with `--signal=USR1@120` does, with mpirun forwarding the signal."""
     run_dir = tmp_path / "run"
