@@ -6,8 +6,9 @@ PERIOD), spread evenly over the period (slot order by (s + 0.5) / n_k, s = 0 .. 
 by k). Then for i = p * PERIOD + slot, k = owner[slot] and j = p * n_k + (rank of slot among
 k's slots). So
 
-- every PERIOD consecutive samples hold exactly n_k samples of dataset k, and any window of
-  samples is within one sample of proportion per dataset (the slots are spread evenly);
+- every PERIOD consecutive samples hold exactly n_k samples of dataset k, and every prefix of
+  the period is within 1.5 samples of proportion per dataset (the slots are spread evenly; as
+  docs/DATA.md says and tests/test_blend.py checks);
 - each dataset is read in its own sample order (j = 0, 1, 2, ...: its seeded epochs, see
   memmap.py), and no sample of it repeats before all its samples were seen;
 - (k, j) depends only on i and the weights: not on the grid, the rank or the call order. The
