@@ -282,6 +282,33 @@ def test_a_disk_that_fills_up_mid_write_ends_every_rank_cleanly_twenty_times(run
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_an_io_error_behind_a_whole_reservation_is_not_called_a_full_disk(runtime, grids, shared_tmp, monkeypatch):
+    """Found in review (2026-11-30): a failed save whose free space was below the size estimate's slack
+    (`needed`, an upper bound, minus the blocks the .tmp held) was called ENOSPC, "disk full", whatever
+    the error was. Here the whole file is reserved, then another writer fills the disk to 16 KiB free
+    while rank 1 meets EIO in its pwrites: a reserved file cannot run out of space, so the message
+    names the EIO."""
+    with tmpfs(runtime, shared_tmp / "disk") as disk:
+        trainer = _trainer(grids, shared_tmp / "run", f"checkpoint.dir={disk}")
+        train_steps(trainer, 1)
+        good = trainer.save("test").path
+        train_steps(trainer, 1)
+        if runtime.rank == 1:
+
+            def eio(*args):
+                fill(disk, 16 * 1024)  # another job's file, grown under this write
+                raise OSError(errno.EIO, "Input/output error")
+
+            monkeypatch.setattr(checkpoint_io, "pwrite_boxes", eio)
+        message = _raises_everywhere(
+            runtime, CheckpointError, partial(save, trainer, disk), "I/O error (EIO)", "on rank 1", "stays latest"
+        )
+        assert "ENOSPC" not in message and "disk full" not in message, message
+        _all_ranks_ok(runtime, _clean(runtime, disk, good))
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(180)
 def test_a_background_write_that_fails_is_agreed_and_named_when_waited_for(runtime, grids, shared_tmp):
     """checkpoint.async: the disk fills up under the writer thread after its free-space check (no

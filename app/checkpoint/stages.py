@@ -133,10 +133,11 @@ def abandon(
     """Every rank, after `Stages.run` raised `stop`: leave and remove the file together, raise
     the error (module docstring). `keep_blocks`: the metadata is on disk, do not truncate."""
     directory = tmp.parent
-    measured: Optional[tuple[int, int]] = None  # free bytes, bytes the .tmp held, at the failure
+    measured: Optional[tuple[int, int, int]] = None  # free bytes, bytes the .tmp held, its size, at the failure
     if runtime.rank == 0:
         with suppress(OSError):
-            measured = (free_bytes(directory), os.stat(tmp).st_blocks * 512)
+            held = os.stat(tmp)
+            measured = (free_bytes(directory), held.st_blocks * 512, held.st_size)
         with suppress(OSError):
             spare_file(tmp).unlink(missing_ok=True)  # room for the metadata the close writes
             if not keep_blocks:
@@ -190,7 +191,10 @@ def abandon(
             f"{first.error.__name__}: {first.text}"
         ) from None
     cause = describe_failure(first.text, first.errno)
-    if measured is not None and cause != NO_SPACE and measured[0] < needed - measured[1]:
+    # A .tmp whose blocks cover its size was reserved whole (store.reserve): its writes could not
+    # run out of space, whatever is free now (`needed` is an upper bound: its slack is no proof).
+    reserved = measured is not None and measured[1] >= measured[2] > 0
+    if measured is not None and not reserved and cause != NO_SPACE and measured[0] < needed - measured[1]:
         # HDF5 error stacks rarely carry errno: if the rest of the checkpoint no longer fits, that is why.
         cause = f"{NO_SPACE}: disk full, {format_bytes(measured[0])} free (the error said: {cause})"
     raise CheckpointError(
