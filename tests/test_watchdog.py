@@ -242,6 +242,25 @@ def test_lost_peer_is_explained_only_for_communication_failures():
     assert dog.explain(ValueError("a bug")) is None
 
 
+def test_a_lost_peer_is_named_at_the_call_it_broke_not_at_an_earlier_error_the_run_survived():
+    """Found in review (2026-11-30): any exception leaving a watched call was remembered, so after one
+    the run went on from (a failed checkpoint write under checkpoint.on_error: continue), a later lost
+    peer was named at that earlier call and step."""
+    from app.errors import CheckpointError
+
+    dog, _, _ = make_watchdog(60.0)
+    dog.at(step=3)
+    with pytest.raises(CheckpointError), dog.blocking("H5Fclose", "world"):
+        raise CheckpointError("cannot write checkpoint: no space left on device")
+    dog.at(step=9)
+    error = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:28085")
+    with pytest.raises(RuntimeError), dog.blocking("wait for gradient reduction", "dp"):
+        raise error
+    line = dog.explain(error)
+    dog.stop()
+    assert line is not None and "during wait for gradient reduction at step 9" in line, line
+
+
 def test_lost_peer_on_another_node_is_named_by_the_address_in_the_error():
     dog, _, _ = make_watchdog(60.0)
     dog.set_groups({"pp": [0, 1]})

@@ -182,14 +182,15 @@ class Watchdog:
 
     @contextmanager
     def blocking(self, op: str, axis: Optional[str] = None) -> Iterator[None]:
-        """A call that waits for other ranks: watched for the timeout; an exception leaving it
-        (a peer's connection dropped) is remembered for `explain`."""
+        """A call that waits for other ranks: watched for the timeout; a communication failure
+        leaving it (a peer's connection dropped) is remembered for `explain`. Nothing else is: an
+        error the run survived (checkpoint.on_error: continue) must not be named for a later loss."""
         self._open.append((op, axis))
         self._since = time.monotonic()
         try:
             yield
-        except BaseException:
-            if self._failed is None:
+        except BaseException as err:
+            if self._failed is None and is_comm_failure(err):
                 self._failed = (op, axis, self.step, self.micro)
             raise
         finally:
