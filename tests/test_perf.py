@@ -281,6 +281,25 @@ def test_the_search_finds_a_configuration_at_least_as_fast_as_the_published_one(
     assert sum(result.rejected.values()) > 0 and all(result.examples[r] for r in result.rejected)
 
 
+def test_the_best_line_pasted_onto_a_deck_that_sets_dp_plans_the_configuration_it_names():
+    """Found in review (2026-11-30): the search plans every configuration with dp from the world size
+    and a balanced layer split, but its `best:` overrides left both out, so on a deck that sets
+    parallel.dp (gpt_1t, the AxoNN decks) the pasted line was refused (tp x pp x dp not the world)."""
+    import shlex
+
+    from app.plan.dryrun import make_plan
+    from app.plan.machine import load_machine
+    from app.plan.search import search
+
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.dp=4",))
+    machine = load_machine("perlmutter")
+    best = search(deck, 4, machine, top=1, tensor="1d").best[0]
+    words = shlex.split(best.overrides())
+    pasted = load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.dp=4", *words[1::2]))
+    plan = make_plan(pasted, 4, machine)
+    assert plan.predicted is not None and plan.predicted.step_time_s == best.step, best.overrides()
+
+
 def test_search_cli_json_and_its_refusals():
     # 32 GPUs, not the paper's 128: the same search in two thirds of the CPU.
     cmd = [sys.executable, "-m", "app", "inputs/megatron/gpt_7.5b.yaml", "--search", "--world-size", "32", "--json"]

@@ -84,7 +84,11 @@ class Candidate:
         return self.plan.predicted.step_time_s if self.plan and self.plan.predicted else float("inf")
 
     def overrides(self) -> str:
-        return " ".join(f"--set {k}={_text(v)}" for k, v in self.sets.items())
+        """The --set line that plans this configuration from the deck, to paste: its keys, and dp and
+        stage_layers as `_apply` planned them (dp from the world size, a balanced split), which a deck
+        that sets them would otherwise keep (then refused: tp x pp x dp no longer the world size)."""
+        sets = {**self.sets, "parallel.dp": "auto", "parallel.stage_layers": None}
+        return " ".join(f"--set {k}={_text(v)}" for k, v in sets.items())
 
 
 def _text(value: Any) -> str:
