@@ -178,6 +178,24 @@ def test_a_vocabulary_above_65536_ids_is_written_as_uint32(tmp_path):
         prepare([text], str(tmp_path / "u"), "uint16", tokenizer=tok)
 
 
+def test_a_vocabulary_with_a_gap_up_to_id_70000_is_written_as_uint32_not_wrapped(tmp_path):
+    """Found in review (2026-11-30): the vocabulary size was the count of tokens (4 here), so --dtype
+    auto chose uint16 and id 70000 was written as 4464. It is one past the largest id; and an id the
+    chosen dtype cannot hold is refused, not cast."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path / "gap.json"
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "</s>": 2, "b": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    text = write(tmp_path / "a.txt", "a b a b")
+    meta = prepare([text], str(tmp_path / "t"), tokenizer=str(path), eos="</s>")
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70001, meta
+    assert documents(str(tmp_path / "t"))[0].tolist() == [0, 70000, 0, 70000, 2]
+    with pytest.raises(DataError, match="--dtype uint16 holds ids below 65536 but the tokenizer has 70001"):
+        prepare([text], str(tmp_path / "u"), "uint16", tokenizer=str(path), eos="</s>")
+
+
 def test_a_tokenizer_without_a_known_end_token_needs_eos(tmp_path):
     tok = word_level(tmp_path / "tok.json", 10, eos="<|stop|>")
     text = write(tmp_path / "a.txt", "w1 w2")

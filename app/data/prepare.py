@@ -144,6 +144,12 @@ def tokenize_share(
             ids = tok.encode_batch(batch)
             sizes = [len(a) + 1 for a in ids]
             buffer = np.empty(sum(sizes), dtype=DTYPES[dtype])
+            top = max((int(a.max()) for a in ids if len(a)), default=0)
+            if top > np.iinfo(buffer.dtype).max:  # a cast would wrap it silently
+                raise DataError(
+                    f"the tokenizer gave id {top}, which --dtype {dtype} cannot hold (its vocabulary says "
+                    f"{tok.vocab_size} ids); fix: --dtype uint32"
+                )
             at = 0
             for a, n in zip(ids, sizes):
                 buffer[at : at + n - 1] = a

@@ -93,7 +93,10 @@ class HFTokenizer:
                 "tokenizer.json of a model (e.g. from its Hugging Face directory), or --train-tokenizer N"
             ) from None
         self.sha256 = hashlib.sha256(raw).hexdigest()
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # The ids a model must embed: one past the largest, not the count of tokens (a vocabulary
+        # may skip ids; counted, a file of ids up to 70000 was written as uint16 and wrapped).
+        ids = self.tokenizer.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         # eos_id: the id a token file's metadata recorded (prepare may have been given --eos).
         self.eos = eos_id if eos_id is not None else self._find_eos(eos_token)
 
