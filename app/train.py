@@ -40,7 +40,7 @@ from app.deck import Deck
 from app.deck_paths import check_paths
 from app.deck_yaml import dump_yaml
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
-from app.eval import eval_dataset, evaluate
+from app.eval import eval_dataset, evaluate, held_out_note
 from app.metrics.profile import StepProfiler
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo, EvalInfo
@@ -127,6 +127,9 @@ class Trainer:
             self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
         # The held-out data (eval.every, app.eval).
         self.eval_data = agree(runtime, lambda: eval_dataset(deck)) if deck.eval.every or evaluate_only else None
+        note = None if self.eval_data is None else held_out_note(deck, self.eval_data)
+        if note is not None:
+            runtime.log(note)
         if evaluate_only:
             assert self.eval_data is not None
             self.dataset = self.eval_data.dataset  # never trained on: the sampler state of a checkpoint is all it meets

@@ -69,6 +69,28 @@ def test_data_split_keeps_train_and_validation_apart(tmp_path):
     assert whole.num_samples == MemmapTokens(prefix, seq, 257, seed=1, split=0.0).num_samples  # 0 = no split
 
 
+def test_an_evaluation_reading_more_samples_than_the_held_out_windows_is_warned_about(tmp_path):
+    """Found in review (2026-11-30): eval.batches x global_batch samples past the held-out part's windows
+    wrap into another epoch's order, so some windows counted twice in the val loss, and nothing said
+    so. The trainer logs this warning with the numbers and the eval.batches that fits."""
+    from app.eval import HeldOut, held_out_note
+
+    prefix = str(tmp_path / "docs")
+    write_tokens(prefix, documents(40))
+    val = MemmapTokens(prefix, 16, 257, seed=1, split=0.2, part="val")
+    sets = ("data.kind=memmap", f"data.path={prefix}", "data.split=0.2", "model.seq_len=16", "model.vocab_size=257",
+            "train.global_batch=8", "train.micro_batch=2", "eval.every=1")  # fmt: skip
+    fits = val.num_samples // 8
+    assert fits >= 1
+    for batches, warned in ((fits, False), (fits + 1, True)):
+        deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, f"eval.batches={batches}"))
+        note = held_out_note(deck, HeldOut(val, "the val part"))
+        assert (note is not None) == warned, note
+        if warned:
+            assert f"reads {8 * batches:,} samples" in note and f"has {val.num_samples:,} windows" in note, note
+            assert f"{8 * batches - val.num_samples:,} are read twice" in note and f"eval.batches to {fits}" in note
+
+
 def test_data_split_that_leaves_a_part_without_a_window_names_the_key(tmp_path):
     prefix = str(tmp_path / "docs")
     write_tokens(prefix, [[1] * 200, [2] * 3])  # the held-out last document: 4 tokens

@@ -86,6 +86,26 @@ class HeldOut(NamedTuple):
     source: str
 
 
+def held_out_note(deck: Deck, held: HeldOut) -> Optional[str]:
+    """A warning when an evaluation reads more samples (eval.batches x train.global_batch) than the
+    held-out token file has windows: the sample index wraps into another epoch's order, so some
+    windows count twice in the loss; None when every sample is a window of its own (synthetic
+    data has no end)."""
+    if not isinstance(held.dataset, MemmapTokens):
+        return None
+    reads, windows = deck.eval.batches * deck.train.global_batch, held.dataset.num_samples
+    if reads <= windows:
+        return None
+    fit = windows // deck.train.global_batch
+    return (
+        f"gridlm: warning: each evaluation reads {reads:,} samples (eval.batches = {deck.eval.batches} x "
+        f"train.global_batch = {deck.train.global_batch}) but {held.source} has {windows:,} windows of "
+        f"model.seq_len tokens: {reads - windows:,} are read twice and weigh double in the loss; "
+        + (f"lower eval.batches to {fit}" if fit else "hold out more tokens")
+        + " (or hold out more: data.split, eval.path)"
+    )
+
+
 def eval_dataset(deck: Deck) -> HeldOut:
     """The held-out dataset (module docstring); DataError naming the key when there is none."""
     return HeldOut(_held_out_tokens(deck), eval_source(deck))  # eval_source raises if there is none
