@@ -250,3 +250,24 @@ def test_a_token_file_that_names_no_tokenizer_gives_none_and_bytes_decode_any_id
     deck = load_deck(REPO / "inputs/gpt_tiny.yaml", ("data.kind=memmap", f"data.path={prefix}"))
     assert default_tokenizer(deck) is None
     assert ByteTokenizer().decode([104, 300, 256, 105, -1]) == "h\ufffdi\ufffd"
+
+
+def test_eos_names_the_end_token_of_a_tokenizer_that_has_none_of_the_known_ones(tmp_path):
+    """Found in review (2026-11-30): with --tokenizer PATH of a tokenizer without <|endoftext|>, </s>, ...
+    generate refused with "fix: pass --eos TOKEN", an option it did not have. It has it now (as
+    prepare's); without --tokenizer it is refused, naming the fix."""
+    from test_prepare import word_level
+
+    from app.deck import load_deck
+    from app.errors import DataError
+    from app.generate import resolve_tokenizer
+    from app.generate.__main__ import parse_args
+
+    path = word_level(tmp_path / "tok.json", 10, eos="<|stop|>")
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml")
+    with pytest.raises(DataError, match=r"--eos TOKEN"):
+        resolve_tokenizer(path, deck)
+    args = parse_args(["ckpt.h5", "--prompt", "w1", "--tokenizer", path, "--eos", "<|stop|>"])
+    assert resolve_tokenizer(args.tokenizer, deck, args.eos).eos == 11
+    with pytest.raises(DataError, match="pass --tokenizer too"):
+        resolve_tokenizer(None, deck, "<|stop|>")

@@ -131,11 +131,14 @@ def default_tokenizer(deck: Deck) -> Optional[AnyTokenizer]:
     return ByteTokenizer() if meta.get("tokenizer") == "byte" else None
 
 
-def resolve_tokenizer(spec: Optional[str], deck: Deck) -> Optional[AnyTokenizer]:
-    """--tokenizer byte|PATH, else the training data's (`default_tokenizer`); checked against the model's vocabulary."""
+def resolve_tokenizer(spec: Optional[str], deck: Deck, eos: Optional[str] = None) -> Optional[AnyTokenizer]:
+    """--tokenizer byte|PATH (with --eos TOKEN, its end-of-document token), else the training data's
+    (`default_tokenizer`); checked against the model's vocabulary."""
     from app.data.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(spec) if spec is not None else default_tokenizer(deck)
+    if spec is None and eos is not None:
+        raise DataError("--eos names the end-of-document token of a --tokenizer PATH; fix: pass --tokenizer too")
+    tokenizer = load_tokenizer(spec, eos) if spec is not None else default_tokenizer(deck)
     if tokenizer is not None and tokenizer.vocab_size > deck.model.vocab_size:
         raise DataError(
             f"the tokenizer has {tokenizer.vocab_size:,} ids but the model's vocabulary is "

@@ -64,6 +64,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "--tokenizer", metavar="byte|PATH", default=None,
         help="byte, or a tokenizer.json; default: the one the training data was prepared with",
     )  # fmt: skip
+    parser.add_argument(
+        "--eos", metavar="TOKEN", default=None,
+        help="the end-of-document token of a --tokenizer PATH (as prepare's --eos; default: the first of "
+        "<|endoftext|>, </s>, <|end_of_text|>, <eos> it has)",
+    )  # fmt: skip
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-document token")
     parser.add_argument("--json", action="store_true", help="end with one JSON line (ids, text, speed)")
     parser.add_argument(
@@ -90,7 +95,7 @@ def run_generation(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argpar
     from app.generate import Sampling, check_lengths, generate, load_model, resolve_tokenizer, result_line
     from app.runtime.mpi import agree
 
-    tokenizer = agree(runtime, lambda: resolve_tokenizer(args.tokenizer, deck))
+    tokenizer = agree(runtime, lambda: resolve_tokenizer(args.tokenizer, deck, args.eos))
     if args.prompt is not None and tokenizer is None:
         raise DataError(
             "--prompt needs a tokenizer and this checkpoint's training data names none (synthetic data, or its token "
