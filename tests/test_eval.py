@@ -91,6 +91,18 @@ def test_an_evaluation_reading_more_samples_than_the_held_out_windows_is_warned_
             assert f"{8 * batches - val.num_samples:,} are read twice" in note and f"eval.batches to {fits}" in note
 
 
+def test_data_split_holds_out_the_ceiling_of_the_written_fraction_of_the_documents():
+    """Found in review (2026-11-30): ceil(0.07 x 100) in floats is 8 (0.07 x 100 = 7.000000000000001); the
+    docs say ceil(f x D) of the decimal written, 7. Checked against exact decimals for many f and D."""
+    from fractions import Fraction
+
+    for fraction in (0.07, 0.1, 0.05, 0.2, 0.01, 0.3, 0.15, 0.29, 0.57):
+        for documents in range(1, 400):
+            offsets = np.arange(documents + 1)
+            held = documents - split_point(offsets, fraction)
+            assert held == -(-Fraction(str(fraction)) * documents // 1), (fraction, documents, held)
+
+
 def test_data_split_that_leaves_a_part_without_a_window_names_the_key(tmp_path):
     prefix = str(tmp_path / "docs")
     write_tokens(prefix, [[1] * 200, [2] * 3])  # the held-out last document: 4 tokens

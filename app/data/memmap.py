@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+from fractions import Fraction
 from typing import Optional
 
 import numpy as np
@@ -100,7 +101,9 @@ def split_point(doc_offsets: np.ndarray, fraction: float) -> int:
     """The first token of the held-out documents: the last ceil(fraction x D) of the D documents
     (at least one when fraction > 0); the number of tokens when fraction is 0."""
     documents = len(doc_offsets) - 1
-    held_out = math.ceil(fraction * documents) if fraction > 0 else 0
+    # On the decimal the deck wrote (0.07 is 7/100, not the float's 0.07000000000000000666): in
+    # floats 0.07 x 100 = 7.000000000000001, whose ceiling held out an 8th document.
+    held_out = math.ceil(Fraction(repr(float(fraction))) * documents) if fraction > 0 else 0
     return int(doc_offsets[documents - min(held_out, documents)])
 
 
