@@ -352,6 +352,18 @@ def index_bytes(draw: st.DrawFn, offsets: np.ndarray) -> bytes:
     return data
 
 
+def test_a_token_index_whose_npy_header_is_cut_is_a_data_error(tmp_path_factory, token_file):
+    """Found by a long randomized run of the fuzz test below (2026-11-30): a .npy header of one byte, "{",
+    made numpy's header parser raise tokenize.TokenError, which the loader let through as a traceback."""
+    from app.errors import DataError
+
+    prefix = _copy_tokens(token_file, tmp_path_factory.mktemp("cut"))
+    good = Path(f"{token_file}.idx.npy").read_bytes()
+    Path(f"{prefix}.idx.npy").write_bytes(b"\x93NUMPY\x01\x00\x01\x00{" + good[128:])
+    with pytest.raises(DataError, match=r"idx\.npy is not a readable \.npy file"):
+        _open_and_sample(prefix)
+
+
 @settings(FUZZ, max_examples=300)
 @given(data=st.data())
 def test_any_token_index_is_refused_or_read(tmp_path_factory, token_file, data):
