@@ -968,3 +968,26 @@ def test_the_dry_run_places_sizes_and_times_context_parallelism_and_the_search_t
     assert {c.get("parallel.cp", 1) for c in tried} == {1, 2, 4, 8}
     short = list(search._configurations(load_deck(REPO / "inputs/gpt_tiny.yaml"), 8, machine, "1d"))
     assert all("parallel.cp" not in c for c in short)  # seq 128: no cp tried
+
+
+def test_the_math_attention_kernel_charges_the_scores_it_keeps_unless_selective_recompute_drops_them():
+    """Found in review (2026-11-30): model.attention_kernel: math (every Megatron-LM deck here) keeps
+    the softmax scores for backward, b (a/t) s^2 of them per layer (with dropout also its mask and the
+    dropped values: 2e + 1 bytes each, the 5as/h term of Korthikanti et al. 2022 at e = 2), and the
+    dry run counted none: gpt_1.7b at micro-batch 4 on Selene planned 46 GiB, "fits", and needs ~91."""
+    base = ("parallel.tp=2", "model.seq_len=256", "model.heads=4", "model.dropout=0.1", "train.micro_batch=2")
+    stages = {
+        kernel: estimate.estimate_stages(
+            resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*base, f"model.attention_kernel={kernel}")), 2)
+        )[0]
+        for kernel in ("auto", "math")
+    }
+    auto, math = stages["auto"], stages["math"]
+    layers = sum(math.layers)
+    scores = 2 * (4 / 2) * 256**2 * (4 + 1 + 4)  # micro-batch 2, 2 heads a tp rank, fp32 with dropout
+    assert math.activations["none"] - auto.activations["none"] == pytest.approx(layers * scores)
+    assert math.activations["selective"] == auto.activations["selective"] == auto.activations["none"]
+    assert math.activations["full"] - auto.activations["full"] == pytest.approx(scores)
+    plan = make_plan(load_deck(REPO / "inputs/megatron/gpt_1.7b.yaml", ("train.recompute=none", "train.micro_batch=4")),
+                     32, load_machine("selene"))  # fmt: skip
+    assert any("does not fit" in p and "train.recompute=selective" in p for p in plan.problems), plan.problems

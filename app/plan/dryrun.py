@@ -325,6 +325,8 @@ def _check_memory(plan: Plan) -> None:
     # What the usual memory switches would give, on the stage that needs the most: each alone, then
     # a ZeRO stage with full recompute (keys: the --set overrides, space-separated).
     options = [(f"optim.zero={z}", z, recompute, offload) for z in (1, 2, 3)]
+    if deck.model.attention_kernel == "math" and recompute == "none":  # the scores it keeps: selective drops them
+        options.append(("train.recompute=selective", zero, "selective", offload))
     options.append(("train.recompute=full", zero, "full", offload))
     if recompute != "full":
         options += [(f"optim.zero={z} train.recompute=full", z, "full", offload) for z in (1, 2, 3) if z > zero]

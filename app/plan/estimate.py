@@ -41,7 +41,9 @@ its all-gathered input under sequence parallelism), the LayerNorm inputs and the
 dropout masks (split over tp only with sequence parallelism, t_sp = t), and Q, K, V, the
 attention output, and the GELU input and output (split over tp). There is no s^2 term:
 torch's scaled_dot_product_attention (flash / memory-efficient kernels) keeps only its
-output and the log-sum-exp, so selective recomputation saves little here. Full
+output and the log-sum-exp, so selective recomputation saves little here — except with
+model.attention_kernel: math (the Megatron-LM decks), which keeps the scores: b (a/t) s^2
+(e + 1 + e with dropout) more per layer, which selective recomputation drops (`score_bytes`). Full
 recomputation keeps only each block's input (s b h e / t_sp) plus one block's working set
 during its backward. Under 3D tensor parallelism (x, y, z) a rank's micro-batch is its own
 (the batch is split over dp x z), the first three terms are split over x (the residual
@@ -409,6 +411,19 @@ def layer_activation_bytes(
     return sbh * (2 * e + (2 * e + 2) / t_sp + (attention + mlp(m.ffn)) * e / t)
 
 
+def score_bytes(m: ModelConfig, micro_batch: int, heads_split: int, element: int, cp: int = 1) -> float:
+    """model.attention_kernel: math keeps the attention scores for backward, per layer and
+    micro-batch: b (a / heads_split) s^2 of the softmax output (e bytes each) and, with dropout,
+    its mask (1) and the dropped probabilities (e): Korthikanti et al. 2022's 5 a s / h term at
+    e = 2. The flash / memory-efficient kernels keep none (module docstring); selective
+    recomputation re-runs the attention core and keeps none either. Under context parallelism the
+    ring computes its blocks itself: not counted."""
+    if m.attention_kernel != "math" or cp > 1:
+        return 0.0
+    per_score = element + (1 + element if m.dropout > 0 else 0)
+    return micro_batch * (m.heads / heads_split) * m.seq_len**2 * per_score
+
+
 def gathered_block_bytes(
     m: ModelConfig, tensor: Tensor3DShape, element: int, ors: bool = False, oag: bool = False
 ) -> float:
@@ -583,6 +598,7 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
     micro = deck.num_micro_batches
     tensor = par.tensor3d
     per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e, tensor, par.cp)
+    scores = score_bytes(m, tr.micro_batch, tp if tensor is None else tensor[1], e, par.cp)  # math kernel only
     block = block_params(m, tp, tensor, par.ep)
     experts = block_expert_params(m, par.ep)
     seq = m.seq_len // par.cp  # context parallelism: this rank's positions, and 1/cp of the (balanced) work
@@ -667,10 +683,10 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
             m, tensor, e, par.overlap_tensor_reduce_scatter, par.overlap_tensor_all_gather
         )
         activations = {
-            "none": held * per_layer + head,
+            "none": held * (per_layer + scores) + head,
             "selective": held * per_layer + head,
             # Kept block inputs, plus one block's activations while its backward recomputes it.
-            "full": held * block_input + per_layer + head,
+            "full": held * block_input + per_layer + scores + head,
         }
         memory = buffers(sum(mine), first, last)
         stages.append(
