@@ -19,6 +19,7 @@ with status 2.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shlex
@@ -35,12 +36,14 @@ if str(REPO) not in sys.path:  # `python launch/submit.py` puts launch/, not the
 
 from app.deck import Deck, load_deck, resolve_for_world  # noqa: E402
 from app.errors import GridlmError  # noqa: E402
-from app.plan.dryrun import make_plan  # noqa: E402
+from app.plan.dryrun import Plan, checkpoint_time, make_plan  # noqa: E402
 from app.plan.estimate import checkpoint_bytes  # noqa: E402
 from app.plan.machine import MACHINES_DIR, Machine, load_machine, machine_names, machine_path  # noqa: E402
 
 JOBS_DIR = REPO / "launch" / "jobs"
-SIGNAL_LEAD_S = 120  # SIGUSR1 this long before the time limit (rendered into the templates as {{signal_lead_s}})
+# SIGUSR1 at least this long before the time limit (rendered into the templates as {{signal_lead_s}});
+# longer where the dry run predicts a step and a checkpoint that need more (`signal_lead`).
+SIGNAL_LEAD_S = 120
 PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # Values that go into #SBATCH/#PBS lines: no spaces, quotes or shell syntax that could end the line.
 DIRECTIVE_VALUE = re.compile(r"^[^\s'\"`\\$;]+$")
@@ -69,7 +72,18 @@ def check_plan(deck: Deck, world_size: int, machine: Machine) -> list[str]:
     return make_plan(deck, world_size, machine).problems
 
 
-def parse_time(text: str, scheduler: str) -> int:
+def signal_lead(plan: Plan) -> int:
+    """Seconds before the time limit that SIGUSR1 comes: SIGNAL_LEAD_S, or more where the dry run
+    predicts it: the ranks finish the step the signal falls in, then write a checkpoint, so the
+    lead holds a step, twice the checkpoint's least time (its bytes at the file system's rate) and
+    a minute. (A fixed 120 s was shorter than gpt_1t's predicted 195 s step on Frontier: the time
+    limit's kill came before the checkpoint.)"""
+    step = plan.predicted.step_time_s if plan.predicted is not None else 0.0
+    save = checkpoint_time(plan).get("save_s") or 0.0
+    return max(SIGNAL_LEAD_S, math.ceil(step + 2 * save + 60))
+
+
+def parse_time(text: str, scheduler: str, lead: int = SIGNAL_LEAD_S) -> int:
     """Seconds in HH:MM:SS (any scheduler) or D-HH:MM:SS (Slurm); SubmitError otherwise."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)", text.strip())
     forms = "HH:MM:SS or D-HH:MM:SS" if scheduler == "slurm" else "HH:MM:SS (hours may exceed 24)"
@@ -82,10 +96,8 @@ def parse_time(text: str, scheduler: str) -> int:
         if hours > 23:
             raise SubmitError(f"--time {text!r}: with days, hours must be 00-23")
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    if total <= SIGNAL_LEAD_S:
-        raise SubmitError(
-            f"--time {text!r}: must be longer than {SIGNAL_LEAD_S} s, the checkpoint warning before the limit"
-        )
+    if total <= lead:
+        raise SubmitError(f"--time {text!r}: must be longer than {lead} s, the checkpoint warning before the limit")
     return total
 
 
@@ -155,7 +167,8 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
         raise SubmitError(f"--nodes {args.nodes}: must be >= 1")
     world = args.nodes * machine.devices_per_node
     deck = resolve_for_world(deck, world)
-    problems = check_plan(deck, world, machine)
+    plan = make_plan(deck, world, machine)
+    problems = plan.problems
     if problems and not args.force:
         raise SubmitError(
             f"the plan for {world} ranks on {machine.name} has problems: "
@@ -168,7 +181,16 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
     time_text = args.time or machine.defaults.get("time")
     if not time_text:
         raise SubmitError(f"no --time and machine file {machine.path} has no defaults.time; e.g. --time 02:00:00")
-    seconds = parse_time(str(time_text), machine.scheduler)
+    lead = signal_lead(plan)
+    seconds = parse_time(str(time_text), machine.scheduler, lead)
+    if lead > SIGNAL_LEAD_S:
+        print(
+            f"submit: note: SIGUSR1 comes {lead} s before the time limit: the step it falls in (predicted "
+            f"{plan.predicted.step_time_s:.0f} s) and a checkpoint must end before it"
+            if plan.predicted is not None
+            else f"submit: note: SIGUSR1 comes {lead} s before the time limit",
+            file=sys.stderr,
+        )
     job_name = args.job_name or default_job_name(deck_path)
     if not JOB_NAME.match(job_name):
         raise SubmitError(f"--job-name {job_name!r}: a letter, then letters, digits or _ . + -")
@@ -201,7 +223,7 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
         "threads": str(max(1, machine.cpu_cores_per_node // machine.devices_per_node)),
         "time": str(time_text),
         "time_seconds": str(seconds),
-        "signal_lead_s": str(SIGNAL_LEAD_S),
+        "signal_lead_s": str(lead),
         "output": output,
         "directives": directives,
         "repo": shlex.quote(str(REPO)),
@@ -262,7 +284,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument(
         "--time",
         help="time limit, HH:MM:SS (Slurm also D-HH:MM:SS); default: the machine's defaults.time. "
-        f"SIGUSR1 comes {SIGNAL_LEAD_S} s before it: the ranks checkpoint and exit 0",
+        f"SIGUSR1 comes {SIGNAL_LEAD_S} s before it (more where the dry run predicts a longer step and "
+        "checkpoint): the ranks checkpoint and exit 0",
     )
     p.add_argument("--account", help="account/project to charge (#SBATCH --account, #PBS -A)")
     p.add_argument("--partition", help="Slurm partition (default: the machine's)")

@@ -428,3 +428,27 @@ def test_gridlm_stripe_runs_lfs_setstripe_with_the_options_or_leaves_the_layout(
         assert "its file system's layout" in stripe(args, env)
     assert len(calls.read_text().splitlines()) == 2  # neither called lfs
     assert "no lfs command" in stripe("-c 8", {}, with_lfs=False)
+
+
+def test_the_signal_comes_early_enough_for_the_predicted_step_and_checkpoint(tmp_path, monkeypatch, capsys):
+    """Found in review (2026-11-30): SIGUSR1 came a fixed 120 s before the limit, but gpt_1t's step on 384
+    Frontier nodes is predicted at ~195 s: the ranks, which stop after the step the signal falls in,
+    were killed by the limit before their checkpoint. The lead now holds the predicted step, twice the
+    checkpoint's least time and a minute (gpt_tiny's stays 120 s: the test above)."""
+    from app.deck import load_deck, resolve_for_world
+    from app.plan.dryrun import checkpoint_time, make_plan
+
+    monkeypatch.chdir(tmp_path)
+    machine = load_machine("frontier")
+    plan = make_plan(resolve_for_world(load_deck(REPO / "inputs/gpt_1t.yaml"), 3072), 3072, machine)
+    step, save = plan.predicted.step_time_s, checkpoint_time(plan)["save_s"]
+    assert step > 120  # the case the fixed lead failed
+    lead = submit.signal_lead(plan)
+    assert lead >= step + 2 * save + 60 and lead < step + 2 * save + 62
+    out = tmp_path / "f.sh"
+    args = [str(REPO / "inputs/gpt_1t.yaml"), "--machine", "frontier", "--nodes", "384", "--out", str(out)]
+    assert submit.main(args) == 0
+    assert f"#SBATCH --signal=B:USR1@{lead}\n" in out.read_text()
+    assert f"SIGUSR1 comes {lead} s before the time limit" in capsys.readouterr().err
+    assert submit.main([*args, "--time", "00:04:00"]) == 2
+    assert f"must be longer than {lead} s" in capsys.readouterr().err
