@@ -10,5 +10,6 @@ if [ $# -lt 1 ]; then
 fi
 "$here/setup.sh"
 source "$here/env.sh"
-cd "$repo"
+# In the caller's directory: the deck's path and a relative run.dir mean there what they mean to
+# `python -m app` (gridlm is installed in the venv, importable from anywhere).
 exec mpirun -n "${RANKS:-4}" python -m app "$@"
