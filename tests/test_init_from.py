@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import grid_trainer, read_metrics, run_app, settle, train_steps
+from conftest import REPO, grid_trainer, read_metrics, run_app, settle, train_steps
 
 VOCAB, SEQ, BATCH, HIDDEN, LAYERS, HEADS = 128, 32, 8, 64, 2, 4
 DECK_MODEL = {
@@ -190,6 +190,24 @@ def test_a_model_that_is_not_the_decks_is_refused_with_the_keys_that_fix_it(data
     assert out.returncode == 2 and "safe_serialization=True" in out.stderr, out.stderr
     out = run_app(1, "inputs/gpt_tiny.yaml", *base_sets(tmp_path / "nothing", prefix, tmp_path / "r2", "llama"))
     assert out.returncode == 2 and "run.init_from" in out.stderr and "no config.json there" in out.stderr, out.stderr
+
+
+def test_a_stale_shard_index_beside_model_safetensors_is_not_read(tmp_path):
+    """Found in review (2026-11-30): an export --force into a directory of an earlier sharded model left its
+    model.safetensors.index.json, which the import read before model.safetensors (the stale shards);
+    transformers' from_pretrained takes model.safetensors first, and so does the import now."""
+    import json
+
+    from app.checkpoint.hf_import import HFWeights
+    from app.deck import load_deck
+
+    save_hf("gpt2", tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"transformer.wte.weight": "stale-00001-of-00001.safetensors"}})
+    )
+    sets = [s for s in base_sets(tmp_path, tmp_path / "data", tmp_path / "run", "gpt2") if s != "--set"]
+    weights = HFWeights(tmp_path, load_deck(REPO / "inputs/gpt_tiny.yaml", tuple(sets)).model)
+    assert set(weights.files.values()) == {tmp_path / "model.safetensors"}
 
 
 def test_import_places_each_tensor_where_export_takes_it_from():

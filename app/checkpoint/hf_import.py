@@ -118,8 +118,10 @@ class HFWeights:
         """HF tensor name -> the safetensors file holding it."""
         from safetensors import safe_open
 
+        # model.safetensors first, as transformers' from_pretrained takes it: an index beside it is
+        # an earlier sharded model's (an export --force into its directory), not this one's.
         index = self.directory / INDEX
-        if index.is_file():
+        if index.is_file() and not (self.directory / WEIGHTS).is_file():
             index_json = read_json(
                 index, INDEX, lambda why: _fail(self.directory, f"{INDEX}: {why}"), "", MAX_JSON_BYTES
             )
