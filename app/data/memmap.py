@@ -144,9 +144,7 @@ class MemmapTokens:
             raise DataError(f"data file {idx_path} does not exist; {FIX_PREPARE}")
         try:
             idx = np.load(idx_path, allow_pickle=False, mmap_mode="r")  # a huge file is not read whole
-        except (
-            Exception
-        ) as e:  # an untrusted header: EOFError (empty), ValueError, tokenize's TokenError (a cut dict), ...
+        except Exception as e:  # an untrusted header: EOFError, ValueError, tokenize's TokenError (a cut dict)
             raise DataError(
                 f"data file {idx_path} is not a readable .npy file ({type(e).__name__}: {e}); {FIX_PREPARE} again"
             ) from e
