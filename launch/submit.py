@@ -134,10 +134,12 @@ def scheduler_options(args: argparse.Namespace, machine: Machine) -> dict[str, s
     for key, (schedulers, _) in SCHEDULER_OPTIONS.items():
         given = getattr(args, key)
         value = given if given is not None else machine.defaults.get(key)
+        where = f"--{key}" if given is not None else f"machine file {machine.path}: defaults.{key}"
+        if isinstance(value, dict):  # {name: most nodes}, in order: the first that takes the job (PBS queues)
+            value = by_nodes(value, args.nodes, where)
         if value is None or value == "":
             continue
         value = str(value)
-        where = f"--{key}" if given is not None else f"machine file {machine.path}: defaults.{key}"
         if machine.scheduler not in schedulers:
             hint = "--partition, --qos, --constraint" if machine.scheduler == "slurm" else "--queue, --filesystems"
             raise SubmitError(f"{where}: not a {machine.scheduler} option (machine {machine.name}); use {hint}")
@@ -145,6 +147,21 @@ def scheduler_options(args: argparse.Namespace, machine: Machine) -> dict[str, s
             raise SubmitError(f"{where} = {value!r}: no spaces, quotes, '$', ';' or backslashes")
         options[key] = value
     return options
+
+
+def by_nodes(choices: dict, nodes: int, where: str) -> str:
+    """The first of `choices` ({value: most nodes}, in the machine file's order) that takes `nodes`
+    nodes: a site whose queues go by job size (Polaris: debug up to 2 nodes, debug-scaling up to 10,
+    prod above). A fixed prod queue was asked for by 2-node jobs, which the site refuses."""
+    for value, most in choices.items():
+        if type(most) is not int or most < 1:
+            raise SubmitError(f"{where}: {value} = {most!r}: the most nodes it takes, an integer >= 1")
+        if nodes <= most:
+            return str(value)
+    raise SubmitError(
+        f"{where}: no queue takes {nodes} nodes ({', '.join(f'{v} up to {m}' for v, m in choices.items())}); "
+        f"pass one with --{where.rsplit('.', 1)[-1]}"
+    )
 
 
 def default_job_name(deck_path: Path) -> str:

@@ -110,6 +110,22 @@ def test_polaris_pbs_header(tmp_path, monkeypatch, capsys):
     assert "#SBATCH" not in text
 
 
+@pytest.mark.parametrize("nodes, queue", [(1, "debug"), (2, "debug"), (3, "debug-scaling"), (10, "debug-scaling"),
+                                          (11, "prod"), (496, "prod")])  # fmt: skip
+def test_polaris_takes_the_queue_that_fits_the_node_count(tmp_path, monkeypatch, capsys, nodes, queue):
+    """Found in review (2026-11-30): every Polaris script asked for `prod`, which takes 10+ nodes. The
+    machine file maps each queue to the most nodes it takes; --queue still names one."""
+    text = write_script(tmp_path, monkeypatch, capsys, "polaris", nodes)
+    assert f"#PBS -q {queue}\n" in text
+
+
+def test_a_queue_by_node_count_refuses_a_job_no_queue_takes(tmp_path, monkeypatch, capsys):
+    args = ("--machine", "polaris", "--nodes", "497", "--set", f"train.global_batch={4 * 4 * 497}")
+    err = expect_error(tmp_path, monkeypatch, capsys, *args)
+    assert "defaults.queue: no queue takes 497 nodes (debug up to 2, debug-scaling up to 10, prod up to 496)" in err
+    assert "pass one with --queue" in err
+
+
 def test_local_script_is_the_one_the_slurm_test_runs(tmp_path, monkeypatch, capsys):
     out = tmp_path / "job.sh"
     status, stdout, err = run_submit(
@@ -395,6 +411,8 @@ def test_job_scripts_stripe_the_checkpoint_directory_by_the_sites_rule(
     monkeypatch.chdir(REPO)
     out = tmp_path / "job.sh"
     sets = ["--set", "train.global_batch=32"] if "tiny" in deck else []  # a batch for dp 8
+    if machine == "polaris" and nodes > 496:  # more than its queues take by node count: name one
+        sets += ["--queue", "prod"]
     assert submit.main([deck, "--machine", machine, "--nodes", str(nodes), "--out", str(out), "--force", *sets]) == 0
     lines = [line.split() for line in out.read_text().splitlines() if line.startswith("gridlm_stripe ")]
     checkpoints = REPO / "runs" / Path(deck).stem / "checkpoints"
