@@ -557,6 +557,9 @@ class ShardedOptimizer:
         sums = views.norms.sum_squares().view(2, n)
         if views.replicas is not None:  # summed over dp as well (`norm_axes`): each copy counted 1 / replicas
             sums = sums / views.replicas
+        # optim.offload: host sums its masters on the host, and a CUDA run's groups are nccl's alone,
+        # which take device tensors only: the 2n sums cross to the device for the all-reduce.
+        sums = sums.to(dp.device)
         self.grid.all_reduce(sums, tuple(a for a in norm_axes(dp) if a != "pp"))
         w_norm, u_norm = sums.sqrt()
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-300), torch.ones_like(w_norm))
