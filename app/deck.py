@@ -414,8 +414,9 @@ class RunConfig:
     log_every: int = _key(10, "log a metrics line every N steps (and the last step)", min=1, max=MAX_STEPS)
     device: str = _key("auto", "auto = a GPU per rank when present, else CPU", choices=("auto", "cpu", "cuda"))
     peak_tflops: Optional[float] = _key(
-        None, "peak TFLOP/s per rank for MFU when the device is not in the peak table (e.g. a CPU)", min=0.0, max=1e6
-    )
+        None, "peak TFLOP/s per rank for MFU when the device is not in the peak table (e.g. a CPU)", min=0.0,
+        exclusive_min=True, max=1e6,
+    )  # fmt: skip
     timing_warmup: int = _key(2, "first steps left out of the mean step time", min=0, max=MAX_STEPS)
     timers: bool = _key(True, "time forward, backward, optimizer and (exposed) communication per axis, every step")
     profile: int = _key(
@@ -789,6 +790,8 @@ def _validate(deck: Deck) -> None:
         )
     if opt.min_lr > opt.lr:
         raise DeckError("optim.min_lr", opt.min_lr, f"must be <= optim.lr = {opt.lr}")
+    if tr.precision == "fp16" and tr.min_loss_scale > tr.loss_scale:  # the first overflow would read as divergence
+        raise DeckError("train.min_loss_scale", tr.min_loss_scale, f"must be <= train.loss_scale = {tr.loss_scale:g}")
     if opt.offload == "nvme" and opt.name == "lamb":
         raise DeckError(
             "optim.offload", opt.offload, "nvme streams the state once per step, and LAMB's trust ratio needs two "

@@ -621,3 +621,19 @@ def test_context_parallelism_takes_its_ranks_from_the_world_and_refuses_what_it_
     assert load_deck(TINY, ("parallel.cp=2", "model.seq_len=16", "model.dropout=0.1")).model.dropout == 0.1
     assert load_deck(TINY, ("parallel.cp=2", "model.seq_len=16", "train.goldfish_k=4")).train.goldfish_k == 4
     assert load_deck(TINY, ("parallel.cp=2", "model.seq_len=16", "model.moe_experts=4")).model.moe_experts == 4
+
+
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (("run.peak_tflops=0",), "run.peak_tflops"),  # MFU divides by it: a ZeroDivisionError at the first log
+        (("train.precision=fp16", "train.min_loss_scale=1e6"), "train.min_loss_scale"),  # above loss_scale 65536
+    ],
+)
+def test_values_that_failed_at_run_time_are_refused_at_load(sets, key):
+    """Found in review (2026-11-30): run.peak_tflops = 0 passed the deck and crashed the run at its first
+    logged step (MFU = TFLOP/s / 0); a min_loss_scale above the initial loss scale made the first fp16
+    overflow abort as 'training has diverged'. Both are deck errors naming the key now."""
+    with pytest.raises(DeckError) as refused:
+        load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
+    assert refused.value.key == key

@@ -30,6 +30,7 @@ def test_an_address_of_this_host_is_taken():
         ("127.0.0.1", 2, "is a loopback address, but the job spans 2 nodes"),
         ("192.0.2.1", 1, "is not an address of rank 0's node n1"),  # TEST-NET-1: nobody's
         ("no-such-host.invalid", 1, "does not resolve on rank 0's node n1"),
+        ("a..b", 1, "does not resolve on rank 0's node n1"),  # an empty label: UnicodeError, was a traceback
     ],
 )
 def test_an_address_the_other_ranks_cannot_use_is_refused_with_the_fix(value, nodes, words):

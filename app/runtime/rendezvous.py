@@ -45,7 +45,7 @@ def choose_host(env_value: Optional[str], nodes: int, hostname: str) -> StoreHos
     value = env_value.strip()
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(value, None, type=socket.SOCK_STREAM)}
-    except OSError as err:
+    except (OSError, UnicodeError) as err:  # UnicodeError: a name with an empty or over-long label (a..b)
         raise LaunchError(f"{ENV}={value} does not resolve on rank 0's node {hostname} ({err}); {FIX}") from None
     if nodes > 1 and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
         raise LaunchError(
