@@ -482,6 +482,17 @@ def test_check_paths_accepts_a_new_run_dir_and_creates_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["tb", "profile.txt", "metrics.jsonl.tmp"])
+def test_check_paths_refuses_a_symlink_where_tensorboard_profile_or_the_metrics_rewrite_write(tmp_path, name):
+    """Found in review (2026-11-30): the guard listed `tensorboard`, but TensorBoard writes `<run.dir>/tb`,
+    and profile.txt was not listed: a link planted there was written through."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(DeckError, match=f"holds {run / name}, a symbolic link"):
+        check_paths(paths_deck(tmp_path))
+
+
 def test_check_paths_device_file():
     with pytest.raises(DeckError) as err:
         check_paths(load_deck(TINY, ("run.dir=/dev/null",)))

@@ -70,7 +70,10 @@ class MetricsWriter:
                         kept.append(line + "\n")
                 except (ValueError, KeyError, TypeError):
                     break  # a torn last line of a killed run
-        self.path.write_text("".join(kept))
+        # Beside it, then renamed over it: a job killed here (a time limit) keeps the earlier jobs' records.
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
