@@ -1080,10 +1080,11 @@ def resolve_for_world(deck: Deck, world_size: int) -> Deck:
     micro = tr.global_batch // (tr.micro_batch * dp * z)
     if par.virtual_stages > 1 and micro % par.pp:
         # Interleaving walks the chunks in groups of pp micro-batches.
-        good = tr.micro_batch * dp * par.pp * max(1, round(micro / par.pp))
+        good = tr.micro_batch * dp * z * par.pp * max(1, round(micro / par.pp))  # z: 3D's batch split, as above
+        per = f"micro_batch x dp{' x z' if z > 1 else ''}"
         raise DeckError(
             "train.global_batch", tr.global_batch, f"the interleaved schedule needs the micro-batches per dp rank "
-            f"(global_batch / (micro_batch x dp) = {micro}) to be a multiple of pp = {par.pp}: "
+            f"(global_batch / ({per}) = {micro}) to be a multiple of pp = {par.pp}: "
             f"e.g. global_batch = {good}, or parallel.virtual_stages: 1"
         )  # fmt: skip
     return replaced(deck, parallel=replaced(par, dp=dp))

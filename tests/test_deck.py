@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -648,3 +649,16 @@ def test_values_that_failed_at_run_time_are_refused_at_load(sets, key):
     with pytest.raises(DeckError) as refused:
         load_deck(REPO / "inputs/gpt_tiny.yaml", sets)
     assert refused.value.key == key
+
+
+def test_the_interleaved_schedules_suggested_batch_counts_the_3d_batch_split():
+    """Found in review (2026-11-30): under 3D tensor parallelism (z splits the batch too) the refusal's
+    example global_batch left z out and suggested the very value it refused (8); the suggestion now
+    resolves."""
+    sets = ("parallel.tensor=[1,1,2]", "parallel.tp=2", "parallel.pp=2", "parallel.virtual_stages=2",
+            "model.layers=4", "train.micro_batch=4")  # fmt: skip
+    with pytest.raises(DeckError, match=r"/ \(micro_batch x dp x z\) = 1\) to be a multiple of pp = 2") as refused:
+        resolve_for_world(load_deck(TINY, (*sets, "train.global_batch=8")), 4)
+    good = int(re.search(r"e\.g\. global_batch = (\d+)", str(refused.value)).group(1))
+    assert good != 8
+    resolve_for_world(load_deck(TINY, (*sets, f"train.global_batch={good}")), 4)
