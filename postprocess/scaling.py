@@ -111,7 +111,10 @@ def read_json(path: Path) -> Any:
 
 
 def grid_label(grid: Mapping[str, Any]) -> str:
-    return f"tp{grid['tp']} x pp{grid['pp']} x dp{grid['dp']}"
+    """tp2 x pp2 x dp4, with cp (context parallelism) where it is more than 1."""
+    cp = grid.get("cp", 1)
+    cp_part = f" x cp{cp}" if isinstance(cp, int) and cp > 1 else ""
+    return f"tp{grid['tp']}{cp_part} x pp{grid['pp']} x dp{grid['dp']}"
 
 
 def read_deck(run_dir: Path) -> dict[str, Any]:
@@ -167,7 +170,8 @@ def unfinished_run(run_dir: Path, planned: str) -> Run:
     run, par = deck.get("run") or {}, deck.get("parallel") or {}
     out = Run(run_dir, status, run.get("study"), run.get("study_kind"), run.get("study_point"))
     if all(isinstance(par.get(a), int) for a in ("tp", "pp", "dp")):
-        out.gpus, out.grid = par["tp"] * par["pp"] * par["dp"], grid_label(par)
+        cp = par.get("cp", 1) if isinstance(par.get("cp", 1), int) else 1  # context parallelism's ranks too
+        out.gpus, out.grid = par["tp"] * cp * par["pp"] * par["dp"], grid_label(par)
     return out
 
 

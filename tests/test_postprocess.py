@@ -387,3 +387,16 @@ def test_compare_puts_a_prediction_next_to_the_published_table(tmp_path, capsys)
     assert len(per_row) == 10 and max(abs(e) for e in per_row) <= 15.0
     assert "tflops_per_gpu: mean absolute error" in errors
     assert_figures(tmp_path / "cmp", "compare_tflops_per_gpu")
+
+
+def test_a_failed_context_parallel_run_counts_its_cp_ranks(tmp_path):
+    """Found in review (2026-11-30): a run without summary.json was placed at tp x pp x dp GPUs from its
+    deck.yaml, leaving out cp (a tp1 cp2 pp1 dp2 run counted 2 GPUs, not 4), and grid labels omitted cp."""
+    from postprocess.scaling import grid_label, load_run
+
+    run_dir = tmp_path / "cpfail"
+    run_dir.mkdir()
+    (run_dir / "deck.yaml").write_text("parallel: {tp: 1, cp: 2, pp: 1, dp: 2}\nrun: {}\n")
+    run = load_run(run_dir)
+    assert run.gpus == 4 and run.grid == "tp1 x cp2 x pp1 x dp2", (run.gpus, run.grid)
+    assert grid_label({"tp": 2, "pp": 1, "dp": 4}) == "tp2 x pp1 x dp4"  # cp 1 (and older files): as before
