@@ -77,13 +77,19 @@ def read_published(path: Path) -> list[dict[str, Any]]:
 
 
 def from_scaling_rows(rows: list[dict[str, Any]], label: str, source: str) -> list[dict[str, Any]]:
+    """Measured points as rows of COLUMNS, in hardware FLOPs (recomputation counted, as Megatron SC21's
+    table and the predictions count them: a full-recompute run's model FLOPs read 25% low against
+    them); model FLOPs from a results file written before scaling kept hardware ones."""
     out = []
     for r in rows:
         params = r.get("parameters")
+        hw = r.get("hw_tflops_per_gpu")
+        tflops = r["tflops_per_gpu"] if hw is None else hw
+        pflops = r["aggregate_pflops"] if hw is None or r["gpus"] is None else hw * r["gpus"] / 1e3
+        peak = r["mfu_pct"] if hw is None else r.get("hfu_pct")
         out.append({"series": label, "gpus": r["gpus"], "params_b": None if params is None else params / 1e9,
-                    "tflops_per_gpu": r["tflops_per_gpu"], "pflops": r["aggregate_pflops"],
-                    "efficiency_pct": r["efficiency_pct"], "pct_peak": r["mfu_pct"], "status": r["status"],
-                    "source": source})  # fmt: skip
+                    "tflops_per_gpu": tflops, "pflops": pflops, "efficiency_pct": r["efficiency_pct"],
+                    "pct_peak": peak, "status": r["status"], "source": source})  # fmt: skip
     return out
 
 

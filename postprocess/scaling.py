@@ -54,8 +54,8 @@ from app.metrics.summary import Summary
 
 KINDS = ("weak", "strong")
 COLUMNS = ["point", "nodes", "gpus", "grid", "parameters", "step_time_s", "step_time_std_s", "step_time_lo_s", "step_time_hi_s",
-           "spread", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "aggregate_pflops",
-           "peak_tflops_per_gpu", "mfu_pct", "speedup", "efficiency_pct", "status", "run_dir"]  # fmt: skip
+           "spread", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "hw_tflops_per_gpu", "aggregate_pflops",
+           "peak_tflops_per_gpu", "mfu_pct", "hfu_pct", "speedup", "efficiency_pct", "status", "run_dir"]  # fmt: skip
 DEFINITIONS = {
     "weak": "weak-scaling efficiency = per-GPU throughput at N GPUs / per-GPU throughput at the baseline's N0 GPUs",
     "strong": "strong-scaling efficiency = speedup / (N / N0), speedup = tokens/s at N GPUs / tokens/s at the "
@@ -368,10 +368,12 @@ def point_row(run: Run) -> dict[str, Any]:
         tokens_per_s=s.tokens_per_s,
         tokens_per_s_per_gpu=s.tokens_per_s / s.world_size,
         tflops_per_gpu=s.tflops_per_rank,
+        hw_tflops_per_gpu=s.hw_tflops_per_rank,  # recomputation counted (None in older summaries)
         # summaries from before aggregate_pflops have aggregate_tflops
         aggregate_pflops=s.aggregate_tflops / 1e3 if s.aggregate_pflops is None else s.aggregate_pflops,
         peak_tflops_per_gpu=s.peak_tflops_per_rank,
         mfu_pct=None if s.mfu is None else 100 * s.mfu,
+        hfu_pct=None if s.hfu is None else 100 * s.hfu,
     )
     if spread:
         row.update(step_time_lo_s=spread[0], step_time_hi_s=spread[1], spread=spread[2])

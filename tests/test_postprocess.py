@@ -310,6 +310,19 @@ def test_a_summary_that_is_not_json_is_named_without_a_traceback(tmp_path):
 # --- compare -----------------------------------------------------------------------------------
 
 
+def test_compare_puts_our_hardware_flops_against_the_tables_which_count_recomputation():
+    """Found in review (2026-11-30): the measured rows took model TFLOP/s and MFU, against Megatron SC21's
+    table, which counts the recomputation's forward (hardware FLOPs): a full-recompute run read 25% low.
+    Rows with hardware numbers use them; a results file from before keeps its model numbers."""
+    row = {"gpus": 8, "parameters": 1e9, "tflops_per_gpu": 100.0, "hw_tflops_per_gpu": 133.0,
+           "aggregate_pflops": 0.8, "mfu_pct": 30.0, "hfu_pct": 40.0, "efficiency_pct": 90.0, "status": "ok"}  # fmt: skip
+    (new,) = compare.from_scaling_rows([row], "us", "x")
+    assert (new["tflops_per_gpu"], new["pct_peak"]) == (133.0, 40.0) and new["pflops"] == pytest.approx(1.064)
+    old = {k: v for k, v in row.items() if k not in ("hw_tflops_per_gpu", "hfu_pct")}
+    (kept,) = compare.from_scaling_rows([old], "us", "x")
+    assert (kept["tflops_per_gpu"], kept["pflops"], kept["pct_peak"]) == (100.0, 0.8, 30.0)
+
+
 def test_compare_puts_a_study_next_to_megatron_sc21_table1(tmp_path, capsys):
     results = tmp_path / "results"
     assert scaling.main([*map(str, weak_study(tmp_path / "runs")), "--out", str(results)]) == 0
