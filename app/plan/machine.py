@@ -211,7 +211,12 @@ FIELDS: dict[str, Key] = {
     "binding": Key(str, help="per-task (one device per rank) or all-visible (local rank picks)", choices=BINDINGS),
     "launch": Key(str, help="launch line; {nodes}, {ranks} and {ranks_per_node} are filled in"),
     "template": Key(str, help="job-script template in launch/jobs/"),
-    "defaults": Key(dict, {}, "scheduler defaults for submit.py: time, partition/queue, qos, constraint, ..."),
+    "defaults": Key(
+        dict,
+        {},
+        "scheduler defaults for submit.py: time, partition/queue, qos, constraint, ...; a value may be a "
+        "mapping {value: most nodes}, the first that takes the job's nodes (Polaris's queues)",
+    ),
     "sources": Key(list, help="where the figures come from (URLs, papers)"),
     "notes": Key(str, "", "anything a user of the machine should know"),
 }
