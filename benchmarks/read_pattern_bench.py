@@ -33,8 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from checkpoint_bench import can_drop_caches, drop_caches
+
 REQUEST = 4 << 20  # bytes per preadv call, as dd bs=4M
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
 def ranges(size: int, order: str, procs: int, piece: int) -> list[list[tuple[int, int]]]:
@@ -66,8 +67,7 @@ def read_ranges(path: str, mine: list[tuple[int, int]]) -> None:
 def timed(path: str, plan: list[list[tuple[int, int]]], drop: bool) -> float:
     """Seconds from starting the readers (already forked) to the last one's end."""
     if drop:
-        os.sync()
-        DROP_CACHES.write_text("3\n")
+        drop_caches()
     ctx = multiprocessing.get_context("fork")
     gate = ctx.Barrier(len(plan) + 1)
     procs = [ctx.Process(target=_reader, args=(path, mine, gate)) for mine in plan]
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.procs < 1 or args.repeats < 1 or args.size_mb < 1 or args.piece_mb <= 0:
         parser.error("--procs, --repeats and --size-mb must be >= 1 and --piece-mb > 0")
-    if args.drop_caches and not (os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)):
+    if args.drop_caches and not can_drop_caches():
         parser.error("--drop-caches needs root (it writes /proc/sys/vm/drop_caches)")
 
     made = None
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         piece = max(1, int(args.piece_mb * (1 << 20)))
         orders = ["one stream", "contiguous ranges", "interleaved pieces"]
         times: dict[str, list[float]] = {o: [] for o in orders}
-        for _ in range(1):  # untimed: the first read of a fresh process tree pays for its page tables
-            timed(path, ranges(size, orders[0], args.procs, piece), args.drop_caches)
+        # Untimed: the first read of a fresh process tree pays for its page tables.
+        timed(path, ranges(size, orders[0], args.procs, piece), args.drop_caches)
         for repeat in range(args.repeats):  # alternating: no order keeps its place
             for order in orders if repeat % 2 == 0 else orders[::-1]:
                 times[order].append(timed(path, ranges(size, order, args.procs, piece), args.drop_caches))

@@ -736,10 +736,9 @@ def read_header(path: Path) -> dict[str, Any]:
                 )
             version = attrs.get("format_version")
             if type(version) is not int or version not in READABLE_VERSIONS:  # not True (== 1), not 2.0
-                shown = repr(version)
                 newer = type(version) is int and version > max(READABLE_VERSIONS)
                 raise CheckpointError(
-                    f"{path} has format version {shown[:80]}{'...' if len(shown) > 80 else ''}; this gridlm reads "
+                    f"{path} has format version {_cut_repr(version)}; this gridlm reads "
                     f"versions {', '.join(map(str, READABLE_VERSIONS))}: "
                     + ("update gridlm" if newer else f"the header is damaged; {CORRUPT}")
                 )
@@ -808,6 +807,12 @@ def _json_attribute(attrs: dict[str, Any], key: str, path: Path) -> Any:
     return parse_json(value.encode("utf-8", "replace"), f"header attribute {key}", fail)
 
 
+def _cut_repr(value: Any) -> str:
+    """A header value in a one-line message: its repr, cut to 80 characters."""
+    shown = repr(value)
+    return shown[:80] + ("..." if len(shown) > 80 else "")
+
+
 def _count(value: Any) -> bool:
     return type(value) is int and value >= 0  # bool is an int to isinstance
 
@@ -818,10 +823,7 @@ def check_header(attrs: dict[str, Any], path: Path) -> None:
     a matching digest still ends in a CheckpointError naming the attribute, never a traceback."""
 
     def bad(key: str, want: str) -> CheckpointError:
-        shown = repr(attrs.get(key))
-        return CheckpointError(
-            f"{path}: header attribute {key} = {shown[:80]}{'...' if len(shown) > 80 else ''} is not {want}; {CORRUPT}"
-        )
+        return CheckpointError(f"{path}: header attribute {key} = {_cut_repr(attrs.get(key))} is not {want}; {CORRUPT}")
 
     for key in ("step", "optimizer_steps", "consumed_samples"):
         if not _count(attrs.get(key)):

@@ -156,7 +156,7 @@ def tokenize_share(
                 buffer[at + n - 1] = tok.eos
                 at += n
             buffer.tofile(out)
-            max_id = max(max_id, int(buffer.max()))  # checked against model.vocab_size at open
+            max_id = max(max_id, top, tok.eos)  # the buffer's largest id (checked against model.vocab_size at open)
             lengths.extend(sizes)
             tokens += len(buffer)
             batch.clear()

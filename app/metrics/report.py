@@ -70,10 +70,8 @@ class MetricsWriter:
                         kept.append(line + "\n")
                 except (ValueError, KeyError, TypeError):
                     break  # a torn last line of a killed run
-        # Beside it, then renamed over it: a job killed here (a time limit) keeps the earlier jobs' records.
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.path)
+        # Atomically: a job killed here (a time limit) keeps the earlier jobs' records.
+        replace_text(self.path, "".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -200,7 +198,13 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Write summary.json atomically (temp file + rename): a reader never sees half of it.
     Strict JSON: non-finite numbers become null, listed under `nonfinite`."""
     path = run_dir / "summary.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(dumps_strict(summary, indent=2) + "\n")
-    os.replace(tmp, path)
+    replace_text(path, dumps_strict(summary, indent=2) + "\n")
     return path
+
+
+def replace_text(path: Path, text: str) -> None:
+    """`path` holds `text`, written to PATH.tmp and renamed over it: a reader, or a job killed in
+    between, never finds half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
