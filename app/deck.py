@@ -426,9 +426,10 @@ class RunConfig:
     )  # fmt: skip
     compile: Optional[bool] = _key(
         None,
-        "fuse the blocks' element-wise chains (llama's RMSNorm, rotary embedding, SwiGLU) with torch.compile; "
-        "null: on GPU ranks (the Llama 0.84B deck 1.35x faster on an H200; GPT-2's chains are single kernels "
-        "already), off on CPU ranks; false where a node cannot build inductor's kernels",
+        "fuse the blocks' element-wise chains with torch.compile (llama's RMSNorm, rotary embedding, SwiGLU; "
+        "with model.dropout 0 and 1D tp, each output bias + residual add + next norm); null: on GPU ranks (the "
+        "Llama 0.84B deck 1.35x faster on an H200), off on CPU ranks; false where a node cannot build inductor's "
+        "kernels",
     )
     threads: Optional[int] = _key(
         None, "torch threads per rank; null means cores per node / ranks per node", min=1, max=1024

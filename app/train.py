@@ -181,7 +181,7 @@ class Trainer:
         check_attention_kernel(m, self.device, torch_dtype(tr.precision))  # a backend that cannot run here
         self.model = GPT(m, tr.seed, meta, self.tp, pipe.layers, pipe.first, pipe.last, tr.recompute, ep, cp)
         if deck.run.compiles(self.device.type == "cuda"):
-            self.model.fuse(Kernels.compiled(deck.run.compile))  # llama's element-wise chains as generated kernels
+            self.model.fuse(Kernels.compiled(deck.run.compile))  # the blocks' element-wise chains as generated kernels
         compute = torch_dtype(tr.precision)
         tied = (self.model.wte.weight, pipe.tied_group) if pipe.tied_group is not None and m.tie_embeddings else None
         self.dp = DataParallel(

@@ -9,7 +9,8 @@
 #
 # Stages, most valuable first: gridlm on the three inputs/gpu decks (run.compile's default: compiled
 # on GPUs; train.fuse_grad_accumulation's too) and torch's fused AdamW over their parameters (the
-# optimizer's roofline); the GPT decks with the gradient accumulation unfused (its A/B); run.profile's
+# optimizer's roofline); the GPT decks with the gradient accumulation unfused (its A/B); GPT 2.7B with
+# run.compile false (the A/B of its compiled bias + residual + LayerNorm chains); run.profile's
 # kernel tables of each deck and of the delayed offloaded step; cuDNN's attention against the one
 # torch picks; the GPU calibration and the dry run on it; the Hugging Face peers compiled; a second
 # round of gridlm; 1.3B with optim.offload host, exact and delayed (issue 41, with the host update's
@@ -122,6 +123,7 @@ runpy.run_module('app', run_name='__main__', alter_sys=True)" inputs/gpu/gpt_6.1
 # Most valuable first (what the issues still lack on a GPU), each only if its time is left.
 stage gridlm 60 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm adamw
 stage unfused 60 "${bench[@]}" --rounds 1 --decks gpt_2.7b gpt_1.3b --cases gridlm_unfused
+stage chains 50 "${bench[@]}" --rounds 1 --decks gpt_2.7b --cases gridlm_eager
 stage profile 120 profile
 stage cudnn 80 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b gpt_2.7b --cases gridlm_cudnn
 stage calibrate 90 calibrate

@@ -230,10 +230,15 @@ CASES += [
     Case(2, 1, 4, extra=(*LLAMA, "optim.zero=1")),
     Case(2, 2, 2, extra=(*LLAMA, "train.precision=bf16"), **BF16),
     Case(2, 2, 2, extra=("model.arch=llama", "model.tie_embeddings=true", "optim.zero=1"), quick=True),
-    # run.compile: llama's RMSNorm, rotary embedding and SwiGLU as torch.compile kernels, against the
-    # eager 1-rank run, under tp, SP, pp and dp, and inside full recomputation with ZeRO-3.
+    # run.compile: llama's RMSNorm, rotary embedding and SwiGLU, and the blocks' residual add + norm
+    # chains, as torch.compile kernels, against the eager 1-rank run, under tp, SP, pp and dp, and
+    # inside full recomputation with ZeRO-3.
     Case(2, 2, 2, sp=True, extra=(*LLAMA, "run.compile=true")),
     Case(2, 1, 2, extra=(*LLAMA, "run.compile=true", "train.recompute=full", "optim.zero=3"), quick=True),
+    # GPT-2 compiled: the row-parallel output biases joined to the residual adds and ln2 (the bias
+    # added after tp's reduction, on the sequence shard under SP).
+    Case(2, 2, 2, sp=True, extra=("run.compile=true",)),
+    Case(2, 1, 2, sp=True, extra=("run.compile=true", "train.recompute=full", "optim.zero=3"), quick=True),
 ]
 
 # Gradient accumulation fusion (train.fuse_grad_accumulation; null = GPUs only): each block Linear's
@@ -354,6 +359,9 @@ def test_grid_matches_single_rank_losses_and_parameters(runtime, grids, tmp_path
             problems.append(
                 f"{trainer.dp.fused_wgrads} weights fuse their gradients with {FUSE!r} {FUSE in case.extra}"
             )
+        chained = [b.add_norm is not None for b in trainer.model.blocks.values()]
+        if chained and any(chained) != ("run.compile=true" in case.extra):  # the compiled chains are under test
+            problems.append(f"blocks' compiled chains {chained} with run.compile {'run.compile=true' in case.extra}")
         losses = train_steps(trainer, STEPS)
         with trainer.dp.gathered():  # ZeRO-3 keeps only shards: the whole parameters for the checks
             found, worst = shard_errors(trainer.model, ref_params, case.param_atol, runtime.rank, case.param_mean_atol)

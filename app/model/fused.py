@@ -8,12 +8,20 @@ output; backward about doubles each. On a GPU, where a block's GEMMs are compute
 memory-bound passes are what kept the Llama deck at 25% MFU on an H100 (issue 38). torch.compile
 (inductor) turns each chain into one generated kernel forward and one backward.
 
-What is compiled are pure functions of tensors (`rms_norm`, `rotary`, `swiglu`): no collectives,
+Two chains cross a block's modules (`Block._chained`): the attention's row-parallel output bias,
+the residual add and the second norm (`add_norm`: eagerly three passes, reading the projection's
+output and the residual stream twice and writing two new tensors between), and the MLP's output
+bias with the second residual add (`bias_residual`: two passes). The Linears then leave their
+bias out (`RowParallelLinear.forward(add_bias=False)`). For GPT-2, whose LayerNorm and GELU are
+single kernels already, these are the chains left: 5 of the block's forward passes over its
+hidden-wide activations (the performance model's `chain_saving`). They need 1D tensor
+parallelism and dropout 0 (`GPT.fuse`).
+
+What is compiled are pure functions of tensors (`rms_norm`, `rotary`, `swiglu`, `add_norm`, `bias_residual`): no collectives,
 hooks or custom autograd functions inside, so they compose with tp, sequence parallelism, the
 pipeline, ZeRO-3's gathers and activation recompute as the eager ones do. Shapes are static
 (a run's micro-batches all have one shape); decoding and evaluation at other shapes use the
-eager functions or recompile (`torch._dynamo`'s cache). GPT-2's chains are already single
-kernels (F.layer_norm, F.gelu) or GEMM epilogues, so only llama's are swapped. Compiled
+eager functions or recompile (`torch._dynamo`'s cache). Compiled
 results equal eager ones to rounding (inductor may order a reduction differently): the tests
 compare trainings within 1e-5.
 """
@@ -22,12 +30,12 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from app.errors import DeckError
-from app.model.gpt import rotary, swiglu
+from app.model.gpt import add_norm, bias_residual, rotary, swiglu
 from app.tensor_parallel.layers import rms_norm
 
 
@@ -38,6 +46,10 @@ class Kernels:
     rms_norm: Callable[..., torch.Tensor]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     swiglu: Callable[[torch.Tensor], torch.Tensor]
+    # The chains across a block's modules; None (eager): the block runs those ops one by one, as it
+    # always has (the same values as `add_norm` and `bias_residual` eagerly, and the same op counts).
+    add_norm: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None
+    bias_residual: Optional[Callable[..., torch.Tensor]] = None
 
     @classmethod
     def eager(cls) -> Kernels:
@@ -50,7 +62,7 @@ class Kernels:
         to build a kernel (no working C++ compiler or Triton on the node) is a DeckError naming
         run.compile (its `setting`) and the fix, not torch's traceback from inside the step."""
         return cls(*(_guarded(torch.compile(f, dynamic=False, fullgraph=True), f.__name__, setting)
-                     for f in (rms_norm, rotary, swiglu)))  # fmt: skip
+                     for f in (rms_norm, rotary, swiglu, add_norm, bias_residual)))  # fmt: skip
 
 
 def _compile_failure(err: BaseException) -> bool:

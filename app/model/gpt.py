@@ -55,6 +55,7 @@ from app.tensor_parallel.layers import (
     VocabParallelEmbedding,
     column_parallel_linear,
     replicated_param,
+    rms_norm,
     tp_param,
     vocab_parallel_cross_entropy,
 )
@@ -131,6 +132,25 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def add_norm(
+    y: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+    norm_bias: Optional[torch.Tensor], eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A block's first residual add and its second norm: x + (y + bias) (no bias: x + y), and that
+    normed, LayerNorm with `norm_bias` or, without one, RMSNorm (`rms_norm`). Eagerly a bias add, a
+    residual add and a norm, each a pass over memory; `app.model.fused` compiles them into one."""
+    x = x + (y if bias is None else y + bias)
+    if norm_bias is None:
+        return x, rms_norm(x, weight, eps)
+    return x, F.layer_norm(x, (x.shape[-1],), weight, norm_bias, eps)
+
+
+def bias_residual(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A block's second residual add with the MLP's row-parallel bias: x + (y + bias), two passes
+    eagerly, one compiled (`app.model.fused`)."""
+    return x + (y + bias)
+
+
 class Attention(nn.Module):
     """Causal self-attention; this tp rank runs heads / tp of the heads."""
 
@@ -180,11 +200,13 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         return k, v
 
-    def _project(self, y: torch.Tensor) -> torch.Tensor:
+    def _project(self, y: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         b, _, s, _ = y.shape
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        y = y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.proj(y) if add_bias else self.proj(y, add_bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias` False: without the output projection's bias (the block's fused chain adds it)."""
         q, k, v = self._heads(x)
         dropout = self.dropout if self.training else 0.0
         if self.cp.size > 1:  # over the cp ranks' whole sequence; k and v travel unexpanded
@@ -192,13 +214,13 @@ class Attention(nn.Module):
                 y = checkpoint(self.cp.attention, q, k, v, dropout, use_reentrant=False)
             else:
                 y = self.cp.attention(q, k, v, dropout)
-            return self._project(y)
+            return self._project(y, add_bias)
         k, v = self._expand(k, v)
         if self.recompute_core and _recomputing(self):
             y = checkpoint(_attention_core, q, k, v, dropout, self.backend, use_reentrant=False)
         else:
             y = _attention_core(q, k, v, dropout, self.backend)
-        return self._project(y)
+        return self._project(y, add_bias)
 
     def decode(self, x: torch.Tensor, cache: LayerCache, start: int) -> torch.Tensor:
         """Inference on new positions start .. start + S - 1 (x: (B, S, H)), attending to the keys
@@ -303,10 +325,10 @@ class MLP(nn.Module):
             self.fc = ColumnParallelLinear(cfg.hidden, cfg.fc_rows, cfg.init_std, tp, device, bias)
             self.proj = RowParallelLinear(cfg.ffn, cfg.hidden, out_std, tp, device, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            return self.proj(self.swiglu_kernel(self.fc(x)))
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias` False: without proj's bias (the block's fused chain adds it)."""
+        h = self.swiglu_kernel(self.fc(x)) if self.swiglu else F.gelu(self.fc(x), approximate="tanh")
+        return self.proj(h) if add_bias else self.proj(h, add_bias=False)
 
 
 def _gelu(h: torch.Tensor) -> torch.Tensor:
@@ -352,6 +374,9 @@ class Block(nn.Module):
         # recomputation of a checkpointed block in backward gathers it too.
         self.gate: Optional[ParamGate] = None
         self.unit = ""
+        # run.compile's chains across the block's Linears and norms (`GPT.fuse`); None: op by op.
+        self.add_norm: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None
+        self.bias_residual: Optional[Callable[..., torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and _recomputing(self):
@@ -365,8 +390,23 @@ class Block(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
             self.gate.enter(self.unit)
+        if self.add_norm is not None and self.training:
+            return self._chained(x)
         x = x + self.dropout(self.attn(self.ln1(x)))
         return x + self.dropout(self.mlp(self.ln2(x)))
+
+    def _chained(self, x: torch.Tensor) -> torch.Tensor:
+        """`_forward` with fused chains (no dropout: `GPT.fuse`): the attention's output bias, the
+        residual add and ln2 as one kernel; the MLP's output bias and the residual add as another."""
+        assert self.add_norm is not None
+        ln2 = self.ln2
+        x, h = self.add_norm(
+            self.attn(self.ln1(x), add_bias=False), self.attn.proj.bias, x, ln2.weight, getattr(ln2, "bias", None),
+            ln2.eps,
+        )  # fmt: skip
+        if self.bias_residual is not None and isinstance(self.mlp, MLP) and self.mlp.proj.bias is not None:
+            return self.bias_residual(self.mlp(h, add_bias=False), self.mlp.proj.bias, x)
+        return x + self.mlp(h)
 
     def decode(self, x: torch.Tensor, cache: LayerCache, start: int) -> torch.Tensor:
         """Inference (no dropout) on new positions from `start`, with the earlier ones in `cache`."""
@@ -441,7 +481,13 @@ class GPT(nn.Module):
 
     def fuse(self, kernels: Any) -> None:
         """Run the blocks' element-wise chains with `kernels` (`app.model.fused.Kernels`: compiled
-        by torch.compile under run.compile, or the eager functions)."""
+        by torch.compile under run.compile, or the eager functions). The chains across a block's
+        Linears and norms (`Block._chained`) need 1D tensor parallelism and no dropout (a compiled
+        dropout draws other masks than eager ones); elsewhere the block runs its ops one by one."""
+        chains = kernels.add_norm is not None and self.cfg.dropout == 0 and not isinstance(self.tp, Tensor3D)
+        for block in self.blocks.values():
+            block.add_norm = kernels.add_norm if chains else None
+            block.bias_residual = kernels.bias_residual if chains else None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm

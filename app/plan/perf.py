@@ -606,6 +606,25 @@ def _elementwise(deck: Deck, tokens: int, t: int) -> tuple[float, float, float]:
     return m.spec.norm_bytes(e, compiled), m.spec.act_bytes(e, compiled), chains
 
 
+def _chains_saved(deck: Deck, moe: bool) -> tuple[float, float]:
+    """Bytes per token of one block's forward and of its backward, on one tp rank, that run.compile's
+    chains across the block's modules save (`Block._chained`, app/model/fused.py; 1D tp, dropout 0).
+    In hidden-wide passes (h e / t_sp bytes a token each): `add_norm` reads the attention's
+    projection and the residual stream and writes the new stream and its norm, 4 where eagerly its
+    output bias add (2), the residual add (3) and the norm (2, compiled or LayerNorm) took 7, or 5
+    without a bias (3 or 1 saved); `bias_residual` 3 for the MLP's bias add and residual add (5: 2
+    saved). The backward saves 2, not twice the forward (`BACKWARD_BYTES`): the norm's input
+    gradient (3) and the residual stream's gradient sum (3) become one kernel (4), a bias add's
+    backward is its column sum in either, and the residual add passes its gradient on. MoE blocks
+    keep their MLP's add eager."""
+    m = deck.model
+    if not deck.run.compile or m.dropout > 0:
+        return 0.0, 0.0
+    bias = m.spec.bias
+    unit = m.hidden * BYTES[deck.train.precision] / (deck.parallel.tp if deck.parallel.sequence_parallel else 1)
+    return ((3 if bias else 1) + (2 if bias and not moe else 0)) * unit, 2 * unit
+
+
 def _layer_passes(
     deck: Deck, dev: Device, tp_link: Link, tp_msgs: dict[str, list[tuple[str, float]]], moe: bool = False
 ) -> tuple[_Pass, _Pass, _Pass]:
@@ -640,6 +659,8 @@ def _layer_passes(
     layernorm, gelu = tokens * 2 * norm * h / t_sp, (tokens * act * f / t if not moe else act * moe_fresh / e)
     elem_fwd = dev.stream(tokens * per_token + chains + moe_bytes) + dev.stream(layernorm, "layernorm")
     elem_fwd += dev.stream(gelu, "gelu")
+    # run.compile's chains across the block's modules: the bytes they save, forward and backward.
+    fwd_saved, bwd_saved = (dev.stream(tokens * b) for b in _chains_saved(deck, moe))
     # The MLP's activation (tokens x f/t; the experts' and shared experts' rows) is the block's
     # largest new tensor, in the forward and as the activation's input gradient: where it is
     # mmapped, its pages fault in (CPUs).
@@ -657,9 +678,9 @@ def _layer_passes(
     if moe and m.moe_shared_experts:
         host_f += MOE_OPS["shared_forward"] * dev.op_seconds
         host_b += MOE_OPS["shared_backward"] * dev.op_seconds
-    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd + fresh, tp_fwd, host_f)
-    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd + fresh, tp_bwd, host_b)
-    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd + fresh, tp_recompute, host_f)  # see tp_collectives
+    forward = _Pass(fwd_gemm, attn_fwd, elem_fwd - fwd_saved + fresh, tp_fwd, host_f)
+    backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd - bwd_saved + fresh, tp_bwd, host_b)
+    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd - fwd_saved + fresh, tp_recompute, host_f)  # see tp_collectives
     return forward, backward, recompute
 
 

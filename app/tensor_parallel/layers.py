@@ -212,9 +212,11 @@ class RowParallelLinear(nn.Module):
         self.weight.wgrad_fusable = True  # used by this Linear only: its gradient may go to the accumulator
         self.bias = replicated_param(ParamMeta((n_out,), init="zeros", decay=False), tp, device, True) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias` False: y without b, for a caller that adds it in a fused chain of its own
+        (the block's bias + residual + norm under run.compile, `app.model.fused`)."""
         y = leave_tp_region(linear(x, self.weight), self.tp)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or not add_bias else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
