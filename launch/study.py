@@ -286,7 +286,7 @@ def write_jobs(study: Study, points: list[Point], out: Path, args: argparse.Name
     entries = []
     for pt, path, text in built:
         submit.write_script(path, text)
-        entries.append(_entry(pt, script=path, status="written"))
+        entries.append(_entry(pt, script=path, status="written", since=time.time()))
     command = submit.SUBMIT_COMMAND[study.scheduler][0]
     example = {"sbatch": "--test-only, or --dependency=singleton to run one at a time", "qsub": "-W depend=..."}
     lines = [
@@ -301,11 +301,14 @@ def write_jobs(study: Study, points: list[Point], out: Path, args: argparse.Name
     return entries
 
 
-def _entry(pt: Point, script: Optional[Path], status: str) -> dict[str, Any]:
+def _entry(pt: Point, script: Optional[Path], status: str, since: Optional[float] = None) -> dict[str, Any]:
+    """A manifest point. `since`: when this attempt began (epoch seconds: the job script written, or
+    the point launched here); postprocess/ takes a summary.json older than that for an earlier
+    attempt's, not this point's result."""
     return {
         "point": pt.point, "nodes": pt.nodes, "ranks": pt.ranks, "label": pt.label, "run_dir": str(pt.run_dir),
         "script": None if script is None else str(script), "status": status, "exit_status": None, "wall_s": None,
-        "overrides": list(pt.overrides),
+        "since": since, "overrides": list(pt.overrides),
     }  # fmt: skip
 
 
@@ -381,6 +384,8 @@ def run_local(study: Study, points: list[Point], out: Path, force: bool) -> list
         pt.run_dir.mkdir(parents=True, exist_ok=True)
         print(f"study: point {pt.point} ({pt.ranks} rank(s)) -> {pt.run_dir}/run.log", flush=True)
         start = time.monotonic()
+        entry.update(status="running", since=time.time())
+        write_manifest(out, manifest(study, "run-local", entries))
         try:
             status = stream(cmd, pt.run_dir / "run.log", env)
         except KeyboardInterrupt:

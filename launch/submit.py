@@ -83,21 +83,22 @@ def signal_lead(plan: Plan) -> int:
     return max(SIGNAL_LEAD_S, math.ceil(step + 2 * save + 60))
 
 
-def parse_time(text: str, scheduler: str, lead: int = SIGNAL_LEAD_S) -> int:
-    """Seconds in HH:MM:SS (any scheduler) or D-HH:MM:SS (Slurm); SubmitError otherwise."""
+def parse_time(text: str, scheduler: str, lead: int = SIGNAL_LEAD_S, where: str = "--time") -> int:
+    """Seconds in HH:MM:SS (any scheduler) or D-HH:MM:SS (Slurm); SubmitError otherwise, naming
+    `where` the time came from (--time, or the machine file's defaults.time)."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)", text.strip())
     forms = "HH:MM:SS or D-HH:MM:SS" if scheduler == "slurm" else "HH:MM:SS (hours may exceed 24)"
     if not m:
-        raise SubmitError(f"--time {text!r}: expected {forms}, e.g. 02:00:00")
+        raise SubmitError(f"{where} {text!r}: expected {forms}, e.g. 02:00:00")
     days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
     if m.group(1) is not None:
         if scheduler != "slurm":
-            raise SubmitError(f"--time {text!r}: {scheduler} takes {forms}, e.g. {days * 24 + hours}:{m[3]}:{m[4]}")
+            raise SubmitError(f"{where} {text!r}: {scheduler} takes {forms}, e.g. {days * 24 + hours}:{m[3]}:{m[4]}")
         if hours > 23:
-            raise SubmitError(f"--time {text!r}: with days, hours must be 00-23")
+            raise SubmitError(f"{where} {text!r}: with days, hours must be 00-23")
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if total <= lead:
-        raise SubmitError(f"--time {text!r}: must be longer than {lead} s, the checkpoint warning before the limit")
+        raise SubmitError(f"{where} {text!r}: must be longer than {lead} s, the checkpoint warning before the limit")
     return total
 
 
@@ -139,6 +140,8 @@ def scheduler_options(args: argparse.Namespace, machine: Machine) -> dict[str, s
             value = by_nodes(value, args.nodes, where)
         if value is None or value == "":
             continue
+        if isinstance(value, bool):  # YAML's true/false/yes/no: not a partition or queue name
+            raise SubmitError(f"{where} = {value!r}: a name is expected; quote it in YAML if it is one")
         value = str(value)
         if machine.scheduler not in schedulers:
             hint = "--partition, --qos, --constraint" if machine.scheduler == "slurm" else "--queue, --filesystems"
@@ -198,8 +201,14 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
     time_text = args.time or machine.defaults.get("time")
     if not time_text:
         raise SubmitError(f"no --time and machine file {machine.path} has no defaults.time; e.g. --time 02:00:00")
+    where = "--time" if args.time else f"machine file {machine.path}: defaults.time"
+    if not isinstance(time_text, str):
+        raise SubmitError(
+            f"{where} = {time_text!r}: YAML read an unquoted time as a number (of seconds); quote it, e.g. "
+            'time: "02:00:00"'
+        )
     lead = signal_lead(plan)
-    seconds = parse_time(str(time_text), machine.scheduler, lead)
+    seconds = parse_time(time_text, machine.scheduler, lead, where)
     if lead > SIGNAL_LEAD_S:
         print(
             f"submit: note: SIGUSR1 comes {lead} s before the time limit: the step it falls in (predicted "

@@ -89,7 +89,7 @@ def from_scaling_rows(rows: list[dict[str, Any]], label: str, source: str) -> li
         peak = r["mfu_pct"] if hw is None else r.get("hfu_pct")
         out.append({"series": label, "gpus": r["gpus"], "params_b": None if params is None else params / 1e9,
                     "tflops_per_gpu": tflops, "pflops": pflops, "efficiency_pct": r["efficiency_pct"],
-                    "pct_peak": peak, "status": r["status"], "source": source})  # fmt: skip
+                    "pct_peak": peak, "status": r["status"], "source": source, "hardware": hw is not None})  # fmt: skip
     return out
 
 
@@ -101,7 +101,7 @@ def from_predicted(data: dict[str, Any], label: str, source: str) -> list[dict[s
         out.append({"series": label, "gpus": p["gpus"], "params_b": p["parameters"] / 1e9, "tflops_per_gpu": hw,
                     "pflops": hw * p["gpus"] / 1e3, "efficiency_pct": 100 * p["efficiency"],
                     "pct_peak": 100 * p["mfu"] * hw / p["tflops_per_device"], "status": "predicted",
-                    "source": source})  # fmt: skip
+                    "source": source, "hardware": True})  # fmt: skip
     return out
 
 
@@ -129,6 +129,20 @@ def shared_metrics(ours: list[dict[str, Any]], published: list[dict[str, Any]]) 
     return [m for m in METRICS if any(r[m] is not None for r in ours) and any(r[m] is not None for r in published)]
 
 
+def axis_label(rows: list[dict[str, Any]], metric: str) -> str:
+    """The metric's y label with what our rows count: hardware FLOPs (recomputation counted) and HFU,
+    or, from a results file written before scaling kept hardware FLOPs, model FLOPs and MFU."""
+    _, label, _ = METRICS[metric]
+    kinds = {r["hardware"] for r in rows if r.get("hardware") is not None}  # published rows: not ours
+    if "flops" in metric:
+        return label + {frozenset({True}): " (recompute counted)", frozenset({False}): " (model FLOPs)"}.get(
+            frozenset(kinds), " (ours: model and hardware FLOPs mixed)"
+        )
+    if metric == "pct_peak":
+        return {frozenset({False}): label, frozenset({True}): "% of peak (HFU)"}.get(frozenset(kinds), "% of peak")
+    return label
+
+
 def plot_metric(rows: list[dict[str, Any]], metric: str, title: str, out: Path) -> list[Path]:
     import matplotlib
 
@@ -143,9 +157,7 @@ def plot_metric(rows: list[dict[str, Any]], metric: str, title: str, out: Path) 
             ax.set_yscale("log")
         else:
             ax.set_ylim(0, max(105, *(r[metric] * 1.05 for r in rows if r[metric] is not None)))
-        predicted = any(r["status"] == "predicted" for r in rows)
-        counted = " (recompute counted)" if predicted else " (model FLOPs)"  # from_predicted: hardware FLOPs
-        ax.set_ylabel(ylabel + (counted if "flops" in metric else ""))
+        ax.set_ylabel(axis_label(rows, metric))
         scaling.gpu_axis(ax, [r["gpus"] for r in rows if r["gpus"] is not None])
         gaps = [f"no result: {r['gpus']} GPUs, {r['status'].split(' (')[0]}" for r in rows
                 if r["status"] not in ("published", "predicted") and not r["status"].startswith("ok")]  # fmt: skip
@@ -197,13 +209,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"compare: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = ours + published
     title = args.title or f"{ours[0]['series']} vs {published[0]['series']}"
-    scaling.write_csv(out / "compare.csv", rows, COLUMNS)
-    files = [out / "compare.csv"]
-    for metric in metrics:
-        files += plot_metric(rows, metric, title, out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        scaling.write_csv(out / "compare.csv", rows, COLUMNS)
+        files = [out / "compare.csv"]
+        for metric in metrics:
+            files += plot_metric(rows, metric, title, out)
+    except OSError as err:  # --out not a writable directory
+        print(f"compare: cannot write --out {args.out}: {scaling.out_error(err)}", file=sys.stderr)
+        return 2
     print(" | ".join(["series", "gpus", *metrics, "status"]))
     for r in rows:
         cells = [r["series"], r["gpus"], *(("-" if r[m] is None else f"{r[m]:.4g}") for m in metrics), r["status"]]

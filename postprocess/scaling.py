@@ -66,7 +66,8 @@ DEFINITIONS = {
 }
 # manifest statuses of points that never ran (launch/study.py), and how the table says so
 MISSING = {"not run": "missing (not run)", "written": "missing (script written, not run)",
-           "pending": "missing (pending: not run yet)"}  # fmt: skip
+           "pending": "missing (pending: not run yet)",
+           "running": "incomplete (running, or its study was stopped)"}  # fmt: skip
 PERCENTILE_FROM = 10  # logged steps from which the spread is p10-p90 instead of min-max
 
 
@@ -159,12 +160,27 @@ def finished_run(run_dir: Path, summary_path: Path) -> Run:
                s.world_size, grid_label(s.grid), s, logged_step_times(run_dir, s))  # fmt: skip
 
 
-def unfinished_run(run_dir: Path, planned: str) -> Run:
-    """A run without summary.json; `planned` is the manifest's status ("" when none listed it)."""
-    if planned in MISSING:
-        status = MISSING[planned]
+def _newer(path: Path, since: Optional[float]) -> bool:
+    """`path` exists and was written at or after `since` (epoch seconds; None: whenever)."""
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return False
+    return since is None or mtime >= since
+
+
+def unfinished_run(run_dir: Path, planned: str, since: Optional[float] = None, stale: bool = False) -> Run:
+    """A run without a summary.json of its own; `planned` is the manifest's status ("" when none
+    listed it), `since` when the manifest's attempt began, `stale`: the summary.json there is an
+    earlier attempt's."""
+    why = "summary.json is from an earlier attempt" if stale else "no summary.json"
+    if planned == "written" and _newer(run_dir / "deck.yaml", since):
+        # A job writes deck.yaml as it starts: it ran (and died) or is still running.
+        status = f"incomplete (the job started; {why}: failed or still running)"
+    elif planned in MISSING:
+        status = MISSING[planned] + ("; its summary.json is from an earlier attempt" if stale else "")
     else:
-        why = "no summary.json" if run_dir.is_dir() else "no run directory"
+        why = why if run_dir.is_dir() else "no run directory"
         status = f"failed (interrupted, {why})" if planned == "interrupted" else f"failed ({why})"
     deck = read_deck(run_dir)
     run, par = deck.get("run") or {}, deck.get("parallel") or {}
@@ -175,9 +191,21 @@ def unfinished_run(run_dir: Path, planned: str) -> Run:
     return out
 
 
-def load_run(run_dir: Path, planned: str = "") -> Run:
+def load_run(run_dir: Path, planned: str = "", since: Optional[float] = None) -> Run:
+    """A run's result from its summary.json, unless that file is older than the manifest's attempt
+    (`since`: launch.study's `since`, when the point was launched or its job script written) or the
+    manifest says the point failed and cannot date the file (an older manifest): a run that fails
+    early (a deck or data error) leaves an earlier attempt's summary.json in place, whose numbers
+    are not this point's."""
     summary = run_dir / "summary.json"
-    return finished_run(run_dir, summary) if summary.is_file() else unfinished_run(run_dir, planned)
+    if not summary.is_file():
+        return unfinished_run(run_dir, planned, since)
+    if not _newer(summary, since) or (since is None and planned == "failed"):
+        return unfinished_run(run_dir, planned, since, stale=True)
+    run = finished_run(run_dir, summary)
+    if planned == "failed":  # it wrote its summary, then exited with an error
+        run.status += " (then the job failed: see run.log)"
+    return run
 
 
 def manifest_run_dir(run_dir: Path, here: Path) -> Path:
@@ -199,7 +227,8 @@ def manifest_runs(path: Path) -> list[Run]:
         if not isinstance(p, dict) or not p.get("run_dir"):
             raise ScalingError(f"{path}: a point without run_dir: {p!r}")
         run_dir = manifest_run_dir(Path(p["run_dir"]), path.parent)
-        run = load_run(run_dir, str(p.get("status") or ""))
+        since = p.get("since")
+        run = load_run(run_dir, str(p.get("status") or ""), float(since) if isinstance(since, (int, float)) else None)
         run.study = run.study or m.get("study")
         run.kind = run.kind or m.get("kind")
         run.point = run.point if run.point is not None else p.get("point")
@@ -544,12 +573,22 @@ def figure_gaps(rows: list[dict[str, Any]]) -> list[str]:
     return [f"no result: {gpus_text(r)}, {r['status'].split(' (')[0]}" for r in rows if r["tokens_per_s"] is None]
 
 
-def predicted_series(predicted: Optional[dict[str, Any]], kind: str) -> tuple[list[int], list[float]]:
+def predicted_series(
+    predicted: Optional[dict[str, Any]], kind: str, base_gpus: Optional[int] = None
+) -> tuple[list[int], list[float]]:
+    """The predicted efficiency (%) or speedup at each predicted point, against the measured
+    baseline's GPU count `base_gpus` where the prediction has that point (predicted.json's own are
+    against its first point, which is not the baseline when the smallest point has no result), so
+    that both curves share the figure's axis."""
     if not predicted:
         return [], []
     points = predicted["points"]
     key = "efficiency" if kind == "weak" else "speedup"
-    return [p["gpus"] for p in points], [100 * p[key] if kind == "weak" else p[key] for p in points]
+    values = [float(p[key]) for p in points]
+    at_base = [v for p, v in zip(points, values) if p["gpus"] == base_gpus]
+    if at_base and at_base[0] > 0:
+        values = [v / at_base[0] for v in values]
+    return [p["gpus"] for p in points], [100 * v if kind == "weak" else v for v in values]
 
 
 def plot_scaling(
@@ -558,7 +597,7 @@ def plot_scaling(
 ) -> list[Path]:  # fmt: skip
     import matplotlib
 
-    px, py = predicted_series(predicted, kind)
+    px, py = predicted_series(predicted, kind, baseline["gpus"])
     with matplotlib.rc_context(RC):
         fig, ax = new_axes(title)
         x, y = series(rows, "efficiency_pct" if kind == "weak" else "speedup")
@@ -712,7 +751,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ScalingError as err:
         print(f"scaling: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # --out not a writable directory (a file, a read-only or missing parent)
+        print(f"scaling: cannot write --out {args.out}: {out_error(err)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def out_error(err: OSError) -> str:
+    """An OSError on the output side in words: its reason and the path it names."""
+    return f"{err.strerror or err} ({err.filename})" if err.filename else str(err.strerror or err)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,22 @@ def test_a_machine_given_as_a_path_is_passed_on_as_an_absolute_path(tmp_path, mo
     assert f"--set run.machine={mine}\n" in (tmp_path / "jobs" / "gpt_tiny-mine-1n.sh").read_text()
 
 
+@pytest.mark.parametrize(
+    "defaults, message",
+    [('{time: 2:00:00, partition: debug}', "defaults.time = 7200: YAML read an unquoted time as a number"),
+     ('{time: "2:00", partition: debug}', "defaults.time '2:00': expected HH:MM:SS"),
+     ('{time: "00:30:00", partition: true}', "defaults.partition = True: a name is expected")],
+)  # fmt: skip
+def test_a_machine_file_s_bad_defaults_are_named_as_its_own(tmp_path, monkeypatch, capsys, defaults, message):
+    """Found in review (2026-11-30): an unquoted defaults.time (YAML: 2:00:00 is 7200 seconds) was
+    blamed on --time, and partition: true was written as --partition=True."""
+    mine = tmp_path / "mine.yaml"
+    text = (REPO / "inputs" / "machines" / "local.yaml").read_text().replace("name: local", "name: mine")
+    mine.write_text(text.replace('defaults: {time: "00:30:00", partition: debug}', f"defaults: {defaults}"))
+    err = expect_error(tmp_path, monkeypatch, capsys, "--machine", "mine.yaml", "--nodes", "1")
+    assert err.startswith(f"submit: machine file mine.yaml: {message}"), err
+
+
 def expect_error(tmp_path, monkeypatch, capsys, *args: str) -> str:
     status, out, err = run_submit(tmp_path, monkeypatch, capsys, *args)
     assert status == 2, (out, err)

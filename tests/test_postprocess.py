@@ -225,6 +225,52 @@ def test_missing_and_failed_points_are_gaps_that_leave_the_other_efficiencies_al
     assert x == [1, 2, 4, 8, 16] and y[:3] == pytest.approx([100, 95, 90]) and all(v != v for v in y[3:])
 
 
+def test_an_earlier_attempt_s_summary_is_not_a_failed_point_s_result(tmp_path, capsys):
+    """A point run again in its run dir that fails before writing summary.json (a deck or data
+    error) leaves the earlier attempt's summary there: the manifest's `since` (when this attempt
+    began) dates it, and the point is a gap, not the old numbers. Without `since` (an older
+    manifest) a failed point's summary is not trusted either. A job point whose run wrote deck.yaml
+    but no summary is incomplete, not "not run"; a fresh summary of a point whose job then failed
+    is its result, marked so."""
+    import os
+    import time
+
+    root = tmp_path / "study"
+    weak_study(root, (1, 2, 4, 8))
+    path = write_manifest(root, [(1, "ok"), (2, "failed"), (4, "failed"), (8, "ok")])
+    manifest = json.loads(path.read_text())
+    now = time.time()
+    for p in manifest["points"]:
+        os.utime(Path(p["run_dir"]) / "summary.json", (now, now))
+        p["since"] = now - 60  # each attempt began a minute before its summary ...
+    manifest["points"][1]["since"] = now + 60  # ... but point 2's began after: a stale summary
+    del manifest["points"][2]["since"]  # point 4: an older manifest, failed, its summary undated
+    path.write_text(json.dumps(manifest))
+    out = tmp_path / "results"
+    assert run_scaling(capsys, root, "--out", out)[0] == 0
+    rows = read_csv(out / "scaling.csv")
+    assert [r["status"] for r in rows] == [
+        "ok", "failed (summary.json is from an earlier attempt)", "failed (summary.json is from an earlier attempt)", "ok"
+    ]  # fmt: skip
+    assert_close(column(rows, "efficiency_pct"), [100, None, None, 80])
+    # Jobs: point 2's job started (deck.yaml after the script was written) and left no summary; point
+    # 4's never ran; point 8 wrote its summary and then failed (an exit status in a run-local manifest).
+    (root / "s_2" / "summary.json").unlink()
+    (root / "s_4" / "summary.json").unlink()
+    (root / "s_2" / "deck.yaml").write_text("parallel: {tp: 1, pp: 1, dp: 2}\n")
+    manifest = json.loads(path.read_text())
+    for p, status in zip(manifest["points"], ("ok", "written", "written", "failed")):
+        p["status"], p["since"] = status, now - 60
+    path.write_text(json.dumps(manifest))
+    assert run_scaling(capsys, root, "--out", tmp_path / "jobs")[0] == 0
+    rows = read_csv(tmp_path / "jobs" / "scaling.csv")
+    assert [r["status"] for r in rows] == [
+        "ok", "incomplete (the job started; no summary.json: failed or still running)",
+        "missing (script written, not run)", "ok (then the job failed: see run.log)",
+    ]  # fmt: skip
+    assert rows[1]["grid"] == "tp1 x pp1 x dp2" and rows[3]["tokens_per_s"] != ""
+
+
 def test_the_baseline_is_the_smallest_point_with_a_result_and_says_so(tmp_path, capsys):
     root = tmp_path / "study"
     weak_study(root, (2, 4, 8))
@@ -296,6 +342,17 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path, capsys):
     rc, _, _ = run_scaling(capsys, *bare, "--kind", "weak", "--out", tmp_path / "o")
     assert rc == 0 and (tmp_path / "o" / "scaling.csv").is_file()
 
+    # --out an existing file (found in review: FileExistsError's traceback), for scaling and compare
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    rc, _, err = run_scaling(capsys, *bare, "--kind", "weak", "--out", afile)
+    assert rc == 2 and err.startswith(f"scaling: cannot write --out {afile}: File exists") and err.count("\n") == 1
+    published = tmp_path / "paper.csv"
+    published.write_text("gpus,tflops_per_gpu\n1,90\n2,88\n")
+    rc = compare.main([str(tmp_path / "o"), "--published", str(published), "--out", str(afile)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"compare: cannot write --out {afile}: File exists") and err.count("\n") == 1
+
 
 def test_a_summary_that_is_not_json_is_named_without_a_traceback(tmp_path):
     run_dir = weak_study(tmp_path, (1,))[0]
@@ -321,6 +378,14 @@ def test_compare_puts_our_hardware_flops_against_the_tables_which_count_recomput
     old = {k: v for k, v in row.items() if k not in ("hw_tflops_per_gpu", "hfu_pct")}
     (kept,) = compare.from_scaling_rows([old], "us", "x")
     assert (kept["tflops_per_gpu"], kept["pflops"], kept["pct_peak"]) == (100.0, 0.8, 30.0)
+    # The axes say which (found in review the next session: hardware values were labelled model FLOPs / MFU).
+    published = {"series": "paper", "status": "published"}
+    assert compare.axis_label([new, published], "tflops_per_gpu") == "TFLOP/s per GPU (recompute counted)"
+    assert compare.axis_label([new, published], "pct_peak") == "% of peak (HFU)"
+    assert compare.axis_label([kept, published], "pflops") == "Aggregate PFLOP/s (model FLOPs)"
+    assert compare.axis_label([kept, published], "pct_peak") == "% of peak (MFU)"
+    assert "mixed" in compare.axis_label([new, kept], "tflops_per_gpu")
+    assert compare.axis_label([new], "efficiency_pct") == "Scaling efficiency (%)"
 
 
 def test_compare_puts_a_study_next_to_megatron_sc21_table1(tmp_path, capsys):
@@ -379,6 +444,19 @@ def test_predicted_points_are_drawn_beside_the_measured_ones(tmp_path, capsys):
     table = (out / "predicted.md").read_text()
     assert "| 8 | 1x1x8 |" in table and "| 85.0 | dp_exposed 1.18 s |" in table
     assert_figures(out, "weak_efficiency")
+
+
+def test_the_predicted_curve_is_against_the_measured_baseline():
+    """predicted.json's efficiencies and speedups are against its first point; the figure's axis is
+    against the measured baseline (the smallest point with a result). When the smallest point
+    failed, the predicted values are rescaled to the baseline's point: 100% (speedup 1) there."""
+    weak = {"points": [{"gpus": 1, "efficiency": 1.0}, {"gpus": 2, "efficiency": 0.95}, {"gpus": 4, "efficiency": 0.9}]}
+    x, y = scaling.predicted_series(weak, "weak", 2)
+    assert x == [1, 2, 4] and y == pytest.approx([100 / 0.95, 100, 90 / 0.95])
+    assert scaling.predicted_series(weak, "weak", 1)[1] == pytest.approx([100, 95, 90])
+    assert scaling.predicted_series(weak, "weak", 8)[1] == pytest.approx([100, 95, 90])  # no predicted point there
+    strong = {"points": [{"gpus": 1, "speedup": 1.0}, {"gpus": 2, "speedup": 1.9}, {"gpus": 4, "speedup": 3.4}]}
+    assert scaling.predicted_series(strong, "strong", 2)[1] == pytest.approx([1 / 1.9, 1, 3.4 / 1.9])
 
 
 def test_compare_puts_a_prediction_next_to_the_published_table(tmp_path, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -146,6 +147,8 @@ def test_job_scripts_manifest_and_submit_all_for_every_study(tmp_path, monkeypat
     assert len(manifest["points"]) == len(points) == len(JOB_POINTS[name])
     for entry, (point, ranks, *_), pt in zip(manifest["points"], JOB_POINTS[name], points):
         script = out / f"{name}-n{point}.sh"
+        # since: when the script was written (a summary.json older than that is an earlier attempt's)
+        assert script.stat().st_mtime - 5 <= entry.pop("since") <= time.time()
         assert entry == {
             "point": point, "nodes": point, "ranks": ranks, "label": f"n{point}",
             "run_dir": str(tmp_path / "runs" / name / f"n{point}"), "script": str(script), "status": "written",
