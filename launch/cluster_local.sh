@@ -59,14 +59,15 @@ in_node() {  # index cmd...
 }
 
 exports() {
-  echo "export GRIDLM_CLUSTER_DIR=$dir"
+  # %q: the caller evals these lines, and a path may hold spaces
+  printf 'export GRIDLM_CLUSTER_DIR=%q\n' "$dir"
   # mpirun starts its daemons on the nodes with this agent instead of ssh (it enters the node's
   # namespaces), and keeps its own traffic and the ranks' on the bridge.
-  echo "export OMPI_MCA_plm_rsh_agent=$here/cluster_rsh.sh"
+  printf 'export OMPI_MCA_plm_rsh_agent=%q\n' "$here/cluster_rsh.sh"
   echo "export OMPI_MCA_oob_tcp_if_include=$net.0/24"
   echo "export OMPI_MCA_btl_tcp_if_include=$net.0/24"
   if [ -f "$slurm_conf" ] && [ -n "$(live_pid slurmctld)" ]; then
-    echo "export SLURM_CONF=$slurm_conf"
+    printf 'export SLURM_CONF=%q\n' "$slurm_conf"
   fi
 }
 

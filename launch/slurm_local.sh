@@ -40,7 +40,7 @@ node_state() {
 # Up: both daemons alive (slurmctld would call a dead slurmd's node idle for minutes) and the node usable.
 is_up() { [ -n "$(live_pid slurmd)" ] && [[ "$(node_state)" =~ ^(idle|mixed|allocated|completing)$ ]]; }
 
-print_export() { echo "export SLURM_CONF=$conf"; }
+print_export() { printf 'export SLURM_CONF=%q\n' "$conf"; }  # %q: the caller evals it
 
 logs_tail() {
   local f
