@@ -57,8 +57,8 @@ def check_paths(deck: Deck) -> None:
 
 # What gridlm writes in run.dir and checkpoint.dir (globs): never through a symlink planted there.
 RUN_DIR_FILES = (
-    ".gridlm.lock", "deck.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "summary.json.tmp",
-    "tb", "profile.txt",  # TensorBoard's event directory (metrics.report), run.profile's table (metrics.profile)
+    ".gridlm.lock", "deck.yaml", "deck.yaml.tmp", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json",
+    "summary.json.tmp", "tb", "profile.txt", "profile.txt.tmp",  # TensorBoard's events, run.profile's table
 )  # fmt: skip
 CHECKPOINT_FILES = ("latest", "latest.tmp", "step_*.h5", "step_*.h5.tmp*")
 

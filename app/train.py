@@ -42,6 +42,7 @@ from app.deck_yaml import dump_yaml
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
 from app.eval import eval_dataset, evaluate, held_out_note
 from app.metrics.profile import StepProfiler
+from app.metrics.report import replace_text
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo, EvalInfo
 from app.model.fused import Kernels
@@ -91,7 +92,7 @@ def _make_run_dir(runtime: Runtime, deck: Deck) -> tuple[Path, Optional[RunLock]
         lock = acquire_run_lock(run_dir, warn=runtime.log)
         held.append(lock)
         try:
-            (run_dir / "deck.yaml").write_text(dump_yaml(deck.to_dict(), sort_keys=False))
+            replace_text(run_dir / "deck.yaml", dump_yaml(deck.to_dict(), sort_keys=False))  # never half a deck
         except OSError as err:
             raise GridlmError(
                 f"cannot write run directory run.dir = {str(run_dir)!r}: {err.strerror}; set run.dir to a writable path"

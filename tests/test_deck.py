@@ -483,7 +483,7 @@ def test_check_paths_accepts_a_new_run_dir_and_creates_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name", ["tb", "profile.txt", "metrics.jsonl.tmp"])
+@pytest.mark.parametrize("name", ["tb", "profile.txt", "metrics.jsonl.tmp", "deck.yaml.tmp", "profile.txt.tmp"])
 def test_check_paths_refuses_a_symlink_where_tensorboard_profile_or_the_metrics_rewrite_write(tmp_path, name):
     """Found in review (2026-11-30): the guard listed `tensorboard`, but TensorBoard writes `<run.dir>/tb`,
     and profile.txt was not listed: a link planted there was written through."""

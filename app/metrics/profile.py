@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from app.metrics.report import replace_text
+
 # A kernel's kind by substrings of its name, first match wins (CUDA kernel names; ATen op names on CPUs).
 GEMM_MARKS = ("gemm", "cutlass", "cublas", "sm90_xmma", "sm80_xmma", "nvjet", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::linear", "aten::matmul")  # fmt: skip
@@ -153,5 +155,5 @@ class StepProfiler:
             text = summarise(kernels, self.done, self.device, host=host)
         else:  # CPU ranks: the operators are the kernels
             text = summarise(host, self.done, self.device)
-        self.out.write_text(text)
+        replace_text(self.out, text)  # whole or not at all: the job may be killed while it writes
         return self.out
