@@ -149,6 +149,12 @@ class ModelConfig:
         """An expert's MLP width: model.moe_ffn_hidden, or the dense MLP's."""
         return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
 
+    def attention_on(self, gpu: bool) -> str:
+        """The attention kernel ranks on a GPU (`gpu`) or a CPU run: `attention_kernel`, except auto on
+        CPU ranks with dropout, where torch's CPU flash kernel has none and SDPA runs its math
+        reference, which keeps the scores (the plan's memory and step time ask)."""
+        return "math" if self.attention_kernel == "auto" and not gpu and self.dropout > 0 else self.attention_kernel
+
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` (global index) has experts."""
         return self.moe_experts > 0 and layer % self.moe_every == 0

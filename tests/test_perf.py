@@ -1193,6 +1193,36 @@ def test_gradient_accumulation_fusion_saves_the_gradient_s_round_trip_on_gpus_on
     assert cpu_default == cpu_off and cpu_on < cpu_off
 
 
+def test_auto_attention_with_dropout_is_the_math_kernel_on_cpu_ranks_in_the_plan():
+    """torch's CPU flash attention has no dropout: with model.dropout > 0 SDPA runs its math reference
+    on CPU ranks, which writes and keeps the scores (profiled: aten::_scaled_dot_product_attention_math,
+    bmm, softmax). The plan charges that (found in review: it charged the fused kernel): on CPU ranks
+    auto + dropout predicts as math, memory included; without dropout, or on GPUs, as before."""
+    from app.plan.dryrun import make_plan
+    from app.plan.perf import as_run_on
+
+    gpu = load_machine("h200_1gpu")
+    cpu = dataclasses.replace(gpu, device_name="cpu", peak_tflops={"fp32": 3.0, "bf16": 3.0})
+    sets = ("parallel.dp=1", "model.dropout=0.1")
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets), 1)
+    assert as_run_on(deck, cpu).model.attention_kernel == "math"
+    assert as_run_on(deck, gpu).model.attention_kernel == "auto"
+    no_dropout = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.dp=1",)), 1)
+    assert as_run_on(no_dropout, cpu).model.attention_kernel == "auto"
+    math = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "model.attention_kernel=math")), 1)
+    auto_plan, math_plan = make_plan(deck, 1, cpu), make_plan(math, 1, cpu)
+    assert auto_plan.predicted.breakdown["attention"] == math_plan.predicted.breakdown["attention"]
+
+    def peak(plan) -> float:  # noqa: ANN001
+        return plan.stage_total(plan.peak_stage())
+
+    assert peak(auto_plan) == peak(math_plan)
+    fused = make_plan(
+        dataclasses.replace(math, model=dataclasses.replace(math.model, attention_kernel="flash")), 1, cpu
+    )
+    assert peak(fused) < peak(auto_plan)  # the scores kept
+
+
 def test_the_blocks_compiled_chains_save_their_passes_forward_and_backward():
     """run.compile's chains across a block's modules (`Block._chained`): GPT-2's bias + residual add +
     LayerNorm saves 3 hidden-wide passes of the forward and its bias + residual add 2, llama's

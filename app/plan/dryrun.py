@@ -26,6 +26,7 @@ from app.plan.perf import (
     Link,
     Placement,
     Prediction,
+    as_run_on,
     axis_links,
     expert_exchange,
     place,
@@ -150,6 +151,8 @@ def make_plan(
     memory and placement only, no step time)."""
     start = time.perf_counter()
     deck = resolve_for_world(deck, world_size)
+    if machine is not None:  # auto keys as its ranks run them (CPU: math attention with dropout)
+        deck = as_run_on(deck, machine)
     par = deck.parallel
     rpn = ranks_per_node if ranks_per_node is not None else (machine.devices_per_node if machine else None)
     layout = GridLayout.from_order_string(par.tp, par.pp, deck.dp, par.order, rpn, par.cp)

@@ -584,6 +584,18 @@ def uses_gloo(machine: Machine) -> bool:
     return machine.device_name == "cpu"
 
 
+def as_run_on(deck: Deck, machine: Machine) -> Deck:
+    """`deck` with what its null or auto keys become on the machine's ranks: run.compile (compiled
+    chains on GPUs, `_elementwise`) and model.attention_kernel (math on CPU ranks with dropout:
+    `ModelConfig.attention_on`). The plan's memory and the predicted step use it."""
+    gpu = not uses_gloo(machine)
+    return dataclasses.replace(
+        deck,
+        model=dataclasses.replace(deck.model, attention_kernel=deck.model.attention_on(gpu)),
+        run=dataclasses.replace(deck.run, compile=deck.run.compiles(gpu)),
+    )
+
+
 def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
     """A blocking collective (tp, ep, the step's): its ring, and the wait for the group's ranks to run together."""
     cost = {"all_reduce": link.all_reduce, "reduce_scatter": link.reduce_scatter, "all_gather": link.all_gather,
@@ -1337,10 +1349,7 @@ def predict(
         par = dataclasses.replace(par, overlap_tp_comm=False, overlap_pp_comm=False, overlap_grad_reduce=False,
                                   overlap_param_gather=False)  # fmt: skip
         deck = dataclasses.replace(deck, parallel=par)
-    # run.compile: null -> what the machine's ranks do (compiled chains on GPUs), for `_elementwise`
-    deck = dataclasses.replace(
-        deck, run=dataclasses.replace(deck.run, compile=deck.run.compiles(not uses_gloo(machine)))
-    )
+    deck = as_run_on(deck, machine)
     e = BYTES[tr.precision]
     g = BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     micro = deck.num_micro_batches
