@@ -254,8 +254,9 @@ def test_a_warm_heap_serves_large_temporaries_without_page_faults():
 @pytest.mark.parametrize("order", ["tp-dp-pp", "tp-cp-dp-pp", "cp-tp-pp-dp", "dp-pp-tp-cp"])
 def test_the_cp_axis_is_a_fourth_axis_and_its_replicas_are_every_dp_and_cp_rank(order):
     """cp is placed where the order says (right after tp when it does not name it); the grid stays a
-    bijection; the replica group of a rank (dp x cp, dp-major) holds every rank with its tp and pp
-    coordinates; at cp = 1 nothing names cp."""
+    bijection; the replica group of a rank (dp x cp, in ascending rank order: torch's order of the
+    group's members, which ZeRO's shards follow) holds every rank with its tp and pp coordinates; at
+    cp = 1 nothing names cp."""
     layout = GridLayout.from_order_string(2, 2, 3, order, cp=2)
     assert layout.world_size == 24 and layout.axes == ("tp", "cp", "pp", "dp")
     coords = [layout.coords(r) for r in range(24)]
@@ -265,8 +266,34 @@ def test_the_cp_axis_is_a_fourth_axis_and_its_replicas_are_every_dp_and_cp_rank(
         assert layout.order == ("tp", "cp", "dp", "pp") and layout.group_of(0, "cp") == [0, 2]
     for r in range(24):
         replicas = layout.replica_group_of(r)
-        assert [(coords[q]["dp"], coords[q]["cp"]) for q in replicas] == [(d, c) for d in range(3) for c in range(2)]
+        assert replicas == sorted(replicas)
+        assert sorted((coords[q]["dp"], coords[q]["cp"]) for q in replicas) == [
+            (d, c) for d in range(3) for c in range(2)
+        ]
         assert {(coords[q]["tp"], coords[q]["pp"]) for q in replicas} == {(coords[r]["tp"], coords[r]["pp"])}
     plain = GridLayout.from_order_string(2, 2, 3, "tp-dp-pp")
     assert set(plain.coords(5)) == set(AXES) and plain.describe()["order"] == "tp-dp-pp"
     assert "cp" in layout.describe() and "cp" not in plain.describe()
+
+
+def test_a_round_robin_rank_order_that_breaks_a_group_s_order_is_refused():
+    """torch numbers a group's members by ascending rank, and its collectives order their pieces so;
+    the grid gives each rank its coordinate along the axis. With ranks dealt round-robin over 2 nodes
+    (mpirun --map-by node: node 0 holds ranks 0, 2, 4, 6) the grid's node-major numbering puts
+    launcher ranks 0, 4, 1, 5 in one dp group (tp 2 x dp 4, 4 per node): a refusal naming the fix,
+    where the results would have been silently wrong. Block placement, and round-robin where every
+    group stays within a node or takes one rank per node, are fine."""
+    from app.runtime.grid import unordered_group
+
+    layout = GridLayout.from_order_string(tp=2, pp=1, dp=4, order="tp-dp-pp", ranks_per_node=4)
+    block = list(range(8))
+    round_robin = [0, 2, 4, 6, 1, 3, 5, 7]  # grid rank -> launcher rank: node-major over the dealt ranks
+    assert unordered_group(layout, block) is None
+    why = unordered_group(layout, round_robin)
+    assert why is not None and "the dp group of grid ranks 0, 2, 4, 6 holds launcher ranks 0, 4, 1, 5" in why
+    assert "--distribution=block" in why and "--map-by node" in why
+    assert unordered_group(GridLayout.from_order_string(tp=4, pp=1, dp=2, order="tp-dp-pp"), round_robin) is None
+    # cp: the dp x cp replicas are a group of their own (dp inner to cp: grid ranks 0, 1, 2, 3 at tp 2)
+    cp = GridLayout.from_order_string(tp=2, pp=1, dp=2, order="dp-cp-tp-pp", ranks_per_node=4, cp=2)
+    assert cp.replica_group_of(0) == [0, 1, 2, 3] and cp.replica_group_of(5) == [4, 5, 6, 7]
+    assert unordered_group(cp, block) is None

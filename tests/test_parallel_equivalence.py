@@ -290,6 +290,10 @@ CASES += [
     Case(2, 1, 2, cp=2, sp=True), Case(1, 2, 1, cp=2), Case(1, 2, 2, cp=2, extra=(*LLAMA, "optim.zero=1")),
     Case(1, 1, 1, cp=2, extra=A2A, quick=True), Case(2, 1, 1, cp=2, extra=(*A2A, *LLAMA)),
     Case(1, 1, 2, cp=2, extra=("train.recompute=full", "optim.zero=3")),
+    # dp inner to cp: the dp x cp replicas in ascending rank order are not dp-major, and ZeRO's shards
+    # follow torch's order of the group (found in review: they followed dp-major, and were wrong).
+    Case(1, 1, 2, cp=2, extra=("parallel.order=dp-cp-tp-pp", "optim.zero=1"), quick=True),
+    Case(2, 1, 2, cp=2, extra=("parallel.order=dp-cp-tp-pp", "optim.zero=3")),
     Case(2, 1, 1, cp=2, extra=("train.recompute=selective",)),
     Case(1, 1, 2, cp=2, extra=("train.precision=bf16",), **BF16),
     # Goldfish: the masks from the whole targets (every cp rank holds the whole samples), the

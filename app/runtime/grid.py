@@ -101,9 +101,11 @@ class GridLayout:
         return (rank // self.stride(axis)) % self.size(axis)
 
     def replica_group_of(self, rank: int) -> list[int]:
-        """The ranks holding the same parameters as `rank` (every coordinate but dp and cp), ordered
-        dp-major: (dp d, cp c) is the replica d x cp + c. They reduce the gradients together."""
-        return [r for d in self.group_of(rank, "dp") for r in self.group_of(d, "cp")]
+        """The ranks holding the same parameters as `rank` (every coordinate but dp and cp), in
+        ascending order: they reduce the gradients together, and ZeRO's shards go by the place in
+        this list, which is the place torch gives a rank in their group (it sorts a group's ranks;
+        dp-major order differs where dp is inner to cp in parallel.order)."""
+        return sorted(r for d in self.group_of(rank, "dp") for r in self.group_of(d, "cp"))
 
     def groups(self, axis: str) -> list[list[int]]:
         """All groups along `axis`; together they partition the world."""
@@ -149,6 +151,34 @@ def placement_warnings(
     return warnings
 
 
+def unordered_group(layout: GridLayout, torch_of: list[int]) -> Optional[str]:
+    """Why the grid cannot run on this placement (`torch_of`: grid rank -> torch rank), or None.
+    torch numbers the members of a group by ascending rank and its collectives (all-gather,
+    reduce-scatter) put the pieces in that order, while the grid gives each rank its coordinate
+    along the axis: the two must agree in every group. They do where the launcher numbers each
+    node's ranks consecutively (blocks); dealing ranks round-robin over nodes breaks the groups that
+    span nodes with several members on each, and their results would be silently wrong."""
+    groups = [(axis, group) for axis in layout.axes for group in layout.groups(axis)]
+    if layout.cp > 1:  # the dp x cp replicas (`replica_group_of`): one per rank at dp 0 and cp 0
+        bases = [g[0] for axis, g in groups if axis == "dp" and layout.coords(g[0])["cp"] == 0]
+        groups += [("dp x cp", layout.replica_group_of(base)) for base in bases]
+    for axis, group in groups:
+        ranks = [torch_of[r] for r in group]
+        if any(a > b for a, b in zip(ranks, ranks[1:])):
+            return (
+                f"the launcher's rank order does not fit the grid: the {axis} group of grid ranks "
+                f"{_few(group)} holds launcher ranks {_few(ranks)}, not in ascending order, so its collectives "
+                "would put their pieces in another order than the grid's; place ranks in blocks per node "
+                "(srun --distribution=block, mpirun --map-by slot or core: the defaults), not round-robin "
+                "(--distribution=cyclic, --map-by node)"
+            )
+    return None
+
+
+def _few(ranks: list[int], most: int = 8) -> str:
+    return ", ".join(map(str, ranks[:most])) + (", ..." if len(ranks) > most else "")
+
+
 class Replicas(NamedTuple):
     """The dp x cp ranks that hold the same parameters (`ProcessGrid.replicas`): gradients are
     averaged and ZeRO shards over them. At cp = 1 the dp group itself."""
@@ -178,6 +208,10 @@ class ProcessGrid:
         uniform = len(set(runtime.ranks_per_node_list)) == 1
         self.layout = GridLayout.from_order_string(tp, pp, dp, order, runtime.ranks_per_node if uniform else None, cp)
         node_major = sorted(range(runtime.world_size), key=lambda r: runtime.placement[r])
+        torch_of = [runtime.global_ranks[r] for r in node_major]  # grid rank -> torch rank
+        unordered = unordered_group(self.layout, torch_of)
+        if unordered is not None:  # every rank finds the same: all stop, none waits
+            raise LaunchError(unordered)
         self.rank = node_major.index(runtime.rank)
         self.coords = self.layout.coords(self.rank)
         self.group: dict[str, Any] = {}
@@ -192,7 +226,7 @@ class ProcessGrid:
         self.replicas = Replicas(self.coords["dp"], dp, self.group["dp"], self.ranks["dp"])
         if cp > 1:
             mine = self.layout.replica_group_of(self.rank)
-            ranks = [runtime.global_ranks[node_major[r]] for r in mine]
+            ranks = [torch_of[r] for r in mine]  # ascending, as the grid ranks are (`unordered_group`)
             group = self._groups.new(ranks, runtime.backend, runtime.watchdog, "dp")
             self.replicas = Replicas(mine.index(self.rank), dp * cp, group, ranks)
         self.watchdog = runtime.watchdog
