@@ -148,6 +148,20 @@ def test_gpt2_positions_and_grids_the_model_cannot_take_are_refused(gpt2_ckpt, t
     assert out.returncode == 2 and "no such file" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("trained", [("parallel.cp=2",), ("model.moe_experts=4", "parallel.ep=2")], ids=["cp2", "ep2"])
+def test_a_model_trained_with_context_or_expert_parallelism_generates(tmp_path_factory, trained):
+    """Found in review (2026-11-30): the inference grid kept the checkpoint's parallel.cp and
+    parallel.ep, so no world size resolved (tp x cp must divide it; ep must divide dp = 1) and every
+    such checkpoint was refused. It generates on 1 rank and on tp 2, the same tokens."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    sets = tuple(arg for a in (*trained, "model.vocab_size=128", f"run.dir={run_dir}") for arg in ("--set", a))
+    out = run_app(2, TINY, *SMALL, *sets)
+    assert out.returncode == 0, out.stdout + out.stderr
+    one = generated(1, "--prompt-ids", PROMPT, "--max-new-tokens", 6, run_dir / "checkpoints")
+    two = generated(2, "--prompt-ids", PROMPT, "--max-new-tokens", 6, run_dir / "checkpoints")
+    assert len(one["ids"]) == 6 and one["ids"] == two["ids"], (one, two)
+
+
 def test_help_answers_without_loading_mpi_or_torch():
     code = "import sys; from app.generate.__main__ import parse_args; import app.generate; " \
         "print(sorted(m for m in ('torch', 'mpi4py', 'h5py') if m in sys.modules))"  # fmt: skip

@@ -34,10 +34,12 @@ if TYPE_CHECKING:
     from app.runtime.grid import ProcessGrid
     from app.runtime.mpi import Runtime
 
-# The inference grid: the model split over every rank by 1D tensor parallelism, nothing else.
+# The inference grid: the model split over every rank by 1D tensor parallelism, nothing else (no
+# context or expert parallelism either: a checkpoint reads onto any grid).
 INFERENCE_GRID = (
     "parallel.pp=1", "parallel.dp=auto", "parallel.virtual_stages=1", "parallel.stage_layers=null",
-    "parallel.tensor=null", "parallel.tensor_order=xyz", "parallel.sequence_parallel=false",
+    "parallel.tensor=null", "parallel.tensor_order=xyz", "parallel.sequence_parallel=false", "parallel.cp=1",
+    "parallel.ep=1",
 )  # fmt: skip
 
 
