@@ -191,6 +191,22 @@ def test_tp2_pp2_dp2_across_two_nodes_equals_one_rank_at_master_addr_and_loads_o
     assert resumed == pytest.approx(reference, rel=1e-5)
 
 
+def test_ranks_dealt_round_robin_that_break_a_group_s_order_are_refused_on_every_rank(cluster, tmp_path):
+    """`mpirun --map-by node` deals ranks 0, 2, 4, 6 to node 1 and 1, 3, 5, 7 to node 2. At tp 2 x dp 4
+    each dp group then holds two ranks of each node, whose launcher ranks torch's group would order
+    otherwise than the grid does (its collectives would be silently wrong): every rank stops at
+    start-up with the fix (grid.unordered_group), no step taken, no hang. tp 2 x pp 2 x dp 2 keeps every
+    group in order under the same dealing, and runs."""
+    sets = ("--set", "parallel.tp=2", "--set", "train.steps=2")
+    dealt = ("--map-by", "node")
+    out = mpirun(cluster, *dealt, *app_args(tmp_path / "refused", *sets, "--set", "parallel.pp=1"), timeout=180)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "the launcher's rank order does not fit the grid" in text, text[-3000:]
+    assert "--map-by node" in text and "Traceback" not in text and "step 1/" not in text, text[-3000:]
+    ok = mpirun(cluster, *dealt, *app_args(tmp_path / "runs", *sets), timeout=180)
+    assert ok.returncode == 0, (ok.stdout + ok.stderr)[-3000:]
+
+
 def test_tp_groups_stay_on_a_node_and_pp_or_dp_groups_cross_nodes(cluster, tmp_path):
     # Each rank all-gathers its real hostname over every axis group (gloo over the bridge).
     report_file = tmp_path / "groups.json"
