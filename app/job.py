@@ -51,7 +51,7 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
     """Start the job, run `body` on every rank, shut down; the exit status (module docstring).
     `load(world_size)` gives the resolved deck (on every rank; `deck_file`)."""
     from app.errors import GridlmError, RankFatal
-    from app.runtime.grid import ProcessGrid
+    from app.runtime.grid import ProcessGrid, order_sensitive_axes
     from app.runtime.mpi import (
         abort,
         agree,
@@ -83,7 +83,8 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
             agree(runtime, lambda: init_torch_distributed(runtime, deck.parallel.backend, timeout, connect))
             runtime.watchdog.attach_store(*runtime.store_address, runtime.store_prefix)
             par = deck.parallel
-            grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order, par.cp)
+            ordered = order_sensitive_axes(par.tp, par.cp, deck.optim.zero, par.ep)
+            grid = ProcessGrid(runtime, par.tp, par.pp, deck.dp, par.order, par.cp, ordered)
         body(deck, runtime, grid)
         runtime.watchdog.stop()
         shutdown(runtime)

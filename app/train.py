@@ -21,9 +21,11 @@ with a checkpoint (`app/checkpoint/`, docs/CHECKPOINT.md).
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -494,6 +496,10 @@ class Trainer:
                 f"gridlm: the checkpoint is at step {start} >= train.steps = {steps}: nothing to train (raise "
                 f"train.steps to continue, or set run.resume: none to start over)"
             )
+            summary = self.run_dir / "summary.json"
+            if rt.is_root and summary.is_file():  # the finished run's result stands for this attempt too
+                with suppress(OSError):  # (postprocess/ dates a point's summary against its attempt)
+                    os.utime(summary)
             return {"steps": steps, "start_step": start, "resumed_from": self.resumed}
         report.open(start, resumed=self.resumed is not None)
         self.model.train()

@@ -89,7 +89,8 @@ def from_scaling_rows(rows: list[dict[str, Any]], label: str, source: str) -> li
         peak = r["mfu_pct"] if hw is None else r.get("hfu_pct")
         out.append({"series": label, "gpus": r["gpus"], "params_b": None if params is None else params / 1e9,
                     "tflops_per_gpu": tflops, "pflops": pflops, "efficiency_pct": r["efficiency_pct"],
-                    "pct_peak": peak, "status": r["status"], "source": source, "hardware": hw is not None})  # fmt: skip
+                    "pct_peak": peak, "status": r["status"], "source": source,
+                    "hardware": None if tflops is None else hw is not None})  # a gap has no FLOPs to count  # fmt: skip
     return out
 
 

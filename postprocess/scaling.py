@@ -68,6 +68,9 @@ DEFINITIONS = {
 MISSING = {"not run": "missing (not run)", "written": "missing (script written, not run)",
            "pending": "missing (pending: not run yet)",
            "running": "incomplete (running, or its study was stopped)"}  # fmt: skip
+# Seconds a file system's clock may lag the launch host's: a summary.json stamped this much before a
+# point's attempt began still counts as that attempt's (an earlier attempt's is older by far).
+CLOCK_SKEW_S = 120.0
 PERCENTILE_FROM = 10  # logged steps from which the spread is p10-p90 instead of min-max
 
 
@@ -161,12 +164,13 @@ def finished_run(run_dir: Path, summary_path: Path) -> Run:
 
 
 def _newer(path: Path, since: Optional[float]) -> bool:
-    """`path` exists and was written at or after `since` (epoch seconds; None: whenever)."""
+    """`path` exists and was written at or after `since` (epoch seconds; None: whenever), give or
+    take CLOCK_SKEW_S: `since` is the launch host's clock, a file's time the file system's."""
     try:
         mtime = path.stat().st_mtime
     except OSError:
         return False
-    return since is None or mtime >= since
+    return since is None or mtime >= since - CLOCK_SKEW_S
 
 
 def unfinished_run(run_dir: Path, planned: str, since: Optional[float] = None, stale: bool = False) -> Run:
@@ -192,15 +196,17 @@ def unfinished_run(run_dir: Path, planned: str, since: Optional[float] = None, s
 
 
 def load_run(run_dir: Path, planned: str = "", since: Optional[float] = None) -> Run:
-    """A run's result from its summary.json, unless that file is older than the manifest's attempt
-    (`since`: launch.study's `since`, when the point was launched or its job script written) or the
-    manifest says the point failed and cannot date the file (an older manifest): a run that fails
-    early (a deck or data error) leaves an earlier attempt's summary.json in place, whose numbers
-    are not this point's."""
+    """A run's result from its summary.json, unless the manifest says the point failed and the file
+    is older than the attempt (`since`: launch.study's, when the point was launched or its job
+    script written; `_newer`) or cannot be dated (an older manifest), or a job's is older: a run that
+    fails early (a deck or data error) leaves an earlier attempt's summary.json in place, whose
+    numbers are not this point's. A point that exited 0 stands by the summary there (a finished run
+    launched again resumes at its end and trains nothing; the app then marks the summary as this
+    attempt's too, `Trainer.train`)."""
     summary = run_dir / "summary.json"
     if not summary.is_file():
         return unfinished_run(run_dir, planned, since)
-    if not _newer(summary, since) or (since is None and planned == "failed"):
+    if planned != "ok" and (not _newer(summary, since) or (since is None and planned == "failed")):
         return unfinished_run(run_dir, planned, since, stale=True)
     run = finished_run(run_dir, summary)
     if planned == "failed":  # it wrote its summary, then exited with an error

@@ -283,7 +283,7 @@ def test_a_round_robin_rank_order_that_breaks_a_group_s_order_is_refused():
     launcher ranks 0, 4, 1, 5 in one dp group (tp 2 x dp 4, 4 per node): a refusal naming the fix,
     where the results would have been silently wrong. Block placement, and round-robin where every
     group stays within a node or takes one rank per node, are fine."""
-    from app.runtime.grid import unordered_group
+    from app.runtime.grid import order_sensitive_axes, unordered_group
 
     layout = GridLayout.from_order_string(tp=2, pp=1, dp=4, order="tp-dp-pp", ranks_per_node=4)
     block = list(range(8))
@@ -292,6 +292,17 @@ def test_a_round_robin_rank_order_that_breaks_a_group_s_order_is_refused():
     why = unordered_group(layout, round_robin)
     assert why is not None and "the dp group of grid ranks 0, 2, 4, 6 holds launcher ranks 0, 4, 1, 5" in why
     assert "--distribution=block" in why and "--map-by node" in why
+    # Only the groups whose collectives rely on the order (found in review: a dp group that only
+    # all-reduces, or pp's named point-to-point messages, run right in any order).
+    assert order_sensitive_axes(2, 1, 0, 1) == {"tp"}
+    assert unordered_group(layout, round_robin, order_sensitive_axes(2, 1, 0, 1)) is None  # no ZeRO: all-reduce
+    assert unordered_group(layout, round_robin, order_sensitive_axes(2, 1, 1, 1)) is not None  # ZeRO-1: shards
+    assert order_sensitive_axes(1, 2, 0, 1) == {"cp", "dp x cp"} and order_sensitive_axes(1, 1, 0, 2) == {
+        "dp",
+        "dp x cp",
+    }
+    pp = GridLayout.from_order_string(tp=1, pp=4, dp=1, order="pp-dp-tp", ranks_per_node=2)
+    assert unordered_group(pp, [0, 2, 1, 3]) is not None and unordered_group(pp, [0, 2, 1, 3], {"tp", "dp"}) is None
     assert unordered_group(GridLayout.from_order_string(tp=4, pp=1, dp=2, order="tp-dp-pp"), round_robin) is None
     # cp: the dp x cp replicas are a group of their own (dp inner to cp: grid ranks 0, 1, 2, 3 at tp 2)
     cp = GridLayout.from_order_string(tp=2, pp=1, dp=2, order="dp-cp-tp-pp", ranks_per_node=4, cp=2)

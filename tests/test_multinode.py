@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def cluster() -> dict[str, str]:
         pytest.fail(f"--with-cluster but no simulated nodes are up: {out.stderr.strip()}; run {CLUSTER} start 2")
     for line in out.stdout.splitlines():
         name, _, value = line.removeprefix("export ").partition("=")
-        env[name] = value
+        env[name] = " ".join(shlex.split(value))  # the script quotes values for a shell's eval (printf %q)
     for node in NODES:
         if f"{node} " not in out.stderr:
             pytest.fail(f"--with-cluster but {node} is not up:\n{out.stderr}")
@@ -194,12 +195,13 @@ def test_tp2_pp2_dp2_across_two_nodes_equals_one_rank_at_master_addr_and_loads_o
 def test_ranks_dealt_round_robin_that_break_a_group_s_order_are_refused_on_every_rank(cluster, tmp_path):
     """`mpirun --map-by node` deals ranks 0, 2, 4, 6 to node 1 and 1, 3, 5, 7 to node 2. At tp 2 x dp 4
     each dp group then holds two ranks of each node, whose launcher ranks torch's group would order
-    otherwise than the grid does (its collectives would be silently wrong): every rank stops at
-    start-up with the fix (grid.unordered_group), no step taken, no hang. tp 2 x pp 2 x dp 2 keeps every
-    group in order under the same dealing, and runs."""
+    otherwise than the grid does: with ZeRO-1 its shards would be silently wrong, so every rank stops
+    at start-up with the fix (grid.unordered_group), no step taken, no hang. tp 2 x pp 2 x dp 2 keeps
+    every group in order under the same dealing, and runs."""
     sets = ("--set", "parallel.tp=2", "--set", "train.steps=2")
     dealt = ("--map-by", "node")
-    out = mpirun(cluster, *dealt, *app_args(tmp_path / "refused", *sets, "--set", "parallel.pp=1"), timeout=180)
+    zero = ("--set", "parallel.pp=1", "--set", "optim.zero=1")
+    out = mpirun(cluster, *dealt, *app_args(tmp_path / "refused", *sets, *zero), timeout=180)
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "the launcher's rank order does not fit the grid" in text, text[-3000:]
     assert "--map-by node" in text and "Traceback" not in text and "step 1/" not in text, text[-3000:]

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_app
 from postprocess import compare, scaling
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -243,7 +243,7 @@ def test_an_earlier_attempt_s_summary_is_not_a_failed_point_s_result(tmp_path, c
     for p in manifest["points"]:
         os.utime(Path(p["run_dir"]) / "summary.json", (now, now))
         p["since"] = now - 60  # each attempt began a minute before its summary ...
-    manifest["points"][1]["since"] = now + 60  # ... but point 2's began after: a stale summary
+    manifest["points"][1]["since"] = now + 3600  # ... but point 2's began an hour after: a stale summary
     del manifest["points"][2]["since"]  # point 4: an older manifest, failed, its summary undated
     path.write_text(json.dumps(manifest))
     out = tmp_path / "results"
@@ -269,6 +269,44 @@ def test_an_earlier_attempt_s_summary_is_not_a_failed_point_s_result(tmp_path, c
         "missing (script written, not run)", "ok (then the job failed: see run.log)",
     ]  # fmt: skip
     assert rows[1]["grid"] == "tp1 x pp1 x dp2" and rows[3]["tokens_per_s"] != ""
+
+
+def test_a_finished_point_launched_again_keeps_its_result(tmp_path, capsys):
+    """Found in review: a finished point launched again resumes at its end, trains nothing and exits
+    0 without a new summary.json, which was then older than the attempt and read as an earlier
+    attempt's. The app marks the summary as this attempt's (its time), and a run-local point that
+    exited 0 stands by its summary whatever its time. A summary stamped up to CLOCK_SKEW_S before the
+    attempt (a file system's clock behind the launch host's) is the attempt's."""
+    import os
+    import time
+
+    run_dir = tmp_path / "run"
+    sets = (
+        "--set",
+        "train.steps=2",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        "model.layers=1",
+        "--set",
+        "run.resume=auto",
+    )
+    first = run_app(1, "inputs/gpt_tiny.yaml", *sets)
+    assert first.returncode == 0, first.stdout + first.stderr
+    summary = run_dir / "summary.json"
+    os.utime(summary, (time.time() - 3600, time.time() - 3600))  # written an hour before the next attempt
+    since = time.time()
+    again = run_app(1, "inputs/gpt_tiny.yaml", *sets)
+    assert again.returncode == 0 and "nothing to train" in again.stdout + again.stderr, again.stdout + again.stderr
+    assert summary.stat().st_mtime >= since - 1  # the app's mark: this attempt's result too
+    for status in ("written", "ok"):
+        if status == "ok":
+            os.utime(summary, (since - 3600, since - 3600))  # an app from before the mark: the exit status says
+        assert scaling.load_run(run_dir, status, since).status == "ok", status
+    os.utime(summary, (since - 60, since - 60))  # a minute behind: clock skew, not an earlier attempt
+    assert scaling.load_run(run_dir, "failed", since).status.startswith("ok")
+    os.utime(summary, (since - 3600, since - 3600))
+    assert scaling.load_run(run_dir, "failed", since).status == "failed (summary.json is from an earlier attempt)"
 
 
 def test_the_baseline_is_the_smallest_point_with_a_result_and_says_so(tmp_path, capsys):
@@ -385,6 +423,10 @@ def test_compare_puts_our_hardware_flops_against_the_tables_which_count_recomput
     assert compare.axis_label([kept, published], "pflops") == "Aggregate PFLOP/s (model FLOPs)"
     assert compare.axis_label([kept, published], "pct_peak") == "% of peak (MFU)"
     assert "mixed" in compare.axis_label([new, kept], "tflops_per_gpu")
+    # A failed point has no FLOPs either way: it does not make the label "mixed" (found in review)
+    (gap,) = compare.from_scaling_rows([{"gpus": 16, "tflops_per_gpu": None, "aggregate_pflops": None, "mfu_pct": None,
+                                         "efficiency_pct": None, "status": "failed (no summary.json)"}], "us", "x")  # fmt: skip
+    assert compare.axis_label([new, gap], "tflops_per_gpu") == "TFLOP/s per GPU (recompute counted)"
     assert compare.axis_label([new], "efficiency_pct") == "Scaling efficiency (%)"
 
 

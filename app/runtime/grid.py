@@ -21,7 +21,7 @@ launcher gave them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
@@ -151,18 +151,31 @@ def placement_warnings(
     return warnings
 
 
-def unordered_group(layout: GridLayout, torch_of: list[int]) -> Optional[str]:
+# The groups whose collectives put their members' pieces in order (all-gathers, reduce-scatters,
+# all-to-alls): tp always (sequence parallelism, the vocabulary's logits); cp (its exchanges); dp and
+# the dp x cp replicas under ZeRO (shards) or expert parallelism (its all-to-alls within dp).
+# pp's point-to-point messages name their peers, and dp's plain all-reduce sums in any order.
+def order_sensitive_axes(tp: int, cp: int, zero: int, ep: int) -> frozenset[str]:
+    """The groups (`unordered_group`'s names) whose member order a run of this shape relies on."""
+    axes = {"tp"} if tp > 1 else set()
+    axes |= {"cp", "dp x cp"} if cp > 1 else set()
+    axes |= {"dp", "dp x cp"} if zero >= 1 or ep > 1 else set()
+    return frozenset(axes)
+
+
+def unordered_group(layout: GridLayout, torch_of: list[int], axes: Optional[Collection[str]] = None) -> Optional[str]:
     """Why the grid cannot run on this placement (`torch_of`: grid rank -> torch rank), or None.
     torch numbers the members of a group by ascending rank and its collectives (all-gather,
     reduce-scatter) put the pieces in that order, while the grid gives each rank its coordinate
-    along the axis: the two must agree in every group. They do where the launcher numbers each
-    node's ranks consecutively (blocks); dealing ranks round-robin over nodes breaks the groups that
-    span nodes with several members on each, and their results would be silently wrong."""
+    along the axis: the two must agree in every group of `axes` (None: every group;
+    `order_sensitive_axes`). They do where the launcher numbers each node's ranks consecutively
+    (blocks); dealing ranks round-robin over nodes breaks the groups that span nodes with several
+    members on each, and their results would be silently wrong."""
     groups = [(axis, group) for axis in layout.axes for group in layout.groups(axis)]
     if layout.cp > 1:  # the dp x cp replicas (`replica_group_of`): one per rank at dp 0 and cp 0
         bases = [g[0] for axis, g in groups if axis == "dp" and layout.coords(g[0])["cp"] == 0]
         groups += [("dp x cp", layout.replica_group_of(base)) for base in bases]
-    for axis, group in groups:
+    for axis, group in groups if axes is None else [(a, g) for a, g in groups if a in axes]:
         ranks = [torch_of[r] for r in group]
         if any(a > b for a, b in zip(ranks, ranks[1:])):
             return (
@@ -201,7 +214,10 @@ class ProcessGrid:
     live in one process (their runtimes should share one `Groups`).
     """
 
-    def __init__(self, runtime: Runtime, tp: int, pp: int, dp: int, order: str = "tp-dp-pp", cp: int = 1) -> None:
+    def __init__(
+        self, runtime: Runtime, tp: int, pp: int, dp: int, order: str = "tp-dp-pp", cp: int = 1,
+        ordered: Optional[Collection[str]] = None,
+    ) -> None:  # fmt: skip
         if tp * cp * pp * dp != runtime.world_size:
             shape = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "") + f" x pp={pp} x dp={dp}"
             raise LaunchError(f"grid {shape} does not match the {runtime.world_size} ranks launched")
@@ -209,7 +225,7 @@ class ProcessGrid:
         self.layout = GridLayout.from_order_string(tp, pp, dp, order, runtime.ranks_per_node if uniform else None, cp)
         node_major = sorted(range(runtime.world_size), key=lambda r: runtime.placement[r])
         torch_of = [runtime.global_ranks[r] for r in node_major]  # grid rank -> torch rank
-        unordered = unordered_group(self.layout, torch_of)
+        unordered = unordered_group(self.layout, torch_of, ordered)  # `ordered`: order_sensitive_axes
         if unordered is not None:  # every rank finds the same: all stop, none waits
             raise LaunchError(unordered)
         self.rank = node_major.index(runtime.rank)
