@@ -209,6 +209,42 @@ def test_hardware_flops_add_what_recomputation_runs_again():
         gpt_hardware_step_flops(*small, "some")
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_hardware_flops_are_what_a_step_executes(arch, recompute, fused):
+    """Found in review (2026-11-30): under full recomputation torch's checkpoint stops once the saved
+    tensors are rebuilt, so a dense block's MLP output GEMM is not run again where it is a plain
+    F.linear (its input was saved before it ran), and is where its weight gradient is fused (a
+    custom function saves after its GEMM). step_flops counted it always: HFU read 1/12 high on CPU
+    ranks. torch's FlopCounterMode over one micro-batch's forward and backward (the math attention,
+    whose GEMMs it counts: full, backward 2 x forward, the convention) must equal step_flops'
+    hardware FLOPs exactly; the model FLOPs are the recompute-free count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from app.deck import resolve_for_world
+    from app.metrics.flops import step_flops
+
+    sets = ("parallel.dp=1", "model.attention_kernel=math", f"train.recompute={recompute}", "model.layers=2",
+            "train.global_batch=2", "train.micro_batch=2", f"train.fuse_grad_accumulation={str(fused).lower()}",
+            f"model.arch={arch}")  # fmt: skip
+    deck = resolve_for_world(load_deck("inputs/gpt_tiny.yaml", sets), 1)
+    model = GPT(deck.model, seed=3, recompute=recompute)
+    model.train()
+    if fused:  # DataParallel's `wgrad_into`: the weight-gradient GEMM into an accumulator
+        for p in model.parameters():
+            if getattr(p, "wgrad_fusable", False):
+                p.wgrad_into = lambda w, g, x: torch.mm(g, x)  # noqa: ARG005 (counted, then dropped)
+    tokens = torch.randint(
+        0, deck.model.vocab_size, (2, deck.model.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    with FlopCounterMode(display=False) as counter:
+        model.loss(tokens, tokens).backward()
+    flops = step_flops(deck, gpu=False)
+    assert counter.get_total_flops() == flops["hardware"], (counter.get_total_flops(), flops)
+    assert recompute != "none" or flops["hardware"] == flops["model"]
+
+
 def _loss_and_grads(recompute: str, cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model = GPT(cfg, seed=3, recompute=recompute)
     model.train()

@@ -13,7 +13,8 @@ forward of every transformer layer (not the head),
 
     96 * B * s * l * h^2 * (1 + s / (6 h) + V / (16 l h))
 
-(same paper), and with selective recomputation (Korthikanti et al. 2022) one more
+(same paper; less a dense block's MLP output GEMM where gridlm's recomputation does not run it
+again, `step_flops`), and with selective recomputation (Korthikanti et al. 2022) one more
 forward of the attention core only, the score and context GEMMs: 4 * s * h per token and
 layer. The formulas assume an MLP width of 4h and count the full (not causally halved)
 attention score and context GEMMs, like the paper; LayerNorm, softmax, GELU and the
@@ -130,14 +131,32 @@ def gpt_hardware_step_flops(
     return model + tokens * layers * again[recompute]
 
 
-def step_flops(deck: Deck) -> dict[str, float]:
+def step_flops(deck: Deck, gpu: Optional[bool] = None) -> dict[str, float]:
     """Model FLOPs (MFU) and hardware FLOPs (with the deck's recomputation) of one optimizer step of
-    the deck's model and global batch: the run's report, the dry run and the performance model."""
+    the deck's model and global batch: the run's report, the dry run and the performance model.
+    `gpu`: whether the ranks are GPUs (where train.fuse_grad_accumulation is null; None: as GPUs).
+
+    Full recomputation re-runs each block's forward only until the tensors its backward saved are
+    rebuilt (torch's non-reentrant checkpoint stops early): a dense block's MLP output GEMM, whose
+    saved input its GELU or SwiGLU already rebuilt, runs again only where its weight gradient is
+    fused (a custom autograd function saves its tensors after its GEMM), so hardware FLOPs leave it
+    out where it is not (CPU ranks by default) and count it where it is (GPUs), as measured with
+    torch's FlopCounterMode. Mixture-of-experts blocks (their output feeds the gate weights, which
+    save it) and 3D tensor parallelism (custom functions) re-run the whole forward. Selective
+    recomputation re-runs a fused attention kernel whole (one op that saves its output), and of
+    the math kernel only the scores (its context GEMM's inputs were saved before it ran)."""
     m, tr = deck.model, deck.train
     size = (tr.global_batch, m.seq_len, m.layers, m.hidden, m.vocab_size, m.ffn)
     arch = arch_flops_args(m)
-    moe = moe_step_delta(m, tr.global_batch * m.seq_len)  # the experts' GEMMs for the dense MLP's
+    tokens = tr.global_batch * m.seq_len
+    moe = moe_step_delta(m, tokens)  # the experts' GEMMs for the dense MLP's
     again = moe / 3 if tr.recompute == "full" else 0.0  # full recomputation runs their forward again
+    on_gpu = True if gpu is None else gpu
+    if tr.recompute == "full" and not tr.fuses_grad_accumulation(on_gpu) and deck.parallel.tensor3d is None:
+        again -= tokens * (m.layers - moe_layers(m)) * 2.0 * m.hidden * m.ffn  # the output GEMM not re-run
+    if tr.recompute == "selective" and m.attention_on(on_gpu) == "math":
+        # The math core's context GEMM (p v) saved its inputs before it ran: only the scores run again.
+        again -= tokens * m.layers * 2.0 * m.seq_len * m.hidden
     return {
         "model": gpt_step_flops(*size, **arch) + moe,
         "hardware": gpt_hardware_step_flops(*size, tr.recompute, **arch) + moe + again,

@@ -110,7 +110,7 @@ class RunReport:
         m, tr = deck.model, deck.train
         self.device_name = device_name(runtime.device)
         self.peak = peak_tflops(self.device_name, tr.precision, deck.run.peak_tflops)
-        flops = step_flops(deck)
+        flops = step_flops(deck, runtime.device is not None and runtime.device.type == "cuda")
         self.flops_per_step, self.hardware_flops_per_step = flops["model"], flops["hardware"]
         self.tokens_per_step = tr.global_batch * m.seq_len
         self.start_step = 0

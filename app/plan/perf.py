@@ -586,12 +586,14 @@ def uses_gloo(machine: Machine) -> bool:
 
 def as_run_on(deck: Deck, machine: Machine) -> Deck:
     """`deck` with what its null or auto keys become on the machine's ranks: run.compile (compiled
-    chains on GPUs, `_elementwise`) and model.attention_kernel (math on CPU ranks with dropout:
-    `ModelConfig.attention_on`). The plan's memory and the predicted step use it."""
+    chains on GPUs, `_elementwise`), train.fuse_grad_accumulation (on GPUs) and
+    model.attention_kernel (math on CPU ranks with dropout: `ModelConfig.attention_on`). The plan's
+    memory, FLOPs and predicted step use it."""
     gpu = not uses_gloo(machine)
     return dataclasses.replace(
         deck,
         model=dataclasses.replace(deck.model, attention_kernel=deck.model.attention_on(gpu)),
+        train=dataclasses.replace(deck.train, fuse_grad_accumulation=deck.train.fuses_grad_accumulation(gpu)),
         run=dataclasses.replace(deck.run, compile=deck.run.compiles(gpu)),
     )
 
@@ -692,7 +694,10 @@ def _layer_passes(
         host_b += MOE_OPS["shared_backward"] * dev.op_seconds
     forward = _Pass(fwd_gemm, attn_fwd, elem_fwd - fwd_saved + fresh, tp_fwd, host_f)
     backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd - bwd_saved + fresh, tp_bwd, host_b)
-    recompute = _Pass(fwd_gemm, attn_fwd, elem_fwd - fwd_saved + fresh, tp_recompute, host_f)  # see tp_collectives
+    # Full recomputation stops once the saved tensors are rebuilt (`step_flops`): a dense block's MLP
+    # output GEMM runs again only where its weight gradient is fused (a custom function); see tp_collectives.
+    skipped = gemms[3][0] if not moe and deck.train.fuse_grad_accumulation is False else 0.0
+    recompute = _Pass(fwd_gemm - skipped, attn_fwd, elem_fwd - fwd_saved + fresh, tp_recompute, host_f)
     return forward, backward, recompute
 
 
@@ -1336,7 +1341,7 @@ def predict(
     every pass (the search ranks thousands of grids so, then simulates the best)."""
     placed = placement if placement is not None else place(deck, machine, layout)
     dev, rates, layout, links = placed.device, placed.offload, placed.layout, placed.links
-    counted = step_flops(deck)  # the model's FLOPs, whatever the split
+    counted = step_flops(deck, not uses_gloo(machine))  # the model's FLOPs, whatever the split
     cp = deck.parallel.cp
     if cp > 1:  # each rank's share, as a grid without cp sees it (`context_view`); the ring added below
         deck = context_view(deck)
