@@ -214,9 +214,12 @@ class Trainer:
         if isinstance(self.tp, Tensor3D) and self.tp.z.size > 1:
             self.sp_group = self.tp.z.group
         offload_file = (
-            offload_path(Path(deck.offload_directory), runtime.rank) if deck.optim.offload == "nvme" else None
+            offload_path(Path(deck.offload_directory), runtime.rank, self.run_dir)
+            if deck.optim.offload == "nvme"
+            else None
         )
-        self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid, offload_file)
+        # The node's ranks share optim.offload_dir (a node-local drive): its free space is checked for them all.
+        self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid, offload_file, runtime.local_size)
         self.scaler = (
             LossScaler(tr.loss_scale, tr.loss_scale_window, tr.min_loss_scale) if tr.precision == "fp16" else None
         )

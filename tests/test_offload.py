@@ -71,6 +71,67 @@ def test_a_truncated_offload_file_is_named(tmp_path):
     store.close()
 
 
+def test_jobs_sharing_an_offload_dir_get_files_of_their_own(tmp_path):
+    """Found in review (2026-11-30): the file was named by rank only, so two jobs with one
+    optim.offload_dir (a node's scratch drive) wrote each other's state, silently. Named by the run
+    directory too: two runs differ, the same run (one job at a time: its lock) takes its file over."""
+    from app.optim.offload import offload_path
+
+    scratch = tmp_path / "scratch"
+    a, b = offload_path(scratch, 0, tmp_path / "run_a"), offload_path(scratch, 0, tmp_path / "run_b")
+    assert a != b and a.parent == b.parent == scratch
+    assert offload_path(scratch, 0, tmp_path / "run_a") == a != offload_path(scratch, 1, tmp_path / "run_a")
+    assert offload_path(scratch, 0, tmp_path / "x" / ".." / "run_a") == a  # resolved
+
+
+def test_a_drive_too_small_or_that_fills_ends_the_job_naming_offload_dir(tmp_path, monkeypatch):
+    """Found in review: a full optim.offload_dir ended in an internal error's traceback and left the
+    files behind. Too little free space for the node's ranks is refused at the start; a write that
+    fails later (the drive filled meanwhile) ends the job as this rank's fatal error; both name
+    optim.offload_dir, the bytes, the fix, and remove the file."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from app.errors import RankFatal
+
+    usage = namedtuple("usage", "total used free")
+    masters = _masters()
+    need = sum(-(-m.numel() // 1024) * 1024 for m in masters) * STATE_TENSORS * 4
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 2 * need - 1))
+    with pytest.raises(
+        RankFatal, match=rf"optim.offload_dir {tmp_path}: needs .* of the 2 rank\(s\) of this node.*free space there"
+    ):
+        NvmeStore(masters, tmp_path / "rank0.bin", 4096, sharing=2)
+    assert not (tmp_path / "rank0.bin").exists()
+    NvmeStore(masters, tmp_path / "rank0.bin", 4096, sharing=1).close()  # one rank's fits
+    monkeypatch.undo()
+    store = NvmeStore(masters, tmp_path / "rank0.bin", 4096)
+
+    def full(*_):  # noqa: ANN002, ANN202
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(RankFatal, match="writing this rank's optimizer state failed: No space left on device"):
+        for chunk in store.stream([0, 1, 2]):
+            chunk.master.add_(1)
+    assert not (tmp_path / "rank0.bin").exists()
+    monkeypatch.undo()
+    store.close()
+
+
+def test_the_buffers_are_no_larger_than_the_largest_bucket(tmp_path):
+    """Found in review: optim.offload_buffer_mb up to 10^6 is accepted, and the three slots were
+    allocated at that size whatever the state (1 TB: an internal error; 20 GB: reported as optimizer
+    state for 1.3 MB). The slots hold at most the largest bucket's shard."""
+    store = NvmeStore(_masters(), tmp_path / "rank0.bin", buffer_bytes=10**12)
+    assert store.chunk == 3072  # 2500 elements padded to whole 4 KiB blocks
+    assert store.host_bytes() == SLOTS * STATE_TENSORS * 4 * 3072
+    chunks = [(c.bucket, c.lo, c.hi) for c in store.stream([0, 1, 2])]
+    assert chunks == [(0, 0, 1000), (1, 0, 37), (2, 0, 2500)]
+    store.close()
+
+
 def test_the_host_store_hands_out_whole_bucket_shards():
     masters = _masters()
     store = HostStore(masters)

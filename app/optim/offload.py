@@ -24,8 +24,10 @@ views of its tensors; the NVMe store's views read the file, and its `store` writ
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from app.errors import RankFatal
 from app.names import OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS
 
 # Bytes per element of every state tensor; the state tensors (master, exp_avg, exp_avg_sq); the
@@ -136,8 +139,13 @@ class NvmeStore(OffloadStore):
 
     kind = "nvme"
 
-    def __init__(self, masters: Sequence[torch.Tensor], path: Path, buffer_bytes: int) -> None:
+    def __init__(
+        self, masters: Sequence[torch.Tensor], path: Path, buffer_bytes: int, sharing: int = 1
+    ) -> None:  # fmt: skip
+        """`sharing`: the ranks of this node that write their files in the same directory (the free
+        space they need is checked against theirs all)."""
         self.path = path
+        self.fd = -1
         self.sizes = [m.numel() for m in masters]
         # Each bucket: [master | exp_avg | exp_avg_sq], fp32, each region aligned and padded.
         self.base: list[int] = []
@@ -147,9 +155,19 @@ class NvmeStore(OffloadStore):
             offset += STATE_TENSORS * _padded(n) * FP32
         block = DIRECT_ALIGN // FP32
         self.chunk = max(block, buffer_bytes // (SLOTS * STATE_TENSORS * FP32) // block * block)  # elements
+        # No larger than the largest bucket: more buffer than state holds nothing (a huge
+        # optim.offload_buffer_mb would only fail to allocate, or claim memory it never uses).
+        self.chunk = min(self.chunk, _padded(max(self.sizes, default=0)) or block)
         self._memory = [mmap.mmap(-1, STATE_TENSORS * self.chunk * FP32) for _ in range(SLOTS)]  # page-aligned
         self.slots = [torch.frombuffer(m, dtype=torch.float32).view(STATE_TENSORS, self.chunk) for m in self._memory]
         path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        if free < offset * sharing:  # the file starts sparse: without this, a full drive stops the run mid-way
+            raise self._fatal(
+                f"needs {offset * sharing / 1e9:.3g} GB for the optimizer state of the {sharing} rank(s) of this "
+                f"node writing there ({offset / 1e9:.3g} GB each: the fp32 master and two moments of its shard), "
+                f"{free / 1e9:.3g} GB is free"
+            )
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(self.fd, offset)  # the moments start at zero: a sparse file reads zeros
         try:
@@ -178,8 +196,20 @@ class NvmeStore(OffloadStore):
     def _pwrite(self, values: torch.Tensor, offset: int, fd: Optional[int] = None) -> None:
         view = memoryview(values.contiguous().numpy()).cast("B")
         done = 0
-        while done < len(view):
-            done += os.pwritev(self.fd if fd is None else fd, [view[done:]], offset + done)
+        try:
+            while done < len(view):
+                done += os.pwritev(self.fd if fd is None else fd, [view[done:]], offset + done)
+        except OSError as err:  # a full or failing drive: this rank cannot go on, its peers wait in a collective
+            raise self._fatal(f"writing this rank's optimizer state failed: {err.strerror or err}") from None
+
+    def _fatal(self, what: str) -> RankFatal:
+        """This rank's offload file cannot be kept: the error (RankFatal: the job ends now, on every
+        rank) names optim.offload_dir and the fix; the file goes (scratch: the checkpoints hold the state)."""
+        self.path.unlink(missing_ok=True)
+        return RankFatal(
+            f"optim.offload_dir {self.path.parent}: {what}; free space there, point optim.offload_dir at a larger "
+            "drive, or use optim.offload: host"
+        )
 
     def read(self, which: int, b: int, lo: int, hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=torch.float32)
@@ -251,6 +281,10 @@ def _padded(n: int) -> int:
     return -(-n // block) * block
 
 
-def offload_path(directory: Path, rank: int) -> Path:
-    """This rank's NVMe offload file under `directory`."""
-    return directory / f"optimizer_rank{rank:05d}.bin"
+def offload_path(directory: Path, rank: int, run_dir: Path) -> Path:
+    """This rank's NVMe offload file under `directory`, named by its run directory too: jobs that
+    share optim.offload_dir (a node's scratch drive) never write each other's state (found in review:
+    two jobs opened one file and corrupted each other's moments silently); one run directory has one
+    job at a time (its lock), which takes over the file a killed job of the same run left."""
+    run = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return directory / f"optimizer_{run}_rank{rank:05d}.bin"

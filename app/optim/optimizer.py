@@ -249,7 +249,12 @@ class ShardedOptimizer:
     (`store`: `app.optim.offload`, which then keeps the masters and moments)."""
 
     def __init__(
-        self, dp: DataParallel, cfg: OptimConfig, grid: ProcessGrid, offload_file: Optional[Path] = None
+        self,
+        dp: DataParallel,
+        cfg: OptimConfig,
+        grid: ProcessGrid,
+        offload_file: Optional[Path] = None,
+        offload_sharing: int = 1,
     ) -> None:
         self.dp, self.cfg, self.grid = dp, cfg, grid
         self.store: Optional[OffloadStore] = None
@@ -263,7 +268,8 @@ class ShardedOptimizer:
         else:
             if offload_file is None:
                 raise ValueError("optim.offload = nvme needs this rank's state file")
-            self.store = NvmeStore(dp.offload_master(), offload_file, int(cfg.offload_buffer_mb * 1e6))
+            buffer = int(cfg.offload_buffer_mb * 1e6)
+            self.store = NvmeStore(dp.offload_master(), offload_file, buffer, offload_sharing)
         self.steps = 0
         self.scratch = Scratch()  # LAMB's scaled gradient and denominator, bucket by bucket
         # Built at the first use, kept: views of buffers that live as long as this optimizer.
