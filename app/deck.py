@@ -352,10 +352,17 @@ class OptimConfig:
         choices=("none", "host", "nvme"),
     )
     offload_dir: Optional[str] = _key(
-        None, "offload nvme: node-local directory of the per-rank state files; null means <run.dir>/offload", path=True
+        None,
+        "offload nvme: node-local directory of the per-rank state files (named by run.dir, so jobs may share "
+        "it; its free space is checked for the node's ranks at the start); null means <run.dir>/offload",
+        path=True,
     )
     offload_buffer_mb: float = _key(
-        64.0, "offload nvme: host memory (MB) of the read-ahead/update/write-behind buffers", min=0.01, max=1e6
+        64.0,
+        "offload nvme: host memory (MB) of the read-ahead/update/write-behind buffers (at most what the "
+        "largest bucket's state needs)",
+        min=0.01,
+        max=1e6,
     )
     offload_delay: int = _key(
         0,
