@@ -280,7 +280,8 @@ def tp_collectives(deck: Deck) -> dict[str, list[tuple[str, float]]]:
 
     `layer_recompute` is what full recomputation runs again: torch's checkpoint stops once it
     has rebuilt every tensor the backward saved, so without dropout (whose mask is saved) it
-    stops after the MLP's output GEMM, before that GEMM's all-reduce or reduce-scatter."""
+    stops at the MLP's output GEMM (after it where its weight gradient is fused, before it
+    where not: `step_flops`), before that GEMM's all-reduce or reduce-scatter."""
     m, par, tr = deck.model, deck.parallel, deck.train
     if par.tp == 1:
         return {k: [] for k in ("layer_forward", "layer_recompute", "layer_backward", "layer_backward_overlapped",
