@@ -135,12 +135,17 @@ def axis_label(rows: list[dict[str, Any]], metric: str) -> str:
     or, from a results file written before scaling kept hardware FLOPs, model FLOPs and MFU."""
     _, label, _ = METRICS[metric]
     kinds = {r["hardware"] for r in rows if r.get("hardware") is not None}  # published rows: not ours
+    hardware, model = kinds == {True}, kinds == {False}
     if "flops" in metric:
-        return label + {frozenset({True}): " (recompute counted)", frozenset({False}): " (model FLOPs)"}.get(
-            frozenset(kinds), " (ours: model and hardware FLOPs mixed)"
+        return label + (
+            " (recompute counted)"
+            if hardware
+            else " (model FLOPs)"
+            if model
+            else " (ours: model and hardware FLOPs mixed)"
         )
     if metric == "pct_peak":
-        return {frozenset({False}): label, frozenset({True}): "% of peak (HFU)"}.get(frozenset(kinds), "% of peak")
+        return "% of peak (HFU)" if hardware else label if model else "% of peak"
     return label
 
 

@@ -14,7 +14,7 @@ output and the residual stream twice and writing two new tensors between), and t
 bias with the second residual add (`bias_residual`: two passes). The Linears then leave their
 bias out (`RowParallelLinear.forward(add_bias=False)`). For GPT-2, whose LayerNorm and GELU are
 single kernels already, these are the chains left: 5 of the block's forward passes over its
-hidden-wide activations (the performance model's `chain_saving`). They need 1D tensor
+hidden-wide activations (the performance model's `_chains_saved`). They need 1D tensor
 parallelism and dropout 0 (`GPT.fuse`).
 
 What is compiled are pure functions of tensors (`rms_norm`, `rotary`, `swiglu`, `add_norm`, `bias_residual`): no collectives,

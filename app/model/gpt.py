@@ -404,7 +404,7 @@ class Block(nn.Module):
             self.attn(self.ln1(x), add_bias=False), self.attn.proj.bias, x, ln2.weight, getattr(ln2, "bias", None),
             ln2.eps,
         )  # fmt: skip
-        if self.bias_residual is not None and isinstance(self.mlp, MLP) and self.mlp.proj.bias is not None:
+        if self.bias_residual is not None:  # a dense MLP with an output bias (`GPT.fuse`)
             return self.bias_residual(self.mlp(h, add_bias=False), self.mlp.proj.bias, x)
         return x + self.mlp(h)
 
@@ -487,7 +487,8 @@ class GPT(nn.Module):
         chains = kernels.add_norm is not None and self.cfg.dropout == 0 and not isinstance(self.tp, Tensor3D)
         for block in self.blocks.values():
             block.add_norm = kernels.add_norm if chains else None
-            block.bias_residual = kernels.bias_residual if chains else None
+            biased = isinstance(block.mlp, MLP) and block.mlp.proj.bias is not None  # MoE and llama: a plain add
+            block.bias_residual = kernels.bias_residual if chains and biased else None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
