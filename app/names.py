@@ -7,7 +7,7 @@ them; a new precision, recompute mode or schedule is added here first.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 AXES = ("tp", "pp", "dp")  # the grid's axes, innermost-first in the default order tp-dp-pp
 # With context parallelism (parallel.cp > 1) a fourth: cp splits every sequence. An order that omits it
@@ -32,6 +32,17 @@ SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
 # (which does not import torch) counts them.
 OFFLOAD_STATE_TENSORS, OFFLOAD_FP32 = 3, 4
 OFFLOAD_SLOTS = 3
+OFFLOAD_ALIGN = 4096  # bytes: the nvme file's regions and its O_DIRECT transfers are whole blocks
+
+
+def offload_chunk(buffer_bytes: int, largest: Optional[int] = None) -> int:
+    """Elements of one slot of the nvme offload's stream (`NvmeStore`): optim.offload_buffer_mb's
+    bytes over SLOTS slots of the state tensors, in whole OFFLOAD_ALIGN blocks (one at least), and
+    no more than the `largest` shard it streams, padded to a block: more buffer than state holds
+    nothing (a large optim.offload_buffer_mb would only fail to allocate, or claim memory it never uses)."""
+    block = OFFLOAD_ALIGN // OFFLOAD_FP32
+    chunk = max(block, buffer_bytes // (OFFLOAD_SLOTS * OFFLOAD_STATE_TENSORS * OFFLOAD_FP32) // block * block)
+    return chunk if largest is None else min(chunk, max(block, -(-largest // block) * block))
 
 
 def strides3d(shape: Sequence[int], order: str = "xyz") -> tuple[int, int, int]:

@@ -682,12 +682,15 @@ def test_the_dry_run_suggests_zero3_where_only_it_fits():
 OFFLOAD_CASES = [("fp32", 0, 1), ("fp32", 1, 4), ("bf16", 2, 4), ("bf16", 3, 4), ("fp16", 3, 1)]
 
 
-@pytest.mark.parametrize("offload", ["host", "nvme"])
+@pytest.mark.parametrize("offload,buffer_mb", [("host", 0.1), ("nvme", 0.1), ("nvme", 64.0)])
 @pytest.mark.parametrize("precision,zero,dp", OFFLOAD_CASES)
-def test_offload_moves_the_master_and_moments_off_the_device(offload, precision, zero, dp):
+def test_offload_moves_the_master_and_moments_off_the_device(offload, buffer_mb, precision, zero, dp, tmp_path):
     """By hand from the layout: the fp32 master (a copy even in fp32) and two moments, 12 bytes per
     shard element, go to the host (or the nvme file); the device's optimizer term keeps only the ZeRO
-    gradient shard; nvme's host memory is NvmeStore's three slots of 3 fp32 chunks."""
+    gradient shard; nvme's host memory is what a real NvmeStore over the layout's bucket shards
+    allocates (three slots of 3 fp32 chunks, no larger than the largest shard: 64 MB is more)."""
+    import torch
+
     from app.optim import offload as runtime
 
     assert (estimate.OFFLOAD_STATE_BYTES, estimate.OFFLOAD_SLOTS) == (
@@ -695,7 +698,7 @@ def test_offload_moves_the_master_and_moments_off_the_device(offload, precision,
         runtime.SLOTS,
     )
     deck = load_deck(None, (*SMALL, f"train.precision={precision}", f"optim.zero={zero}", "parallel.dp_bucket_mb=0.01",
-                            f"optim.offload={offload}", "optim.offload_buffer_mb=0.1"))  # fmt: skip
+                            f"optim.offload={offload}", f"optim.offload_buffer_mb={buffer_mb}"))  # fmt: skip
     deck = resolve_for_world(deck, dp)
     g = BYTES[reduce_precision(precision, deck.train.grad_reduce_dtype)]
     for s in estimate_stages(deck):
@@ -706,7 +709,12 @@ def test_offload_moves_the_master_and_moments_off_the_device(offload, precision,
         sharded = dp > 1 and zero > 0
         assert s.disk(zero, offload) == (shard * 12 if offload == "nvme" else 0)
         # The state (host) or the stream buffers (nvme), and the host's copy of the gradient shard.
-        state = shard * 12 if offload == "host" else 3 * 3 * 4 * (100_000 // 36)
+        state = shard * 12
+        if offload == "nvme":
+            shards = [(b.end - b.start) // layout.sharing(k)[0] for k, b in enumerate(layout.buckets)]
+            store = runtime.NvmeStore([torch.zeros(n) for n in shards], tmp_path / "state.bin", int(buffer_mb * 1e6))
+            state = store.host_bytes()
+            store.close()
         assert s.host(zero, offload) == state + shard * g
         grad_shard = shard * g if sharded else 0
         assert s.optimizer_for(zero, offload) == grad_shard
@@ -726,14 +734,16 @@ def test_host_offload_saves_memory_on_a_gpu_machine_and_costs_it_on_a_cpu_one():
     was the parameter); on the CPU machine it adds the fp32 master copy and the gradients' host copy;
     nvme saves there too (the moments and master go to the file; the gradients' copy stays)."""
     deck = load_deck(None, (*SMALL, "parallel.dp=1"))
-    size = stage_layout(deck, StageKey(5, True, True, zero=False)).shard_elements()
+    layout = stage_layout(deck, StageKey(5, True, True, zero=False))
+    size, largest = layout.shard_elements(), max(b.end - b.start for b in layout.buckets)
     for name, host_offload, nvme in (("selene", -8 * size, -8 * size), ("local", 8 * size, None)):
         plans = {o: make_plan(load_deck(None, (*SMALL, "parallel.dp=1", f"optim.offload={o}")), 1, load_machine(name))
                  for o in ("none", "host", "nvme")}  # fmt: skip
         peak = {o: to_json(p)["stages"][0]["memory_gib"] for o, p in plans.items()}
         need = {o: p.stage_total(p.peak_stage()) for o, p in plans.items()}
         assert need["host"] - need["none"] == host_offload, name
-        buffers = estimate.nvme_buffer_bytes(64.0)
+        buffers = estimate.nvme_buffer_bytes(64.0, largest)  # the model is smaller than 64 MB of chunks
+        assert buffers < 64e6
         expect = nvme if nvme is not None else -8 * size + buffers + 4 * size
         assert need["nvme"] - need["none"] == expect, name
         assert peak["nvme"]["nvme_disk"] == round(12 * size / 2**30, 3)

@@ -37,14 +37,14 @@ from typing import Optional
 import torch
 
 from app.errors import RankFatal
-from app.names import OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS
+from app.names import OFFLOAD_ALIGN, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, offload_chunk
 
 # Bytes per element of every state tensor; the state tensors (master, exp_avg, exp_avg_sq); the
 # NVMe stream's buffers (read-ahead, update, write-behind): declared once in app/names.py.
 FP32, STATE_TENSORS, SLOTS = OFFLOAD_FP32, OFFLOAD_STATE_TENSORS, OFFLOAD_SLOTS
 # O_DIRECT's alignment of buffers, offsets and lengths: 4 KiB covers the logical blocks of NVMe drives
 # and of the file systems on them (512 B or 4 KiB).
-DIRECT_ALIGN = 4096
+DIRECT_ALIGN = OFFLOAD_ALIGN
 
 
 @dataclass
@@ -153,11 +153,7 @@ class NvmeStore(OffloadStore):
         for n in self.sizes:
             self.base.append(offset)
             offset += STATE_TENSORS * _padded(n) * FP32
-        block = DIRECT_ALIGN // FP32
-        self.chunk = max(block, buffer_bytes // (SLOTS * STATE_TENSORS * FP32) // block * block)  # elements
-        # No larger than the largest bucket: more buffer than state holds nothing (a huge
-        # optim.offload_buffer_mb would only fail to allocate, or claim memory it never uses).
-        self.chunk = min(self.chunk, _padded(max(self.sizes, default=0)) or block)
+        self.chunk = offload_chunk(buffer_bytes, max(self.sizes, default=0))  # elements
         self._memory = [mmap.mmap(-1, STATE_TENSORS * self.chunk * FP32) for _ in range(SLOTS)]  # page-aligned
         self.slots = [torch.frombuffer(m, dtype=torch.float32).view(STATE_TENSORS, self.chunk) for m in self._memory]
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 from app.archs.spec import ParamSpec
 from app.deck import Deck, ModelConfig
 from app.metrics.flops import arch_flops_args, gpt_step_flops, linear_step_flops, mlp_forward, moe_layers
-from app.names import BYTES, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, reduce_precision
+from app.names import BYTES, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, offload_chunk, reduce_precision
 from app.sharding.layout import (
     ORS_IN_FLIGHT,
     ZERO2_IN_FLIGHT,
@@ -356,11 +356,11 @@ def unit_elements(layout: ParamLayout, units: list[str]) -> dict[str, int]:
     return out
 
 
-def nvme_buffer_bytes(buffer_mb: float) -> float:
+def nvme_buffer_bytes(buffer_mb: float, largest: Optional[int] = None) -> float:
     """Host bytes of the nvme offload's stream buffers, as `NvmeStore` allocates them: SLOTS
-    slots of the master and two moments, each a chunk of buffer_mb x 1e6 / 36 fp32 elements."""
-    chunk = max(1, int(buffer_mb * 1e6) // (OFFLOAD_SLOTS * OFFLOAD_STATE_BYTES))
-    return float(OFFLOAD_SLOTS * OFFLOAD_STATE_BYTES * chunk)
+    slots of the master and two moments, each a chunk of about buffer_mb x 1e6 / 36 fp32 elements
+    (`offload_chunk`), no more than the `largest` shard the rank streams."""
+    return float(OFFLOAD_SLOTS * OFFLOAD_STATE_BYTES * offload_chunk(int(buffer_mb * 1e6), largest))
 
 
 def model_params(m: ModelConfig) -> int:
@@ -506,7 +506,7 @@ class StageEstimate:
     # optim.offload_delay, plus the staged parameters in the compute dtype).
     offloaded: dict[str, float] = dataclasses.field(default_factory=dict)
     gradient_shard: dict[str, float] = dataclasses.field(default_factory=dict)
-    offload_buffers: float = 0.0
+    offload_buffers: dict[str, float] = dataclasses.field(default_factory=dict)
     host_transfer: dict[str, float] = dataclasses.field(default_factory=dict)
     # A mixture of experts: the stacked experts' elements among `params` (E/ep of them under expert
     # parallelism, `parallel.ep`); 0 for a dense model.
@@ -527,7 +527,7 @@ class StageEstimate:
         and the gradients' host copies."""
         if offload == "none":
             return 0.0
-        state = self.offloaded[f"zero{zero}"] if offload == "host" else self.offload_buffers
+        state = (self.offloaded if offload == "host" else self.offload_buffers)[f"zero{zero}"]
         return state + self.host_transfer[f"zero{zero}"]
 
     def disk(self, zero: int, offload: str) -> float:
@@ -619,7 +619,6 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
     logits = seq * tr.micro_batch * (m.vocab_size // vocab_split) * (e + 8)
     head_flops = 3 * 2 * tokens * m.hidden * m.vocab_size / gemm_split
     stages = []
-    stream_buffers = nvme_buffer_bytes(deck.optim.offload_buffer_mb)
 
     def bucket_bound(sizes: LayoutSizes) -> float:
         """ZeRO-2's gradient buckets held at once: ZERO2_IN_FLIGHT being reduced (with their output
@@ -658,6 +657,10 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
         if dp > 1:
             shards["zero3"] = z3.shard
         offloaded = {k: n * float(OFFLOAD_STATE_BYTES) for k, n in shards.items()}
+        # nvme's stream buffers: no larger than the largest bucket shard the store streams.
+        largest = {"zero0": whole.largest_shard, "zero1": sharded.largest_shard, "zero2": sharded.largest_shard}
+        largest["zero3"] = z3.largest_shard if dp > 1 else whole.largest_shard
+        stream = {k: nvme_buffer_bytes(deck.optim.offload_buffer_mb, n) for k, n in largest.items()}
         delay = deck.optim.offload_delay
         host_transfer = {k: n * float(grad_bytes * (1 + delay) + e * delay) for k, n in shards.items()}
         gradient_shard = {k: (n * float(grad_bytes) if dp > 1 and k != "zero0" else 0.0) for k, n in shards.items()}
@@ -670,6 +673,7 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
             "gathered": gathered,
             "zero3_gradient_buckets": float(buckets3),
             "offloaded": offloaded,
+            "offload_buffers": stream,
             "gradient_shard": gradient_shard,
             "host_transfer": host_transfer,
         }
@@ -699,7 +703,6 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
                 expert_params=sum(mine) * experts,
                 activations=activations,
                 flops_per_micro_batch=sum(mine) * layer_flops + (head_flops if last else 0.0),
-                offload_buffers=stream_buffers,
                 **{k: dict(v) if isinstance(v, dict) else v for k, v in memory.items()},
             )
         )

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from app.deck import Deck
-from app.names import BYTES, reduce_precision
+from app.names import BYTES, offload_chunk, reduce_precision
 from app.plan.device import Device
-from app.plan.estimate import OFFLOAD_SLOTS, OFFLOAD_STATE_BYTES
+from app.plan.estimate import OFFLOAD_STATE_BYTES
 from app.plan.machine import Machine
 
 # AdamW on GPUs is torch's fused kernel (`_AdamWCall`): one pass that reads the master, the fp32
@@ -157,8 +157,9 @@ def offload_state_bytes(deck: Deck) -> int:
 
 
 def nvme_chunk_elements(deck: Deck) -> int:
-    """Elements of one nvme stream slot, as `NvmeStore` cuts them from optim.offload_buffer_mb."""
-    return max(1, int(deck.optim.offload_buffer_mb * 1e6) // (OFFLOAD_SLOTS * OFFLOAD_STATE_BYTES))
+    """Elements of one nvme stream slot, as `NvmeStore` cuts them from optim.offload_buffer_mb
+    (`offload_chunk`; the callers cap it at the shard)."""
+    return offload_chunk(int(deck.optim.offload_buffer_mb * 1e6))
 
 
 @dataclass(frozen=True)
