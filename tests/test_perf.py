@@ -1469,3 +1469,45 @@ def test_predict_step_time_takes_a_deck_and_a_machine_file(tmp_path):
     assert predict(resolve_for_world(deck, 4), load_machine("selene")).breakdown["ep_exposed"] > 0
     with pytest.raises(MachineError, match="missing peak_tflops.fp32"):
         predict_step_time(deck, "local", world_size=4)
+
+
+@pytest.mark.parametrize("kernel", ["math", "flash"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_selective_recomputation_charges_what_it_runs_again(kernel, dropout):
+    """Selective recomputation re-runs a fused attention kernel whole (one op that saves its output),
+    and of the math kernel only what rebuilds the saved scores: QK^T (half the core's 4 b s^2 h
+    FLOPs) and the mask, softmax and dropout passes over the b x heads x s x s scores, not the
+    context GEMM nor its read of them (torch's non-reentrant checkpoint stops there, as
+    `step_flops` counts it). By hand on one rank of Selene: the attention term of selective minus
+    that of none, over the layers and the micro-batches."""
+    machine = load_machine("selene")
+    sets = (f"model.attention_kernel={kernel}", f"model.dropout={dropout}", "parallel.tp=1", "parallel.pp=1",
+            "parallel.dp=1", "train.precision=bf16")  # fmt: skip
+    decks = {r: resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, f"train.recompute={r}")), 1)
+             for r in ("none", "selective")}  # fmt: skip
+    extra = (
+        predict(decks["selective"], machine).breakdown["attention"]
+        - predict(decks["none"], machine).breakdown["attention"]
+    )
+    deck = decks["none"]
+    m, tr, dev, e = deck.model, deck.train, device_of(machine, "bf16"), 2
+    flops = 4.0 * tr.micro_batch * m.seq_len**2 * m.hidden
+    if kernel == "math":
+        scores = tr.micro_batch * m.heads * m.seq_len**2
+        drop = 2 * e + 1 if dropout else 0
+        once = 0.5 * flops / (dev.peak_flops * dev.gemm_efficiency) + scores * (5 * e + drop) / dev.hbm_bytes_s
+    else:
+        once = 0.5 * flops / (dev.peak_flops * dev.attention_efficiency)
+    assert math.isclose(extra, once * m.layers * deck.num_micro_batches, rel_tol=1e-9)
+
+
+def test_context_parallelism_charges_its_ring_in_mixture_of_experts_blocks_too():
+    """A MoE block's attention is a dense block's: under cp its ring (cp - 1 more blocks of keys, the
+    hops) was charged to the dense blocks only, so a model of MoE blocks predicted the view's local
+    attention alone (40x less at cp 2 on Selene)."""
+    machine = load_machine("selene")
+    sets = ("model.seq_len=64", "parallel.cp=2", "parallel.tp=1", "parallel.pp=1")
+    dense, moe = (resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, *more)), 4)
+                  for more in ((), ("model.moe_experts=4", "model.moe_every=1")))  # fmt: skip
+    ring = predict(dense, machine).breakdown["attention"]
+    assert predict(moe, machine).breakdown["attention"] == pytest.approx(ring, rel=1e-12)

@@ -661,7 +661,7 @@ def _layer_passes(
     gemms = [tuple(count * x for x in dev.linear(rows, n, k, e)) for rows, n, k, count in shapes]
     fwd_gemm = sum(g[0] for g in gemms)
     dgrad, wgrad = [g[1] for g in gemms], [g[2] for g in gemms]
-    attn_fwd, attn_bwd = _attention(deck, dev)
+    attn_fwd, attn_bwd, _ = _attention(deck, dev)
     # Element-wise bytes per token of one forward (see the module docstring of estimate.py for
     # the block): LayerNorm x 2, row-parallel bias add x 2 (where the Linears have biases), residual
     # add x 2 on h/t_sp; the attention output's transpose copy on h/t; GELU on f/t; dropout (p > 0)
@@ -729,15 +729,19 @@ def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int, int]], float, float
     return gemms, 8.0 * rows * h * e, float((rows * fe + tokens * shared) * e)
 
 
-def _attention(deck: Deck, dev: Device, split: Optional[int] = None) -> tuple[float, float]:
-    """Seconds of the attention core (scores, softmax, context), forward and backward, one tp rank
-    holding heads / `split` of the heads (tp; under 3D, Y).
+def _attention(deck: Deck, dev: Device, split: Optional[int] = None) -> tuple[float, float, float]:
+    """Seconds of the attention core (scores, softmax, context), forward, backward and selective
+    recomputation's re-run before the backward, one tp rank holding heads / `split` of the heads
+    (tp; under 3D, Y).
 
     auto (flash kernels), causal: half of the 4 b s^2 h score + context FLOPs run in the forward,
     2.5x that in the backward (it recomputes the scores), at peak x attention_efficiency (the
-    backward at attention_backward_efficiency where the machine gives it).
+    backward at attention_backward_efficiency where the machine gives it). Selective recomputation
+    runs the kernel again whole (one op, which saves its output).
     math (torch's reference backend): the two batched GEMMs of the full square, and the scores
-    (b x heads/t x s x s elements) written, masked, softmaxed, dropped out and read again.
+    (b x heads/t x s x s elements) written, masked, softmaxed, dropped out and read again. Selective
+    recomputation rebuilds only the saved scores (QK^T, mask, softmax, dropout): torch's
+    non-reentrant checkpoint stops there, the context GEMM's inputs being rebuilt (`step_flops`).
     """
     m, tr = deck.model, deck.train
     t = deck.parallel.tp if split is None else split
@@ -746,15 +750,16 @@ def _attention(deck: Deck, dev: Device, split: Optional[int] = None) -> tuple[fl
     if m.attention_kernel != "math":  # auto and the fused kernels (flash, cudnn, efficient)
         forward = 0.5 * flops / (dev.peak_flops * dev.attention_efficiency)
         backward_efficiency = dev.attention_backward_efficiency or dev.attention_efficiency
-        return forward, 2.5 * 0.5 * flops / (dev.peak_flops * backward_efficiency)
+        return forward, 2.5 * 0.5 * flops / (dev.peak_flops * backward_efficiency), forward
     scores = b * (m.heads // t) * s * s
     drop = 2 * e + 1 if m.dropout > 0 else 0  # read, write, and a one-byte mask
     gemm_rate = dev.peak_flops * dev.gemm_efficiency
     # Forward: QK^T writes the scores; mask, softmax (and dropout) read and write them; PV reads them.
-    forward = flops / gemm_rate + dev.stream(scores * (e + 2 * e + 2 * e + drop + e))
+    rebuild = 0.5 * flops / gemm_rate + dev.stream(scores * (e + 2 * e + 2 * e + drop))
+    forward = rebuild + 0.5 * flops / gemm_rate + dev.stream(scores * e)
     # Backward: four GEMMs (dV, dP, dQ, dK) over the scores; dropout, softmax and mask gradients.
     backward = 2 * flops / gemm_rate + dev.stream(scores * (4 * e + drop + 3 * e + 2 * e))
-    return forward, backward
+    return forward, backward, rebuild
 
 
 def context_view(deck: Deck) -> Deck:
@@ -1059,7 +1064,7 @@ def _layer_passes3d(deck: Deck, dev: Device, links: dict[str, Link], ov: Overlap
     gemms = [dev.linear(tokens, lin.n, lin.k, e) for lin in lins]
     fwd_gemm = sum(g[0] for g in gemms)
     dgrad, wgrad = [g[1] for g in gemms], [g[2] for g in gemms]
-    attn_fwd, attn_bwd = _attention(deck, dev, y)  # heads / Y, replicated over X
+    attn_fwd, attn_bwd, _ = _attention(deck, dev, y)  # heads / Y, replicated over X
     # Element-wise bytes per token of one forward: the four bias adds after the all-reduces (each on
     # its Linear's output), two residual adds on h/X, the attention output's transpose copy (h/Y),
     # dropout (p > 0) x 2 on h/X with its mask; GELU on f/Y.
@@ -1369,6 +1374,7 @@ def predict(
     if shape is None:
         msgs = tp_collectives(deck)
         layer_f, layer_b, layer_r = _layer_passes(deck, dev, links["tp"], msgs)
+        ring_f = ring_b = _Pass()  # context parallelism's: every block's attention, MoE blocks' too
         if cp > 1:
             ring_f, ring_b = _ring_passes(deck, dev, links["cp"], cp, layer_f, layer_b, uses_gloo(machine))
             layer_f, layer_b, layer_r = layer_f + ring_f, layer_b + ring_b, layer_r + ring_f
@@ -1378,7 +1384,8 @@ def predict(
             moe_msgs = {**msgs, **moe_tp_collectives(deck)}
             expert_f, expert_b, expert_r = _layer_passes(deck, dev, links["tp"], moe_msgs, moe=True)
             a2a = _expert_passes(deck, dev, links.get("ep"), not uses_gloo(machine))
-            expert_f, expert_b, expert_r = (p + q for p, q in zip((expert_f, expert_b, expert_r), a2a))
+            ring = (ring_f, ring_b, ring_f)
+            expert_f, expert_b, expert_r = (p + q + r for p, q, r in zip((expert_f, expert_b, expert_r), a2a, ring))
     else:  # 3D: each collective on its sub-axis's link (axis_links3d)
         layer_f, layer_b, layer_r = _layer_passes3d(deck, dev, links3, overlap3d(deck))
         head_f, head_b = _head_passes3d(deck, dev, links3)
@@ -1387,8 +1394,11 @@ def predict(
         layer_b = layer_b + layer_r  # the forward again, just before each block's backward
         expert_b = expert_b + expert_r
     elif tr.recompute == "selective":
-        layer_b = layer_b + _Pass(attention=layer_f.attention, host=dev.op_seconds)  # one op
-        expert_b = expert_b + _Pass(attention=expert_f.attention, host=dev.op_seconds)
+        # The attention core again before its backward (`_attention`: a fused kernel whole, the math
+        # kernel up to its saved scores); context parallelism's ring attention whole, its hops too.
+        core = layer_f.attention if cp > 1 else _attention(deck, dev, None if shape is None else shape[1])[2]
+        layer_b = layer_b + _Pass(attention=core, host=dev.op_seconds)  # one op
+        expert_b = expert_b + _Pass(attention=core, host=dev.op_seconds)
     chunks = [len(c) for c in deck.chunks]
     last = pp * v - 1
 
