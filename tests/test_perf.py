@@ -300,6 +300,27 @@ def test_the_best_line_pasted_onto_a_deck_that_sets_dp_plans_the_configuration_i
     assert plan.predicted is not None and plan.predicted.step_time_s == best.step, best.overrides()
 
 
+@pytest.mark.parametrize("own", [("optim.offload=host", "optim.offload_delay=1"),
+                                 ("optim.offload=nvme", "optim.offload_dir=/scratch/gridlm")])  # fmt: skip
+def test_the_search_of_an_offloaded_deck_drops_the_keys_only_offload_takes(own):
+    """Found in review (2026-11-30): the candidates are planned without the deck's offload, but kept
+    its optim.offload_delay (every candidate refused: 'no configuration can run') or its
+    optim.offload_dir (the pasted best line refused: only used with nvme)."""
+    import shlex
+
+    from app.plan.dryrun import make_plan
+    from app.plan.machine import load_machine
+    from app.plan.search import search
+
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", own)
+    machine = load_machine("perlmutter")
+    result = search(deck, 4, machine, top=1, tensor="1d")
+    assert result.best, dict(result.examples)
+    words = shlex.split(result.best[0].overrides())
+    plan = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", (*own, *words[1::2])), 4, machine)
+    assert plan.predicted is not None and plan.predicted.step_time_s == result.best[0].step
+
+
 def test_search_cli_json_and_its_refusals():
     # 32 GPUs, not the paper's 128: the same search in two thirds of the CPU.
     cmd = [sys.executable, "-m", "app", "inputs/megatron/gpt_7.5b.yaml", "--search", "--world-size", "32", "--json"]

@@ -145,8 +145,12 @@ def context_degrees(deck: Deck, ranks: int, sets: dict[str, Any]) -> list[int]:
 
 def _configurations(deck: Deck, world: int, machine: Machine, tensor: str = "both") -> Iterator[dict[str, Any]]:
     orders = list(dict.fromkeys((deck.parallel.order, *ORDERS)))
-    # Offload is tried where a configuration does not fit (`search`); the deck's own is not inherited.
-    offload = {"optim.offload": "none"} if deck.optim.offload != "none" else {}
+    # Offload is tried where a configuration does not fit (`search`); the deck's own is not inherited,
+    # nor its keys that only offload takes (refused without it: the pasted line must plan).
+    opt, offload = deck.optim, {}
+    if opt.offload != "none":
+        offload = {"optim.offload": "none", **({"optim.offload_delay": 0} if opt.offload_delay else {}),
+                   **({"optim.offload_dir": None} if opt.offload_dir else {})}  # fmt: skip
     grids = _grids(deck, world, machine) if tensor != "3d" else iter(())
     if tensor != "1d":
         grids = itertools.chain(grids, _grids3d(deck, world, machine))
@@ -268,6 +272,17 @@ def offload_kind(deck: Deck, machine: Machine) -> Optional[str]:
     return kind if kind and not machine.missing_for_prediction(deck.train.precision, kind) else None
 
 
+def _offload_keys(deck: Deck, kind: str) -> dict[str, Any]:
+    """The deck's own offload keys that an offloaded candidate of `kind` keeps: its delayed update
+    (where the deck offloads), its nvme directory (nvme)."""
+    opt, keys = deck.optim, {}
+    if opt.offload != "none" and opt.offload_delay:
+        keys["optim.offload_delay"] = opt.offload_delay
+    if kind == "nvme" and opt.offload_dir:
+        keys["optim.offload_dir"] = opt.offload_dir
+    return keys
+
+
 def _apply(deck: Deck, sets: dict[str, Any]) -> Deck:
     sections: dict[str, dict[str, Any]] = {}
     for key, value in sets.items():
@@ -366,7 +381,7 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5, tensor: str =
         candidate = consider(sets)
         # Offloaded where it does not fit without, and the dry run's figure says it fits with.
         if offload and candidate is not None and _fits_offloaded(candidate, offload):
-            consider({**sets, "optim.offload": offload})
+            consider({**sets, "optim.offload": offload, **_offload_keys(deck, offload)})
     ranked.sort(key=lambda c: c.step)
     # The leaders again with the schedule simulated pass by pass (one more than shown, since the
     # simulation can reorder close ones).
