@@ -212,14 +212,16 @@ def test_hardware_flops_add_what_recomputation_runs_again():
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_hardware_flops_are_what_a_step_executes(arch, recompute, fused):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_hardware_flops_are_what_a_step_executes(arch, recompute, fused, dropout):
     """Found in review (2026-11-30): under full recomputation torch's checkpoint stops once the saved
     tensors are rebuilt, so a dense block's MLP output GEMM is not run again where it is a plain
     F.linear (its input was saved before it ran), and is where its weight gradient is fused (a
     custom function saves after its GEMM). step_flops counted it always: HFU read 1/12 high on CPU
     ranks. torch's FlopCounterMode over one micro-batch's forward and backward (the math attention,
     whose GEMMs it counts: full, backward 2 x forward, the convention) must equal step_flops'
-    hardware FLOPs exactly; the model FLOPs are the recompute-free count."""
+    hardware FLOPs exactly; the model FLOPs are the recompute-free count. With dropout the output
+    GEMM runs again fused or not: the dropout after it saves its mask (found in review, 2026-11-30)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from app.deck import resolve_for_world
@@ -227,7 +229,7 @@ def test_hardware_flops_are_what_a_step_executes(arch, recompute, fused):
 
     sets = ("parallel.dp=1", "model.attention_kernel=math", f"train.recompute={recompute}", "model.layers=2",
             "train.global_batch=2", "train.micro_batch=2", f"train.fuse_grad_accumulation={str(fused).lower()}",
-            f"model.arch={arch}")  # fmt: skip
+            f"model.arch={arch}", f"model.dropout={dropout}")  # fmt: skip
     deck = resolve_for_world(load_deck("inputs/gpt_tiny.yaml", sets), 1)
     model = GPT(deck.model, seed=3, recompute=recompute)
     model.train()

@@ -139,8 +139,9 @@ def step_flops(deck: Deck, gpu: Optional[bool] = None) -> dict[str, float]:
     Full recomputation re-runs each block's forward only until the tensors its backward saved are
     rebuilt (torch's non-reentrant checkpoint stops early): a dense block's MLP output GEMM, whose
     saved input its GELU or SwiGLU already rebuilt, runs again only where its weight gradient is
-    fused (a custom autograd function saves its tensors after its GEMM), so hardware FLOPs leave it
-    out where it is not (CPU ranks by default) and count it where it is (GPUs), as measured with
+    fused (a custom autograd function saves its tensors after its GEMM) or dropout follows it (its
+    mask is saved), so hardware FLOPs leave it out where neither (CPU ranks by default, without
+    dropout) and count it where either (GPUs), as measured with
     torch's FlopCounterMode. Mixture-of-experts blocks (their output feeds the gate weights, which
     save it) and 3D tensor parallelism (custom functions) re-run the whole forward. Selective
     recomputation re-runs a fused attention kernel whole (one op that saves its output), and of
@@ -152,7 +153,8 @@ def step_flops(deck: Deck, gpu: Optional[bool] = None) -> dict[str, float]:
     moe = moe_step_delta(m, tokens)  # the experts' GEMMs for the dense MLP's
     again = moe / 3 if tr.recompute == "full" else 0.0  # full recomputation runs their forward again
     on_gpu = True if gpu is None else gpu
-    if tr.recompute == "full" and not tr.fuses_grad_accumulation(on_gpu) and deck.parallel.tensor3d is None:
+    unfused = not tr.fuses_grad_accumulation(on_gpu) and deck.parallel.tensor3d is None
+    if tr.recompute == "full" and m.dropout == 0 and unfused:
         again -= tokens * (m.layers - moe_layers(m)) * 2.0 * m.hidden * m.ffn  # the output GEMM not re-run
     if tr.recompute == "selective" and m.attention_on(on_gpu) == "math":
         # The math core's context GEMM (p v) saved its inputs before it ran: only the scores run again.

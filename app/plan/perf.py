@@ -696,8 +696,9 @@ def _layer_passes(
     forward = _Pass(fwd_gemm, attn_fwd, elem_fwd - fwd_saved + fresh, tp_fwd, host_f)
     backward = _Pass(sum(dgrad) + sum(wgrad), attn_bwd, BACKWARD_BYTES * elem_fwd - bwd_saved + fresh, tp_bwd, host_b)
     # Full recomputation stops once the saved tensors are rebuilt (`step_flops`): a dense block's MLP
-    # output GEMM runs again only where its weight gradient is fused (a custom function); see tp_collectives.
-    skipped = gemms[3][0] if not moe and deck.train.fuse_grad_accumulation is False else 0.0
+    # output GEMM runs again only where its weight gradient is fused (a custom function) or dropout
+    # follows (its mask is saved); see tp_collectives.
+    skipped = gemms[3][0] if not moe and m.dropout == 0 and deck.train.fuse_grad_accumulation is False else 0.0
     recompute = _Pass(fwd_gemm - skipped, attn_fwd, elem_fwd - fwd_saved + fresh, tp_recompute, host_f)
     return forward, backward, recompute
 
