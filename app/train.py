@@ -120,8 +120,8 @@ class Trainer:
         self.device = runtime.device
         self.phase = "start-up"  # what the rank is doing, for an out-of-memory line (`out_of_memory`)
         if not evaluate_only:  # what would fail hours in (no MPI in h5py, shared GPUs, memory): now
-            stage = grid.coords["pp"]
-            warning = agree(runtime, lambda: preflight(deck, runtime, lambda: rank_device_bytes(deck, stage)))
+            stage, gpu = grid.coords["pp"], self.device.type == "cuda"
+            warning = agree(runtime, lambda: preflight(deck, runtime, lambda: rank_device_bytes(deck, stage, gpu)))
             if warning:
                 print(f"gridlm: rank {runtime.rank}: {warning}", file=sys.stderr, flush=True)
         if evaluate_only:
@@ -709,7 +709,7 @@ def oom_fatal(deck: Deck, runtime: Runtime, grid: ProcessGrid, where: str, err: 
     held = ""
     if memory is not None:
         held = f"; {torch.cuda.memory_allocated(device) / GIB:.2f} GiB allocated of {memory[1] / GIB:.2f} GiB"
-    plan = rank_device_bytes(deck, grid.coords["pp"]) / GIB
+    plan = rank_device_bytes(deck, grid.coords["pp"], device.type == "cuda") / GIB
     tr = deck.train
     return RankFatal(
         f"rank {runtime.rank}: {device} out of memory in {where}{held}; the plan estimated {plan:.2f} GiB per "

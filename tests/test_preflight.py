@@ -40,7 +40,7 @@ def test_checkpoints_with_an_h5py_without_mpi_are_refused_with_both_fixes():
 
 def test_a_plan_above_the_free_device_memory_is_refused_and_near_it_warned():
     deck = _deck("train.micro_batch=2")
-    planned = rank_device_bytes(deck, 0)
+    planned = rank_device_bytes(deck, 0, gpu=True)
     assert planned > 0
     with pytest.raises(LaunchError, match=r"the plan needs .* GiB on rank 3 \(train.micro_batch 2.*it does not fit: "
                                           r"lower train.micro_batch"):  # fmt: skip

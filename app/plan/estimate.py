@@ -378,28 +378,47 @@ def checkpoint_bytes(deck: Deck) -> int:
 
 
 def layer_activation_bytes(
-    m: ModelConfig, micro_batch: int, tp: int, sp: bool, element: int, tensor: Tensor3DShape = None, cp: int = 1
+    m: ModelConfig,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    element: int,
+    tensor: Tensor3DShape = None,
+    cp: int = 1,
+    compiled: bool = False,
 ) -> float:
     """Activation bytes one block keeps for backward, per micro-batch (no recomputation); under
-    context parallelism (`cp`) of the rank's seq_len / cp positions.
+    context parallelism (`cp`) of the rank's seq_len / cp positions; `compiled`: run.compile's
+    kernels (`app.model.fused`), which keep fewer of their intermediates than the eager ops.
 
     `tensor` (3D tensor parallelism, x y z): the residual stream and the LayerNorms' outputs are
     split over X, q, k, v, the attention output and the MLP's over Y (a rank's micro-batch is
     its own: the batch is split over Z). The weight blocks gathered over Z are not kept (each
-    pass gathers its block again: `gathered_block_bytes`)."""
+    pass gathers its block again: `gathered_block_bytes`). Checked against the tensors autograd
+    saves (tests/test_plan.py)."""
     sbh = m.seq_len // cp * micro_batch * m.hidden
     e = element
     if tensor is not None:
         x, y, _ = tensor
         return sbh * ((4 * e + 2) / x + (4 * e + 2 * e * m.ffn / m.hidden) / y)
     t, t_sp = tp, (tp if sp else 1)
-    # Split over tp: q, k, v and the attention output ((qkv rows + h) / h = 4 without GQA), the MLP's
-    # fc output and what its activation makes of it (gpt2: GELU's f; llama: silu(gate) and the
-    # product, 2f, beside the fused 2f rows).
+    # Split over tp, in hidden widths: q, k, v and the attention output. Learned positions: q, k and v
+    # are views of the QKV output (qkv rows wide). Rotary: q and k are rotated copies; under GQA the
+    # keys and values are expanded to every query head (`Attention._expand`), 4 in all whatever the
+    # kv heads; without GQA v stays a view and keeps the whole QKV output (3 + 2 + 1).
     attention = (m.qkv_rows + m.hidden) / m.hidden
+    if m.spec.positions == "rotary":
+        attention = 4.0 if m.kv < m.heads else 6.0
+    # Eager RMSNorm keeps rows in fp32 that the compiled kernel does not (its input's fp32 copy in
+    # bf16 / fp16, its normalised rows in fp32): 4 bytes an element, each of the block's two norms
+    # (split as the stream is: t_sp).
+    norms = 0.0 if m.spec.norm != "rmsnorm" or compiled else 2 * 4.0
 
     def mlp(width: int) -> float:  # an MLP of `width`: its fc output and what the activation makes of it
-        return (m.spec.fc_rows(width) + (2 if m.spec.gated else 1) * width) / m.hidden
+        """gpt2: GELU's f beside the fc output's f; llama: silu(gate) and the product (eager: 2f;
+        compiled SwiGLU keeps only the product, 1f), beside the fused 2f rows."""
+        made = 1 if not m.spec.gated or compiled else 2
+        return (m.spec.fc_rows(width) + made * width) / m.hidden
 
     if m.moe_experts:
         # Mixture of experts (every block planned as block 0, which has experts): per routed copy of a
@@ -407,8 +426,8 @@ def layer_activation_bytes(
         # buffers in and out (h each), and the shared experts', whole on every tp rank (under SP: its
         # shard's tokens).
         moe = m.moe_top_k * (mlp(m.expert_ffn) + 2) + mlp(m.moe_shared_experts * m.expert_ffn)
-        return sbh * (2 * e + (2 * e + 2) / t_sp + attention * e / t + moe * e / t_sp)
-    return sbh * (2 * e + (2 * e + 2) / t_sp + (attention + mlp(m.ffn)) * e / t)
+        return sbh * (2 * e + (2 * e + 2 + norms) / t_sp + attention * e / t + moe * e / t_sp)
+    return sbh * (2 * e + (2 * e + 2 + norms) / t_sp + (attention + mlp(m.ffn)) * e / t)
 
 
 def score_bytes(m: ModelConfig, micro_batch: int, heads_split: int, element: int, cp: int = 1) -> float:
@@ -597,7 +616,9 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
     master = 0 if tr.precision == "fp32" else 4
     micro = deck.num_micro_batches
     tensor = par.tensor3d
-    per_layer = layer_activation_bytes(m, tr.micro_batch, tp, par.sequence_parallel, e, tensor, par.cp)
+    per_layer = layer_activation_bytes(
+        m, tr.micro_batch, tp, par.sequence_parallel, e, tensor, par.cp, compiled=bool(deck.run.compile)
+    )
     scores = score_bytes(m, tr.micro_batch, tp if tensor is None else tensor[1], e, par.cp)  # math kernel only
     block = block_params(m, tp, tensor, par.ep)
     experts = block_expert_params(m, par.ep)
@@ -709,9 +730,10 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
     return Stages(stages)
 
 
-def rank_device_bytes(deck: Deck, stage: int) -> float:
+def rank_device_bytes(deck: Deck, stage: int, gpu: bool) -> float:
     """The dry run's device bytes of one rank of pipeline stage `stage` under the deck's ZeRO stage,
-    recompute and offload: what the preflight compares with a GPU's free memory."""
-    stages = estimate_stages(deck)
+    recompute and offload, on ranks whose device is a GPU (`gpu`) or a CPU: what the preflight
+    compares with a GPU's free memory."""
+    stages = estimate_stages(deck.on_device(gpu))
     opt = deck.optim
     return stages[min(stage, len(stages) - 1)].total(opt.zero, deck.train.recompute, opt.offload)

@@ -590,13 +590,7 @@ def as_run_on(deck: Deck, machine: Machine) -> Deck:
     chains on GPUs, `_elementwise`), train.fuse_grad_accumulation (on GPUs) and
     model.attention_kernel (math on CPU ranks with dropout: `ModelConfig.attention_on`). The plan's
     memory, FLOPs and predicted step use it."""
-    gpu = not uses_gloo(machine)
-    return dataclasses.replace(
-        deck,
-        model=dataclasses.replace(deck.model, attention_kernel=deck.model.attention_on(gpu)),
-        train=dataclasses.replace(deck.train, fuse_grad_accumulation=deck.train.fuses_grad_accumulation(gpu)),
-        run=dataclasses.replace(deck.run, compile=deck.run.compiles(gpu)),
-    )
+    return deck.on_device(not uses_gloo(machine))
 
 
 def _cost(link: Link, n: int, op: str, nbytes: float) -> float:
