@@ -182,6 +182,8 @@ def test_resume_setting_resolves_and_refuses_bad_targets(tmp_path):
     _fake_checkpoint(tmp_path / "checkpoints", 5)
     assert resolve_resume(deck("auto")) == step_file(tmp_path / "checkpoints", 5)
     assert resolve_resume(deck(str(tmp_path / "checkpoints"))) == step_file(tmp_path / "checkpoints", 5)
+    # The pointer itself names its checkpoint (found in review, 2026-11-30: it was read as a corrupt HDF5 file).
+    assert resolve_resume(deck(str(tmp_path / "checkpoints" / "latest"))) == step_file(tmp_path / "checkpoints", 5)
     with pytest.raises(CheckpointError, match="uncommitted"):
         resolve_resume(deck(str(tmp_path / "checkpoints" / "step_0000006.h5.tmp")))
     with pytest.raises(CheckpointError, match="no such checkpoint"):

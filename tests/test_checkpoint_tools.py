@@ -242,6 +242,26 @@ def test_export_hf_loads_in_transformers_and_gives_our_logits(fp32_ckpt, tmp_pat
     assert_same_logits(gridlm_model(fp32_ckpt, tmp_path), hf, vocab=128, seq=32)
 
 
+def test_export_that_cannot_write_its_weights_is_one_line_and_exit_2(fp32_ckpt, tmp_path):
+    """Found in review (2026-11-30): safetensors reports a failed write (a full or read-only drive) as
+    its own SafetensorError, not an OSError, so the export died with a traceback and exit 1 (which
+    means a checksum mismatch). A real failed write: the file-size limit (EFBIG) under the weights'."""
+    import resource
+    import signal
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    out = subprocess.run([sys.executable, "-m", "app.checkpoint", "export", str(fp32_ckpt), "--to", "hf",
+                          str(tmp_path / "hf")], cwd=REPO, env=app_env(), capture_output=True, text=True,
+                         timeout=300, preexec_fn=small_files)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot write to {tmp_path / 'hf'}" in out.stderr and "too large" in out.stderr, out.stderr
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    assert not (tmp_path / "hf" / "model.safetensors.tmp").exists()
+
+
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory):
     # Grouped-query attention (2 key/value heads for 4 query heads), an untied head (llama's default).

@@ -120,6 +120,7 @@ def test_sampling_is_reproducible_by_seed_and_the_same_on_tp2(llama_ckpt):
         (("--prompt", "hi"), "--prompt needs a tokenizer"),
         pytest.param(("--prompt-ids", "1,x"), "expected comma-separated token ids", marks=pytest.mark.full),
         (("--prompt-ids", "1,999"), "id 999 is outside the model's vocabulary 0 .. 127"),
+        pytest.param(("--prompt-ids", "1", "--seed", str(2**64)), "is not a seed", marks=pytest.mark.full),
         pytest.param(
             ("--prompt-ids", "1", "--set", "parallel.tp=2"), "only run.* keys can be set", marks=pytest.mark.full
         ),
@@ -138,9 +139,12 @@ def test_user_mistakes_exit_2_with_one_message(llama_ckpt, args, message):
 
 @pytest.mark.full
 def test_gpt2_positions_and_grids_the_model_cannot_take_are_refused(gpt2_ckpt, tmp_path):
-    out = generate(1, gpt2_ckpt, "--prompt-ids", PROMPT, "--max-new-tokens", 25)
+    # The last new token is not run through the model (found in review, 2026-11-30: 8 + 25 was refused,
+    # and a 32-token prompt's fix, --max-new-tokens 0, was not an option).
+    out = generate(1, gpt2_ckpt, "--prompt-ids", PROMPT, "--max-new-tokens", 26)
     assert out.returncode == 2 and "need 33 positions; this gpt2 model learned 32" in out.stderr, out.stderr
-    assert "--max-new-tokens 24" in out.stderr
+    assert "--max-new-tokens 25" in out.stderr
+    assert generate(1, gpt2_ckpt, "--prompt-ids", PROMPT, "--max-new-tokens", 25).returncode == 0
     out = generate(3, gpt2_ckpt, "--prompt-ids", PROMPT)  # 4 heads over 3 ranks
     assert out.returncode == 2 and "splits the model over all 3 ranks" in out.stderr, out.stderr
     assert out.stderr.count("gridlm:") == 1 and "Traceback" not in out.stderr
@@ -209,6 +213,9 @@ def test_sampling_draws_only_among_the_top_k():
     drawn = {int(_pick(logits, Sampling(temperature=5.0, top_k=3), gen)) for _ in range(300)}
     assert drawn == {1, 2, 3}  # a high temperature flattens them: all three drawn, nothing else
     assert {int(_pick(logits, Sampling(temperature=1.0, top_k=1), gen)) for _ in range(20)} == {1}
+    # A tiny temperature is greedy, not nan (found in review, 2026-11-30: logits / 1e-40 overflowed
+    # to inf, whose softmax is nan, and multinomial raised).
+    assert {int(_pick(logits, Sampling(temperature=1e-40), gen)) for _ in range(20)} == {1}
 
 
 def test_the_default_tokenizer_is_the_one_the_training_data_names(tmp_path):

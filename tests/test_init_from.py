@@ -230,3 +230,25 @@ def test_import_places_each_tensor_where_export_takes_it_from():
             rule.place(back[dataset_name(key)], hf)
         for name in ours:
             np.testing.assert_array_equal(back[name], ours[name], err_msg=name)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_keys_a_config_leaves_out_are_the_defaults_transformers_takes(model_type):
+    """Found in review (2026-11-30): a Mixtral config.json without rms_norm_eps, rope_theta or
+    num_key_value_heads was read with LlamaConfig's defaults (1e-6, 1e4, the query heads) where
+    transformers takes MixtralConfig's (1e-5, 1e6, 8): a deck that differed was accepted and its
+    logits were not HF's. Each expected value of a bare config is the transformers config's default."""
+    from transformers import AutoConfig
+
+    from app.archs.llama import hf_expected
+
+    default = AutoConfig.for_model(model_type)
+    compared = 0
+    for key, hf_key, value in hf_expected({"model_type": model_type}):
+        if key == "arch" or not hasattr(default, hf_key) and hf_key != "rope_theta":
+            continue
+        rope = getattr(default, "rope_parameters", None) or {"rope_theta": getattr(default, "rope_theta", None)}
+        want = rope["rope_theta"] if hf_key == "rope_theta" else getattr(default, hf_key)
+        assert value == want, (key, hf_key, value, want)
+        compared += 1
+    assert compared >= 9

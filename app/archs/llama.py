@@ -160,7 +160,8 @@ def hf_expected(config: dict[str, Any]) -> list[tuple[str, str, Any]]:
     heads = config.get("num_attention_heads", 32)
     if config.get("model_type") == "mixtral":  # the experts' width is intermediate_size
         return [
-            *(e for e in _llama_expected(config, heads) if e[0] != "ffn_hidden"),
+            # MixtralConfig's defaults where config.json leaves a key out (not LlamaConfig's; found in review)
+            *(e for e in _llama_expected(config, heads, eps=1e-5, theta=1e6, kv=8) if e[0] != "ffn_hidden"),
             ("moe_experts", "num_local_experts", config.get("num_local_experts", 8)),
             ("moe_top_k", "num_experts_per_tok", config.get("num_experts_per_tok", 2)),
             ("moe_ffn_hidden", "intermediate_size", config.get("intermediate_size", 14336)),
@@ -168,17 +169,20 @@ def hf_expected(config: dict[str, Any]) -> list[tuple[str, str, Any]]:
     return [*_llama_expected(config, heads), ("moe_experts", "num_local_experts", 0)]
 
 
-def _llama_expected(config: dict[str, Any], heads: int) -> list[tuple[str, str, Any]]:
+def _llama_expected(
+    config: dict[str, Any], heads: int, eps: float = 1e-6, theta: float = 10000.0, kv: Optional[int] = None
+) -> list[tuple[str, str, Any]]:
+    """LlamaConfig's defaults (`eps`, `theta`, `kv`: num_key_value_heads left out; null is `heads`)."""
     return [
         ("arch", "model_type", "llama"),
         ("vocab_size", "vocab_size", config.get("vocab_size", 32000)),
         ("hidden", "hidden_size", config.get("hidden_size", 4096)),
         ("layers", "num_hidden_layers", config.get("num_hidden_layers", 32)),
         ("heads", "num_attention_heads", heads),
-        ("kv_heads", "num_key_value_heads", config.get("num_key_value_heads") or heads),
+        ("kv_heads", "num_key_value_heads", config.get("num_key_value_heads", kv) or heads),
         ("ffn_hidden", "intermediate_size", config.get("intermediate_size", 11008)),
-        ("layernorm_eps", "rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
-        ("rope_theta", "rope_theta", float(rope(config).get("rope_theta", 10000.0))),
+        ("layernorm_eps", "rms_norm_eps", config.get("rms_norm_eps", eps)),
+        ("rope_theta", "rope_theta", float(rope(config).get("rope_theta", theta))),
         ("tie_embeddings", "tie_word_embeddings", config.get("tie_word_embeddings", False)),
     ]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,7 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
 
 def _write(directory: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Each file written under a temporary name and renamed: never a half-written file under its name."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     try:
@@ -149,5 +151,8 @@ def _write(directory: Path, config: dict[str, Any], tensors: dict[str, np.ndarra
         tmp = directory / (CONFIG + ".tmp")
         tmp.write_text(json.dumps(config, indent=2) + "\n")
         os.replace(tmp, directory / CONFIG)
-    except OSError as err:
-        raise CheckpointError(f"cannot write to {directory}: {err.strerror or err}; choose a writable DIR") from None
+    except (OSError, SafetensorError) as err:  # safetensors reports an I/O error (EROFS, ENOSPC) as its own
+        with suppress(OSError):
+            (directory / (WEIGHTS + ".tmp")).unlink(missing_ok=True)
+        why = getattr(err, "strerror", None) or str(err).removeprefix("Error while serializing: ")
+        raise CheckpointError(f"cannot write to {directory}: {why}; choose a writable DIR with free space") from None

@@ -56,7 +56,7 @@ def read_config(directory: Path) -> dict[str, Any]:
     config = read_json(directory / CONFIG, CONFIG, lambda why: _fail(directory, f"{CONFIG}: {why}"), "", MAX_JSON_BYTES)
     kind = config.get("model_type") if isinstance(config, dict) else None
     if not archs.by_model_type(kind):
-        known = sorted({archs.get(a).hf.model_type for a in archs.names()})
+        known = sorted({t for a in archs.names() for t in (archs.get(a).hf.model_type, *archs.get(a).hf.also)})
         raise _fail(directory, f"model_type {kind!r}: gridlm starts from {' or '.join(known)} models only")
     return config
 

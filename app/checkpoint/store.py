@@ -105,6 +105,10 @@ def named_checkpoint(given: str, name: str, missing: str) -> Path:
         if latest is None:
             raise CheckpointError(f"{name} is a directory without a `latest` checkpoint pointer")
         return latest
+    if path.name == LATEST and path.is_file():  # the pointer itself: the checkpoint it names
+        latest = read_latest(path.parent)
+        assert latest is not None
+        return latest
     if path.name.endswith(".tmp"):
         raise CheckpointError(
             f"{name} is an uncommitted checkpoint (its write never finished); use the file `latest` names instead"

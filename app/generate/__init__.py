@@ -165,15 +165,20 @@ class Sampling:
 
 
 def check_lengths(deck: Deck, prompt_tokens: int, max_new: int) -> None:
-    """A model with learned positions (gpt2) has positions 0 .. seq_len - 1 only (rotary ones extend)."""
+    """A model with learned positions (gpt2) has positions 0 .. seq_len - 1 only (rotary ones extend);
+    the last new token is not run through the model, so a prompt and its new tokens take one fewer."""
     if prompt_tokens < 1:
         raise DataError("the prompt is empty; give at least one token (--prompt TEXT or --prompt-ids 1,2,3)")
     seq = deck.model.seq_len
-    if deck.model.spec.learned_positions and prompt_tokens + max_new > seq:
+    if deck.model.spec.learned_positions and prompt_tokens + max_new - 1 > seq:
+        fix = (
+            f"--max-new-tokens {seq - prompt_tokens + 1}"
+            if prompt_tokens <= seq
+            else f"a prompt of at most {seq} tokens"
+        )
         raise DataError(
-            f"a prompt of {prompt_tokens} tokens and {max_new} new ones need {prompt_tokens + max_new} positions; "
-            f"this {deck.model.arch} model learned {seq} (model.seq_len); fix: --max-new-tokens {max(seq - prompt_tokens, 0)} "
-            "or a shorter prompt"
+            f"a prompt of {prompt_tokens} tokens and {max_new} new ones need {prompt_tokens + max_new - 1} positions; "
+            f"this {deck.model.arch} model learned {seq} (model.seq_len); fix: {fix}"
         )
 
 
@@ -182,12 +187,15 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) 
 
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    scaled = logits.cpu() / float(sampling.temperature or 1.0)
+    device = logits.device
+    logits = logits.cpu()
+    # Shifted so that the largest is 0 first: a tiny temperature then gives -inf, never inf - inf (nan).
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / float(sampling.temperature or 1.0)
     if sampling.top_k is not None and sampling.top_k < scaled.shape[-1]:
         kth = scaled.topk(sampling.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(device)
 
 
 def generate(

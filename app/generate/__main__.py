@@ -36,6 +36,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    value = int(text)
+    if not -(2**63) <= value < 2**64:  # torch.Generator.manual_seed's range
+        raise argparse.ArgumentTypeError(f"{text} is not a seed in -2**63 .. 2**64 - 1")
+    return value
+
+
 def _nonnegative_float(text: str) -> float:
     value = float(text)
     if not value >= 0.0:  # also refuses nan
@@ -59,7 +66,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         help="sample from softmax(logits / T); none or 0 = greedy (the default)",
     )  # fmt: skip
     parser.add_argument("--top-k", type=_positive, default=None, metavar="K", help="sample among the K likeliest")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (0)")
+    parser.add_argument("--seed", type=_seed, default=0, help="seed of the sampling (0)")
     parser.add_argument(
         "--tokenizer", metavar="byte|PATH", default=None,
         help="byte, or a tokenizer.json; default: the one the training data was prepared with",
