@@ -160,6 +160,11 @@ def run(argv: Optional[list[str]] = None) -> int:
     if args.dry_run:
         return dry_run(args)
     from app.job import deck_file, run_job
+    from app.runtime.signals import StopSignals
+
+    # SIGTERM / SIGUSR1 recorded from the start (the training loop takes them over: it stops after
+    # its first step, with a checkpoint), not the default action that kills a starting rank silently.
+    StopSignals().__enter__()
 
     def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
         # torch only once the deck is good: a deck mistake is reported before thousands of ranks

@@ -50,6 +50,7 @@ def deck_file(path: str, overrides: tuple[str, ...]) -> Callable[[int], Deck]:
 def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessGrid], None]) -> int:
     """Start the job, run `body` on every rank, shut down; the exit status (module docstring).
     `load(world_size)` gives the resolved deck (on every rank; `deck_file`)."""
+    from app.deck import RunConfig
     from app.errors import GridlmError, RankFatal
     from app.runtime.grid import ProcessGrid, order_sensitive_axes
     from app.runtime.mpi import (
@@ -69,9 +70,11 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
     runtime = init_mpi()
     try:
         with start_up():  # torch's million objects imported without the collector walking them
+            # From here on no rank waits forever: a rank stalled reading the deck (a hung file system)
+            # is caught with the default timeout, later calls with the deck's run.comm_timeout_s.
+            start_watchdog(runtime, RunConfig.comm_timeout_s)  # the key's default: the deck is not read yet
             deck = agree(runtime, lambda: load(runtime.world_size))
-            # From here on no rank waits forever: a blocked call past run.comm_timeout_s aborts the job.
-            start_watchdog(runtime, deck.run.comm_timeout_s)
+            runtime.watchdog.set_timeout(deck.run.comm_timeout_s)
             agree(runtime, lambda: bind_device(runtime, deck.run.device))
             set_threads(runtime, deck.run.threads)
             set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)

@@ -515,3 +515,18 @@ def train_steps(trainer, steps: int) -> list[float]:
     losses = [global_loss(trainer.step()[0], trainer.grid, trainer.tp) for _ in range(steps)]
     trainer.dp.wait_params()
     return losses
+
+
+def rank_pid(marker: str, rank: int) -> int:
+    """The pid of `python -m app` rank `rank` of the job whose command line contains `marker`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in cmdline and "-m app" in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} process of {marker}")

@@ -5,6 +5,7 @@ that launches a job). Resharding across grids is tests/test_checkpoint_reshard.p
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,7 @@ from app.errors import CheckpointError
 from app.metrics.report import MetricsWriter
 from app.shards import EXP_AVG, MASTER
 from app.train import Trainer
-from conftest import REPO, app_env, grid_trainer, read_metrics, sigterm_after_step, train_steps
+from conftest import REPO, app_env, grid_trainer, rank_pid, read_metrics, sigterm_after_step, train_steps
 
 SMALL = (
     "model.vocab_size=64", "model.seq_len=16", "model.layers=4", "model.hidden=32", "model.heads=4",
@@ -795,6 +797,46 @@ def test_a_stop_signal_while_the_checkpoint_loads_stops_the_run_after_its_first_
     assert trainer.steps_done == 3 and summary["interrupted"] == "SIGUSR1"
     assert read_latest(shared_tmp / "checkpoints") == step_file(shared_tmp / "checkpoints", 3)
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handler is gone after run()
+
+
+def test_a_stop_signal_while_the_job_starts_stops_it_after_its_first_step(tmp_path):
+    """Found in review (2026-11-30): SIGUSR1 and SIGTERM were recorded only from the training loop on,
+    so one that came while the ranks started (imports, the lock, the model: minutes at scale) killed
+    its rank by the default action, without a word. Sent to rank 1 as soon as it catches SIGUSR1
+    (its SigCgt mask), long before torch is imported: the job trains one step, checkpoints it, exits 0."""
+    run_dir = tmp_path / "run"
+    sets = [*SMALL, "train.steps=50", f"run.dir={run_dir}"]
+    cmd = [
+        "mpirun",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "app",
+        "inputs/gpt_tiny.yaml",
+        *(a for x in sets for a in ("--set", x)),
+    ]
+    job = subprocess.Popen(cmd, cwd=REPO, env=app_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(AssertionError, OSError):
+                pid = rank_pid(str(run_dir), 1)
+                caught = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                  if line.startswith("SigCgt:")).split()[1], 16)  # fmt: skip
+                if caught & (1 << (signal.SIGUSR1 - 1)):
+                    os.kill(pid, signal.SIGUSR1)
+                    break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("rank 1 never caught SIGUSR1")
+        log, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, log
+    assert "SIGUSR1 received: stopped after step 1 of 50" in log, log
+    assert read_latest(run_dir / "checkpoints") == step_file(run_dir / "checkpoints", 1)
 
 
 def test_sigusr1_through_mpirun_checkpoints_exits_0_and_the_next_job_resumes(tmp_path):

@@ -31,6 +31,8 @@ def test_an_address_of_this_host_is_taken():
         ("192.0.2.1", 1, "is not an address of rank 0's node n1"),  # TEST-NET-1: nobody's
         ("no-such-host.invalid", 1, "does not resolve on rank 0's node n1"),
         ("a..b", 1, "does not resolve on rank 0's node n1"),  # an empty label: UnicodeError, was a traceback
+        ("0.0.0.0", 1, "is the unspecified address"),  # bound on every interface (found in review, 2026-11-30)
+        ("::", 2, "is the unspecified address"),
     ],
 )
 def test_an_address_the_other_ranks_cannot_use_is_refused_with_the_fix(value, nodes, words):
@@ -38,6 +40,19 @@ def test_an_address_the_other_ranks_cannot_use_is_refused_with_the_fix(value, no
         choose_host(value, nodes, "n1")
     assert words in str(err.value) and f"GRIDLM_MASTER_ADDR={value}" in str(err.value)
     assert "unset it" in str(err.value)
+
+
+def test_a_gloo_interface_this_node_lacks_is_named_and_the_rest_are_not():
+    """Found in review (2026-11-30): GLOO_SOCKET_IFNAME naming no interface of a node failed inside
+    init_process_group and was reported as a lost peer on another node (exit 4); the ranks now check
+    the names first (`missing_interfaces`) and refuse with the node's interfaces."""
+    import socket
+
+    from app.runtime.mpi import missing_interfaces
+
+    here = [name for _, name in socket.if_nameindex()]
+    assert missing_interfaces("") == [] and missing_interfaces(here[0]) == []
+    assert missing_interfaces(f"{here[0]}, nosuchif0") == ["nosuchif0"]
 
 
 def test_probe_connects_to_a_listening_port_and_gives_up_on_a_closed_one_in_bounded_time():

@@ -62,3 +62,24 @@ def test_postprocess_imports_nothing_from_app_but_the_schema():
         modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         from_app = sorted(m for m in modules if m == "app" or m.startswith("app."))
         assert from_app in ([], ["app.metrics.summary"]), f"{path.name} imports {from_app}"
+
+
+def test_a_run_dir_that_cannot_take_metrics_or_the_summary_ends_the_job_naming_it(tmp_path):
+    """Found in review (2026-11-30): rank 0's write of metrics.jsonl or summary.json on a full (or
+    otherwise failing) run.dir was an internal error with a traceback, exit 1, its peers left in a
+    collective. It is this rank's fatal error (the job ends now, exit 2), naming the file and the
+    fix. Real OSErrors: the files' names taken by directories."""
+    from app.errors import RankFatal
+    from app.metrics.report import MetricsWriter, write_summary
+
+    writer = MetricsWriter(tmp_path, enabled=True)
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(RankFatal, match=r"cannot write .*metrics.jsonl: Is a directory; free space in") as err:
+        writer.write({"step": 1, "loss": 1.0})
+    assert err.value.exit_code == 2
+    with pytest.raises(RankFatal, match=r"cannot write .*metrics.jsonl"):
+        writer.truncate(None)
+    (tmp_path / "summary.json.tmp").mkdir()
+    with pytest.raises(RankFatal, match=r"cannot write .*summary.json: Is a directory.*run.resume: auto"):
+        write_summary(tmp_path, {"steps": 1})

@@ -17,24 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, app_env
+from tests.conftest import REPO, app_env, rank_pid
 
 VICTIM = 5  # of 8 ranks: tp 2 x pp 2 x dp 2, so every axis has a group with it
-
-
-def rank_pid(marker: str, rank: int) -> int:
-    """The pid of `python -m app` rank `rank` of the job whose command line contains `marker`."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if marker in cmdline and "-m app" in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
-            return int(entry.name)
-    raise AssertionError(f"no rank {rank} process of {marker}")
 
 
 def start_job(run_dir: Path, timeout_s: float) -> subprocess.Popen:
@@ -98,6 +83,39 @@ def test_stopped_rank_ends_the_job_within_timeout_and_is_named(tmp_path):
     assert f"rank {VICTIM} (pid {victim}" in lines[0] and "stopped" in lines[0], lines[0]
     assert "Traceback" not in log, log[-3000:]
     print(f"stopped rank {VICTIM}: job ended {elapsed:.1f} s later, exit {rc}: {lines[0]}")
+
+
+# A rank that stops while the ranks read the deck (a hung file system on its node): the start-up's
+# agree waits on it. The key's default timeout is lowered in this script only (the deck is not read).
+STALL_IN_DECK = """
+import os, signal, sys
+from app.deck import RunConfig, load_deck, resolve_for_world
+from app.job import run_job
+from mpi4py import MPI
+
+RunConfig.comm_timeout_s = 8.0
+
+def load(world):
+    if MPI.COMM_WORLD.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return resolve_for_world(load_deck("inputs/gpt_tiny.yaml"), world)
+
+sys.exit(run_job(load, lambda *args: None))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_stalled_reading_the_deck_ends_the_job_and_is_named():
+    """Found in review (2026-11-30): the watchdog started after the deck was agreed, so a rank that
+    stalled before (reading the deck, importing) left its peers in MPI_Allreduce forever."""
+    cmd = ["mpirun", "-n", "2", sys.executable, "-c", STALL_IN_DECK]
+    try:
+        out = subprocess.run(cmd, cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"the job hung: {err.stderr}") from None
+    lines = [line for line in out.stderr.splitlines() if "watchdog: no progress" in line]
+    assert out.returncode != 0 and lines, out.stderr[-3000:]
+    assert "agree" in lines[0] and "rank 1 (pid" in lines[0] and "stopped" in lines[0], lines[0]
 
 
 @pytest.mark.timeout(600)

@@ -300,6 +300,15 @@ def init_torch_distributed(
     host, port, source, prefix = chosen
     # Every rank reaches the store before any waits on it; MPI carries the verdict.
     mine = None if runtime.rank == 0 else probe(host, port, connect_s)
+    missing = missing_interfaces(os.environ.get("GLOO_SOCKET_IFNAME", "")) if runtime.backend == "gloo" else []
+    bad = failures(runtime, (runtime.hostname, missing) if missing else None, "MPI_Allreduce (GLOO_SOCKET_IFNAME)")
+    if bad:
+        rank, (node, names) = bad[0]
+        raise LaunchError(
+            f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME')}: no interface {', '.join(names)} on node "
+            f"{node} (rank {rank}; interfaces there: {', '.join(n for _, n in socket.if_nameindex())}): set it to an "
+            "interface every node has (ip -o link), or unset it"
+        )
     failed = failures(runtime, None if mine is None else (runtime.hostname, mine), "MPI_Allreduce (rendezvous)")
     if failed:
         raise LaunchError(unreachable_message(host, port, source, failed))
@@ -313,6 +322,12 @@ def init_torch_distributed(
     runtime.store_address = (host, port)
     runtime.store_prefix = prefix
     runtime.store_source = source
+
+
+def missing_interfaces(value: str) -> list[str]:
+    """The names of a GLOO_SOCKET_IFNAME value (comma-separated) that are no interface of this host."""
+    have = {name for _, name in socket.if_nameindex()}
+    return [name for name in (n.strip() for n in value.split(",")) if name and name not in have]
 
 
 def shutdown(runtime: Runtime) -> None:

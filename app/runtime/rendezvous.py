@@ -52,6 +52,11 @@ def choose_host(env_value: Optional[str], nodes: int, hostname: str) -> StoreHos
             f"{ENV}={value} is a loopback address, but the job spans {nodes} nodes: the ranks of the other nodes "
             f"would connect to themselves; {FIX}"
         )
+    if any(ipaddress.ip_address(a.split("%")[0]).is_unspecified for a in addresses):  # found in review
+        raise LaunchError(
+            f"{ENV}={value} is the unspecified address: the store would listen on every interface and the other "
+            f"ranks would connect to their own host; {FIX}"
+        )
     if not any(_is_local(a) for a in addresses):
         raise LaunchError(
             f"{ENV}={value} ({', '.join(sorted(addresses))}) is not an address of rank 0's node {hostname}, "

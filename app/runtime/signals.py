@@ -6,6 +6,9 @@ template), SIGUSR1 that many seconds before it; preemption sends SIGTERM.
 The handler only records the signal; after each step the ranks agree (an MPI MAX over
 the job) on whether any of them got one, so all of them stop after the same step, write
 a checkpoint and exit 0 — a resubmitted job continues from it (run.resume: auto).
+Training records them from the process's start (`app.__main__`): one that comes while the job
+starts (imports, the lock, building the model: minutes at scale) stops it after its first step,
+instead of the default action killing that rank without a word.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._record)
+                earlier = getattr(self._previous[sig], "__self__", None)
+                if isinstance(earlier, StopSignals):  # one recorded since the process started (app.__main__)
+                    self.received = self.received or earlier.received
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -173,6 +173,12 @@ class Watchdog:
 
     # ---- called by the main thread --------------------------------------------------------
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """The deck's run.comm_timeout_s, once the deck is read (start-up is watched with the default)."""
+        self.timeout = float(timeout_s)
+        self.interval = min(max(self.timeout / 4, 0.5), 60.0)
+        self.tick = min(1.0, self.interval / 2)
+
     def at(self, step: Optional[int] = None, micro: Optional[int] = None) -> None:
         """Where this rank is: the step being computed and, in the pipeline, its micro-batch."""
         if step is not None:
