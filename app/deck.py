@@ -102,7 +102,8 @@ class ModelConfig:
     )
     moe_capacity_factor: Optional[float] = _key(
         None, "mixture of experts: null routes every token (dropless); F caps an expert at ceil(F x tokens x top_k / "
-        "experts) per micro-batch, dropping later tokens (counted in the log)", min=0.01, max=1e3,
+        "experts) per training micro-batch, dropping later tokens (counted in the log); evaluation, generation and "
+        "the exported model route every token", min=0.01, max=1e3,
     )  # fmt: skip
     moe_aux_loss_coef: float = _key(
         0.01, "mixture of experts: weight of the load-balancing loss (Switch: E sum f_e P_e) per MoE layer", min=0.0,

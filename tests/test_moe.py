@@ -136,6 +136,26 @@ def test_capacity_keeps_the_first_tokens_of_each_expert():
     torch.testing.assert_close(y, ref, rtol=0, atol=TOL)
 
 
+def test_evaluation_and_decoding_route_every_token_whatever_the_capacity():
+    """Found in review (2026-11-30): the capacity dropped tokens in evaluation and generation too, so a
+    sample's logits depended on the other samples of its batch and differed from the exported Mixtral
+    (dropless) by 3.9 on a 3.8 scale. In eval mode the layer is the dropless reference, and a batch
+    gives each sample's own logits (within fp32 summation order)."""
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, "model.moe_capacity_factor=0.5"))
+    model = GPT(deck.model, seed=3).eval()
+    mod = model.blocks["0"].mlp
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, deck.model.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model.router_stats.reset()
+        y = mod(x)
+        ref, _ = reference_moe(mod, x, False, None)
+        torch.testing.assert_close(y, ref, rtol=0, atol=TOL)
+        batched = model(tokens)
+        alone = torch.cat([model(tokens[i : i + 1]) for i in range(4)])
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
+
+
 def test_flops_count_the_active_parameters():
     """The step's model FLOPs of a mixture of experts: a Linear weight's 6 FLOPs per token (forward 2,
     backward 4) over the parameters a token runs through (the router and its top-k experts:

@@ -291,7 +291,9 @@ class MoE(nn.Module):
         # An assignment's slot is its rank within its expert (token order); beyond the capacity it drops.
         flat = experts.reshape(-1)
         slot, _, order = _slots(flat, n_experts)
-        limit = self.capacity(n)
+        # Evaluation and decoding route every token: a capacity there made a sample's output depend on
+        # the other samples of its batch, and differ from the exported (dropless) Mixtral's.
+        limit = self.capacity(n) if self.training else None
         src = torch.arange(n, device=x.device).repeat_interleave(k)
         shared: Optional[torch.Tensor] = None
         if self.ep.size == 1:
