@@ -42,7 +42,7 @@ from app.deck import Deck
 from app.deck_paths import check_paths
 from app.deck_yaml import dump_yaml
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
-from app.eval import eval_dataset, evaluate, held_out_note
+from app.eval import check_held_out_tokens, eval_dataset, evaluate, held_out_note
 from app.metrics.profile import StepProfiler
 from app.metrics.report import replace_text
 from app.metrics.run_report import Built, RunReport
@@ -138,6 +138,8 @@ class Trainer:
             self.dataset = self.eval_data.dataset  # never trained on: the sampler state of a checkpoint is all it meets
         else:
             self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
+            if self.eval_data is not None and deck.eval.path:
+                agree(runtime, lambda: check_held_out_tokens(self.dataset, self.eval_data))
         self.last_eval: Optional[EvalInfo] = None
         # Targets of the last step's loss (Goldfish drops some) and of this job's steps: (counted, all).
         self.step_targets = (0, 0)

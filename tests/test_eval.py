@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,6 +109,27 @@ def test_data_split_that_leaves_a_part_without_a_window_names_the_key(tmp_path):
     write_tokens(prefix, [[1] * 200, [2] * 3])  # the held-out last document: 4 tokens
     with pytest.raises(DataError, match=r"data.split = 0.1 .* val part 4 tokens .* fewer than model.seq_len"):
         MemmapTokens(prefix, 16, 257, seed=1, split=0.1, part="val")
+
+
+def test_an_eval_path_of_another_tokenizer_than_the_training_data_is_refused(tmp_path):
+    """Found in review (2026-11-30): eval.path was never compared with the training data, whose blend
+    files must share a tokenizer: a held-out file of another tokenizer gave a val loss that means
+    nothing, logged without a word."""
+    from conftest import run_app
+
+    train, held = str(tmp_path / "train"), str(tmp_path / "held")
+    write_tokens(train, documents(60, seed=3))
+    write_tokens(held, documents(20, seed=4))
+    meta_path = Path(held + ".json")
+    meta = json.loads(meta_path.read_text())
+    meta.update(tokenizer="huggingface", tokenizer_path="/x/tokenizer.json", tokenizer_sha256="ab" * 32)
+    meta_path.write_text(json.dumps(meta))
+    sets = ("data.kind=memmap", f"data.path={train}", f"eval.path={held}", "eval.every=1", "train.steps=1",
+            "model.vocab_size=257", f"run.dir={tmp_path / 'run'}")  # fmt: skip
+    out = run_app(1, "inputs/gpt_tiny.yaml", *(a for x in sets for a in ("--set", x)))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert f"eval.path: {held}.json and {train}.json were tokenized differently" in out.stderr, out.stderr
+    assert "tokenizer: 'byte' vs 'huggingface'" in out.stderr and "fix: prepare the held-out text" in out.stderr
 
 
 @pytest.mark.parametrize(

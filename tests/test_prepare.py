@@ -142,6 +142,21 @@ def test_a_tokenizer_json_is_recorded_in_the_metadata_and_its_ids_decode_to_the_
     assert meta["max_token_id"] == max(int(d.max()) for d in docs) < 400
 
 
+def test_a_special_tokens_text_inside_a_document_is_text_not_its_end(tmp_path, bpe_file):
+    """Found in review (2026-11-30): the library turned "<|endoftext|>" written inside a document (code,
+    a paper about language models) into the EOS id: a false end of document mid-text. Only prepare
+    ends a document; the text round-trips."""
+    text = "before <|endoftext|> after"
+    source = tmp_path / "doc.txt"
+    source.write_text(text)
+    prefix = str(tmp_path / "t")
+    prepare([str(source)], prefix, tokenizer=bpe_file)
+    (doc,) = documents(prefix)
+    tok = HFTokenizer(bpe_file)
+    assert doc[-1] == tok.eos and tok.eos not in doc[:-1], doc
+    assert tok.decode(doc[:-1]) == text
+
+
 def test_train_tokenizer_saves_a_bpe_beside_the_output_and_is_deterministic(tmp_path):
     for run in ("a", "b"):
         meta = prepare([STDLIB_JSON], str(tmp_path / run / "t"), include="*.py", train_tokenizer=300)

@@ -28,7 +28,7 @@ import numpy as np
 
 from app.data.memmap import MemmapTokens
 from app.data.spans import Spans
-from app.data.tokenizer import IDENTITY, identity
+from app.data.tokenizer import check_tokenized_alike
 from app.errors import DataError
 
 PERIOD = 1 << 16  # slots per period: weights are realised to 1 / 65536
@@ -69,13 +69,8 @@ class BlendedTokens:
         self.vocab_size = self.datasets[0].vocab_size
         first = self.datasets[0]
         for ds in self.datasets[1:]:
-            if identity(ds.meta) != identity(first.meta):
-                differ = [k for k, a, b in zip(IDENTITY, identity(first.meta), identity(ds.meta)) if a != b]
-                raise DataError(
-                    f"data.paths: {ds.prefix}.json and {first.prefix}.json were tokenized differently ("
-                    + ", ".join(f"{k}: {first.meta.get(k)!r} vs {ds.meta.get(k)!r}" for k in differ)
-                    + "); fix: prepare every file of a blend with the same tokenizer (--tokenizer PATH)"
-                )
+            fix = "prepare every file of a blend with the same tokenizer (--tokenizer PATH)"
+            check_tokenized_alike(first, ds, "data.paths", fix)
         self.counts = slot_counts(self.weights)
         for k, n in enumerate(self.counts):
             if n == 0:

@@ -129,9 +129,17 @@ class HFTokenizer:
 
     def encode_batch(self, documents: list[bytes]) -> list[np.ndarray]:
         """UTF-8 documents (already validated) -> their ids as uint32 arrays. The library spreads a
-        batch over its own threads; the ids of a document do not depend on the batch."""
+        batch over its own threads; the ids of a document do not depend on the batch. A special
+        token's text in a document ("<|endoftext|>" in code or a paper about models) is encoded as
+        text, as tiktoken's encode_ordinary does: only prepare ends a document with EOS (found in
+        review: the library turned it into the id, a false end of document mid-text)."""
         texts = [doc.decode("utf-8") for doc in documents]
-        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        before = self.tokenizer.encode_special_tokens
+        self.tokenizer.encode_special_tokens = True
+        try:
+            encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        finally:
+            self.tokenizer.encode_special_tokens = before
         return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
 
     def describe(self) -> dict[str, Any]:
@@ -190,3 +198,16 @@ def identity(meta: dict[str, Any]) -> tuple[Any, ...]:
     """What names the tokenizer of a token file's metadata: files with equal identities hold the
     same ids for the same text."""
     return tuple(meta.get(key) for key in IDENTITY)
+
+
+def check_tokenized_alike(reference: Any, other: Any, key: str, fix: str) -> None:
+    """DataError unless the token files `other` and `reference` (MemmapTokens: their `meta` and
+    `prefix`) were prepared with one tokenizer; `key` names where `other` was given, `fix` the fix."""
+    if identity(other.meta) == identity(reference.meta):
+        return
+    differ = [k for k, a, b in zip(IDENTITY, identity(reference.meta), identity(other.meta)) if a != b]
+    raise DataError(
+        f"{key}: {other.prefix}.json and {reference.prefix}.json were tokenized differently ("
+        + ", ".join(f"{k}: {reference.meta.get(k)!r} vs {other.meta.get(k)!r}" for k in differ)
+        + f"); fix: {fix}"
+    )

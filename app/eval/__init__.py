@@ -111,6 +111,19 @@ def eval_dataset(deck: Deck) -> HeldOut:
     return HeldOut(_held_out_tokens(deck), eval_source(deck))  # eval_source raises if there is none
 
 
+def check_held_out_tokens(train: object, held: HeldOut) -> None:
+    """DataError unless eval.path was tokenized as the training data (a memmap file, or a blend's
+    first: a blend's files agree): ids of another tokenizer give a val loss that means nothing
+    (found in review: one was logged without a word)."""
+    from app.data import BlendedTokens
+    from app.data.tokenizer import check_tokenized_alike
+
+    first = train.datasets[0] if isinstance(train, BlendedTokens) else train
+    if isinstance(first, MemmapTokens) and isinstance(held.dataset, MemmapTokens):
+        fix = "prepare the held-out text with the training data's tokenizer (--tokenizer PATH)"
+        check_tokenized_alike(first, held.dataset, "eval.path", fix)
+
+
 def _held_out_tokens(deck: Deck) -> SyntheticTokens | MemmapTokens:
     m, seed = deck.model, deck.train.seed
     if deck.eval.path:
