@@ -89,7 +89,15 @@ def test_an_evaluation_reading_more_samples_than_the_held_out_windows_is_warned_
         assert (note is not None) == warned, note
         if warned:
             assert f"reads {8 * batches:,} samples" in note and f"has {val.num_samples:,} windows" in note, note
-            assert f"{8 * batches - val.num_samples:,} are read twice" in note and f"eval.batches to {fits}" in note
+            assert f"{8 * batches - val.num_samples:,} reads repeat a window (up to 2 reads of one)" in note, note
+            assert f"eval.batches to {fits}" in note
+    # Many more reads than windows: each window read up to ceil(reads / windows) times (found in review,
+    # 2026-11-30: "read twice" whatever the count), and the fix says hold out more once.
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "train.global_batch=256", "train.micro_batch=8"))
+    note = held_out_note(deck, HeldOut(val, "the val part"))
+    reads = deck.eval.batches * 256
+    assert note is not None and f"up to {-(-reads // val.num_samples)} reads of one" in note, note
+    assert note.endswith("hold out more tokens (data.split, eval.path)"), note
 
 
 def test_data_split_holds_out_the_ceiling_of_the_written_fraction_of_the_documents():

@@ -83,3 +83,21 @@ def test_a_run_dir_that_cannot_take_metrics_or_the_summary_ends_the_job_naming_i
     (tmp_path / "summary.json.tmp").mkdir()
     with pytest.raises(RankFatal, match=r"cannot write .*summary.json: Is a directory.*run.resume: auto"):
         write_summary(tmp_path, {"steps": 1})
+
+
+def test_a_fresh_run_in_a_used_run_dir_shows_only_its_own_tensorboard_curve(tmp_path):
+    """Found in review (2026-11-30): metrics.jsonl starts afresh for a run that does not resume, but
+    TensorBoard kept the earlier run's events in <run.dir>/tb and drew both curves."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from app.metrics.report import TensorBoardWriter
+
+    for loss in (5.0, 3.0):  # two runs, the second not resumed
+        writer = TensorBoardWriter(tmp_path, enabled=True)
+        for step in (1, 2):
+            writer.write({"step": step, "loss": loss + step})
+        writer.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 4.0), (2, 5.0)]

@@ -97,12 +97,17 @@ def held_out_note(deck: Deck, held: HeldOut) -> Optional[str]:
     if reads <= windows:
         return None
     fit = windows // deck.train.global_batch
+    times = -(-reads // windows)  # the most reads of one window (the index wraps every `windows`)
     return (
         f"gridlm: warning: each evaluation reads {reads:,} samples (eval.batches = {deck.eval.batches} x "
         f"train.global_batch = {deck.train.global_batch}) but {held.source} has {windows:,} windows of "
-        f"model.seq_len tokens: {reads - windows:,} are read twice and weigh double in the loss; "
-        + (f"lower eval.batches to {fit}" if fit else "hold out more tokens")
-        + " (or hold out more: data.split, eval.path)"
+        f"model.seq_len tokens: {reads - windows:,} reads repeat a window (up to {times} reads of one) and weigh "
+        "extra in the loss; "
+        + (
+            f"lower eval.batches to {fit} (or hold out more: data.split, eval.path)"
+            if fit
+            else "hold out more tokens (data.split, eval.path)"
+        )  # fmt: skip
     )
 
 

@@ -115,7 +115,8 @@ def require_tensorboard() -> None:
 
 class TensorBoardWriter:
     """Scalars of every logged step under <run dir>/tb (rank 0 only). On resume from step k,
-    TensorBoard drops the events after k (`purge_step`), like metrics.jsonl."""
+    TensorBoard drops the events after k (`purge_step`), and a fresh run all earlier ones, like
+    metrics.jsonl."""
 
     def __init__(self, run_dir: Path, enabled: bool, resumed_step: Optional[int] = None) -> None:
         self.writer = None
@@ -126,7 +127,9 @@ class TensorBoardWriter:
     def _open(self, step: Optional[int]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = None if step is None else step + 1
+        # A fresh run purges from step 0: an earlier run's events in this run.dir would be drawn as
+        # its curve too (found in review), as metrics.jsonl starts afresh.
+        purge = 0 if step is None else step + 1
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
 
     def truncate(self, step: int) -> None:
