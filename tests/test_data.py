@@ -408,3 +408,17 @@ def test_app_refuses_a_token_file_above_the_vocab_with_status_2_and_no_traceback
     assert out.stderr.count("gridlm:") == 1 and prefix + ".bin" in out.stderr
     assert "token id 700 at token 2000" in out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_the_document_index_stays_mapped_and_its_order_is_checked_a_chunk_at_a_time(tmp_path):
+    """Found in review (2026-11-30): the index was copied whole on every rank (8 bytes a document: 1.6 GB
+    for 200M documents) for one lookup at the split point. It stays a memory map; the monotone
+    check reads it in chunks and still finds a decrease across a chunk's edge."""
+    from app.data.memmap import MemmapTokens, _monotone
+
+    ds = MemmapTokens(write_tokens(tmp_path / "docs", np.arange(200) % 256), 8, 257, seed=0)
+    assert isinstance(ds.doc_offsets, np.memmap)
+    offsets = np.arange(3000)
+    assert _monotone(offsets, chunk=7) and _monotone(offsets[:0], chunk=7)
+    offsets[7] = 3  # the first of a chunk below the last of the one before
+    assert not _monotone(offsets, chunk=7)
