@@ -355,3 +355,26 @@ def test_the_five_line_reader_of_docs_checkpoint_md_reads_a_parameter(fp32_ckpt,
         expected = decode(stored[...], stored.attrs["dtype"]).numpy()
         assert scope["w"].dtype == np.float32 and np.array_equal(scope["w"], expected)
         exec(checker, {"f": f})  # noqa: S102 - raises AssertionError on a mismatch
+
+
+def test_inspect_names_the_architecture_the_experts_and_every_axis_of_the_grid(fp32_ckpt, mixtral_ckpt):
+    """Found in review (2026-11-30): inspect showed a llama or Mixtral checkpoint as a GPT-2 (no arch,
+    no kv heads, no experts) and a cp or 3D-tensor grid without cp or the split (its axes did not
+    multiply to the world size)."""
+    from app.checkpoint.__main__ import _grid_line
+
+    out = cli("inspect", mixtral_ckpt, "--no-verify")
+    assert out.returncode == 0, out.stderr
+    model = next(line for line in out.stdout.splitlines() if line.startswith("model"))
+    assert model.startswith("model       llama |") and "heads 4 (2 kv)" in model, model
+    assert "4 experts of 48, top-2" in model, model
+    plain = next(
+        line for line in cli("inspect", fp32_ckpt, "--no-verify").stdout.splitlines() if line.startswith("model")
+    )
+    assert plain.startswith("model       gpt2 |") and "kv" not in plain and "experts" not in plain, plain
+    grid = {"tp": 2, "pp": 1, "dp": 2, "order": "tp-cp-dp-pp", "cp": 2, "virtual_stages": 1,
+            "sequence_parallel": False, "zero": 1, "world_size": 8}  # fmt: skip
+    assert _grid_line(grid).startswith("tp=2 cp=2 pp=1 dp=2 (tp-cp-dp-pp)")
+    grid.update(cp=1, tensor=[2, 1, 1], tensor_order="yxz")
+    del grid["cp"]
+    assert _grid_line(grid).startswith("tp=2 tensor=[2, 1, 1] yxz pp=1 dp=2")

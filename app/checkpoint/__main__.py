@@ -1,4 +1,4 @@
-"""`python -m app.checkpoint inspect|export`: look into a checkpoint, or convert it to Hugging Face GPT-2.
+"""`python -m app.checkpoint inspect|export`: look into a checkpoint, or convert it to a Hugging Face model.
 
 Both are serial tools: one process, plain h5py, no MPI launch (run them on a login node).
 
@@ -44,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = _Parser(
         prog="python -m app.checkpoint",
-        description="Inspect a gridlm checkpoint or export it to Hugging Face GPT-2 (serial: no MPI launch).",
+        description="Inspect a gridlm checkpoint or export it to a Hugging Face model (serial: no MPI launch).",
         epilog="Exit status: 0 ok, 1 checksum mismatch (inspect), 2 user mistake (message on stderr).",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -64,14 +64,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     export = commands.add_parser(
         "export",
-        help="write a Hugging Face GPT-2 directory (config.json, model.safetensors)",
-        description="Write the checkpoint's model as a Hugging Face GPT-2 directory: config.json and "
+        help="write a Hugging Face model directory (GPT-2, Llama or Mixtral: config.json, model.safetensors)",
+        description="Write the checkpoint's model as a Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM "
+        "or MixtralForCausalLM, by its model.arch and experts): config.json and "
         "model.safetensors in fp32 (the fp32 masters of a bf16/fp16 checkpoint). Reads every parameter tensor "
         "whole into memory on this one process (about twice the fp32 model size) and verifies its checksum "
-        "before writing anything. Load it with transformers.GPT2LMHeadModel.from_pretrained(DIR).",
+        "before writing anything. Load it with transformers.AutoModelForCausalLM.from_pretrained(DIR).",
     )
     export.add_argument("file", metavar="FILE", help="checkpoint file, e.g. runs/x/checkpoints/step_0000020.h5")
-    export.add_argument("--to", required=True, choices=["hf"], help="target format: hf (Hugging Face GPT-2)")
+    export.add_argument("--to", required=True, choices=["hf"], help="target format: hf (Hugging Face transformers)")
     export.add_argument("dir", metavar="DIR", help="output directory; must be new or empty unless --force")
     export.add_argument("--force", action="store_true", help="write into a non-empty DIR (replaces its two files)")
     return parser.parse_args(argv)
@@ -176,8 +177,12 @@ def _grid_line(recorded: Any) -> str:
     grid = recorded
     if not isinstance(grid, dict):
         return str(grid)
+    cp = f" cp={grid['cp']}" if "cp" in grid else ""  # absent where 1 (`grid_signature`)
+    tensor = ""
+    if "tensor" in grid:  # 3D tensor parallelism: tp's x y z split
+        tensor = f" tensor={grid['tensor']}" + (f" {grid['tensor_order']}" if "tensor_order" in grid else "")
     return (
-        f"tp={grid.get('tp')} pp={grid.get('pp')} dp={grid.get('dp')} ({grid.get('order')}) | "
+        f"tp={grid.get('tp')}{tensor}{cp} pp={grid.get('pp')} dp={grid.get('dp')} ({grid.get('order')}) | "
         f"virtual stages {grid.get('virtual_stages')} | sequence parallel "
         f"{'on' if grid.get('sequence_parallel') else 'off'} | ZeRO-{grid.get('zero')} | "
         f"world size {grid.get('world_size')}"
@@ -204,9 +209,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"consumed samples {report['consumed_samples']}",
         f"precision   {report['precision']} | {_scaler_line(report['loss_scaler'])}",
         f"grid        {_grid_line(report['grid'])}",
-        f"model       {report['parameters']:,} parameters | vocab {m['vocab_size']} | seq {m['seq_len']} | "
-        f"layers {m['layers']} | hidden {m['hidden']} | heads {m['heads']} | ffn {m['ffn']} | "
-        f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings",
+        f"model       {m['arch']} | {report['parameters']:,} parameters | vocab {m['vocab_size']} | "
+        f"seq {m['seq_len']} | layers {m['layers']} | hidden {m['hidden']} | heads {m['heads']}"
+        + (f" ({m['kv']} kv)" if m["kv"] != m["heads"] else "")
+        + f" | ffn {m['ffn']}"
+        + (f" | {m['moe_experts']} experts of {m['expert_ffn']}, top-{m.get('moe_top_k')}" if m["moe_experts"] else "")
+        + f" | {'tied' if m['tie_embeddings'] else 'untied'} embeddings",
         f"created     {report['created']}",
         f"versions    {versions}",
         *([f"note        {report['note']}"] if report.get("note") else []),
