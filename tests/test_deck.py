@@ -530,6 +530,20 @@ def test_check_paths_unwritable_directory(tmp_path):
         check_paths(load_deck(TINY, (f"run.dir={locked / 'run'}",)))
 
 
+def test_check_paths_names_a_read_only_file_system_as_such():
+    """Found in review (2026-11-30): a directory on a read-only mount was 'a directory this user cannot
+    write in', which sends the user to its permissions. Any read-only mount of this machine will do."""
+    with open("/proc/mounts") as f:
+        mounts = [line.split()[1] for line in f if "ro" in line.split()[3].split(",")]
+    readonly = [m for m in mounts if os.path.isdir(m) and not os.access(m, os.W_OK)]
+    if not readonly:
+        pytest.skip("no read-only mount on this machine")
+    with pytest.raises(DeckError, match="on a read-only file system"):
+        check_paths(load_deck(TINY, (f"run.dir={readonly[0]}",)))
+    with pytest.raises(DeckError, match=rf"cannot be created: {readonly[0]} is a directory on a read-only file system"):
+        check_paths(load_deck(TINY, (f"run.dir={readonly[0]}/run",)))
+
+
 def test_check_paths_memmap_files(tmp_path):
     prefix = tmp_path / "corpus"
     deck = paths_deck(tmp_path, "data.kind=memmap", f"data.path={prefix}", "model.vocab_size=512")
