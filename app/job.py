@@ -13,6 +13,7 @@ left waiting in a collective.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from contextlib import suppress
@@ -51,7 +52,7 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
     """Start the job, run `body` on every rank, shut down; the exit status (module docstring).
     `load(world_size)` gives the resolved deck (on every rank; `deck_file`)."""
     from app.deck import RunConfig
-    from app.errors import GridlmError, RankFatal
+    from app.errors import GridlmError, LaunchError, RankFatal
     from app.runtime.grid import ProcessGrid, order_sensitive_axes
     from app.runtime.mpi import (
         abort,
@@ -62,6 +63,7 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         set_malloc_mmap_threshold,
         set_threads,
         shutdown,
+        unwired_launch,
     )
     from app.runtime.process import start_up
     from app.runtime.watchdog import EXIT_CODE as WATCHDOG_EXIT
@@ -69,6 +71,9 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
 
     runtime = init_mpi()
     try:
+        unwired = unwired_launch(os.environ, runtime.world_size)
+        if unwired is not None:  # every task alone: each prints this and exits 2
+            raise LaunchError(unwired)
         with start_up():  # torch's million objects imported without the collector walking them
             # From here on no rank waits forever: a rank stalled reading the deck (a hung file system)
             # is caught with the default timeout, later calls with the deck's run.comm_timeout_s.

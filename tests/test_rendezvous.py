@@ -120,3 +120,36 @@ def test_a_one_node_job_s_store_is_on_loopback_only_and_its_keys_under_a_secret_
     assert not foreign.check([key])  # the key as the job names it is not where a stranger looks
     assert runtime.store.get(key) == b"job data"
     runtime.comm.Barrier()
+
+
+def test_tasks_the_launcher_started_that_mpi_does_not_join_are_refused():
+    """Found in review (2026-11-30): srun -n 2 without an MPI wiring (no --mpi=pmix, or an mpi4py built
+    against another MPI) made each task a world of one rank: task 0 trained alone and task 1 was told
+    the run directory was in use by the job itself. A size from the launcher above 1 with an MPI
+    world of 1 is refused; Open MPI's own size comes first (mpirun -n 1 inside a 2-node allocation
+    runs its daemons as a 2-task step)."""
+    from app.runtime.mpi import unwired_launch
+
+    assert "started 2 tasks (SLURM_STEP_NUM_TASKS=2)" in unwired_launch({"SLURM_STEP_NUM_TASKS": "2"}, 1)
+    assert "srun --mpi=pmix" in unwired_launch({"PMI_SIZE": "4"}, 1)
+    assert unwired_launch({"SLURM_STEP_NUM_TASKS": "2"}, 2) is None  # wired: MPI sees them all
+    assert unwired_launch({"OMPI_COMM_WORLD_SIZE": "1", "SLURM_STEP_NUM_TASKS": "2"}, 1) is None
+    assert unwired_launch({"SLURM_NTASKS": "8"}, 1) is None  # a batch script's own python: no step
+    assert unwired_launch({}, 1) is None and unwired_launch({"PMI_SIZE": "x"}, 1) is None
+
+
+def test_two_unwired_tasks_each_exit_2_naming_the_launch(tmp_path):
+    """Two plain processes that a launcher says are a 2-task step (srun without --mpi=pmix)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, app_env
+
+    env = {**app_env(), "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "777"}
+    cmd = [sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", "--set", f"run.dir={tmp_path / 'run'}"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env={**env, "SLURM_PROCID": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    for proc in procs:
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 2 and "the launcher started 2 tasks" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

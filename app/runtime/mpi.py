@@ -13,7 +13,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
@@ -92,6 +92,34 @@ def singleton_rsh_agent(environ: MutableMapping[str, str]) -> Optional[str]:
         return None
     environ["OMPI_MCA_plm_rsh_agent"] = "false"
     return "false"
+
+
+# Where a launcher says how many tasks it started: Open MPI's mpirun, a PMI-1/2 launcher (MPICH's
+# hydra, srun --mpi=pmi2), and Slurm's srun step (last: an mpirun inside an allocation runs its own
+# daemons as a step of as many tasks as nodes, and says its own size first).
+LAUNCHER_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def unwired_launch(environ: Mapping[str, str], world_size: int) -> Optional[str]:
+    """Why this rank is alone in a job its launcher started several tasks of, or None: each task an
+    MPI world of its own (srun without --mpi=pmix, or an mpi4py built against another MPI than the
+    launcher's), which would train N copies of one rank, or refuse the grid, or say the run
+    directory is in use by the job itself (found in review)."""
+    name = next((v for v in LAUNCHER_SIZES if environ.get(v, "").strip()), None)
+    if world_size != 1 or name is None:
+        return None
+    try:
+        tasks = int(environ[name])
+    except ValueError:
+        return None
+    if tasks <= 1:
+        return None
+    return (
+        f"the launcher started {tasks} tasks ({name}={tasks}) but MPI sees 1 rank in each: the MPI library "
+        "that mpi4py uses is not wired to this launcher. With Slurm: srun --mpi=pmix (srun --mpi=list shows "
+        "the plugins); or launch with that MPI's own mpirun; or build mpi4py against the site's MPI "
+        "(docs/RUNNING.md)"
+    )
 
 
 def init_mpi(comm: Any = None) -> Runtime:
