@@ -524,7 +524,7 @@ class Trainer:
         every, interrupted = deck.checkpoint.every, None
         saved_now = False  # the last step's checkpoint started (none yet)
         while self.steps_done < steps:
-            self._train_step()
+            self._train_step(signals)
             if self.step_nonfinite and deck.train.nonfinite == "rollback":
                 self._rollback()
                 continue
@@ -596,8 +596,8 @@ class Trainer:
         if written is not None:
             self.runtime.log(f"gridlm: profile of {self.profiler.done} step(s) written to {written}")
 
-    def _train_step(self) -> None:
-        """One timed step, reported when it is due."""
+    def _train_step(self, signals: Optional[StopSignals] = None) -> None:
+        """One timed step, reported when it is due; its evaluation, unless a stop signal came (`signals`)."""
         deck, rt = self.deck, self.runtime
         rt.watchdog.at(step=self.steps_done + 1)
         if self.sampler.consumed_samples in self.bad_batches:
@@ -619,7 +619,13 @@ class Trainer:
                 f"parameters unchanged ({self.guard.in_a_row} in a row; train.max_skipped = {deck.train.max_skipped})"
             )
         every = deck.eval.every
-        evaluated = self.evaluate() if every and (step % every == 0 or step == deck.train.steps) else None
+        due = bool(every) and (step % every == 0 or step == deck.train.steps)
+        # A stop signal first (found in review): the scheduler's lead covers a step and a checkpoint,
+        # not an evaluation (gpt_1t's 4 batches: ~260 s), which would push the checkpoint past the limit.
+        received = signals.agreed(rt.comm, rt.watchdog) if due and signals is not None else 0
+        if received:
+            rt.log(f"gridlm: {signal_name(received)} received: the evaluation of step {step} is skipped")
+        evaluated = self.evaluate() if due and not received else None
         if self.report.due(step) or evaluated:  # the same steps on every rank: global_loss is a collective
             fp16 = self.scaler
             self.report.log_step(

@@ -799,6 +799,32 @@ def test_a_stop_signal_while_the_checkpoint_loads_stops_the_run_after_its_first_
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handler is gone after run()
 
 
+@pytest.mark.mpi
+def test_a_stop_signal_before_an_evaluation_skips_it_and_checkpoints_at_once(runtime, grids, shared_tmp):
+    """Found in review (2026-11-30): a stop signal that came during a step whose evaluation was due ran
+    the whole evaluation before the checkpoint; the scheduler's lead (launch/submit.py) covers a step
+    and a checkpoint, not an evaluation (~260 s for gpt_1t's), so the checkpoint could miss the limit.
+    The evaluation is skipped and said so; the run checkpoints the step and stops."""
+    trainer = _trainer(grids, shared_tmp, "train.steps=20", "eval.every=1", "run.log_every=1")
+    step = trainer.step
+
+    def step_then_signal():
+        out = step()
+        if trainer.steps_done == 2 and runtime.rank == runtime.world_size - 1:  # step 2, one rank
+            signal.raise_signal(signal.SIGUSR1)
+        return out
+
+    trainer.step = step_then_signal
+    summary = trainer.run()
+    assert trainer.steps_done == 2 and summary["interrupted"] == "SIGUSR1"
+    assert read_latest(shared_tmp / "checkpoints") == step_file(shared_tmp / "checkpoints", 2)
+    runtime.comm.Barrier()  # rank 0 has written metrics.jsonl
+    records = read_metrics(shared_tmp)
+    assert "val_loss" in records[0] and all("val_loss" not in r for r in records[1:]), records
+    if trainer.run_lock is not None:
+        trainer.run_lock.release()
+
+
 def test_a_stop_signal_while_the_job_starts_stops_it_after_its_first_step(tmp_path):
     """Found in review (2026-11-30): SIGUSR1 and SIGTERM were recorded only from the training loop on,
     so one that came while the ranks started (imports, the lock, the model: minutes at scale) killed
