@@ -13,7 +13,6 @@ deck, no held-out data, a missing or corrupt checkpoint or data file), printed o
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -55,6 +54,7 @@ def evaluate_checkpoint(
     """Load `given` onto this grid and evaluate it (every rank); rank 0 prints and writes the result."""
     from app.checkpoint.io import load
     from app.eval import evaluate
+    from app.metrics.report import dumps_strict, replace_text
     from app.runtime.mpi import on_root
     from app.train import Trainer
 
@@ -81,9 +81,9 @@ def evaluate_checkpoint(
     def write() -> None:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.write_text(json.dumps(record, indent=2) + "\n")
-            tmp.replace(target)
+            # Strict JSON, as metrics.jsonl and summary.json: a NaN loss (or an infinite perplexity) is
+            # null, listed under `nonfinite` (found in review: `NaN` / `Infinity` are not JSON).
+            replace_text(target, dumps_strict(record, indent=2) + "\n")
         except OSError as err:
             raise CheckpointError(f"cannot write the evaluation to {target}: {err.strerror}; pass --out FILE") from None
 
