@@ -312,10 +312,16 @@ class Watchdog:
                 self._fire(now - self._since)
                 return
 
+    def _innermost(self, none: tuple[Any, Any]) -> tuple[Any, Any]:
+        """The innermost open call, read from this thread in one step (a slice): the main thread may
+        close it between a test and an index, and an IndexError would end this thread silently."""
+        top = self._open[-1:]
+        return top[0] if top else none
+
     def _beat(self) -> None:
         if self._store is None:
             return
-        op, axis = self._open[-1] if self._open else (None, None)
+        op, axis = self._innermost((None, None))
         self._seq += 1
         value = {"seq": self._seq, "step": self.step, "micro": self.micro, "op": op, "axis": axis}
         # The store's host may be the stuck rank: no heartbeat then, and the check names it.
@@ -324,7 +330,7 @@ class Watchdog:
 
     def _fire(self, waited: float) -> None:
         self._fired.set()
-        op, axis = self._open[-1] if self._open else ("?", None)
+        op, axis = self._innermost(("?", None))
         try:
             suspects = self._suspects(axis, wait_heartbeats=True)
         except Exception as err:  # the message must come out whatever happens
