@@ -602,6 +602,9 @@ class Trainer:
         rt.watchdog.at(step=self.steps_done + 1)
         if self.sampler.consumed_samples in self.bad_batches:
             self._skip_bad_batch()
+            if self._evaluation_due(self.steps_done, signals):  # the parameters as they are (found in review:
+                done = self.evaluate()  # a skipped last step left the run without its final evaluation)
+                rt.log(f"gridlm: step {self.steps_done}: val loss {done['loss']:.4f} | ppl {done['perplexity']:.2f}")
             return
         _sync(self.device)
         self.profiler.begin()
@@ -618,14 +621,7 @@ class Trainer:
                 f"gridlm: warning: non-finite {describe_nonfinite(self.step_nonfinite)} at step {step}: step skipped, "
                 f"parameters unchanged ({self.guard.in_a_row} in a row; train.max_skipped = {deck.train.max_skipped})"
             )
-        every = deck.eval.every
-        due = bool(every) and (step % every == 0 or step == deck.train.steps)
-        # A stop signal first (found in review): the scheduler's lead covers a step and a checkpoint,
-        # not an evaluation (gpt_1t's 4 batches: ~260 s), which would push the checkpoint past the limit.
-        received = signals.agreed(rt.comm, rt.watchdog) if due and signals is not None else 0
-        if received:
-            rt.log(f"gridlm: {signal_name(received)} received: the evaluation of step {step} is skipped")
-        evaluated = self.evaluate() if due and not received else None
+        evaluated = self.evaluate() if self._evaluation_due(step, signals) else None
         if self.report.due(step) or evaluated:  # the same steps on every rank: global_loss is a collective
             fp16 = self.scaler
             self.report.log_step(
@@ -640,6 +636,18 @@ class Trainer:
                 evaluated=evaluated,
                 moe=self.router_losses(),
             )
+
+    def _evaluation_due(self, step: int, signals: Optional[StopSignals]) -> bool:
+        """Whether step `step` evaluates (eval.every, and after the last step): not when a stop signal
+        came first (found in review: the scheduler's lead covers a step and a checkpoint, not an
+        evaluation, gpt_1t's 4 batches ~260 s, which would push the checkpoint past the limit)."""
+        every, rt = self.deck.eval.every, self.runtime
+        if not every or (step % every and step != self.deck.train.steps):
+            return False
+        received = signals.agreed(rt.comm, rt.watchdog) if signals is not None else 0
+        if received:
+            rt.log(f"gridlm: {signal_name(received)} received: the evaluation of step {step} is skipped")
+        return not received
 
     def router_losses(self) -> Optional[dict[str, float]]:
         """Mixture of experts (collective): this step's load-balancing and z-losses, each the mean over

@@ -270,6 +270,27 @@ def test_a_nan_on_one_rank_is_rolled_back_on_every_rank_and_matches_skipping_the
 
 
 @pytest.mark.mpi
+def test_a_rolled_back_last_step_still_gets_its_final_evaluation(runtime, shared_tmp, grids):
+    """Found in review (2026-11-30): the replay skips the bad batch of the last step without running
+    the evaluation due after the last step, so the summary kept an earlier step's. 6 steps, evaluated
+    every 3, step 6's batch poisoned: rolled back to step 4, step 5 trained again, step 6 skipped and
+    evaluated with the parameters it leaves."""
+    from app.deck import load_deck, resolve_for_world
+    from app.train import Trainer
+
+    sets = (*SMALL, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=0", "eval.every=3",
+            "train.nonfinite=rollback", f"run.dir={shared_tmp / 'last'}")  # fmt: skip
+    deck = resolve_for_world(load_deck(REPO / TINY, sets), runtime.world_size)
+    trainer = Trainer(deck, runtime, grids.grid(1, 1, runtime.world_size))
+    _poison(trainer, 5 * 8)  # step 6's batch
+    summary = trainer.run()
+    if trainer.run_lock is not None:
+        trainer.run_lock.release()
+    assert summary["rollbacks"] == 1 and trainer.steps_done == 6
+    assert summary["eval"] is not None and summary["eval"]["step"] == 6, summary["eval"]
+
+
+@pytest.mark.mpi
 def test_rollback_goes_to_this_jobs_checkpoint_and_a_streak_lasts_until_past_the_bad_step(runtime, shared_tmp, grids):
     """Three faults found in review (2026-11-30), each in one job of the small deck (8 samples a step):
     - a job resumed from an older file (step 4, while `latest` names step 8 of the line it left) rolls
