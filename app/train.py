@@ -144,6 +144,9 @@ class Trainer:
         # Targets of the last step's loss (Goldfish drops some) and of this job's steps: (counted, all).
         self.step_targets = (0, 0)
         self.job_targets = [0, 0]
+        # job_targets at each step this job saved: a rollback to one takes them back (found in review:
+        # the replayed steps were counted twice in summary.goldfish); 0 at the file it resumed from.
+        self.targets_at: dict[int, tuple[int, int]] = {}
         par = deck.parallel
         self.timers = StepTimers(self.device, deck.run.timers, runtime.watchdog)
         self.tp: TensorParallel | Tensor3D
@@ -418,6 +421,7 @@ class Trainer:
         returns while the write goes on (the returned Saved's `seconds` is the copy's); a `final`
         save waits for its write. The write's outcome is handled as above when `finish_save` takes it."""
         self.phase = "checkpoint"
+        self.targets_at[self.steps_done] = (self.job_targets[0], self.job_targets[1])  # a rollback's
         directory = checkpoint_dir(self.deck)
         if self.writer is None:
             return self._outcome(lambda: save_checkpoint(self, directory), self.steps_done, reason, final)
@@ -703,6 +707,7 @@ class Trainer:
         self.step_nonfinite = []
         back_to = info["step"]
         self.report.rollback(back_to)
+        self.job_targets = list(self.targets_at.get(back_to, (0, 0)))
         rt.log(
             f"gridlm: warning: non-finite {describe_nonfinite(what)} at step {step}: rolled back to {path} (step "
             f"{back_to}); its batch, samples [{self.batch_start}, {self.batch_start + self.deck.train.global_batch}), "

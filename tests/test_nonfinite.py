@@ -274,12 +274,13 @@ def test_a_rolled_back_last_step_still_gets_its_final_evaluation(runtime, shared
     """Found in review (2026-11-30): the replay skips the bad batch of the last step without running
     the evaluation due after the last step, so the summary kept an earlier step's. 6 steps, evaluated
     every 3, step 6's batch poisoned: rolled back to step 4, step 5 trained again, step 6 skipped and
-    evaluated with the parameters it leaves."""
+    evaluated with the parameters it leaves. And Goldfish's count over the job's steps counts each step
+    once: the steps a rollback undid were counted again when replayed (found in review too)."""
     from app.deck import load_deck, resolve_for_world
     from app.train import Trainer
 
     sets = (*SMALL, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=0", "eval.every=3",
-            "train.nonfinite=rollback", f"run.dir={shared_tmp / 'last'}")  # fmt: skip
+            "train.nonfinite=rollback", "train.goldfish_k=4", f"run.dir={shared_tmp / 'last'}")  # fmt: skip
     deck = resolve_for_world(load_deck(REPO / TINY, sets), runtime.world_size)
     trainer = Trainer(deck, runtime, grids.grid(1, 1, runtime.world_size))
     _poison(trainer, 5 * 8)  # step 6's batch
@@ -288,6 +289,8 @@ def test_a_rolled_back_last_step_still_gets_its_final_evaluation(runtime, shared
         trainer.run_lock.release()
     assert summary["rollbacks"] == 1 and trainer.steps_done == 6
     assert summary["eval"] is not None and summary["eval"]["step"] == 6, summary["eval"]
+    # Steps 1-5 trained (5 replayed once), step 6 skipped: 5 steps' targets.
+    assert summary["goldfish"]["targets"] == 5 * deck.train.global_batch * deck.model.seq_len, summary["goldfish"]
 
 
 @pytest.mark.mpi
