@@ -207,8 +207,11 @@ def test_dry_run_prints_ep_the_experts_per_rank_and_the_all_to_all():
     assert plan["grid"]["ep"] == 2 and plan["stages"][0]["expert_params_per_rank"] == 2_105_344
     assert plan["stages"][0]["all_to_all_per_step"] == {"calls": 20, "bytes_sent": 4 * (4 * 524_288 + 64) / 2}
     assert plan["predicted"]["breakdown"]["ep_exposed"] > 0 and plan["predicted"]["levels"]["ep"] == "nvswitch"
+    assert "mixture of experts: the router and the top-k experts" in plan["flops"]["convention"]  # the count's
     dense = dry_run("inputs/gpt_tiny.yaml", "--dry-run", "--world-size", "4").stdout
     assert "experts" not in dense and "all-to-all" not in dense
+    dense = json.loads(dry_run("inputs/gpt_tiny.yaml", "--dry-run", "--world-size", "4", "--json").stdout)
+    assert "experts" not in dense["flops"]["convention"]
 
 
 def published_decks() -> list[Path]:

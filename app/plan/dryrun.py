@@ -525,7 +525,12 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
             "model_per_step": plan.flops["model"],
             "hardware_per_step": hw,
             "convention": "Megatron SC21 eq. 3 (2 FLOPs per multiply-add, backward = 2 x forward, full "
-            "(not causally halved) attention); hardware adds what train.recompute re-executes",
+            "(not causally halved) attention); hardware adds what train.recompute re-executes"
+            + (
+                "; mixture of experts: the router and the top-k experts a token is routed to"
+                if plan.deck.model.moe_experts
+                else ""
+            ),
             "peak_tflops_per_device": peak_tflops,
             "ideal_step_s": ideal,
             "bubble_fraction": plan.bubble(),
