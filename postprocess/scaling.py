@@ -758,7 +758,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"scaling: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # --out not a writable directory (a file, a read-only or missing parent)
-        print(f"scaling: cannot write --out {args.out}: {out_error(err)}", file=sys.stderr)
+        out = Path(args.out).absolute()
+        named = Path(str(err.filename)).absolute() if err.filename else None
+        if named is not None and named != out and out not in named.parents:  # a run's file, not the output
+            print(f"scaling: cannot read {err.filename}: {err.strerror or err}", file=sys.stderr)
+        else:
+            print(f"scaling: cannot write --out {args.out}: {out_error(err)}", file=sys.stderr)
         return 2
     return 0
 
