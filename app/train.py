@@ -210,6 +210,14 @@ class Trainer:
             fuse_wgrad=tr.fuses_grad_accumulation(self.device.type == "cuda"),
         )
         self.dp.prefetch_hooks(self.model.first_uses())
+        reduce_dtype = self.dp.reduce_dtype
+        if self.device.type == "cuda" and self.dp.fused_wgrads and not self.dp.mixed_gemm and compute != reduce_dtype:
+            # Correct either way, but slower: say so (found in review: it fell back without a word).
+            runtime.log(
+                f"gridlm: warning: train.fuse_grad_accumulation: this torch's GEMM on {self.device} cannot write a "
+                f"{reduce_dtype} accumulator from {compute} inputs (torch.mm out_dtype); the weight gradients are "
+                "added separately (slower; train.grad_reduce_dtype: compute avoids the mixed GEMM)"
+            )
         if isinstance(self.tp, Tensor3D):  # ORS: the deferred weight gradients go where autograd's go
             self.tp.grads.sink = self.dp.accumulate
         if self.dp.shard_params:  # ZeRO-3: the model gathers each unit's parameters through DataParallel

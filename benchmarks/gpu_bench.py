@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     print(table(rows, device_name))
     # over every row in OUT/results.jsonl: gpu_session.sh measures the two cases in separate calls
-    checks = fusion_check([json.loads(line) for line in results.read_text().splitlines() if line.strip()])
+    done = results.read_text().splitlines() if results.exists() else []  # no case ran: none yet
+    checks = fusion_check([json.loads(line) for line in done if line.strip()])
     print("\n".join(checks))
     ok = all("error" not in r for r in rows) and not any("FAILED" in line for line in checks)
     return 0 if ok else 1

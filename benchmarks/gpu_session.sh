@@ -43,7 +43,18 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # gridlm sets it itself (app.runtime.mpi.singleton_rsh_agent); the benchmarks' own mpi4py need it too.
 command -v ssh >/dev/null || command -v rsh >/dev/null || export OMPI_MCA_plm_rsh_agent=false
 
-left() { echo $((budget - ($(date +%s) - start))); }
+# At least 1: `timeout 0` means no limit at all (a stage started with nothing left would run unbounded).
+left() {
+    local t=$((budget - ($(date +%s) - start)))
+    echo $((t > 0 ? t : 1))
+}
+
+# What has come out so far into $out after every stage: a call cut at the device's limit keeps it.
+publish() {
+    cp "$work/summary.txt" "$work/machine.txt" "$out/" 2>/dev/null
+    [ -f "$work/bench/results.jsonl" ] && cp "$work/bench/results.jsonl" "$out/"
+    return 0
+}
 
 # stage NAME NEEDS_S COMMAND...: run COMMAND (bounded by the time left) if NEEDS_S seconds are left.
 stage() {
@@ -67,6 +78,7 @@ stage() {
     local rc=$?
     echo "   rc=$rc in $(($(date +%s) - s0)) s" | tee -a "$work/summary.txt"
     grep -E '^\||^device:|^gridlm profile|^gridlm: done|calibrated: |^calibrate: |^(PASS|FAIL|ok|check)|^fusion check' "$work/$name.log" | tee -a "$work/summary.txt"
+    publish
 }
 
 {
@@ -137,7 +149,6 @@ stage hf 80 "${bench[@]}" --rounds 1 --decks gpt_1.3b llama_0.84b --cases hf
 stage offload_6b 150 offload_6b
 
 echo "== done in $(($(date +%s) - start)) s" | tee -a "$work/summary.txt"
-cp "$work/summary.txt" "$work/machine.txt" "$out/" 2>/dev/null
-[ -f "$work/bench/results.jsonl" ] && cp "$work/bench/results.jsonl" "$out/"
+publish
 tar czf "$out/logs.tgz" --exclude='*.h5' --exclude='*.bin' "$work" 2>/dev/null
 ls -la "$out"

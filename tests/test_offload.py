@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from app.optim.multi_tensor import complement
 from app.optim.offload import SLOTS, STATE_TENSORS, HostStore, NvmeStore
-from conftest import read_metrics, run_app
+from conftest import REPO, app_env, read_metrics, run_app
 
 
 def _masters() -> list[torch.Tensor]:
@@ -226,3 +228,19 @@ def test_host_adamw_is_torch_fused_adamw_and_the_same_however_its_tensors_are_cu
     for piece, (a, z) in zip(pieces, runs):
         ref.data[a:z] = piece.data
     torch.testing.assert_close(whole, ref.data, rtol=1e-6, atol=1e-8)
+
+
+def test_pinned_host_buffers_are_pinned_at_their_size_unless_the_user_says_otherwise():
+    """Found in review (2026-11-30, by reading torch 2.13's CachingHostAllocator): every pinned block is
+    rounded up to a power of two unless above pinned_max_round_threshold_mb, which has no limit by
+    default, so GPT 6.1B's offloaded state would pin 155 GiB for 90. `pin_exactly` sets the threshold
+    (the GPU paths call it before they pin); a threshold the user set in PYTORCH_ALLOC_CONF stays.
+    In fresh processes: the setting is the process's."""
+    code = ("import torch; from app.optim.offload import pin_exactly; pin_exactly(); "
+            "print(torch._C._accelerator_getAllocatorSettings())")  # fmt: skip
+    env = {k: v for k, v in app_env().items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    ours = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert ours.stdout.strip() == "pinned_max_round_threshold_mb:64", ours.stdout + ours.stderr
+    env["PYTORCH_ALLOC_CONF"] = "pinned_max_round_threshold_mb:8"
+    theirs = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert theirs.stdout.strip() == "pinned_max_round_threshold_mb:8", theirs.stdout + theirs.stderr

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from app.optim.offload import pin_exactly
 from app.parallel.data import DataParallel
 
 
@@ -48,6 +49,8 @@ class HostTransfer:
     def __init__(self, dp: DataParallel, max_chunk: int, sets: int = 1, staging: bool = False) -> None:
         self.dp = dp
         self.cuda = dp.device.type == "cuda"
+        if self.cuda:
+            pin_exactly()  # the gradient copies, parameter and staging buffers are pinned
         sizes = [b.shard_hi - b.shard_lo for b in dp.buckets]
         grad_dtype = dp.reduce_dtype
         param_dtype = dp.param_shard(0).dtype if dp.buckets else torch.float32
