@@ -212,11 +212,15 @@ def run_gridlm(case: str, deck_name: str, sets: list[str], steps: int, out: Path
         return error
     summary = json.loads((run_dir / "summary.json").read_text())
     timers = summary.get("timers") or {}
+    memory = summary.get("memory_bytes_rank0") or {}
     host = re.search(r"gridlm: offloaded update on the host: ([\d.]+) ms a step", proc.stdout)  # offloaded cases
     return {"step_s": summary["step_time_s"], "parameters": summary["parameters"],
             "forward_s": timers.get("forward_s"), "backward_s": timers.get("backward_s"),
             "optimizer_s": timers.get("optimizer_s"), "host_update_s": float(host[1]) / 1e3 if host else None,
-            "final_loss": summary.get("final_loss")}  # fmt: skip
+            "final_loss": summary.get("final_loss"),
+            # Issue 41's table: the peak host RSS (offload's pinned state) and device memory of rank 0.
+            "peak_rss_gb": memory["peak_rss"] / 1e9 if "peak_rss" in memory else None,
+            "peak_device_gb": memory["peak_device_allocated"] / 1e9 if "peak_device_allocated" in memory else None}  # fmt: skip
 
 
 def one_case(args: argparse.Namespace) -> int:
