@@ -74,7 +74,9 @@ def test_compiled_element_wise_chains_equal_the_eager_ones_values_and_gradients(
 def test_a_node_that_cannot_build_the_kernels_gets_a_deck_error_naming_run_compile(tmp_path):
     """run.compile on a node without a working C++ compiler (CXX=/bin/false, a fresh inductor cache
     so that nothing built before is reused): the run ends with exit 2 and one line naming
-    run.compile, the kernel and the fix, not inductor's traceback from inside the first step."""
+    run.compile, the kernel and the fix, not inductor's traceback from inside the first step. The
+    failing rank says it and ends the job (RankFatal; found in review, 2026-11-30: as an error said by
+    rank 0 alone, a failure on rank 1 printed nothing and the job waited for the watchdog)."""
     import os
     import subprocess
     import sys
@@ -92,6 +94,33 @@ def test_a_node_that_cannot_build_the_kernels_gets_a_deck_error_naming_run_compi
     assert "set run.compile: false" in out and "Traceback" not in out, out[-3000:]
 
 
+def test_a_compile_failure_on_one_rank_is_said_by_it_and_ends_the_job(tmp_path):
+    """Found in review (2026-11-30): rank 1 alone without a working C++ compiler printed nothing, and
+    rank 0 waited in the step's collectives until the watchdog called rank 1 dead (exit 4). Rank 1
+    now says why and ends the job (exit 2), well within run.comm_timeout_s."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import app_env
+
+    sets = ["model.arch=llama", "model.layers=2", "run.compile=true", "train.steps=2", "checkpoint.at_exit=false",
+            "run.resume=none", "run.comm_timeout_s=600", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    app = [sys.executable, "-m", "app", "inputs/gpt_tiny.yaml", *(a for s in sets for a in ("--set", s))]
+    broken = ["env", "CXX=/bin/false", f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}"]
+    cmd = ["mpirun", "-n", "1", *app, ":", "-n", "1", *broken, *app]
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=app_env(), capture_output=True,
+                          text=True, timeout=500, check=False)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    assert "run.compile = true: torch.compile could not build" in out and "watchdog" not in out, out[-3000:]
+    assert time.monotonic() - start < 400, out[-3000:]
+    assert os.path.isdir(tmp_path / "run")
+
+
 def test_errors_of_the_computation_pass_through_the_guard():
     """Only torch.compile's own failures become the deck error: an error of the computation (here a
     shape mismatch) is raised as it was."""
@@ -104,12 +133,33 @@ def test_errors_of_the_computation_pass_through_the_guard():
         _guarded(broken, "broken", True)(torch.ones(2, 2))
 
 
+def test_a_llama_mixture_of_experts_trains_compiled_whatever_the_routing():
+    """Found in review (2026-11-30): the stacked experts' SwiGLU was the compiled static-shape kernel,
+    and their buffer's width changes with every micro-batch's routing: each width recompiled it, and
+    the 9th stopped the run at torch._dynamo's recompile limit (said as a compiler problem). The
+    experts keep the eager function; 12 batches of other routings run, each equal to the eager model."""
+    from app.model.gpt import swiglu
+    from app.model.moe import MoE
+
+    cfg = _tiny("llama", experts=4)
+    eager, fused = GPT(cfg, seed=3), GPT(cfg, seed=3)
+    fused.fuse(Kernels.compiled())
+    assert all(m.act is swiglu for m in fused.modules() if isinstance(m, MoE))
+    for seed in range(12):
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(fused.loss(tokens, tokens), eager.loss(tokens, tokens), rtol=1e-5, atol=0)
+
+
 def _tiny(arch: str, dropout: float = 0.0, experts: int = 0) -> ModelConfig:
     moe = {"moe_experts": experts, "moe_every": 2} if experts else {}
     return ModelConfig(arch=arch, vocab_size=96, seq_len=16, layers=2, hidden=32, heads=4, dropout=dropout, **moe)
 
 
-@pytest.mark.parametrize("arch, experts", [("gpt2", 0), ("llama", 0), ("gpt2", 4)], ids=["gpt2", "llama", "gpt2-moe"])
+@pytest.mark.parametrize(
+    "arch, experts",
+    [("gpt2", 0), ("llama", 0), ("gpt2", 4), ("llama", 4)],
+    ids=["gpt2", "llama", "gpt2-moe", "llama-moe"],
+)
 def test_the_blocks_run_their_compiled_chains_in_training_and_equal_the_eager_blocks(arch, experts):
     """A model fused with the compiled kernels runs each block through `add_norm` (and, GPT-2's dense
     MLPs, `bias_residual`) in training, with its Linears leaving their output bias to the chain: its

@@ -21,7 +21,8 @@ What is compiled are pure functions of tensors (`rms_norm`, `rotary`, `swiglu`, 
 hooks or custom autograd functions inside, so they compose with tp, sequence parallelism, the
 pipeline, ZeRO-3's gathers and activation recompute as the eager ones do. Shapes are static
 (a run's micro-batches all have one shape); decoding and evaluation at other shapes use the
-eager functions or recompile (`torch._dynamo`'s cache). Compiled
+eager functions or recompile (`torch._dynamo`'s cache). A mixture of experts' stacked experts
+keep the eager SwiGLU: their buffers change width with every micro-batch's routing (`GPT.fuse`). Compiled
 results equal eager ones to rounding (inductor may order a reduction differently): the tests
 compare trainings within 1e-5.
 """
@@ -34,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from app.errors import DeckError
+from app.errors import DeckError, RankFatal
 from app.model.gpt import add_norm, bias_residual, rotary, swiglu
 from app.tensor_parallel.layers import rms_norm
 
@@ -81,11 +82,14 @@ def _guarded(fn: Callable[..., Any], name: str, setting: object) -> Callable[...
             if not _compile_failure(err):
                 raise
             first = (str(err).strip().splitlines() or [""])[0][:200]
-            raise DeckError(
+            # This rank's failure, mid-step (found in review: as a DeckError, said by rank 0 alone, a
+            # failure on another rank printed nothing and its peers waited in a collective until the
+            # watchdog blamed a dead rank): RankFatal, said by this rank, ends the job at once.
+            raise RankFatal(str(DeckError(
                 "run.compile", setting,
                 f"torch.compile could not build {name} on this node ({type(err).__name__}: {first}); set "
                 "run.compile: false (the eager chains, slower on GPUs) or give the node a working C++ compiler "
                 "and Triton",
-            ) from err  # fmt: skip
+            ))) from err  # fmt: skip
 
     return call

@@ -497,7 +497,10 @@ class GPT(nn.Module):
             elif isinstance(module, MLP):
                 module.swiglu_kernel = kernels.swiglu
             elif isinstance(module, MoE) and self.cfg.spec.gated:
-                module.act = kernels.swiglu
+                # Eager (found in review): the stacked experts' buffers change width with every
+                # micro-batch's routing, and a static-shape kernel recompiled for each width stopped the
+                # run at torch._dynamo's recompile limit. The shared experts are MLPs: compiled.
+                module.act = swiglu
 
     def set_gate(self, gate: Optional[ParamGate]) -> None:
         """Route every unit's parameter reads through `gate` (ZeRO-3), or none."""

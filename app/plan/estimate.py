@@ -414,10 +414,10 @@ def layer_activation_bytes(
     # (split as the stream is: t_sp).
     norms = 0.0 if m.spec.norm != "rmsnorm" or compiled else 2 * 4.0
 
-    def mlp(width: int) -> float:  # an MLP of `width`: its fc output and what the activation makes of it
+    def mlp(width: int, fused: bool = compiled) -> float:  # an MLP of `width`: its fc output and activation's
         """gpt2: GELU's f beside the fc output's f; llama: silu(gate) and the product (eager: 2f;
         compiled SwiGLU keeps only the product, 1f), beside the fused 2f rows."""
-        made = 1 if not m.spec.gated or compiled else 2
+        made = 1 if not m.spec.gated or fused else 2
         return (m.spec.fc_rows(width) + made * width) / m.hidden
 
     if m.moe_experts:
@@ -425,7 +425,8 @@ def layer_activation_bytes(
         # token (top_k of them), the experts' fc output and activation at their width and the dispatch
         # buffers in and out (h each), and the shared experts', whole on every tp rank (under SP: its
         # shard's tokens).
-        moe = m.moe_top_k * (mlp(m.expert_ffn) + 2) + mlp(m.moe_shared_experts * m.expert_ffn)
+        # The stacked experts' SwiGLU runs eager (`GPT.fuse`), the shared experts' as the dense MLP's.
+        moe = m.moe_top_k * (mlp(m.expert_ffn, fused=False) + 2) + mlp(m.moe_shared_experts * m.expert_ffn)
         return sbh * (2 * e + (2 * e + 2 + norms) / t_sp + attention * e / t + moe * e / t_sp)
     return sbh * (2 * e + (2 * e + 2 + norms) / t_sp + (attention + mlp(m.ffn)) * e / t)
 

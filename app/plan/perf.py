@@ -647,10 +647,11 @@ def _layer_passes(
     # (m, n, k, count): QKV (GQA: (heads + 2 kv) x head_dim rows), out, fc (SwiGLU: gate and up), proj
     shapes = [(tokens, m.qkv_rows // t, h, 1), (tokens, h, h // t, 1)]
     shapes += [(tokens, m.fc_rows // t, h, 1), (tokens, h, f // t, 1)] if not moe else []
-    moe_bytes, moe_fresh = 0.0, 0.0
+    moe_bytes, moe_experts, moe_shared = 0.0, 0.0, 0.0
     if moe:
-        more, moe_bytes, moe_fresh = _moe_work(deck)
+        more, moe_bytes, moe_experts, moe_shared = _moe_work(deck)
         shapes += more
+    moe_fresh = moe_experts + moe_shared
     # Each Linear's forward, input gradient (m x k from m x n) and weight gradient (n x k from m).
     gemms = [tuple(count * x for x in dev.linear(rows, n, k, e)) for rows, n, k, count in shapes]
     fwd_gemm = sum(g[0] for g in gemms)
@@ -665,7 +666,9 @@ def _layer_passes(
         per_token += 2 * (2 * h * e + h) / t_sp
     # Bytes per element of a norm and of the activation, and the rotary and GQA chains (`_elementwise`).
     norm, act, chains = _elementwise(deck, tokens, t)
-    layernorm, gelu = tokens * 2 * norm * h / t_sp, (tokens * act * f / t if not moe else act * moe_fresh / e)
+    layernorm = tokens * 2 * norm * h / t_sp
+    # The stacked experts' activation runs eager (`GPT.fuse`), the shared experts' as the dense MLP's.
+    gelu = tokens * act * f / t if not moe else (m.spec.act_bytes(e, False) * moe_experts + act * moe_shared) / e
     elem_fwd = dev.stream(tokens * per_token + chains + moe_bytes) + dev.stream(layernorm, "layernorm")
     elem_fwd += dev.stream(gelu, "gelu")
     # run.compile's chains across the block's modules: the bytes they save, forward and backward.
@@ -697,10 +700,11 @@ def _layer_passes(
     return forward, backward, recompute
 
 
-def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int, int]], float, float]:
+def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int, int]], float, float, float]:
     """A mixture of experts' MLP on one tp rank and micro-batch, as `app/model/moe.py` runs it: (its
     GEMMs as (rows, out, in, how many): the router, each local expert's fc and proj, the shared
-    experts; the bytes its dispatch and combine move; the bytes of its new activations). The experts
+    experts; the bytes its dispatch and combine move; the bytes of its new activations, the stacked
+    experts' and the shared experts'). The experts
     are whole on every tp rank, fed all T tokens (T / tp each under sequence parallelism); each rank's
     T k assignments (at most the capacity's) are what its experts run on average, whatever ep, as
     E / ep GEMMs (the batched matmul) of as many rows as the busiest expert gets: under uniform
@@ -721,7 +725,7 @@ def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int, int]], float, float
     gemms = [(tokens, m.moe_experts, h, 1), (each, m.spec.fc_rows(fe), h, local), (each, h, fe, local)]
     if shared:
         gemms += [(tokens, m.spec.fc_rows(shared), h, 1), (tokens, h, shared, 1)]
-    return gemms, 8.0 * rows * h * e, float((rows * fe + tokens * shared) * e)
+    return gemms, 8.0 * rows * h * e, float(rows * fe * e), float(tokens * shared * e)
 
 
 def _attention(deck: Deck, dev: Device, split: Optional[int] = None) -> tuple[float, float, float]:
