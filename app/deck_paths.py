@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import stat
+from contextlib import suppress
 from pathlib import Path
 from typing import Optional
 
@@ -110,7 +111,7 @@ def _check_directory(key: str, path: str) -> None:
             if not stat.S_ISDIR(found.st_mode):
                 raise DeckError(key, path, f"exists and is {_file_kind(found.st_mode)}, not a directory; {fix}")
             if not os.access(path, os.W_OK | os.X_OK):
-                raise DeckError(key, path, f"{_unwritable(path)}; {fix}")
+                raise DeckError(key, path, f"is a directory {_unwritable(path)}; {fix}")
             return
         # It does not exist yet: the run creates it (and its parents) in its nearest existing ancestor.
         ancestor = os.path.dirname(os.path.abspath(path))
@@ -123,19 +124,16 @@ def _check_directory(key: str, path: str) -> None:
             key, path, f"cannot be created: {ancestor} is {_file_kind(found.st_mode)}, not a directory; {fix}"
         )
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        why = _unwritable(ancestor).replace("is a directory", f"{ancestor} is a directory")
-        raise DeckError(key, path, f"cannot be created: {why}; {fix}")
+        raise DeckError(key, path, f"cannot be created: {ancestor} is a directory {_unwritable(ancestor)}; {fix}")
 
 
 def _unwritable(path: str) -> str:
     """Why a directory refuses new files: a read-only file system (EROFS, which os.access reports
     as a denial too; found in review: it sent the user to the permissions), or its permissions."""
-    try:
+    with suppress(OSError):
         if os.statvfs(path).f_flag & os.ST_RDONLY:
-            return "is a directory on a read-only file system"
-    except OSError:
-        pass
-    return "is a directory this user cannot write in"
+            return "on a read-only file system"
+    return "this user cannot write in"
 
 
 def _check_data_file(key: str, prefix: str, path: str) -> None:

@@ -42,7 +42,13 @@ def offload_chunk(buffer_bytes: int, largest: Optional[int] = None) -> int:
     nothing (a large optim.offload_buffer_mb would only fail to allocate, or claim memory it never uses)."""
     block = OFFLOAD_ALIGN // OFFLOAD_FP32
     chunk = max(block, buffer_bytes // (OFFLOAD_SLOTS * OFFLOAD_STATE_TENSORS * OFFLOAD_FP32) // block * block)
-    return chunk if largest is None else min(chunk, max(block, -(-largest // block) * block))
+    return chunk if largest is None else min(chunk, offload_padded(largest) or block)
+
+
+def offload_padded(n: int) -> int:
+    """n fp32 elements rounded up to whole OFFLOAD_ALIGN blocks (the nvme file's regions)."""
+    block = OFFLOAD_ALIGN // OFFLOAD_FP32
+    return -(-n // block) * block
 
 
 def strides3d(shape: Sequence[int], order: str = "xyz") -> tuple[int, int, int]:

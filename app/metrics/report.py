@@ -17,6 +17,8 @@ import numbers
 import os
 import platform
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -71,18 +73,13 @@ class MetricsWriter:
                 except (ValueError, KeyError, TypeError):
                     break  # a torn last line of a killed run
         # Atomically: a job killed here (a time limit) keeps the earlier jobs' records.
-        try:
+        with run_dir_write(self.path):
             replace_text(self.path, "".join(kept))
-        except OSError as err:
-            raise run_dir_failed(self.path, err) from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            try:
-                with self.path.open("a") as f:
-                    f.write(dumps_strict(record) + "\n")
-            except OSError as err:
-                raise run_dir_failed(self.path, err) from None
+            with run_dir_write(self.path), self.path.open("a") as f:
+                f.write(dumps_strict(record) + "\n")
 
 
 # metrics.jsonl key -> TensorBoard tag; FLOP/s tags say which count (see flops.FLOPS_CONVENTION).
@@ -207,21 +204,24 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Write summary.json atomically (temp file + rename): a reader never sees half of it.
     Strict JSON: non-finite numbers become null, listed under `nonfinite`."""
     path = run_dir / "summary.json"
-    try:
+    with run_dir_write(path):
         replace_text(path, dumps_strict(summary, indent=2) + "\n")
-    except OSError as err:
-        raise run_dir_failed(path, err) from None
     return path
 
 
-def run_dir_failed(path: Path, err: OSError) -> Exception:
-    """Rank 0 alone writes run.dir's files, its peers may be in a collective: end the job at once (2)."""
+@contextmanager
+def run_dir_write(path: Path) -> Iterator[None]:
+    """A write of rank 0 into run.dir (metrics.jsonl, summary.json), whose OSError ends the job at once
+    (RankFatal, exit 2: its peers may be in a collective) naming the file and the fix."""
     from app.errors import RankFatal
 
-    return RankFatal(
-        f"cannot write {path}: {err.strerror or err}; free space in (or fix the permissions of) run.dir = "
-        f"{str(path.parent)!r}, then resubmit (run.resume: auto continues from the last checkpoint)"
-    )
+    try:
+        yield
+    except OSError as err:
+        raise RankFatal(
+            f"cannot write {path}: {err.strerror or err}; free space in (or fix the permissions of) run.dir = "
+            f"{str(path.parent)!r}, then resubmit (run.resume: auto continues from the last checkpoint)"
+        ) from None
 
 
 def replace_text(path: Path, text: str) -> None:

@@ -39,6 +39,7 @@ import torch
 
 from app.errors import RankFatal
 from app.names import OFFLOAD_ALIGN, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, offload_chunk
+from app.names import offload_padded as _padded
 
 # Bytes per element of every state tensor; the state tensors (master, exp_avg, exp_avg_sq); the
 # NVMe stream's buffers (read-ahead, update, write-behind): declared once in app/names.py.
@@ -292,12 +293,6 @@ class NvmeStore(OffloadStore):
             os.close(self.fd)
             self.fd = -1
             self.path.unlink(missing_ok=True)  # scratch: the checkpoints hold the durable state
-
-
-def _padded(n: int) -> int:
-    """n fp32 elements rounded up to whole DIRECT_ALIGN blocks."""
-    block = DIRECT_ALIGN // FP32
-    return -(-n // block) * block
 
 
 def offload_path(directory: Path, rank: int, run_dir: Path) -> Path:

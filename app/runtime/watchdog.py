@@ -145,11 +145,7 @@ class Watchdog:
         abort: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.rank, self.world, self.host = runtime.rank, runtime.world_size, runtime.hostname
-        self.timeout = float(timeout_s)
-        # Heartbeats often enough to tell a stopped rank within the timeout, rarely enough that
-        # 32k ranks writing to one store stay cheap (60 s: ~550 writes/s at 32k ranks).
-        self.interval = interval_s if interval_s is not None else min(max(self.timeout / 4, 0.5), 60.0)
-        self.tick = min(1.0, self.interval / 2)
+        self.set_timeout(timeout_s, interval_s)
         self.out = out
         # MPI_Abort ends the job; a caller's own `abort` (tests) gets the exit code instead.
         self._abort = abort if abort is not None else runtime.comm.Abort
@@ -173,10 +169,13 @@ class Watchdog:
 
     # ---- called by the main thread --------------------------------------------------------
 
-    def set_timeout(self, timeout_s: float) -> None:
-        """The deck's run.comm_timeout_s, once the deck is read (start-up is watched with the default)."""
+    def set_timeout(self, timeout_s: float, interval_s: Optional[float] = None) -> None:
+        """The timeout (run.comm_timeout_s: its default at start-up, the deck's once it is read) and the
+        heartbeat interval that follows from it, unless given."""
         self.timeout = float(timeout_s)
-        self.interval = min(max(self.timeout / 4, 0.5), 60.0)
+        # Heartbeats often enough to tell a stopped rank within the timeout, rarely enough that
+        # 32k ranks writing to one store stay cheap (60 s: ~550 writes/s at 32k ranks).
+        self.interval = interval_s if interval_s is not None else min(max(self.timeout / 4, 0.5), 60.0)
         self.tick = min(1.0, self.interval / 2)
 
     def at(self, step: Optional[int] = None, micro: Optional[int] = None) -> None:
