@@ -185,7 +185,7 @@ class ParallelConfig:
     tp: int = _key(1, "tensor-parallel degree", min=1, max=4096)
     pp: int = _key(1, "pipeline-parallel degree (stages)", min=1, max=MAX_LAYERS)
     dp: Union[int, str] = _key(
-        "auto", "data-parallel degree; auto = world size / (tp x pp)", min=1, max=MAX_RANKS, words=("auto",)
+        "auto", "data-parallel degree; auto = world size / (tp x cp x pp)", min=1, max=MAX_RANKS, words=("auto",)
     )
     order: str = _key(
         "tp-dp-pp",
@@ -287,7 +287,9 @@ class TrainConfig:
     fuse_grad_accumulation: Optional[bool] = _key(
         None, "the weight-gradient GEMM of each block Linear and of an untied head adds straight into the "
         "gradient accumulator (Megatron's gradient accumulation fusion: no weight gradient of its own, no pass "
-        "adding it; not under 3D tensor parallelism); null = on GPU ranks, off on CPU ranks (where plain autograd's "
+        "adding it; on GPUs bf16/fp16 GEMMs write the fp32 accumulator; not under 3D tensor parallelism, whose "
+        "Linears hand their gradients over after their own reduce-scatters); null = on GPU ranks, off on CPU ranks "
+        "(where plain autograd's "
         "results stay bitwise)",
     )  # fmt: skip
     loss_scale: float = _key(65536.0, "fp16: initial dynamic loss scale", min=1.0, max=MAX_LOSS_SCALE)
@@ -311,7 +313,10 @@ class TrainConfig:
         max=MAX_STEPS,
     )
     min_loss_scale: float = _key(
-        1.0, "fp16: abort when the dynamic loss scale would fall below this", min=0.0, max=MAX_LOSS_SCALE
+        1.0,
+        "fp16: abort when the dynamic loss scale would fall below this (at most train.loss_scale)",
+        min=0.0,
+        max=MAX_LOSS_SCALE,
     )
     goldfish_k: int = _key(
         0, "Goldfish loss (Hans et al. 2024): drop about 1 in k targets from the loss, chosen by a hash of their "
@@ -482,7 +487,8 @@ class RunConfig:
     init_from: Optional[str] = _key(
         None, "a local Hugging Face GPT-2 or Llama directory (config.json, safetensors) whose weights start the run "
         "(fine-tuning; the optimizer starts fresh); the model section must describe that model. A run that resumes "
-        "from its own checkpoint ignores it", path=True,
+        "from its own checkpoint ignores it (see docs/CHECKPOINT.md, Fine-tuning from Hugging Face weights)",
+        path=True,
     )  # fmt: skip
 
     def compiles(self, gpu: bool) -> bool:
@@ -1072,7 +1078,7 @@ def _validate_model_split(m: ModelConfig, par: ParallelConfig) -> None:
 
 
 def resolve_for_world(deck: Deck, world_size: int) -> Deck:
-    """Fill in dp = world / (tp x pp) and check everything that depends on the world size."""
+    """Fill in dp = world / (tp x cp x pp) and check everything that depends on the world size."""
     par, tr = deck.parallel, deck.train
     if not 1 <= world_size <= MAX_RANKS:
         raise DeckError("parallel.dp", par.dp, f"a world of {world_size:,} ranks; gridlm runs on 1 .. {MAX_RANKS:,}")

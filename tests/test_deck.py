@@ -223,12 +223,36 @@ def test_interleaving_needs_micro_batches_divisible_by_pp():
     assert err.value.key == "train.global_batch"
 
 
-def test_deck_reference_doc_documents_every_deck_key():
-    reference = (REPO / "docs" / "DECK.md").read_text()
+def test_deck_reference_doc_is_the_code_s_reference_row_for_row():
+    """docs/DECK.md's table holds every key in the code's order, with the code's type, default and
+    meaning (the help a deck error prints): a key's help and its row cannot drift apart."""
+    table = {}
+    for line in (REPO / "docs" / "DECK.md").read_text().splitlines():
+        row = re.match(r"\| `([a-z_]+\.[a-z_0-9]+)` \| (.*?) \| `(.*?)` \| .*? \| (.*) \|$", line)
+        if row:
+            table[row[1]] = row.groups()[1:]
     rows = deck_reference()
     assert {key.split(".")[0] for key, *_ in rows} == set(SECTIONS)
-    missing = [key for key, *_ in rows if f"`{key}`" not in reference]
-    assert not missing, f"docs/DECK.md deck reference lacks {missing}"
+    assert list(table) == [key for key, *_ in rows], "docs/DECK.md's keys differ from app.deck's, or their order"
+
+    def same(doc: tuple[str, str, str], kind: str, default: object, help: str) -> bool:
+        doc_kind, doc_default, meaning = doc
+        # `int | str` is an int or the word `auto` (parallel.dp, the one such key)
+        kind = kind.replace(" | ", " or ").replace("int or str", "int or `auto`")
+        if default is None or isinstance(default, (bool, str)):
+            shown = {None: "null", True: "true", False: "false"}.get(default, default)  # type: ignore[arg-type]
+            same_default = doc_default == shown
+        else:  # numbers as the doc writes them: 3e-4 is 0.0003
+            same_default = type(default)(doc_default) == default
+        plain = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", meaning).replace("`", "")  # the doc's markdown, as text
+        return doc_kind == kind and same_default and plain == help.replace("`", "")
+
+    differ = [
+        (key, table[key], (kind, default, help))
+        for key, kind, default, help in rows
+        if not same(table[key], kind, default, help)
+    ]
+    assert not differ, "docs/DECK.md rows that differ from app.deck (doc, code): " + repr(differ)
 
 
 # ---- decks that cannot hurt (issue 14): every bad deck is a DeckError, found at load ----
