@@ -451,7 +451,11 @@ class RunConfig:
         "kernels",
     )
     threads: Optional[int] = _key(
-        None, "torch threads per rank; null means cores per node / ranks per node", min=1, max=1024
+        None,
+        "torch threads per rank; null means the physical cores the rank may run on (a core's hardware threads "
+        "count once), at most the node's CPUs / ranks per node; OMP_NUM_THREADS does not change it",
+        min=1,
+        max=1024,
     )
     malloc_mmap_threshold_kb: int = _key(
         1024, "glibc malloc: host allocations of at least this many KiB are mmapped, so the memory of a freed "

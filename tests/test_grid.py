@@ -151,6 +151,23 @@ def test_device_index_under_both_launch_styles(local_rank, local_size, visible, 
     assert device_index(local_rank, local_size, visible) == want
 
 
+def test_torch_threads_count_a_core_s_hardware_threads_once(tmp_path):
+    """Perlmutter's srun -c 32 gives a rank 16 cores x 2 hardware threads: 16 torch threads, not 32."""
+    from app.runtime.mpi import physical_cores
+
+    for cpu in range(64):  # 2 sockets x 16 cores x 2 threads; cpu c and c + 32 are one core's threads
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{cpu % 32 // 16}\n")
+        (topology / "core_id").write_text(f"{cpu % 16}\n")
+    rank = set(range(16)) | set(range(32, 48))  # the first socket, both threads of each core
+    assert physical_cores(rank, tmp_path) == 16
+    assert physical_cores(set(range(32)), tmp_path) == 32  # one thread of every core
+    assert physical_cores({0, 32}, tmp_path) == 1
+    assert physical_cores({0, 1}, tmp_path / "absent") == 2  # no topology: every CPU counts
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+
+
 def test_more_ranks_than_visible_gpus_is_a_launch_error():
     from app.errors import LaunchError
     from app.runtime.mpi import device_index

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from app.errors import GridlmError, LaunchError
@@ -215,10 +216,30 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def physical_cores(cpus: Optional[set[int]] = None, sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """The physical cores among `cpus` (default: this process's affinity): a core's hardware threads
+    count once (Slurm's -c on Perlmutter gives a rank 2 threads of each of its cores), as sysfs says;
+    every CPU counts where sysfs does not."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    try:
+        cores = {
+            ((sysfs / f"cpu{cpu}/topology/physical_package_id").read_text().strip(),
+             (sysfs / f"cpu{cpu}/topology/core_id").read_text().strip())
+            for cpu in cpus
+        }  # fmt: skip
+    except OSError:
+        return max(1, len(cpus))
+    return max(1, len(cores))
+
+
 def set_threads(runtime: Runtime, threads: Optional[int]) -> int:
-    """Torch intra-op threads per rank: the deck's value, else cores per node / ranks per node."""
+    """Torch intra-op threads per rank: the deck's value, else the physical cores of the rank's CPU
+    set, at most cores per node / ranks per node."""
     if threads is None:
-        cores = usable_cores()
+        # Hardware threads of one core share its floating-point units: torch threads on both of them
+        # gain nothing and contend.
+        cores = physical_cores()
         # Under mpirun the affinity mask may already be one core; never oversubscribe a node.
         threads = max(1, min(cores, (os.cpu_count() or 1) // max(1, runtime.local_size)))
     import torch
