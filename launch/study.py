@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -283,10 +284,16 @@ def write_jobs(study: Study, points: list[Point], out: Path, args: argparse.Name
     _stop(failures)
     for message, at in messages.items():
         print(f"study: {message} (point(s) {', '.join(at)})", file=sys.stderr)
+    earlier = unchanged_since(study, out)
     entries = []
     for pt, path, text in built:
         submit.write_script(path, text)
-        entries.append(_entry(pt, script=path, status="written", since=time.time()))
+        since = earlier.get((pt.label, pt.nodes, pt.ranks, pt.overrides))
+        entries.append(_entry(pt, script=path, status="written", since=time.time() if since is None else since))
+    kept = [str(pt.point) for pt, _, _ in built if (pt.label, pt.nodes, pt.ranks, pt.overrides) in earlier]
+    if kept:
+        print(f"study: point(s) {', '.join(kept)} unchanged since {out / 'manifest.json'}: their attempts stand "
+              "(a summary.json they wrote still counts)")  # fmt: skip
     command = submit.SUBMIT_COMMAND[study.scheduler][0]
     example = {"sbatch": "--test-only, or --dependency=singleton to run one at a time", "qsub": "-W depend=..."}
     lines = [
@@ -299,6 +306,34 @@ def write_jobs(study: Study, points: list[Point], out: Path, args: argparse.Name
     ]
     submit.write_script(out / "submit_all.sh", "\n".join(lines) + "\n")
     return entries
+
+
+def deck_digest(path: Path) -> str:
+    """sha256 of the base deck's text: an edited deck is another run, whatever its path."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def unchanged_since(study: Study, out: Path) -> dict[tuple[str, int, int, tuple[str, ...]], float]:
+    """The `since` of each point of the previous manifest in `out` whose run is the one written now:
+    the same base deck (path and text), machine, label, nodes, ranks and --set list, by (label, nodes,
+    ranks, overrides). Writing a study again (to mend one point, or another --time) keeps their
+    attempts, so the summary.json they wrote still counts; a changed point's attempt begins now.
+    An unreadable or older manifest (without deck_sha256) keeps nothing."""
+    try:
+        old = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    same = {"base": str(study.base), "deck_sha256": deck_digest(study.base), "machine": study.machine_name}
+    if not isinstance(old, dict) or any(old.get(k) != v for k, v in same.items()):
+        return {}
+    kept = {}
+    for p in old.get("points") or []:
+        if not isinstance(p, dict):
+            continue
+        since, sets = p.get("since"), p.get("overrides")
+        if isinstance(since, (int, float)) and not isinstance(since, bool) and isinstance(sets, list):
+            kept[(p.get("label"), p.get("nodes"), p.get("ranks"), tuple(sets))] = float(since)
+    return kept
 
 
 def _entry(pt: Point, script: Optional[Path], status: str, since: Optional[float] = None) -> dict[str, Any]:
@@ -320,6 +355,7 @@ def manifest(study: Study, mode: str, entries: list[dict[str, Any]]) -> dict[str
         "scheduler": study.scheduler,
         "mode": mode,
         "base": str(study.base),
+        "deck_sha256": deck_digest(study.base),  # with base: the deck whose runs these are
         "study_file": str(study.path),
         "devices_per_node": study.devices_per_node,
         "description": study.description,

@@ -36,6 +36,8 @@ METRICS = {
     "pct_peak": ("pct_peak", "% of peak (MFU)", False),
 }
 COLUMNS = ["series", "gpus", "params_b", *METRICS, "status", "source"]
+# scaling's columns that a point has only with a result scaling measures against (status "ok ...")
+MEASURED = ("tflops_per_gpu", "hw_tflops_per_gpu", "aggregate_pflops", "mfu_pct", "hfu_pct")
 
 
 def number(value: str, where: str) -> Optional[float]:
@@ -83,6 +85,8 @@ def from_scaling_rows(rows: list[dict[str, Any]], label: str, source: str) -> li
     out = []
     for r in rows:
         params = r.get("parameters")
+        if not str(r["status"]).startswith("ok"):  # a gap, or warm-up in its step time: nothing to set beside
+            r = {**r, **dict.fromkeys(MEASURED)}
         hw = r.get("hw_tflops_per_gpu")
         tflops = r["tflops_per_gpu"] if hw is None else hw
         pflops = r["aggregate_pflops"] if hw is None or r["gpus"] is None else hw * r["gpus"] / 1e3
@@ -173,26 +177,30 @@ def plot_metric(rows: list[dict[str, Any]], metric: str, title: str, out: Path) 
 
 def relative_errors(
     ours: list[dict[str, Any]], published: list[dict[str, Any]], metrics: list[str]
-) -> list[tuple[int, str, float, float, float]]:
-    """(gpus, metric, ours, published, ours / published - 1) where both sides have the point."""
-    theirs = {r["gpus"]: r for r in published}
+) -> list[tuple[str, int, str, float, float, float]]:
+    """(published series, gpus, metric, ours, published, ours / published - 1) for every published
+    series that has the point: a CSV of several series (its label column) is measured against each,
+    not against whichever came last."""
+    theirs = {(r["series"], r["gpus"]): r for r in published}
+    names = list(dict.fromkeys(r["series"] for r in published))
     out = []
-    for r in ours:
-        other = theirs.get(r["gpus"])
-        for m in metrics:
-            if other and r[m] is not None and other[m]:
-                out.append((r["gpus"], m, r[m], other[m], r[m] / other[m] - 1))
+    for name in names:
+        for r in ours:
+            other = theirs.get((name, r["gpus"]))
+            for m in metrics:
+                if other and r[m] is not None and other[m]:
+                    out.append((name, r["gpus"], m, r[m], other[m], r[m] / other[m] - 1))
     return out
 
 
-def errors_table(errors: list[tuple[int, str, float, float, float]]) -> str:
-    lines = ["| GPUs | metric | ours | published | error |", "|---|---|---|---|---|"]
-    lines += [f"| {g} | {m} | {a:.4g} | {b:.4g} | {100 * e:+.1f}% |" for g, m, a, b, e in errors]
-    by_metric: dict[str, list[float]] = {}
-    for _, m, _, _, e in errors:
-        by_metric.setdefault(m, []).append(abs(e))
-    lines += ["", *(f"{m}: mean absolute error {100 * sum(v) / len(v):.1f}%, worst {100 * max(v):.1f}%"
-                    for m, v in by_metric.items())]  # fmt: skip
+def errors_table(errors: list[tuple[str, int, str, float, float, float]]) -> str:
+    lines = ["| series | GPUs | metric | ours | published | error |", "|---|---|---|---|---|---|"]
+    lines += [f"| {s} | {g} | {m} | {a:.4g} | {b:.4g} | {100 * e:+.1f}% |" for s, g, m, a, b, e in errors]
+    by_metric: dict[tuple[str, str], list[float]] = {}
+    for s, _, m, _, _, e in errors:
+        by_metric.setdefault((s, m), []).append(abs(e))
+    lines += ["", *(f"{s}, {m}: mean absolute error {100 * sum(v) / len(v):.1f}%, worst {100 * max(v):.1f}%"
+                    for (s, m), v in by_metric.items())]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -25,6 +25,9 @@ point has none, the table, the figures' data and summary.json say so.
 
 Step time: mean ± standard deviation after the warm-up steps (summary.json); spread: min-max
 of the step times logged after the warm-up (metrics.jsonl), p10-p90 from 10 logged steps on.
+A job that timed no more than run.timing_warmup steps left none out (summary.json's
+timing_warmup_steps below the deck's): its row is shown as "warm-up in timing", without an
+efficiency, and is neither the baseline nor in the figures; a note says how many steps to run.
 FLOP/s are model FLOPs as summary.json's flops_kind says (Megatron SC21 count).
 
 Files written into the output directory:
@@ -43,7 +46,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -93,6 +96,8 @@ class Run:
     summary: Optional[Summary] = None
     step_times: list[float] = field(default_factory=list)  # logged step times after the warm-up
     machine: Optional[str] = None
+    stale: bool = False  # a summary.json is there, but an earlier attempt's (`load_run`)
+    warmup: Optional[str] = None  # why the step time includes warm-up steps (`warmup_in_timing`); None: it does not
 
 
 @dataclass
@@ -151,16 +156,98 @@ def logged_step_times(run_dir: Path, summary: Summary) -> list[float]:
     return times
 
 
+# summary.json's values that a row computes with: key -> (what is accepted, test); None passes where
+# the key may be absent (older summaries). A damaged or hand-edited file is named, not a traceback.
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+SUMMARY_VALUES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "world_size": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "nodes": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "grid": ("{tp, pp, dp: integers >= 1}",
+             lambda v: isinstance(v, dict) and all(_integer(v.get(a)) and v[a] >= 1 for a in ("tp", "pp", "dp"))),
+    "tokens_per_step": ("a number > 0", lambda v: _number(v) and v > 0),
+    "step_time_s": ("a number > 0", lambda v: _number(v) and v > 0),
+    "step_time_std_s": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "tokens_per_s": ("a number > 0", lambda v: _number(v) and v > 0),
+    "flops_per_step": ("a number > 0", lambda v: _number(v) and v > 0),
+    "tflops_per_rank": ("a number > 0", lambda v: _number(v) and v > 0),
+    "aggregate_tflops": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "aggregate_pflops": ("a number >= 0 or null", lambda v: v is None or (_number(v) and v >= 0)),
+    "hw_tflops_per_rank": ("a number >= 0 or null", lambda v: v is None or (_number(v) and v >= 0)),
+    "peak_tflops_per_rank": ("a number > 0 or null", lambda v: v is None or (_number(v) and v > 0)),
+    "mfu": ("a number >= 0 or null", lambda v: v is None or (_number(v) and v >= 0)),
+    "hfu": ("a number >= 0 or null", lambda v: v is None or (_number(v) and v >= 0)),
+    "parameters": ("an integer >= 0 or null", lambda v: v is None or (_integer(v) and v >= 0)),
+    "steps": ("an integer >= 0 or null", lambda v: v is None or (_integer(v) and v >= 0)),
+    "start_step": ("an integer >= 0 or null", lambda v: v is None or (_integer(v) and v >= 0)),
+    "timing_warmup_steps": ("an integer >= 0 or null", lambda v: v is None or (_integer(v) and v >= 0)),
+    "flops_kind": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "deck": ("a mapping or null", lambda v: v is None or isinstance(v, dict)),
+    "study": ("{name, kind, point} or null",
+              lambda v: v is None or (isinstance(v, dict) and (v.get("point") is None or _integer(v["point"])))),
+}  # fmt: skip
+
+
+def check_values(data: dict[str, Any], path: Path) -> None:
+    """ScalingError naming `path`, the key and its value where a value SUMMARY_VALUES lists is not
+    what a row can compute with (step_time_std_s null, world_size "4", tokens_per_s 0)."""
+    for key, (accepted, ok) in SUMMARY_VALUES.items():
+        value = data.get(key)
+        if not ok(value):
+            why = " (written as null: it was not finite)" if key in (data.get("nonfinite") or ()) else ""
+            raise ScalingError(f"{path}: {key} = {value!r}{why}: expected {accepted}; run the point again or "
+                               "mend the file")  # fmt: skip
+
+
+def deck_warmup(s: Summary, run_dir: Path, path: Path) -> Optional[int]:
+    """The run's run.timing_warmup: summary.json's deck, else deck.yaml (None when neither says)."""
+    if s.deck is not None:
+        deck, where = s.deck, f"{path}: deck.run"
+    else:
+        deck, where = read_deck(run_dir), f"{run_dir / 'deck.yaml'}: run"
+    run = deck.get("run")
+    value = run.get("timing_warmup") if isinstance(run, dict) else None
+    if value is not None and not (_integer(value) and value >= 0):
+        raise ScalingError(f"{where}.timing_warmup = {value!r}: expected an integer >= 0; mend the file")
+    return value
+
+
+def warmup_in_timing(s: Summary, wanted: Optional[int]) -> Optional[str]:
+    """Why the mean step time includes warm-up steps, or None when it does not (or cannot be told).
+    The app leaves run.timing_warmup steps out only when the job timed more than that many
+    (app/metrics/report.py mean_step_time): a job resumed near its end, or stopped by a signal after a
+    step or two, means its first steps, with allocation and (on GPUs) torch.compile."""
+    left_out = s.timing_warmup_steps
+    if wanted is None or left_out is None or left_out >= wanted:
+        return None
+    start = s.start_step or 0
+    timed = f"{s.steps - start} step(s)" if s.steps is not None and not s.interrupted else f"at most {wanted} step(s)"
+    return (f"the job timed {timed}, not more than run.timing_warmup = {wanted}, so none was left out of the "
+            f"mean; train more than {wanted} steps in one job (here train.steps >= {start + wanted + 1}, as it "
+            f"starts at step {start}) and run postprocess.scaling again")  # fmt: skip
+
+
 def finished_run(run_dir: Path, summary_path: Path) -> Run:
     data = read_json(summary_path)
     missing = Summary.missing_keys(data)
     if missing:
         raise ScalingError(f"{summary_path} lacks {', '.join(missing)}: not a gridlm summary.json")
+    check_values(data, summary_path)
     s = Summary.from_dict(data)
     study = s.study or {}
-    status = "ok" if not s.interrupted else f"ok (stopped early by {s.interrupted})"
-    return Run(run_dir, status, study.get("name"), study.get("kind"), study.get("point"), s.nodes,
-               s.world_size, grid_label(s.grid), s, logged_step_times(run_dir, s))  # fmt: skip
+    warmup = warmup_in_timing(s, deck_warmup(s, run_dir, summary_path))
+    status = "ok" if warmup is None else "warm-up in timing"
+    status += f" (stopped early by {s.interrupted})" if s.interrupted else ""
+    run = Run(run_dir, status, study.get("name"), study.get("kind"), study.get("point"), s.nodes,
+              s.world_size, grid_label(s.grid), s, logged_step_times(run_dir, s))  # fmt: skip
+    run.warmup = warmup
+    return run
 
 
 def _newer(path: Path, since: Optional[float]) -> bool:
@@ -188,7 +275,7 @@ def unfinished_run(run_dir: Path, planned: str, since: Optional[float] = None, s
         status = f"failed (interrupted, {why})" if planned == "interrupted" else f"failed ({why})"
     deck = read_deck(run_dir)
     run, par = deck.get("run") or {}, deck.get("parallel") or {}
-    out = Run(run_dir, status, run.get("study"), run.get("study_kind"), run.get("study_point"))
+    out = Run(run_dir, status, run.get("study"), run.get("study_kind"), run.get("study_point"), stale=stale)
     if all(isinstance(par.get(a), int) for a in ("tp", "pp", "dp")):
         cp = par.get("cp", 1) if isinstance(par.get("cp", 1), int) else 1  # context parallelism's ranks too
         out.gpus, out.grid = par["tp"] * cp * par["pp"] * par["dp"], grid_label(par)
@@ -310,6 +397,15 @@ def group_studies(runs: list[Run], kind: Optional[str], need_kind: bool = True) 
     for name, members in names.items():
         label = f"study {name!r}" if name else "the runs"
         if not any(r.summary for r in members):
+            stale = [str(r.run_dir) for r in members if r.stale]
+            if stale:
+                raise ScalingError(
+                    f"no current summaries: {len(stale)} of the {len(members)} run(s) of {label} have a summary.json, "
+                    "but each is older than its point's attempt in the manifest (`since`: its job script written, "
+                    "or the point launched here), so it is taken for an earlier attempt's; run the points again, "
+                    "or, if those summaries are the runs you mean, pass their run directories instead of the "
+                    f"manifest: python -m postprocess.scaling {' '.join(stale)} --out DIR"
+                )
             raise ScalingError(f"no summaries found: none of the {len(members)} run(s) of {label} has a summary.json")
         kinds = {r.kind for r in members if r.kind}
         if kind is None and len(kinds) > 1:
@@ -419,7 +515,13 @@ def scaling_rows(runs: list[Run], kind: Optional[str]) -> tuple[list[dict[str, A
     """Rows in `runs`' order with speedup and efficiency against the baseline, and the baseline
     {point, gpus, run_dir, basis, note}. `kind` None leaves both empty (compare.py without a kind)."""
     rows = [point_row(r) for r in runs]
-    done = [(r, row) for r, row in zip(runs, rows) if r.summary]
+    # A point whose step time includes warm-up is shown but measured against nothing (`warmup_in_timing`).
+    done = [(r, row) for r, row in zip(runs, rows) if r.summary and r.warmup is None]
+    if not done:
+        raise ScalingError(
+            "no point has a step time without warm-up: "
+            + "; ".join(f"{r.run_dir}: {r.warmup}" for r in runs if r.warmup)
+        )
     base_run, base = min(done, key=lambda d: order_key(d[0]))
     basis = throughput_basis(runs) if kind == "weak" else "tokens"
     key = "tokens_per_s_per_gpu" if basis == "tokens" else "tflops_per_gpu"
@@ -456,6 +558,22 @@ def problem_notes(runs: list[Run], kind: str) -> list[str]:
 
 def gap_notes(rows: list[dict[str, Any]]) -> list[str]:
     return [f"no result at {gpus_text(r)}: {r['status']} ({r['run_dir']})" for r in rows if r["tokens_per_s"] is None]
+
+
+def warmup_notes(runs: list[Run]) -> list[str]:
+    """Why a point's numbers are shown but not measured against (no efficiency, not in the figures)."""
+    notes = []
+    for r in runs:
+        if r.warmup:
+            where = gpus_text({"point": r.point, "gpus": r.gpus})
+            notes.append(f"{where}: its step time includes warm-up steps, so it has no efficiency and is not in the "
+                         f"figures: {r.warmup} ({r.run_dir})")  # fmt: skip
+    return notes
+
+
+def counted(row: dict[str, Any]) -> bool:
+    """A row with a result that the efficiency and the figures use: finished, timed after its warm-up."""
+    return row["tokens_per_s"] is not None and str(row["status"]).startswith("ok")
 
 
 def n_gpus(n: int) -> str:
@@ -576,7 +694,7 @@ def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]
 
 
 def figure_gaps(rows: list[dict[str, Any]]) -> list[str]:
-    return [f"no result: {gpus_text(r)}, {r['status'].split(' (')[0]}" for r in rows if r["tokens_per_s"] is None]
+    return [f"no result: {gpus_text(r)}, {r['status'].split(' (')[0]}" for r in rows if not counted(r)]
 
 
 def predicted_series(
@@ -640,7 +758,7 @@ def plot_pflops(rows: list[dict[str, Any]], flops: str, title: Optional[str], ou
 
     with matplotlib.rc_context(RC):
         fig, ax = new_axes(title)
-        x, y = series(rows, "aggregate_pflops")
+        x, y = series([r if counted(r) else {**r, "aggregate_pflops": None} for r in rows], "aggregate_pflops")
         peaks = {r["peak_tflops_per_gpu"] for r in rows if r["peak_tflops_per_gpu"] is not None}
         notes = figure_gaps(rows)
         if len(peaks) == 1:
@@ -702,7 +820,7 @@ def report_predicted(predicted: dict[str, Any], title: str, out: Path) -> list[P
 def report(study: Study, title: str, out: Path, predicted: Optional[dict[str, Any]] = None) -> list[Path]:
     """Compute, print and write the table, summary.json and the figures of one study."""
     rows, baseline = scaling_rows(study.runs, study.kind)
-    notes = problem_notes(study.runs, study.kind) + gap_notes(rows)
+    notes = problem_notes(study.runs, study.kind) + gap_notes(rows) + warmup_notes(study.runs)
     head = {"study": study.name, "kind": study.kind, "machine": next((r.machine for r in study.runs if r.machine), None),
             "title": title, "flops_kind": flops_kind(study.runs),
             "definitions": {k: DEFINITIONS[k] for k in (study.kind, "baseline", "step_time", "spread")},

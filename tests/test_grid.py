@@ -151,6 +151,22 @@ def test_device_index_under_both_launch_styles(local_rank, local_size, visible, 
     assert device_index(local_rank, local_size, visible) == want
 
 
+def test_gpu_order_maps_local_ranks_to_the_gpus_next_to_their_cores():
+    """Polaris: mpiexec --cpu-bind depth gives local rank 0 the cores next to GPU 3 (ALCF's affinity
+    script assigns num_gpus - 1 - local rank); GRIDLM_GPU_ORDER=3,2,1,0 says so."""
+    from app.errors import LaunchError
+    from app.runtime.mpi import device_index
+
+    assert [device_index(rank, 4, 4, "x3001", "3,2,1,0") for rank in range(4)] == [3, 2, 1, 0]
+    assert device_index(2, 4, 1, "x3001", "3,2,1,0") == 0  # one visible device: the launcher chose it
+    assert device_index(1, 2, 4, "x3001", "") == 1  # unset or empty: the local rank
+    for order, said in (("3,2,x,0", "not a comma-separated list"), ("3,3,1,0", "distinct GPUs 0 .. 3"),
+                        ("4,2,1,0", "distinct GPUs 0 .. 3"), ("3,2", "names 2 GPUs for 4 ranks")):  # fmt: skip
+        with pytest.raises(LaunchError, match=said) as err:
+            device_index(0, 4, 4, "x3001", order)
+        assert "GRIDLM_GPU_ORDER" in str(err.value) and "e.g. 3,2,1,0" in str(err.value)
+
+
 def test_torch_threads_count_a_core_s_hardware_threads_once(tmp_path):
     """Perlmutter's srun -c 32 gives a rank 16 cores x 2 hardware threads: 16 torch threads, not 32."""
     from app.runtime.mpi import physical_cores

@@ -105,7 +105,8 @@ def test_frontier_environment_and_binding(tmp_path, monkeypatch, capsys):
 def test_polaris_pbs_header(tmp_path, monkeypatch, capsys):
     text = write_script(tmp_path, monkeypatch, capsys, "polaris", 2, "--account", "proj", "--queue", "debug")
     for line in ("#PBS -A proj", "#PBS -q debug", "#PBS -l filesystems=home:eagle", "#PBS -l place=scatter",
-                 f"#PBS -o {tmp_path}/runs/gpt_tiny/", "export OMP_NUM_THREADS=8  # = mpiexec --depth: the cores of one rank"):  # fmt: skip
+                 f"#PBS -o {tmp_path}/runs/gpt_tiny/", "export OMP_NUM_THREADS=8  # = mpiexec --depth: the cores of one rank",
+                 "export GRIDLM_GPU_ORDER=3,2,1,0"):  # fmt: skip
         assert line + "\n" in text
     assert "#SBATCH" not in text
 
@@ -315,6 +316,69 @@ def test_render_rejects_unknown_unfilled_and_malformed_placeholders():
     with pytest.raises(submit.SubmitError, match="not a"):
         submit.render("{{x-y}}", {"x": "1"})
     assert submit.render("${a} {b}\n", {}) == "${a} {b}\n"  # bash syntax is left alone
+
+
+# --- the job's python: the repository on PYTHONPATH, its imports checked before the launch -------
+
+# A launcher that starts one rank, as a dry run (no MPI, no GPU): whether `python -m app` starts in a job.
+ONE_RANK_DRY_RUN = '#!/bin/sh\nwhile [ "$1" != python ]; do shift; done\nexec "$@" --dry-run --world-size 4\n'
+
+
+def bare_python(tmp_path: Path, with_packages: bool) -> Path:
+    """bin/ of a python without gridlm: with torch, mpi4py and h5py (`with_packages`; a site's module or
+    conda env) or without them. A venv, over this test's packages but not their editable install of
+    the repository."""
+    import venv
+
+    home = tmp_path / ("site" if with_packages else "bare")
+    venv.create(home, with_pip=False, symlinks=True)
+    if with_packages:
+        (site_packages,) = (home / "lib").glob("python3*/site-packages")
+        (site_packages / "packages.pth").write_text("".join(p + "\n" for p in sys.path if p.endswith("site-packages")))
+    return home / "bin"
+
+
+def run_job(script: Path, tmp_path: Path, launcher: str, text: str, python_bin: Path) -> subprocess.CompletedProcess:
+    """The job script with `launcher` standing in (`text`) and no venv (GRIDLM_VENV names none)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / launcher).write_text(text)
+    (bin_dir / launcher).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{python_bin}:/usr/bin:/bin", "HOME": str(tmp_path), "GRIDLM_VENV": "/nonexistent"}
+    return subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_every_script_checks_its_python_before_the_launch(tmp_path, monkeypatch, capsys, machine):
+    text = write_script(tmp_path, monkeypatch, capsys, machine, 1)
+    assert text.index("\ngridlm_use_venv") < text.index("\ngridlm_check_python") < text.index("\ngridlm_launch ")
+
+
+def test_a_site_python_without_the_repos_venv_runs_the_app_of_the_repository(tmp_path, monkeypatch, capsys):
+    """Found in review: the script runs `python -m app` in the directory submit.py ran in, and nothing
+    put the repository on PYTHONPATH: with a site's python (torch, mpi4py and h5py, no .venv) every
+    rank failed after the queue wait with "No module named app"."""
+    write_script(tmp_path, monkeypatch, capsys, "perlmutter", 1)
+    done = run_job(tmp_path / "perlmutter-1.sh", tmp_path, "srun", ONE_RANK_DRY_RUN, bare_python(tmp_path, True))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "No module named app" not in done.stderr
+    assert "imports app, torch, mpi4py and h5py" in done.stdout
+    assert "no problems found" in done.stdout  # the app's dry run, started by the launch line
+
+
+def test_a_python_without_torch_stops_the_job_before_the_launch(tmp_path, monkeypatch, capsys):
+    """The python the ranks would run is checked on the batch node, once: a missing package ends the
+    job in seconds (exit 2), naming each one and the fix, before the launcher starts (PBS: and its
+    SIGUSR1 timer is ended, or the job would wait for it)."""
+    write_script(tmp_path, monkeypatch, capsys, "polaris", 1)
+    marker = tmp_path / "launched"
+    done = run_job(tmp_path / "polaris-1.sh", tmp_path, "mpiexec", f"#!/bin/sh\ntouch {marker}\n",
+                   bare_python(tmp_path, False))  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert not marker.exists() and "launch:" not in done.stdout
+    missing = "cannot import: torch (ModuleNotFoundError: No module named 'torch'); mpi4py ("
+    assert missing in done.stderr and "h5py (" in done.stderr and "app (" not in done.stderr
+    assert "run launch/setup.sh" in done.stderr and "GRIDLM_CHECK_PYTHON=0" in done.stderr
 
 
 # --- common.sh: signal forwarding, exit status, the PBS timer, the node-count check -----------

@@ -79,6 +79,13 @@ def write_manifest(root: Path, points: list[tuple[int, str]], kind: str = "weak"
     return root / "manifest.json"
 
 
+def edit_summary(run_dir: Path, **values: Any) -> Path:
+    """Set keys of a run's summary.json; its path."""
+    path = run_dir / "summary.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+    return path
+
+
 def read_csv(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(path.read_text().splitlines()))
 
@@ -283,7 +290,7 @@ def test_a_finished_point_launched_again_keeps_its_result(tmp_path, capsys):
     run_dir = tmp_path / "run"
     sets = (
         "--set",
-        "train.steps=2",
+        "train.steps=3",  # one more than run.timing_warmup: a step time without warm-up
         "--set",
         f"run.dir={run_dir}",
         "--set",
@@ -307,6 +314,80 @@ def test_a_finished_point_launched_again_keeps_its_result(tmp_path, capsys):
     assert scaling.load_run(run_dir, "failed", since).status.startswith("ok")
     os.utime(summary, (since - 3600, since - 3600))
     assert scaling.load_run(run_dir, "failed", since).status == "failed (summary.json is from an earlier attempt)"
+
+
+def test_a_study_whose_summaries_all_predate_its_attempts_says_so_and_how_to_use_them(tmp_path, capsys):
+    """Found in review: when every point's summary.json is older than its attempt (`since`), scaling said
+    "no summaries found ... has a summary.json", which was false; it says they are there, why they do
+    not count, and the two ways on: run the points, or pass the run directories."""
+    import time
+
+    root = tmp_path / "study"
+    dirs = weak_study(root, (1, 2))
+    path = write_manifest(root, [(1, "written"), (2, "written")])
+    manifest = json.loads(path.read_text())
+    for p in manifest["points"]:
+        p["since"] = time.time() + 3600  # the scripts were written after the summaries
+    path.write_text(json.dumps(manifest))
+    rc, _, err = run_scaling(capsys, root, "--out", tmp_path / "o")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "2 of the 2 run(s) of study 's' have a summary.json, but each is older than its point's attempt" in err
+    assert (
+        f"pass their run directories instead of the manifest: python -m postprocess.scaling {dirs[0]} {dirs[1]}" in err
+    )
+    assert "none of" not in err
+    assert run_scaling(capsys, *dirs, "--out", tmp_path / "o")[0] == 0  # the way it names
+
+
+def test_a_step_time_with_warm_up_in_it_is_shown_but_not_measured_against(tmp_path, capsys):
+    """Found in review: the app leaves run.timing_warmup steps out of the mean only when the job timed
+    more than that many, so a job resumed near its end (here: at step 8 of 9) or stopped after a step or
+    two reported its warm-up as its step time, and the table called it "100.0 | ok". Such a row keeps
+    its numbers but is marked, has no efficiency, is not the baseline nor in the figures, and a note
+    says what to run. Rows that left their warm-up out (or whose deck asks for none) are unchanged."""
+    root = tmp_path / "study"
+    one, two, four = weak_study(root, (1, 2, 4))
+    edit_summary(one, timing_warmup_steps=0, start_step=8, steps=9, deck={"run": {"timing_warmup": 2}})
+    edit_summary(two, timing_warmup_steps=2, deck={"run": {"timing_warmup": 2}})  # left out: honest
+    edit_summary(four, timing_warmup_steps=0, deck={"run": {"timing_warmup": 0}})  # none asked for: honest
+    out = tmp_path / "results"
+    rc, stdout, _ = run_scaling(capsys, one, two, four, "--out", out)
+    assert rc == 0
+    rows = read_csv(out / "scaling.csv")
+    assert [r["status"] for r in rows] == ["warm-up in timing", "ok", "ok"]
+    assert_close(column(rows, "efficiency_pct"), [None, 100, 100 * 90 / 95])
+    assert rows[0]["tokens_per_s"] == "100.0"  # shown
+    md = (out / "scaling.md").read_text()
+    assert "| 1 | 1 | 1 | tp1 x pp1 x dp1 | 10 ± 0.2 |" in md and "| - | warm-up in timing |" in md
+    assert (
+        "Baseline: the 2-GPU point (the smallest with a result); the smallest planned point, 1 GPU, has no result" in md
+    )
+    note = ("- point 1 (1 GPU): its step time includes warm-up steps, so it has no efficiency and is not in the "
+            "figures: the job timed 1 step(s), not more than run.timing_warmup = 2, so none was left out of the mean; "
+            "train more than 2 steps in one job (here train.steps >= 11, as it starts at step 8)")  # fmt: skip
+    assert note in md and note[2:] in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["baseline"]["gpus"] == 2
+    assert "no result: point 1 (1 GPU), warm-up in timing" in scaling.figure_gaps(summary["rows"])
+    # Alone, no point can be measured against: said, not a table of warm-ups.
+    rc, _, err = run_scaling(capsys, one, "--out", tmp_path / "alone")
+    assert rc == 2 and err.startswith("scaling: no point has a step time without warm-up: ") and str(one) in err
+    # compare sets nothing of it beside a published table.
+    (row,) = compare.from_scaling_rows(summary["rows"][:1], "us", "x")
+    assert row["tflops_per_gpu"] is None and row["pflops"] is None and row["status"] == "warm-up in timing"
+
+
+def test_a_job_that_timed_only_its_warm_up_steps_says_so(tmp_path):
+    """The same from a run of the app: 2 steps, with run.timing_warmup 2 (the default), as summary.json
+    and deck.yaml write them."""
+    run_dir = tmp_path / "run"
+    done = run_app(1, "inputs/gpt_tiny.yaml", "--set", "train.steps=2", "--set", f"run.dir={run_dir}",
+                   "--set", "model.layers=1", "--set", "checkpoint.every=0", "--set", "checkpoint.at_exit=false")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = scaling.load_run(run_dir)
+    assert run.status == "warm-up in timing"
+    assert run.warmup.startswith("the job timed 2 step(s), not more than run.timing_warmup = 2")
+    assert "train.steps >= 3" in run.warmup
 
 
 def test_the_baseline_is_the_smallest_point_with_a_result_and_says_so(tmp_path, capsys):
@@ -402,6 +483,26 @@ def test_a_summary_that_is_not_json_is_named_without_a_traceback(tmp_path):
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [("step_time_std_s", None, "step_time_std_s = None: expected a number >= 0"),
+     ("world_size", "4", "world_size = '4': expected an integer >= 1"),
+     ("tokens_per_s", 0, "tokens_per_s = 0: expected a number > 0"),
+     ("grid", {"tp": 1, "pp": 1}, "grid = {'tp': 1, 'pp': 1}: expected {tp, pp, dp: integers >= 1}"),
+     ("timing_warmup_steps", 1.5, "timing_warmup_steps = 1.5: expected an integer >= 0 or null"),
+     ("deck", {"run": {"timing_warmup": "2"}}, "deck.run.timing_warmup = '2': expected an integer >= 0")],
+)  # fmt: skip
+def test_a_damaged_summary_value_is_named_without_a_traceback(tmp_path, capsys, key, value, message):
+    """Found in review: scaling checked that summary.json's keys exist, not what they hold: a null
+    std, a world size written as a string and a baseline of 0 tokens/s ended in tracebacks."""
+    one, two = weak_study(tmp_path, (1, 2))
+    path = edit_summary(one, **{key: value})
+    rc, _, err = run_scaling(capsys, one, two, "--out", tmp_path / "o")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"scaling: {path}: {message}"), err
+    assert "mend the file" in err
+
+
 # --- compare -----------------------------------------------------------------------------------
 
 
@@ -469,6 +570,25 @@ def test_compare_takes_run_dirs_and_plots_a_published_efficiency(tmp_path, capsy
     assert err.startswith(f"compare: {published}: the header needs 'gpus' and any of") and err.count("\n") == 1
 
 
+def test_compare_measures_against_each_published_series_and_names_it(tmp_path, capsys):
+    """Found in review: the published rows were keyed by GPUs alone, so a CSV with two series measured
+    ours against the last one only, and errors.md did not say which."""
+    published = tmp_path / "pub.csv"
+    published.write_text("gpus,tflops_per_gpu,label\n1,0.6,paper A\n2,0.6,paper A\n1,0.5,paper B\n2,0.5,paper B\n")
+    dirs = weak_study(tmp_path / "runs", (1, 2))  # 0.6 and 0.57 TFLOP/s per GPU: 6e9 FLOPs x 100, 95 tokens/s
+    out = tmp_path / "compare"
+    assert compare.main([*map(str, dirs), "--published", str(published), "--out", str(out)]) == 0
+    errors = (out / "errors.md").read_text()
+    assert errors.startswith("| series | GPUs | metric | ours | published | error |\n")
+    rows = [line.split(" | ") for line in errors.splitlines() if line.startswith("| paper")]
+    assert [(r[0], r[1], r[4], r[5]) for r in rows] == [
+        ("| paper A", "1", "0.6", "+0.0% |"), ("| paper A", "2", "0.6", "-5.0% |"),
+        ("| paper B", "1", "0.5", "+20.0% |"), ("| paper B", "2", "0.5", "+14.0% |"),
+    ]  # fmt: skip
+    assert "paper A, tflops_per_gpu: mean absolute error" in errors
+    assert "paper B, tflops_per_gpu: mean absolute error" in errors
+
+
 def test_predicted_points_are_drawn_beside_the_measured_ones(tmp_path, capsys):
     """A predicted.json of the same study (launch.study --predict) adds predicted.md and a dashed
     line to the efficiency figure; the measured table and efficiencies are unchanged."""
@@ -516,9 +636,9 @@ def test_compare_puts_a_prediction_next_to_the_published_table(tmp_path, capsys)
         r["gpus"] for r in rows if r["status"] == "published"
     ]
     errors = (tmp_path / "cmp" / "errors.md").read_text()
-    per_row = [float(line.split("|")[5].strip(" %+")) for line in errors.splitlines() if "| tflops_per_gpu |" in line]
+    per_row = [float(line.split("|")[6].strip(" %+")) for line in errors.splitlines() if "| tflops_per_gpu |" in line]
     assert len(per_row) == 10 and max(abs(e) for e in per_row) <= 15.0
-    assert "tflops_per_gpu: mean absolute error" in errors
+    assert "Megatron-LM SC21 Table 1, tflops_per_gpu: mean absolute error" in errors
     assert_figures(tmp_path / "cmp", "compare_tflops_per_gpu")
 
 

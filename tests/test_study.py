@@ -230,6 +230,35 @@ def test_plan_problems_stop_the_study_unless_force(tmp_path, monkeypatch, capsys
     assert (tmp_path / "jobs" / "mini" / "mini-n2.sh").is_file()
 
 
+def test_writing_a_study_again_keeps_the_attempts_of_unchanged_points(tmp_path, monkeypatch, capsys):
+    """Found in review: every launch.study run stamped every point's `since` anew, so writing a study
+    again (to mend one point, or with another --time) made every finished point's summary.json "from
+    an earlier attempt". A point whose run is unchanged (base deck path and text, machine, nodes, ranks,
+    --set list) keeps its `since`; a changed one's attempt begins now."""
+    base = tmp_path / "tiny.yaml"
+    base.write_text(TINY.read_text())
+    path = write_study(tmp_path, base=str(base), points=[1, 2], overrides=["train.micro_batch=1"])
+    manifest = tmp_path / "jobs" / "mini" / "manifest.json"
+
+    def write(*args: str) -> dict[str, float]:
+        status, out, err = run_study(tmp_path, monkeypatch, capsys, str(path), *args)
+        assert status == 0, err
+        return {p["point"]: p["since"] for p in json.loads(manifest.read_text())["points"]}
+
+    write()
+    data = json.loads(manifest.read_text())
+    for p in data["points"]:
+        p["since"] = 1000.0 * p["point"]  # the attempts began long ago (their summaries are older than now)
+    manifest.write_text(json.dumps(data))
+    assert write("--time", "00:20:00") == {1: 1000.0, 2: 2000.0}  # another time limit: the same runs
+    path.write_text(path.read_text().replace("points:", "per_point: {2: [train.steps=7]}\npoints:"))
+    before = time.time()
+    since = write("--time", "00:20:00")
+    assert since[1] == 1000.0 and since[2] >= before  # point 2 runs another deck now
+    base.write_text(base.read_text() + "# edited\n")
+    assert all(s >= before for s in write().values())  # the base deck's text changed: every point anew
+
+
 def run_local(tmp_path: Path, study: Path, *args: str) -> subprocess.CompletedProcess:
     """`python -m launch.study STUDY --run-local --out out ARGS` in tmp_path, as a user runs it."""
     cmd = [sys.executable, "-m", "launch.study", str(study), "--run-local", "--out", str(tmp_path / "out"), *args]

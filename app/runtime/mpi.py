@@ -188,18 +188,28 @@ def bind_device(runtime: Runtime, want: str = "auto") -> None:
     if want == "cpu" or not has_cuda:
         runtime.device, runtime.backend = torch.device("cpu"), "gloo"
         return
-    index = device_index(runtime.local_rank, runtime.local_size, torch.cuda.device_count(), runtime.hostname)
+    index = device_index(
+        runtime.local_rank, runtime.local_size, torch.cuda.device_count(), runtime.hostname,
+        os.environ.get(GPU_ORDER_VAR),
+    )  # fmt: skip
     torch.cuda.set_device(index)
     runtime.device, runtime.backend = torch.device("cuda", index), "nccl"
 
 
-def device_index(local_rank: int, local_size: int, visible: int, hostname: str = "this node") -> int:
+GPU_ORDER_VAR = "GRIDLM_GPU_ORDER"
+
+
+def device_index(
+    local_rank: int, local_size: int, visible: int, hostname: str = "this node", order: Optional[str] = None
+) -> int:
     """The GPU a rank uses among the `visible` ones, under either launch style.
 
     One device per rank (`srun --gpus-per-task=1`, `--gpu-bind=closest`): every rank sees one
     device and uses it (index 0). All devices visible (`--gpus-per-node`, `mpiexec`): the rank's
-    local rank on the node (from MPI's shared-memory communicator) picks one. More ranks on a
-    node than visible devices would put two ranks on one GPU: a launch error.
+    local rank on the node (from MPI's shared-memory communicator) picks one: device `local_rank`,
+    or entry `local_rank` of `order` (GRIDLM_GPU_ORDER, e.g. "3,2,1,0" on Polaris, whose GPU 0 is
+    next to the cores mpiexec gives local rank 3). More ranks on a node than visible devices would
+    put two ranks on one GPU: a launch error.
     """
     if visible == 1:
         return 0
@@ -208,7 +218,22 @@ def device_index(local_rank: int, local_size: int, visible: int, hostname: str =
             f"{local_size} ranks on node {hostname} share {visible} visible GPUs; launch one rank per GPU "
             "(e.g. srun --ntasks-per-node equal to the GPUs per node, or --gpus-per-task=1)"
         )
-    return local_rank
+    if not order:
+        return local_rank
+    fix = f"set {GPU_ORDER_VAR} to the GPU of each local rank, e.g. {','.join(map(str, range(visible - 1, -1, -1)))}"
+    try:
+        devices = [int(word) for word in order.split(",")]
+    except ValueError:
+        raise LaunchError(f"{GPU_ORDER_VAR}={order!r} is not a comma-separated list of GPU indices; {fix}") from None
+    if len(set(devices)) != len(devices) or not all(0 <= d < visible for d in devices):
+        raise LaunchError(
+            f"{GPU_ORDER_VAR}={order!r} must name distinct GPUs 0 .. {visible - 1} of node {hostname}; {fix}"
+        )
+    if local_size > len(devices):
+        raise LaunchError(
+            f"{GPU_ORDER_VAR}={order!r} names {len(devices)} GPUs for {local_size} ranks on node {hostname}; {fix}"
+        )
+    return devices[local_rank]
 
 
 def usable_cores() -> int:

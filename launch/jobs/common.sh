@@ -3,7 +3,8 @@
 #   source "$repo/launch/jobs/common.sh"   # installs the USR1/TERM traps at once
 #   gridlm_start NODES RANKS               # job header; stop if the allocation has another node count
 #   gridlm_signal_before_end WALLTIME_S LEAD_S   # PBS only: SIGUSR1 to this script LEAD_S s before the end
-#   gridlm_use_venv                        # ${GRIDLM_VENV:-$repo/.venv} on PATH, if it exists
+#   gridlm_use_venv                        # ${GRIDLM_VENV:-$repo/.venv} on PATH if it exists; $repo on PYTHONPATH
+#   gridlm_check_python                    # stop (exit 2) unless `python` imports app, torch, mpi4py, h5py
 #   gridlm_launch srun ... python -m app DECK ...   # returns the launcher's exit status
 #
 # Why: the scheduler signals the batch shell (Slurm `--signal=B:USR1@LEAD`, or the PBS timer
@@ -63,12 +64,59 @@ gridlm_start() {
 }
 
 # gridlm_use_venv: put the venv of launch/setup.sh (GRIDLM_VENV, default $repo/.venv) on PATH
-# when it exists; otherwise the python of the site's modules, conda env or container runs.
+# when it exists; otherwise the python of the site's modules, conda env or container runs. Either
+# way the repository goes first on PYTHONPATH: the job runs in the directory submit.py ran in, and a
+# site's python has torch, mpi4py and h5py but not gridlm (every rank failed: "No module named app").
 gridlm_use_venv() {
   local venv="${GRIDLM_VENV:-${repo:?}/.venv}"
   if [ -x "$venv/bin/python" ]; then
     export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
   fi
+  export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+# gridlm_check_python: stop the job (exit 2) unless the `python` of the launch line imports app
+# (gridlm), torch, mpi4py and h5py here, on the batch node: a few seconds, instead of every rank
+# failing after the queue wait. mpi4py is imported without MPI (no MPI_Init outside the launcher).
+# GRIDLM_CHECK_PYTHON=0 skips it, for a python that only the launcher provides (srun --container-image).
+gridlm_check_python() {
+  if [ "${GRIDLM_CHECK_PYTHON:-1}" = 0 ]; then
+    _gridlm_log "python check skipped (GRIDLM_CHECK_PYTHON=0)"
+    return 0
+  fi
+  local fix="fix: run launch/setup.sh (it makes the venv ${GRIDLM_VENV:-${repo:-<repo>}/.venv}), or load the modules or"
+  fix="$fix activate the env that provides them before the launch in this script (docs/CLUSTERS.md); GRIDLM_CHECK_PYTHON=0 skips this check"
+  local where status=0 missing
+  if ! where="$(command -v python)"; then
+    _gridlm_log "ERROR: no python on PATH: the ranks run \`python -m app\`; $fix" >&2
+    _gridlm_stop 2
+  fi
+  missing="$(python -c '
+import importlib
+missing = []
+for name in ("app", "torch", "mpi4py", "h5py"):
+    try:
+        importlib.import_module(name)
+    except Exception as err:
+        missing.append("%s (%s: %s)" % (name, type(err).__name__, (str(err).strip().splitlines() or [""])[-1]))
+print("; ".join(missing))
+raise SystemExit(1 if missing else 0)
+' 2>&1)" || status=$?
+  if [ "$status" != 0 ]; then
+    missing="${missing##*$'\n'}"  # the last line: the list above (or a crash's last words), not warnings
+    _gridlm_log "ERROR: $where (PYTHONPATH=${PYTHONPATH:-}) cannot import: ${missing:-its imports ended with status $status};" \
+      "$fix" >&2
+    _gridlm_stop 2
+  fi
+  _gridlm_log "python: $where imports app, torch, mpi4py and h5py"
+}
+
+# _gridlm_stop STATUS: exit before the launch, ending gridlm_signal_before_end's timer first.
+_gridlm_stop() {
+  if [ -n "$_gridlm_timer_pid" ]; then
+    kill "$_gridlm_timer_pid" 2>/dev/null || true
+  fi
+  exit "$1"
 }
 
 # gridlm_signal_before_end WALLTIME_S LEAD_S: send SIGUSR1 to this script LEAD_S seconds before

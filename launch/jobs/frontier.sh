@@ -46,7 +46,9 @@ gridlm_stripe {{checkpoint_dir}} {{setstripe}}
 
 # Python: the venv of launch/setup.sh if there is one; otherwise the python of your modules or
 # conda env, which must provide torch (ROCm build), mpi4py and h5py built against Cray MPICH.
+# The repository goes on PYTHONPATH; the check stops the job in seconds if an import fails.
 gridlm_use_venv
+gridlm_check_python
 
 # per-task binding: each rank sees the one GCD closest to its cores, as device 0.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

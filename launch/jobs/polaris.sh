@@ -52,7 +52,12 @@ gridlm_stripe {{checkpoint_dir}} {{setstripe}}
 
 # Python: the venv of launch/setup.sh if there is one; otherwise the conda module's python, which
 # must provide torch (CUDA build), mpi4py and h5py built against Cray MPICH.
+# The repository goes on PYTHONPATH; the check stops the job in seconds if an import fails.
 gridlm_use_venv
+gridlm_check_python
 
-# all-visible binding: mpiexec binds no GPUs; each rank sees 4 and its local rank picks one.
+# all-visible binding: mpiexec binds no GPUs; each rank sees 4 and its local rank picks one. GPU
+# indices run opposite to the NUMA domains that --cpu-bind depth hands out (local rank 0 gets the
+# cores next to GPU 3: ALCF's affinity script assigns GPU 3 - local rank), so the order is reversed.
+export GRIDLM_GPU_ORDER=3,2,1,0
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}
