@@ -210,6 +210,25 @@ def test_user_mistakes_exit_2_with_one_gridlm_line_and_no_traceback(fp32_ckpt, t
     assert sorted(p.name for p in full.iterdir()) == ["keep.txt"]  # the refused export wrote nothing
 
 
+def test_a_truncated_or_rewritten_file_is_told_the_tools_fix_not_a_resumes(fp32_ckpt, tmp_path, capsys):
+    """Found in review: inspect (and export, generate, eval) told a truncated file to "resume from an older
+    checkpoint (run.resume: <file>)": a tool has no run.resume. A resume's words are unchanged."""
+    from app.checkpoint.io import RESUME
+
+    truncated = tmp_path / "step_0000001.h5"
+    whole = fp32_ckpt.read_bytes()
+    truncated.write_bytes(whole[: len(whole) // 3])
+    for args in (["inspect", str(truncated)], ["export", str(truncated), "--to", "hf", str(tmp_path / "hf")]):
+        assert checkpoint_cli(args) == 2, args
+        err = capsys.readouterr().err
+        assert "truncated or corrupt: use an older checkpoint of its directory" in err, err
+        assert "run.resume" not in err and err.count("\n") == 1, err
+    with pytest.raises(
+        CheckpointError, match=re.escape("truncated or corrupt: resume from an older checkpoint (run.resume: <file>)")
+    ):
+        read_header(truncated, RESUME)
+
+
 def test_help_answers_without_loading_mpi_torch_or_h5py():
     # --help is read on login nodes: it must not start MPI or load torch (imported lazily).
     code = (

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -232,6 +235,98 @@ def test_app_eval_mistakes_end_every_rank_with_a_message(tmp_path):
         lines = [line for line in out.stderr.splitlines() if line.startswith("gridlm: ")]
         assert len(lines) == 1 and key in lines[0] and says in lines[0], out.stderr[-2000:]
         assert "Traceback" not in out.stderr
+
+
+def _app_eval(*args: str) -> subprocess.CompletedProcess:
+    """`python -m app.eval inputs/gpt_tiny.yaml` on one rank with SMALL and `args`."""
+    return run_mpi(1, sys.executable, "-m", "app.eval", "inputs/gpt_tiny.yaml", *SMALL, *args, timeout=120)
+
+
+def _refused(out: subprocess.CompletedProcess) -> str:
+    """The one `gridlm:` line of a run that ended with exit 2 and no traceback."""
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    lines = [line for line in out.stderr.splitlines() if line.startswith("gridlm: ")]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    return lines[0]
+
+
+def test_app_eval_refuses_a_deck_whose_model_computes_another_function_than_the_checkpoint(trained, tmp_path):
+    """Found in review: the evaluation compared only the model's shapes with the checkpoint's, so a deck
+    with another model.layernorm_eps (or rope_theta, moe_top_k) evaluated another function, exit 0
+    (a llama tp2 checkpoint's loss moved 6.2510 -> 6.2383). Every such key is named with its --set fix,
+    and the message is the tool's (no run.resume)."""
+    data, run_dir, _, _ = trained
+    checkpoint = str(run_dir / "checkpoints" / "step_0000002.h5")
+    said = _refused(_app_eval(*data, "--set", "model.layernorm_eps=0.5", "--set", f"run.dir={tmp_path}",
+                              "--checkpoint", checkpoint))  # fmt: skip
+    assert "model.layernorm_eps = 1e-05 (the deck has 0.5)" in said, said
+    assert "fix: --set model.layernorm_eps=1e-05" in said and "run.resume" not in said, said
+
+
+def test_the_keys_that_change_the_function_are_compared_by_app_eval_and_not_by_a_resume(tmp_path):
+    """`io.function_keys`: layernorm_eps always, rope_theta for rotary positions, moe_top_k with experts;
+    not dropout, attention_kernel, moe_capacity_factor or the router losses' weights, which evaluation
+    does not compute with. A resume keeps comparing the shapes only (a rope_theta changed on purpose
+    for a longer context stays possible there)."""
+    from app.checkpoint.io import EVAL, RESUME, check_model
+    from app.deck_yaml import dump_yaml
+    from app.errors import CheckpointError
+
+    llama = ("model.arch=llama", "model.kv_heads=2", "model.moe_experts=4", "model.moe_top_k=2")
+    saved = load_deck(REPO / "inputs/gpt_tiny.yaml", llama)
+    header = {"deck": dump_yaml(saved.to_dict(), sort_keys=False)}
+    path = tmp_path / "step_0000001.h5"
+    harmless = ("model.dropout=0.1", "model.attention_kernel=math", "model.moe_capacity_factor=1.5",
+                "model.moe_aux_loss_coef=0.5", "model.moe_z_loss_coef=0.1", "model.init_std=0.5")  # fmt: skip
+    check_model(header, load_deck(REPO / "inputs/gpt_tiny.yaml", (*llama, *harmless)), path, EVAL)
+    for changed, fix in (("model.layernorm_eps=0.5", "--set model.layernorm_eps=1e-05"),
+                         ("model.rope_theta=500", "--set model.rope_theta=10000.0"),
+                         ("model.moe_top_k=1", "--set model.moe_top_k=2")):  # fmt: skip
+        deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*llama, changed))
+        with pytest.raises(CheckpointError, match=re.escape(fix)):
+            check_model(header, deck, path, EVAL)
+        check_model(header, deck, path, RESUME)  # a resume's check is unchanged: shapes only
+    # A gpt2 model has learned positions: its rope_theta computes nothing.
+    gpt2 = {"deck": dump_yaml(load_deck(REPO / "inputs/gpt_tiny.yaml").to_dict(), sort_keys=False)}
+    check_model(gpt2, load_deck(REPO / "inputs/gpt_tiny.yaml", ("model.rope_theta=500",)), path, EVAL)
+
+
+def test_app_eval_refuses_held_out_tokens_of_another_tokenizer_than_the_checkpoints_training_data(trained, tmp_path):
+    """Found in review: training compares eval.path's tokenizer with data.path's, app.eval never did: a
+    held-out file of another tokenizer gave a val loss that means nothing, exit 0. It is compared with
+    the checkpoint's training data (its stored deck's data.path), and refused with training's message,
+    also when the deck given to app.eval names no training data."""
+    data, run_dir, _, _ = trained
+    held = str(tmp_path / "held")
+    write_tokens(held, documents(20, seed=4))
+    meta = json.loads(Path(held + ".json").read_text())
+    meta.update(tokenizer="huggingface", tokenizer_path="/x/tokenizer.json", tokenizer_sha256="ab" * 32)
+    Path(held + ".json").write_text(json.dumps(meta))
+    checkpoint = str(run_dir / "checkpoints" / "step_0000002.h5")
+    for deck_data in (data[:4], ()):  # the deck's memmap data.path (no split), then synthetic data
+        said = _refused(_app_eval(*deck_data, "--set", f"eval.path={held}", "--set", f"run.dir={tmp_path}",
+                                  "--checkpoint", checkpoint))  # fmt: skip
+        assert f"eval.path: {held}.json and " in said and "were tokenized differently" in said, said
+        assert "tokenizer: 'byte' vs 'huggingface'" in said and "fix: prepare the held-out text" in said, said
+
+
+def test_app_eval_never_writes_its_default_record_over_another_checkpoints(trained, tmp_path):
+    """Found in review: the default output <run.dir>/eval/step_N.json names the step only, and two
+    checkpoints of one step (another run's, evaluated with this deck) overwrote each other without a
+    word. A record of another checkpoint is refused, naming --out; the same checkpoint's is replaced."""
+    data, run_dir, _, _ = trained
+    mine = run_dir / "checkpoints" / "step_0000002.h5"
+    other = tmp_path / "other" / "step_0000002.h5"  # another run's checkpoint of the same step
+    other.parent.mkdir()
+    shutil.copyfile(mine, other)
+    sets = (*data, "--set", f"run.dir={tmp_path / 'run'}")
+    record = tmp_path / "run" / "eval" / "step_0000002.json"
+    assert _app_eval(*sets, "--checkpoint", str(mine)).returncode == 0
+    written = record.read_text()
+    said = _refused(_app_eval(*sets, "--checkpoint", str(other)))
+    assert f"{record} holds the evaluation of {mine}, not of {other}" in said and "--out FILE" in said, said
+    assert record.read_text() == written
+    assert _app_eval(*sets, "--checkpoint", str(other), "--out", str(tmp_path / "other.json")).returncode == 0
 
 
 # ---- the validation loss on a grid equals the 1-rank value ----

@@ -12,6 +12,7 @@ argmax does not hinge on the last bits (the tp and Hugging Face sums differ in o
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,6 +167,78 @@ def test_a_model_trained_with_context_or_expert_parallelism_generates(tmp_path_f
     assert len(one["ids"]) == 6 and one["ids"] == two["ids"], (one, two)
 
 
+def _restamped(checkpoint: Path, out: Path, **changes: str) -> Path:
+    """A copy of `checkpoint` (a file, or a directory's latest) whose stored deck has `changes`
+    ("section.key": value) and a header digest recomputed for them (as a run with that deck wrote it)."""
+    import shutil
+
+    import h5py
+    import yaml
+
+    from app.checkpoint.io import HEADER_DIGEST, header_digest, root_attributes
+    from app.checkpoint.store import read_latest
+
+    source = read_latest(checkpoint) if checkpoint.is_dir() else checkpoint
+    assert source is not None
+    shutil.copyfile(source, out)
+    with h5py.File(out, "r+") as f:
+        deck = yaml.safe_load(f.attrs["deck"])
+        for dotted, value in changes.items():
+            section, key = dotted.split(".")
+            deck[section][key] = value
+        f.attrs["deck"] = yaml.safe_dump(deck, sort_keys=False)
+        f.attrs[HEADER_DIGEST] = header_digest(root_attributes(f, out))
+    return out
+
+
+def test_a_checkpoint_trained_with_a_gpu_only_kernel_and_nccl_generates_on_cpu_ranks(llama_ckpt, tmp_path):
+    """Found in review: the inference grid kept the trained model.attention_kernel and parallel.backend,
+    and only run.* keys can be --set: a checkpoint of a cudnn (or flash) run ended on CPU ranks in
+    "RuntimeError: No viable backend" (a traceback, even with --set run.device=cpu), and one of an
+    nccl run was refused with a fix --set could not give. Neither changes what the model computes: the
+    inference grid takes the device's (auto). The tokens are the unchanged checkpoint's."""
+    gpu_trained = _restamped(
+        llama_ckpt, tmp_path / "step_0000003.h5", **{"model.attention_kernel": "cudnn", "parallel.backend": "nccl"}
+    )
+    args = ("--prompt-ids", PROMPT, "--max-new-tokens", 6, "--ignore-eos")
+    assert generated(1, gpu_trained, *args, "--set", "run.device=cpu")["ids"] == generated(1, llama_ckpt, *args)["ids"]
+
+
+def test_a_world_the_model_cannot_split_over_names_the_limit_and_a_rank_count_that_fits(gpt2_ckpt):
+    """Found in review: the fix always said "a divisor of model.heads", also where the limit was the
+    vocabulary (258 ids over 4 ranks; its 4 heads split)."""
+    from app.checkpoint.store import read_latest
+    from app.errors import LaunchError
+    from app.generate import generation_deck
+
+    path = read_latest(gpt2_ckpt)
+    assert path is not None
+    with pytest.raises(
+        LaunchError, match=re.escape("launch fewer ranks: 2 (the rank count must divide model.vocab_size = 258)")
+    ):
+        generation_deck(path, 4)
+
+
+@pytest.mark.parametrize("damage", ["latest names a missing file", "truncated file"])
+def test_a_missing_or_damaged_checkpoint_is_told_the_tools_fix_not_a_resumes(llama_ckpt, tmp_path, damage):
+    """Found in review: generate (and eval) said "set run.resume to one of no committed checkpoint or
+    run.resume: none" for a `latest` naming a missing file, and "resume from an older checkpoint
+    (run.resume: <file>)" for a truncated one: a tool has no run.resume."""
+    if damage == "latest names a missing file":
+        given = tmp_path / "checkpoints"
+        given.mkdir()
+        (given / "latest").write_text("step_0000009.h5\n")
+        says = "names step_0000009.h5, which does not exist; it holds no committed checkpoint"
+    else:
+        given = tmp_path / "step_0000003.h5"
+        whole = (llama_ckpt / "step_0000003.h5").read_bytes()
+        given.write_bytes(whole[: len(whole) // 3])
+        says = "it may be truncated or corrupt: use an older checkpoint of its directory"
+    out = generate(1, given, "--prompt-ids", "1,2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert says in out.stderr and "run.resume" not in out.stderr, out.stderr
+
+
 def test_help_answers_without_loading_mpi_or_torch():
     code = "import sys; from app.generate.__main__ import parse_args; import app.generate; " \
         "print(sorted(m for m in ('torch', 'mpi4py', 'h5py') if m in sys.modules))"  # fmt: skip
@@ -292,3 +365,73 @@ def test_eos_names_the_end_token_of_a_tokenizer_that_has_none_of_the_known_ones(
     assert resolve_tokenizer(args.tokenizer, deck, args.eos).eos == 11
     with pytest.raises(DataError, match="pass --tokenizer too"):
         resolve_tokenizer(None, deck, "<|stop|>")
+
+
+def _bpe_token_file(tmp_path: Path) -> tuple[Path, Path, str]:
+    """A token file prepared with a BPE tokenizer.json written beside it (as `prepare --train-tokenizer`
+    writes PREFIX.tokenizer.json): its prefix, the tokenizer.json and its sha256."""
+    import hashlib
+
+    from test_goldfish import write_tokens
+
+    from app.data.tokenizer import train_bpe
+
+    prefix = tmp_path / "data"
+    write_tokens(str(prefix), [[1, 2, 3] * 20], vocab_size=300)
+    text = train_bpe(iter([b"hello world, hello gridlm"] * 10), 300)
+    tokenizer = tmp_path / "data.tokenizer.json"
+    tokenizer.write_text(text)
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    meta = json.loads((tmp_path / "data.json").read_text())
+    meta.update(tokenizer="huggingface", tokenizer_path=str(tokenizer), tokenizer_sha256=sha, eos=0, vocab_size=300)
+    (tmp_path / "data.json").write_text(json.dumps(meta))
+    return prefix, tokenizer, sha
+
+
+def _memmap_deck(prefix: Path):
+    from app.deck import load_deck
+
+    return load_deck(REPO / "inputs/gpt_tiny.yaml", ("data.kind=memmap", f"data.path={prefix}", "model.vocab_size=320"))
+
+
+def test_a_tokenizer_other_than_the_one_the_training_data_names_is_refused_unless_any_tokenizer(tmp_path):
+    """Found in review: --tokenizer byte on a checkpoint trained on BPE ids passed the vocabulary check
+    and printed the ids' bytes as text. The kind and sha256 the training data's metadata records are
+    compared with --tokenizer; --any-tokenizer takes it anyway (a token file prepared again since)."""
+    from app.data.tokenizer import ByteTokenizer, HFTokenizer
+    from app.errors import DataError
+    from app.generate import resolve_tokenizer
+
+    prefix, tokenizer, _ = _bpe_token_file(tmp_path)
+    deck = _memmap_deck(prefix)
+    with pytest.raises(DataError, match=r"--tokenizer byte \(byte\) is not the tokenizer the checkpoint's training"):
+        resolve_tokenizer("byte", deck)
+    assert isinstance(resolve_tokenizer("byte", deck, any_tokenizer=True), ByteTokenizer)
+    other = tmp_path / "other.json"
+    other.write_text(tokenizer.read_text() + " ")  # another tokenizer.json: other bytes, another sha256
+    with pytest.raises(DataError, match="--any-tokenizer"):
+        resolve_tokenizer(str(other), deck)
+    assert isinstance(resolve_tokenizer(str(tokenizer), deck), HFTokenizer)  # the one it names
+
+
+def test_a_moved_tokenizer_is_found_beside_its_token_file_or_named_with_its_sha256(tmp_path):
+    """Found in review: a tokenizer.json no longer at its recorded path gave "names none (synthetic data,
+    or its token file is gone)" and the fix --tokenizer byte, wrong for BPE. PREFIX.tokenizer.json
+    beside the token file (where prepare writes a trained one) is taken when its sha256 is the recorded
+    one; without it, the message names the recorded path and sha256."""
+    from app.data.tokenizer import HFTokenizer
+    from app.generate import default_tokenizer
+    from app.generate.training_data import missing_tokenizer
+
+    prefix, tokenizer, sha = _bpe_token_file(tmp_path)
+    meta = json.loads((tmp_path / "data.json").read_text())
+    meta["tokenizer_path"] = str(tmp_path / "moved-away" / "tokenizer.json")  # where it was when prepared
+    (tmp_path / "data.json").write_text(json.dumps(meta))
+    deck = _memmap_deck(prefix)
+    found = default_tokenizer(deck)
+    assert isinstance(found, HFTokenizer) and found.path == str(tokenizer) and found.eos == 0
+    tokenizer.unlink()
+    assert default_tokenizer(deck) is None
+    said = missing_tokenizer(deck.data)
+    assert f"{tmp_path / 'moved-away' / 'tokenizer.json'} (sha256 {sha}), which is not there" in said, said
+    assert "--tokenizer PATH of that tokenizer.json" in said and "--tokenizer byte" not in said, said

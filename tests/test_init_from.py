@@ -16,6 +16,7 @@ CPU each rank's start costs.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -252,3 +253,64 @@ def test_keys_a_config_leaves_out_are_the_defaults_transformers_takes(model_type
         assert value == want, (key, hf_key, value, want)
         compared += 1
     assert compared >= 9
+
+
+def _shard(directory: Path) -> dict[str, list[str]]:
+    """Split DIR's model.safetensors into two shards listed by model.safetensors.index.json, as
+    save_pretrained writes a large model: shard file -> its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, directory / file)
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return shards
+
+
+def test_a_sharded_directory_with_a_missing_or_damaged_shard_or_a_null_rope_theta_is_named(tmp_path):
+    """Found in review: a shard file the index lists that is missing, one that is not safetensors, or
+    one without a tensor the index places there ended in "internal error" and a traceback at its
+    first read; "rope_theta": null in config.json in a TypeError. Each is the import's one-line
+    error, naming the file (checked when the directory is opened)."""
+    from safetensors.torch import load_file, save_file
+
+    from app.checkpoint.hf_import import HFWeights
+    from app.deck import load_deck
+    from app.errors import CheckpointError
+
+    directory = tmp_path / "hf"
+    save_hf("llama", directory)
+    shards = _shard(directory)
+    sets = [s for s in base_sets(directory, tmp_path / "data", tmp_path / "run", "llama") if s != "--set"]
+    model = load_deck(REPO / "inputs/gpt_tiny.yaml", tuple(sets)).model
+    whole = HFWeights(directory, model)
+    assert len(set(whole.files.values())) == 2 and all(whole.tensor(n) is not None for n in whole.sources)
+
+    def refused(says: str) -> None:
+        with pytest.raises(CheckpointError, match=f"run.init_from {directory}: .*{says}"):
+            weights = HFWeights(directory, model)
+            for name in weights.sources:
+                weights.tensor(name)
+
+    second = directory / "model-00002-of-00002.safetensors"
+    kept = second.read_bytes()
+    second.unlink()
+    refused(r"lists the shard model-00002-of-00002.safetensors, which is not there")
+    second.write_bytes(b"not safetensors at all")
+    refused(r"shard model-00002-of-00002.safetensors is not a readable safetensors file")
+    second.write_bytes(kept)
+    tensors = load_file(second)
+    dropped = shards[second.name][0]
+    save_file({n: t for n, t in tensors.items() if n != dropped}, second)
+    refused(f"shard model-00002-of-00002.safetensors has no tensor {re.escape(dropped)}")
+    second.write_bytes(kept)
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_theta"] = None
+    if isinstance(config.get("rope_parameters"), dict):
+        config["rope_parameters"]["rope_theta"] = None
+    (directory / "config.json").write_text(json.dumps(config))
+    refused(r"config.json: rope_theta = None is not a positive number")

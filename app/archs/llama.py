@@ -10,6 +10,7 @@ group and each feature's pair on one rank (`app/model/gpt.py`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -182,9 +183,16 @@ def _llama_expected(
         ("kv_heads", "num_key_value_heads", config.get("num_key_value_heads", kv) or heads),
         ("ffn_hidden", "intermediate_size", config.get("intermediate_size", 11008)),
         ("layernorm_eps", "rms_norm_eps", config.get("rms_norm_eps", eps)),
-        ("rope_theta", "rope_theta", float(rope(config).get("rope_theta", theta))),
+        ("rope_theta", "rope_theta", _theta(rope(config).get("rope_theta", theta))),
         ("tie_embeddings", "tie_word_embeddings", config.get("tie_word_embeddings", False)),
     ]
+
+
+def _theta(value: Any) -> float:
+    """rope_theta as a number; ValueError naming it otherwise (null, a string: no base of frequencies)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"rope_theta = {value!r} is not a positive number (the base of the rotary frequencies)")
+    return float(value)
 
 
 def hf_unsupported(config: dict[str, Any], m: Any) -> Optional[str]:

@@ -67,7 +67,11 @@ def check_config(directory: Path, config: dict[str, Any], m: ModelConfig) -> Non
     # The deck's architecture reads config.json when it has this model_type, else the first that has.
     same_type = [a for a in archs.by_model_type(config["model_type"]) if a.name == m.arch]
     form = (same_type or archs.by_model_type(config["model_type"]))[0].hf
-    for key, hf_key, want in form.expected(config):
+    try:
+        expected = form.expected(config)
+    except ValueError as err:  # a value of the wrong type where the deck's key has a number (rope_theta: null)
+        raise _fail(directory, f"{CONFIG}: {err}") from None
+    for key, hf_key, want in expected:
         if key == "kv_heads" and not m.spec.grouped_query:
             continue
         have = {"ffn_hidden": m.ffn, "kv_heads": m.kv, "moe_ffn_hidden": m.expert_ffn}.get(key, getattr(m, key))
@@ -132,7 +136,9 @@ class HFWeights:
             ):
                 raise _fail(self.directory, f"{INDEX} is not a safetensors index (a weight_map of tensor -> file "
                                             "in the directory)")  # fmt: skip
-            return {name: self.directory / file for name, file in weight_map.items()}
+            files = {name: self.directory / file for name, file in weight_map.items()}
+            self._check_shards(files)
+            return files
         single = self.directory / WEIGHTS
         if not single.is_file():
             found = sorted(p.name for p in self.directory.iterdir())[:8]
@@ -145,6 +151,33 @@ class HFWeights:
                 return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         except Exception as err:  # safetensors raises its own error types for a damaged header
             raise _fail(self.directory, f"{WEIGHTS} is not a readable safetensors file ({err})") from None
+
+    def _check_shards(self, files: dict[str, Path]) -> None:
+        """Each shard the index lists is a readable safetensors file holding the tensors it maps to it
+        (its header only is read): a missing, damaged or short shard is named here, not at its first read."""
+        from safetensors import safe_open
+
+        wanted: dict[Path, list[str]] = {}
+        for name, file in files.items():
+            wanted.setdefault(file, []).append(name)
+        for file, names in wanted.items():
+            if not file.is_file():
+                raise _fail(
+                    self.directory, f"{INDEX} lists the shard {file.name}, which is not there ({len(names)} tensors, "
+                    f"e.g. {names[0]}); copy the whole model directory (every shard the index lists)"
+                )  # fmt: skip
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    held = set(f.keys())
+            except Exception as err:  # safetensors raises its own error types for a damaged header
+                raise _fail(self.directory, f"shard {file.name} is not a readable safetensors file ({err})") from None
+            missing = [n for n in names if n not in held]
+            if missing:
+                raise _fail(
+                    self.directory, f"shard {file.name} has no tensor {missing[0]}"
+                    f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which {INDEX} places "
+                    "there: the index is another model's, or the shard is; copy the model directory again"
+                )  # fmt: skip
 
     def _name(self, hf: str) -> Optional[str]:
         """The name `hf` has in this directory (with or without the base model's prefix), or None."""

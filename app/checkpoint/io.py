@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import yaml
 
+from app import archs
 from app.checkpoint.shared_reads import SharedReads
 from app.checkpoint.shared_reads import plan as plan_shares
 from app.checkpoint.slabs import (
@@ -717,22 +718,47 @@ def _rng_rows(rt: Runtime) -> dict[str, np.ndarray]:
 # ---- load ------------------------------------------------------------------------------
 
 
-def read_header(path: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Advice:
+    """What a message about a checkpoint file tells the user to do. A resume (training) names run.resume
+    (`RESUME`); the tools (inspect, export, generate, eval, memorization) have none and name another
+    file (`TOOL`, `EVAL`). `exact_model`: the deck's model must compute the checkpoint's function, not
+    only hold its shapes (app.eval: a changed layernorm_eps or rope_theta moves the loss)."""
+
+    damaged: str  # the file is truncated, corrupt or its header damaged
+    not_a_file: str  # the path is a directory, a FIFO, ...
+    incomplete: str  # no `committed` attribute
+    checksums: str  # a dataset's values do not match its checksum
+    exact_model: bool = False
+
+
+CORRUPT = "resume from an older checkpoint (run.resume: <file>) or start over (run.resume: none)"
+RESUME = Advice(
+    CORRUPT, "resume from a step_NNNNNNN.h5 file or run.resume: none", "resume from an older checkpoint",
+    "resume from an older checkpoint (run.resume: <file>) or run.resume: none",
+)  # fmt: skip
+OLDER = "use an older checkpoint of its directory (`python -m app.checkpoint inspect FILE` verifies one)"
+TOOL = Advice(OLDER, "give a step_NNNNNNN.h5 file", OLDER, OLDER)
+EVAL = dataclasses.replace(TOOL, exact_model=True)
+
+
+def read_header(path: Path, advice: Advice = TOOL) -> dict[str, Any]:
     """Root attributes and the dataset catalogue of a committed checkpoint (serial h5py).
-    Raises CheckpointError for anything but a complete gridlm checkpoint."""
+    Raises CheckpointError for anything but a complete gridlm checkpoint, saying what `advice` says."""
 
     catalogue: dict[str, dict[str, Any]] = {}
+    fix = advice.damaged
     if not path.is_file():  # a FIFO would block HDF5's open; a directory is no checkpoint
-        raise CheckpointError(f"{path} is not a file; resume from a step_NNNNNNN.h5 file or run.resume: none")
+        raise CheckpointError(f"{path} is not a file; {advice.not_a_file}")
     try:
         with open_serial(path, "r") as f:
-            attrs = root_attributes(f, path)
+            attrs = root_attributes(f, path, fix)
             if attrs.get("format") != FORMAT:
                 raise CheckpointError(f"{path} is not a gridlm checkpoint (no format = {FORMAT!r} attribute)")
             if not attrs.get("committed"):
                 raise CheckpointError(
                     f"{path} is incomplete (no 'committed' attribute: copied or renamed during a write); "
-                    f"resume from an older checkpoint"
+                    f"{advice.incomplete}"
                 )
             version = attrs.get("format_version")
             if type(version) is not int or version not in READABLE_VERSIONS:  # not True (== 1), not 2.0
@@ -740,36 +766,33 @@ def read_header(path: Path) -> dict[str, Any]:
                 raise CheckpointError(
                     f"{path} has format version {_cut_repr(version)}; this gridlm reads "
                     f"versions {', '.join(map(str, READABLE_VERSIONS))}: "
-                    + ("update gridlm" if newer else f"the header is damaged; {CORRUPT}")
+                    + ("update gridlm" if newer else f"the header is damaged; {fix}")
                 )
             # Files written before the digest have none: they load as they did.
             if HEADER_DIGEST in attrs and attrs[HEADER_DIGEST] != header_digest(attrs):
                 raise CheckpointError(
                     f"{path}: its header (step, optimizer steps, sampler, loss scale, grid, deck) does not match its "
-                    f"checksum: the file was changed after it was written; resume from an older checkpoint "
-                    f"(run.resume: <file>) or start over (run.resume: none)"
+                    f"checksum: the file was changed after it was written; {fix}"
                 )
-            check_header(attrs, path)
+            check_header(attrs, path, fix)
             try:
                 catalogue = datasets_of(f.id)
             except (TypeError, ValueError, RuntimeError, KeyError) as err:  # an attribute of another type
                 raise CheckpointError(
-                    f"{path}: a dataset's dtype or checksum attribute cannot be read ({err}); {CORRUPT}"
+                    f"{path}: a dataset's dtype or checksum attribute cannot be read ({err}); {fix}"
                 ) from None
     except OSError as err:
         raise CheckpointError(
-            f"{path} is not a readable HDF5 file ({err}); it may be truncated or corrupt: resume from an older "
-            f"checkpoint (run.resume: <file>) or start over (run.resume: none)"
+            f"{path} is not a readable HDF5 file ({err}); it may be truncated or corrupt: {fix}"
         ) from None
     rng = {key.removeprefix("rng/"): entry["shape"] for key, entry in catalogue.items() if key.startswith("rng/")}
     return {**attrs, "datasets": catalogue, "rng": rng}
 
 
 MAX_ATTRIBUTE_BYTES = 1 << 20  # a header attribute's stored bytes (the deck's is a few KB)
-CORRUPT = "resume from an older checkpoint (run.resume: <file>) or start over (run.resume: none)"
 
 
-def root_attributes(f: Any, path: Path) -> dict[str, Any]:
+def root_attributes(f: Any, path: Path, fix: str = CORRUPT) -> dict[str, Any]:
     """The file's root attributes as Python values (numpy scalars and arrays unwrapped), each at most
     MAX_ATTRIBUTE_BYTES where HDF5 knows the size before reading (fixed-size types); one that
     h5py cannot read as a value is a CheckpointError, not a traceback."""
@@ -783,11 +806,11 @@ def root_attributes(f: Any, path: Path) -> dict[str, Any]:
             if size > MAX_ATTRIBUTE_BYTES:
                 raise CheckpointError(
                     f"{path}: header attribute {name[:80]!r} holds {size:,} bytes (at most {MAX_ATTRIBUTE_BYTES:,}): "
-                    f"not a gridlm header; {CORRUPT}"
+                    f"not a gridlm header; {fix}"
                 )
             value = f.attrs[name]
         except (OSError, TypeError, ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"{path}: header attribute {name[:80]!r} cannot be read ({err}); {CORRUPT}") from None
+            raise CheckpointError(f"{path}: header attribute {name[:80]!r} cannot be read ({err}); {fix}") from None
         # Plain Python values: an array is compared and digested by its elements, not its repr.
         attrs[name] = (
             value.tolist()
@@ -799,11 +822,11 @@ def root_attributes(f: Any, path: Path) -> dict[str, Any]:
     return attrs
 
 
-def _json_attribute(attrs: dict[str, Any], key: str, path: Path) -> Any:
+def _json_attribute(attrs: dict[str, Any], key: str, path: Path, fix: str = CORRUPT) -> Any:
     value = attrs.get(key)
     if not isinstance(value, str):
-        raise CheckpointError(f"{path}: header attribute {key} is {type(value).__name__}, not JSON text; {CORRUPT}")
-    fail = lambda why: CheckpointError(f"{path}: header attribute {key}: {why}; {CORRUPT}")  # noqa: E731
+        raise CheckpointError(f"{path}: header attribute {key} is {type(value).__name__}, not JSON text; {fix}")
+    fail = lambda why: CheckpointError(f"{path}: header attribute {key}: {why}; {fix}")  # noqa: E731
     return parse_json(value.encode("utf-8", "replace"), f"header attribute {key}", fail)
 
 
@@ -817,13 +840,13 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0  # bool is an int to isinstance
 
 
-def check_header(attrs: dict[str, Any], path: Path) -> None:
+def check_header(attrs: dict[str, Any], path: Path, fix: str = CORRUPT) -> None:
     """Every header value that load, inspect, generate and export use has the type and range the
     writer gives it: a file whose digest is missing (written before it) or that was rewritten with
     a matching digest still ends in a CheckpointError naming the attribute, never a traceback."""
 
     def bad(key: str, want: str) -> CheckpointError:
-        return CheckpointError(f"{path}: header attribute {key} = {_cut_repr(attrs.get(key))} is not {want}; {CORRUPT}")
+        return CheckpointError(f"{path}: header attribute {key} = {_cut_repr(attrs.get(key))} is not {want}; {fix}")
 
     for key in ("step", "optimizer_steps", "consumed_samples"):
         if not _count(attrs.get(key)):
@@ -837,10 +860,10 @@ def check_header(attrs: dict[str, Any], path: Path) -> None:
         raise bad("precision", f"one of {', '.join(PRECISIONS)}")
     if not isinstance(attrs.get("deck"), str):
         raise bad("deck", "the deck's YAML text")
-    sampler = _json_attribute(attrs, "sampler", path)
+    sampler = _json_attribute(attrs, "sampler", path, fix)
     if not isinstance(sampler, dict) or not _count(sampler.get("consumed_samples")):
         raise bad("sampler", 'a JSON object {"consumed_samples": N}')
-    scaler = _json_attribute(attrs, "loss_scaler", path)
+    scaler = _json_attribute(attrs, "loss_scaler", path, fix)
     if scaler is not None and not (
         isinstance(scaler, dict)
         and type(scaler.get("scale")) in (int, float)
@@ -850,10 +873,10 @@ def check_header(attrs: dict[str, Any], path: Path) -> None:
         and _count(scaler.get("skipped"))
     ):
         raise bad("loss_scaler", 'null or a JSON object {"scale": S > 0, "clean": N, "skipped": N}')
-    grid = _json_attribute(attrs, "grid", path)
+    grid = _json_attribute(attrs, "grid", path, fix)
     if not isinstance(grid, dict) or not all(_count(grid.get(k)) for k in AXES):
         raise bad("grid", 'a JSON object {"tp": N, "pp": N, "dp": N, ...}')
-    if "versions" in attrs and not isinstance(_json_attribute(attrs, "versions", path), dict):
+    if "versions" in attrs and not isinstance(_json_attribute(attrs, "versions", path, fix), dict):
         raise bad("versions", "a JSON object")
 
 
@@ -884,24 +907,56 @@ def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
         cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
         model.update(arch=cfg.arch, ffn=cfg.ffn, kv=cfg.kv, tie_embeddings=cfg.tie_embeddings,
                      moe_experts=cfg.moe_experts, expert_ffn=cfg.expert_ffn, moe_every=cfg.moe_every,
-                     moe_shared_experts=cfg.moe_shared_experts)  # fmt: skip
+                     moe_shared_experts=cfg.moe_shared_experts, layernorm_eps=cfg.layernorm_eps,
+                     rope_theta=cfg.rope_theta, moe_top_k=cfg.moe_top_k)  # fmt: skip
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
         raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
     return model
 
 
-def check_model(header: dict[str, Any], deck: Deck, path: Path) -> None:
-    """The checkpoint's model shape must be the deck's."""
+def check_model(header: dict[str, Any], deck: Deck, path: Path, advice: Advice = RESUME) -> None:
+    """The checkpoint's model shape must be the deck's; with `advice.exact_model` (app.eval) also every key
+    that changes the function it computes (`function_keys`), all mismatches named with their --set fix."""
     saved = model_section(header, path)
+    shown = {"ffn": "ffn_hidden", "kv": "kv_heads", "expert_ffn": "moe_ffn_hidden"}
+    if advice.exact_model:
+        wrong = [(key, saved.get(key), getattr(deck.model, key)) for key in (*SHAPE_KEYS, *function_keys(saved))]
+        wrong = [(shown.get(key, key), have, want) for key, have, want in wrong if have != want]
+        if wrong:
+            said = ", ".join(f"model.{key} = {have!r} (the deck has {want!r})" for key, have, want in wrong)
+            fix = " ".join(f"--set model.{key}={_yaml_scalar(have)}" for key, have, _ in wrong)
+            raise CheckpointError(
+                f"{path} was trained as another model than the deck's: {said}; evaluated so, its loss would be "
+                f"another function's; fix: {fix} (or these keys in the deck's model section)"
+            )
+        return
     for key in SHAPE_KEYS:
         want = getattr(deck.model, key)
         if saved.get(key) != want:
-            shown = {"ffn": "ffn_hidden", "kv": "kv_heads", "expert_ffn": "moe_ffn_hidden"}.get(key, key)
             raise CheckpointError(
-                f"{path} holds a model with model.{shown} = {saved.get(key)!r}, the deck has {want!r}: a checkpoint "
-                f"loads only into the same model shape (any grid); use its model keys (h5dump -a deck) or "
+                f"{path} holds a model with model.{shown.get(key, key)} = {saved.get(key)!r}, the deck has {want!r}: "
+                f"a checkpoint loads only into the same model shape (any grid); use its model keys (h5dump -a deck) or "
                 f"run.resume: none"
             )
+
+
+def function_keys(model: dict[str, Any]) -> tuple[str, ...]:
+    """The model keys beyond the shapes (SHAPE_KEYS) that change what a checkpoint's model (`model_section`)
+    computes in evaluation: the norms' epsilon, the rotary base where positions are rotary, the experts a
+    token is routed to where there are experts. Not: dropout and init_std (off, unused at evaluation),
+    attention_kernel (the same function, other rounding), moe_capacity_factor (evaluation routes every
+    token), moe_aux_loss_coef and moe_z_loss_coef (training losses, not in the evaluated loss)."""
+    rotary = model.get("arch") in archs.names() and archs.get(model["arch"]).positions == "rotary"
+    return (
+        "layernorm_eps",
+        *(("rope_theta",) if rotary else ()),
+        *(("moe_top_k",) if model.get("moe_experts") else ()),
+    )
+
+
+def _yaml_scalar(value: Any) -> str:
+    """A value as a --set takes it (true, null, 1e-05)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def require_dataset(
@@ -936,9 +991,10 @@ def _fill(shard: ShardState, values: torch.Tensor) -> None:
         target.copy_(values.to(target.device))
 
 
-def load(state: TrainingState, path: Path) -> dict[str, Any]:
+def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str, Any]:
     """Restore `state` from checkpoint `path` (all ranks), whatever grid wrote it. Everything is
-    read and verified before the model, optimizer or sampler change; returns what was loaded."""
+    read and verified before the model, optimizer or sampler change; returns what was loaded.
+    `advice`: what its messages tell the user to do (a resume's, or app.eval's `EVAL`)."""
     from mpi4py import MPI
 
     rt, deck = state.runtime, state.deck
@@ -946,8 +1002,8 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
     phases = PhaseTimes()  # this rank's seconds per phase (the result's "phases")
 
     def validate() -> dict[str, Any]:
-        header = read_header(path)
-        check_model(header, deck, path)
+        header = read_header(path, advice)
+        check_model(header, deck, path, advice)
         return header
 
     header = on_root(rt, validate)
@@ -1080,19 +1136,19 @@ def load(state: TrainingState, path: Path) -> dict[str, Any]:
 
     try:
         if posix:  # each rank preads its ranges where the file keeps them (slabs.storage_of)
-            rng = read_posix(rt, path, read_ahead)
+            rng = read_posix(rt, path, read_ahead, advice.damaged)
         else:
 
             def read_file(f: Any) -> Optional[dict[str, np.ndarray]]:
                 phases.lap("H5Fopen")
                 return read_all(h5_reader(f, transfer_plist(deck.checkpoint.io == "collective")))
 
-            rng = read_mpio(rt, path, read_file)
+            rng = read_mpio(rt, path, read_file, advice.damaged)
     finally:
         shares.free()
     phases.lap("rng rows, H5Fclose")
     rt.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-    _verify(path, in_file, keys, sums, "resume from an older checkpoint (run.resume: <file>) or run.resume: none")
+    _verify(path, in_file, keys, sums, advice.checksums)
     phases.lap("checksums summed and verified (MPI_Allreduce)")
     note = V1_NOTE if version < 2 else None
     if note is not None:
@@ -1201,7 +1257,7 @@ def h5_reader(f: Any, dxpl: Any) -> Callable[..., np.ndarray]:
     return read
 
 
-def agree_read(rt: Runtime, path: Path, error: Optional[BaseException], op: str) -> None:
+def agree_read(rt: Runtime, path: Path, error: Optional[BaseException], op: str, fix: str = CORRUPT) -> None:
     """Agree on a read of `path` that may have failed on some ranks (`error`: this rank's): an I/O
     error on any rank (a truncated file, EIO) is a CheckpointError naming it on every rank, before any
     rank goes on to a collective call alone; another exception is a bug, raised with its traceback
@@ -1224,10 +1280,10 @@ def agree_read(rt: Runtime, path: Path, error: Optional[BaseException], op: str)
                 f"cannot read checkpoint {path}: internal error on rank {rank}: {text} (a bug in gridlm, not a "
                 f"fault of the file: rank {rank} prints its traceback)"
             )
-        raise CheckpointError(f"cannot read checkpoint {path} on rank {rank}: {text}; {CORRUPT}")
+        raise CheckpointError(f"cannot read checkpoint {path} on rank {rank}: {text}; {fix}")
 
 
-def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
+def read_posix(rt: Runtime, path: Path, read: Callable[[int], T], fix: str = CORRUPT) -> T:
     """`read(fd)` on a read-only descriptor of `path` (every rank), then `agree_read`. The open is
     agreed before any rank reads: `read` may make collective calls (the shared reads' all-gathers)
     that a rank which could not open the file would never join."""
@@ -1237,7 +1293,7 @@ def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
             fd = os.open(path, os.O_RDONLY)
         except Exception as err:
             error = err
-        agree_read(rt, path, error, "MPI_Allreduce (file opened)")
+        agree_read(rt, path, error, "MPI_Allreduce (file opened)", fix)
         try:
             result = read(fd)  # type: ignore[arg-type]
         except Exception as err:
@@ -1245,11 +1301,11 @@ def read_posix(rt: Runtime, path: Path, read: Callable[[int], T]) -> T:
     finally:
         if fd is not None:
             os.close(fd)
-    agree_read(rt, path, error, "MPI_Allreduce (reads agreed)")
+    agree_read(rt, path, error, "MPI_Allreduce (reads agreed)", fix)
     return result  # type: ignore[return-value]
 
 
-def read_mpio(rt: Runtime, path: Path, read: Callable[[Any], T]) -> T:
+def read_mpio(rt: Runtime, path: Path, read: Callable[[Any], T], fix: str = CORRUPT) -> T:
     """`read(f)` on `path` opened through parallel HDF5 (every rank), then `agree_read`: a rank whose
     H5Dread failed raises only after the file's collective close, and with every other rank, instead
     of leaving them in the checksums' MPI_Allreduce."""
@@ -1259,7 +1315,7 @@ def read_mpio(rt: Runtime, path: Path, read: Callable[[Any], T]) -> T:
             result = read(f)
         except Exception as err:
             error = err
-    agree_read(rt, path, error, "MPI_Allreduce (reads agreed)")
+    agree_read(rt, path, error, "MPI_Allreduce (reads agreed)", fix)
     return result  # type: ignore[return-value]
 
 
@@ -1319,16 +1375,15 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
                 lambda fd: read_all(
                     lambda key, boxes, dtype, out=None: pread_boxes(fd, in_file[key]["storage"], boxes, dtype, out)
                 ),
+                TOOL.damaged,
             )
         else:  # a dataset HDF5 must decode (compressed, say): parallel HDF5, each rank its own shards
-            read_mpio(runtime, path, lambda f: read_all(h5_reader(f, transfer_plist(False))))
+            read_mpio(runtime, path, lambda f: read_all(h5_reader(f, transfer_plist(False))), TOOL.damaged)
     finally:
         shares.free()
     with runtime.watchdog.blocking("MPI_Allreduce (checksums)", axis="world"):
         runtime.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-    _verify(
-        path, in_file, keys, sums, f"use an older checkpoint (`python -m app.checkpoint inspect {path}` lists them)"
-    )
+    _verify(path, in_file, keys, sums, TOOL.checksums)
     with torch.no_grad():
         for (_, p), v in zip(params, values):
             p.copy_(v.to(p.device, p.dtype))

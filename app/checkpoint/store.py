@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 from contextlib import suppress
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -57,28 +58,49 @@ def committed(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def read_latest(directory: Path) -> Optional[Path]:
-    """The checkpoint `latest` names, or None when there is no pointer."""
+@dataclass(frozen=True)
+class Pick:
+    """How a message about a checkpoint directory's `latest` tells the user to name another checkpoint:
+    a resume sets run.resume (`RESUME_PICK`), a tool is given another file (`TOOL_PICK`)."""
+
+    file: str  # name a checkpoint file instead
+    one_of: str  # name one of the committed files, listed in {names}
+    none: str  # the directory holds no committed checkpoint
+
+
+RESUME_PICK = Pick(
+    "set run.resume to a file", "set run.resume to one of {names} or run.resume: none",
+    "it holds no committed checkpoint: set run.resume: none to start over",
+)  # fmt: skip
+TOOL_PICK = Pick(
+    "give a checkpoint file (.h5) instead", "give one of {names} of that directory instead",
+    "it holds no committed checkpoint to give instead",
+)  # fmt: skip
+
+
+def read_latest(directory: Path, pick: Pick = RESUME_PICK) -> Optional[Path]:
+    """The checkpoint `latest` names, or None when there is no pointer; `pick`: what a message says to do."""
     pointer = directory / LATEST
     if not os.path.lexists(pointer):
         return None
 
     def fail(message: str) -> CheckpointError:
         return CheckpointError(f"{pointer}: {message}; write the name of a step_NNNNNNN.h5 file of {directory} "
-                               "into it, or set run.resume to a file")  # fmt: skip
+                               f"into it, or {pick.file}")  # fmt: skip
 
     # A step file's name and a newline: a FIFO or /dev/zero in its place must not hang or fill memory.
     name = read_bytes(pointer, "checkpoint pointer", fail, "", 4096).decode("utf-8", "replace").strip()
     if not STEP_FILE.match(name):
         raise CheckpointError(
             f"{pointer} does not name a checkpoint file (it holds {name[:80]!r}); "
-            f"write the name of a step_NNNNNNN.h5 file of {directory} into it, or set run.resume to a file"
+            f"write the name of a step_NNNNNNN.h5 file of {directory} into it, or {pick.file}"
         )
     path = directory / name
     if not path.is_file():
+        names = [p.name for _, p in committed(directory)]
         raise CheckpointError(
-            f"{pointer} names {name}, which does not exist; set run.resume to one of "
-            f"{[p.name for _, p in committed(directory)] or 'no committed checkpoint'} or run.resume: none"
+            f"{pointer} names {name}, which does not exist; "
+            + (pick.one_of.format(names=names) if names else pick.none)
         )
     return path
 
@@ -95,18 +117,18 @@ def resolve_resume(deck: Deck) -> Optional[Path]:
     )
 
 
-def named_checkpoint(given: str, name: str, missing: str) -> Path:
+def named_checkpoint(given: str, name: str, missing: str, pick: Pick = RESUME_PICK) -> Path:
     """The checkpoint a user named (run.resume, app.eval's --checkpoint): a file, or the one a
     directory's `latest` names. `name` says where it was given, `missing` what to say (and do)
-    when there is no such file; CheckpointError otherwise."""
+    when there is no such file, `pick` how to name another; CheckpointError otherwise."""
     path = Path(given)
     if path.is_dir():
-        latest = read_latest(path)
+        latest = read_latest(path, pick)
         if latest is None:
             raise CheckpointError(f"{name} is a directory without a `latest` checkpoint pointer")
         return latest
     if path.name == LATEST and path.is_file():  # the pointer itself: the checkpoint it names
-        latest = read_latest(path.parent)
+        latest = read_latest(path.parent, pick)
         assert latest is not None
         return latest
     if path.name.endswith(".tmp"):

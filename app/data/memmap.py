@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
@@ -43,12 +44,32 @@ from app.untrusted import read_json
 
 FORMAT, VERSION = "gridlm-tokens", 1
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-FIX_PREPARE = "fix: run `python -m app.data.prepare TEXT... --out PREFIX` and set data.path"
 SAMPLE_TOKENS = 1 << 20  # tokens read at open to check the ids: 2-4 MB, milliseconds
 SAMPLE_CHUNKS = 16  # spread over the file: start, end and evenly in between
 
 
-def fix_vocab(vocab_size: int, max_id: int) -> str:
+@dataclass(frozen=True)
+class DataFixes:
+    """What a message about a token file tells the user to do. Training's deck keys are the defaults
+    (`TRAINING`); a tool that takes the file as an option and the model from a checkpoint
+    (app.memorization) gives its own."""
+
+    given: str = "set data.path"  # how the prepared file is given
+    # Ids beyond the model's vocabulary ({vocab}); None: training's fix (re-tokenize, or a larger vocabulary).
+    vocab: Optional[str] = None
+    short: str = "prepare more text or lower model.seq_len"  # a file shorter than a window
+
+    @property
+    def prepare(self) -> str:
+        return f"fix: run `python -m app.data.prepare TEXT... --out PREFIX` and {self.given}"
+
+
+TRAINING = DataFixes()
+
+
+def fix_vocab(vocab_size: int, max_id: int, fixes: DataFixes = TRAINING) -> str:
+    if fixes.vocab is not None:
+        return "fix: " + fixes.vocab.format(vocab=vocab_size)
     return (
         f"fix: re-tokenize with a vocabulary of at most {vocab_size}, or set model.vocab_size >= "
         f"{max_id + 1} in the deck"
@@ -69,31 +90,32 @@ def sample_ranges(num_tokens: int) -> list[tuple[int, int]]:
 MAX_METADATA_BYTES = 1 << 20
 
 
-def load_metadata(prefix: str) -> dict:
-    """Reads and checks PREFIX.json; raises DataError naming the file and the fix."""
+def load_metadata(prefix: str, fixes: DataFixes = TRAINING) -> dict:
+    """Reads and checks PREFIX.json; raises DataError naming the file and the fix (`fixes`)."""
+    fix_prepare = fixes.prepare
     path = prefix + ".json"
     if not os.path.isfile(path):  # follows links; a FIFO or a directory is no file
-        raise DataError(f"data file {path} does not exist; {FIX_PREPARE}")
-    fail = lambda message: DataError(f"data file {path}: {message}; {FIX_PREPARE}")  # noqa: E731
+        raise DataError(f"data file {path} does not exist; {fix_prepare}")
+    fail = lambda message: DataError(f"data file {path}: {message}; {fix_prepare}")  # noqa: E731
     # Real ones are a few hundred bytes: a regular file, bounded, UTF-8 JSON.
     meta = read_json(path, "token file's metadata", fail, "", MAX_METADATA_BYTES)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DataError(f'data file {path} is not a gridlm token file (expected "format": "{FORMAT}"); {FIX_PREPARE}')
+        raise DataError(f'data file {path} is not a gridlm token file (expected "format": "{FORMAT}"); {fix_prepare}')
     if meta.get("version") != VERSION or not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPES:
         raise DataError(
             f"data file {path} has version {meta.get('version')!r} and dtype "
             f"{meta.get('dtype')!r}; gridlm reads version {VERSION} with dtype in "
-            f"{sorted(DTYPES)}; {FIX_PREPARE} again"
+            f"{sorted(DTYPES)}; {fix_prepare} again"
         )
     optional = ("max_token_id",) if "max_token_id" in meta else ()  # absent in files of older prepares
     for key in ("vocab_size", "num_tokens", "num_documents", "eos", *optional):
         if type(meta.get(key)) is not int or meta[key] < 0:  # true is an int to isinstance
             raise DataError(
-                f"data file {path}: {key} = {meta.get(key)!r} is not a non-negative integer; {FIX_PREPARE} again"
+                f"data file {path}: {key} = {meta.get(key)!r} is not a non-negative integer; {fix_prepare} again"
             )
     for key in ("tokenizer", "tokenizer_path", "tokenizer_sha256"):
         if key in meta and not isinstance(meta[key], str):
-            raise DataError(f"data file {path}: {key} = {meta[key]!r} is not a string; {FIX_PREPARE} again")
+            raise DataError(f"data file {path}: {key} = {meta[key]!r} is not a string; {fix_prepare} again")
     return meta
 
 
@@ -132,32 +154,40 @@ class MemmapTokens:
     """
 
     def __init__(
-        self, prefix: str, seq_len: int, vocab_size: int, seed: int, split: float = 0.0, part: str = "train"
+        self,
+        prefix: str,
+        seq_len: int,
+        vocab_size: int,
+        seed: int,
+        split: float = 0.0,
+        part: str = "train",
+        fixes: DataFixes = TRAINING,
     ) -> None:
-        self.prefix, self.seq_len, self.seed = prefix, seq_len, seed
+        self.prefix, self.seq_len, self.seed, self.fixes = prefix, seq_len, seed, fixes
         self.model_vocab_size = vocab_size
-        meta = load_metadata(prefix)
+        fix_prepare = fixes.prepare
+        meta = load_metadata(prefix, fixes)
         self.meta, self.vocab_size = meta, meta["vocab_size"]
         bin_path, idx_path = prefix + ".bin", prefix + ".idx.npy"
         dtype, n = DTYPES[meta["dtype"]], meta["num_tokens"]
 
         if not os.path.isfile(bin_path):
-            raise DataError(f"data file {bin_path} does not exist; {FIX_PREPARE}")
+            raise DataError(f"data file {bin_path} does not exist; {fix_prepare}")
         size = os.path.getsize(bin_path)
         if size != n * dtype.itemsize:
             raise DataError(
                 f"data file {bin_path} has {size} bytes but {prefix}.json says "
                 f"{n} tokens x {dtype.itemsize} bytes = {n * dtype.itemsize}: it is "
-                f"truncated or corrupt; {FIX_PREPARE} again"
+                f"truncated or corrupt; {fix_prepare} again"
             )
 
         if not os.path.isfile(idx_path):
-            raise DataError(f"data file {idx_path} does not exist; {FIX_PREPARE}")
+            raise DataError(f"data file {idx_path} does not exist; {fix_prepare}")
         try:
             idx = np.load(idx_path, allow_pickle=False, mmap_mode="r")  # a huge file is not read whole
         except Exception as e:  # an untrusted header: EOFError, ValueError, tokenize's TokenError (a cut dict)
             raise DataError(
-                f"data file {idx_path} is not a readable .npy file ({type(e).__name__}: {e}); {FIX_PREPARE} again"
+                f"data file {idx_path} is not a readable .npy file ({type(e).__name__}: {e}); {fix_prepare} again"
             ) from e
         ok = (
             idx.ndim == 1
@@ -171,20 +201,24 @@ class MemmapTokens:
             raise DataError(
                 f"data file {idx_path} is not a monotone list of "
                 f"{meta['num_documents'] + 1} document offsets from 0 to {n}; "
-                f"{FIX_PREPARE} again"
+                f"{fix_prepare} again"
             )
 
         if self.vocab_size > vocab_size:
+            fix = (
+                fixes.vocab.format(vocab=vocab_size)
+                if fixes.vocab is not None
+                else f"set model.vocab_size >= {self.vocab_size} in the deck (a multiple of parallel.tp), or prepare "
+                "the text with a smaller tokenizer"
+            )
             raise DataError(
                 f"data file {prefix}.json has vocab_size {self.vocab_size} (its tokenizer: {tokenizer_of(meta)}) "
-                f"but model.vocab_size is {vocab_size}, which does not cover the tokenizer's ids; fix: set "
-                f"model.vocab_size >= {self.vocab_size} in the deck (a multiple of parallel.tp), or prepare the "
-                "text with a smaller tokenizer"
+                f"but model.vocab_size is {vocab_size}, which does not cover the tokenizer's ids; fix: {fix}"
             )
         if n < seq_len + 1:
             raise DataError(
                 f"data file {bin_path} holds {n} tokens, fewer than model.seq_len + "
-                f"1 = {seq_len + 1}; fix: prepare more text or lower model.seq_len"
+                f"1 = {seq_len + 1}; fix: {fixes.short}"
             )
 
         # Kept mapped (found in review: a copy of the whole index took 8 bytes a document on every
@@ -215,7 +249,7 @@ class MemmapTokens:
         if recorded is not None and recorded >= v:
             raise DataError(
                 f"data file {bin_path} holds token ids up to {recorded} (max_token_id in {json_path}) but "
-                f"model.vocab_size is {v}, so ids must be < {v}; {fix_vocab(v, recorded)}"
+                f"model.vocab_size is {v}, so ids must be < {v}; {fix_vocab(v, recorded, self.fixes)}"
             )
         for start, stop in sample_ranges(len(self.tokens)):
             chunk = self.tokens[start:stop]
@@ -226,11 +260,11 @@ class MemmapTokens:
             if recorded is not None:  # recorded < v, so the file changed after prepare wrote it
                 raise DataError(
                     f"data file {bin_path} holds token id {top} at token {at}, above max_token_id = {recorded} "
-                    f"recorded in {json_path}: the file is corrupt; {FIX_PREPARE} again"
+                    f"recorded in {json_path}: the file is corrupt; {self.fixes.prepare} again"
                 )
             raise DataError(
                 f"data file {bin_path} holds token id {top} at token {at} (found by sampling: {json_path} "
-                f"records no max_token_id) but model.vocab_size is {v}, so ids must be < {v}; {fix_vocab(v, top)}"
+                f"records no max_token_id) but model.vocab_size is {v}, so ids must be < {v}; {fix_vocab(v, top, self.fixes)}"
             )
 
     def check_batch(self, tokens: np.ndarray, indices: list[int], offsets: Optional[np.ndarray] = None) -> None:
@@ -247,7 +281,7 @@ class MemmapTokens:
         raise DataError(
             f"data file {self.prefix}.bin holds token id {top} at token {at} (sample {index}) but "
             f"model.vocab_size is {v}, so ids must be < {v}: the file is corrupt or was tokenized with a "
-            f"larger vocabulary (the checks at open read only a sample of it); {fix_vocab(v, top)}"
+            f"larger vocabulary (the checks at open read only a sample of it); {fix_vocab(v, top, self.fixes)}"
         )
 
     def window(self, w: int, spans: Spans = None) -> np.ndarray:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
 import torch
 
 from app.data import GlobalBatchSampler, MemmapTokens, SyntheticTokens, get_batch
+from app.data.memmap import DataFixes
 from app.deck import Deck
 from app.errors import DataError
 from app.metrics.summary import EvalInfo
@@ -125,19 +126,19 @@ def check_held_out_tokens(train: object, held: HeldOut) -> None:
 
     first = train.datasets[0] if isinstance(train, BlendedTokens) else train
     if isinstance(first, MemmapTokens) and isinstance(held.dataset, MemmapTokens):
-        fix = "prepare the held-out text with the training data's tokenizer (--tokenizer PATH)"
-        check_tokenized_alike(first, held.dataset, "eval.path", fix)
+        check_tokenized_alike(first, held.dataset, "eval.path", HELD_OUT_FIX)
+
+
+HELD_OUT_FIX = "prepare the held-out text with the training data's tokenizer (--tokenizer PATH)"
 
 
 def _held_out_tokens(deck: Deck) -> SyntheticTokens | MemmapTokens:
     m, seed = deck.model, deck.train.seed
     if deck.eval.path:
         try:
-            return MemmapTokens(deck.eval.path, m.seq_len, m.vocab_size, seed)
-        except DataError as err:  # its message names data.path's fix; this file is eval.path's
-            raise DataError(
-                f"eval.path = {deck.eval.path!r}: {err}".replace("set data.path", "set eval.path")
-            ) from None
+            return MemmapTokens(deck.eval.path, m.seq_len, m.vocab_size, seed, fixes=DataFixes(given="set eval.path"))
+        except DataError as err:
+            raise DataError(f"eval.path = {deck.eval.path!r}: {err}") from None
     if deck.data.split:
         assert deck.data.path is not None  # the deck checks: data.split needs memmap, which needs a path
         return MemmapTokens(deck.data.path, m.seq_len, m.vocab_size, seed, deck.data.split, "val")

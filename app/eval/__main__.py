@@ -4,24 +4,32 @@ validation loss of a checkpoint, on any grid.
 Launch it like training (one rank, or under srun / mpirun / mpiexec on any grid the deck and
 the world size allow): the checkpoint loads resharded onto this grid as a resume does
 (`app/checkpoint/io.load`), then `app.eval.evaluate` runs eval.batches global batches of the
-held-out data (eval.path, data.split or synthetic) forward only. Rank 0 prints one line and
-writes the result as JSON to --out (default `<run.dir>/eval/step_NNNNNNN.json`). The exit status
-and the error contract are those of `python -m app` (`app/job.py`): 2 for a user mistake (a bad
-deck, no held-out data, a missing or corrupt checkpoint or data file), printed once.
+held-out data (eval.path, data.split or synthetic) forward only. Unlike a resume, the deck's model
+must be the checkpoint's in every key that changes the function computed, not only in its shapes
+(`io.function_keys`: layernorm_eps, rope_theta, moe_top_k), and the held-out token file must be
+tokenized as the training data (the checkpoint's, else the deck's data.path). Rank 0 prints one
+line and writes the result as JSON to --out (default `<run.dir>/eval/step_NNNNNNN.json`: it
+replaces a record there of the same checkpoint, and refuses one of another, naming --out). The
+exit status and the error contract are those of `python -m app` (`app/job.py`): 2 for a user
+mistake (a bad deck, no held-out data, a missing or corrupt checkpoint or data file, a model or
+tokenizer other than the checkpoint's), printed once.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from app.errors import CheckpointError
+from app.errors import CheckpointError, DeckError
 from app.job import deck_parser
 from app.runtime.process import exit_now
+from app.untrusted import read_json
 
 if TYPE_CHECKING:
     from app.deck import Deck
+    from app.eval import HeldOut
     from app.runtime.grid import ProcessGrid
     from app.runtime.mpi import Runtime
 
@@ -37,22 +45,77 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint", required=True, metavar="CKPT", help="a checkpoint file (.h5), or a directory: its `latest`"
     )
-    parser.add_argument("--out", metavar="FILE", help="where to write the result (default <run.dir>/eval/step_N.json)")
+    parser.add_argument(
+        "--out", metavar="FILE",
+        help="where to write the result (default <run.dir>/eval/step_N.json, never over another checkpoint's)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
 def checkpoint_file(given: str) -> Path:
     """The checkpoint --checkpoint names (a directory: the one its `latest` names)."""
-    from app.checkpoint.store import named_checkpoint
+    from app.checkpoint.store import TOOL_PICK, named_checkpoint
 
-    return named_checkpoint(given, f"--checkpoint {given}", "no such file; give a checkpoint file (.h5) or directory")
+    missing = "no such file; give a checkpoint file (.h5) or directory"
+    return named_checkpoint(given, f"--checkpoint {given}", missing, TOOL_PICK)
+
+
+def default_target(deck: Deck, step: int) -> Path:
+    """Where the result goes without --out: <run.dir>/eval/step_NNNNNNN.json."""
+    return Path(deck.run.directory) / "eval" / f"step_{step:07d}.json"
+
+
+def check_target(target: Path, path: Path) -> None:
+    """The default --out names the step only: two checkpoints of one step (another run's, evaluated with
+    this deck) would write one file. A record there of another checkpoint (or a file that is no
+    record) is refused, naming --out; one of the same checkpoint is replaced (evaluated again)."""
+    if not os.path.lexists(target):
+        return
+    fail = lambda why: CheckpointError(f"{target}: {why}")  # noqa: E731
+    try:
+        record = read_json(target, "evaluation record", fail, "", 1 << 20)
+    except CheckpointError:
+        record = None
+    old = record.get("checkpoint") if isinstance(record, dict) else None
+    if isinstance(old, str) and os.path.realpath(old) == os.path.realpath(path):
+        return
+    held = f"the evaluation of {old}" if isinstance(old, str) else "a file that is not an evaluation record"
+    raise CheckpointError(
+        f"{target} holds {held}, not of {path} (the default output names the step only); fix: pass --out FILE "
+        f"to write this evaluation elsewhere, or remove {target}"
+    )
+
+
+def check_tokenizer(deck: Deck, held: HeldOut, path: Path) -> None:
+    """The held-out token file must be tokenized as the training data (as training checks eval.path):
+    the checkpoint's training data, else the deck's data.path, whichever is readable first."""
+    from app.checkpoint.io import EVAL, read_header, stored_deck
+    from app.data import MemmapTokens
+    from app.data.tokenizer import check_tokenized_alike
+    from app.deck import build_deck
+    from app.eval import HELD_OUT_FIX
+    from app.generate.training_data import training_file
+
+    if not isinstance(held.dataset, MemmapTokens):
+        return
+    sources = []
+    try:  # the run's own deck; one of an older gridlm that no longer builds is left out
+        raw = stored_deck(read_header(path, EVAL), path)
+        sources.append(build_deck(raw, str(path), f"the deck of checkpoint {path}", "eval").data)
+    except DeckError:
+        pass
+    for data in (*sources, deck.data):
+        found, _ = training_file(data)
+        if found is not None:
+            check_tokenized_alike(found, held.dataset, "eval.path" if deck.eval.path else "data.path", HELD_OUT_FIX)
+            return
 
 
 def evaluate_checkpoint(
     deck: Deck, runtime: Runtime, grid: ProcessGrid, given: str, out: Optional[str]
 ) -> dict[str, Any]:
     """Load `given` onto this grid and evaluate it (every rank); rank 0 prints and writes the result."""
-    from app.checkpoint.io import load
+    from app.checkpoint.io import EVAL, load, read_header
     from app.eval import evaluate
     from app.metrics.report import dumps_strict, replace_text
     from app.runtime.mpi import on_root
@@ -62,9 +125,17 @@ def evaluate_checkpoint(
     trainer = Trainer(deck, runtime, grid, evaluate_only=True)
     try:
         path = on_root(runtime, lambda: checkpoint_file(given))
-        info = load(trainer, path)
         assert trainer.eval_data is not None
-        result = evaluate(trainer, trainer.eval_data)
+        held = trainer.eval_data
+
+        def check() -> None:  # before the tensors are read: the mistakes a user can fix at once
+            if not out:
+                check_target(default_target(deck, int(read_header(path, EVAL)["step"])), path)
+            check_tokenizer(deck, held, path)
+
+        on_root(runtime, check)
+        info = load(trainer, path, EVAL)
+        result = evaluate(trainer, held)
     finally:
         trainer.close()
     g = info["grid"]
@@ -76,7 +147,7 @@ def evaluate_checkpoint(
         "resharded": info["resharded"],
         "deck_eval": deck.to_dict()["eval"],
     }
-    target = Path(out) if out else Path(deck.run.directory) / "eval" / f"step_{result['step']:07d}.json"
+    target = Path(out) if out else default_target(deck, result["step"])
 
     def write() -> None:
         try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -35,11 +34,13 @@ if TYPE_CHECKING:
     from app.runtime.mpi import Runtime
 
 # The inference grid: the model split over every rank by 1D tensor parallelism, nothing else (no
-# context or expert parallelism either: a checkpoint reads onto any grid).
+# context or expert parallelism either: a checkpoint reads onto any grid). The attention kernel and the
+# communication backend are the device's: a GPU-only kernel (cudnn, flash) or nccl from training changes
+# nothing in the result and would not run here (CPU ranks; decoding is fp32, which flash has no kernel for).
 INFERENCE_GRID = (
     "parallel.pp=1", "parallel.dp=auto", "parallel.virtual_stages=1", "parallel.stage_layers=null",
     "parallel.tensor=null", "parallel.tensor_order=xyz", "parallel.sequence_parallel=false", "parallel.cp=1",
-    "parallel.ep=1",
+    "parallel.ep=1", "parallel.backend=auto", "model.attention_kernel=auto",
 )  # fmt: skip
 
 
@@ -47,7 +48,6 @@ def generation_deck(path: Path, world: int, overrides: tuple[str, ...] = ()) -> 
     """The deck of an inference job on `world` ranks from checkpoint `path`'s deck: tp = world,
     the model as trained, then the user's --set `overrides` (run.* keys, e.g. run.device=cpu)."""
     from app.checkpoint.io import read_header, stored_deck
-    from app.deck import build_deck, resolve_for_world
 
     header = read_header(path)
     raw = stored_deck(header, path)
@@ -57,17 +57,38 @@ def generation_deck(path: Path, world: int, overrides: tuple[str, ...] = ()) -> 
                 "--set", given, "generation takes the model from the checkpoint and runs tp over every rank; "
                 "only run.* keys can be set (e.g. run.device=cpu)"
             )  # fmt: skip
-    grid = (f"parallel.tp={world}", *INFERENCE_GRID, "train.global_batch=1", "train.micro_batch=1")
     try:
-        deck = build_deck(raw, str(path), f"the deck of checkpoint {path}", "generate", (*grid, *overrides))
-        return resolve_for_world(deck, world)
+        return _inference_deck(raw, path, world, overrides)
     except DeckError as err:
         if err.key.startswith("parallel.") or err.key.startswith("model."):
             raise LaunchError(
                 f"generation splits the model over all {world} ranks by tensor parallelism (tp = {world}), which "
-                f"this model cannot take: {err}; launch fewer ranks (e.g. 1, or a divisor of model.heads)"
+                f"this model cannot take: {err}; {_fewer_ranks(raw, path, world, overrides, err)}"
             ) from None
         raise
+
+
+def _inference_deck(raw: Any, path: Path, world: int, overrides: tuple[str, ...]) -> Deck:
+    from app.deck import build_deck, resolve_for_world
+
+    grid = (f"parallel.tp={world}", *INFERENCE_GRID, "train.global_batch=1", "train.micro_batch=1")
+    deck = build_deck(raw, str(path), f"the deck of checkpoint {path}", "generate", (*grid, *overrides))
+    return resolve_for_world(deck, world)
+
+
+def _fewer_ranks(raw: Any, path: Path, world: int, overrides: tuple[str, ...], err: DeckError) -> str:
+    """The fix of a world the model cannot split over: the largest rank count that it can, and the
+    quantity that limits it (the key of the refusal: model.heads, model.kv_heads, model.vocab_size, ...)."""
+    fits = 1
+    for ranks in range(min(world - 1, 1024), 1, -1):  # a model splits over a few ranks: no need to try thousands
+        try:
+            _inference_deck(raw, path, ranks, overrides)
+        except DeckError:
+            continue
+        fits = ranks
+        break
+    limit = f"{err.key} = {err.value}" if err.key.startswith("model.") else "the model's heads, MLP and vocabulary"
+    return f"launch fewer ranks: {fits} (the rank count must divide {limit})"
 
 
 def run_on_checkpoint(
@@ -76,14 +97,14 @@ def run_on_checkpoint(
     """An inference command's job (`app.job.run_job`) on the checkpoint `args.checkpoint` (a file,
     or a directory's latest) with the run.* `args.overrides`: the deck is `generation_deck`'s, and
     `body` gets the command line and the checkpoint's path too. The exit status."""
-    from app.checkpoint.store import named_checkpoint
+    from app.checkpoint.store import TOOL_PICK, named_checkpoint
     from app.job import run_job
 
     given, chosen = args.checkpoint, []
 
     def load(world: int) -> Deck:
         missing = "no such file; give a checkpoint file (.h5) or directory"
-        chosen.append(named_checkpoint(given, f"checkpoint {given}", missing))
+        chosen.append(named_checkpoint(given, f"checkpoint {given}", missing, TOOL_PICK))
         return generation_deck(chosen[-1], world, tuple(args.overrides))
 
     return run_job(load, lambda deck, runtime, grid: body(deck, runtime, grid, args, chosen[-1]))
@@ -107,36 +128,36 @@ def load_model(deck: Deck, runtime: Runtime, grid: ProcessGrid, path: Path) -> t
 
 def default_tokenizer(deck: Deck) -> Optional[AnyTokenizer]:
     """The tokenizer of the run's training data, as its token file's metadata names it (the first
-    file of a blend), where that file and tokenizer are still readable; None for synthetic data."""
-    from app.data.memmap import load_metadata
+    file of a blend), where that file and tokenizer are still readable (the tokenizer.json at its
+    recorded path, or beside the token file: `training_data.tokenizer_file`); None for synthetic data."""
     from app.data.tokenizer import ByteTokenizer, HFTokenizer
+    from app.generate.training_data import tokenizer_file, training_file
 
-    blend = deck.data.blend
-    if deck.data.kind != "memmap" or not blend:
+    found, _ = training_file(deck.data)
+    if found is None:
         return None
-    try:
-        meta = load_metadata(blend[0][1])
-    except DataError:
-        return None
+    meta = found.meta
     if meta.get("tokenizer") == "huggingface":
-        tokenizer_path = meta.get("tokenizer_path", "")
-        if not os.path.isfile(tokenizer_path):
-            return None
-        tokenizer = HFTokenizer(tokenizer_path, eos_id=int(meta["eos"]))
-        if tokenizer.sha256 != meta.get("tokenizer_sha256"):
+        tokenizer_path, other = tokenizer_file(found)
+        if tokenizer_path is None and other:
             raise DataError(
-                f"{tokenizer_path} is not the tokenizer the training data {blend[0][1]} was made with (its sha256 "
-                f"differs from the token file's); fix: pass --tokenizer with the tokenizer.json used by prepare"
+                f"{other[0]} is not the tokenizer the training data {found.prefix} was made with (its sha256 "
+                f"differs from the token file's, {meta.get('tokenizer_sha256')}); fix: pass --tokenizer with the "
+                "tokenizer.json used by prepare"
             )
-        return tokenizer
+        return None if tokenizer_path is None else HFTokenizer(tokenizer_path, eos_id=int(meta["eos"]))
     # No `tokenizer` key (a file written by other tools): unknown, not bytes; text needs --tokenizer.
     return ByteTokenizer() if meta.get("tokenizer") == "byte" else None
 
 
-def resolve_tokenizer(spec: Optional[str], deck: Deck, eos: Optional[str] = None) -> Optional[AnyTokenizer]:
+def resolve_tokenizer(
+    spec: Optional[str], deck: Deck, eos: Optional[str] = None, any_tokenizer: bool = False
+) -> Optional[AnyTokenizer]:
     """--tokenizer byte|PATH (with --eos TOKEN, its end-of-document token), else the training data's
-    (`default_tokenizer`); checked against the model's vocabulary."""
+    (`default_tokenizer`); checked against the model's vocabulary and, unless `any_tokenizer`
+    (--any-tokenizer), against the tokenizer the training data names (`training_data.check_tokenizer`)."""
     from app.data.tokenizer import load_tokenizer
+    from app.generate.training_data import check_tokenizer, training_file
 
     if spec is None and eos is not None:
         raise DataError("--eos names the end-of-document token of a --tokenizer PATH; fix: pass --tokenizer too")
@@ -147,6 +168,8 @@ def resolve_tokenizer(spec: Optional[str], deck: Deck, eos: Optional[str] = None
             f"{deck.model.vocab_size:,}: it is not this model's tokenizer; pass the one it was trained with "
             "(--tokenizer byte|PATH) or --prompt-ids"
         )
+    if tokenizer is not None and spec is not None and not any_tokenizer:
+        check_tokenizer(tokenizer, spec, training_file(deck.data)[0])
     return tokenizer
 
 

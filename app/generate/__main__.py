@@ -3,10 +3,12 @@ text from a checkpoint, on one rank or tensor parallel over all ranks (`mpirun -
 app.generate ...`).
 
 CKPT is a checkpoint file or a checkpoint directory (its `latest`). The model comes from the deck
-the checkpoint carries; the tokenizer from its training data's token file (or --tokenizer
-byte|PATH). --prompt-ids 1,2,3 gives token ids instead of text. Rank 0 prints the prompt and its
-continuation, then one `gridlm: generate | ...` line with the speed; with --json the last line
-is one JSON object: the new token ids under "ids" (the prompt's not included), their text under
+the checkpoint carries; the tokenizer from its training data's token file (the tokenizer.json it
+records, else PREFIX.tokenizer.json beside it, with the recorded sha256), or --tokenizer byte|PATH,
+which must be that one (kind and sha256) where the training data names one (--any-tokenizer: take
+it anyway). --prompt-ids 1,2,3 gives token ids instead of text. Rank 0 prints the prompt and its
+continuation, then one `gridlm: generate | ...` line with the speed; with --json the speed line
+and, last, instead of the text, one JSON object: the new token ids under "ids" (the prompt's not included), their text under
 "text" (null without a tokenizer), and the prompt's ids, the checkpoint, its step and the speed.
 Greedy (the default, no --temperature) equals Hugging Face `generate(do_sample=False)` on the
 checkpoint's export. Generation stops at --max-new-tokens, or at the tokenizer's end-of-document
@@ -76,6 +78,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         help="the end-of-document token of a --tokenizer PATH (as prepare's --eos; default: the first of "
         "<|endoftext|>, </s>, <|end_of_text|>, <eos> it has)",
     )  # fmt: skip
+    parser.add_argument(
+        "--any-tokenizer", action="store_true",
+        help="take --tokenizer even where the training data's token file names another (that file was prepared "
+        "again since the training)",
+    )  # fmt: skip
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-document token")
     parser.add_argument("--json", action="store_true", help="end with one JSON line (ids, text, speed)")
     parser.add_argument(
@@ -100,14 +107,12 @@ def run_generation(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argpar
     import torch
 
     from app.generate import Sampling, check_lengths, generate, load_model, resolve_tokenizer, result_line
+    from app.generate.training_data import missing_tokenizer
     from app.runtime.mpi import agree
 
-    tokenizer = agree(runtime, lambda: resolve_tokenizer(args.tokenizer, deck, args.eos))
+    tokenizer = agree(runtime, lambda: resolve_tokenizer(args.tokenizer, deck, args.eos, args.any_tokenizer))
     if args.prompt is not None and tokenizer is None:
-        raise DataError(
-            "--prompt needs a tokenizer and this checkpoint's training data names none (synthetic data, or its token "
-            "file is gone); fix: pass --tokenizer byte|PATH, or token ids with --prompt-ids"
-        )
+        raise DataError(f"--prompt needs a tokenizer and {missing_tokenizer(deck.data)}")
     ids = tokenizer.encode(args.prompt) if args.prompt is not None else prompt_ids(args.prompt_ids)
     vocab = deck.model.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]

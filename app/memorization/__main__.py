@@ -4,9 +4,10 @@ reproduces exactly (`app/memorization/__init__.py`).
 
 Launch it like `python -m app.generate`: one rank, or tensor parallel over all ranks (the model
 comes from the deck the checkpoint carries; only run.* keys can be --set). PREFIX is a token file
-from `app.data.prepare` (the training data, or any text to test). Rank 0 prints one line; with
---json the last line is one JSON object (exact_share, token_share, passages, ...). Exit status as
-`python -m app`: 2 for a user mistake, printed once.
+from `app.data.prepare`, tokenized as the training data: the training data itself (its train part
+only, with data.split), or any text to test (the line then says it may not be training text).
+Rank 0 prints one line; with --json the last line is one JSON object (exact_share, token_share,
+passages, training_data, ...). Exit status as `python -m app`: 2 for a user mistake, printed once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "--continuation-tokens", type=_positive, default=32, metavar="C", help="tokens that must match (32)"
     )
     parser.add_argument("--batch", type=_positive, default=16, metavar="B", help="passages decoded together (16)")
+    parser.add_argument(
+        "--any-tokenizer", action="store_true",
+        help="take --data even where its tokenizer is not the one the training data's token file names (that file "
+        "was prepared again since the training)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="run.KEY=VALUE",
@@ -49,29 +55,29 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def run_measure(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argparse.Namespace, path: Path) -> None:
-    from app.data.memmap import MemmapTokens
-    from app.generate import check_lengths, load_model, result_line
-    from app.memorization import measure, passages
+    from app.generate import load_model, result_line
+    from app.memorization import check_passage, measure, passages, read_passages
     from app.runtime.mpi import agree
 
     p, c = args.prefix_tokens, args.continuation_tokens
-    check_lengths(deck, p, c)
-    data = agree(runtime, lambda: MemmapTokens(args.data, 1, deck.model.vocab_size, seed=0))
-    windows = agree(runtime, lambda: passages(data.tokens, deck.model.seq_len, args.passages, p, c))
+    check_passage(deck.model.seq_len, p, c)
+    source = agree(runtime, lambda: read_passages(deck, args.data, args.any_tokenizer))
+    windows = agree(runtime, lambda: passages(source.tokens, deck.model.seq_len, args.passages, p, c))
     t0 = time.perf_counter()
     model, header = load_model(deck, runtime, grid, path)
     result = measure(model, windows, p, args.batch)
     seconds = time.perf_counter() - t0
     runtime.log(
-        f"gridlm: memorization | {path} (step {header['step']}) | {args.data}: {result.passages} passages of {p} "
-        f"prefix + {c} continuation tokens | exact {result.exact_share:.3f} ({result.exact}/{result.passages}) | "
-        f"tokens matched {result.token_share:.3f} | tp={grid.size('tp')} | {seconds:.2f} s"
+        f"gridlm: memorization | {path} (step {header['step']}) | {args.data} ({source.words}): {result.passages} "
+        f"passages of {p} prefix + {c} continuation tokens | exact {result.exact_share:.3f} "
+        f"({result.exact}/{result.passages}) | tokens matched {result.token_share:.3f} | tp={grid.size('tp')} | "
+        f"{seconds:.2f} s"
     )
     if args.json:
         runtime.log(result_line({
             "exact_share": result.exact_share, "token_share": result.token_share, "passages": result.passages,
             "exact": result.exact, "prefix_tokens": p, "continuation_tokens": c, "checkpoint": str(path),
-            "step": int(header["step"]), "data": args.data, "tp": grid.size("tp"),
+            "step": int(header["step"]), "data": args.data, "training_data": source.training, "tp": grid.size("tp"),
         }))  # fmt: skip
 
 
