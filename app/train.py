@@ -400,6 +400,15 @@ class Trainer:
             + (" | resharded to this grid" if info["resharded"] else "")
             + ("" if info["rng_restored"] else " | RNG states not restored (other grid): dropout masks differ")
         )
+        if info["changed_function"]:
+            said = ", ".join(
+                f"model.{key} = {now!r} (trained with {was!r})" for key, was, now in info["changed_function"]
+            )
+            self.runtime.log(
+                f"gridlm: warning: this deck changes the checkpoint's model: {said}; training goes on with the "
+                "deck's values (e.g. a larger rope_theta to extend the context); if that is not meant, set the "
+                "trained values in the deck's model section"
+            )
         return info
 
     def initialise_from_hf(self, directory: Path) -> None:

@@ -29,7 +29,7 @@ from app.deck import load_deck, resolve_for_world
 from app.errors import DataError, DeckError
 from app.eval import evaluate
 from app.train import Trainer
-from conftest import REPO, grid_trainer, read_metrics, run_mpi, settle, train_steps
+from conftest import REPO, grid_trainer, read_metrics, run_app, run_mpi, settle, train_steps
 
 EVAL_RTOL = 1e-5
 STEPS = 3
@@ -126,7 +126,6 @@ def test_an_eval_path_of_another_tokenizer_than_the_training_data_is_refused(tmp
     """Found in review (2026-11-30): eval.path was never compared with the training data, whose blend
     files must share a tokenizer: a held-out file of another tokenizer gave a val loss that means
     nothing, logged without a word."""
-    from conftest import run_app
 
     train, held = str(tmp_path / "train"), str(tmp_path / "held")
     write_tokens(train, documents(60, seed=3))
@@ -268,7 +267,7 @@ def test_the_keys_that_change_the_function_are_compared_by_app_eval_and_not_by_a
     not dropout, attention_kernel, moe_capacity_factor or the router losses' weights, which evaluation
     does not compute with. A resume keeps comparing the shapes only (a rope_theta changed on purpose
     for a longer context stays possible there)."""
-    from app.checkpoint.io import EVAL, RESUME, check_model
+    from app.checkpoint.io import EVAL, RESUME, changed_function, check_model
     from app.deck_yaml import dump_yaml
     from app.errors import CheckpointError
 
@@ -286,9 +285,27 @@ def test_the_keys_that_change_the_function_are_compared_by_app_eval_and_not_by_a
         with pytest.raises(CheckpointError, match=re.escape(fix)):
             check_model(header, deck, path, EVAL)
         check_model(header, deck, path, RESUME)  # a resume's check is unchanged: shapes only
+        key = changed.split("=")[0].removeprefix("model.")
+        assert [change[0] for change in changed_function(header, deck, path)] == [key]  # which a resume says
+    assert changed_function(header, load_deck(REPO / "inputs/gpt_tiny.yaml", (*llama, *harmless)), path) == []
     # A gpt2 model has learned positions: its rope_theta computes nothing.
     gpt2 = {"deck": dump_yaml(load_deck(REPO / "inputs/gpt_tiny.yaml").to_dict(), sort_keys=False)}
     check_model(gpt2, load_deck(REPO / "inputs/gpt_tiny.yaml", ("model.rope_theta=500",)), path, EVAL)
+
+
+def test_a_resume_that_changes_the_model_s_function_says_so_and_goes_on(trained, tmp_path):
+    """A resume takes the deck's layernorm_eps or rope_theta (a larger rope_theta extends the context on
+    purpose) but no longer silently: the log names the key, the trained value and the new one."""
+    data, run_dir, _, _ = trained
+    checkpoint = run_dir / "checkpoints" / "step_0000002.h5"
+    resumed = run_app(1, "inputs/gpt_tiny.yaml", *SMALL, *data, "--set", "train.steps=3", "--set",
+                      f"run.dir={tmp_path / 'run'}", "--set", f"run.resume={checkpoint}",
+                      "--set", "model.layernorm_eps=0.001", "--set", "checkpoint.at_exit=false")  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        "gridlm: warning: this deck changes the checkpoint's model: model.layernorm_eps = 0.001 (trained with 1e-05)"
+        in resumed.stdout
+    ), resumed.stdout[-3000:]
 
 
 def test_app_eval_refuses_held_out_tokens_of_another_tokenizer_than_the_checkpoints_training_data(trained, tmp_path):

@@ -940,6 +940,14 @@ def check_model(header: dict[str, Any], deck: Deck, path: Path, advice: Advice =
             )
 
 
+def changed_function(header: dict[str, Any], deck: Deck, path: Path) -> list[tuple[str, Any, Any]]:
+    """(key, the checkpoint's value, the deck's) for each `function_keys` key the deck changes: a resume
+    takes them (a larger rope_theta to extend the context is deliberate) but says so."""
+    saved = model_section(header, path)
+    return [(key, saved.get(key), getattr(deck.model, key)) for key in function_keys(saved)
+            if saved.get(key) != getattr(deck.model, key)]  # fmt: skip
+
+
 def function_keys(model: dict[str, Any]) -> tuple[str, ...]:
     """The model keys beyond the shapes (SHAPE_KEYS) that change what a checkpoint's model (`model_section`)
     computes in evaluation: the norms' epsilon, the rotary base where positions are rotary, the experts a
@@ -1001,12 +1009,12 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
     t0 = time.perf_counter()
     phases = PhaseTimes()  # this rank's seconds per phase (the result's "phases")
 
-    def validate() -> dict[str, Any]:
+    def validate() -> tuple[dict[str, Any], list[tuple[str, Any, Any]]]:
         header = read_header(path, advice)
         check_model(header, deck, path, advice)
-        return header
+        return header, changed_function(header, deck, path)
 
-    header = on_root(rt, validate)
+    header, changed = on_root(rt, validate)
     phases.lap("header (rank 0 reads and checks it)")
     in_file = header["datasets"]
     shards = _shard_states(state)
@@ -1189,6 +1197,7 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
         "read_bytes": sum(own_bytes.values()),  # this rank's tensor bytes read from the file (not the RNG rows)
         "shared_datasets": len(shares.shared),  # read in pieces and all-gathered with the ranks reading alike
         "note": note,  # V1_NOTE for a format-version-1 file, else None
+        "changed_function": changed,  # (model key, the checkpoint's, the deck's) that the resume takes
     }
 
 
