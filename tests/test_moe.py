@@ -249,3 +249,9 @@ def test_a_mixtral_directory_names_the_expert_keys_a_dense_deck_lacks(tmp_path):
     shared = load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "model.moe_every=1", "model.moe_shared_experts=1"))
     with pytest.raises(CheckpointError, match="no shared experts"):
         check_config(tmp_path, config, shared.model)
+    # sliding_window: null or a window as long as a sample is full causal attention, as gridlm's;
+    # a shorter one, or not a positive integer, is refused in one line (a string was a TypeError).
+    check_config(tmp_path, {**config, "sliding_window": 4096}, ok.model)
+    for window, said in ((4, "sliding_window 4 < model.seq_len"), ("4096", "is not null or a positive integer")):
+        with pytest.raises(CheckpointError, match=said):
+            check_config(tmp_path, {**config, "sliding_window": window}, ok.model)

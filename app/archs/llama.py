@@ -214,6 +214,8 @@ def hf_unsupported(config: dict[str, Any], m: Any) -> Optional[str]:
         if m.moe_shared_experts:
             return f"no shared experts; model.moe_shared_experts is {m.moe_shared_experts}: set it to 0"
         window = config.get("sliding_window")
+        if window is not None and (type(window) is not int or window < 1):
+            return f"sliding_window {str(window)[:40]!r} is not null or a positive integer"
         if window is not None and window < m.seq_len:
             return f"sliding_window {window} < model.seq_len {m.seq_len}: gridlm's attention is full causal"
     return None
