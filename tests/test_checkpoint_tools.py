@@ -208,6 +208,12 @@ def test_user_mistakes_exit_2_with_one_gridlm_line_and_no_traceback(fp32_ckpt, t
         err = capsys.readouterr().err
         assert err.startswith("gridlm: ") and says in err and err.count("\n") == 1, err
     assert sorted(p.name for p in full.iterdir()) == ["keep.txt"]  # the refused export wrote nothing
+    # --force over an earlier model's directory: its generation_config.json (whose token ids transformers'
+    # generate takes over config.json's) goes, said so; other files stay.
+    (full / "generation_config.json").write_text('{"eos_token_id": 7}\n')
+    assert checkpoint_cli(["export", str(fp32_ckpt), "--to", "hf", str(full), "--force"]) == 0
+    assert "removed the earlier model's generation_config.json" in capsys.readouterr().out
+    assert sorted(p.name for p in full.iterdir()) == ["config.json", "keep.txt", "model.safetensors"]
 
 
 def test_a_truncated_or_rewritten_file_is_told_the_tools_fix_not_a_resumes(fp32_ckpt, tmp_path, capsys):

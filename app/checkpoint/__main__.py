@@ -266,6 +266,7 @@ def _export(args: argparse.Namespace) -> int:
     print(
         f"gridlm: exported step {done.step} of {args.file} (/{done.source}, as fp32) -> {done.directory}: "
         f"config.json, model.safetensors | {done.parameters:,} parameters, {done.bytes / 1e6:.1f} MB"
+        + (f" | removed the earlier model's {', '.join(done.removed)}" if done.removed else "")
     )
     if int(read_header(Path(args.file))["format_version"]) < 2:  # it was verified with the v1 checksum
         print(f"gridlm: {args.file}: {V1_NOTE}")

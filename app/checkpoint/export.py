@@ -74,10 +74,17 @@ class Exported:
     source: str  # the checkpoint group the values came from
     parameters: int
     bytes: int
+    removed: tuple[str, ...] = ()  # files of an earlier model that --force took away (STALE)
+
+
+# What an earlier model's directory may hold that would contradict the export: transformers' generate
+# takes its token ids and defaults from generation_config.json over config.json's.
+STALE = ("generation_config.json",)
 
 
 def check_target(directory: Path, force: bool) -> None:
-    """DIR may be new or empty; a non-empty one only with --force (its two files are replaced)."""
+    """DIR may be new or empty; a non-empty one only with --force (its two files are replaced, and an
+    earlier model's STALE files removed)."""
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"export target {directory} exists and is not a directory; choose another DIR")
     if directory.is_dir() and any(directory.iterdir()) and not force:
@@ -126,12 +133,22 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
             tensors[rule.hf] = np.ascontiguousarray(rule.convert(read[key]), dtype=np.float32)
 
     _write(directory, hf_config(model), tensors, {"format": "pt", "gridlm_checkpoint": str(path)})
+    removed = tuple(name for name in STALE if (directory / name).is_file())
+    try:
+        for name in removed:
+            (directory / name).unlink()
+    except OSError as err:
+        raise CheckpointError(
+            f"exported to {directory}, but its {err.filename} (an earlier model's) cannot be removed "
+            f"({err.strerror}); remove it: transformers would take its token ids over config.json's"
+        ) from None
     return Exported(
         directory,
         int(header["step"]),
         source,
         sum(t.size for t in tensors.values()),
         sum(t.nbytes for t in tensors.values()),
+        removed,
     )
 
 
