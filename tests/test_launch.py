@@ -381,6 +381,21 @@ def test_a_python_without_torch_stops_the_job_before_the_launch(tmp_path, monkey
     assert "run launch/setup.sh" in done.stderr and "GRIDLM_CHECK_PYTHON=0" in done.stderr
 
 
+def test_a_launch_line_that_starts_a_container_leaves_the_python_to_it(tmp_path, monkeypatch, capsys):
+    """pyxis' srun --container-image (DGX clusters) runs the image's python: the batch node's lacks
+    torch, and checking it would stop every such job; the check is skipped and says why."""
+    machine = tmp_path / "dgx_pyxis.yaml"
+    text = (REPO / "inputs/machines/dgx_h100.yaml").read_text()
+    text = text.replace("--mpi=pmix", "--mpi=pmix --container-image=nvcr.io/nvidia/pytorch:24.05-py3")
+    machine.write_text(text.replace("name: dgx_h100", "name: dgx_pyxis"))
+    write_script(tmp_path, monkeypatch, capsys, str(machine), 1)
+    marker = tmp_path / "launched"
+    done = run_job(Path(f"{machine}-1.sh"), tmp_path, "srun", f"#!/bin/sh\ntouch {marker}\n",
+                   bare_python(tmp_path, False))  # fmt: skip
+    assert done.returncode == 0 and marker.exists(), done.stdout + done.stderr
+    assert "python check skipped: the launcher's container provides python (--container-image=" in done.stdout
+
+
 # --- common.sh: signal forwarding, exit status, the PBS timer, the node-count check -----------
 
 CHILD = textwrap.dedent(

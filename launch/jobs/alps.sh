@@ -43,10 +43,10 @@ gridlm_stripe {{checkpoint_dir}} {{setstripe}}
 
 # Python: the venv of launch/setup.sh if there is one (create it inside the uenv); otherwise the
 # uenv's or image's python, which must provide torch, mpi4py and h5py built against Cray MPICH.
-# The repository goes on PYTHONPATH; the check stops the job in seconds if an import fails (a python
-# that only exists inside srun's container: export GRIDLM_CHECK_PYTHON=0).
+# The repository goes on PYTHONPATH; the check stops the job in seconds if an import fails (skipped
+# where the launch line starts a container: --container-image, --environment).
 gridlm_use_venv
-gridlm_check_python
+gridlm_check_python {{launch}}
 
 # all-visible binding: each rank sees the node's 4 GPUs (NCCL P2P over NVLink); local rank picks.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

@@ -4,7 +4,7 @@
 #   gridlm_start NODES RANKS               # job header; stop if the allocation has another node count
 #   gridlm_signal_before_end WALLTIME_S LEAD_S   # PBS only: SIGUSR1 to this script LEAD_S s before the end
 #   gridlm_use_venv                        # ${GRIDLM_VENV:-$repo/.venv} on PATH if it exists; $repo on PYTHONPATH
-#   gridlm_check_python                    # stop (exit 2) unless `python` imports app, torch, mpi4py, h5py
+#   gridlm_check_python LAUNCH...          # stop (exit 2) unless `python` imports app, torch, mpi4py, h5py
 #   gridlm_launch srun ... python -m app DECK ...   # returns the launcher's exit status
 #
 # Why: the scheduler signals the batch shell (Slurm `--signal=B:USR1@LEAD`, or the PBS timer
@@ -78,12 +78,22 @@ gridlm_use_venv() {
 # gridlm_check_python: stop the job (exit 2) unless the `python` of the launch line imports app
 # (gridlm), torch, mpi4py and h5py here, on the batch node: a few seconds, instead of every rank
 # failing after the queue wait. mpi4py is imported without MPI (no MPI_Init outside the launcher).
-# GRIDLM_CHECK_PYTHON=0 skips it, for a python that only the launcher provides (srun --container-image).
+# LAUNCH: the launch line's words; a container the launcher starts (srun --container-image of pyxis,
+# --environment of CSCS) has a python this node lacks: no check then. GRIDLM_CHECK_PYTHON=0 skips it
+# for any other python that only the launcher provides.
 gridlm_check_python() {
   if [ "${GRIDLM_CHECK_PYTHON:-1}" = 0 ]; then
     _gridlm_log "python check skipped (GRIDLM_CHECK_PYTHON=0)"
     return 0
   fi
+  local word
+  for word in "$@"; do
+    case "$word" in
+      --container-image*|--container-name*|--environment*)
+        _gridlm_log "python check skipped: the launcher's container provides python ($word)"
+        return 0 ;;
+    esac
+  done
   local fix="fix: run launch/setup.sh (it makes the venv ${GRIDLM_VENV:-${repo:-<repo>}/.venv}), or load the modules or"
   fix="$fix activate the env that provides them before the launch in this script (docs/CLUSTERS.md); GRIDLM_CHECK_PYTHON=0 skips this check"
   local where status=0 missing

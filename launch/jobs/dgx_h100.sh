@@ -34,10 +34,10 @@ gridlm_stripe {{checkpoint_dir}} {{setstripe}}
 # Python: the venv of launch/setup.sh if there is one; otherwise the python of your modules,
 # conda env or container, which must provide torch (CUDA build), mpi4py and h5py built against
 # the MPI that srun --mpi=pmix starts (OpenMPI / HPC-X). The repository goes on PYTHONPATH; the
-# check stops the job in seconds if an import fails. With --container-image on the srun line the
-# python is the image's, not this node's: export GRIDLM_CHECK_PYTHON=0 before sbatch.
+# check stops the job in seconds if an import fails; with --container-image on the srun line the
+# python is the image's, not this node's, and the check is skipped.
 gridlm_use_venv
-gridlm_check_python
+gridlm_check_python {{launch}}
 
 # all-visible binding: each rank sees the node's GPUs (NCCL P2P over NVSwitch); local rank picks.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

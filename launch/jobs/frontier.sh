@@ -48,7 +48,7 @@ gridlm_stripe {{checkpoint_dir}} {{setstripe}}
 # conda env, which must provide torch (ROCm build), mpi4py and h5py built against Cray MPICH.
 # The repository goes on PYTHONPATH; the check stops the job in seconds if an import fails.
 gridlm_use_venv
-gridlm_check_python
+gridlm_check_python {{launch}}
 
 # per-task binding: each rank sees the one GCD closest to its cores, as device 0.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

@@ -20,7 +20,7 @@ gridlm_start {{nodes}} {{ranks}}
 # run as root, more ranks than cores, no CMA single-copy, ROMIO for MPI-IO.
 source "$repo/launch/env.sh"
 gridlm_use_venv       # the repository on PYTHONPATH
-gridlm_check_python   # stop at once if python cannot import app, torch, mpi4py, h5py
+gridlm_check_python {{launch}}   # stop at once if python cannot import app, torch, mpi4py, h5py
 export OMP_NUM_THREADS={{threads}}  # the ranks share the node's few cores
 
 # srun --mpi=pmix starts Debian's OpenMPI ranks directly (no mpirun); no devices to bind.

@@ -51,7 +51,7 @@ gridlm_stripe {{checkpoint_dir}} {{setstripe}}
 # conda env, which must provide torch (CUDA build), mpi4py and h5py built against Cray MPICH.
 # The repository goes on PYTHONPATH; the check stops the job in seconds if an import fails.
 gridlm_use_venv
-gridlm_check_python
+gridlm_check_python {{launch}}
 
 # all-visible binding: each rank sees the node's 4 GPUs (NCCL P2P over NVLink); local rank picks.
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}

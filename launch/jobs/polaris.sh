@@ -54,7 +54,7 @@ gridlm_stripe {{checkpoint_dir}} {{setstripe}}
 # must provide torch (CUDA build), mpi4py and h5py built against Cray MPICH.
 # The repository goes on PYTHONPATH; the check stops the job in seconds if an import fails.
 gridlm_use_venv
-gridlm_check_python
+gridlm_check_python {{launch}}
 
 # all-visible binding: mpiexec binds no GPUs; each rank sees 4 and its local rank picks one. GPU
 # indices run opposite to the NUMA domains that --cpu-bind depth hands out (local rank 0 gets the
