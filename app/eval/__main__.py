@@ -86,10 +86,11 @@ def check_target(target: Path, path: Path) -> None:
     )
 
 
-def check_tokenizer(deck: Deck, held: HeldOut, path: Path) -> None:
+def check_tokenizer(deck: Deck, held: HeldOut, path: Path, header: dict[str, Any]) -> None:
     """The held-out token file must be tokenized as the training data (as training checks eval.path):
-    the checkpoint's training data, else the deck's data.path, whichever is readable first."""
-    from app.checkpoint.io import EVAL, read_header, stored_deck
+    the checkpoint's (`header`: its read_header) training data, else the deck's data.path, whichever is
+    readable first."""
+    from app.checkpoint.io import stored_deck
     from app.data import MemmapTokens
     from app.data.tokenizer import check_tokenized_alike
     from app.deck import build_deck
@@ -100,7 +101,7 @@ def check_tokenizer(deck: Deck, held: HeldOut, path: Path) -> None:
         return
     sources = []
     try:  # the run's own deck; one of an older gridlm that no longer builds is left out
-        raw = stored_deck(read_header(path, EVAL), path)
+        raw = stored_deck(header, path)
         sources.append(build_deck(raw, str(path), f"the deck of checkpoint {path}", "eval").data)
     except DeckError:
         pass
@@ -129,9 +130,10 @@ def evaluate_checkpoint(
         held = trainer.eval_data
 
         def check() -> None:  # before the tensors are read: the mistakes a user can fix at once
+            header = read_header(path, EVAL)
             if not out:
-                check_target(default_target(deck, int(read_header(path, EVAL)["step"])), path)
-            check_tokenizer(deck, held, path)
+                check_target(default_target(deck, int(header["step"])), path)
+            check_tokenizer(deck, held, path, header)
 
         on_root(runtime, check)
         info = load(trainer, path, EVAL)

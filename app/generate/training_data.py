@@ -55,13 +55,11 @@ def tokenizer_words(meta: dict[str, Any]) -> str:
 def _sha256(path: str) -> Optional[str]:
     """The sha256 of a file's bytes, None when it cannot be read (or is too large to be a tokenizer.json)."""
     from app.data.tokenizer import MAX_TOKENIZER_BYTES
+    from app.untrusted import read_bytes
 
     try:
-        if not os.path.isfile(path) or os.path.getsize(path) > MAX_TOKENIZER_BYTES:
-            return None
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
+        return hashlib.sha256(read_bytes(path, "tokenizer.json", DataError, "", MAX_TOKENIZER_BYTES)).hexdigest()
+    except DataError:  # missing, not a regular file, unreadable or oversized
         return None
 
 
