@@ -303,6 +303,9 @@ def test_peak_table_knows_gpus_and_never_guesses_a_cpu():
     assert peak_tflops("AMD Instinct MI250X", "bf16") == 191.5  # per GCD: half of the 383 of a package
     assert peak_tflops("NVIDIA H200", "bf16") == pytest.approx(989.4)
     assert peak_tflops("NVIDIA GH200 120GB", "bf16") == 989.0  # not the H100 or H200 entry
+    # NVL cards: a lower peak than the SXM part whose name they contain, not sourced here: unknown
+    assert peak_tflops("NVIDIA H100 NVL", "bf16") is None and peak_tflops("NVIDIA H200 NVL", "bf16") is None
+    assert peak_tflops("NVIDIA H100 NVL", "bf16", override=835.0) == 835.0
     assert peak_tflops("AMD Instinct MI300X", "fp16") == pytest.approx(1307.4)
     assert peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5
     assert peak_tflops("NVIDIA A100-SXM4-40GB", "fp8") is None  # a precision not in the table: no guess

@@ -9,6 +9,9 @@ Sources: vendor data sheets —
   GH200: nvidia.com GH200 datasheet (989, 67);
   MI250X: amd.com MI250X datasheet, 383 bf16 / 95.7 fp32-matrix per package = 2 GCDs;
   MI300X: amd.com MI300X datasheet (bf16 1307.4, fp32 163.4 matrix).
+H100 NVL and H200 NVL (PCIe cards of the same die at a lower power and clock) have no entry
+on purpose: no vendor datasheet at hand gives their dense peak, and the SXM figure that the
+"H100"/"H200" substrings would match reads MFU about 15% low. A deck on them sets `run.peak_tflops`.
 An unknown device (any CPU) has no entry: MFU is reported as null unless the deck gives
 `run.peak_tflops` — never a guess.
 """
@@ -19,6 +22,8 @@ from typing import Optional
 
 # (substring, precision) -> TFLOP/s; the most specific substrings come first.
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 NVL", {}),  # unknown peak (module docstring): not the SXM entry below
+    ("H200 NVL", {}),
     ("GH200", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
     ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
     ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
