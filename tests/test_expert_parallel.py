@@ -109,3 +109,36 @@ def test_an_ep4_checkpoint_resumes_on_ep1_and_ep2_with_the_one_rank_losses_and_n
     assert info["resharded"] and info["step"] == SAVE_AT
     assert _close(steps, ref[SAVE_AT:]), f"{loaded}: {steps} vs {ref[SAVE_AT:]}"
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_stage_without_experts_sums_the_norm_like_the_others(runtime, grids, tmp_path):
+    """pp2 x dp2 with ep2 and no ZeRO, the experts in layer 0 only (`model.moe_every=4`): stage 1 holds
+    no expert bucket, yet every rank must reduce the norm alike (found in review: stage 1 summed its
+    dense part over tp and pp only, undivided, and stage 0 over the whole grid divided by dp, so rank 0
+    logged 0.713 where one rank has 0.582, and the stages clipped by different coefficients)."""
+    sets = (*TINY, "model.moe_every=4", "train.steps=3")
+    grids.grid(1, 1, 1)
+    ref = None
+    if runtime.rank == 0:
+        solo = grid_trainer(grids, 1, 1, 1, (*sets, f"run.dir={tmp_path / 'solo'}"))
+        ref = _steps(solo, 3)
+    settle(runtime.comm)
+    ref = runtime.comm.bcast(ref, root=0)
+    assert max(norm for _, norm, _ in ref) > 0.5  # the clip acts: a wrong norm changes the update
+    sub = grids.runtime(4)
+    grid = grids.grid(1, 2, 2)
+    grid.expert_groups(2)
+    run_dir = sub.comm.bcast(str(tmp_path / "pp2-dp2-ep2"), root=0)
+    steps, held = None, None
+    if grids.trains(4):
+        trainer = grid_trainer(grids, 1, 2, 2, (*sets, "parallel.ep=2", f"run.dir={run_dir}"))
+        held = [b.expert for b in trainer.dp.buckets].count(True)
+        steps = _steps(trainer, 3)
+    else:
+        grids.stand_by(grid, 1)
+    settle(runtime.comm)
+    results = [x for x in runtime.comm.allgather((steps, held, grid.coords["pp"])) if x[0] is not None]
+    assert {pp: n > 0 for _, n, pp in results} == {0: True, 1: False}  # the case under test: one dense stage
+    for got, _, pp in results:  # every rank's norm, both stages
+        assert _close(got, ref), f"stage {pp}: {got} vs {ref}"

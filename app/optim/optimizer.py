@@ -101,8 +101,10 @@ def dp_replicas(dp: DataParallel, expert: bool) -> int:
 def norm_axes(dp: DataParallel) -> tuple[str, ...]:
     """The axes a sum over this rank's parts (divided by `dp_replicas`) is summed over: all of them
     when ZeRO shards the buckets over dp (and cp: the shards are spread over dp x cp) or experts are
-    split over ep, else tp and pp (dp and cp replicas hold the same values)."""
-    return GRID_AXES if dp.zero or dp.layout.has_experts else ("tp", "pp")
+    split over ep, else tp and pp (dp and cp replicas hold the same values). The condition is the
+    deck's (`dp.ep`), the same on every rank: a stage that holds no experts (`model.moe_every`) sums
+    like the others, or the reductions over pp would mix divided and undivided parts."""
+    return GRID_AXES if dp.zero or dp.ep > 1 else ("tp", "pp")
 
 
 @torch.no_grad()
@@ -309,7 +311,7 @@ class ShardedOptimizer:
         if self._norm_views is None:
             self._norm_views = grad_norm_views(self.dp)
         dense, expert = self._norm_views.sum_squares()
-        if not self.dp.layout.has_experts:
+        if self.dp.ep == 1:  # the whole grid's condition (`norm_axes`), not this stage's buckets
             return dense
         # Experts split over ep: the sum runs over dp too (`norm_axes`), each copy counted 1 / replicas.
         return dense / dp_replicas(self.dp, False) + expert / dp_replicas(self.dp, True)
