@@ -11,6 +11,7 @@ token sent to the wrong expert or a missing aux-loss gradient moves them by 1e-3
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -255,3 +256,41 @@ def test_a_mixtral_directory_names_the_expert_keys_a_dense_deck_lacks(tmp_path):
     for window, said in ((4, "sliding_window 4 < model.seq_len"), ("4096", "is not null or a positive integer")):
         with pytest.raises(CheckpointError, match=said):
             check_config(tmp_path, {**config, "sliding_window": window}, ok.model)
+
+
+def test_the_exported_router_aux_loss_coef_weighs_mixtrals_balancing_loss_as_gridlm_does(tmp_path):
+    """A Mixtral of 4 layers, top-2, in gridlm and in Hugging Face with the same weights: HF's balancing
+    term (router_aux_loss_coef x its aux_loss, pooled over the layers, f_e a share of the tokens) equals
+    gridlm's (model.moe_aux_loss_coef x the per-layer sum, f_e a share of the assignments) with the
+    exported coefficient, within 5% (only the pooling over layers differs: random routers are alike).
+    The deck's coefficient copied as it was (before the fix) weighs HF's term layers / top_k = 2x less."""
+    import transformers
+
+    from app.archs.llama import hf_config
+    from app.checkpoint.hf_import import HFWeights, model_section
+
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, rope_theta=10000.0, num_local_experts=4,
+        num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(config)
+    hf.save_pretrained(tmp_path)
+    sets = (*SMALL[:5], "model.layers=4", "model.arch=llama", "model.kv_heads=2", "model.rope_theta=10000",
+            "model.moe_every=1", "model.moe_shared_experts=0", "model.moe_aux_loss_coef=0.01")  # fmt: skip
+    m = load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL[5:], *sets)).model
+    model = GPT(m, seed=0)
+    weights = HFWeights(tmp_path, m)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(weights.tensor(name)).view(p.shape))
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    model(tokens)
+    ours = m.moe_aux_loss_coef * model.router_stats.aux.item()
+    section = {**dataclasses.asdict(m), **model_section(m)}  # as a checkpoint's (io.model_section)
+    exported = hf_config(section)["router_aux_loss_coef"]
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens, output_router_logits=True).aux_loss.item()
+    assert exported * theirs == pytest.approx(ours, rel=0.05)
+    assert m.moe_aux_loss_coef * theirs == pytest.approx(ours / 2, rel=0.05)  # the copied coefficient's

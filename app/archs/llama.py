@@ -30,12 +30,22 @@ def hf_config(model: dict[str, Any]) -> dict[str, Any]:
             "intermediate_size": model["expert_ffn"],
             "num_local_experts": model["moe_experts"],
             "num_experts_per_tok": model["moe_top_k"],
-            "router_aux_loss_coef": model.get("moe_aux_loss_coef", 0.0),
+            "router_aux_loss_coef": hf_aux_loss_coef(model),
             "output_router_logits": False,
             "router_jitter_noise": 0.0,
             "sliding_window": None,
         }
     return _llama_config(model)
+
+
+def hf_aux_loss_coef(model: dict[str, Any]) -> float:
+    """Mixtral's `router_aux_loss_coef` that weighs its balancing loss as `model.moe_aux_loss_coef`
+    weighs gridlm's. gridlm adds coef x E sum_e f_e P_e per MoE layer, f_e a share of the assignments
+    (summing to 1); Hugging Face adds coef x E sum_e f_e P_e once, pooled over the layers, f_e a share
+    of the tokens (summing to top_k). With the layers alike the two differ by layers / top_k; they
+    differ only in pooling otherwise (docs/MODELS.md)."""
+    coef = model.get("moe_aux_loss_coef", 0.0)
+    return coef * model["layers"] / model["moe_top_k"] if coef else 0.0
 
 
 def mixtral_blocks(model: dict[str, Any]) -> Optional[str]:
