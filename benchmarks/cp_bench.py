@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's app
 sys.path.insert(0, str(REPO / "benchmarks"))
-from grid_bench import mpi_env  # noqa: E402
+from grid_bench import check_counts, mpi_env  # noqa: E402
 
 VARIANTS = ("ring", "ring_explicit", "ring_overlap_off", "all_to_all", "ring_messages")
 
@@ -148,12 +148,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_counts(parser, args, "ranks", "seq", "heads", "kv_heads", "head_dim", "batch", "steps", "rounds")
     if args.seq % (2 * args.ranks):
         parser.error(f"--seq {args.seq} must be a multiple of 2 x ranks = {2 * args.ranks}")
     if args.heads % args.kv_heads:
         parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.worker:
         return worker(args)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # else every rank fails in bind_device with its traceback
+            print("cp_bench: --device cuda but torch sees no CUDA device on this machine", file=sys.stderr)
+            return 2
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     result_path = out / "worker.json"

@@ -35,7 +35,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's app
 sys.path.insert(0, str(REPO / "benchmarks"))
-from grid_bench import mpi_env  # noqa: E402
+from grid_bench import check_counts, mpi_env  # noqa: E402
 
 GIB = 2**30
 
@@ -106,14 +106,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_counts(parser, args, "cp", "seq", "micro_batch", "steps")
     if args.worker:
         return worker(args)
+    from app.errors import GridlmError
+
+    try:  # every cp's plan before launching anything: a bad --seq for a cp is said in one line
+        base, plans = planned(args, 1), {cp: planned(args, cp) for cp in args.cp}
+    except GridlmError as err:
+        print(f"cp_memory_bench: {err}", file=sys.stderr)
+        return 2
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
-    base = planned(args, 1)
     rows = []
     for cp in args.cp:
-        plan = planned(args, cp)
+        plan = plans[cp]
         cmd = ["mpirun", "-n", str(cp), sys.executable, str(Path(__file__).resolve()), "--worker",
                "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
                "--run-dir", str(out / f"cp{cp}")]  # fmt: skip
@@ -133,7 +140,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "peak_rss": rss, "rss_over_cp1_estimate": rss / base["planned_total"],
             "fits_budget_by_estimate": plan["planned_total"] <= args.budget_gib * GIB,
         })  # fmt: skip
-    with open(out / "results.jsonl", "a") as f:
+    with open(out / "results.jsonl", "w") as f:  # this invocation's rows only, as table.md (and cp_bench)
         for row in rows:
             f.write(json.dumps(row) + "\n")
     head = "| cp | planned GiB/rank | fits budget | planned activations GiB | measured GiB | plan error | peak RSS GiB | RSS / cp1 estimate |"

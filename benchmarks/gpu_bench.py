@@ -5,6 +5,7 @@
                  adamw] [--set key=value ...]
         [--out runs/gpu_bench] [--timeout 900]
     python benchmarks/gpu_bench.py --device cpu --tiny --rounds 1     (the whole flow on a CPU, tiny shapes)
+    python benchmarks/gpu_bench.py --summary [--out DIR] [the calls' --steps/--set/--tiny/--device]
 
 For every deck of inputs/gpu/ named, in each of --rounds rounds (the cases alternate, so that a
 drifting machine moves them alike), each case runs in its own process with its own timeout:
@@ -29,11 +30,14 @@ drifting machine moves them alike), each case runs in its own process with its o
 
 TFLOP/s and MFU of every case use gridlm's model-FLOP count of the deck (app.metrics.flops, the
 Megatron convention) and the device's peak (app.metrics.peaks), so the columns compare. Each case
-prints one JSON line (also appended to OUT/results.jsonl), and the end a table of the medians
-over the rounds with the device's name, gridlm's dry-run prediction on dgx_h100 beside it, and
-gridlm's final loss (cases of one deck that change no numerics agree); then, for each deck with both
-`gridlm` and `gridlm_unfused` rows in OUT/results.jsonl, a "fusion check" line: the two final losses
-within 1% (ok, or FAILED and exit 1) and the two step times.
+prints one JSON line (also appended to OUT/results.jsonl, with the setting: --steps, the deck keys
+and `git describe --dirty`), and the end a table of the medians over the rounds (counted) with the
+device's name, gridlm's dry-run prediction of the case on dgx_h100 beside it, and gridlm's final
+loss (cases of one deck that change no numerics agree); then, for each deck with both `gridlm` and
+`gridlm_unfused` rows of this setting in OUT/results.jsonl, a "fusion check" line: the two final
+losses within 1% (ok, or FAILED and exit 1) and the two step times. `--summary` runs nothing and
+prints that table over every row of this setting in OUT/results.jsonl: the rounds of several calls
+(gpu_session.sh runs one round a call).
 Without a CUDA device (and without --device cpu) it prints one line saying so and exits 2.
 A benchmark, not a test: it asserts nothing about time.
 """
@@ -252,9 +256,9 @@ def table(rows: list[dict], device_name: str) -> str:
     keys = sorted({(r["deck"], r["case"]) for r in rows}, key=lambda k: (DECKS.index(k[0]) if k[0] in DECKS else 9,
                                                                            CASES.index(k[1])))  # fmt: skip
     lines = [f"device: {device_name}",
-             "| deck | case | step ms | TFLOP/s | MFU | forward / backward / optimizer ms | predicted ms (dgx_h100) "
-             "| final loss |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| deck | case | rounds | step ms | TFLOP/s | MFU | forward / backward / optimizer ms "
+             "| predicted ms (dgx_h100) | final loss |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def med(got: list[dict], key: str):
         values = [r[key] for r in got if r.get(key) is not None]
@@ -264,13 +268,13 @@ def table(rows: list[dict], device_name: str) -> str:
         got = [r for r in rows if r["deck"] == deck and r["case"] == case and "error" not in r]
         if not got:
             errors = [r["error"] for r in rows if r["deck"] == deck and r["case"] == case]
-            lines.append(f"| {deck} | {case} | {errors[-1] if errors else 'no result'} | | | | | |")
+            lines.append(f"| {deck} | {case} | 0 | {errors[-1] if errors else 'no result'} | | | | | |")
             continue
         step, tflops, mfu = med(got, "step_s"), med(got, "tflops"), med(got, "mfu")
         phases = [med(got, k) for k in ("forward_s", "backward_s", "optimizer_s")]
         phase = " / ".join(f"{p * 1e3:.1f}" for p in phases) if all(p is not None for p in phases) else ""
         predicted, loss = med(got, "predicted_s"), med(got, "final_loss")  # the loss: same-deck cases agree
-        lines.append(f"| {deck} | {case} | {step * 1e3:.1f} | {tflops:.1f} | "
+        lines.append(f"| {deck} | {case} | {len(got)} | {step * 1e3:.1f} | {tflops:.1f} | "
                      f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {phase} | "
                      f"{'' if predicted is None else f'{predicted * 1e3:.0f}'} | "
                      f"{'' if loss is None else f'{loss:.4f}'} |")  # fmt: skip
@@ -320,9 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="shrink every deck to seconds (a CPU check of the flow)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_bench")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
+    ap.add_argument("--summary", action="store_true",
+                    help="run nothing: the table of medians over the rows of OUT/results.jsonl of this setting "
+                         "(--steps, --set, --tiny, --device and the commit), every call's rounds")  # fmt: skip
     ap.add_argument("--case", choices=[c for c in CASES if c not in GRIDLM], help=argparse.SUPPRESS)  # a peer's worker
     ap.add_argument("--deck", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        ap.error(f"--rounds and --steps must be at least 1, not {args.rounds} and {args.steps}")
     if args.case:
         return one_case(args)
     import torch
@@ -340,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
+    # What makes rows of several calls comparable (--summary pools only those), and the code measured.
+    setting = {"steps": args.steps, "sets": sets, "commit": commit()}
+    if args.summary:
+        return summary(results, device_name, setting)
     rows = []
     for round_ in range(1, args.rounds + 1):
         for deck_name in args.decks:
@@ -347,12 +360,15 @@ def main(argv: list[str] | None = None) -> int:
             flops = model_flops(deck)
             peak = peak_tflops(device_name, deck.train.precision)
             for case in args.cases:
-                row = {"round": round_, "deck": deck_name, "case": case, "device": device_name,
+                row = {"round": round_, "deck": deck_name, "case": case, "device": device_name, **setting,
                        **measure(case, deck_name, args, sets)}  # fmt: skip
                 if "step_s" in row and case != "adamw":
                     row["tflops"] = flops / row["step_s"] / 1e12
                     row["mfu"] = row["tflops"] / peak if peak else None
-                    row["predicted_s"] = predicted_step(deck) if case.startswith("gridlm") else None
+                    # the case's own keys: the model predicts run.compile, the fused accumulation, offload
+                    row["predicted_s"] = (
+                        predicted_step(load(deck_name, [*sets, *GRIDLM[case]])) if case in GRIDLM else None
+                    )
                 elif "step_s" in row:
                     row["tflops"], row["optimizer_s"] = 0.0, row["step_s"]
                 print(json.dumps(row), flush=True)
@@ -360,12 +376,42 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(row) + "\n")
                 rows.append(row)
     print(table(rows, device_name))
-    # over every row in OUT/results.jsonl: gpu_session.sh measures the two cases in separate calls
-    done = results.read_text().splitlines() if results.exists() else []  # no case ran: none yet
-    checks = fusion_check([json.loads(line) for line in done if line.strip()])
+    # over the rows of OUT/results.jsonl of this setting: gpu_session.sh measures the two cases in separate calls
+    checks = fusion_check(same_setting(results, setting))
     print("\n".join(checks))
     ok = all("error" not in r for r in rows) and not any("FAILED" in line for line in checks)
     return 0 if ok else 1
+
+
+def commit() -> Optional[str]:
+    """The measured code: `git describe --always --dirty` of the repository, or None (no git, no .git)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
+                             timeout=30, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def same_setting(results: Path, setting: dict) -> list[dict]:
+    """The rows of `results` measured with `setting`'s steps, deck keys and commit (rows of other
+    calls into the same --out are left out, not pooled)."""
+    lines = results.read_text().splitlines() if results.exists() else []  # no case ran: none yet
+    rows = [json.loads(line) for line in lines if line.strip()]
+    return [r for r in rows if all(r.get(k) == v for k, v in setting.items())]
+
+
+def summary(results: Path, device_name: str, setting: dict) -> int:
+    """--summary: the table of medians over every round in OUT/results.jsonl of this setting (the rounds
+    of several calls, as gpu_session.sh makes them), with the rounds counted, and the fusion checks."""
+    rows = same_setting(results, setting)
+    if not rows:
+        print(f"gpu_bench: no rows of this setting in {results} ({json.dumps(setting)})", file=sys.stderr)
+        return 1
+    print(table(rows, rows[-1].get("device", device_name)))
+    checks = fusion_check(rows)
+    print("\n".join(checks))
+    return 1 if any("FAILED" in line for line in checks) else 0
 
 
 if __name__ == "__main__":

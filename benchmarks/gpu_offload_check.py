@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from grid_bench import FRESH, mpi_env  # noqa: E402
+from grid_bench import FRESH, check_counts, mpi_env  # noqa: E402
 
 SETS = ("model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32", "train.global_batch=4",
         "train.micro_batch=2", "parallel.dp_bucket_mb=0.05", "checkpoint.at_exit=false", "checkpoint.every=0")  # fmt: skip
@@ -50,8 +51,10 @@ RTOL = {"fp32": 1e-5, "bf16": 1e-3}
 RTOL_DEVICE = {"fp32": 1e-4, "bf16": 5e-3}
 
 
-def run(name: str, device: str, precision: str, steps: int, out: Path) -> list[float]:
-    """The losses of one `python -m app` run of gpt_tiny on one rank."""
+def run(name: str, device: str, precision: str, steps: int, out: Path) -> list[float] | str:
+    """The losses of one `python -m app` run of gpt_tiny on one rank, or why it failed (its exit
+    status and last line; its whole stderr in OUT/PRECISION_NAME.stderr): a failed run fails its
+    checks, the others still run."""
     on_device, keys = RUNS[name]
     run_dir = out / f"{precision}_{name}"
     sets = [*SETS, *keys, f"run.device={device if on_device else 'cpu'}", f"train.precision={precision}",
@@ -60,13 +63,19 @@ def run(name: str, device: str, precision: str, steps: int, out: Path) -> list[f
     print(f"gpu_offload_check: {' '.join(cmd)}", file=sys.stderr, flush=True)
     done = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{name} {precision}: exit {done.returncode}\n{done.stderr[-3000:]}")
+        log = out / f"{precision}_{name}.stderr"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(done.stderr)
+        last = (done.stderr.strip().splitlines() or [""])[-1][:200]
+        return f"run {name} exited {done.returncode} ({last}; {log})"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if "loss" in r]
 
 
 def worst(a: list[float], b: list[float]) -> float:
     """The largest relative difference between two loss curves (inf where one is not finite)."""
+    if not all(math.isfinite(x) for x in (*a, *b)):  # max() drops a NaN unless it comes first
+        return math.inf
     return max((abs(x - y) / abs(y) if abs(y) > 0 else abs(x - y)) for x, y in zip(a, b))
 
 
@@ -77,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=sorted(RTOL))
     parser.add_argument("--out", default="runs/gpu_offload_check")
     args = parser.parse_args(argv)
+    check_counts(parser, args, "steps")
     if args.device == "cuda":
         import torch
 
@@ -84,22 +94,28 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_offload_check: no CUDA device visible; nothing to check (--device cpu runs the flow)",
                   file=sys.stderr)  # fmt: skip
             return 2
-    out, failed = Path(args.out), []
+    out, failed = (REPO / args.out).resolve(), []  # the runs' run.dir is against REPO, their cwd
     print("| precision | check | worst relative difference | bound | result |\n|---|---|---|---|---|")
     for precision in args.precisions:
         losses = {name: run(name, args.device, precision, args.steps, out) for name in RUNS}
         checks = [
-            ("host = nvme, to the bit", worst(losses["host"], losses["nvme"]), 0.0),
-            ("host against none", worst(losses["host"], losses["none"]), RTOL[precision]),
-            ("delayed: device against CPU ranks", worst(losses["host-delay"], losses["host-delay-cpu"]),
-             RTOL_DEVICE[precision]),
+            ("host = nvme, to the bit", ("host", "nvme"), 0.0),
+            ("host against none", ("host", "none"), RTOL[precision]),
+            ("delayed: device against CPU ranks", ("host-delay", "host-delay-cpu"), RTOL_DEVICE[precision]),
         ]  # fmt: skip
-        for what, diff, bound in checks:
+        for what, (a, b), bound in checks:
+            broken = next((x for x in (losses[a], losses[b]) if isinstance(x, str)), None)
+            if broken is not None:
+                print(f"| {precision} | {what} | | {bound:.0e} | FAILED: {broken} |")
+                failed.append(f"{precision}: {what}: {broken}")
+                continue
+            diff = worst(losses[a], losses[b])
             ok = diff <= bound
             print(f"| {precision} | {what} | {diff:.2e} | {bound:.0e} | {'ok' if ok else 'FAILED'} |")
             if not ok:
                 failed.append(f"{precision}: {what}: {diff:.2e} > {bound:.0e}")
-        print(f"\n{precision} losses: " + json.dumps({k: [round(x, 6) for x in v] for k, v in losses.items()}))
+        shown = {k: [round(x, 6) for x in v] if isinstance(v, list) else v for k, v in losses.items()}
+        print(f"\n{precision} losses: " + json.dumps(shown))
     for line in failed:
         print(f"gpu_offload_check: FAILED {line}", file=sys.stderr)
     return 1 if failed else 0

@@ -1,19 +1,20 @@
 """Benchmark one deck over a list of grids on this machine: step time, tokens/s, communication.
 
     .venv/bin/python benchmarks/grid_bench.py [--deck inputs/gpt_tiny.yaml] [--steps 20]
-        [--grids 1x1x4 2x1x2 1x2x2 2x2x1 4x1x1 1x4x1 2x2x1+sp 1x2x2+v2] [--out runs/grid_bench]
+        [--grids 1x1x4 2x1x2 1x2x2 2x2x1 4x1x1 1x4x1 2x2x1+sp 1x2x2+v2] [--rounds 3] [--out runs/grid_bench]
         [--set section.key=value ...] [--hosts gridlm-node1:4,gridlm-node2:4]
 
 A grid is TPxPPxDP, optionally followed by +sp (sequence parallelism), +vN (N virtual
 stages, interleaved 1F1B), +epN (expert parallelism over N dp ranks, a mixture-of-experts deck),
 +cpN (context parallelism over N more ranks: TP x PP x DP x N of them), +a2a (its all-to-all
 attention instead of the ring) and @ORDER (parallel.order, e.g. 2x2x2@tp-pp-dp). --hosts H passes
-`--host H` to mpirun (simulated nodes of launch/cluster_local.sh, with its exports). Each grid
-runs `mpirun -n TP*PP*DP python -m app DECK` with
-run.timers on, and the table (Markdown on stdout, plus table.md and table.csv in
---out) reports from its summary.json: the mean step time after the warm-up steps (and
-its standard deviation), tokens/s, and the milliseconds per step rank 0 was blocked on
-tp, pp and dp communication (exposed; see app/runtime/timers.py), and rank 0's peak resident memory. Rank 0 is tp rank 0 of
+`--host H` to mpirun (simulated nodes of launch/cluster_local.sh, with its exports). Each of
+--rounds rounds runs every grid once, `mpirun -n TP*PP*DP python -m app DECK` with run.timers on,
+the grids in turn (the order reversed every other round, so that none always runs first). The
+table (Markdown on stdout, plus table.md and table.csv in --out) reports per grid the medians over
+the rounds of its summary.json's figures: the mean step time after the warm-up steps (with the
+rounds' min-max), tokens/s, and the milliseconds per step rank 0 was blocked on tp, pp and dp
+communication (exposed; see app/runtime/timers.py), and rank 0's peak resident memory. Rank 0 is tp rank 0 of
 the first pipeline stage: its pp time includes waiting for the pipeline to fill and
 drain (the bubble), not only transfer time.
 """
@@ -28,14 +29,18 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from app.metrics.summary import Summary
 
 REPO = Path(__file__).resolve().parent.parent
 GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+|\+ep\d+|\+cp\d+|\+a2a)*)(?:@([a-z]+(?:-[a-z]+){2,3}))?$")
-COLUMNS = ["grid", "ranks", "step_ms", "step_std_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms",
-           "final_loss", "peak_rss_gib"]  # fmt: skip
+COLUMNS = ["grid", "ranks", "rounds", "step_ms", "step_min_ms", "step_max_ms", "rounds_ms", "tokens_per_s",
+           "tp_comm_ms", "pp_comm_ms", "dp_comm_ms", "final_loss", "peak_rss_gib"]  # fmt: skip
+MEDIANS = ("step_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms", "final_loss", "peak_rss_gib")
+T = TypeVar("T")
 
 
 def parse_grid(spec: str) -> tuple[int, int, int, bool, int]:
@@ -132,6 +137,34 @@ def run_deck(
     return Summary.from_dict(json.loads((REPO / run_dir / "summary.json").read_text()))
 
 
+def round_order(items: Sequence[T], round_: int) -> list[T]:
+    """The order of `items` in round `round_`: as given in even rounds, reversed in odd ones, so
+    that no configuration always runs first (or last) beside a warming or noisy machine."""
+    return list(items) if round_ % 2 == 0 else list(reversed(items))
+
+
+def check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """`parser.error` (usage, one line, exit 2) if an option of `names` (dests; a list for nargs)
+    is below 1: a zero count fails later as a division by zero or a median of nothing."""
+    for name in names:
+        value = getattr(args, name)
+        if any(v < 1 for v in (value if isinstance(value, list) else [value])):
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One grid's row from its rounds' runs: the medians of MEDIANS, the step's min and max, each
+    round's step; or the first failure, with how many rounds failed."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return {**failed[0], "error": f"{failed[0]['error']} in {len(failed)} of {len(runs)} rounds"}
+    steps = [r["step_ms"] for r in runs]
+    row = {"grid": runs[0]["grid"], "ranks": runs[0]["ranks"], "rounds": len(runs)}
+    row.update({key: statistics.median(r[key] for r in runs) for key in MEDIANS})
+    row.update(step_min_ms=min(steps), step_max_ms=max(steps), rounds_ms=" ".join(f"{t:.1f}" for t in steps))
+    return row
+
+
 def median_cell(rows: list[dict], key: str, fmt: str = ".0f") -> str:
     """A table cell: the median of `key` over the rows (rounds), then each round's value in brackets."""
     values = [r[key] for r in rows]
@@ -140,7 +173,7 @@ def median_cell(rows: list[dict], key: str, fmt: str = ".0f") -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| grid (tp x pp x dp) | ranks | step ms (± std) | tokens/s | exposed tp comm ms | exposed pp comm ms "
+        "| grid (tp x pp x dp) | ranks | step ms (median; min-max) | tokens/s | exposed tp comm ms | exposed pp comm ms "
         "| exposed dp comm ms | final loss | peak RSS GiB |"
     )
     lines = [head, "|" + "---|" * 9]
@@ -149,7 +182,7 @@ def markdown(rows: list[dict]) -> str:
             lines.append(f"| {r['grid']} | {r['ranks']} | failed ({r['error']}) | | | | | | |")
             continue
         lines.append(
-            f"| {r['grid']} | {r['ranks']} | {r['step_ms']:.1f} ± {r['step_std_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"| {r['grid']} | {r['ranks']} | {r['step_ms']:.1f} ({r['step_min_ms']:.1f}-{r['step_max_ms']:.1f}) | {r['tokens_per_s']:,.0f} | "
             f"{r['tp_comm_ms']:.1f} | {r['pp_comm_ms']:.1f} | {r['dp_comm_ms']:.1f} | {r['final_loss']:.4f} | "
             f"{r['peak_rss_gib']:.2f} |"
         )
@@ -165,13 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--grids", nargs="+", default=["1x1x4", "2x1x2", "1x2x2", "2x2x1", "4x1x1", "1x4x1", "2x2x1+sp", "1x2x2+v2"]
     )
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every grid, alternated; medians reported")
     parser.add_argument("--out", default="runs/grid_bench")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="extra deck override")
     parser.add_argument("--hosts", default=None, help="mpirun --host (simulated nodes: gridlm-node1:4,gridlm-node2:4)")
     args = parser.parse_args(argv)
-    for spec in args.grids:
+    check_counts(parser, args, "steps", "rounds")
+    grids = list(dict.fromkeys(args.grids))  # a grid named twice runs once a round
+    for spec in grids:
         parse_grid(spec)  # fail before running anything
-    rows = [run_grid(spec, args) for spec in args.grids]
+    runs: dict[str, list[dict]] = {spec: [] for spec in grids}
+    for round_ in range(args.rounds):
+        for spec in round_order(grids, round_):
+            runs[spec].append(run_grid(spec, args))
+    rows = [summarize(runs[spec]) for spec in grids]
     return write_tables(REPO / args.out, rows, COLUMNS, markdown(rows))
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from grid_bench import FRESH, mpi_env, write_tables  # noqa: E402
+from grid_bench import FRESH, check_counts, mpi_env, write_tables  # noqa: E402
 from optimizer_bench import triad_ms  # noqa: E402
 
 DECKS = {
@@ -194,17 +194,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="optim.offload values (with -delay: optim.offload_delay 1), the first the baseline")  # fmt: skip
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-mb", type=int, default=1024, help="MB of state streamed from the file (0: no part 3)")
-    parser.add_argument("--nvme-dir", default=None, help="directory of the file (default: --out)")
+    parser.add_argument(
+        "--nvme-dir", default=None, help="directory of the file (default: --out; relative: to the repo)"
+    )
     parser.add_argument("--out", default="runs/offload_bench")
     args = parser.parse_args(argv)
+    check_counts(parser, args, "elements", "threads", "rounds", "steps")
     decks = [d for d in args.decks.split(",") if d]
     if unknown := [d for d in decks if d not in DECKS]:
         parser.error(f"unknown deck(s) {unknown}: choose from {sorted(DECKS)}")
-    out = Path(args.out)
+    # The runs' run.dir is read back from here, and `python -m app` runs in REPO: both against REPO.
+    out = (REPO / args.out).resolve()
     rows = host_update(args.elements, args.threads, args.rounds)
     rows += steps_table(decks, args.offloads.split(","), args.steps, args.rounds, out)
     if args.nvme_mb > 0:
-        rows += nvme(args.nvme_mb, Path(args.nvme_dir or out), args.rounds)
+        rows += nvme(args.nvme_mb, (REPO / args.nvme_dir).resolve() if args.nvme_dir else out, args.rounds)
     return write_tables(out, rows, COLUMNS, markdown(rows))
 
 

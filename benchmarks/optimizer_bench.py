@@ -140,12 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="one JSON line instead of the table")
     args = ap.parse_args(argv)
+    for name in ("steps", "rounds"):  # no grid_bench here: this script also runs in older trees
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     import torch
+
+    from app.errors import GridlmError
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("optimizer_bench: --device cuda but torch sees no GPU on this machine", file=sys.stderr)
         return 2
-    trainer = build(args.deck, args.set, args.device)
+    try:
+        trainer = build(args.deck, args.set, args.device)
+    except GridlmError as err:  # a bad deck or --set: its one line, not a traceback
+        print(f"optimizer_bench: {err}", file=sys.stderr)
+        return 2
     device = trainer.dp.device
     lr = trainer.deck.optim.lr
     trainer.update(lr)  # warm-up: scratch buffers, lists, first-call costs

@@ -5,7 +5,8 @@
         [--hosts gridlm-node1:4,gridlm-node2:4 [--shape 200mbit]] [--set model.seq_len=1024 ...]
 
 Each of --rounds rounds first calibrates this machine at every world size among the grids
-(`mpirun -n N python -m app.plan.calibrate`: primitives only), then runs every grid once with
+(`mpirun -n N python -m app.plan.calibrate`: primitives only), then runs every grid once (the
+order reversed every other round) with
 benchmarks/grid_bench.py's runner (step time after the warm-up, summary.json) and predicts the
 same deck on that round's calibration (app/plan/perf.py). The table gives the medians over the
 rounds of both, the error and the model's largest terms. A benchmark, not a test: it reports, it asserts
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -49,19 +51,32 @@ def ranks(spec: str) -> int:
     return tp * grid_bench.context_ranks(spec) * pp * dp
 
 
-def predicted(deck_path: str, spec: str, extra: tuple[str, ...], machine_path: Path) -> dict:
+def grid_deck(deck_path: str, spec: str, extra: tuple[str, ...]) -> Any:
+    """The deck with the grid's parallel keys and `extra`, resolved for its ranks."""
     from app.deck import load_deck, resolve_for_world
-    from app.plan.machine import load_machine
-    from app.plan.perf import predict
 
     tp, pp, dp, sp, virtual = grid_bench.parse_grid(spec)
     sets = (f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
             f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.virtual_stages={virtual}",
             *grid_bench.grid_order(spec), *extra)  # fmt: skip
-    deck = resolve_for_world(load_deck(REPO / deck_path, sets), ranks(spec))
-    p = predict(deck, load_machine(machine_path))
+    return resolve_for_world(load_deck(REPO / deck_path, sets), ranks(spec))
+
+
+def predicted(deck_path: str, spec: str, extra: tuple[str, ...], machine_path: Path) -> dict:
+    from app.plan.machine import load_machine
+    from app.plan.perf import predict
+
+    p = predict(grid_deck(deck_path, spec, extra), load_machine(machine_path))
     worst = sorted(((v, k) for k, v in p.breakdown.items() if k != "recompute"), reverse=True)[:3]
     return {"predicted_ms": 1e3 * p.step_time_s, "terms": ", ".join(f"{k} {1e3 * v:.0f}" for v, k in worst)}
+
+
+def median_prediction(predictions: list[dict]) -> dict:
+    """The median of the rounds' predicted_ms (the mean of the middle two for an even count, as the
+    measured median), with the terms of the lower middle prediction."""
+    ranked = sorted(predictions, key=lambda p: p["predicted_ms"])
+    mid = ranked[(len(ranked) - 1) // 2]
+    return {"predicted_ms": statistics.median(p["predicted_ms"] for p in ranked), "terms": mid["terms"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default=None, help="with --hosts: limit every node's link to RATE (e.g. 200mbit)")
     parser.add_argument("--set", action="append", default=[], help="a deck override for every grid (repeatable)")
     args = parser.parse_args(argv)
+    grid_bench.check_counts(parser, args, "steps", "rounds", "calibrate_repeat")
+    from app.errors import GridlmError
+
+    try:  # a bad deck, --set or grid: said in one line before any calibration
+        for spec in args.grids:
+            grid_deck(args.deck, spec, (*args.set, *EXTRA.get(spec, ())))
+    except GridlmError as err:
+        print(f"perf_model_bench: {err}", file=sys.stderr)
+        return 2
     if args.shape:
         subprocess.run([str(REPO / "launch/cluster_local.sh"), "shape", args.shape], check=True)
     try:
@@ -99,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             n: calibrate(n, out, round_, args.hosts, args.calibrate_repeat)
             for n in sorted({ranks(s) for s in args.grids})
         }
-        for spec in args.grids:
+        for spec in grid_bench.round_order(args.grids, round_):
             run_args = argparse.Namespace(
                 out=str(Path(args.out) / "runs"),
                 steps=args.steps,
@@ -121,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
         if spec in errors:
             rows.append({**row, "error": errors[spec]})
             continue
-        mid = sorted(predictions[spec], key=lambda p: p["predicted_ms"])[len(predictions[spec]) // 2]
-        row.update(mid)
+        row.update(median_prediction(predictions[spec]))
         row["measured_ms"] = statistics.median(steps_ms[spec])
         row["rounds_ms"] = " ".join(f"{t:.0f}" for t in steps_ms[spec])
         row["predicted_rounds_ms"] = " ".join(f"{p['predicted_ms']:.0f}" for p in predictions[spec])

@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import grid_bench  # noqa: E402
 
 from app.deck import Deck, load_deck, resolve_for_world  # noqa: E402
+from app.errors import GridlmError  # noqa: E402
 from app.names import BYTES, reduce_precision  # noqa: E402
 from app.plan.machine import Machine, load_machine  # noqa: E402
 from app.plan.perf import predict, ring_terms, stage_params3d, step_messages, tensor_shape  # noqa: E402
@@ -304,7 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also predict each step on this machine's calibration, DIR/local_RANKS.yaml (calibrated first if absent)",
     )
     args = parser.parse_args(argv)
-    decks = {spec: resolve(args.deck, spec, args.set) for spec in args.variants}  # a bad variant fails here
+    grid_bench.check_counts(parser, args, "steps", "rounds")
+    try:  # a bad variant, deck or --set fails here, in one line, before any run
+        decks = {spec: resolve(args.deck, spec, args.set) for spec in args.variants}
+    except GridlmError as err:
+        print(f"tensor3d_bytes_bench: {err}", file=sys.stderr)
+        return 2
     predicted = {spec: predicted_bytes(deck) for spec, deck in decks.items()}
     model: dict[str, dict[str, float]] = {}
     if args.calibrated:

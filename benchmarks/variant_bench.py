@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/variant_bench")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for every variant")
     args = parser.parse_args(argv)
+    grid_bench.check_counts(parser, args, "ranks", "rounds", "steps")
     planned = {v: planned_gib(args.deck, args.ranks, [*v.split(), *args.set]) for v in args.variant}
     rows = [run_once(args, v, i, r) for r in range(args.rounds) for i, v in enumerate(args.variant)]
     for r in rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import sys
 
 import pytest
@@ -23,7 +24,9 @@ def test_grid_specs_parse_and_bad_ones_are_refused():
 @pytest.mark.full
 def test_the_benchmark_runs_grids_and_writes_a_table_with_communication_times(tmp_path, capsys):
     shrink = ["--set", "model.hidden=64", "--set", "model.seq_len=32"]
-    rc = grid_bench.main(["--steps", "3", "--grids", "1x1x2", "2x1x1+sp", "--out", str(tmp_path), *shrink])
+    rc = grid_bench.main(
+        ["--steps", "3", "--rounds", "1", "--grids", "1x1x2", "2x1x1+sp", "--out", str(tmp_path), *shrink]
+    )
     assert rc == 0
     rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
     assert [r["grid"] for r in rows] == ["1x1x2", "2x1x1+sp"]
@@ -195,6 +198,17 @@ def test_the_gpu_benchmark_runs_gridlm_and_its_peers_on_tiny_decks_and_says_when
     assert [r["case"] for r in rows] == cases
     assert all(r["step_s"] > 0 for r in rows) and len({r["parameters"] for r in rows}) == 1
     assert rows[0]["optimizer_s"] > 0 and rows[0]["predicted_s"] > 0
+    # Each case's own prediction: offload is not predicted on dgx_h100 (no host_memory_gbs), so its cells
+    # stay empty (found in review: every case showed the plain deck's prediction).
+    assert [r["predicted_s"] for r in rows if r["case"].startswith("gridlm_offload")] == [None, None]
+    assert all(r["steps"] == 1 and "run.device=cpu" in r["sets"] and "commit" in r for r in rows)
+    # --summary: the medians over the rows of this setting in results.jsonl, with the rounds counted;
+    # rows of another setting (here --steps 2) are not pooled.
+    assert gpu_bench.main(["--device", "cpu", "--tiny", "--steps", "1", "--summary", "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert all(f"| gpt_1.3b | {case} | 1 |" in table for case in cases), table
+    assert gpu_bench.main(["--device", "cpu", "--tiny", "--steps", "2", "--summary", "--out", str(tmp_path)]) == 1
+    assert "no rows of this setting" in capsys.readouterr().err
     # The offloaded cases carry the host update's own time from their logs; the others none.
     assert [r["case"] for r in rows if r.get("host_update_s")] == ["gridlm_offload", "gridlm_offload_delay"]
     assert all(f"| gpt_1.3b | {case} |" in out for case in cases), out
@@ -287,7 +301,9 @@ def test_the_overlap_benchmark_runs_dp1_and_dp2_with_and_without_zero1(tmp_path,
     and the dp = 2 ones report their dp communication."""
     import overlap_bench
 
-    rc = overlap_bench.main(["--steps", "3", "--out", str(tmp_path), *(a for s in TINY_SETS for a in ("--set", s))])
+    rc = overlap_bench.main(
+        ["--steps", "3", "--rounds", "1", "--out", str(tmp_path), *(a for s in TINY_SETS for a in ("--set", s))]
+    )
     assert rc == 0
     rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
     assert len(rows) == len(overlap_bench.CONFIGS) and not any(r.get("error") for r in rows)
@@ -376,3 +392,18 @@ def test_the_read_pattern_benchmark_tiles_the_file_in_each_order_and_times_all_t
     with pytest.raises(SystemExit) as refused:
         bench.main(["--procs", "0"])
     assert refused.value.code == 2
+
+
+def test_the_gpu_session_script_parses_and_names_every_stage_it_runs():
+    """benchmarks/gpu_session.sh, the one command of a lent GPU's short session: bash parses it (a
+    syntax error would cost a session's device time), its cores line counts every core (`nproc`
+    honours env.sh's OMP_NUM_THREADS=1: found in review), and its last stage is the summary of the
+    rounds."""
+    import subprocess
+
+    script = REPO / "benchmarks" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+    text = script.read_text()
+    assert "nproc --all" in text and "\nnproc\n" not in text
+    stages = re.findall(r"^stage (\w+) ", text, re.M)
+    assert stages[-1] == "summary" and len(stages) == len(set(stages)), stages
