@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from app.checkpoint.background import background_writer, describe
-from app.checkpoint.io import Saved
+from app.checkpoint.io import Saved, describe_grid
 from app.checkpoint.io import load as load_checkpoint
 from app.checkpoint.io import save as save_checkpoint
 from app.checkpoint.store import checkpoint_dir, resolve_resume, step_file
@@ -394,9 +394,7 @@ class Trainer:
         g = info["grid"]
         self.runtime.log(
             f"gridlm: resumed from {path} at step {info['step']} ({info['seconds']:.2f} s) | written on "
-            f"tp={g['tp']}{' tensor=' + str(g['tensor']) if 'tensor' in g else ''}{' cp=' + str(g['cp']) if 'cp' in g else ''} "
-            f"pp={g['pp']} dp={g['dp']} "
-            f"zero={g['zero']} {info['precision']}"
+            f"{describe_grid(g)} zero={g['zero']} {info['precision']}"
             + (" | resharded to this grid" if info["resharded"] else "")
             + ("" if info["rng_restored"] else " | RNG states not restored (other grid): dropout masks differ")
         )

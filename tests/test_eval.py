@@ -423,3 +423,13 @@ def test_goldfish_drops_targets_from_training_but_not_from_evaluation(runtime, s
     losses = [train_steps(t, 1)[0] for t in (plain, goldfish)]
     assert goldfish.step_targets[0] < goldfish.step_targets[1] == plain.step_targets[0] == 16 * 16
     assert abs(losses[0] - losses[1]) > 1e-4
+
+
+def test_the_grid_a_checkpoint_was_written_on_is_described_whole():
+    """The resume and app.eval log lines name the checkpoint's grid with its cp and 3D shape (found in
+    review: app.eval said "written on tp=1 pp=1 dp=1" of a cp 2 checkpoint)."""
+    from app.checkpoint.io import describe_grid
+
+    assert describe_grid({"tp": 1, "pp": 2, "dp": 1, "cp": 2, "zero": 0}) == "tp=1 cp=2 pp=2 dp=1"
+    assert describe_grid({"tp": 2, "pp": 1, "dp": 4, "tensor": [1, 2, 1]}) == "tp=2 tensor=[1, 2, 1] pp=1 dp=4"
+    assert describe_grid({"tp": 4, "pp": 1, "dp": 1}) == "tp=4 pp=1 dp=1"

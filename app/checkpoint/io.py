@@ -233,6 +233,14 @@ def grid_signature(state: TrainingState) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def describe_grid(g: dict[str, Any]) -> str:
+    """A `grid_signature` for the log: "tp=2 tensor=[1, 2, 1] cp=2 pp=2 dp=2" (tensor and cp where
+    the checkpoint's grid had them)."""
+    return " ".join(
+        [f"tp={g['tp']}"] + [f"{k}={g[k]}" for k in ("tensor", "cp") if k in g] + [f"pp={g['pp']}", f"dp={g['dp']}"]
+    )
+
+
 HEADER_DIGEST = "header_sha256"  # of every root attribute but itself and `committed` (`header_digest`)
 
 

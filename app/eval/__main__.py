@@ -116,7 +116,7 @@ def evaluate_checkpoint(
     deck: Deck, runtime: Runtime, grid: ProcessGrid, given: str, out: Optional[str]
 ) -> dict[str, Any]:
     """Load `given` onto this grid and evaluate it (every rank); rank 0 prints and writes the result."""
-    from app.checkpoint.io import EVAL, load, read_header
+    from app.checkpoint.io import EVAL, describe_grid, load, read_header
     from app.eval import evaluate
     from app.metrics.report import dumps_strict, replace_text
     from app.runtime.mpi import on_root
@@ -162,7 +162,7 @@ def evaluate_checkpoint(
 
     on_root(runtime, write)
     runtime.log(
-        f"gridlm: eval | {path} (step {result['step']}, written on tp={g['tp']} pp={g['pp']} dp={g['dp']}"
+        f"gridlm: eval | {path} (step {result['step']}, written on {describe_grid(g)}"
         f"{', resharded to this grid' if info['resharded'] else ''}) | val loss {result['loss']:.4f} | "
         f"ppl {result['perplexity']:.2f} | {result['samples']:,} samples, {result['tokens']:,} targets from "
         f"{result['source']} | {result['seconds']:.2f} s | {target}"
