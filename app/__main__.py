@@ -118,7 +118,7 @@ def _search(args: argparse.Namespace, deck: Any, world: int, machine: Any) -> in
     if machine is None:
         print("gridlm: --search needs a machine: pass --machine NAME (inputs/machines/)", file=sys.stderr)
         return 2
-    result = search.search(deck, world, machine, args.top, args.tensor)
+    result = search.search(deck, world, machine, args.top, args.tensor, args.max_imbalance)
     _emit(search.dump_json(result) if args.json else search.format_text(result, args.deck))
     if not result.best:
         print("gridlm: search: no configuration of this deck can run on this allocation", file=sys.stderr)

@@ -61,6 +61,15 @@ def test_a_group_gets_the_bandwidth_of_the_slowest_level_it_crosses(levels, stri
     assert group_bandwidth(levels, stride, 1).bandwidth == math.inf
 
 
+def test_a_group_that_no_level_holds_is_refused_not_given_infinite_bandwidth():
+    """Levels without the network (a Machine built in code; load_machine refuses the file): a group
+    inside the node keeps its level, one that crosses nodes is a MachineError, not "inf GB/s"."""
+    node_only = SELENE[:1]
+    assert group_bandwidth(node_only, 1, 8).level == "nvswitch"
+    with pytest.raises(MachineError, match="no level holds a group of 2 ranks 8 apart"):
+        group_bandwidth(node_only, 8, 2)
+
+
 def test_ring_costs_and_the_tree_for_small_messages():
     link = group_bandwidth(SELENE, 1, 8)
     # 1 GB over 8 ranks: 2 x 7/8 of it per rank at 300 GB/s, plus 14 latencies.
@@ -244,6 +253,23 @@ def _machine_with(text: str, directory: Path):
         ("sources:", "collectives: {broadcast: {4: {gbs: 2, latency_us: 1}}}\nsources:", "collectives.broadcast"),
         ("sources:", "elementwise_gbs: {rmsnorm: 3}\nsources:", "elementwise_gbs.rmsnorm = 3: unknown key"),
         ("sources:", "peak_tflops: {bf16: -2}\nsources:", "peak_tflops.bf16 = -2"),
+        # Nested values that are not mappings are named by their key, not only by the file.
+        (
+            "sources:",
+            "collectives: {all_reduce: {2: [1, 2]}}\nsources:",
+            "collectives.all_reduce.2 = [1, 2]: expected a",
+        ),
+        (
+            "  - {name: infiniband, devices: null, gbs: 25, latency_us: 6.6}",
+            "  - 7",
+            "links[1] = 7: expected a mapping",
+        ),
+        # Without the network level, groups that cross nodes had no link (inf GB/s): refused.
+        (
+            "  - {name: infiniband, devices: null, gbs: 25, latency_us: 6.6}",
+            "",
+            "links[0].devices = 8: the last level must be the network",
+        ),
     ],
 )
 def test_bad_performance_constants_are_named(old, new, message, tmp_path):
@@ -346,6 +372,57 @@ def test_search_cli_json_and_its_refusals():
     bad = subprocess.run([*cmd[:5], "--machine", "local", "--nodes", "2"], cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=False)  # fmt: skip
     assert bad.returncode == 2 and "missing peak_tflops" in bad.stderr
+
+
+def test_the_search_takes_the_dry_run_s_max_imbalance():
+    """--search --max-imbalance 2: the pp = 3 grids of gpt_tiny on 3 ranks (4 layers: 1.44x at best)
+    are planned as the dry run plans them with that limit, not refused at the default 1.25."""
+    args = ("inputs/gpt_tiny.yaml", "--machine", "selene", "--world-size", "3", "--max-imbalance", "2")
+    cmd = [sys.executable, "-m", "app", *args, "--set", "parallel.pp=3", "--dry-run"]
+    assert subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120).returncode == 0
+    cmd = [sys.executable, "-m", "app", *args, "--search", "--tensor", "1d", "--top", "1", "--json"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["best"][0]["sets"]["parallel.pp"] == 3 and "unbalanced stages" not in result["rejected"]
+
+
+def test_the_search_s_deck_line_is_the_deck_with_its_own_stage_layers():
+    """The deck's own configuration keeps its parallel.stage_layers (only candidates get the balanced
+    split): the search's deck line is what the dry run of the deck says, here its imbalance."""
+    from app.plan.dryrun import make_plan
+    from app.plan.machine import load_machine
+    from app.plan.search import search
+
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.pp=2", "parallel.stage_layers=[1,3]"))
+    machine = load_machine("selene")
+    plan = make_plan(deck, 2, machine)
+    assert len(plan.problems) == 1 and "1.52x the mean stage's work" in plan.problems[0]
+    result = search(deck, 2, machine, top=1, tensor="1d")
+    assert result.own.rejected == plan.problems[0]
+    # Within a looser limit it is planned, with its own split, and its line pastes no split over it.
+    loose = search(deck, 2, machine, top=1, tensor="1d", max_imbalance=2.0)
+    assert loose.own.plan is not None and loose.own.plan.deck.parallel.stage_layers == [1, 3]
+    assert "stage_layers" not in loose.own.overrides() and not loose.own.rejected
+    assert loose.own.step == make_plan(deck, 2, machine, max_imbalance=2.0).predicted.step_time_s
+
+
+def test_the_search_refuses_a_world_beyond_gridlm_s_at_once():
+    """A world of 10^9 ranks: refused before enumerating (the divisors were found in O(n): a hang),
+    as the dry run refuses it; the divisors of a large world come in O(sqrt n)."""
+    import time
+
+    from app.plan.dryrun import PlanError
+    from app.plan.machine import load_machine
+    from app.plan.search import _divisors, search
+
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml")
+    start = time.perf_counter()
+    with pytest.raises(PlanError, match="a world of 1,000,000,000 ranks; gridlm runs on 1 .. 1,048,576"):
+        search(deck, 10**9, load_machine("selene"), tensor="1d")
+    assert _divisors(10**12)[:4] == [1, 2, 4, 5] and len(_divisors(10**12)) == 169
+    assert time.perf_counter() - start < 5
+    assert all(_divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 300))
 
 
 # -- the model's messages against what a run really sends (under mpirun -n 4) ---------------
@@ -708,6 +785,131 @@ def test_calibration_times_the_disk_and_writes_its_rates(tmp_path):
         else:
             with pytest.raises(MachineError, match="missing nvme_read_gbs, nvme_write_gbs"):
                 predict(deck, machine)
+
+
+def test_a_calibration_on_a_calibrated_base_keeps_only_what_it_measured(tmp_path):
+    """--base a calibrated file: every constant a calibration measures is this run's or absent, never
+    the base's (the disk rates of a run whose scratch is now a tmpfs, the page-fault rate, the slow
+    element-wise kinds, the collectives across nodes of a run on two nodes), under one source line;
+    the base's sourced keys stay, and the file loads and predicts."""
+    import yaml
+
+    from app.plan.calibrate import MEASURED_KEYS, machine_file
+
+    base = yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
+    fit = {"bandwidth_bytes_s": 2e7, "latency_s": 3e-4, "seconds": (1e-3, 4e-1)}
+    first = {**_calibration_measured(), "nvme_read_bytes_s": 2e9, "nvme_write_bytes_s": 1e9, "fault_bytes_s": 1e9,
+             "world": 8, "nodes": 2, "network_collectives": {"all_reduce": {8: dict(fit)}}}  # fmt: skip
+    calibrated = machine_file(base, "cal", first, "mpirun -n 8 python -m app.plan.calibrate")
+    assert {"nvme_read_gbs", "fault_gbs", "elementwise_gbs", "network_collectives"} <= set(calibrated)
+    # Again on one rank, the scratch a tmpfs (no disk), no page-fault rate, every kind as fast as the stream.
+    again = {**_calibration_measured(), "world": 1, "ranks_per_node": 1, "nodes": 1,
+             "elementwise_bytes_s": {"layernorm": 2e10, "gelu": 2e10, "softmax": 2e10},
+             "collectives": {op: {} for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}}  # fmt: skip
+    data = machine_file(calibrated, "cal_again", again, "mpirun -n 1 python -m app.plan.calibrate --base cal")
+    for key in ("nvme_read_gbs", "nvme_write_gbs", "fault_gbs", "elementwise_gbs", "network_collectives",
+                "collectives"):  # fmt: skip
+        assert key not in data, key
+    assert set(MEASURED_KEYS) - set(data) == {"nvme_read_gbs", "nvme_write_gbs", "fault_gbs", "elementwise_gbs",
+                                               "network_collectives", "collectives"}  # fmt: skip
+    assert data["links"] == [{"name": "network", "devices": None, "gbs": 0.25, "latency_us": 10.0}]
+    assert data["cpu_cores_per_node"] == base["cpu_cores_per_node"] and data["launch"] == base["launch"]
+    assert [line.startswith("measured on") for line in data["sources"]].count(True) == 1
+    assert "mpirun -n 1" in data["sources"][0] and data["sources"][1:] == base["sources"]
+    assert data["description"].count("primitives measured by app.plan.calibrate") == 1
+    path = tmp_path / "cal_again.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    machine = load_machine(path)
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml"), 1)
+    assert predict(deck, machine).step_time_s > 0
+
+
+def test_a_gpu_calibration_keeps_the_node_of_a_multi_gpu_base(tmp_path):
+    """One GPU of a DGX H100 (--base dgx_h100, mpirun -n 1): its devices per node, their memory and the
+    NVSwitch level stay the base's (the CPU rule, ranks sharing the node's memory, gave 640 GiB per
+    device on 1 device per node); more GPU ranks on a node than the base's devices is refused."""
+    import yaml
+
+    from app.plan.calibrate import machine_file
+
+    base = yaml.safe_load((REPO / "inputs/machines/dgx_h100.yaml").read_text())
+    measured = {**_calibration_measured(), "device": "cuda", "compute_units": 132, "world": 1, "ranks_per_node": 1,
+                "nodes": 1, "stream_bytes_s": 3e12, "gemm_flops": {"a fwd": 7.0e14, "b fwd": 8.0e14},
+                "attention_flops": {"forward": {"s": 4.0e14}, "backward": {"s": 3.0e14}},
+                "collectives": {op: {} for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}}  # fmt: skip
+    measured.pop("memory_bytes_s")
+    data = machine_file(base, "dgx_cal", measured, "mpirun -n 1 python -m app.plan.calibrate --base dgx_h100")
+    path = tmp_path / "dgx_cal.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    machine = load_machine(path)
+    assert (machine.devices_per_node, machine.memory_per_device_gib) == (8, 80.0)
+    assert machine.links == base["links"] and machine.link_levels()[0].name == "nvswitch"
+    deck = resolve_for_world(load_deck(REPO / "inputs/gpt_1t.yaml"), 3072)
+    assert predict(deck, machine).levels["tp"] == "nvswitch"
+    with pytest.raises(MachineError, match="16 GPU ranks on a node, but the base machine file 'dgx_h100' has "
+                                           "devices_per_node = 8"):  # fmt: skip
+        machine_file(base, "x", {**measured, "ranks_per_node": 16, "world": 16}, "calibrate")
+
+
+def test_calibration_drops_unmeasurable_rates_and_warns_of_doubtful_ones(monkeypatch):
+    """A kind whose time is no more than its ops' host time is dropped (it was nbytes / 1 ns, 1.5e6
+    GB/s) and said so; a cache rate below the memory rate and a load average above the cores are
+    warned of in the file; the per-op host time is the fastest round (a loaded round gave 1039 us)."""
+    import torch
+
+    import app.plan.calibrate as calibrate
+
+    rates, dropped = calibrate.elementwise_rates(
+        {"layernorm": (4e6, 2e-3), "gelu": (8e6, 0.0), "softmax": (1e6, -1e-4)}
+    )
+    assert rates == {"layernorm": 2e9} and dropped == ["gelu", "softmax"]
+    measured = {**_calibration_measured(), "elementwise_bytes_s": rates, "elementwise_dropped": dropped,
+                "memory_bytes_s": 2e10, "load": (5.0, 9.5), "cores": 2}  # fmt: skip
+    data = calibrate.machine_file({**_local_base(), "name": "cal"}, "cal", measured, "calibrate")
+    warnings = calibrate.calibration_warnings(measured, data)
+    assert len(warnings) == 3 and all(f"warning: {w}" in data["sources"][0] for w in warnings)
+    assert "element-wise kinds gelu, softmax not rated" in warnings[0]
+    assert "hbm_gbs 10.0 GB/s (operands the caches hold) is below memory_gbs 20.0" in warnings[1]
+    assert "load average was 5.00 before measuring and 9.50 after" in warnings[2]
+    assert data["elementwise_gbs"] == {"layernorm": 2.0}
+    # Quiet: no load warning before (1.5 on 2 cores), nor after less this node's 4 busy ranks (5.5).
+    assert calibrate.load_warning(1.5, 5.5, 2, 4) == "" and calibrate.load_warning(None, None, 2, 4) == ""
+    x = torch.ones(4)
+    monkeypatch.setattr(calibrate, "_round_times", lambda *args, **kwargs: [3e-3, 1e-3, 2e-3])
+    ops = calibrate.count_aten_ops(lambda: torch.add(x, x))
+    assert calibrate.op_overhead_seconds(lambda: torch.add(x, x), None, lambda: None, 3) == pytest.approx(1e-3 / ops)
+
+
+def test_the_text_of_a_cpu_prediction_shows_small_rates_and_no_rounding_negatives(tmp_path):
+    """A calibrated CPU's ranks run at hundredths of a TFLOP/s: the text gives three digits, not
+    "0.0 TFLOP/s" (the search's table too); a breakdown term that is a difference of equal sums
+    (-1.1e-16 s) reads 0, a real negative is left to be seen."""
+    import yaml
+
+    from app.plan.calibrate import machine_file
+    from app.plan.dryrun import format_text, make_plan, rounded_to_zero, tflops_text
+    from app.plan.search import format_text as search_text
+    from app.plan.search import search
+
+    data = machine_file(_local_base(), "cal", _calibration_measured(), "mpirun -n 4 python -m app.plan.calibrate")
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    machine = load_machine(path)
+    plan = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml"), 4, machine)
+    tflops = plan.predicted.hardware_tflops_per_device
+    assert 0 < tflops < 0.05
+    text = format_text(plan, "inputs/gpt_tiny.yaml")
+    assert f"{tflops:.3g} TFLOP/s per device" in text and "0.0 TFLOP/s" not in text
+    assert f" {tflops_text(tflops)} " in search_text(search(plan.deck, 4, machine, top=1, tensor="1d"), "gpt_tiny")
+    assert (tflops_text(158.64), tflops_text(0.0), tflops_text(0.012345)) == ("158.6", "0.0", "0.0123")
+    assert rounded_to_zero(-1.11e-16, 0.95) == 0.0 and rounded_to_zero(-0.01, 0.95) == -0.01
+    assert rounded_to_zero(0.5, 0.95) == 0.5
+
+
+def _local_base() -> dict:
+    import yaml
+
+    return yaml.safe_load((REPO / "inputs/machines/local.yaml").read_text())
 
 
 @pytest.mark.parametrize(

@@ -384,6 +384,31 @@ def test_unbalanced_stages_are_a_problem_with_a_balanced_suggestion():
     assert "[32, 32, 32, 32]" in out.stdout
 
 
+def test_an_imbalance_no_split_fixes_suggests_a_pp_or_the_limit_not_the_failing_split():
+    """gpt_tiny (4 layers) on pp = 3: every split has a stage of 2 layers, and the balanced one, [2, 1, 1],
+    is the default that fails (1.44x). The fix is not that split again but a pp that divides the layers
+    and the ranks and balances them, or the limit the balanced split needs; the ratio of a split is the
+    plan's own (`split_imbalance` of the planned split is `Plan.imbalance`)."""
+    from app.plan.dryrun import split_imbalance
+
+    for deck in (
+        ("inputs/gpt_tiny.yaml", ("parallel.pp=3",)),
+        ("inputs/gpt_tiny.yaml", ("parallel.pp=3", "parallel.stage_layers=[2,1,1]")),
+    ):
+        plan = make_plan(load_deck(REPO / deck[0], deck[1]), 3)
+        assert len(plan.problems) == 1
+        problem = plan.problems[0]
+        assert "stage 0 does 1.44x" in problem and "e.g. [2, 1, 1]" not in problem
+        assert "the balanced split, parallel.stage_layers = [2, 1, 1], still does 1.44x" in problem
+        assert "divides model.layers = 4 and the 3 ranks and balances them (here: 1)" in problem
+        assert problem.endswith("or --max-imbalance 1.45")
+        assert split_imbalance(plan, [2, 1, 1]) == pytest.approx(plan.imbalance())
+    assert not make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.pp=3",)), 3, max_imbalance=1.45).problems
+    # Where the balanced split passes it is suggested, with its ratio.
+    plan = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.pp=2", "parallel.stage_layers=[1,3]")), 2)
+    assert "set parallel.stage_layers (e.g. [2, 2], " in plan.problems[0]
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -939,9 +964,8 @@ def test_the_dry_run_gives_the_checkpoint_time_of_the_machines_file_system():
 
 
 def test_the_dry_run_places_sizes_and_times_context_parallelism_and_the_search_tries_it():
-    """cp 4 at seq 16k: world = tp x cp x pp x dp, every cp group inside a node of 4, a quarter of cp 1's
-    activations per rank (each holds a quarter of every sequence; benchmarks/cp_memory_bench.py
-    measures them within 1%), the optimizer state sharded over dp x cp under ZeRO-1; a step time from
+    """cp 4 at seq 16k: world = tp x cp x pp x dp, every cp group inside a node of 4, about a quarter of
+    cp 1's activations per rank (each holds a quarter of every sequence), the optimizer state sharded over dp x cp under ZeRO-1; a step time from
     each rank's share (`context_view`) plus the rest of the attention and the ring, which grows when
     the cp groups leave the node; the search tries cp on long sequences."""
     from app.plan import search
@@ -953,7 +977,9 @@ def test_the_dry_run_places_sizes_and_times_context_parallelism_and_the_search_t
     cp = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "parallel.cp=4")), 8, machine)
     assert cp.deck.dp == 2 and cp.layout.axes == ("tp", "cp", "pp", "dp") and cp.node_span["cp"] == 1
     a1, a4 = (p.stages[0].activations["none"] for p in (one, cp))
-    assert a4 == pytest.approx(a1 / 4, rel=0.02)
+    # a quarter, and one width of the block's ~16 more (the ring's contiguous queries: test_context's
+    # test_the_dry_runs_block_activations_under_cp_are_what_autograd_keeps)
+    assert a1 / 4 < a4 <= a1 / 4 * 1.07
     zero1 = make_plan(load_deck(REPO / "inputs/gpt_tiny.yaml", (*sets, "parallel.cp=4", "optim.zero=1")), 8, machine)
     full = cp.stages[0].optimizer["zero0"]
     # 1/8 of the moments plus the gradient shard: 12/64 of the whole (over dp alone it would be 12/16)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from app.deck_yaml import dump_yaml, read_yaml_file
 from app.metrics.peaks import peak_tflops
-from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS, MachineError
+from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS, NCCL_RING_LATENCY_US, MachineError
 from app.plan.perf import BACKWARD_BYTES, ring_terms
 
 if TYPE_CHECKING:
@@ -93,6 +93,13 @@ def _timed(
     Each loop runs long enough (`min_seconds`, many scheduler time slices) for ranks that share
     cores to share them as they do in a run: a single short call would be timed whenever its
     rank happened to hold a core, and would report a core's rate instead of a rank's share."""
+    return statistics.median(_round_times(fn, comm, sync, rounds, min_seconds))
+
+
+def _round_times(
+    fn: Callable[[], Any], comm: Any, sync: Callable[[], None], rounds: int = 3, min_seconds: float = MIN_SECONDS
+) -> list[float]:
+    """Seconds per call of `fn` in each of `rounds` sustained loops (`_timed`)."""
     from mpi4py import MPI
 
     fn()  # warm-up
@@ -110,7 +117,14 @@ def _timed(
             fn()
         sync()
         times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
+    return times
+
+
+def op_overhead_seconds(chain: Callable[[], None], comm: Any, sync: Callable[[], None], repeat: int) -> float:
+    """Host seconds per framework op of `chain` (whose arithmetic is nothing): its fastest round, not
+    the median. The ops' own time is fixed; a slower round is a rank that waited for a core (another
+    tenant's load once gave 1039 us an op, against 22 on a quiet machine)."""
+    return min(_round_times(chain, comm, sync, repeat)) / count_aten_ops(chain)
 
 
 def _module_chain(dev: Any) -> Callable[[], None]:
@@ -359,11 +373,14 @@ def _fault_rate(dev: Any, comm: Any, sync: Callable[[], None], repeat: int) -> O
     return tokens * n * 4 / gain if gain > 0 else None
 
 
-def _elementwise(dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_seconds: float) -> dict[str, float]:
-    """Bytes/s of each ELEMENTWISE_KINDS kind, forward and backward, in the bytes the model counts
-    for it (perf._layer_passes, perf._head_passes), at the token count of a small model's
+def _elementwise(
+    dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_seconds: float
+) -> dict[str, tuple[float, float]]:
+    """(bytes, seconds) of each ELEMENTWISE_KINDS kind, forward and backward, in the bytes the model
+    counts for it (perf._layer_passes, perf._head_passes), at the token count of a small model's
     micro-batch (more on a GPU, where so few would time the launches). The host time of its
-    framework ops is taken out: the model charges that apart (op_overhead_us)."""
+    framework ops is taken out of the seconds (the model charges that apart, op_overhead_us): they
+    may come out at or below zero (`elementwise_rates`)."""
     import torch
     import torch.nn.functional as F
 
@@ -380,11 +397,19 @@ def _elementwise(dev: Any, comm: Any, sync: Callable[[], None], repeat: int, op_
         "softmax": (lambda: F.cross_entropy(logits, targets).backward(), tokens * vocab * ((4 + 12) + (4 + 2 * 4))),
     }
     assert tuple(kinds) == ELEMENTWISE_KINDS
-    rates = {}
+    timed = {}
     for kind, (fn, nbytes) in kinds.items():
-        host = count_aten_ops(fn) * op_seconds
-        rates[kind] = nbytes / max(_timed(fn, comm, sync, repeat) - host, 1e-9)
-    return rates
+        timed[kind] = (nbytes, _timed(fn, comm, sync, repeat) - count_aten_ops(fn) * op_seconds)
+    return timed
+
+
+def elementwise_rates(timed: dict[str, tuple[float, float]]) -> tuple[dict[str, float], list[str]]:
+    """(bytes/s of each kind, the kinds dropped) from `_elementwise`'s (bytes, seconds less the host
+    time), the seconds agreed over the ranks. A kind whose time is no more than its ops' host time
+    has no rate to measure (it was 1.5e6 GB/s from a floor of 1 ns): it is dropped, and the model
+    charges it as any element-wise op (hbm_gbs)."""
+    rates = {kind: nbytes / seconds for kind, (nbytes, seconds) in timed.items() if seconds > 0}
+    return rates, [kind for kind in timed if kind not in rates]
 
 
 def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -> dict[str, Any]:
@@ -395,6 +420,7 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
 
     from app.runtime.mpi import cool_heap, warm_heap
 
+    load_before = load_average()
     comm = runtime.comm
     dev = runtime.device
     gpu = dev.type == "cuda"
@@ -457,14 +483,15 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         a, b, c = (torch.randn(big // 4, device=dev) for _ in range(3))
         memory = 3 * big / _timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c), comm, sync, repeat)
         del a, b, c  # hundreds of MB a rank
-    chain = _module_chain(dev)
-    op = _timed(chain, comm, sync, repeat) / count_aten_ops(chain)
+    agreed = partial(_agreed, comm)
+    # Agreed before it is used: every rank then takes out the same host time, and drops the same kinds.
+    op = agreed(op_overhead_seconds(_module_chain(dev), comm, sync, repeat))
     # A GPU's launches overlap its kernels (the host runs ahead): no host time to take out, none charged.
-    elementwise = _elementwise(dev, comm, sync, repeat, 0.0 if gpu else op)
+    timed = _elementwise(dev, comm, sync, repeat, 0.0 if gpu else op)
+    elementwise, dropped = elementwise_rates({kind: (b, agreed(t)) for kind, (b, t) in timed.items()})
 
     cool_heap()
 
-    agreed = partial(_agreed, comm)
     collectives, network_collectives = _collectives(runtime, repeat, agreed)
     disk = _disk(runtime, scratch if scratch is not None else Path(tempfile.gettempdir()))
     return {
@@ -476,16 +503,27 @@ def measure(runtime: Runtime, repeat: int = 3, scratch: Optional[Path] = None) -
         "stream_bytes_s": agreed(stream),
         **({} if memory is None else {"memory_bytes_s": agreed(memory)}),
         **({} if fault is None else {"fault_bytes_s": fault}),  # agreed by _fault_rate
-        "elementwise_bytes_s": {kind: agreed(v) for kind, v in elementwise.items()},
-        "op_seconds": agreed(op),
+        "elementwise_bytes_s": elementwise,
+        **({"elementwise_dropped": dropped} if dropped else {}),
+        "op_seconds": op,
         "collectives": collectives,
         "network_collectives": network_collectives,
         "nodes": runtime.nodes,
         "world": runtime.world_size,
+        # This node's (every rank's is the same node's on one node; rank 0's is printed): the warning's.
+        **({} if load_before is None else {"load": (load_before, load_average()), "cores": os.cpu_count()}),
         "ranks_per_node": runtime.local_size,
         "device": dev.type,
         **({"compute_units": torch.cuda.get_device_properties(dev).multi_processor_count} if gpu else {}),
     }
+
+
+def load_average() -> Optional[float]:
+    """The node's 1-minute load average, None where the OS does not give one."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def time_disk(path: Path, nbytes: int) -> tuple[float, float]:
@@ -572,21 +610,131 @@ def memory_operand_bytes(ranks_on_node: int) -> int:
     return max(ELEMENTWISE, min(4 * last_level_cache_bytes(), host // (16 * max(1, ranks_on_node))))
 
 
+# The keys a calibration measures (or derives from what it measures). They are dropped from the base
+# before this run's are written: a base that is itself a calibrated file would otherwise hand on the
+# constants this run did not measure (a disk rate measured before where the scratch is now a tmpfs, a
+# page-fault rate, collectives across nodes from a run on several nodes), under this run's source line.
+MEASURED_KEYS = ("peak_tflops", "hbm_gbs", "memory_gbs", "fault_gbs", "nvme_read_gbs", "nvme_write_gbs", "gemm",
+                 "op_overhead_us", "elementwise_gbs", "links", "collectives", "network_collectives")  # fmt: skip
+DESCRIBED = "; primitives measured by app.plan.calibrate"  # appended to the base's description
+SOURCE_WORDS = ("measured on ", "app.plan.calibrate")  # a calibration's source line starts and names these
+
+
+def check_gpu_base(base: dict[str, Any], ranks_per_node: int) -> None:
+    """A GPU calibration keeps the base's node (its devices, their memory, its links): a MachineError
+    where this node runs more GPU ranks than the base's nodes hold devices."""
+    devices = int(base["devices_per_node"])
+    if ranks_per_node > devices:
+        raise MachineError(
+            f"calibrate: {ranks_per_node} GPU ranks on a node, but the base machine file {base.get('name')!r} has "
+            f"devices_per_node = {devices}; give a --base whose nodes hold {ranks_per_node} GPUs, or run at most "
+            f"{devices} rank(s) a node"
+        )
+
+
+def calibration_warnings(measured: dict[str, Any], out: dict[str, Any]) -> list[str]:
+    """What makes a calibration's figures doubtful, one sentence each (printed, and in the file's source):
+    element-wise kinds without a rate, a cache rate below the memory rate, a loaded machine."""
+    warnings = []
+    if measured.get("elementwise_dropped"):
+        warnings.append(
+            f"element-wise kinds {', '.join(measured['elementwise_dropped'])} not rated: their time was no more "
+            "than their ops' host time (op_overhead_us), so the model charges them at hbm_gbs"
+        )
+    if out.get("memory_gbs") is not None and out["hbm_gbs"] < out["memory_gbs"]:
+        warnings.append(
+            f"hbm_gbs {out['hbm_gbs']} GB/s (operands the caches hold) is below memory_gbs {out['memory_gbs']} GB/s "
+            "(operands past the caches): a rate was slowed by other load; calibrate again on a quiet machine"
+        )
+    before, after = measured.get("load") or (None, None)
+    load = load_warning(before, after, measured.get("cores"), int(measured.get("ranks_per_node", 1)))
+    if load:
+        warnings.append(load)
+    return warnings
+
+
+def load_warning(before: Optional[float], after: Optional[float], cores: Optional[int], ranks: int) -> str:
+    """A sentence where other processes loaded this node while it was measured: its load average
+    before measuring, or after less this node's `ranks` (which were busy), above its `cores`; "" where
+    not (or where the OS gives no load average)."""
+    if before is None or not cores:
+        return ""
+    if max(before, (after or 0.0) - ranks) <= cores:
+        return ""
+    after_text = "" if after is None else f" and {after:.2f} after (this calibration's {ranks} rank(s) among them)"
+    return (
+        f"the load average was {before:.2f} before measuring{after_text}, above the {cores} cores: other processes "
+        "shared them, so the rates are low and noisy; calibrate again on a quiet machine"
+    )
+
+
+def _level(name: str, devices: Optional[int], fit: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "devices": devices, "gbs": round(fit["bandwidth_bytes_s"] / 1e9, 4),
+            "latency_us": round(fit["latency_s"] * 1e6, 3)}  # fmt: skip
+
+
+def _levels(
+    base: dict[str, Any],
+    out: dict[str, Any],
+    ranks: int,
+    ar: Optional[dict[str, Any]],
+    across: Optional[dict[str, Any]],
+    gpu: bool,
+) -> list[dict[str, Any]]:
+    """The link levels written (empty: none, the defaults of intra_node_gbs and inter_node_gbs). `ar`:
+    the all-reduce of one node's ranks measured here; `across`: that of one rank per node, every rank of
+    a node at once, so each group's bus bandwidth is one device's share of the node's link (the network
+    level's `gbs`); `ranks`: this run's ranks a node."""
+    devices = int(out["devices_per_node"])
+    if gpu:
+        # The base's node stays: its sourced levels (NVLink, NVSwitch, xGMI; the collectives measured here
+        # replace a level's figures for groups of their size, perf.group_link), or those of its
+        # intra_node_gbs and inter_node_gbs; the node's all-reduce where this run used every GPU of it.
+        sourced = [dict(level) for level in base.get("links") or []]
+        if ar is None and across is None:
+            return sourced
+        levels = sourced or [
+            {"name": "node", "devices": devices, "gbs": float(base["intra_node_gbs"]),
+             "latency_us": NCCL_RING_LATENCY_US["node"]},
+            {"name": "network", "devices": None, "gbs": float(base["inter_node_gbs"]) / devices,
+             "latency_us": NCCL_RING_LATENCY_US["network"]},
+        ]  # fmt: skip
+        if ar is not None and not sourced and ranks == devices:
+            levels[0] = _level("node", devices, ar)
+        if across is not None:
+            levels[-1] = _level(levels[-1]["name"], None, across)
+        return levels
+    levels = [] if ar is None else [_level("node", devices, ar)]
+    if across is not None:
+        return levels + [_level("network", None, across)]
+    # One node only here: the network level is the base file's placeholder.
+    return levels + [{"name": "network", "devices": None,
+                      "gbs": float(base["inter_node_gbs"]) / int(base["devices_per_node"]),
+                      "latency_us": levels[0]["latency_us"] if levels else 10.0}]  # fmt: skip
+
+
 def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], command: str) -> dict[str, Any]:
-    """The base machine file with the measured constants in place (pure; tests check it)."""
-    out = dict(base)
+    """The base machine file with this run's measured constants in place of every constant a
+    calibration measures (MEASURED_KEYS: a calibrated base's own are dropped) and the base's sourced
+    ones kept (pure; tests check it)."""
+    gpu = measured.get("device") == "cuda"
+    out = {key: value for key, value in base.items() if key not in MEASURED_KEYS}
     best = max(measured["gemm_flops"].values())
     today = datetime.date.today().isoformat()
     # The node level: the all-reduce of all the ranks of one node (the whole world on one node).
     ar = measured["collectives"]["all_reduce"].get(int(measured["ranks_per_node"]))
     out["name"] = name
-    # The ranks measured share this node: that many devices per node, each with its share of memory.
-    out["devices_per_node"] = int(measured["ranks_per_node"])
-    out["memory_per_device_gib"] = round(
-        base["memory_per_device_gib"] * base["devices_per_node"] / out["devices_per_node"], 2
-    )
-    out["description"] = f"{base['description']}; primitives measured by app.plan.calibrate"
-    gpu = measured.get("device") == "cuda"
+    if gpu:
+        # A GPU rank has its own device: the base's node stays (its devices, their memory, its links),
+        # whether this run used one GPU of it or all.
+        check_gpu_base(base, int(measured["ranks_per_node"]))
+    else:
+        # The ranks measured share this node: that many devices per node, each with its share of memory.
+        out["devices_per_node"] = int(measured["ranks_per_node"])
+        out["memory_per_device_gib"] = round(
+            base["memory_per_device_gib"] * base["devices_per_node"] / out["devices_per_node"], 2
+        )
+    out["description"] = str(base["description"]).removesuffix(DESCRIBED) + DESCRIBED
     # GPUs: bf16 GEMMs against the datasheet's peak (app/metrics/peaks.py by the base's device_name,
     # the one MFU uses); where the table lacks the device, the best rate measured is its bf16 peak.
     # CPUs: the best measured fp32 GEMM rate is the peak (MFU against it).
@@ -620,31 +768,17 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
     }
     for key, part in (("attention_efficiency", "forward"), ("attention_backward_efficiency", "backward")):
         out["gemm"][key] = round(statistics.median(measured["attention_flops"][part].values()) / reference, 4)
-    if gpu:  # launches overlap the kernels; the measured stream is the memory (no second rate)
-        for key in ("op_overhead_us", "memory_gbs", "fault_gbs"):
-            out.pop(key, None)
-    else:
+    if not gpu:  # a GPU's launches overlap its kernels: no host time per op
         out["op_overhead_us"] = round(measured["op_seconds"] * 1e6, 3)
     slower = {k: v for k, v in measured["elementwise_bytes_s"].items() if v < measured["stream_bytes_s"]}
     if slower:  # the kinds a memory stream would under-charge (compute-bound on CPUs)
         out["elementwise_gbs"] = {k: round(v / 1e9, 3) for k, v in slower.items()}
-    levels = []
-    if ar is not None:  # the node level: the all-reduce of all the ranks measured on one node
-        levels.append({"name": "node", "devices": out["devices_per_node"],
-                       "gbs": round(ar["bandwidth_bytes_s"] / 1e9, 4), "latency_us": round(ar["latency_s"] * 1e6, 3)})  # fmt: skip
     network = measured.get("network_collectives") or {}
     nodes = int(measured.get("nodes", 1))
     across = (network.get("all_reduce") or {}).get(nodes)
-    if across is not None:
-        # Measured across nodes: one rank per node, every rank of a node at once, so each group's bus
-        # bandwidth is one device's share of the node's link (the network level's `gbs`).
-        levels.append({"name": "network", "devices": None, "gbs": round(across["bandwidth_bytes_s"] / 1e9, 4),
-                       "latency_us": round(across["latency_s"] * 1e6, 3)})  # fmt: skip
-    else:  # one node only here: the network level is the base file's placeholder
-        levels.append({"name": "network", "devices": None,
-                       "gbs": float(base["inter_node_gbs"]) / int(base["devices_per_node"]),
-                       "latency_us": levels[0]["latency_us"] if levels else 10.0})  # fmt: skip
-    out["links"] = levels
+    links = _levels(base, out, int(measured["ranks_per_node"]), ar, across, gpu)
+    if links:
+        out["links"] = links
 
     def table(by_op: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[int, dict[str, float]]]:
         return {
@@ -656,7 +790,8 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
 
     # Every op and group size, for the groups of that size (perf.group_link): inside a node, and
     # (measured on several nodes) across nodes.
-    out["collectives"] = table(measured["collectives"])
+    if any(measured["collectives"].values()):  # none on one rank
+        out["collectives"] = table(measured["collectives"])
     if any(network.values()):
         out["network_collectives"] = table(network)
 
@@ -683,10 +818,22 @@ def machine_file(base: dict[str, Any], name: str, measured: dict[str, Any], comm
         f"{measured['stream_bytes_s'] / 1e9:.2f} GB/s; element-wise kinds GB/s (model bytes) {kinds}; "
         + (f"a fresh mmapped result's page faults {out['fault_gbs']} GB/s; " if "fault_gbs" in out else "")
         + f"{measured['op_seconds'] * 1e6:.1f} us per framework op; collectives of {SMALL} / {LARGE} bytes on "
-        f"groups of consecutive ranks side by side ({timed}; a ring's latency and bandwidth follow){disk}",
-        *base.get("sources", []),
+        f"groups of consecutive ranks side by side ({timed}; a ring's latency and bandwidth follow){disk}"
+        + "".join(f"; warning: {w}" for w in calibration_warnings(measured, out)),
+        # The base's sources, less a calibration's line: its figures are not in this file.
+        *[line for line in base.get("sources", []) if not _calibration_source(line)],
     ]
     return out
+
+
+def _calibration_source(line: Any) -> bool:
+    """Whether a source line is one a calibration wrote (`machine_file`)."""
+    return isinstance(line, str) and line.startswith(SOURCE_WORDS[0]) and SOURCE_WORDS[1] in line
+
+
+def _read_base(path: Path) -> dict[str, Any]:
+    return read_yaml_file(path, "machine file", lambda message: MachineError(f"machine file {path}: {message}"),
+                          "inputs/machines/local.yaml")  # fmt: skip
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -735,6 +882,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"gridlm: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     bind_device(runtime, "auto")
+    if runtime.device.type == "cuda":  # a GPU calibration keeps the base's node: it must hold these ranks
+        try:
+            on_root(runtime, lambda: check_gpu_base(_read_base(base_path), runtime.local_size))
+        except GridlmError as err:
+            if runtime.is_root:
+                print(f"gridlm: {err}", file=sys.stderr, flush=True)
+            return err.exit_code
+    warning = load_warning(load_average(), None, os.cpu_count(), runtime.local_size)
+    if warning and runtime.is_root:  # at once, not only in the file minutes later
+        print(f"calibrate: warning: {warning}", file=sys.stderr, flush=True)
     set_threads(runtime, None)
     set_malloc_mmap_threshold(RunConfig().malloc_mmap_threshold_kb)  # the allocator a run has
     init_torch_distributed(runtime)
@@ -745,18 +902,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         traceback.print_exc()
         abort(runtime, 1)
     if runtime.is_root:
-        base = read_yaml_file(base_path, "machine file", lambda message: MachineError(f"machine file {base_path}: {message}"),
-                              "inputs/machines/local.yaml")  # fmt: skip
+        base = _read_base(base_path)
         command = f"mpirun -n {runtime.world_size} python -m app.plan.calibrate --base {args.base}"
         if runtime.nodes > 1:
             command += f" on {runtime.nodes} nodes: {node_summary(runtime)}"
-        data = machine_file(base, out.stem, measured, command)
+        try:
+            data = machine_file(base, out.stem, measured, command)
+        except GridlmError as err:  # a node with more GPU ranks than rank 0's (checked there before measuring)
+            print(f"gridlm: {err}", file=sys.stderr, flush=True)
+            return err.exit_code
         header = f"# Written by app.plan.calibrate ({command}); primitives only, see its docstring.\n"
         out.write_text(header + dump_yaml(data, sort_keys=False, width=120))
         best = max(measured["gemm_flops"].values())
         print(f"calibrate: wrote {out}: GEMM up to {best / 1e9:.1f} GFLOP/s per rank (efficiency "
               f"{data['gemm']['efficiency']}), {data['hbm_gbs']} GB/s, {data.get('op_overhead_us', 0)} us per op, "
-              f"links {data['links']}", flush=True)  # fmt: skip
+              f"links {data.get('links', 'of intra_node_gbs and inter_node_gbs')}", flush=True)  # fmt: skip
+        for warning in calibration_warnings(measured, data):  # also in the file's source line
+            print(f"calibrate: warning: {warning}", file=sys.stderr, flush=True)
     import torch.distributed as dist
 
     dist.destroy_process_group()

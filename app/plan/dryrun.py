@@ -415,11 +415,59 @@ def _check_balance(plan: Plan, max_imbalance: float) -> None:
     if ratio <= max_imbalance:
         return
     slow = max(plan.stages, key=lambda s: s.flops_per_micro_batch)
-    plan.problems.append(
+    par, layers = plan.deck.parallel, plan.deck.model.layers
+    problem = (
         f"pipeline stages unbalanced: stage {slow.stage} does {ratio:.2f}x the mean stage's work (limit "
-        f"{max_imbalance:.2f}), so every other stage waits for it; set parallel.stage_layers (e.g. "
-        f"{balanced_layers(plan)}) or a pp that divides model.layers = {plan.deck.model.layers}"
+        f"{max_imbalance:.2f}), so every other stage waits for it; "
     )
+    split = balanced_layers(plan)
+    even = split_imbalance(plan, split)
+    if even <= max_imbalance:
+        plan.problems.append(
+            problem + f"set parallel.stage_layers (e.g. {split}, {even:.2f}x) or a pp that divides model.layers = "
+            f"{layers}"
+        )
+        return
+    # The balanced split fails too (few layers, or a large head): suggesting it would repeat the problem.
+    ranks = plan.world_size // (par.tp * par.cp)
+    pps = [
+        pp
+        for pp in range(1, min(layers, ranks) + 1)
+        if ranks % pp == 0 and layers % (pp * par.virtual_stages) == 0 and _even_imbalance(plan, pp) <= max_imbalance
+    ]
+    fixes = [f"parallel.pp to one that divides model.layers = {layers} and the {ranks} ranks and balances them "
+             f"(here: {', '.join(map(str, pps))})"] if pps else []  # fmt: skip
+    fixes += [f"--max-imbalance {math.ceil(even * 100) / 100:.2f}"]
+    plan.problems.append(
+        problem
+        + f"the balanced split, parallel.stage_layers = {split}, still does {even:.2f}x; set "
+        + " or ".join(fixes)
+    )
+
+
+def _work_per_layer_and_head(plan: Plan) -> tuple[float, float]:
+    """(FLOPs of one layer, FLOPs of the head) per micro-batch, from the plan's stages (a stage's work is
+    its layers' and, on the last, the head's: `estimate.estimate_stages`)."""
+    first, last = plan.stages[0], plan.stages[-1]
+    per_layer = first.flops_per_micro_batch / sum(first.layers)
+    return per_layer, last.flops_per_micro_batch - sum(last.layers) * per_layer
+
+
+def split_imbalance(plan: Plan, chunk_layers: list[int]) -> float:
+    """The slowest / mean stage work of the plan's grid with `chunk_layers` (as parallel.stage_layers:
+    chunk c of stage s is entry s + c x pp), without planning it again."""
+    pp = plan.deck.parallel.pp
+    per_layer, head = _work_per_layer_and_head(plan)
+    work = [sum(chunk_layers[s::pp]) * per_layer + (head if s == pp - 1 else 0.0) for s in range(pp)]
+    return max(work) / (sum(work) / pp)
+
+
+def _even_imbalance(plan: Plan, pp: int) -> float:
+    """The slowest / mean stage work with `pp` stages of model.layers / pp layers each (the head on the
+    last)."""
+    per_layer, head = _work_per_layer_and_head(plan)
+    layers = plan.deck.model.layers
+    return (layers / pp * per_layer + head) / ((layers * per_layer + head) / pp)
 
 
 def balanced_layers(plan: Plan) -> list[int]:
@@ -777,10 +825,11 @@ def _predicted_lines(plan: Plan) -> list[str]:
     optional |= {"optimizer"} if plan.deck.optim.offload != "none" else set()
     if tensor_shape(plan.deck) is None and plan.deck.train.fuses_grad_accumulation(not uses_gloo(plan.machine)):
         parts = [(k, "grad accumulation (fused into the GEMMs)" if k == "grad_accumulation" else v) for k, v in parts]
+    b = {key: rounded_to_zero(value, p.step_time_s) for key, value in b.items()}
     return [
         f"  predicted  step {p.step_time_s:.3g} s on {plan.machine.name}; "
-        f"{p.hardware_tflops_per_device:.1f} TFLOP/s per device counting recompute, {p.tflops_per_device:.1f} "
-        f"model (MFU {100 * p.mfu:.1f}%); {p.tokens_per_s:,.0f} tokens/s",
+        f"{tflops_text(p.hardware_tflops_per_device)} TFLOP/s per device counting recompute, "
+        f"{tflops_text(p.tflops_per_device)} model (MFU {100 * p.mfu:.1f}%); {p.tokens_per_s:,.0f} tokens/s",
         "             slowest stage: "
         + ", ".join(f"{label} {b[key]:.3g} s" for key, label in parts if b[key] or key not in optional)
         + (f" (recompute {b['recompute']:.3g} s of these)" if b["recompute"] else ""),
@@ -788,6 +837,18 @@ def _predicted_lines(plan: Plan) -> list[str]:
         + ", ".join(f"{axis} {level}" for axis, level in p.levels.items())
         + "; model and its limits: docs/PERFORMANCE_MODEL.md",
     ]
+
+
+def tflops_text(tflops: float) -> str:
+    """TFLOP/s as text: one decimal from 1 up (a GPU's 158.6), three significant digits below (a CPU
+    rank's 0.0123 would read 0.0)."""
+    return f"{tflops:.1f}" if tflops >= 1 or tflops == 0 else f"{tflops:.3g}"
+
+
+def rounded_to_zero(seconds: float, step: float) -> float:
+    """A breakdown term as shown: a negative within rounding of the step (a difference of equal sums,
+    -1.1e-16 s) is 0; a larger one is left, to be seen."""
+    return 0.0 if -1e-9 * max(step, 1e-30) < seconds < 0 else seconds
 
 
 def _count(n: int) -> str:

@@ -176,8 +176,8 @@ FIELDS: dict[str, Key] = {
         list,
         None,
         "performance model: link levels innermost first, each {name, devices (domain size; null = the "
-        "network), gbs (per device, per direction), latency_us}; default: a node level from intra_node_gbs "
-        "and a network level from inter_node_gbs",
+        "network, the last level, which every list ends with), gbs (per device, per direction), latency_us}; "
+        "default: a node level from intra_node_gbs and a network level from inter_node_gbs",
     ),
     "op_overhead_us": Key(
         float,
@@ -466,22 +466,28 @@ def _nested(values: dict[str, Any], file: str) -> dict[str, Any]:
         if values.get(key) is not None:
             out[key] = check(values[key], fields, file, prefix=f"{key}.", null_is_absent=True)
     if values.get("links") is not None:
-        out["links"] = [
-            check(level, LINK_FIELDS, file, prefix=f"links[{i}].") for i, level in enumerate(values["links"])
-        ]
+        out["links"] = [_entry(level, LINK_FIELDS, file, f"links[{i}]") for i, level in enumerate(values["links"])]
     ops = {op: Key(dict, None, "{ranks: {gbs, latency_us}}") for op in COLLECTIVE_OPS}
     for key in ("collectives", "network_collectives"):
         if values.get(key) is not None:
             out[key] = {
                 op: {
-                    check_value(COLLECTIVE_RANKS, ranks, f"{key}.{op}.{ranks}", file): check(
-                        fit, FIT_FIELDS, file, prefix=f"{key}.{op}.{ranks}."
+                    check_value(COLLECTIVE_RANKS, ranks, f"{key}.{op}.{ranks}", file): _entry(
+                        fit, FIT_FIELDS, file, f"{key}.{op}.{ranks}"
                     )
                     for ranks, fit in by_size.items()
                 }
                 for op, by_size in check(values[key], ops, file, prefix=f"{key}.", null_is_absent=True).items()
             }
     return out
+
+
+def _entry(raw: Any, fields: dict[str, Key], file: str, name: str) -> dict[str, Any]:
+    """One nested mapping (a link level, a collective's fit) checked against `fields`; a value that is
+    not a mapping is named by its key (`check` alone names only the file)."""
+    if not isinstance(raw, dict):
+        raise Problem(file, name, raw, f"expected a mapping of the keys {', '.join(fields)}")
+    return check(raw, fields, file, prefix=f"{name}.")
 
 
 # lfs setstripe options as they go into a job script: flags, numbers, sizes and pool names only.
@@ -521,3 +527,10 @@ def _validate(m: Machine) -> None:
                 "domain), with null only on the last level (the network)"
             )
         last = devices or last
+    if m.links and m.links[-1]["devices"] is not None:
+        n = len(m.links) - 1
+        raise MachineError(
+            f"{where}: links[{n}].devices = {m.links[n]['devices']}: the last level must be the network "
+            "(devices: null), the level groups that cross nodes use; add one, e.g. {name: network, devices: null, "
+            "gbs: <per device per direction>, latency_us: <per step>}"
+        )

@@ -58,7 +58,7 @@ from app.names import AXES, BYTES, TP_SUB_AXES, reduce_precision, strides3d
 from app.parallel.schedule import Action, build_schedule
 from app.plan.device import Device, device_of
 from app.plan.estimate import block_expert_params, block_params, linear_weight_params, stage_params, unit_buckets
-from app.plan.machine import LinkLevel, Machine, load_machine
+from app.plan.machine import LinkLevel, Machine, MachineError, load_machine
 from app.plan.optimizer_time import (
     OffloadRates,
     grad_norm_bytes,
@@ -202,8 +202,12 @@ def group_bandwidth(levels: list[LinkLevel], stride: int, size: int, gloo: bool 
             latency, name = max(latency, level.latency_us * 1e-6), level.name
         inside_before = inside
         if inside >= size:
-            break
-    return Link(bandwidth=bandwidth, latency=latency, level=name, gloo=gloo)
+            return Link(bandwidth=bandwidth, latency=latency, level=name, gloo=gloo)
+    # No level holds the whole group (levels without the network): its bandwidth is unknown, not infinite.
+    raise MachineError(
+        f"link levels {', '.join(level.name for level in levels) or '(none)'}: no level holds a group of {size} ranks "
+        f"{stride} apart; the last level must be the network (devices: null)"
+    )
 
 
 # -- the model ----------------------------------------------------------------------------

@@ -54,10 +54,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from app.deck import Deck, replaced, validate
+from app.deck import MAX_RANKS, Deck, replaced, validate
 from app.errors import GridlmError
 from app.names import RECOMPUTE
-from app.plan.dryrun import GiB, Plan, make_plan
+from app.plan.dryrun import MAX_IMBALANCE, GiB, Plan, PlanError, make_plan, tflops_text
 from app.plan.estimate import LayoutCache
 from app.plan.machine import Machine
 
@@ -78,6 +78,7 @@ class Candidate:
     sets: dict[str, Any]
     plan: Optional[Plan] = None
     rejected: str = ""
+    own: bool = False  # the deck's own configuration: planned with the deck's parallel.stage_layers
 
     @property
     def step(self) -> float:
@@ -86,8 +87,9 @@ class Candidate:
     def overrides(self) -> str:
         """The --set line that plans this configuration from the deck, to paste: its keys, and dp and
         stage_layers as `_apply` planned them (dp from the world size, a balanced split), which a deck
-        that sets them would otherwise keep (then refused: tp x pp x dp no longer the world size)."""
-        sets = {**self.sets, "parallel.dp": "auto", "parallel.stage_layers": None}
+        that sets them would otherwise keep (then refused: tp x pp x dp no longer the world size). The
+        deck's own keeps its stage_layers, as `_apply` planned it."""
+        sets = {**self.sets, "parallel.dp": "auto", **({} if self.own else {"parallel.stage_layers": None})}
         return " ".join(f"--set {k}={_text(v)}" for k, v in sets.items())
 
 
@@ -113,7 +115,9 @@ class SearchResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt n) (n may be a world of a million ranks)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def expert_degrees(deck: Deck, dp: int) -> list[int]:
@@ -283,27 +287,37 @@ def _offload_keys(deck: Deck, kind: str) -> dict[str, Any]:
     return keys
 
 
-def _apply(deck: Deck, sets: dict[str, Any]) -> Deck:
+def _apply(deck: Deck, sets: dict[str, Any], own: bool = False) -> Deck:
+    """The deck with `sets` in place; `own`: the deck's own configuration, which keeps its split."""
     sections: dict[str, dict[str, Any]] = {}
     for key, value in sets.items():
         section, name = key.split(".")
         sections.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
     changes = {s: replaced(getattr(deck, s), **kv) for s, kv in sections.items()}
-    # dp follows from the world size; a balanced split (the deck's stage_layers fit its own pp only).
-    changes["parallel"] = replaced(changes["parallel"], dp="auto", stage_layers=None)
+    # dp follows from the world size; a candidate gets a balanced split (the deck's stage_layers fit
+    # its own pp only), the deck's own configuration its own split, so that its line is the deck's.
+    split = deck.parallel.stage_layers if own else None
+    changes["parallel"] = replaced(changes["parallel"], dp="auto", stage_layers=split)
     if changes.get("optim", deck.optim).offload != "nvme":  # the deck's nvme directory goes with nvme
         changes["optim"] = replaced(changes.get("optim", deck.optim), offload_dir=None)
     return replaced(deck, **changes)
 
 
 def _evaluate(
-    deck: Deck, sets: dict[str, Any], world: int, machine: Machine, simulate: bool, layouts: LayoutCache
+    deck: Deck,
+    sets: dict[str, Any],
+    world: int,
+    machine: Machine,
+    simulate: bool,
+    layouts: LayoutCache,
+    max_imbalance: float = MAX_IMBALANCE,
+    own: bool = False,
 ) -> Candidate:
-    candidate = Candidate(sets)
+    candidate = Candidate(sets, own=own)
     try:
-        variant = _apply(deck, sets)
+        variant = _apply(deck, sets, own)
         validate(variant)
-        plan = make_plan(variant, world, machine, simulate=simulate, layouts=layouts)
+        plan = make_plan(variant, world, machine, max_imbalance=max_imbalance, simulate=simulate, layouts=layouts)
     except GridlmError as err:
         candidate.rejected = str(err)
         return candidate
@@ -328,20 +342,35 @@ def _fits_offloaded(candidate: Candidate, kind: str) -> bool:
 
 def _reason(message: str) -> str:
     """A short category for counting rejections."""
-    for words, label in (("offloaded optimizer state does not fit", "offloaded state does not fit the host or drive"),
+    for words, label in (("stages unbalanced", "unbalanced stages"),
+                         ("offloaded optimizer state does not fit", "offloaded state does not fit the host or drive"),
                          ("does not fit", "does not fit in device memory"), ("span", "tp spans nodes"),
-                         ("slowest stage", "unbalanced stages"), ("multiple of", "indivisible"),
+                         ("multiple of", "indivisible"),
                          ("must divide", "indivisible"), ("at least", "too few layers for the chunks")):  # fmt: skip
         if words in message:
             return label
     return message.split(":")[0][:60]
 
 
-def search(deck: Deck, world: int, machine: Machine, top: int = 5, tensor: str = "both") -> SearchResult:
+def search(
+    deck: Deck,
+    world: int,
+    machine: Machine,
+    top: int = 5,
+    tensor: str = "both",
+    max_imbalance: float = MAX_IMBALANCE,
+) -> SearchResult:
     """Rank every valid configuration of `deck` on `world` ranks of `machine`; `tensor`: "both"
-    (1D and 3D tensor parallelism), "1d" or "3d" (module docstring)."""
+    (1D and 3D tensor parallelism), "1d" or "3d" (module docstring); `max_imbalance`: the largest
+    slowest-stage / mean-stage work accepted, as the dry run's --max-imbalance."""
     if tensor not in TENSOR_KINDS:
         raise ValueError(f"tensor={tensor!r}: expected one of {', '.join(TENSOR_KINDS)}")
+    # Before enumerating: every candidate would be refused for it (resolve_for_world), one by one.
+    if not 1 <= world <= MAX_RANKS:
+        raise PlanError(
+            f"search: a world of {world:,} ranks; gridlm runs on 1 .. {MAX_RANKS:,}: pass a smaller --world-size "
+            "or --nodes"
+        )
     start = time.perf_counter()
     missing = machine.missing_for_prediction(deck.train.precision)
     if missing:
@@ -351,7 +380,7 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5, tensor: str =
             f"machine {machine.name}: the search needs predicted step times; missing {', '.join(missing)}"
         )
     ranked: list[Candidate] = []
-    result = SearchResult(world, machine, [], Candidate(_own(deck)), 0)
+    result = SearchResult(world, machine, [], Candidate(_own(deck), own=True), 0)
     fits_without_recompute: set[tuple] = set()
     layouts: LayoutCache = {}  # shared by every plan of this search
 
@@ -365,7 +394,7 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5, tensor: str =
             result.rejected["dominated: fits without recompute"] += 1
             result.examples.setdefault("dominated: fits without recompute", "the same grid fits with recompute none")
             return None
-        candidate = _evaluate(deck, sets, world, machine, simulate=False, layouts=layouts)
+        candidate = _evaluate(deck, sets, world, machine, False, layouts, max_imbalance)
         if not candidate.rejected and sets["train.recompute"] == "none":
             fits_without_recompute.add(twin)
         if candidate.rejected:
@@ -385,8 +414,8 @@ def search(deck: Deck, world: int, machine: Machine, top: int = 5, tensor: str =
     ranked.sort(key=lambda c: c.step)
     # The leaders again with the schedule simulated pass by pass (one more than shown, since the
     # simulation can reorder close ones).
-    best = [_evaluate(deck, c.sets, world, machine, simulate=True, layouts=layouts) for c in ranked[: top + 1]]
-    result.own = _evaluate(deck, _own(deck), world, machine, simulate=True, layouts=layouts)
+    best = [_evaluate(deck, c.sets, world, machine, True, layouts, max_imbalance) for c in ranked[: top + 1]]
+    result.own = _evaluate(deck, _own(deck), world, machine, True, layouts, max_imbalance, own=True)
     if not result.own.rejected and all(c.sets != result.own.sets for c in best):
         best.append(result.own)  # so the best shown is never slower than the deck's own
     result.best = sorted(best, key=lambda c: c.step)[:top]
@@ -404,7 +433,7 @@ def _row(c: Candidate) -> str:
     ep = f" ep {s['parallel.ep']}" if "parallel.ep" in s else ""
     tp += f" cp {s['parallel.cp']}" if s.get("parallel.cp", 1) > 1 else ""
     return (
-        f"{q.step_time_s:9.3g} s {q.hardware_tflops_per_device:7.1f} {100 * q.mfu:5.1f}%  {tp} pp "
+        f"{q.step_time_s:9.3g} s {tflops_text(q.hardware_tflops_per_device):>7} {100 * q.mfu:5.1f}%  {tp} pp "
         f"{s['parallel.pp']} dp {p.deck.dp}{ep} v {s['parallel.virtual_stages']} mb {s['train.micro_batch']} sp "
         f"{'y' if s['parallel.sequence_parallel'] else 'n'} recompute {s['train.recompute']} zero {s['optim.zero']}"
         f"{'' if s.get('optim.offload', 'none') == 'none' else ' offload ' + s['optim.offload']} {s['parallel.order']}  "
