@@ -596,14 +596,14 @@ class Deck:
 
     def on_device(self, gpu: bool) -> Deck:
         """This deck with what its null or auto keys become on ranks whose device is a GPU (`gpu`)
-        or a CPU: run.compile, train.fuse_grad_accumulation and model.attention_kernel (math on CPU
-        ranks with dropout: `ModelConfig.attention_on`). The memory estimate, the FLOPs and the
+        or a CPU: run.device, run.compile, train.fuse_grad_accumulation and model.attention_kernel
+        (math on CPU ranks with dropout: `ModelConfig.attention_on`). The memory estimate, the FLOPs and the
         performance model read these (`app.plan.perf.as_run_on`)."""
         return replaced(
             self,
             model=replaced(self.model, attention_kernel=self.model.attention_on(gpu)),
             train=replaced(self.train, fuse_grad_accumulation=self.train.fuses_grad_accumulation(gpu)),
-            run=replaced(self.run, compile=self.run.compiles(gpu)),
+            run=replaced(self.run, compile=self.run.compiles(gpu), device="cuda" if gpu else "cpu"),
         )
 
     @property

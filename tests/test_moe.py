@@ -294,3 +294,20 @@ def test_the_exported_router_aux_loss_coef_weighs_mixtrals_balancing_loss_as_gri
         theirs = hf(input_ids=tokens, output_router_logits=True).aux_loss.item()
     assert exported * theirs == pytest.approx(ours, rel=0.05)
     assert m.moe_aux_loss_coef * theirs == pytest.approx(ours / 2, rel=0.05)  # the copied coefficient's
+
+
+def test_the_plans_stage_flops_divide_the_experts_by_tp_under_sequence_parallelism():
+    """Under SP each tp rank routes its shard's tokens, so the experts' GEMMs per rank are 1/tp of tp 1's
+    (app/model/moe.py; perf.py's step time counts so); without SP every tp rank runs them whole. The
+    dense part divides by tp either way. Found in review: the stage estimate (its balance check and
+    stage_layers advice) counted the experts whole under SP too."""
+    from app.plan.estimate import estimate_stages
+
+    def stage_flops(*sets: str) -> float:
+        deck = resolve_for_world(load_deck(REPO / "inputs/moe_tiny.yaml", sets), 2 if "parallel.tp=2" in sets else 1)
+        return estimate_stages(deck)[0].flops_per_micro_batch
+
+    one, whole, split = (stage_flops(*s) for s in ((), ("parallel.tp=2",),
+                                                    ("parallel.tp=2", "parallel.sequence_parallel=true")))  # fmt: skip
+    assert split == pytest.approx(one / 2, rel=1e-9)  # everything split over tp
+    assert whole > split * 1.2  # the experts whole on each tp rank without SP

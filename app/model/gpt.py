@@ -211,9 +211,9 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if self.cp.size > 1:  # over the cp ranks' whole sequence; k and v travel unexpanded
             if self.recompute_core and _recomputing(self):
-                y = checkpoint(self.cp.attention, q, k, v, dropout, use_reentrant=False)
+                y = checkpoint(self.cp.attention, q, k, v, dropout, self.backend, use_reentrant=False)
             else:
-                y = self.cp.attention(q, k, v, dropout)
+                y = self.cp.attention(q, k, v, dropout, self.backend)
             return self._project(y, add_bias)
         k, v = self._expand(k, v)
         if self.recompute_core and _recomputing(self):

@@ -38,12 +38,15 @@ layer and micro-batch of b sequences of s tokens, with e bytes per activation el
 
 — the inputs of the QKV and MLP-in linears (full size: the column-parallel linear keeps
 its all-gathered input under sequence parallelism), the LayerNorm inputs and the two
-dropout masks (split over tp only with sequence parallelism, t_sp = t), and Q, K, V, the
+dropout masks (with dropout: 1 byte an element on GPUs, e on CPU ranks, whose dropout keeps
+its mask in the input's dtype: `mask_bytes`; split over tp only with sequence parallelism, t_sp = t),
+and Q, K, V, the
 attention output, and the GELU input and output (split over tp). There is no s^2 term:
 torch's scaled_dot_product_attention (flash / memory-efficient kernels) keeps only its
 output and the log-sum-exp, so selective recomputation saves little here — except with
 model.attention_kernel: math (the Megatron-LM decks), which keeps the scores: b (a/t) s^2
-(e + 1 + e with dropout) more per layer, which selective recomputation drops (`score_bytes`). Full
+(e + mask + e with dropout) more per layer, which selective recomputation drops (`score_bytes`;
+under context parallelism the all-to-all's kernel keeps b (a/(t cp)) s^2 of them, the ring none). Full
 recomputation keeps only each block's input (s b h e / t_sp) plus one block's working set
 during its backward. Under 3D tensor parallelism (x, y, z) a rank's micro-batch is its own
 (the batch is split over dp x z), the first three terms are split over x (the residual
@@ -386,10 +389,14 @@ def layer_activation_bytes(
     tensor: Tensor3DShape = None,
     cp: int = 1,
     compiled: bool = False,
+    mask: int = 1,
+    cp_kind: str = "ring",
 ) -> float:
     """Activation bytes one block keeps for backward, per micro-batch (no recomputation); under
     context parallelism (`cp`) of the rank's seq_len / cp positions; `compiled`: run.compile's
-    kernels (`app.model.fused`), which keep fewer of their intermediates than the eager ops.
+    kernels (`app.model.fused`), which keep fewer of their intermediates than the eager ops;
+    `mask`: bytes of a dropout mask's element (`mask_bytes`), two per block; `cp_kind`:
+    parallel.cp_kind.
 
     `tensor` (3D tensor parallelism, x y z): the residual stream and the LayerNorms' outputs are
     split over X, q, k, v, the attention output and the MLP's over Y (a rank's micro-batch is
@@ -398,9 +405,12 @@ def layer_activation_bytes(
     saves (tests/test_plan.py)."""
     sbh = m.seq_len // cp * micro_batch * m.hidden
     e = element
+    # The two residual dropouts' masks; without dropout their 2 bytes stand for small tensors kept
+    # beside them (the tests' bound: kept <= planned <= kept + 2 sbh).
+    masks = 2 * (mask if m.dropout > 0 else 1)
     if tensor is not None:
         x, y, _ = tensor
-        return sbh * ((4 * e + 2) / x + (4 * e + 2 * e * m.ffn / m.hidden) / y)
+        return sbh * ((4 * e + masks) / x + (4 * e + 2 * e * m.ffn / m.hidden) / y)
     t, t_sp = tp, (tp if sp else 1)
     # Split over tp, in hidden widths: q, k, v and the attention output. Learned positions: q, k and v
     # are views of the QKV output (qkv rows wide). Rotary: q and k are rotated copies; under GQA the
@@ -409,6 +419,11 @@ def layer_activation_bytes(
     attention = (m.qkv_rows + m.hidden) / m.hidden
     if m.spec.positions == "rotary":
         attention = 4.0 if m.kv < m.heads else 6.0
+    if cp > 1 and not (cp_kind == "all_to_all" and m.attention_kernel == "math"):
+        # One width more (measured): the ring keeps its queries contiguous; the all-to-all its relaid
+        # q, k, v and output beside the QKV output, except that torch's math kernel keeps scores
+        # (`score_bytes`) and not its output.
+        attention += 1.0
     # Eager RMSNorm keeps rows in fp32 that the compiled kernel does not (its input's fp32 copy in
     # bf16 / fp16, its normalised rows in fp32): 4 bytes an element, each of the block's two norms
     # (split as the stream is: t_sp).
@@ -427,21 +442,37 @@ def layer_activation_bytes(
         # shard's tokens).
         # The stacked experts' SwiGLU runs eager (`GPT.fuse`), the shared experts' as the dense MLP's.
         moe = m.moe_top_k * (mlp(m.expert_ffn, fused=False) + 2) + mlp(m.moe_shared_experts * m.expert_ffn)
-        return sbh * (2 * e + (2 * e + 2 + norms) / t_sp + attention * e / t + moe * e / t_sp)
-    return sbh * (2 * e + (2 * e + 2 + norms) / t_sp + (attention + mlp(m.ffn)) * e / t)
+        return sbh * (2 * e + (2 * e + masks + norms) / t_sp + attention * e / t + moe * e / t_sp)
+    return sbh * (2 * e + (2 * e + masks + norms) / t_sp + (attention + mlp(m.ffn)) * e / t)
 
 
-def score_bytes(m: ModelConfig, micro_batch: int, heads_split: int, element: int, cp: int = 1) -> float:
+def mask_bytes(deck: Deck, element: int) -> int:
+    """Bytes a dropout mask keeps per element: 1 on GPUs (a bool mask), the activations' element on
+    CPU ranks, where torch's dropout keeps its mask in the input's dtype (measured, torch 2.13).
+    `deck.run.device` is the ranks' device once `Deck.on_device` resolved it (auto: a GPU)."""
+    return element if deck.run.device == "cpu" else 1
+
+
+def score_bytes(
+    m: ModelConfig,
+    micro_batch: int,
+    heads_split: int,
+    element: int,
+    cp: int = 1,
+    cp_kind: str = "ring",
+    mask: int = 1,
+) -> float:
     """model.attention_kernel: math keeps the attention scores for backward, per layer and
     micro-batch: b (a / heads_split) s^2 of the softmax output (e bytes each) and, with dropout,
-    its mask (1) and the dropped probabilities (e): Korthikanti et al. 2022's 5 a s / h term at
-    e = 2. The flash / memory-efficient kernels keep none (module docstring); selective
+    its mask (`mask` bytes) and the dropped probabilities (e): Korthikanti et al. 2022's 5 a s / h
+    term at e = 2. The flash / memory-efficient kernels keep none (module docstring); selective
     recomputation re-runs the attention core and keeps none either. Under context parallelism the
-    ring computes its blocks itself: not counted."""
-    if m.attention_kernel != "math" or cp > 1:
+    ring computes its blocks itself (not counted); the all-to-all runs the kernel on heads / cp of
+    the heads over the whole sequence."""
+    if m.attention_kernel != "math" or (cp > 1 and cp_kind != "all_to_all"):
         return 0.0
-    per_score = element + (1 + element if m.dropout > 0 else 0)
-    return micro_batch * (m.heads / heads_split) * m.seq_len**2 * per_score
+    per_score = element + (mask + element if m.dropout > 0 else 0)
+    return micro_batch * (m.heads / (heads_split * cp)) * m.seq_len**2 * per_score
 
 
 def gathered_block_bytes(
@@ -617,18 +648,30 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
     master = 0 if tr.precision == "fp32" else 4
     micro = deck.num_micro_batches
     tensor = par.tensor3d
+    mask = mask_bytes(deck, e)
     per_layer = layer_activation_bytes(
-        m, tr.micro_batch, tp, par.sequence_parallel, e, tensor, par.cp, compiled=bool(deck.run.compile)
+        m,
+        tr.micro_batch,
+        tp,
+        par.sequence_parallel,
+        e,
+        tensor,
+        par.cp,
+        compiled=bool(deck.run.compile),
+        mask=mask,
+        cp_kind=par.cp_kind,
     )
-    scores = score_bytes(m, tr.micro_batch, tp if tensor is None else tensor[1], e, par.cp)  # math kernel only
+    heads_split = tp if tensor is None else tensor[1]
+    scores = score_bytes(m, tr.micro_batch, heads_split, e, par.cp, par.cp_kind, mask)  # math kernel only
     block = block_params(m, tp, tensor, par.ep)
     experts = block_expert_params(m, par.ep)
     seq = m.seq_len // par.cp  # context parallelism: this rank's positions, and 1/cp of the (balanced) work
     tokens = tr.micro_batch * seq
     layer_flops = gpt_step_flops(tr.micro_batch, m.seq_len, 1, m.hidden, 0, m.ffn, **arch_flops_args(m)) / tp / par.cp
-    if m.moe_experts:  # the experts run whole on every tp rank: their GEMMs are not divided (the layers' mean)
-        share = moe_layers(m) / m.layers
-        layer_flops += 3 * tokens * share * (mlp_forward(m, True) - mlp_forward(m, False) / tp)
+    if m.moe_experts:  # the experts run whole on every tp rank (the layers' mean): their GEMMs are not
+        # divided, except that under SP each tp rank routes only its shard's tokens (`app/model/moe.py`)
+        share, routed = moe_layers(m) / m.layers, tp if par.sequence_parallel else 1
+        layer_flops += 3 * tokens * share * (mlp_forward(m, True) / routed - mlp_forward(m, False) / tp)
     if tensor is None:
         hidden_split = tp if par.sequence_parallel else 1  # the block input's split (SP: its sequence)
         vocab_split, gemm_split = tp, tp

@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import sdpa_kernel
 
 from app.runtime.timers import Pending, StepTimers, comm_region, launch, wait
 from app.tensor_parallel.mappings import reduced_copy
@@ -145,9 +147,12 @@ def _exchange(ring: Ring, send: list[torch.Tensor], tag: int) -> tuple[list[torc
     (charged to the ring's timers, axis cp)."""
     send = [t.contiguous() for t in send]
     recv = [torch.empty_like(t) for t in send]
-    works = [dist.isend(t, ring.next, group=ring.group, tag=tag) for t in send]
-    works += [dist.irecv(t, ring.prev, group=ring.group, tag=tag) for t in recv]
-    return recv, [launch(ring.timers, "cp", work, "ring send/receive") for work in works]
+    # One batch: NCCL runs its sends and receives together. Posted one by one, at cp 2 (next = prev,
+    # one pair communicator and stream) both ranks' sends would queue before their receives and a
+    # block larger than NCCL's buffers would wait forever. gloo posts them one by one as before.
+    ops = [dist.P2POp(dist.isend, t, ring.next, ring.group, tag) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, ring.prev, ring.group, tag) for t in recv]
+    return recv, [launch(ring.timers, "cp", work, "ring send/receive") for work in dist.batch_isend_irecv(ops)]
 
 
 def _wait(ring: Ring, pending: list[Pending]) -> None:
@@ -427,26 +432,31 @@ def all_to_all_attention(
     ring: Ring,
     scale: Optional[float] = None,
     dropout: float = 0.0,
+    backend: Any = None,
 ) -> torch.Tensor:
     """Causal attention over the whole sequence, like `ring_attention` (the same inputs and output),
     by two all-to-alls around torch's attention on heads / cp of the heads (module docstring);
-    `dropout`: torch's attention dropout on them."""
+    `dropout`: torch's attention dropout on them; `backend`: the SDPA backend to run
+    (model.attention_kernel's; None: torch picks)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
     if heads % ring.size:
         raise ValueError(f"all-to-all context parallelism: cp = {ring.size} must divide the {heads} heads")
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        with sdpa_kernel(backend) if backend is not None else nullcontext():
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, _expand(k, group), _expand(v, group), dropout_p=dropout, is_causal=True, scale=scale
+            )
+
     if ring.size == 1:
-        group = heads // kv_heads
-        k, v = _expand(k, group), _expand(v, group)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+        return attend(q, k, v)
     if kv_heads % ring.size:  # too few key/value heads to split: one per query head
         k, v = _expand(k, heads // kv_heads), _expand(v, heads // kv_heads)
     q, k, v = (_Relayout.apply(t, ring, True) for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    y = torch.nn.functional.scaled_dot_product_attention(q, _expand(k, group), _expand(v, group), dropout_p=dropout,
-                                                         is_causal=True, scale=scale)  # fmt: skip
-    return _Relayout.apply(y, ring, False)
+    return _Relayout.apply(attend(q, k, v), ring, False)
 
 
 @dataclass(frozen=True)
@@ -497,11 +507,15 @@ class ContextParallel:
         chunk = seq_len // (2 * self.size)
         return [(c * chunk, (c + 1) * chunk) for c in self.ring.chunks()]
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0, backend: Any = None
+    ) -> torch.Tensor:
         """Causal attention over the whole sequence of this rank's q (B, heads, own tokens, D) and
-        k, v (B, kv heads, own tokens, D): the ring or the all-to-all; `dropout` on the probabilities."""
+        k, v (B, kv heads, own tokens, D): the ring or the all-to-all; `dropout` on the probabilities;
+        `backend` (model.attention_kernel's SDPA backend) for the all-to-all's attention: the ring
+        computes its own blocks."""
         if self.kind == "all_to_all":
-            return all_to_all_attention(q, k, v, self.ring, dropout=dropout)
+            return all_to_all_attention(q, k, v, self.ring, dropout=dropout, backend=backend)
         return ring_attention(q, k, v, self.ring, overlap=self.overlap, dropout=dropout)
 
 
