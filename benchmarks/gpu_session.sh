@@ -4,7 +4,8 @@
 # everything it wrote is tarred into $OUT (or runs/gpu_session) for the closing note.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh [budget_s]          (on the GPU machine, repo root)
-#   DEVICE=cpu bash benchmarks/gpu_session.sh 300                    (the flow on a CPU, tiny shapes)
+#   DEVICE=cpu bash benchmarks/gpu_session.sh 900                    (the flow on a CPU, tiny shapes: about 900 s
+#                                                                     reach every stage on 2 cores, estimated; less skips the last)
 #   STAGES=hf_compile,gridlm_round3,offload_6b OUT=/tmp/out bash benchmarks/gpu_session.sh 540   (some)
 #
 # Stages, most valuable first: gridlm on the three inputs/gpu decks (run.compile's default: compiled
