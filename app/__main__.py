@@ -41,8 +41,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--all-ranks", action="store_true", help="list every rank's node and (tp, pp, dp)")
     plan.add_argument(
-        "--max-imbalance", type=float, default=1.25, metavar="R",
-        help="largest accepted slowest-stage / mean-stage work ratio (default 1.25)",
+        "--max-imbalance", type=float, default=None, metavar="R",
+        help="largest accepted slowest-stage / mean-stage work ratio, >= 1 (default 1.25)",
     )  # fmt: skip
     plan.add_argument(
         "--search", action="store_true",
@@ -54,9 +54,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         help="the largest GPT of GPT-3's widths (most layers at each) that the deck's grid, batch and settings "
         "(ZeRO, recompute, optim.offload) fit on the allocation; needs --machine (or run.machine)",
     )  # fmt: skip
-    plan.add_argument("--top", type=int, default=5, metavar="K", help="--search: configurations shown (default 5)")
+    plan.add_argument("--top", type=int, default=None, metavar="K", help="--search: configurations shown (default 5)")
     plan.add_argument(
-        "--tensor", choices=("both", "1d", "3d"), default="both",
+        "--tensor", choices=("both", "1d", "3d"), default=None,
         help="--search: 1D (Megatron) or 3D (AxoNN, parallel.tensor) tensor parallelism, or both (default)",
     )  # fmt: skip
     args = parser.parse_args(argv)
@@ -64,10 +64,25 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         parser.error("--search and --largest: one at a time")
     if args.search or args.largest:
         args.dry_run = True
-    if not args.dry_run:
-        used = [f"--{k.replace('_', '-')}" for k in ("world_size", "nodes", "machine", "all_ranks") if getattr(args, k)]
-        if used or args.json:
-            parser.error(f"{', '.join(used + (['--json'] if args.json else []))} only go with --dry-run")
+    # A planning option without its mode would be ignored: a training run of the whole deck would start instead.
+    given = [
+        f"--{k.replace('_', '-')}" for k in ("world_size", "nodes", "machine", "all_ranks", "json") if getattr(args, k)
+    ]
+    given += [f"--{k.replace('_', '-')}" for k in ("max_imbalance", "top", "tensor") if getattr(args, k) is not None]
+    searched = [f"--{k}" for k in ("top", "tensor") if getattr(args, k) is not None]
+    if searched and not args.search:
+        parser.error(f"{', '.join(searched)} only {'go' if len(searched) > 1 else 'goes'} with --search")
+    if not args.dry_run and given:
+        verb = "go" if len(given) > 1 else "goes"
+        parser.error(f"{', '.join(given)} only {verb} with --dry-run (or --search, --largest)")
+    args.top = 5 if args.top is None else args.top
+    args.tensor = args.tensor or "both"
+    if args.max_imbalance is None:
+        args.max_imbalance = 1.25
+    elif not 1.0 <= args.max_imbalance < float("inf"):  # also refuses nan: no ratio is below 1
+        parser.error(
+            f"--max-imbalance must be a number >= 1 (the slowest stage's work over the mean's), not {args.max_imbalance}"
+        )
     if args.top < 1:
         parser.error("--top must be >= 1")
     for key in ("world_size", "nodes"):

@@ -28,10 +28,11 @@ def read_bytes(path: Union[str, Path], what: str, fail: Fail, example: str, max_
     try:
         # O_NONBLOCK: a named pipe given as the file must not block the open.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        info = os.fstat(fd)  # before fdopen, which refuses a directory with a bare errno
+        if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode) or stat.S_ISDIR(info.st_mode):
+            os.close(fd)
+            raise fail(f"is not a file; pass the path of a {wanted}")
         with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode) or stat.S_ISDIR(info.st_mode):
-                raise fail(f"is not a file; pass the path of a {wanted}")
             data = f.read(max_bytes + 1)  # at most: /dev/zero is a file name too
     except FileNotFoundError:
         raise fail(f"file not found; pass the path of a {wanted}") from None

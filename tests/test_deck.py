@@ -617,6 +617,10 @@ def test_named_pipe_as_the_deck_is_refused_without_blocking(tmp_path):
     os.mkfifo(pipe)
     with pytest.raises(DeckError, match="is not a file"):
         load_deck(pipe)  # no writer: a plain open() would wait forever (pytest-timeout ends it)
+    # A directory: named so, with the fix (found in review, 2026-12-01: "cannot be read ([Errno 21] Is a
+    # directory: 3)", the file descriptor's number and no fix).
+    with pytest.raises(DeckError, match="is not a file; pass the path of a YAML deck"):
+        load_deck(tmp_path)
 
 
 def test_replaced_equals_dataclasses_replace_and_refuses_unknown_fields():

@@ -289,6 +289,9 @@ def test_sampling_draws_only_among_the_top_k():
     # A tiny temperature is greedy, not nan (found in review, 2026-11-30: logits / 1e-40 overflowed
     # to inf, whose softmax is nan, and multinomial raised).
     assert {int(_pick(logits, Sampling(temperature=1e-40), gen)) for _ in range(20)} == {1}
+    # Nor one that rounds to 0 in float32 (found in review, 2026-12-01: --temperature 1e-46 divided 0 by 0).
+    for tiny in (1e-46, 5e-324):
+        assert {int(_pick(logits, Sampling(temperature=tiny), gen)) for _ in range(5)} == {1}
 
 
 def test_the_default_tokenizer_is_the_one_the_training_data_names(tmp_path):

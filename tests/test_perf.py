@@ -917,6 +917,9 @@ def _local_base() -> dict:
     [
         (("--base", "nosuch"), "machine 'nosuch': no file"),
         (("--out", "/proc/self/nope/cal.yaml"), "calibrate: cannot make /proc/self/nope"),
+        # Found in review (2026-12-01): both ended in a traceback after the minutes of measuring.
+        (("--scratch", "/nonexistent/scratch"), "calibrate: --scratch /nonexistent/scratch does not exist"),
+        (("--repeat", "0"), "--repeat must be at least 1, not 0"),
     ],
 )
 def test_calibrate_refuses_a_bad_base_or_output_before_measuring(args, message):

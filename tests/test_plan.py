@@ -426,7 +426,16 @@ def test_dry_run_user_errors(args, message):
 
 def test_dry_run_options_need_dry_run():
     out = dry_run("inputs/gpt_tiny.yaml", "--world-size", "4")
-    assert out.returncode == 2 and "only go with --dry-run" in out.stderr
+    assert out.returncode == 2 and "--world-size only goes with --dry-run" in out.stderr
+    # Found in review: --max-imbalance, --top and --tensor without --dry-run started the deck's whole training
+    # run; --top and --tensor with a plain --dry-run were ignored; a limit below 1 or nan failed every pp > 1 plan.
+    for args, said in ((("--max-imbalance", "2"), "--max-imbalance only goes with --dry-run"),
+                       (("--top", "3"), "--top only goes with --search"),
+                       (("--dry-run", "--tensor", "3d"), "--tensor only goes with --search"),
+                       (("--dry-run", "--max-imbalance", "0.5"), "--max-imbalance must be a number >= 1"),
+                       (("--dry-run", "--max-imbalance", "nan"), "--max-imbalance must be a number >= 1")):  # fmt: skip
+        out = dry_run("inputs/gpt_tiny.yaml", *args)
+        assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
 
 
 def test_tiny_deck_on_the_local_machine():

@@ -213,7 +213,10 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) 
     device = logits.device
     logits = logits.cpu()
     # Shifted so that the largest is 0 first: a tiny temperature then gives -inf, never inf - inf (nan).
-    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / float(sampling.temperature or 1.0)
+    # At least float32's smallest normal: a temperature that rounds to 0 in float32 (below ~1e-45) would
+    # divide 0 by 0 (nan); any temperature that small is greedy anyway.
+    divisor = max(float(sampling.temperature or 1.0), torch.finfo(torch.float32).tiny)
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / divisor
     if sampling.top_k is not None and sampling.top_k < scaled.shape[-1]:
         kth = scaled.topk(sampling.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

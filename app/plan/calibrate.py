@@ -866,7 +866,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out or MACHINES_DIR / f"{base_path.stem}_calibrated.yaml")
 
     def check_paths() -> None:
-        """Before minutes of measuring: the base machine file is valid and the output writable."""
+        """Before minutes of measuring: the base machine file is valid, the output writable, --repeat
+        and --scratch usable."""
         load_machine(args.base)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -874,6 +875,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise GridlmError(f"calibrate: cannot make {out.parent} ({err.strerror}); give a writable --out") from None
         if not os.access(out if out.exists() else out.parent, os.W_OK) or out.is_dir():
             raise GridlmError(f"calibrate: cannot write {out}; give a writable --out file")
+        if args.repeat < 1:  # a median of no loops would end the run after its measuring
+            raise GridlmError(f"calibrate: --repeat must be at least 1, not {args.repeat}")
+        scratch = Path(args.scratch) if args.scratch is not None else None
+        if scratch is not None and not (scratch.is_dir() and os.access(scratch, os.W_OK)):
+            why = "is not a directory" if scratch.exists() else "does not exist"
+            raise GridlmError(
+                f"calibrate: --scratch {scratch} {why}; give a writable directory on the disk whose rates to measure"
+            )
 
     try:
         on_root(runtime, check_paths)  # one rank looks at the file system
