@@ -735,6 +735,14 @@ def apply_override(raw: dict[str, Any], assignment: str) -> str:
         raise deck_error("--set", assignment, "expected section.key=value, e.g. train.steps=50")
     dotted, text = assignment.split("=", 1)
     parts = dotted.strip().split(".")
+    # An empty name would print as "deck error:  = ...": say which part is missing instead.
+    if not dotted.strip():
+        raise deck_error("--set", assignment, "the key is empty; write --set section.key=value, e.g. train.steps=50")
+    if len(parts) == 2 and not all(parts):
+        empty = "section" if not parts[0] else "key"
+        raise deck_error(
+            "--set", assignment, f"the {empty} is empty; write --set section.key=value, e.g. train.steps=50"
+        )
     if len(parts) != 2 or parts[0] not in SECTIONS:
         raise deck_error(dotted, text, "expected section.key with section one of: " + ", ".join(SECTIONS))
     if len(text) > MAX_DECK_BYTES:

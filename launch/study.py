@@ -540,9 +540,41 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_modes(args: argparse.Namespace) -> None:
+    """Options that cannot apply together are refused, not dropped: --predict with --run-local printed
+    rows of neither (1 node of 128 GPUs), and --time or --account did nothing in those modes."""
+    if args.predict and args.run_local:
+        raise StudyError("--predict and --run-local: one at a time (--predict runs nothing; --run-local runs here)")
+    mode = "--predict" if args.predict else "--run-local" if args.run_local else None
+    if mode is not None:
+        unused = [f"--{key.replace('_', '-')}" for key in ("time", *SCHEDULER_FLAGS) if getattr(args, key) is not None]
+        if args.predict and args.force:
+            unused.append("--force")
+        if unused:
+            does = "predicts and writes no job scripts" if args.predict else "runs here, with no scheduler"
+            raise StudyError(
+                f"{', '.join(unused)}: not used by {mode}, which {does}; drop {'them' if len(unused) > 1 else 'it'}"
+            )
+    if args.out is not None and not args.out.strip():
+        raise StudyError(f"--out {args.out!r}: an empty path; pass --out DIR, or omit --out for jobs/<name>/")
+    if args.time is not None and not args.time.strip():  # '' fell back to the study's time silently
+        raise StudyError(f"--time {args.time!r}: empty; pass HH:MM:SS, or omit --time for the study's time")
+
+
+def out_error(given: str, out: Path, err: OSError) -> str:
+    """An OSError of the output directory in words, with the fix; another file's as it came."""
+    named = Path(os.path.abspath(err.filename)) if err.filename else None
+    if named is None or (named != out and out not in named.parents):
+        return f"{err.filename or ''}{': ' if err.filename else ''}{err.strerror or err}"
+    problem = submit.path_problem(out, True, err)
+    return f"--out {given}: {problem}; pass --out a directory that can be created and written"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    out = Path()
     try:
+        check_modes(args)
         study = load_study(Path(args.study))
         out = Path(os.path.abspath(args.out or Path("jobs") / study.name))
         points = expand(study, run_local=args.run_local, runs=Path.cwd() / "runs")
@@ -572,8 +604,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print_table(study, points, entries)
         print(f"study: wrote {len(entries)} job script(s), {out / 'manifest.json'} and {out / 'submit_all.sh'}")
         print(f"study: submit them with: {out / 'submit_all.sh'}")
-    except (GridlmError, OSError) as err:
+    except GridlmError as err:
         print(f"study: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"study: {out_error(args.out or str(out), out, err)}", file=sys.stderr)
         return 2
     return 0
 

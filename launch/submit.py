@@ -19,6 +19,7 @@ with status 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
@@ -263,12 +264,65 @@ def build_script(args: argparse.Namespace, cwd: Path) -> tuple[str, Path, str, M
         "launch": launch,
     }
     text = render(template, values, str(template_path))
-    run_dir.mkdir(parents=True, exist_ok=True)  # the scheduler opens the job log there before the script runs
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)  # the scheduler opens the job log there before the script runs
+    except OSError as err:
+        raise SubmitError(
+            f"run.dir {run_dir}: {path_problem(run_dir, True, err)}; the job log goes there: set run.dir to a "
+            "directory that can be created and written (--set run.dir=PATH)"
+        ) from None
     out = Path(args.out) if args.out else Path("jobs") / f"{deck_path.stem}-{machine.name}-{args.nodes}n.sh"
     line = f"{launch} python -m app {values['deck']} {values['overrides']}"
     if deck.run.resume == "none":
         print("submit: note: run.resume is none, so a resubmitted job starts over (auto continues)", file=sys.stderr)
     return text, cwd / out, line, machine
+
+
+def path_problem(path: Path, is_dir: bool, err: OSError) -> str:
+    """Why `path` (a file to write, or with `is_dir` a directory to create) could not be written, in
+    words that point at the part to change: the OSError alone named a parent, or only its errno."""
+    directory = path if is_dir else path.parent
+    found = directory
+    while not os.path.lexists(found) and found != found.parent:
+        found = found.parent
+    reason = err.strerror or str(err)
+    if found != directory:  # a part of the directory is missing and could not be made
+        if not found.is_dir():
+            return f"{found} is a file, not a directory"
+        which = f"{directory}" if is_dir else f"its directory {directory}"
+        return f"{which} does not exist and cannot be created in {found} ({reason})"
+    if not directory.is_dir():
+        return f"{directory} is a file, not a directory"
+    if not is_dir and path.is_dir():
+        return "a directory, not a file"
+    if err.errno == errno.EROFS:
+        return f"{directory} is on a read-only file system"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return f"{directory} is not writable (permission denied)"
+    return f"cannot write there ({reason})"
+
+
+def out_error(given: str, path: Path, err: OSError) -> SubmitError:
+    """The --out of a script that could not be written, as one line with the fix."""
+    return SubmitError(
+        f"--out {given}: {path_problem(path, False, err)}; pass a path in an existing, writable directory, "
+        "e.g. --out jobs/NAME.sh"
+    )
+
+
+def check_given(args: argparse.Namespace) -> None:
+    """An option given empty is refused, not read as absent: --out '' or --time '' fell back to the
+    default silently. A --out ending in '/' names a directory (Path drops the '/': a file of that name)."""
+    for option in ("out", "time", "machine", "job_name"):
+        value = getattr(args, option)
+        if value is not None and not value.strip():
+            flag = "--" + option.replace("_", "-")
+            raise SubmitError(f"{flag} {value!r}: empty; pass a value, or omit {flag} for the default")
+    if args.out is not None and (args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)):
+        raise SubmitError(
+            f"--out {args.out}: a directory, not a file; pass the script's path, e.g. --out "
+            f"{os.path.join(args.out, 'job.sh')}"
+        )
 
 
 def write_script(path: Path, text: str) -> None:
@@ -340,8 +394,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     try:
+        check_given(args)
         text, path, line, machine = build_script(args, Path.cwd())
-        write_script(path, text)
+        try:
+            write_script(path, text)
+        except OSError as err:
+            raise out_error(args.out or str(path), path, err) from None
         print(f"submit: wrote {path}")
         print(f"submit: launch: {line}")
         if args.submit:

@@ -214,6 +214,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
     try:
+        scaling.check_out(args.out)
         published = read_published(Path(args.published))
         ours = our_rows(args.results, args.kind, args.label)
         metrics = shared_metrics(ours, published)

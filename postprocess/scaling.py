@@ -860,6 +860,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--title", help="title of the table and figures (default: from the study and machine)")
     args = parser.parse_args(argv)
     try:
+        check_out(args.out)
         predicted = collect_predicted(args.runs)
         measured = [a for a in args.runs if a not in predicted_only(args.runs)]
         studies = load_studies(measured, args.kind) if measured else []
@@ -884,6 +885,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"scaling: cannot write --out {args.out}: {out_error(err)}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_out(out: str) -> None:
+    """An empty --out is refused, not read as the working directory (where it wrote the files)."""
+    if not out.strip():
+        raise ScalingError(f"--out {out!r}: an empty path; pass --out DIR, e.g. --out results/NAME/")
 
 
 def out_error(err: OSError) -> str:

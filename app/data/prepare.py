@@ -216,6 +216,22 @@ def _read_tokenizer(spec: str, eos: Optional[str]) -> tuple[str, Optional[str]]:
     return spec, read_bytes(spec, "tokenizer.json", fail, "", MAX_TOKENIZER_BYTES).decode("utf-8")
 
 
+def check_prefix(out_prefix: str) -> None:
+    """--out names files PREFIX.bin, ...: a prefix with no file name part (empty, or a directory with
+    its trailing '/') would write hidden files '.bin', '.json' into the working or that directory."""
+    name = os.path.basename(out_prefix)
+    if not out_prefix.strip():
+        raise DataError(
+            f"--out {out_prefix!r}: an empty prefix; fix: pass --out PREFIX, e.g. --out data/corpus (writes "
+            "data/corpus.bin, .idx.npy and .json)"
+        )
+    if name in ("", ".", ".."):
+        raise DataError(
+            f"--out {out_prefix}: names a directory, not a file prefix; fix: add the files' name, e.g. --out "
+            f"{os.path.join(out_prefix, 'corpus')} (writes corpus.bin, .idx.npy and .json there)"
+        )
+
+
 def prepare(
     inputs: list[str],
     out_prefix: str,
@@ -234,6 +250,7 @@ def prepare(
     ranks share the work (None: this process alone); `report`: where rank 0's progress and summary
     lines go (None: nowhere)."""
     comm = comm if comm is not None else SerialComm()
+    check_prefix(out_prefix)  # the same on every rank: refused alike before any collective
     say = report if report is not None and comm.rank == 0 else (lambda line: None)
     start = time.perf_counter()
     finals = [out_prefix + ext for ext in (".bin", ".idx.npy", ".json")]

@@ -88,9 +88,11 @@ class HFTokenizer:
         try:
             self.tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # the library raises a bare Exception on a bad file
+            # Worded for every tool that reads one (prepare, generate, memorization): no option of one tool only.
             raise DataError(
-                f"tokenizer {path} is not a Hugging Face tokenizer.json ({e}); fix: pass --tokenizer byte or the "
-                "tokenizer.json of a model (e.g. from its Hugging Face directory), or --train-tokenizer N"
+                f"tokenizer {path} is not a Hugging Face tokenizer.json ({e}); fix: pass --tokenizer byte, the "
+                "tokenizer.json of a model (e.g. from its Hugging Face directory) or a tokenizer.json written by "
+                "app.data.prepare"
             ) from None
         self.sha256 = hashlib.sha256(raw).hexdigest()
         # The ids a model must embed: one past the largest, not the count of tokens (a vocabulary
@@ -161,6 +163,11 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> AnyTokenizer:
         if eos_token is not None:
             raise DataError("--eos is for a tokenizer.json; the byte tokenizer's end-of-document id is 256")
         return ByteTokenizer()
+    if os.path.isdir(spec):  # "no such file" would send the user looking for a path that is there
+        raise DataError(
+            f"--tokenizer {spec}: a directory, not a file; fix: pass the tokenizer.json file itself (e.g. "
+            f"{os.path.join(spec, 'tokenizer.json')}) or --tokenizer byte"
+        )
     if not os.path.isfile(spec):
         raise DataError(
             f"--tokenizer {spec}: no such file; fix: pass --tokenizer byte or the path of a Hugging Face "
@@ -180,6 +187,18 @@ def train_bpe(documents: Iterator[bytes], vocab_size: int) -> str:
         raise DataError(
             f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least {minimum} ids (256 bytes and the "
             f"end-of-document token); fix: pass --train-tokenizer N with N >= {minimum}"
+        )
+    # The library's trainer takes a u32 and raises OverflowError past it; no deck could embed more
+    # ids than model.vocab_size allows, so that bound is the one the message gives.
+    from app.deck import KEYS
+
+    bound = KEYS["model"]["vocab_size"].max
+    assert bound is not None  # the deck declares one (2**24)
+    maximum = int(bound)
+    if vocab_size > maximum:
+        raise DataError(
+            f"--train-tokenizer {vocab_size}: more ids than a model embeds (model.vocab_size is at most "
+            f"{maximum:,}); fix: pass --train-tokenizer N with N <= {maximum}, e.g. 32000"
         )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

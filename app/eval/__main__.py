@@ -52,6 +52,23 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_out(out: Optional[str]) -> None:
+    """An --out given must name a file: '' used to mean the default target (a silent fallback), and a
+    trailing '/' names a directory (Path drops it, and the record went to a file of that name)."""
+    if out is None:
+        return
+    if not out.strip():
+        raise CheckpointError(
+            f"--out {out!r}: an empty path; fix: pass --out FILE, e.g. --out eval.json, or omit --out for "
+            "<run.dir>/eval/step_N.json"
+        )
+    if out.endswith(("/", os.sep)) or os.path.isdir(out):
+        raise CheckpointError(
+            f"--out {out}: a directory, not a file; fix: pass the file to write, e.g. --out "
+            f"{os.path.join(out, 'eval.json')}"
+        )
+
+
 def checkpoint_file(given: str) -> Path:
     """The checkpoint --checkpoint names (a directory: the one its `latest` names)."""
     from app.checkpoint.store import TOOL_PICK, named_checkpoint
@@ -177,7 +194,13 @@ def run(argv: Optional[list[str]] = None) -> int:
     def body(deck: Deck, runtime: Runtime, grid: ProcessGrid) -> None:
         evaluate_checkpoint(deck, runtime, grid, args.checkpoint, args.out)
 
-    return run_job(deck_file(args.deck, tuple(args.overrides)), body)
+    deck = deck_file(args.deck, tuple(args.overrides))
+
+    def load(world: int) -> Deck:  # --out checked first: run_job prints its refusal once, exit 2 on every rank
+        check_out(args.out)
+        return deck(world)
+
+    return run_job(load, body)
 
 
 def main() -> None:
