@@ -216,19 +216,20 @@ def _read_tokenizer(spec: str, eos: Optional[str]) -> tuple[str, Optional[str]]:
     return spec, read_bytes(spec, "tokenizer.json", fail, "", MAX_TOKENIZER_BYTES).decode("utf-8")
 
 
-def check_prefix(out_prefix: str) -> None:
-    """--out names files PREFIX.bin, ...: a prefix with no file name part (empty, or a directory with
-    its trailing '/') would write hidden files '.bin', '.json' into the working or that directory."""
-    name = os.path.basename(out_prefix)
-    if not out_prefix.strip():
+def check_prefix(prefix: str, option: str = "--out") -> None:
+    """A token file prefix (`option`'s: prepare's --out, memorization's --data) names files PREFIX.bin, ...:
+    one with no file name part (empty, or a directory with its trailing '/') would name hidden files
+    '.bin', '.json' in the working or that directory."""
+    if not prefix.strip():
         raise DataError(
-            f"--out {out_prefix!r}: an empty prefix; fix: pass --out PREFIX, e.g. --out data/corpus (writes "
-            "data/corpus.bin, .idx.npy and .json)"
+            f"{option} {prefix!r}: an empty prefix; fix: pass {option} PREFIX, e.g. {option} data/corpus "
+            "(data/corpus.bin, .idx.npy and .json)"
         )
-    if name in ("", ".", ".."):
+    if os.path.basename(prefix) in ("", ".", ".."):
+        named = os.path.join(prefix, "corpus")
         raise DataError(
-            f"--out {out_prefix}: names a directory, not a file prefix; fix: add the files' name, e.g. --out "
-            f"{os.path.join(out_prefix, 'corpus')} (writes corpus.bin, .idx.npy and .json there)"
+            f"{option} {prefix}: names a directory, not a file prefix; fix: add the files' name, e.g. {option} "
+            f"{named} ({named}.bin, .idx.npy and .json)"
         )
 
 

@@ -46,17 +46,12 @@ INFERENCE_GRID = (
 
 def generation_deck(path: Path, world: int, overrides: tuple[str, ...] = ()) -> Deck:
     """The deck of an inference job on `world` ranks from checkpoint `path`'s deck: tp = world,
-    the model as trained, then the user's --set `overrides` (run.* keys, e.g. run.device=cpu)."""
+    the model as trained, then the user's --set `overrides` (run.* keys, e.g. run.device=cpu: checked by
+    `check_overrides`)."""
     from app.checkpoint.io import read_header, stored_deck
 
     header = read_header(path)
     raw = stored_deck(header, path)
-    for given in overrides:
-        if not given.startswith("run."):
-            raise DeckError(
-                "--set", given, "generation takes the model from the checkpoint and runs tp over every rank; "
-                "only run.* keys can be set (e.g. run.device=cpu)"
-            )  # fmt: skip
     try:
         return _inference_deck(raw, path, world, overrides)
     except DeckError as err:
@@ -91,18 +86,35 @@ def _fewer_ranks(raw: Any, path: Path, world: int, overrides: tuple[str, ...], e
     return f"launch fewer ranks: {fits} (the rank count must divide {limit})"
 
 
+def check_overrides(overrides: tuple[str, ...], tool: str) -> None:
+    """An inference command (`tool`, as its messages name it) takes only run.* --set keys."""
+    for given in overrides:
+        if not given.startswith("run."):
+            raise DeckError(
+                "--set", given, f"{tool} takes the model from the checkpoint and runs tp over every rank; "
+                "only run.* keys can be set (e.g. run.device=cpu)"
+            )  # fmt: skip
+
+
 def run_on_checkpoint(
-    args: argparse.Namespace, body: Callable[[Deck, Runtime, ProcessGrid, argparse.Namespace, Path], None]
+    args: argparse.Namespace,
+    body: Callable[[Deck, Runtime, ProcessGrid, argparse.Namespace, Path], None],
+    tool: str = "generation",
+    check: Callable[[], None] = lambda: None,
 ) -> int:
     """An inference command's job (`app.job.run_job`) on the checkpoint `args.checkpoint` (a file,
     or a directory's latest) with the run.* `args.overrides`: the deck is `generation_deck`'s, and
-    `body` gets the command line and the checkpoint's path too. The exit status."""
+    `body` gets the command line and the checkpoint's path too. Before the checkpoint is looked for,
+    the overrides are checked (messages naming `tool`) and then the command's own `check`. The exit
+    status."""
     from app.checkpoint.store import TOOL_PICK, named_checkpoint
     from app.job import run_job
 
     given, chosen = args.checkpoint, []
 
-    def load(world: int) -> Deck:
+    def load(world: int) -> Deck:  # raised alike on every rank: run_job prints it once, exit 2 everywhere
+        check_overrides(tuple(args.overrides), tool)
+        check()
         missing = "no such file; give a checkpoint file (.h5) or directory"
         chosen.append(named_checkpoint(given, f"checkpoint {given}", missing, TOOL_PICK))
         return generation_deck(chosen[-1], world, tuple(args.overrides))

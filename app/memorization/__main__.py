@@ -13,12 +13,10 @@ passages, training_data, ...). Exit status as `python -m app`: 2 for a user mist
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from app.errors import DataError, DeckError, GridlmError
 from app.generate.__main__ import _positive
 from app.runtime.process import exit_now
 
@@ -83,41 +81,13 @@ def run_measure(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argparse.
         }))  # fmt: skip
 
 
-def refusal(args: argparse.Namespace) -> Optional[GridlmError]:
-    """A mistake in the command line itself, found before the checkpoint is read: an empty --data (its
-    files would be the hidden '.bin', '.json' of the working directory), a --data naming a directory,
-    or a --set of another key than run.* (worded for this tool, not for generation's)."""
-    data = args.data
-    if not data.strip():
-        return DataError(f"--data {data!r}: an empty prefix; fix: pass --data PREFIX, a token file of app.data.prepare")
-    if os.path.basename(data) in ("", ".", ".."):
-        return DataError(
-            f"--data {data}: names a directory, not a token file prefix; fix: pass --data PREFIX, e.g. "
-            f"{os.path.join(data, 'corpus')} for {os.path.join(data, 'corpus')}.bin and .json"
-        )
-    for given in args.overrides:
-        if not given.startswith("run."):
-            return DeckError(
-                "--set", given, "memorization takes the model from the checkpoint and runs tp over every rank; "
-                "only run.* keys can be set (e.g. run.device=cpu)"
-            )  # fmt: skip
-    return None
-
-
 def run(argv: Optional[list[str]] = None) -> int:
+    from app.data.prepare import check_prefix
     from app.generate import run_on_checkpoint
-    from app.job import run_job
 
     args = parse_args(argv)
-    refused = refusal(args)
-    if refused is not None:
-        err = refused
-
-        def load(world: int) -> Deck:  # raised on every rank alike: run_job prints it once, exit 2 everywhere
-            raise err
-
-        return run_job(load, lambda deck, runtime, grid: None)
-    return run_on_checkpoint(args, run_measure)
+    # --data before the checkpoint is read: an empty one would name the working directory's hidden '.bin'
+    return run_on_checkpoint(args, run_measure, "memorization", lambda: check_prefix(args.data, "--data"))
 
 
 def main() -> None:
