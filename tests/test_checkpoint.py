@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.checkpoint.io import grid_signature, load, read_header, save
+from app.checkpoint.io import describe_grid, grid_signature, load, read_header, same_streams, save
 from app.checkpoint.slabs import (
     checksum,
     datasets_of,
@@ -214,6 +214,28 @@ def test_the_grid_signature_tells_a_3d_tensor_split_from_the_same_tp_in_1d():
     assert signature("parallel.tensor=[1, 2, 4]") != three_d
     # Another order of the same split puts other blocks (and data ranks) on the ranks.
     assert signature("parallel.tensor=[2, 2, 2]", "parallel.tensor_order=zyx") == {**three_d, "tensor_order": "zyx"}
+
+
+def test_the_grid_signature_names_expert_parallelism():
+    """An ep 2 checkpoint loaded at ep 1 (same tp, pp, dp) is resharded: its experts move between the
+    dp ranks; the resume line and inspect said the same grid. Its RNG states still apply."""
+    from types import SimpleNamespace
+
+    def signature(*sets):
+        deck = load_deck(None, ("parallel.dp=4", "model.moe_experts=4", "model.moe_ffn_hidden=32", *sets))
+        grid = SimpleNamespace(size=lambda axis: {"tp": 1, "pp": 1, "dp": 4}[axis])
+        state = SimpleNamespace(
+            deck=deck, grid=grid, dp=SimpleNamespace(level=0), runtime=SimpleNamespace(world_size=4)
+        )
+        return grid_signature(state)
+
+    plain = signature()
+    assert "ep" not in plain  # unchanged without ep: older checkpoints still load as the same grid
+    assert signature("parallel.ep=2") == {**plain, "ep": 2}
+    assert describe_grid(signature("parallel.ep=2")) == "tp=1 pp=1 dp=4 ep=2"
+    # Its ranks draw the same dropout streams (seeded by data rank, cp rank and stage): RNG restored.
+    assert same_streams(signature("parallel.ep=2"), plain)
+    assert not same_streams({**plain, "ep": 2, "dp": 2}, plain)
 
 
 def test_metrics_log_keeps_the_records_up_to_the_resumed_step(tmp_path):

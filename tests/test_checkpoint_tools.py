@@ -403,3 +403,5 @@ def test_inspect_names_the_architecture_the_experts_and_every_axis_of_the_grid(f
     grid.update(cp=1, tensor=[2, 1, 1], tensor_order="yxz")
     del grid["cp"]
     assert _grid_line(grid).startswith("tp=2 tensor=[2, 1, 1] yxz pp=1 dp=2")
+    del grid["tensor"], grid["tensor_order"]
+    assert _grid_line({**grid, "ep": 2}).startswith("tp=2 pp=1 dp=2 ep=2 (tp-cp-dp-pp)")

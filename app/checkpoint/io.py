@@ -217,8 +217,8 @@ def decode(values: np.ndarray, logical: str) -> torch.Tensor:
 
 def grid_signature(state: TrainingState) -> dict[str, Any]:
     """The grid a checkpoint was written on; another one loads it resharded, without the RNG states.
-    Under 3D tensor parallelism its [x, y, z] too and under context parallelism its cp (each absent
-    otherwise, so older files still match),
+    Under 3D tensor parallelism its [x, y, z] too, under context parallelism its cp and under expert
+    parallelism its ep (each absent otherwise, so older files still match),
     and a tensor_order other than xyz: the same tp split otherwise seeds dropout by other data
     ranks (the batch is split over z)."""
     par = state.deck.parallel
@@ -226,6 +226,7 @@ def grid_signature(state: TrainingState) -> dict[str, Any]:
     return {
         "tp": g.size("tp"), "pp": g.size("pp"), "dp": g.size("dp"), "order": par.order,
         **({"cp": par.cp} if par.cp > 1 else {}),
+        **({"ep": par.ep} if par.ep > 1 else {}),
         "virtual_stages": par.virtual_stages, "sequence_parallel": par.sequence_parallel,
         "zero": state.dp.level, "world_size": state.runtime.world_size,
         **({"tensor": list(par.tensor)} if par.tensor is not None else {}),
@@ -233,11 +234,21 @@ def grid_signature(state: TrainingState) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def same_streams(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether two grids' ranks draw the same random streams, so a rank may take the saved rank's RNG
+    state: the same signature but for ep (dropout is seeded by data rank, cp rank and stage, and a
+    rank's masks fall on its own tokens whichever ranks hold the experts)."""
+    return {k: v for k, v in saved.items() if k != "ep"} == {k: v for k, v in now.items() if k != "ep"}
+
+
 def describe_grid(g: dict[str, Any]) -> str:
-    """A `grid_signature` for the log: "tp=2 tensor=[1, 2, 1] cp=2 pp=2 dp=2" (tensor and cp where
-    the checkpoint's grid had them)."""
+    """A `grid_signature` for the log: "tp=2 tensor=[1, 2, 1] cp=2 pp=2 dp=2 ep=2" (tensor, cp and ep
+    where the checkpoint's grid had them)."""
     return " ".join(
-        [f"tp={g['tp']}"] + [f"{k}={g[k]}" for k in ("tensor", "cp") if k in g] + [f"pp={g['pp']}", f"dp={g['dp']}"]
+        [f"tp={g['tp']}"]
+        + [f"{k}={g[k]}" for k in ("tensor", "cp") if k in g]
+        + [f"pp={g['pp']}", f"dp={g['dp']}"]
+        + ([f"ep={g['ep']}"] if "ep" in g else [])
     )
 
 
@@ -1054,7 +1065,7 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
     sum_of = checksum_for(version)  # format version 1: the weak v1 sum, uint32 partials
     sums = np.zeros(len(keys), dtype=np.uint32 if version < 2 else np.uint64)  # MPI SUM wraps as the sum does
     rng_keys = [f"rng/{key}" for key in header["rng"]]
-    if "torch_cpu" not in header["rng"] or json.loads(header["grid"]) != grid_signature(state):
+    if "torch_cpu" not in header["rng"] or not same_streams(json.loads(header["grid"]), grid_signature(state)):
         rng_keys = []  # another grid: its RNG states are not this one's
     posix = deck.checkpoint.io == "posix" and all(in_file[key]["storage"] is not None for key in keys + rng_keys)
     phases.lap("catalogue")
