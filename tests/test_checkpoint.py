@@ -338,6 +338,48 @@ def test_dropout_under_context_parallelism_draws_per_cp_rank_keeps_replicas_equa
     _all_ranks_ok(runtime, problems)
 
 
+@pytest.mark.mpi(min_size=4)
+def test_the_rng_states_follow_the_grid_position_when_the_ranks_are_placed_otherwise(runtime, grids, shared_tmp):
+    """Saved with the ranks placed in blocks (ranks 0-1 on one node), resumed with them dealt round
+    robin over two nodes (`mpirun --map-by node`, `srun --distribution=cyclic`): the same grid, so the
+    generators are restored, each to the rank that now holds the coordinates that saved it. Found in
+    review: rows were indexed by world rank, so world rank 2 (now tp 1 of dp 0) took dp 1's generator,
+    the two tp ranks of dp 0 drew other residual-dropout masks and their 'replicated' LayerNorm
+    weights parted (2e-4 after two steps) while the losses still looked fine."""
+    import copy
+
+    from app.deck import load_deck, resolve_for_world
+    from app.runtime.grid import ProcessGrid
+    from app.train import Trainer
+
+    extra = ("model.dropout=0.1", "parallel.tp=2", "parallel.pp=1", "parallel.dp=2")
+    sub = grids.runtime(4)
+    sets = lambda name: (*SMALL, *extra, f"run.dir={shared_tmp / name}")  # noqa: E731
+    straight = grid_trainer(grids, 2, 1, 2, sets("straight"))
+    expected = _train(straight, 5)
+    first = grid_trainer(grids, 2, 1, 2, sets("first"))
+    _train(first, 3)
+    saved = first.save("test")
+
+    cyclic = copy.copy(sub)  # rank r on node r % 2: grid position 1 (tp 1, dp 0) is world rank 2
+    cyclic.placement = [(r % 2, r // 2) for r in range(4)]
+    cyclic.ranks_per_node_list, cyclic.node_hosts = [2, 2], ["node0", "node1"]
+    cyclic.node, cyclic.nodes, cyclic.local_rank, cyclic.local_size = sub.rank % 2, 2, sub.rank // 2, 2
+    grid = ProcessGrid(cyclic, 2, 1, 2, "tp-dp-pp")
+    assert grid.rank == [0, 2, 1, 3][sub.rank]
+    resumed = Trainer(resolve_for_world(load_deck(REPO / "inputs/gpt_tiny.yaml", sets("resumed")), 4), cyclic, grid)
+    info = load(resumed, saved.path)
+    assert info["rng_restored"] and not info["resharded"]
+    got = _train(resumed, 2)
+    problems = [] if got == expected[3:] else [f"rank {sub.rank}: resumed losses {got} != {expected[3:]}"]
+    weight = dict(resumed.model.named_parameters())["blocks.0.ln1.weight"].detach().clone()
+    mine = grid.coords["dp"], weight
+    for dp, other in sub.comm.allgather(mine):
+        if dp == mine[0] and not torch.equal(other, weight):
+            problems.append(f"rank {sub.rank}: the tp replicas of dp {dp} hold other LayerNorm weights")
+    _all_ranks_ok(runtime, problems)
+
+
 # Written by gridlm e69f108, before components described their own checkpoint state (io.py then
 # walked DataParallel's buckets and the optimizer's moments itself): `mpirun -n 4 python -m app
 # inputs/gpt_tiny.yaml` with SMALL, these keys, tp=2 dp=2, train.steps=3, checkpoint at exit.

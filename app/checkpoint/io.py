@@ -314,6 +314,7 @@ class Snapshot:
     stored_of: dict[str, tuple[str, Any]]  # group -> (logical dtype, stored numpy dtype)
     slices: dict[tuple[str, str], tuple[list, np.ndarray]]  # (group, name) -> (boxes, values) this rank writes
     rows: dict[str, np.ndarray]  # this rank's RNG states
+    grid_rank: int  # the row they go to: this rank's grid position (placements may differ on a resume)
     started: float  # perf_counter() when it was taken
 
     @property
@@ -354,6 +355,7 @@ def snapshot(state: TrainingState, copy: bool = False) -> Snapshot:
         stored_of={group: STORED[dtype] for group, dtype in dtypes.items()},
         slices=slices,
         rows=_rng_rows(rt),
+        grid_rank=state.grid.rank,
         started=started,
     )
 
@@ -477,7 +479,7 @@ def write(
         is made here (the tensors' were made with the NaN/Inf check, `check_finite`)."""
         if kind != "rng":
             return slices.get((kind, name), ([], np.empty(0, dtype=stored_of[kind][1])))
-        boxes = [((rt.rank, 0), (1, shape[1]))]
+        boxes = [((snap.grid_rank, 0), (1, shape[1]))]
         sums[len(catalogue) + list(rows).index(name)] = checksum(rows[name], boxes, shape)
         return boxes, rows[name]
 
@@ -1130,7 +1132,7 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
                 phases.lap("decode")
         rng = {}
         for key in rng_keys:
-            box = [((rt.rank, 0), (1, in_file[key]["shape"][1]))]
+            box = [((state.grid.rank, 0), (1, in_file[key]["shape"][1]))]  # the saved rank of our coordinates
             try:
                 row = read_slab(key, box, np.dtype(np.uint8))
             except Exception as err:  # raised below, a bug too (as in `gathered`): the next row's read may be
