@@ -386,7 +386,11 @@ class OptimConfig:
     weight_decay: float = _key(0.1, "decoupled weight decay (not applied to biases and LayerNorm)", min=0.0, max=10.0)
     beta1: float = _key(0.9, "Adam beta1", min=0.0, max=0.999999)
     beta2: float = _key(0.95, "Adam beta2", min=0.0, max=0.999999)
-    eps: float = _key(1e-8, "Adam epsilon", min=0.0, max=1.0)
+    # At least float32's smallest normal: the kernels compute in fp32, where a smaller eps is 0 and an
+    # element with no gradient yet (an unseen token's embedding row) updates by 0/0.
+    eps: float = _key(
+        1e-8, "Adam epsilon (the update runs in fp32: at least its smallest normal)", min=1.1754944e-38, max=1.0
+    )
     grad_clip: float = _key(1.0, "clip the global gradient norm to this; 0 disables", min=0.0, max=1e6)
 
 

@@ -208,6 +208,15 @@ def test_the_model_must_split_evenly_over_the_grid(overrides, key, message):
     assert err.value.key == key
 
 
+@pytest.mark.parametrize("eps", ["0", "1e-300"])
+def test_adam_epsilon_is_at_least_float32_s_smallest_normal(eps):
+    """Found in review: optim.eps = 0 (or one that is 0 in fp32, where the update runs) divided an
+    element without a gradient yet by 0, and the run ended non-finite blaming optim.lr."""
+    with pytest.raises(DeckError, match=r"must be >= 1\.1754944e-38") as err:
+        load_deck(TINY, (f"optim.eps={eps}",))
+    assert err.value.key == "optim.eps"
+
+
 def test_stage_layers_and_virtual_stages_are_accepted():
     deck = load_deck(TINY, ("parallel.pp=2", "parallel.virtual_stages=2", "parallel.stage_layers=[1, 1, 1, 1]"))
     assert deck.parallel.stage_layers == [1, 1, 1, 1] and deck.parallel.virtual_stages == 2

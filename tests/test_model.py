@@ -322,6 +322,9 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     linear = dataclasses.replace(cfg, schedule="linear")
     assert learning_rate(linear, 12, 20) == pytest.approx(0.1 + 0.9 * (1 - 8 / 15))
     assert learning_rate(dataclasses.replace(cfg, schedule="constant"), 15, 20) == 1.0
+    # One decay step (steps = warm-up + 1): it is the last, at min_lr (it ran at the peak, found in review).
+    for schedule in ("cosine", "linear"):
+        assert learning_rate(dataclasses.replace(cfg, schedule=schedule), 4, 5) == pytest.approx(0.1)
 
 
 def test_mean_step_time_leaves_out_warmup_only_when_steps_remain():

@@ -418,6 +418,15 @@ def test_loss_scaler_halves_on_overflow_and_refuses_to_go_below_its_floor():
     assert unbounded.scale > 0 and unbounded.skipped == 1999
 
 
+def test_a_resumed_clean_count_past_a_smaller_window_still_doubles_the_scale():
+    """Found in review: a checkpoint of a run with loss_scale_window 100, resumed with a window of 2,
+    brought a clean count of 5: the test `clean == window` never held again and the scale could only halve."""
+    scaler = LossScaler(1024.0, window=2)
+    scaler.load_state_dict({"scale": 1024.0, "clean": 5, "skipped": 0})
+    scaler.update(False)
+    assert (scaler.scale, scaler.clean) == (2048.0, 0)
+
+
 def test_nonfinite_guard_counts_streaks_and_aborts():
     with pytest.raises(NonFiniteError, match=r"non-finite loss and gradient norm at step 7 \(train\.nonfinite: "
                                              r"abort\).*use train\.precision: bf16"):  # fmt: skip

@@ -56,7 +56,8 @@ def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant" or total_steps <= cfg.warmup_steps:
         return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps - 1))
+    decay_steps = total_steps - cfg.warmup_steps - 1  # after the first: the last step reaches min_lr
+    progress = 1.0 if decay_steps <= 0 else min(1.0, (step - cfg.warmup_steps) / decay_steps)
     factor = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
 
@@ -167,7 +168,7 @@ class LossScaler:
             self.skipped += 1
             return
         self.clean += 1
-        if self.clean == self.window:
+        if self.clean >= self.window:  # >=: a resume may bring a count past a smaller deck's window
             self.scale, self.clean = self.scale * 2, 0
 
 
