@@ -517,11 +517,14 @@ MEMORY_CASES = [
     ("train.precision=bf16", "optim.zero=1"),
     ("train.precision=fp16", "train.grad_reduce_dtype=compute", "model.tie_embeddings=false"),
     ("optim.zero=2",),
+    ("optim.name=lamb", "train.precision=bf16", "optim.zero=1"),  # + LAMB's update (found in review)
 ]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("overrides", MEMORY_CASES, ids=["fp32", "bf16-zero1", "fp16-untied", "zero2"])
+@pytest.mark.parametrize(
+    "overrides", MEMORY_CASES, ids=["fp32", "bf16-zero1", "fp16-untied", "zero2", "lamb-bf16-zero1"]
+)
 def test_weights_gradients_optimizer_equal_the_trainers_buffers(runtime, grids, overrides):
     """The plan's weights, gradients and optimizer state per rank are what `DataParallel` and the
     optimizer allocate, exactly: both come from the same `ParamLayout` (the plan's from the

@@ -263,9 +263,13 @@ class ShardedOptimizer:
         self.store: Optional[OffloadStore] = None
         self.exp_avg: list[torch.Tensor] = []
         self.exp_avg_sq: list[torch.Tensor] = []
+        # LAMB's update of each bucket, alive from the update to the trust ratio (on the device only).
+        self._lamb_updates: list[torch.Tensor] = []
         if cfg.offload == "none":
             self.exp_avg = [torch.zeros_like(m) for m in dp.master]
             self.exp_avg_sq = [torch.zeros_like(m) for m in dp.master]
+            if cfg.name == "lamb":
+                self._lamb_updates = [torch.empty_like(m) for m in dp.master]
         elif cfg.offload == "host":
             self.store = HostStore(dp.offload_master())
         else:
@@ -279,7 +283,6 @@ class ShardedOptimizer:
         self._norm_views: Optional[NormViews] = None
         self._adamw: Optional[list[_AdamWCall]] = None
         self._lamb_views: Optional[_LambViews] = None
-        self._lamb_updates: list[torch.Tensor] = []
         self._decay_views: list[list[torch.Tensor]] = []
         # The step count and 1 / grad_scale as device tensors, as the fused kernel reads them.
         self._step_t = torch.zeros((), dtype=torch.float32, device=dp.device)
@@ -375,12 +378,12 @@ class ShardedOptimizer:
             self.unpublished = False
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state in this rank's memory: the moments and any separate fp32
-        master copy (offloaded: what the store holds in host memory)."""
+        """Bytes of optimizer state in this rank's memory: the moments, any separate fp32 master
+        copy and LAMB's update buffers (offloaded: what the store holds in host memory)."""
         if self.store is not None:
             return self.store.host_bytes() + (self._transfer.host_bytes() if self._transfer is not None else 0)
-        moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
-        return moments + self.dp.master_bytes()
+        kept = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq + self._lamb_updates)
+        return kept + self.dp.master_bytes()
 
     def close(self) -> None:
         """Release an offload store's files and threads (after the delayed update in flight)."""
@@ -421,8 +424,6 @@ class ShardedOptimizer:
             cfg = self.cfg
             bc1, bc2 = 1 - cfg.beta1**self.steps, 1 - cfg.beta2**self.steps
             lamb = cfg.name == "lamb"
-            if lamb and not self._lamb_updates:  # kept: alive from the update to the trust ratio, every step
-                self._lamb_updates = [torch.empty_like(m) for m in self.dp.master]
             if not self._decay_views:  # AdamW's decayed elements of each bucket, as views kept
                 self._decay_views = [cut(p, self.dp.layout.decay_runs(b)) for b, p in enumerate(self.dp.master)]
             for b, (p, m, v) in enumerate(zip(self.dp.master, self.exp_avg, self.exp_avg_sq)):

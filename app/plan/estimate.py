@@ -14,7 +14,7 @@ buffers, their padding and the ZeRO-1 shards are counted as they are allocated:
   tied embedding (or the untied head), V/t x h;
 * bytes per parameter: weights in the compute dtype; the gradient buffer in
   `train.grad_reduce_dtype`; fp32 master weights only for bf16/fp16; two fp32 moments
-  (AdamW and LAMB). ZeRO-1 (`optim.zero: 1`) divides master weights and moments by dp and
+  (AdamW and LAMB), and LAMB's fp32 update, kept from the update to the trust ratio. ZeRO-1 (`optim.zero: 1`) divides master weights and moments by dp and
   adds a 1/dp gradient shard; each bucket is padded to a multiple of dp elements. ZeRO-2
   (`optim.zero: 2`) keeps the same shards but no whole gradient buffer: at most
   ZERO2_IN_FLIGHT bucket buffers being reduced (with their output shards) and one being
@@ -646,6 +646,8 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
     chunk_layers = [len(c) for c in chunks]
     e, grad_bytes = BYTES[tr.precision], BYTES[reduce_precision(tr.precision, tr.grad_reduce_dtype)]
     master = 0 if tr.precision == "fp32" else 4
+    # Per shard element: two fp32 moments, and LAMB's update (`ShardedOptimizer`, on the device only).
+    moments = 8.0 + (4.0 if deck.optim.name == "lamb" else 0.0)
     micro = deck.num_micro_batches
     tensor = par.tensor3d
     mask = mask_bytes(deck, e)
@@ -702,8 +704,8 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
         whole = stage_sizes(deck, StageKey(layers, first, last, False), layouts)  # middle stages share it
         sharded = stage_sizes(deck, StageKey(layers, first, last, True), layouts) if dp > 1 else whole
         optimizer = {
-            "zero0": whole.shard * (master + 8.0),
-            "zero1": sharded.shard * (master + 8.0 + (grad_bytes if dp > 1 else 0)),
+            "zero0": whole.shard * (master + moments),
+            "zero1": sharded.shard * (master + moments + (grad_bytes if dp > 1 else 0)),
         }
         optimizer["zero2"] = optimizer["zero1"]  # the same shards; the whole gradient buffer goes
         buckets = bucket_bound(whole) if dp > 1 else whole.size * float(grad_bytes)
@@ -716,7 +718,7 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
             weight_shard = z3.shard * float(e)
             gathered = (2 + ZERO3_PREFETCH) * z3.largest_unit * float(e)
             buckets3 = bucket_bound(z3)
-            optimizer["zero3"] = z3.shard * (master + 8.0 + grad_bytes)
+            optimizer["zero3"] = z3.shard * (master + moments + grad_bytes)
         # Offloaded: the fp32 master (always a copy) and two moments per shard element, by ZeRO stage.
         shards = {"zero0": whole.shard, "zero1": sharded.shard, "zero2": sharded.shard, "zero3": whole.shard}
         if dp > 1:
