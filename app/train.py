@@ -20,6 +20,7 @@ with a checkpoint (`app/checkpoint/`, docs/CHECKPOINT.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -407,6 +408,8 @@ class Trainer:
                 "deck's values (e.g. a larger rope_theta to extend the context); if that is not meant, set the "
                 "trained values in the deck's model section"
             )
+        if info["changed_schedule"]:
+            self.runtime.log(schedule_warning(info["changed_schedule"], self.deck, info["step"]))
         return info
 
     def initialise_from_hf(self, directory: Path) -> None:
@@ -729,6 +732,28 @@ class Trainer:
             f"will be skipped ({self.guard.in_a_row} rollback(s) in a row; train.max_skipped = "
             f"{self.deck.train.max_skipped})"
         )
+
+
+def schedule_warning(changed: list[tuple[str, Any, Any]], deck: Deck, step: int) -> str:
+    """The resume's line for a deck that changes the checkpoint's optimizer or schedule keys
+    (`changed`: key, the checkpoint's value, the deck's): which, and the learning rate of the next
+    step on each schedule, so that a jump in the curve is expected, not found later."""
+    said = ", ".join(f"{key} = {now!r} (trained with {was!r})" for key, was, now in changed)
+    saved = {key: was for key, was, _ in changed}
+    kept = {k.split(".")[1]: v for k, v in saved.items() if k.startswith("optim.")}
+    try:
+        before = learning_rate(
+            dataclasses.replace(deck.optim, **kept), step, saved.get("train.steps", deck.train.steps)
+        )
+        rates = f"the learning rate of step {step + 1} is {learning_rate(deck.optim, step, deck.train.steps):.2e}"
+        rates += f" ({before:.2e} on the checkpoint's)"
+    except (TypeError, ValueError):  # a stored value of another type (an edited file): no rate to compare
+        rates = "the learning rate follows the deck's schedule"
+    return (
+        f"gridlm: warning: this deck changes the checkpoint's optimizer or schedule: {said}; training goes on with "
+        f"the deck's values, the schedule over its train.steps: {rates}; if that is not meant, set the trained "
+        "values in the deck"
+    )
 
 
 def out_of_memory(trainer: Trainer, err: BaseException) -> RankFatal:

@@ -267,7 +267,7 @@ def test_the_keys_that_change_the_function_are_compared_by_app_eval_and_not_by_a
     not dropout, attention_kernel, moe_capacity_factor or the router losses' weights, which evaluation
     does not compute with. A resume keeps comparing the shapes only (a rope_theta changed on purpose
     for a longer context stays possible there)."""
-    from app.checkpoint.io import EVAL, RESUME, changed_function, check_model
+    from app.checkpoint.io import EVAL, RESUME, changed_function, changed_schedule, check_model
     from app.deck_yaml import dump_yaml
     from app.errors import CheckpointError
 
@@ -288,6 +288,10 @@ def test_the_keys_that_change_the_function_are_compared_by_app_eval_and_not_by_a
         key = changed.split("=")[0].removeprefix("model.")
         assert [change[0] for change in changed_function(header, deck, path)] == [key]  # which a resume says
     assert changed_function(header, load_deck(REPO / "inputs/gpt_tiny.yaml", (*llama, *harmless)), path) == []
+    assert changed_schedule(header, load_deck(REPO / "inputs/gpt_tiny.yaml", llama), path) == []
+    assert changed_schedule(header, load_deck(REPO / "inputs/gpt_tiny.yaml", (*llama, "optim.lr=0.5")), path) == [
+        ("optim.lr", 1e-3, 0.5)
+    ]
     # A gpt2 model has learned positions: its rope_theta computes nothing.
     gpt2 = {"deck": dump_yaml(load_deck(REPO / "inputs/gpt_tiny.yaml").to_dict(), sort_keys=False)}
     check_model(gpt2, load_deck(REPO / "inputs/gpt_tiny.yaml", ("model.rope_theta=500",)), path, EVAL)
@@ -305,6 +309,15 @@ def test_a_resume_that_changes_the_model_s_function_says_so_and_goes_on(trained,
     assert (
         "gridlm: warning: this deck changes the checkpoint's model: model.layernorm_eps = 0.001 (trained with 1e-05)"
         in resumed.stdout
+    ), resumed.stdout[-3000:]
+    # train.steps 3 of a run trained for 4: its decay ends a step sooner (found in review: said nowhere).
+    from app.optim.optimizer import learning_rate
+
+    optim = load_deck(REPO / "inputs/gpt_tiny.yaml", ("optim.lr=3.0e-3",)).optim
+    assert (
+        "gridlm: warning: this deck changes the checkpoint's optimizer or schedule: train.steps = 3 (trained with 4); "
+        f"training goes on with the deck's values, the schedule over its train.steps: the learning rate of step 3 is "
+        f"{learning_rate(optim, 2, 3):.2e} ({learning_rate(optim, 2, 4):.2e} on the checkpoint's)" in resumed.stdout
     ), resumed.stdout[-3000:]
 
 

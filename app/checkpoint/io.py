@@ -969,6 +969,26 @@ def changed_function(header: dict[str, Any], deck: Deck, path: Path) -> list[tup
             if saved.get(key) != getattr(deck.model, key)]  # fmt: skip
 
 
+# What a resume recomputes the learning rate and the update from: the deck's, not the checkpoint's.
+SCHEDULE_KEYS = ("optim.name", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule",
+                 "optim.beta1", "optim.beta2", "optim.eps", "optim.weight_decay", "optim.grad_clip", "train.steps")  # fmt: skip
+
+
+def changed_schedule(header: dict[str, Any], deck: Deck, path: Path) -> list[tuple[str, Any, Any]]:
+    """(key, the checkpoint's value, the deck's) for each `SCHEDULE_KEYS` key the deck changes: the
+    resume takes them (more train.steps extends a run, and stretches its decay) but says so. Keys a
+    checkpoint's deck lacks (older files) are not compared."""
+    saved = stored_deck(header, path)
+    changed = []
+    for key in SCHEDULE_KEYS:
+        section, name = key.split(".")
+        was = saved.get(section, {}).get(name) if isinstance(saved.get(section), dict) else None
+        now = getattr(getattr(deck, section), name)
+        if was is not None and was != now:
+            changed.append((key, was, now))
+    return changed
+
+
 def function_keys(model: dict[str, Any]) -> tuple[str, ...]:
     """The model keys beyond the shapes (SHAPE_KEYS) that change what a checkpoint's model (`model_section`)
     computes in evaluation: the norms' epsilon, the rotary base where positions are rotary, the experts a
@@ -1030,12 +1050,12 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
     t0 = time.perf_counter()
     phases = PhaseTimes()  # this rank's seconds per phase (the result's "phases")
 
-    def validate() -> tuple[dict[str, Any], list[tuple[str, Any, Any]]]:
+    def validate() -> tuple[dict[str, Any], list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
         header = read_header(path, advice)
         check_model(header, deck, path, advice)
-        return header, changed_function(header, deck, path)
+        return header, changed_function(header, deck, path), changed_schedule(header, deck, path)
 
-    header, changed = on_root(rt, validate)
+    header, changed, rescheduled = on_root(rt, validate)
     phases.lap("header (rank 0 reads and checks it)")
     in_file = header["datasets"]
     shards = _shard_states(state)
@@ -1219,6 +1239,7 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
         "shared_datasets": len(shares.shared),  # read in pieces and all-gathered with the ranks reading alike
         "note": note,  # V1_NOTE for a format-version-1 file, else None
         "changed_function": changed,  # (model key, the checkpoint's, the deck's) that the resume takes
+        "changed_schedule": rescheduled,  # (optim or train.steps key, the checkpoint's, the deck's), taken too
     }
 
 
