@@ -256,6 +256,7 @@ class Trainer:
             eval_source=self.eval_data.source if self.eval_data is not None else None,
         )
         self.report = RunReport(deck, runtime, grid, self.run_dir, built)
+        self.unlogged: Optional[Callable[[], None]] = None  # the last step's record, when not due
         self.profiler = StepProfiler(
             deck.run.profile, deck.run.timing_warmup, runtime.rank, self.run_dir / "profile.txt", self.device
         )
@@ -560,6 +561,8 @@ class Trainer:
             received = signals.agreed(rt.comm, rt.watchdog)
             if received:
                 interrupted = signal_name(received)
+                if self.unlogged is not None:  # the run's last step is in metrics.jsonl and summary.json
+                    self.unlogged()
                 if not self._committed(saved_now):
                     self.save(interrupted, final=True)
                 rt.log(
@@ -622,6 +625,7 @@ class Trainer:
         """One timed step, reported when it is due; its evaluation, unless a stop signal came (`signals`)."""
         deck, rt = self.deck, self.runtime
         rt.watchdog.at(step=self.steps_done + 1)
+        self.unlogged = None
         if self.sampler.consumed_samples in self.bad_batches:
             self._skip_bad_batch()
             if self._evaluation_due(self.steps_done, signals):  # the parameters as they are (found in review:
@@ -644,8 +648,9 @@ class Trainer:
                 f"parameters unchanged ({self.guard.in_a_row} in a row; train.max_skipped = {deck.train.max_skipped})"
             )
         evaluated = self.evaluate() if self._evaluation_due(step, signals) else None
-        if self.report.due(step) or evaluated:  # the same steps on every rank: global_loss is a collective
-            fp16 = self.scaler
+        fp16 = self.scaler
+
+        def log() -> None:  # collective (global_loss, router_losses): the same steps on every rank
             self.report.log_step(
                 step,
                 global_loss(loss_sum, self.grid, self.tp),
@@ -658,6 +663,11 @@ class Trainer:
                 evaluated=evaluated,
                 moe=self.router_losses(),
             )
+
+        if self.report.due(step) or evaluated:
+            log()
+        else:  # logged after all should a stop signal end the run at this step (`_train_to`)
+            self.unlogged = log
 
     def _evaluation_due(self, step: int, signals: Optional[StopSignals]) -> bool:
         """Whether step `step` evaluates (eval.every, and after the last step): not when a stop signal
