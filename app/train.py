@@ -45,7 +45,7 @@ from app.deck_yaml import dump_yaml
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
 from app.eval import check_held_out_tokens, eval_dataset, evaluate, held_out_note
 from app.metrics.profile import StepProfiler
-from app.metrics.report import replace_text
+from app.metrics.report import replace_text, run_dir_write
 from app.metrics.run_report import Built, RunReport
 from app.metrics.summary import CheckpointInfo, EvalInfo
 from app.model.fused import Kernels
@@ -530,9 +530,18 @@ class Trainer:
                     os.utime(summary)
             return {"steps": steps, "start_step": start, "resumed_from": self.resumed}
         report.open(start, resumed=self.resumed is not None)
+        if rt.is_root and self.resumed is None:  # a fresh run's profile.txt is its own or none
+            with run_dir_write(self.profiler.out):
+                self.profiler.out.unlink(missing_ok=True)
         self.model.train()
         interrupted = self._train_to(steps, signals)
         self._profiled(self.profiler.close())  # the run ended inside the profiled steps
+        if deck.run.profile and not self.profiler.done:
+            rt.log(
+                f"gridlm: warning: run.profile = {deck.run.profile}: no step profiled, this job timed "
+                f"{self.profiler.seen} step(s) and profiling starts after run.timing_warmup = {deck.run.timing_warmup}; "
+                "run more steps or lower run.timing_warmup"
+            )
         self.phase = "checkpoint"
         self.finish_save()  # no write left in flight (checkpoint.at_exit: false)
         self.optimizer.publish()  # optim.offload_delay: the run ends on its last update's parameters

@@ -60,3 +60,21 @@ def test_a_profiled_run_counts_the_gemms_the_model_launches(tmp_path):
         m[1]: float(m[2]) for m in re.finditer(r"^\| `(aten::\w+)` \| \w[^|]* \| [\d.]+ \| ([\d.]+) \|", text, re.M)
     }
     assert calls.get("aten::mm", 0) + calls.get("aten::addmm", 0) == 4 * (4 * 4 * 3 + 3), calls
+
+
+def test_a_fresh_run_leaves_no_earlier_profile_and_says_when_it_profiled_no_step(tmp_path):
+    """Found in review: a fresh run in a used run.dir kept the earlier run's profile.txt, which reads as
+    its own (metrics.jsonl and TensorBoard start afresh); and run.profile with no step past
+    run.timing_warmup wrote nothing without a word."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "profile.txt").write_text("gridlm profile: an earlier run's\n")
+    done = run_app(1, "inputs/gpt_tiny.yaml", "--set", "train.steps=2", "--set", "run.profile=2",
+                   "--set", "run.timing_warmup=2", "--set", f"run.dir={run}", "--set", "checkpoint.at_exit=false",
+                   "--set", "model.layers=1")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (run / "profile.txt").exists()
+    assert (
+        "gridlm: warning: run.profile = 2: no step profiled, this job timed 2 step(s) and profiling starts after "
+        "run.timing_warmup = 2; run more steps or lower run.timing_warmup" in done.stdout
+    ), done.stdout
