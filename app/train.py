@@ -441,6 +441,12 @@ class Trainer:
         save waits for its write. The write's outcome is handled as above when `finish_save` takes it."""
         self.phase = "checkpoint"
         self.targets_at[self.steps_done] = (self.job_targets[0], self.job_targets[1])  # a rollback's
+        try:
+            return self._save(reason, final)
+        finally:
+            self.timers.pop()  # its waits (the parameters' all-gathers) are not the next step's
+
+    def _save(self, reason: str, final: bool) -> Optional[Saved]:
         directory = checkpoint_dir(self.deck)
         if self.writer is None:
             return self._outcome(lambda: save_checkpoint(self, directory), self.steps_done, reason, final)
@@ -740,6 +746,7 @@ class Trainer:
         events = self.nonfinite_events  # this run's count, not the checkpoint's
         agree(self.runtime, lambda: checkpoint_read(path, h5py_has_mpi()))
         info = load_checkpoint(self, path)
+        self.timers.pop()  # the load's waits are not the next step's
         self.nonfinite_events = events
         self.step_nonfinite = []
         back_to = info["step"]

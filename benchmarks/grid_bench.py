@@ -9,11 +9,11 @@ stages, interleaved 1F1B), +epN (expert parallelism over N dp ranks, a mixture-o
 +cpN (context parallelism over N more ranks: TP x PP x DP x N of them), +a2a (its all-to-all
 attention instead of the ring) and @ORDER (parallel.order, e.g. 2x2x2@tp-pp-dp). --hosts H passes
 `--host H` to mpirun (simulated nodes of launch/cluster_local.sh, with its exports). Each of
---rounds rounds runs every grid once, `mpirun -n TP*PP*DP python -m app DECK` with run.timers on,
+--rounds rounds runs every grid once, `mpirun -n TP*PP*DP(*CP) python -m app DECK` with run.timers on,
 the grids in turn (the order reversed every other round, so that none always runs first). The
 table (Markdown on stdout, plus table.md and table.csv in --out) reports per grid the medians over
 the rounds of its summary.json's figures: the mean step time after the warm-up steps (with the
-rounds' min-max), tokens/s, and the milliseconds per step rank 0 was blocked on tp, pp and dp
+rounds' min-max), tokens/s, and the milliseconds per step rank 0 was blocked on tp, pp, dp and cp
 communication (exposed; see app/runtime/timers.py), and rank 0's peak resident memory. Rank 0 is tp rank 0 of
 the first pipeline stage: its pp time includes waiting for the pipeline to fill and
 drain (the bubble), not only transfer time.
@@ -38,8 +38,9 @@ from app.metrics.summary import Summary
 REPO = Path(__file__).resolve().parent.parent
 GRID = re.compile(r"^(\d+)x(\d+)x(\d+)((?:\+sp|\+v\d+|\+ep\d+|\+cp\d+|\+a2a)*)(?:@([a-z]+(?:-[a-z]+){2,3}))?$")
 COLUMNS = ["grid", "ranks", "rounds", "step_ms", "step_min_ms", "step_max_ms", "rounds_ms", "tokens_per_s",
-           "tp_comm_ms", "pp_comm_ms", "dp_comm_ms", "final_loss", "peak_rss_gib"]  # fmt: skip
-MEDIANS = ("step_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms", "final_loss", "peak_rss_gib")
+           "tp_comm_ms", "pp_comm_ms", "dp_comm_ms", "cp_comm_ms", "final_loss", "peak_rss_gib"]  # fmt: skip
+MEDIANS = ("step_ms", "tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms", "cp_comm_ms", "final_loss",
+           "peak_rss_gib")  # fmt: skip
 T = TypeVar("T")
 
 
@@ -117,6 +118,7 @@ def run_grid(spec: str, args: argparse.Namespace) -> dict:
         "tp_comm_ms": 1e3 * comm.get("tp", 0.0),
         "pp_comm_ms": 1e3 * comm.get("pp", 0.0),
         "dp_comm_ms": 1e3 * comm.get("dp", 0.0),
+        "cp_comm_ms": 1e3 * comm.get("cp", 0.0),  # the ring's or the all-to-alls' (0 without cp)
         "final_loss": summary.final_loss,
         "peak_rss_gib": (summary.memory_bytes_rank0 or {}).get("peak_rss", 0) / 2**30,
     }
@@ -174,16 +176,16 @@ def median_cell(rows: list[dict], key: str, fmt: str = ".0f") -> str:
 def markdown(rows: list[dict]) -> str:
     head = (
         "| grid (tp x pp x dp) | ranks | step ms (median; min-max) | tokens/s | exposed tp comm ms | exposed pp comm ms "
-        "| exposed dp comm ms | final loss | peak RSS GiB |"
+        "| exposed dp comm ms | exposed cp comm ms | final loss | peak RSS GiB |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['grid']} | {r['ranks']} | failed ({r['error']}) | | | | | | |")
+            lines.append(f"| {r['grid']} | {r['ranks']} | failed ({r['error']}) | | | | | | | |")
             continue
         lines.append(
             f"| {r['grid']} | {r['ranks']} | {r['step_ms']:.1f} ({r['step_min_ms']:.1f}-{r['step_max_ms']:.1f}) | {r['tokens_per_s']:,.0f} | "
-            f"{r['tp_comm_ms']:.1f} | {r['pp_comm_ms']:.1f} | {r['dp_comm_ms']:.1f} | {r['final_loss']:.4f} | "
+            f"{r['tp_comm_ms']:.1f} | {r['pp_comm_ms']:.1f} | {r['dp_comm_ms']:.1f} | {r['cp_comm_ms']:.1f} | {r['final_loss']:.4f} | "
             f"{r['peak_rss_gib']:.2f} |"
         )
     return "\n".join(lines)

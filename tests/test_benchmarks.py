@@ -25,13 +25,14 @@ def test_grid_specs_parse_and_bad_ones_are_refused():
 def test_the_benchmark_runs_grids_and_writes_a_table_with_communication_times(tmp_path, capsys):
     shrink = ["--set", "model.hidden=64", "--set", "model.seq_len=32"]
     rc = grid_bench.main(
-        ["--steps", "3", "--rounds", "1", "--grids", "1x1x2", "2x1x1+sp", "--out", str(tmp_path), *shrink]
+        ["--steps", "3", "--rounds", "1", "--grids", "1x1x2", "2x1x1+sp", "1x1x1+cp2", "--out", str(tmp_path), *shrink]
     )
     assert rc == 0
     rows = list(csv.DictReader((tmp_path / "table.csv").read_text().splitlines()))
-    assert [r["grid"] for r in rows] == ["1x1x2", "2x1x1+sp"]
-    assert float(rows[0]["dp_comm_ms"]) > 0 and float(rows[0]["tp_comm_ms"]) == 0
+    assert [r["grid"] for r in rows] == ["1x1x2", "2x1x1+sp", "1x1x1+cp2"]
+    assert float(rows[0]["dp_comm_ms"]) > 0 and float(rows[0]["tp_comm_ms"]) == float(rows[0]["cp_comm_ms"]) == 0
     assert float(rows[1]["tp_comm_ms"]) > 0 and float(rows[1]["dp_comm_ms"]) == 0
+    assert float(rows[2]["cp_comm_ms"]) > 0  # the ring's (found in review: the table had no cp column)
     assert rows[0]["final_loss"][:6] == rows[1]["final_loss"][:6]  # same training, another grid
     assert "| 2x1x1+sp | 2 |" in capsys.readouterr().out
 

@@ -309,6 +309,9 @@ def test_a_short_run_writes_the_output_contract(runtime, shared_tmp, grids):
     assert memory["optimizer_state"] == 2 * memory["parameters"]  # Adam moments; fp32: no separate master
     # The process's peak resident memory holds at least the buffers above (CPU ranks).
     assert memory["peak_rss"] > memory["parameters"] + memory["gradients"] + memory["optimizer_state"]
+    # Each figure's most over the ranks (each rank's summary holds its own figures as rank 0's).
+    everyone = runtime.comm.allgather(memory)
+    assert summary["memory_bytes_max"] == {key: max(m[key] for m in everyone) for key in memory}
     assert summary["hardware_flops_per_step"] == summary["flops_per_step"]  # no recomputation
     # Scaling studies group runs by this; FLOP/s say which count they are.
     assert summary["study"] == {"name": "demo", "kind": "weak", "point": runtime.world_size}

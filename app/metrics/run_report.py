@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from app.deck import Deck, ModelConfig
@@ -272,6 +273,17 @@ class RunReport:
             out["peak_device_allocated"] = int(torch.cuda.max_memory_allocated(device))
         return out
 
+    def _most_of_any_rank(self, memory_bytes: dict[str, int]) -> dict[str, int]:
+        """Each memory figure's maximum over the ranks (collective): under pp the last stage (the head
+        and the logits) or the first (the embedding) may hold more than rank 0."""
+        from mpi4py import MPI
+
+        keys = sorted(memory_bytes)  # the same keys on every rank: one deck, one device kind
+        most = np.array([memory_bytes[key] for key in keys], dtype=np.int64)
+        with self.runtime.watchdog.blocking("MPI_Allreduce (memory per rank)"):
+            self.runtime.comm.Allreduce(MPI.IN_PLACE, most, op=MPI.MAX)
+        return {key: int(most[keys.index(key)]) for key in memory_bytes}
+
     def finish(
         self,
         *,
@@ -329,6 +341,7 @@ class RunReport:
             overlap={k: getattr(par, k) for k in OVERLAP_KEYS},
             dp_buckets=built.dp_buckets,
             memory_bytes_rank0=memory_bytes,
+            memory_bytes_max=self._most_of_any_rank(memory_bytes),
             skipped_steps=skipped_steps,
             nonfinite_steps=nonfinite_steps,
             rollbacks=rollbacks,

@@ -119,6 +119,7 @@ class Summary:
     overlap: Optional[dict[str, bool]]  # parallel.overlap_* -> on
     dp_buckets: Optional[int]
     memory_bytes_rank0: Optional[dict[str, int]]  # parameters, gradients, optimizer_state
+    memory_bytes_max: Optional[dict[str, int]]  # the same keys, each the most of any rank
     # How training went
     skipped_steps: Optional[int]  # fp16 overflows
     nonfinite_steps: Optional[int]
