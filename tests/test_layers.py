@@ -269,3 +269,50 @@ def test_recomputation_under_tp_and_sp_leaves_loss_and_gradients_bitwise_unchang
     tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     targets = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
     assert_recompute_is_bitwise(lambda mode: GPT(cfg, seed=3, tp=par, recompute=mode), tokens, targets, recompute)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("split", ["heads", "sp", "3d"])
+def test_a_tp_shard_of_an_activation_draws_its_own_dropout_masks_and_a_replicated_one_the_same(
+    runtime, grids, monkeypatch, shared_tmp, split
+):
+    """Found in review: every tp rank drew its dropout from the same stream, so the shard each holds
+    got the same masks: the heads of every tp rank one attention mask (at tp = heads, all heads one),
+    under SP positions p and p + S/tp the same residual mask, under 3D features j and j + H/X. Now
+    a rank's shard has its own (`gpt.shard_stream`); what the tp ranks hold whole (the residual stream
+    without SP, 3D's attention over X) keeps one mask on all of them, as its replicas need."""
+    from conftest import grid_trainer
+
+    sets = {"heads": (), "sp": ("parallel.sequence_parallel=true",), "3d": ("parallel.tensor=[2, 1, 1]",)}[split]
+    trainer = grid_trainer(grids, 2, 1, 1, ("model.layers=1", "model.dropout=0.5", "model.seq_len=16",
+                                            "train.global_batch=2", "train.micro_batch=2", *sets,
+                                            f"run.dir={shared_tmp / str(runtime.rank // 2)}"))  # fmt: skip
+    sub = trainer.runtime
+    residual, attention = [], []
+    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def recorded_dropout(x, p=0.5, training=True, inplace=False):
+        out = dropout(x, p, training, inplace)
+        residual.append(((out == 0) & (x != 0)).flatten().tolist())
+        return out
+
+    def recorded_sdpa(q, k, v, **kw):  # the kept probabilities, drawn from the state the call draws from
+        state = torch.get_rng_state()
+        zeros = torch.zeros_like(q)
+        eye = torch.eye(q.shape[2]).expand(*q.shape[:2], -1, -1).contiguous()
+        probe = sdpa(zeros, zeros, eye, dropout_p=kw["dropout_p"], is_causal=True)
+        torch.set_rng_state(state)
+        attention.append((probe != 0).flatten().tolist())
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "dropout", recorded_dropout)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded_sdpa)
+    trainer.model.train()
+    trainer.step()
+    monkeypatch.undo()
+    masks = sub.comm.allgather((residual, attention))
+    same_residual = masks[0][0] == masks[1][0]
+    same_attention = masks[0][1] == masks[1][1]
+    assert len(residual) == 3 and len(attention) == 1  # embedding, attention's and MLP's outputs; one core
+    assert same_residual == (split == "heads"), "residual dropout: sharded under SP and 3D, else replicated"
+    assert same_attention == (split == "3d"), "attention dropout: heads split over tp (1D), over Y (3D)"

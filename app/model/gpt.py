@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Optional, Protocol, Union
 
 import torch
@@ -166,6 +167,9 @@ class Attention(nn.Module):
         self.recompute_core = recompute_core
         self.cp: ContextParallel = NO_CP  # set by GPT: this rank's part of each sequence
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
+        # The tp rank's part of the heads, for their attention dropout (`shard_stream`); None: all of them.
+        heads_over = tp.y if isinstance(tp, Tensor3D) else tp
+        self.head_shard = heads_over.rank if heads_over.size > 1 else None
         if isinstance(tp, Tensor3D):  # heads split over Y (the qkv's out axis, the proj's in axis)
             self.heads = cfg.heads // tp.y.size
             self.qkv: nn.Module = Linear3D(cfg.hidden, 3 * cfg.hidden, cfg.init_std, tp, False, device)
@@ -209,17 +213,16 @@ class Attention(nn.Module):
         """`add_bias` False: without the output projection's bias (the block's fused chain adds it)."""
         q, k, v = self._heads(x)
         dropout = self.dropout if self.training else 0.0
+        core: Callable[..., torch.Tensor] = _attention_core
         if self.cp.size > 1:  # over the cp ranks' whole sequence; k and v travel unexpanded
-            if self.recompute_core and _recomputing(self):
-                y = checkpoint(self.cp.attention, q, k, v, dropout, self.backend, use_reentrant=False)
-            else:
-                y = self.cp.attention(q, k, v, dropout, self.backend)
-            return self._project(y, add_bias)
-        k, v = self._expand(k, v)
-        if self.recompute_core and _recomputing(self):
-            y = checkpoint(_attention_core, q, k, v, dropout, self.backend, use_reentrant=False)
+            core = self.cp.attention
         else:
-            y = _attention_core(q, k, v, dropout, self.backend)
+            k, v = self._expand(k, v)
+        with shard_stream(self.head_shard if dropout else None, q.device):  # this rank's heads' own masks
+            if self.recompute_core and _recomputing(self):
+                y = checkpoint(core, q, k, v, dropout, self.backend, use_reentrant=False)
+            else:
+                y = core(q, k, v, dropout, self.backend)
         return self._project(y, add_bias)
 
     def decode(self, x: torch.Tensor, cache: LayerCache, start: int) -> torch.Tensor:
@@ -296,6 +299,49 @@ def check_attention_kernel(cfg: ModelConfig, device: torch.device, dtype: torch.
         ) from None  # fmt: skip
 
 
+def shard_seed(shard: int) -> int:
+    """A seed for dropout on this rank's shard of an activation split over tensor-parallel ranks: one
+    draw of torch's CPU generator, the same on every tp rank (seeded alike, advanced alike), mixed
+    with the shard's index. Each shard then draws its own masks (one stream for all of them dropped
+    the same features at position p and p + S/tp, or gave every head shard the same mask, as
+    Megatron-LM's model-parallel RNG avoids), and a recomputed forward, which restores the
+    generator, draws them again."""
+    draw = int(torch.randint(0, 2**62, (1,)).item())
+    return (draw + (shard + 1) * 0x9E3779B97F4A7C15) % 2**63
+
+
+@contextmanager
+def shard_stream(shard: Optional[int], device: torch.device) -> Iterator[None]:
+    """torch's generators (the CPU's and `device`'s) seeded for `shard` inside the block and put back
+    after it (`shard_seed`); None: unchanged (a replicated activation, whose masks must be equal)."""
+    if shard is None:
+        yield
+        return
+    seed = shard_seed(shard)
+    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
+    with torch.random.fork_rng(devices=[] if index is None else [index], device_type="cuda"):
+        torch.default_generator.manual_seed(seed)
+        if index is not None:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
+
+
+def stream_shard(tp: TensorParallel) -> Optional[int]:
+    """This rank's shard of the residual stream for its dropout (`shard_stream`): the sequence's under
+    SP, the hidden's over X under 3D; None where the tp ranks hold it whole (replicated: equal masks)."""
+    if isinstance(tp, Tensor3D):
+        return tp.x.rank if tp.x.size > 1 else None
+    return tp.rank if tp.sequence_parallel and tp.size > 1 else None
+
+
+def dropout_of(x: torch.Tensor, p: float, training: bool, shard: Optional[int]) -> torch.Tensor:
+    """F.dropout(x, p, training), drawn for `shard` (`shard_stream`) where x is this rank's shard."""
+    if not training or p == 0.0:
+        return x
+    with shard_stream(shard, x.device):
+        return F.dropout(x, p, True)
+
+
 def _attention_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, backend: Optional[SDPBackend] = None
 ) -> torch.Tensor:
@@ -367,7 +413,8 @@ class Block(nn.Module):
             if cfg.is_moe(layer)
             else MLP(cfg, tp, device)
         )
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = cfg.dropout
+        self.stream_shard = stream_shard(tp)
         if isinstance(tp, Tensor3D):  # OAG: each Linear prefetches the next one's block (`_forward`'s order)
             chain_gathers([lin.slot for lin in (self.attn.qkv, self.attn.proj, self.mlp.fc, self.mlp.proj)])  # type: ignore[union-attr]
         # ZeRO-3 (`GPT.gate`): this block's unit is gathered where its forward starts, so the
@@ -392,8 +439,9 @@ class Block(nn.Module):
             self.gate.enter(self.unit)
         if self.add_norm is not None and self.training:
             return self._chained(x)
-        x = x + self.dropout(self.attn(self.ln1(x)))
-        return x + self.dropout(self.mlp(self.ln2(x)))
+        p, shard = self.dropout, self.stream_shard
+        x = x + dropout_of(self.attn(self.ln1(x)), p, self.training, shard)
+        return x + dropout_of(self.mlp(self.ln2(x)), p, self.training, shard)
 
     def _chained(self, x: torch.Tensor) -> torch.Tensor:
         """`_forward` with fused chains (no dropout: `GPT.fuse`): the attention's output bias, the
@@ -444,7 +492,7 @@ class GPT(nn.Module):
             raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
         self.cfg, self.tp, self.first, self.last, self.recompute = cfg, tp, first, last, recompute
         self.cp = cp
-        self.drop = nn.Dropout(cfg.dropout)
+        self.dropout, self.stream_shard = cfg.dropout, stream_shard(tp)
         if first or (last and cfg.tie_embeddings):
             if isinstance(tp, Tensor3D):
                 self.wte: nn.Module = Embedding3D(cfg.vocab_size, cfg.hidden, cfg.init_std, tp, device)
@@ -541,7 +589,7 @@ class GPT(nn.Module):
         # the gather land in place, which autograd refuses for split's views (a SP run failed so).
         embedded = self.wte(tokens)
         if not self.cfg.spec.learned_positions:  # rotary positions, in attention
-            x = self.drop(embedded)
+            x = dropout_of(embedded, self.dropout, self.training, self.stream_shard)
             self._exit("embed")
             return x
         positions = self.wpe[: tokens.shape[1]]
@@ -549,7 +597,7 @@ class GPT(nn.Module):
             positions = self.cp.split(self.wpe[: tokens.shape[1] * self.cp.size], 0)
         if self.tp.sequence_parallel:
             positions = self.tp.split(positions, 0)  # this rank's sequence chunk, like the embedding's
-        x = self.drop(embedded + positions)
+        x = dropout_of(embedded + positions, self.dropout, self.training, self.stream_shard)
         self._exit("embed")
         return x
 
