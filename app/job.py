@@ -67,7 +67,7 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
     )
     from app.runtime.process import start_up
     from app.runtime.watchdog import EXIT_CODE as WATCHDOG_EXIT
-    from app.runtime.watchdog import start_watchdog
+    from app.runtime.watchdog import is_descriptor_exhaustion, start_watchdog
 
     runtime = init_mpi()
     try:
@@ -119,9 +119,14 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         ended = runtime.watchdog.ended_by() if lost is not None else None
         if ended is not None:  # the peer that ends the job printed why: nothing to add
             abort(runtime, ended[1])
+        if lost is not None and is_descriptor_exhaustion(err):  # this rank's own limit: the user's to raise
+            runtime.watchdog.announce_end(LaunchError.exit_code)
+            print(lost, file=sys.stderr, flush=True)
+            abort(runtime, LaunchError.exit_code)
         if lost is not None:  # a peer died or its link broke: not a bug, name it and end the job
             print(lost, file=sys.stderr, flush=True)
             abort(runtime, WATCHDOG_EXIT)
+        runtime.watchdog.announce_end(1)  # so that no peer then calls this rank dead
         print(f"gridlm: rank {runtime.rank}: internal error, aborting the job", file=sys.stderr)
         traceback.print_exc()
         abort(runtime, 1)

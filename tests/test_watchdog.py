@@ -357,3 +357,287 @@ def test_address_answers_says_a_refusing_host_answers():
         port = s.getsockname()[1]
     assert "answers: its ranks, not its link" in address_answers("127.0.0.1", port)
     assert address_answers(None) == "its address is unknown"
+
+
+# ---- found in review (2026-12): the look at scale, ranks out of every call, file descriptors ----
+
+
+class Scale:
+    """A 5000-rank job of 40 ranks per node seen from rank 0 (ranks 0-39 on this node, node0, whose
+    pids are this process: alive to /proc)."""
+
+    def __init__(self, world: int = 5000, per_node: int = 40) -> None:
+        self.rank, self.world_size, self.hostname, self.global_ranks = 0, world, "node0", list(range(world))
+        self.per_node = per_node
+        self.comm = self
+
+    def allgather(self, mine):
+        n = self.per_node
+        if isinstance(mine, tuple):
+            return [(f"node{r // n}", os.getpid() if r < n else 100000 + r) for r in range(self.world_size)]
+        return [f"10.0.{r // n // 250}.{r // n % 250}" for r in range(self.world_size)]
+
+
+class CountingStore:
+    """A store client that counts its requests; `multi_get=False` hides multi_get (an older store)."""
+
+    def __init__(self, store, multi_get: bool = True) -> None:
+        self.store, self.requests = store, 0
+        if multi_get:
+            self.multi_get = self._multi_get
+
+    def _multi_get(self, keys):
+        self.requests += 1
+        return self.store.multi_get(keys)
+
+    def check(self, keys):
+        self.requests += 1
+        return self.store.check(keys)
+
+    def get(self, key):
+        self.requests += 1
+        return self.store.get(key)
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+
+def beating_job(world: int, stopped: set[int], never: frozenset[int] = frozenset(), op: str | None = "all_reduce"):
+    """A master TCPStore and a function that moves every heartbeat but the stopped ranks' (and writes
+    none for `never`): what the two reads of a look compare."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from app.runtime.watchdog import HEARTBEAT_KEY
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    seq = [0]
+
+    def beat_all() -> None:
+        seq[0] += 1
+        live = [r for r in range(1, world) if r not in never and (r not in stopped or seq[0] == 1)]
+        beats = [json.dumps({"seq": 1 if r in stopped else seq[0], "step": 7, "micro": 0, "op": op, "axis": "dp"})
+                 for r in live]  # fmt: skip
+        store.multi_set([HEARTBEAT_KEY.format(r) for r in live], beats)
+
+    beat_all()
+    return store, beat_all
+
+
+def scale_watchdog(store, beat_all, multi_get: bool = True):
+    import io
+
+    from app.runtime.watchdog import Watchdog
+
+    dog = Watchdog(Scale(), 60.0, interval_s=0.1, out=io.StringIO(), abort=lambda code: None)
+    dog.attach_store("127.0.0.1", store.port)
+    dog.stop()  # this test's calls are the store client's only user (see above)
+    dog._store = CountingStore(dog._store, multi_get)
+    read = dog._read_beats
+
+    def read_and_beat(ranks):  # the live ranks beat between the two reads of a look
+        found = read(ranks)
+        beat_all()
+        return found
+
+    dog._read_beats = read_and_beat
+    return dog
+
+
+def test_a_stopped_rank_above_4096_in_the_blocked_group_is_named_in_few_store_requests():
+    """Found in review: the look read the first 4096 ranks by number, not the blocked group, so a
+    stopped rank 4500 of 5000 went unnamed ("every rank is alive"), in two store requests per rank."""
+    store, beat_all = beating_job(5000, stopped={4500})
+    dog = scale_watchdog(store, beat_all)
+    dog.set_groups({"dp": list(range(0, 5000, 500))})  # rank 4500 is in this rank's dp group
+    found = dog._suspects("dp", wait_heartbeats=True)
+    assert found.startswith("rank 4500 (pid 104500 on node112) sends no heartbeat: stopped, dead or cut off"), found
+    # The group (10 ranks) and its nodes (400) in a few multi_gets, not check + get per rank.
+    assert dog._store.requests <= 8, dog._store.requests
+
+
+def test_the_rest_of_the_job_is_looked_at_when_the_group_is_fine_without_multi_get():
+    """A stopped rank outside the blocked group's nodes is found in the second look; a rank that never
+    beat (its key missing, which a get would wait for) is named too; a store without multi_get works."""
+    store, beat_all = beating_job(200, stopped={150}, never=frozenset({170}))
+    import io
+
+    from app.runtime.watchdog import Watchdog
+
+    dog = Watchdog(Scale(200), 60.0, interval_s=0.1, out=io.StringIO(), abort=lambda code: None)
+    dog.attach_store("127.0.0.1", store.port)
+    dog.stop()
+    dog._store = CountingStore(dog._store, multi_get=False)
+    read = dog._read_beats
+    dog._read_beats = lambda ranks: (read(ranks), beat_all())[0]
+    dog.set_groups({"tp": [0, 1]})  # the group's node: ranks 0-39, all beating
+    found = dog._suspects("tp", wait_heartbeats=True)
+    assert "rank 150 (pid 100150 on node3) sends no heartbeat" in found, found
+    assert found.endswith("rank 170 (pid 100170 on node4) sends no heartbeat: stopped, dead or cut off"), found
+
+
+def test_a_rank_in_no_communication_call_is_named_not_a_deadlock():
+    """Found in review: with stage 0 stuck computing (a planted sleep) its pp peer's watchdog said every
+    rank waits in other calls (a deadlock); the heartbeats say stage 0 is in none."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from app.runtime.watchdog import HEARTBEAT_KEY
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    dog, out, codes = make_watchdog(0.5, store.port)
+    dog.set_groups({"pp": [0, 1]})
+    dog.at(step=1)
+    dog.at(micro=2)
+    op = [None]  # rank 1's innermost call: none (computing), then a receive (the deadlock case below)
+    seq = [0]
+    read = dog._read_beats
+
+    def read_and_beat(ranks):  # rank 1 alive: its counter moves between the two reads
+        found = read(ranks)
+        seq[0] += 1
+        beat = {"seq": seq[0], "step": 1, "micro": 2, "op": op[0], "axis": None if op[0] is None else "pp"}
+        store.set(HEARTBEAT_KEY.format(1), json.dumps(beat))
+        return found
+
+    store.set(HEARTBEAT_KEY.format(1), json.dumps({"seq": 0, "step": 1, "micro": 2, "op": None, "axis": None}))
+    dog._read_beats = read_and_beat
+    deadline = time.monotonic() + 30
+    with dog.blocking("wait for irecv from stage 1", "pp"):
+        while not codes and time.monotonic() < deadline:
+            time.sleep(0.05)
+    dog.stop()
+    line = out.getvalue().strip()
+    assert codes == [4], line
+    assert "rank 1 (pid 999999 on node-b) is in no communication call (computing, or stuck in its own work) " \
+           "at step 1, micro-batch 2" in line, line  # fmt: skip
+    assert "deadlock" not in line, line
+    # Every rank in a call: the deadlock wording stays.
+    op[0] = "wait for irecv from stage 0"
+    found = dog._suspects("pp", wait_heartbeats=True)
+    assert found == "", found
+    assert dog._all_waiting().startswith("every rank is alive and answering; they wait in other calls")
+
+
+def test_rank_0_refuses_a_job_its_open_files_limit_cannot_serve():
+    from app.runtime.mpi import open_files_refusal
+    from app.runtime.watchdog import open_files_needed
+
+    assert open_files_needed(5000) == 2 * 5000 + 256
+    line = open_files_refusal(5000, 1024, "node0")
+    assert line is not None and "rank 0 on node0 may open 1024 files (ulimit -n" in line, line
+    assert "a job of 5000 ranks needs about 10256" in line and "ulimit -n 10256" in line, line
+    assert "\n" not in line
+    assert open_files_refusal(4, 1024, "node0") is None
+    assert open_files_refusal(5000, -1, "node0") is None  # unlimited
+
+
+def test_every_rank_raises_its_soft_open_files_limit_to_the_hard_one():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 64:
+        pytest.skip(f"hard limit {hard}: no room to lower the soft one")
+    script = "from app.runtime.mpi import raise_open_files_limit as r; import resource; r(); " \
+             "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])"  # fmt: skip
+    out = subprocess.run(
+        ["bash", "-c", f'ulimit -Sn 64 && exec "{sys.executable}" -c "{script}"'],
+        cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) in (hard, 64 if hard == resource.RLIM_INFINITY else hard), out.stdout
+
+
+# Rank 0 started with a hard limit on open files below what a job of its size needs.
+LOW_LIMIT = """#!/bin/bash
+if [ "$OMPI_COMM_WORLD_RANK" = "0" ]; then ulimit -n 200 || exit 99; fi
+exec "$PYTHON" "$@"
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_job_whose_rank_0_cannot_open_enough_files_is_refused_at_start(tmp_path):
+    """Found in review: with a low limit rank 0 ran out of descriptors in some new_group and the job
+    said a peer was lost ("socket: Too many open files")."""
+    wrapper = tmp_path / "lim.sh"
+    wrapper.write_text(LOW_LIMIT)
+    wrapper.chmod(0o755)
+    env = {**app_env(), "PYTHON": sys.executable}
+    cmd = ["mpirun", "-n", "2", "-x", "PYTHON", str(wrapper), "-m", "app", "inputs/gpt_tiny.yaml",
+           "--set", "train.steps=1", "--set", "checkpoint.at_exit=false", "--set", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    lines = [line for line in text.splitlines() if line.startswith("gridlm: ") and "ulimit -n" in line]
+    assert len(lines) == 1 and "rank 0 on" in lines[0] and "may open 200 files" in lines[0], text[-3000:]
+    assert "needs about 260" in lines[0], lines[0]
+
+
+def test_a_heartbeat_client_that_cannot_connect_says_so(monkeypatch):
+    """Found in review: attach_store swallowed the failure, so the rank never beat, said nothing, and
+    was later named as stopped by its peers."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[socket.cpp:1023] The server socket has failed to listen: socket: Too many open files")
+
+    monkeypatch.setattr(dist, "TCPStore", refuse)
+    dog, out, _ = make_watchdog(60.0)
+    dog.attach_store("127.0.0.1", 29999)
+    dog.stop()
+    line = out.getvalue().strip()
+    assert dog._store is None
+    assert line.startswith("gridlm: rank 0 (node-a): warning: the watchdog cannot reach the job's TCPStore at "
+                           "127.0.0.1:29999 (too many open files (its limit, ulimit -n, is"), line  # fmt: skip
+    assert "\n" not in line
+
+
+def test_running_out_of_file_descriptors_is_not_called_a_lost_peer():
+    dog, _, _ = make_watchdog(60.0)
+    dog.set_groups({"dp": [0, 1]})
+    error = RuntimeError(
+        "[enforce fail at gloo/transport/tcp/socket.cc:24] rv != -1. -1 vs -1. socket: Too many open files"
+    )
+    with pytest.raises(RuntimeError), dog.blocking("new_group", "dp"):
+        raise error
+    line = dog.explain(error)
+    dog.stop()
+    assert line is not None and "lost its peer" not in line and "died" not in line, line
+    assert line.startswith("gridlm: rank 0 (node-a) ran out of file descriptors during new_group on axis dp"), line
+    assert "ulimit -n" in line and "rank 0 of a job of 2 ranks needs about 260" in line, line
+
+
+# One rank, whose body fails with a bug; abort is recorded instead of ending the process.
+INTERNAL_ERROR = """
+import os, sys
+import app.runtime.mpi as mpi
+from app.deck import load_deck, resolve_for_world
+from app.job import run_job
+
+codes, seen = [], {}
+mpi.abort = lambda runtime, code: codes.append(code)
+
+def body(deck, runtime, grid):
+    seen["runtime"] = runtime
+    raise ValueError("a bug")
+
+run_job(lambda world: resolve_for_world(load_deck("inputs/gpt_tiny.yaml"), world), body)
+store = seen["runtime"].store
+print("ended", store.get("gridlm/ended").decode() if store.check(["gridlm/ended"]) else None, codes, flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_ending_the_job_with_an_internal_error_announces_it():
+    """Found in review: a rank's internal error did not announce the end (as a RankFatal does), so its
+    peer printed "rank N ... died" next to that rank's own line."""
+    out = subprocess.run(
+        [sys.executable, "-c", INTERNAL_ERROR], cwd=REPO, env=app_env(), capture_output=True, text=True, timeout=240
+    )
+    assert "internal error" in out.stderr, out.stderr[-3000:]
+    assert 'ended {"rank": 0, "code": 1} [1]' in out.stdout, out.stdout + out.stderr[-3000:]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from app.errors import GridlmError, LaunchError
 from app.names import LAUNCHER_RANK
 from app.runtime.groups import Groups
-from app.runtime.watchdog import AnyWatchdog, NullWatchdog
+from app.runtime.watchdog import FILES_HEADROOM, STORE_FILES_PER_RANK, AnyWatchdog, NullWatchdog, open_files_needed
 
 if TYPE_CHECKING:
     import torch
@@ -331,6 +331,36 @@ def cool_heap() -> None:
         mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files (RLIMIT_NOFILE) to its hard limit, which any
+    process may do (a soft limit of 1024 breaks rank 0 from ~490 ranks); the soft limit now (-1:
+    unlimited)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # an unlimited hard limit above the kernel's nr_open: keep what we have
+        return soft
+    return hard
+
+
+def open_files_refusal(world_size: int, limit: int, hostname: str) -> Optional[str]:
+    """Why rank 0 cannot serve a job of `world_size` ranks with `limit` open files (its soft limit,
+    already raised to the hard one), or None."""
+    need = open_files_needed(world_size)
+    if limit < 0 or limit >= need:
+        return None
+    return (
+        f"rank 0 on {hostname} may open {limit} files (ulimit -n, its hard limit) but a job of {world_size} ranks "
+        f"needs about {need} there ({STORE_FILES_PER_RANK} x world + {FILES_HEADROOM}: it serves every rank the "
+        f"TCPStore): raise the limit before the launch (ulimit -n {need} in the job script; a hard limit is the "
+        "site's: /etc/security/limits.conf, Slurm's PropagateResourceLimits) or launch fewer ranks"
+    )
+
+
 def init_torch_distributed(
     runtime: Runtime, backend: str = "auto", timeout_s: float = 600.0, connect_s: float = 60.0
 ) -> None:
@@ -349,10 +379,16 @@ def init_torch_distributed(
         runtime.backend = backend
     timeout = timedelta(seconds=timeout_s)
     store, chosen = None, None
+    files = raise_open_files_limit()  # every rank: gloo connects each to the members of its groups
     if runtime.rank == 0:
         # A single node talks over loopback; across nodes ranks reach rank 0 by hostname, or at
         # GRIDLM_MASTER_ADDR (when the hostname resolves to the wrong interface).
         try:
+            # Refused now, on every rank (through the broadcast below), rather than as a peer lost
+            # to "Too many open files" in some new_group later.
+            refusal = open_files_refusal(runtime.world_size, files, runtime.hostname)
+            if refusal is not None:
+                raise LaunchError(refusal)
             chosen = choose_host(os.environ.get(ENV), runtime.nodes, runtime.hostname)
             # Served on the chosen address only (loopback for one node), not on every interface.
             fd = listening_socket(chosen.host)

@@ -25,11 +25,15 @@ not move over 1.5 intervals is stopped, dead or cut off. When a peer's connectio
 line ("rank 2 lost its peer on axis dp ... rank 3 died") instead of an internal error.
 
 The store is rank 0's; when rank 0 itself is the stopped one, heartbeat reads time out
-and the line says that rank 0 (the store's host) does not answer.
+and the line says that rank 0 (the store's host) does not answer. The heartbeats looked at are
+the blocked call's group and the other ranks of its nodes first; the rest of the job (at most
+`LOOKED` in all) only when none of those is silent or out of every call. A rank whose counter
+moves but that is in no communication call (computing, or stuck in its own work) is named as such.
 """
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import json
 import os
@@ -52,6 +56,10 @@ ENDED_KEY = "gridlm/ended"
 MAX_NAMED = 8  # ranks named in one line; a 32k-rank job that lost a switch would print thousands
 PROBED_NODES = 3  # silent nodes whose address is probed (2 s each) before the line is printed
 STORE_CONNECT_S = 30.0  # the heartbeat client's connection to rank 0's store (a 32k-rank start, a loaded node)
+# Heartbeats one firing rank reads: when a node dies nearly every rank fires at once, and rank 0's
+# store serves them all.
+LOOKED = 4096
+BEATS_PER_REQUEST = 512  # heartbeats per store request (multi_get): ~100 bytes each
 
 
 class WatchedRuntime(Protocol):
@@ -126,6 +134,32 @@ def is_comm_failure(err: BaseException) -> bool:
     return isinstance(err, (RuntimeError, OSError)) and any(word in text for word in COMM_FAILURE_WORDS)
 
 
+def is_descriptor_exhaustion(err: BaseException) -> bool:
+    """Whether an exception is this process running out of file descriptors (EMFILE: its limit,
+    `ulimit -n`), which gloo and the store report as a socket error."""
+    return getattr(err, "errno", None) == errno.EMFILE or "too many open files" in str(err).lower()
+
+
+def descriptor_text() -> str:
+    """This process's limit on open files, for a line that blames it."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return f"too many open files (its limit, ulimit -n, is {'unlimited' if soft < 0 else soft})"
+
+
+# Rank 0 serves the TCPStore: two connections per rank (its main client and its watchdog's), beside
+# its own files, libraries and gloo/MPI connections (measured: 51 descriptors in a 4-rank job).
+STORE_FILES_PER_RANK = 2
+FILES_HEADROOM = 256
+
+
+def open_files_needed(world_size: int) -> int:
+    """About how many open files rank 0 needs in a job of `world_size` ranks (checked at start by
+    app.runtime.mpi.open_files_refusal)."""
+    return STORE_FILES_PER_RANK * world_size + FILES_HEADROOM
+
+
 STATE_WORDS = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "Z": "died", "gone": "died", "X": "died"}
 
 
@@ -162,6 +196,7 @@ class Watchdog:
         self._failed: Optional[tuple[str, Optional[str], Optional[int], Optional[int]]] = None
         self._store: Any = None
         self._seq = 0
+        self._looked = 0  # heartbeats the last look read (`_silent_ranks`)
         self._stop = threading.Event()
         self._fired = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gridlm-watchdog", daemon=True)
@@ -220,8 +255,15 @@ class Watchdog:
             )  # fmt: skip
             store.set_timeout(timedelta(seconds=max(2.0, min(10.0, self.interval))))
             self._store = dist.PrefixStore(prefix, store) if prefix else store
-        except Exception:  # no heartbeats: the /proc check and the timeout still work
+        except Exception as err:  # no heartbeats: the /proc check and the timeout still work
             self._store = None
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            why = descriptor_text() if is_descriptor_exhaustion(err) else f"{type(err).__name__}: {first}"
+            print(
+                f"gridlm: rank {self.rank} ({self.host}): warning: the watchdog cannot reach the job's TCPStore at "
+                f"{host}:{port} ({why}): this rank sends no heartbeat, so a peer's watchdog may name it as stopped",
+                file=self.out, flush=True,
+            )  # fmt: skip
 
     def stop(self) -> None:
         self._stop.set()
@@ -259,6 +301,13 @@ class Watchdog:
             else ("a collective", None, self.step, self.micro)
         )
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        if is_descriptor_exhaustion(err):  # this rank's own limit, not a lost peer
+            return (
+                f"gridlm: rank {self.rank} ({self.host}) ran out of file descriptors during {op} on axis "
+                f"{axis or 'world'}{self._where(step, micro)}: {descriptor_text()}: raise it before the launch "
+                f"(ulimit -n in the job script; rank 0 of a job of {self.world} ranks needs about "
+                f"{open_files_needed(self.world)}) [{type(err).__name__}: {first}]"
+            )
         suspects = self._suspects(axis, wait_heartbeats=False) or self._remote_peer(first, axis)
         # A peer on this node closes its sockets while it is still exiting: give /proc a moment.
         deadline = time.monotonic() + 3.0
@@ -337,8 +386,7 @@ class Watchdog:
         line = (
             f"gridlm: rank {self.rank} ({self.host}): watchdog: no progress for {waited:.0f} s in {op} on axis "
             f"{axis or 'world'}{self._where(self.step, self.micro)}{self._group_text(axis)}: "
-            + (suspects or "every rank is alive and answering; they wait in other calls (a deadlock or a slow file "
-               "system)")
+            + (suspects or self._all_waiting())
             + f"; aborting the job (run.comm_timeout_s = {self.timeout:g})"
         )  # fmt: skip
         try:
@@ -373,41 +421,93 @@ class Watchdog:
                 if state in STATE_WORDS:
                     found.append(f"rank {r} (pid {pid} on {host}) {STATE_WORDS[state]}")
         if not found and wait_heartbeats and self._store is not None:
-            found = self._silent_ranks()
+            found = self._silent_ranks(axis)
         if not found:
             return ""
         more = f" and {len(found) - MAX_NAMED} more" if len(found) > MAX_NAMED else ""
         return "; ".join(found[:MAX_NAMED]) + more
 
+    def _all_waiting(self) -> str:
+        """The line's end when no rank looked at is silent or out of every call."""
+        if self._looked >= self.world - 1:
+            return "every rank is alive and answering; they wait in other calls (a deadlock or a slow file system)"
+        return (
+            f"the {self._looked} ranks looked at (of {self.world}: this group's and its nodes' first) are alive and "
+            "wait in communication calls (a deadlock or a slow file system)"
+        )
+
+    def _look_order(self, axis: Optional[str]) -> tuple[list[int], list[int]]:
+        """The ranks whose heartbeats to read: first the blocked call's group and the other ranks of
+        its nodes (a lost node is then named as one), then the rest of the job, each from this rank
+        onwards (firing ranks spread their looks), at most `LOOKED` in all."""
+        around = [(self.rank + k) % self.world for k in range(1, self.world)]
+        members = self.groups.get(axis or "")
+        if not members:  # the whole job is the group
+            return around[:LOOKED], []
+        rank_of = {t: r for r, t in enumerate(self.torch_ranks)}  # the groups are in torch ranks
+        group = {rank_of[t] for t in members if t in rank_of}
+        hosts = {self.procs[r][0] for r in group}
+        mates = [r for r in around if r not in group and self.procs[r][0] in hosts]
+        first = ([r for r in around if r in group] + mates)[:LOOKED]
+        taken = set(first)
+        rest = [r for r in around if r not in taken][: LOOKED - len(first)]
+        return first, rest
+
     def _read_beats(self, ranks: list[int]) -> dict[int, Optional[dict[str, Any]]]:
+        """The latest heartbeat of each rank (None: it never beat), a few store requests for many ranks."""
         out: dict[int, Optional[dict[str, Any]]] = {}
-        for r in ranks:
-            try:
-                raw = self._store.get(HEARTBEAT_KEY.format(r)) if self._store.check([HEARTBEAT_KEY.format(r)]) else None
-                out[r] = json.loads(raw) if raw else None
-            except Exception:
-                raise TimeoutError(
-                    f"rank 0 on {self.procs[0][0]} (it hosts the TCPStore) does not answer: it is stopped, dead, "
-                    "or its node is cut off from this one"
-                ) from None
+        try:
+            for i in range(0, len(ranks), BEATS_PER_REQUEST):
+                chunk = ranks[i : i + BEATS_PER_REQUEST]
+                out.update(zip(chunk, self._get_beats(chunk)))
+        except Exception:
+            raise TimeoutError(
+                f"rank 0 on {self.procs[0][0]} (it hosts the TCPStore) does not answer: it is stopped, dead, "
+                "or its node is cut off from this one"
+            ) from None
         return out
 
-    def _silent_ranks(self) -> list[str]:
-        """Ranks whose heartbeat counter did not move over 1.5 intervals (at most 4096 looked at);
-        a node none of whose ranks beats is named once, as a node, with whether its address answers."""
-        ranks = [r for r in range(self.world) if r != self.rank][:4096]
-        try:
-            before = self._read_beats(ranks)
-            # Keep beating while waiting: the ranks that fire together (a lost node stalls every
-            # group it is in) must not take each other for silent.
-            for _ in range(3):
-                self._beat()
-                time.sleep(0.5 * self.interval)
-            after = self._read_beats(ranks)
-        except TimeoutError as err:
-            return [str(err)]
+    def _get_beats(self, ranks: list[int]) -> list[Optional[dict[str, Any]]]:
+        keys = [HEARTBEAT_KEY.format(r) for r in ranks]
+        # A get (and multi_get) waits for a missing key until the store's timeout: find the ranks that
+        # never beat by halving the chunk (few requests for a few missing keys).
+        if not self._store.check(keys):
+            if len(ranks) == 1:
+                return [None]
+            half = len(ranks) // 2
+            return self._get_beats(ranks[:half]) + self._get_beats(ranks[half:])
+        multi_get = getattr(self._store, "multi_get", None)  # torch's TCPStore and PrefixStore have it
+        raws = multi_get(keys) if multi_get is not None else [self._store.get(key) for key in keys]
+        return [json.loads(raw) if raw else None for raw in raws]
+
+    def _silent_ranks(self, axis: Optional[str] = None) -> list[str]:
+        """Ranks whose heartbeat counter did not move over 1.5 intervals, else ranks in no
+        communication call; the blocked group's nodes first (`_look_order`), the rest only when none
+        is found there. A node none of whose ranks beats is named once, as a node, with whether its
+        address answers."""
+        self._looked = 0
+        for ranks in self._look_order(axis):
+            if not ranks:
+                continue
+            try:
+                before = self._read_beats(ranks)
+                # Keep beating while waiting: the ranks that fire together (a lost node stalls every
+                # group it is in) must not take each other for silent.
+                for _ in range(3):
+                    self._beat()
+                    time.sleep(0.5 * self.interval)
+                after = self._read_beats(ranks)
+            except TimeoutError as err:
+                return [str(err)]
+            self._looked += len(ranks)
+            lines = self._silent_lines(ranks, before, after) or self._idle_lines(ranks, before, after)
+            if lines:
+                return lines
+        return []
+
+    def _silent_lines(self, ranks: list[int], before: dict[int, Any], after: dict[int, Any]) -> list[str]:
         silent: dict[int, str] = {}
-        for r in ranks:
+        for r in sorted(ranks):
             b, a = before.get(r), after.get(r)
             if a is None or (b is not None and a["seq"] == b["seq"]):
                 silent[r] = (
@@ -429,6 +529,23 @@ class Watchdog:
             for r in (r for r in on_host if r in silent):
                 pid = self.procs[r][1]
                 lines.append(f"rank {r} (pid {pid} on {host}) sends no heartbeat: stopped, dead or cut off{silent[r]}")
+        return lines
+
+    def _idle_lines(self, ranks: list[int], before: dict[int, Any], after: dict[int, Any]) -> list[str]:
+        """Ranks alive but in no communication call in both reads (1.5 intervals apart) at the same
+        step and micro-batch: the ones the others wait for, computing or stuck in their own work."""
+        lines: list[str] = []
+        for r in sorted(ranks):
+            b, a = before.get(r), after.get(r)
+            if a is None or b is None or a.get("op") is not None or b.get("op") is not None:
+                continue
+            if (a.get("step"), a.get("micro")) != (b.get("step"), b.get("micro")):
+                continue  # it moves on: not what the others wait for
+            host, pid = self.procs[r]
+            lines.append(
+                f"rank {r} (pid {pid} on {host}) is in no communication call (computing, or stuck in its own work)"
+                f"{self._where(a.get('step'), a.get('micro'))}"
+            )
         return lines
 
 
