@@ -10,10 +10,15 @@ then drains the remaining backwards, so at most pp micro-batches are in flight.
 block, a receive waits for its send) and reports deadlocks, missing or repeated passes,
 and message streams whose send and receive orders differ (p2p matching is FIFO per pair of
 ranks and group, on NCCL as on Gloo).
+
+`send_proofs` says, for each message a stage receives, which of its own earlier sends that
+receipt proves delivered (the peer sent it only after receiving them), so that the executor
+can free a send's buffer then instead of holding every message of the step to its end.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -138,3 +143,43 @@ def simulate(pp: int, micro_batches: int, virtual: int = 1) -> dict[str, int]:
             stuck = {s: schedules[s][position[s]] for s in range(pp) if position[s] < len(schedules[s])}
             raise RuntimeError(f"deadlock: every unfinished stage waits for a message: {stuck}")
     return {"ticks": ticks, "max_in_flight": max_in_flight}
+
+
+def send_proofs(
+    schedules: Sequence[Sequence[Action]], stage: int, pp: int, virtual: int = 1
+) -> dict[Message, tuple[Message, ...]]:
+    """{message `stage` receives: its own sends that receiving it proves delivered}.
+
+    `schedules[s]` is stage s's action list (`build_schedule`, or evaluation's forwards). A
+    send S to stage d is received by one action of d; every message d sends from that action
+    on leaves d after S arrived, and the first of them that goes back to `stage` proves S
+    delivered once `stage` has received it: waiting on S's send then returns at once, and its
+    buffer can go. A send that d answers with nothing later is in no tuple (waited at the end).
+    """
+    proofs: dict[Message, list[Message]] = {}
+    for dst in sorted({send.route(pp)[1] for a in schedules[stage] if (send := messages(a, stage, pp, virtual)[1])}):
+        # Walking d's list backwards: the next message back to `stage` from each action on.
+        answer: Message | None = None
+        for action in reversed(schedules[dst]):
+            recv, send = messages(action, dst, pp, virtual)
+            if send is not None and send.route(pp)[1] == stage:
+                answer = send
+            if recv is not None and recv.route(pp)[0] == stage and answer is not None:
+                proofs.setdefault(answer, []).append(recv)
+    return {message: tuple(sent) for message, sent in proofs.items()}
+
+
+def held_sends(schedules: Sequence[Sequence[Action]], stage: int, pp: int, virtual: int = 1) -> int:
+    """The most sends `stage` holds at once when each is released at the receipt `send_proofs`
+    names (counted while an action computes: after its receive, before its send)."""
+    proofs = send_proofs(schedules, stage, pp, virtual)
+    held: set[Message] = set()
+    most = 0
+    for action in schedules[stage]:
+        recv, send = messages(action, stage, pp, virtual)
+        if recv is not None:
+            held.difference_update(proofs.get(recv, ()))
+        most = max(most, len(held))
+        if send is not None:
+            held.add(send)
+    return most
