@@ -130,7 +130,9 @@ class Trainer:
         else:
             self.run_dir, self.run_lock = _make_run_dir(runtime, deck)
         # The held-out data (eval.every, app.eval).
-        self.eval_data = agree(runtime, lambda: eval_dataset(deck)) if deck.eval.every or evaluate_only else None
+        # Rank 0 alone reads the token files' whole document indexes (`MemmapTokens`); `agree` shares its verdict.
+        whole = runtime.is_root
+        self.eval_data = agree(runtime, lambda: eval_dataset(deck, whole)) if deck.eval.every or evaluate_only else None
         note = None if self.eval_data is None else held_out_note(deck, self.eval_data)
         if note is not None:
             runtime.log(note)
@@ -138,7 +140,7 @@ class Trainer:
             assert self.eval_data is not None
             self.dataset = self.eval_data.dataset  # never trained on: the sampler state of a checkpoint is all it meets
         else:
-            self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed))
+            self.dataset = agree(runtime, lambda: build_dataset(deck.data, m, tr.seed, whole))
             if self.eval_data is not None and deck.eval.path:
                 agree(runtime, lambda: check_held_out_tokens(self.dataset, self.eval_data))
         self.last_eval: Optional[EvalInfo] = None

@@ -385,7 +385,7 @@ def test_a_save_s_waits_are_not_charged_to_the_next_step(runtime, grids, shared_
     """ZeRO-1 with the overlapped parameter all-gather: a step ends with the gathers in flight and a
     save waits for them. Found in review: that wait stayed in the timers and was reported as the next
     step's exposed dp communication (outside its timed wall time; the evaluation already popped)."""
-    trainer = grid_trainer(grids, 1, 1, 2, (*SMALL, "optim.zero=1", f"run.dir={shared_tmp}"))
+    trainer = grid_trainer(grids, 1, 1, 2, (*SMALL, "optim.zero=1", f"run.dir={shared_tmp / str(runtime.rank // 2)}"))
     trainer.step()
     trainer.timers.pop()  # the step's own times, as the step loop takes them
     trainer.save("test")
@@ -978,3 +978,150 @@ def test_sigusr1_through_mpirun_checkpoints_exits_0_and_the_next_job_resumes(tmp
     assert f"resumed from {stopped} at step {step}" in again.stdout
     steps = [r["step"] for r in read_metrics(run_dir)]
     assert steps == list(range(1, step + 3))  # each step logged once, across both jobs
+
+
+# ---- the catalogue's exchange (io._catalogue) --------------------------------------------
+
+
+def _allgathered_catalogue(runtime, shards):
+    """io._catalogue as it was before 2026-12: every rank's descriptors allgathered to every rank
+    (each rank received the whole world's: 266 MB a save at 8192 ranks); the reference."""
+    from app.checkpoint.io import GROUPS, chunk_shape
+
+    everyone = runtime.comm.allgather(
+        {key: (s.global_shape, s.dtype, (s.shape, s.offset) if s.writes else None) for key, s in shards.items()}
+    )
+    union = {(group, name, shape) for theirs in everyone for (group, name), (shape, _, _) in theirs.items()}
+    dtypes = {group: dtype for theirs in everyone for (group, _), (_, dtype, _) in theirs.items()}
+    pieces: dict = {}
+    for theirs in everyone:
+        for key, (_, _, piece) in theirs.items():
+            if piece is not None:
+                pieces.setdefault(key, set()).add(piece)
+    catalogue = sorted(union, key=lambda item: (GROUPS.index(item[0]), item[1]))
+    chunks = {(group, name): chunk_shape(shape, pieces.get((group, name), set())) for group, name, shape in catalogue}
+    return catalogue, dtypes, chunks
+
+
+class _ThreadWorld:
+    """`size` ranks as threads of this process, exchanging through shared slots: what mpi4py's
+    collectives return (copies, through pickle), and the bytes each rank received from the others."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size, self.slots, self.barrier = size, [None] * size, threading.Barrier(size)
+        self.received = [0] * size
+
+    def comm(self, rank: int):
+        import pickle
+
+        world = self
+
+        class Comm:
+            def _exchange(self, obj):
+                world.slots[rank] = obj
+                world.barrier.wait()
+                got = list(world.slots)
+                world.barrier.wait()
+                return got
+
+            def _take(self, objs):
+                world.received[rank] += sum(len(pickle.dumps(o)) for r, o in objs if r != rank)
+                return [pickle.loads(pickle.dumps(o)) for _, o in objs]
+
+            def allgather(self, obj):
+                return self._take(list(enumerate(self._exchange(obj))))
+
+            def Allgather(self, send, recv):  # noqa: N802 (mpi4py's name)
+                got = self._exchange(np.array(send))
+                recv[...] = np.stack(got).reshape(recv.shape)
+                world.received[rank] += recv.nbytes - np.asarray(send).nbytes
+
+            def gather(self, obj, root=0):
+                got = self._exchange(obj)
+                return self._take(list(enumerate(got))) if rank == root else None
+
+            def bcast(self, obj, root=0):
+                return self._take([(root, self._exchange(obj)[root])])[0]
+
+        return Comm()
+
+    def run(self, fn):
+        """fn(runtime) on every rank at once -> the results in rank order."""
+        from concurrent.futures import ThreadPoolExecutor
+        from types import SimpleNamespace
+
+        def rank(r):
+            return fn(SimpleNamespace(comm=self.comm(r), rank=r, world_size=self.size))
+
+        with ThreadPoolExecutor(self.size) as pool:
+            return list(pool.map(rank, range(self.size)))
+
+
+def _fake_shards(stage: int, tp: int, dp: int, tp_size: int) -> dict:
+    """A tp x pp x dp rank's descriptors of a 4-layer model on 2 stages: each weight split over tp
+    by rows; the parameters written by dp rank 0, the masters by every dp rank (ZeRO-1's ranges)."""
+    from types import SimpleNamespace
+
+    from app.shards import GROUPS, MASTER, MODEL
+
+    shards = {}
+    for group in (MODEL, MASTER, *GROUPS[2:]):
+        for layer in range(2 * stage, 2 * stage + 2):
+            for name, rows in (("attn.qkv.weight", 96), ("attn.proj.weight", 32), ("ln_1.weight", None)):
+                shape = (rows or 32, 32) if rows else (32,)
+                local = (shape[0] // tp_size, *shape[1:]) if rows else shape
+                offset = (tp * local[0], *([0] * (len(shape) - 1))) if rows else (0,)
+                writes = group != MODEL or dp == 0
+                shards[(group, f"h.{layer}.{name}")] = SimpleNamespace(
+                    global_shape=shape, shape=local, offset=offset, writes=writes,
+                    dtype=torch.bfloat16 if group == MODEL else torch.float32,
+                )  # fmt: skip
+    return shards
+
+
+def test_the_catalogue_is_the_allgathered_one_and_no_rank_receives_every_rank_s_descriptors():
+    """Found in review: the catalogue of every save (and of checkpoint.async's snapshot, on the main
+    thread) and load allgathered every rank's shard descriptors to every rank: W x one rank's, 266
+    MB a rank at 8192 ranks. Now one rank of each distinct description sends it to rank 0, which
+    broadcasts the merge. 64 ranks as threads (tp 2 x pp 2 x dp 16): every rank's result equals the
+    allgathered one, and the most a rank receives is a few descriptions and 64 bytes a rank, not 64."""
+    import pickle
+
+    from app.checkpoint.io import _catalogue
+
+    tp_size, pp_size, dp_size = 2, 2, 16
+    world = tp_size * pp_size * dp_size
+
+    def shards_of(rank):  # tp fastest, then pp, then dp (the default order's shape)
+        return _fake_shards((rank // tp_size) % pp_size, rank % tp_size, rank // (tp_size * pp_size), tp_size)
+
+    reference = _ThreadWorld(world)
+    expected = reference.run(lambda rt: _allgathered_catalogue(rt, shards_of(rt.rank)))
+    fresh = _ThreadWorld(world)
+    got = fresh.run(lambda rt: _catalogue(rt, shards_of(rt.rank)))
+    assert all(g == expected[0] for g in got + expected)
+    assert [list(dtypes) for _, dtypes, _ in got] == [list(expected[0][1])] * world  # the groups' order too
+    assert any(block is not None for block in expected[0][2].values())  # the chunk shapes were compared
+    one = len(pickle.dumps({k: (s.global_shape, s.dtype, None) for k, s in shards_of(0).items()}))
+    distinct = 2 * tp_size * pp_size  # the dp-rank-0 description and the others', per tp x pp position
+    assert max(reference.received) > (world - 1) * one  # what the allgather cost
+    assert max(fresh.received) <= (distinct + 2 * pp_size) * one + 64 * world, (max(fresh.received), one)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)], ids=["tp2-dp2", "pp2-dp2"])
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_catalogue_of_a_trainer_is_the_allgathered_one_on_every_rank(runtime, grids, shared_tmp, shape, zero):
+    """The two-level exchange on real grids (tp 2 x dp 2, pp 2 x dp 2; ZeRO off and on): the
+    catalogue, each group's dtype and each tensor's chunk shape equal the allgather's on every rank."""
+    from app.checkpoint.io import _catalogue, _shard_states
+
+    trainer = grid_trainer(grids, *shape, (*SMALL, f"run.dir={shared_tmp}", f"optim.zero={zero}"))
+    rt, shards = trainer.runtime, _shard_states(trainer)
+    got, expected = _catalogue(rt, shards), _allgathered_catalogue(rt, shards)
+    problems = [] if got == expected else [f"rank {rt.rank}: the catalogue differs from the allgathered one"]
+    if list(got[1]) != list(expected[1]):
+        problems.append(f"rank {rt.rank}: groups {list(got[1])} != {list(expected[1])}")
+    _all_ranks_ok(rt, problems)

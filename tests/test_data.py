@@ -422,3 +422,96 @@ def test_the_document_index_stays_mapped_and_its_order_is_checked_a_chunk_at_a_t
     assert _monotone(offsets, chunk=7) and _monotone(offsets[:0], chunk=7)
     offsets[7] = 3  # the first of a chunk below the last of the one before
     assert not _monotone(offsets, chunk=7)
+
+
+# The document index's order: read whole on one rank of a job (found in review: every rank read all
+# of it, 800 MB for 100M documents, every node from the same file-system server).
+
+
+def write_documents(prefix: Path, documents: int, swap: int = -1) -> str:
+    """A token file of `documents` one-token documents; with `swap` >= 1, offsets swap and swap + 1
+    exchanged (a decrease there)."""
+    prefix = write_tokens(prefix, np.arange(documents) % 256, num_documents=documents)
+    idx = np.arange(documents + 1, dtype=np.int64)
+    if swap >= 1:
+        idx[[swap, swap + 1]] = idx[[swap + 1, swap]]
+    np.save(f"{prefix}.idx.npy", idx)
+    return prefix
+
+
+def count_whole_checks(monkeypatch) -> list:
+    """Make memmap's whole-index check count its calls (the list's length)."""
+    from app.data import memmap
+
+    calls, whole = [], memmap._monotone
+    monkeypatch.setattr(memmap, "_monotone", lambda offsets, *a: calls.append(len(offsets)) or whole(offsets, *a))
+    return calls
+
+
+DOCUMENTS = 1 << 14  # the split point 0.25 of them from the end: 12,288 offsets past memmap.NEAR_SPLIT
+
+
+def test_a_rank_other_than_0_reads_the_ends_and_the_split_point_s_neighbourhood_of_the_index(tmp_path, monkeypatch):
+    documents = DOCUMENTS
+    calls = count_whole_checks(monkeypatch)
+    MemmapTokens(write_documents(tmp_path / "good", documents), 8, 257, seed=0, split=0.25, whole_index=False)
+    assert calls == []  # the whole index is not read
+    far = write_documents(tmp_path / "far", documents, swap=10)
+    MemmapTokens(far, 8, 257, seed=0, split=0.25, whole_index=False)  # the decrease is rank 0's to find
+    near = write_documents(tmp_path / "near", documents, swap=documents * 3 // 4 - 5)
+    with pytest.raises(DataError, match="not a monotone list") as e:
+        MemmapTokens(near, 8, 257, seed=0, split=0.25, whole_index=False)
+    assert near + ".idx.npy" in str(e.value) and calls == []
+    with pytest.raises(DataError, match="not a monotone list"):  # rank 0, or a process alone (the default)
+        MemmapTokens(far, 8, 257, seed=0, split=0.25)
+    assert calls == [documents + 1]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_job_reads_each_token_file_s_whole_index_once_and_refuses_a_decrease_on_every_rank(
+    runtime, grids, shared_tmp, monkeypatch
+):
+    """A trainer on a blend of two files with a held-out file: the whole-index check ran once per
+    file in the job (on its rank 0), not once per rank; a decrease far from the split point (the
+    neighbourhood the other ranks read) ends every rank with one message."""
+    from conftest import grid_trainer
+
+    documents = DOCUMENTS
+    size = 2
+    sub = grids.runtime(size)
+    copy = shared_tmp / str(runtime.rank // size)
+    if sub.rank == 0:
+        copy.mkdir(parents=True, exist_ok=True)
+        for name in ("a", "b", "held"):
+            write_documents(copy / name, documents)
+        write_documents(copy / "bad", documents, swap=10)
+    sub.comm.Barrier()
+    calls = count_whole_checks(monkeypatch)
+
+    def trainer(*names):
+        blend = ", ".join(f"{{path: {copy / n}, weight: 1.0}}" for n in names)
+        sets = ("data.kind=memmap", f"data.paths=[{blend}]", f"eval.path={copy / 'held'}", "eval.every=10",
+                "model.vocab_size=257", "model.seq_len=8", f"run.dir={copy / 'run'}", "run.resume=none")  # fmt: skip
+        return grid_trainer(grids, 1, 1, size, sets)
+
+    trainer("a", "b").close()
+    assert sub.comm.allreduce(len(calls)) == 3  # a, b and the held-out file, each once
+    try:
+        trainer("a", "bad")
+        message = None
+    except DataError as err:
+        message = str(err)
+    messages = sub.comm.allgather(message)
+    assert messages[0] is not None and "not a monotone list" in messages[0], messages[0]
+    assert str(copy / "bad") + ".idx.npy" in messages[0] and messages == [messages[0]] * size
+
+
+def test_app_refuses_an_index_with_a_decrease_only_rank_0_reads_with_status_2_on_every_rank(tmp_path):
+    prefix = write_documents(tmp_path / "corpus", DOCUMENTS, swap=10)
+    out = run_app(
+        2, "inputs/gpt_tiny.yaml", "--set", "data.kind=memmap", "--set", f"data.path={prefix}",
+        "--set", "train.steps=2", "--set", f"run.dir={tmp_path / 'run'}", timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.count("gridlm:") == 1 and prefix + ".idx.npy" in out.stderr
+    assert "not a monotone list" in out.stderr and "Traceback" not in out.stdout + out.stderr

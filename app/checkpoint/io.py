@@ -160,20 +160,40 @@ def _catalogue(
 ]:
     """(group, name, global shape) of every tensor of the whole model's state, in file order (the
     groups in GROUPS order, names sorted), each group's dtype, and each tensor's chunk shape
-    (`chunk_shape`): the same on every rank (a rank holds the tensors of its stage only)."""
-    everyone = runtime.comm.allgather(
-        {key: (s.global_shape, s.dtype, (s.shape, s.offset) if s.writes else None) for key, s in shards.items()}
-    )
-    union = {(group, name, shape) for theirs in everyone for (group, name), (shape, _, _) in theirs.items()}
-    dtypes = {group: dtype for theirs in everyone for (group, _), (_, dtype, _) in theirs.items()}
-    pieces: dict[tuple[str, str], set] = {}
-    for theirs in everyone:
-        for key, (_, _, piece) in theirs.items():
-            if piece is not None:
-                pieces.setdefault(key, set()).add(piece)
-    catalogue = sorted(union, key=lambda item: (GROUPS.index(item[0]), item[1]))
-    chunks = {(group, name): chunk_shape(shape, pieces.get((group, name), set())) for group, name, shape in catalogue}
-    return catalogue, dtypes, chunks
+    (`chunk_shape`): the same on every rank (a rank holds the tensors of its stage only).
+
+    Collective. The ranks allgather a 16-byte digest of their descriptors; one rank of each distinct
+    description (the dp and cp replicas describe the same shards) sends it to rank 0, which merges
+    them and broadcasts the result. Found in review: an allgather of every rank's descriptors cost
+    each rank 266 MB received, 10 s and 1.5 GB of memory a save at 8192 ranks (tp 8, pp 8)."""
+    mine = [(key, (s.global_shape, s.dtype, (s.shape, s.offset) if s.writes else None)) for key, s in shards.items()]
+    digest = np.frombuffer(hashlib.blake2b(repr(mine).encode(), digest_size=16).digest(), dtype=np.uint8)
+    rows = np.empty((runtime.world_size, digest.size), dtype=np.uint8)
+    runtime.comm.Allgather(digest, rows)
+    first: dict[bytes, int] = {}  # digest -> the first and the last rank with it
+    last: dict[bytes, int] = {}
+    for rank, row in enumerate(rows):
+        first.setdefault(row.tobytes(), rank)
+        last[row.tobytes()] = rank
+    sent = runtime.comm.gather(mine if first[digest.tobytes()] == runtime.rank else None, root=0)
+    result = None
+    if runtime.rank == 0:
+        senders = sorted(first.values())
+        union = {(group, name, shape) for r in senders for (group, name), (shape, _, _) in sent[r]}
+        # As a merge of every rank's in rank order: the groups in the order the ranks first name them,
+        # each with the last rank's dtype.
+        dtypes = {group: dtype for r in senders for (group, _), (_, dtype, _) in sent[r]}
+        for d in sorted(last, key=last.__getitem__):
+            dtypes.update((group, dtype) for (group, _), (_, dtype, _) in sent[first[d]])
+        pieces: dict[tuple[str, str], set] = {}
+        for r in senders:
+            for key, (_, _, piece) in sent[r]:
+                if piece is not None:
+                    pieces.setdefault(key, set()).add(piece)
+        catalogue = sorted(union, key=lambda item: (GROUPS.index(item[0]), item[1]))
+        chunks = {(g, n): chunk_shape(shape, pieces.get((g, n), set())) for g, n, shape in catalogue}
+        result = (catalogue, dtypes, chunks)
+    return runtime.comm.bcast(result, root=0)
 
 
 # HDF5 caps a chunk at 4 GiB; a shard larger than this (in elements of up to 4 bytes) stays contiguous.

@@ -36,14 +36,15 @@ __all__ = [
 Dataset = Union[SyntheticTokens, MemmapTokens, BlendedTokens]
 
 
-def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> Dataset:
+def build_dataset(data_cfg: Any, model_cfg: Any, seed: int, whole_index: bool = True) -> Dataset:
     """The dataset named by the deck's data section: synthetic, one token file (data.path) or a
-    blend of several (data.paths)."""
+    blend of several (data.paths). `whole_index`: this rank checks the token files' whole document
+    indexes (one rank of a job: `MemmapTokens`)."""
     if data_cfg.kind == "synthetic":
         return SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_len, seed, data_cfg.noise)
     if data_cfg.kind == "memmap":
         if getattr(data_cfg, "paths", None) is not None:
-            return BlendedTokens(data_cfg.blend, model_cfg.seq_len, model_cfg.vocab_size, seed)
+            return BlendedTokens(data_cfg.blend, model_cfg.seq_len, model_cfg.vocab_size, seed, whole_index)
         if data_cfg.path is None:
             raise DataError(
                 "data.kind is memmap but data.path is not set; fix: set data.path "
@@ -51,7 +52,15 @@ def build_dataset(data_cfg: Any, model_cfg: Any, seed: int) -> Dataset:
                 "--out PREFIX`"
             )
         # data.split: training reads only the documents before the held-out ones.
-        return MemmapTokens(data_cfg.path, model_cfg.seq_len, model_cfg.vocab_size, seed, data_cfg.split, "train")
+        return MemmapTokens(
+            data_cfg.path,
+            model_cfg.seq_len,
+            model_cfg.vocab_size,
+            seed,
+            data_cfg.split,
+            "train",
+            whole_index=whole_index,
+        )
     raise DataError(f"data.kind = {data_cfg.kind!r}: use synthetic or memmap")
 
 

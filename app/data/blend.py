@@ -62,9 +62,13 @@ class BlendedTokens:
 
     num_samples = None  # infinite: each dataset wraps over its own epochs
 
-    def __init__(self, blend: list[tuple[float, str]], seq_len: int, vocab_size: int, seed: int) -> None:
+    def __init__(
+        self, blend: list[tuple[float, str]], seq_len: int, vocab_size: int, seed: int, whole_index: bool = True
+    ) -> None:
         self.weights = [float(w) for w, _ in blend]
-        self.datasets = [MemmapTokens(prefix, seq_len, vocab_size, seed) for _, prefix in blend]
+        self.datasets = [
+            MemmapTokens(prefix, seq_len, vocab_size, seed, whole_index=whole_index) for _, prefix in blend
+        ]
         self.seq_len, self.seed = seq_len, seed
         self.vocab_size = self.datasets[0].vocab_size
         first = self.datasets[0]

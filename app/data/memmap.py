@@ -10,7 +10,8 @@ A dataset is three files sharing a PREFIX (written by `python -m app.data.prepar
   older versions of prepare lack it. A file tokenised with a Hugging Face tokenizer.json has
   `"tokenizer": "huggingface"`, `"tokenizer_path"` (absolute) and `"tokenizer_sha256"` (of the
   tokenizer.json's bytes); `vocab_size` and `eos` are that tokenizer's.
-- `PREFIX.idx.npy`: int64 array of length D + 1 with the document start offsets (last = N).
+- `PREFIX.idx.npy`: int64 array of length D + 1 with the document start offsets (last = N),
+  never decreasing: checked whole on one rank of a job only (`MemmapTokens`'s `whole_index`).
 
 Samples are non-overlapping windows of seq_len + 1 tokens starting at multiples of seq_len, so
 num_samples = (N - 1) // seq_len. Index i >= 0 wraps over epochs: epoch = i // num_samples, and
@@ -119,14 +120,19 @@ def load_metadata(prefix: str, fixes: DataFixes = TRAINING) -> dict:
     return meta
 
 
-def split_point(doc_offsets: np.ndarray, fraction: float) -> int:
-    """The first token of the held-out documents: the last ceil(fraction x D) of the D documents
-    (at least one when fraction > 0); the number of tokens when fraction is 0."""
-    documents = len(doc_offsets) - 1
+def first_held_out(documents: int, fraction: float) -> int:
+    """The first of the last ceil(fraction x D) of the D documents (at least one when fraction > 0);
+    D when fraction is 0."""
     # On the decimal the deck wrote (0.07 is 7/100, not the float's 0.07000000000000000666): in
     # floats 0.07 x 100 = 7.000000000000001, whose ceiling held out an 8th document.
     held_out = math.ceil(Fraction(repr(float(fraction))) * documents) if fraction > 0 else 0
-    return int(doc_offsets[documents - min(held_out, documents)])
+    return documents - min(held_out, documents)
+
+
+def split_point(doc_offsets: np.ndarray, fraction: float) -> int:
+    """The first token of the held-out documents (`first_held_out`); the number of tokens when
+    fraction is 0."""
+    return int(doc_offsets[first_held_out(len(doc_offsets) - 1, fraction)])
 
 
 def _monotone(offsets: np.ndarray, chunk: int = 1 << 20) -> bool:
@@ -138,6 +144,9 @@ def _monotone(offsets: np.ndarray, chunk: int = 1 << 20) -> bool:
             return False
         last = part[-1]
     return True
+
+
+NEAR_SPLIT = 1 << 12  # offsets checked each side of the split point on every rank: 64 KB
 
 
 def tokenizer_of(meta: dict) -> str:
@@ -162,7 +171,11 @@ class MemmapTokens:
         split: float = 0.0,
         part: str = "train",
         fixes: DataFixes = TRAINING,
+        whole_index: bool = True,
     ) -> None:
+        """`whole_index`: read the whole document index to check its order (one rank of a job: rank 0,
+        whose refusal `agree` gives every rank; the others check its ends and the split point's
+        neighbourhood, the only offsets training reads)."""
         self.prefix, self.seq_len, self.seed, self.fixes = prefix, seq_len, seed, fixes
         self.model_vocab_size = vocab_size
         fix_prepare = fixes.prepare
@@ -195,8 +208,14 @@ class MemmapTokens:
             and len(idx) == meta["num_documents"] + 1
             and idx[0] == 0
             and idx[-1] == n
-            and _monotone(idx)
         )
+        if ok:
+            # The whole index on one rank (found in review: every rank read all of it, 800 MB for 100M
+            # documents, each node from the same file-system server); every rank checks the offsets
+            # around the one it reads (the split point), and all of a small index.
+            at = first_held_out(meta["num_documents"], split)
+            near = np.asarray(idx[max(0, at - NEAR_SPLIT) : at + NEAR_SPLIT + 1])
+            ok = bool(np.all(near[1:] >= near[:-1])) and (not whole_index or _monotone(idx))
         if not ok:
             raise DataError(
                 f"data file {idx_path} is not a monotone list of "

@@ -112,9 +112,10 @@ def held_out_note(deck: Deck, held: HeldOut) -> Optional[str]:
     )
 
 
-def eval_dataset(deck: Deck) -> HeldOut:
-    """The held-out dataset (module docstring); DataError naming the key when there is none."""
-    return HeldOut(_held_out_tokens(deck), eval_source(deck))  # eval_source raises if there is none
+def eval_dataset(deck: Deck, whole_index: bool = True) -> HeldOut:
+    """The held-out dataset (module docstring); DataError naming the key when there is none.
+    `whole_index`: this rank checks the token file's whole document index (`MemmapTokens`)."""
+    return HeldOut(_held_out_tokens(deck, whole_index), eval_source(deck))  # eval_source raises if there is none
 
 
 def check_held_out_tokens(train: object, held: HeldOut) -> None:
@@ -132,16 +133,19 @@ def check_held_out_tokens(train: object, held: HeldOut) -> None:
 HELD_OUT_FIX = "prepare the held-out text with the training data's tokenizer (--tokenizer PATH)"
 
 
-def _held_out_tokens(deck: Deck) -> SyntheticTokens | MemmapTokens:
+def _held_out_tokens(deck: Deck, whole_index: bool) -> SyntheticTokens | MemmapTokens:
     m, seed = deck.model, deck.train.seed
     if deck.eval.path:
         try:
-            return MemmapTokens(deck.eval.path, m.seq_len, m.vocab_size, seed, fixes=DataFixes(given="set eval.path"))
+            given = DataFixes(given="set eval.path")
+            return MemmapTokens(deck.eval.path, m.seq_len, m.vocab_size, seed, fixes=given, whole_index=whole_index)
         except DataError as err:
             raise DataError(f"eval.path = {deck.eval.path!r}: {err}") from None
     if deck.data.split:
         assert deck.data.path is not None  # the deck checks: data.split needs memmap, which needs a path
-        return MemmapTokens(deck.data.path, m.seq_len, m.vocab_size, seed, deck.data.split, "val")
+        return MemmapTokens(
+            deck.data.path, m.seq_len, m.vocab_size, seed, deck.data.split, "val", whole_index=whole_index
+        )
     return SyntheticTokens(m.vocab_size, m.seq_len, seed + SYNTHETIC_EVAL_SEED_OFFSET, deck.data.noise)
 
 
