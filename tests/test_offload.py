@@ -244,3 +244,55 @@ def test_pinned_host_buffers_are_pinned_at_their_size_unless_the_user_says_other
     env["PYTORCH_ALLOC_CONF"] = "pinned_max_round_threshold_mb:8"
     theirs = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     assert theirs.stdout.strip() == "pinned_max_round_threshold_mb:8", theirs.stdout + theirs.stderr
+
+
+def test_a_gradient_copy_to_the_host_waits_for_the_stream_that_wrote_it(monkeypatch):
+    """GPU path, with torch.cuda's stream semantics as documented (inside `torch.cuda.stream(s)` the
+    current stream is s): a bucket without a reduction (dp 1, the late buckets whose tp or pp sums
+    ran after backward) is copied on the d2h stream after it waits for the compute stream. Found in
+    review: the wait was taken inside the context, so d2h waited for itself and the copy raced the
+    kernels writing the gradients (silently stale updates; no GPU here to show it)."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from app.optim.transfer import HostTransfer
+
+    compute, d2h, waits = "compute", SimpleNamespace(name="d2h"), []
+    d2h.wait_stream = lambda stream: waits.append(stream)
+    current = [compute]
+
+    @contextmanager
+    def stream(s):
+        current.append(s)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda s: None))
+    transfer = HostTransfer.__new__(HostTransfer)
+    grads = torch.arange(4.0)
+    transfer.dp = SimpleNamespace(grads=lambda k: grads, device=torch.device("cpu"))
+    transfer.cuda, transfer.d2h, transfer.filling, transfer.early = True, d2h, 0, 0
+    transfer.host_grads, transfer.shipped, transfer.events = [[torch.zeros(4)]], [False], [[None]]
+    transfer._ship(0, None, early=False)
+    assert waits == [compute]
+    assert torch.equal(transfer.host_grads[0][0], grads)
+
+
+def test_the_delayed_update_s_thread_works_on_the_rank_s_gpu(monkeypatch):
+    """Found in review: the delayed update's thread made CUDA calls (an event's synchronize) with
+    the new thread's current device, 0: a context on GPU 0 for every rank of a node whose ranks see
+    every GPU. Its thread now sets the rank's device first (no GPU here: the call is recorded)."""
+    from app.optim.optimizer import device_thread
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(device))
+    worker = device_thread(torch.device("cuda", 3), "test")
+    worker.submit(lambda: None).result()
+    worker.shutdown()
+    assert calls == [torch.device("cuda", 3)]
+    plain = device_thread(torch.device("cpu"), "test")
+    plain.submit(lambda: None).result()
+    plain.shutdown()
+    assert calls == [torch.device("cuda", 3)]  # CPU ranks: no CUDA call

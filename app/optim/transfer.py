@@ -122,11 +122,14 @@ class HostTransfer:
             dst.copy_(src)
             return
         assert self.d2h is not None
+        # Taken before the stream context, inside which the current stream is d2h itself (found in
+        # review: d2h waited for itself, and the copy raced the kernels writing the gradients).
+        compute = torch.cuda.current_stream(self.dp.device)
         with torch.cuda.stream(self.d2h):
             if work is not None:
                 work.wait()  # NCCL: this stream waits for the reduction; the host goes on
             else:
-                self.d2h.wait_stream(torch.cuda.current_stream(self.dp.device))
+                self.d2h.wait_stream(compute)  # the gradients' last writes (dp 1, the late buckets' sums)
             dst.copy_(src, non_blocking=True)
             event = self.events[self.filling][k] = torch.cuda.Event()
             event.record(self.d2h)
