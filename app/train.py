@@ -73,14 +73,21 @@ from app.runtime.mpi import Runtime, agree, on_root
 from app.runtime.preflight import GIB, checkpoint_read, gpu_memory, h5py_has_mpi, preflight
 from app.runtime.signals import StopSignals, signal_name
 from app.runtime.timers import StepTimers
+from app.runtime.watchdog import AnyWatchdog
 from app.tensor_parallel.context import NO_CP, ContextParallel, Ring
 from app.tensor_parallel.mappings import TensorParallel
 from app.tensor_parallel.tensor3d import Tensor3D, tensor3d_from_grid
 
 
-def _sync(device: torch.device) -> None:
+def _sync(device: torch.device, watchdog: AnyWatchdog) -> None:
+    """Wait for the kernels of the compute stream, the step's: not the whole device, whose NCCL
+    streams may still run the ZeRO parameter all-gathers launched at the step's end, which the next
+    forward overlaps (found in review: torch.cuda.synchronize waited for them, so on GPUs they never
+    overlapped, and their time was in the step but in no timer). Watched: on NCCL a collective's
+    wait() returns at once and the host first blocks here, so a hung peer shows here."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        with watchdog.blocking("device sync (the step's kernels and collectives)"):
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _make_run_dir(runtime: Runtime, deck: Deck) -> tuple[Path, Optional[RunLock]]:
@@ -649,11 +656,11 @@ class Trainer:
                 done = self.evaluate()  # a skipped last step left the run without its final evaluation)
                 rt.log(f"gridlm: step {self.steps_done}: val loss {done['loss']:.4f} | ppl {done['perplexity']:.2f}")
             return
-        _sync(self.device)
+        _sync(self.device, rt.watchdog)
         self.profiler.begin()
         t0 = time.perf_counter()
         loss_sum, lr, norm = self.step()
-        _sync(self.device)
+        _sync(self.device, rt.watchdog)
         self.report.timed(time.perf_counter() - t0, self.timers.pop())
         self._profiled(self.profiler.end())
         step = self.steps_done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -89,3 +90,54 @@ def test_a_wait_after_completion_is_inside_the_communication_time():
     # The hidden compute is not comm: comm is the wait, give or take the launch's bookkeeping. The
     # bound is measured, not assumed (a loaded machine once stretched a 10 ms wait to 20.06 ms).
     assert out["exposed_comm_s"]["dp"] <= out["comm_s"]["dp"] < waited + hidden / 2
+
+
+def test_on_gpus_a_step_waits_for_its_own_stream_and_events_not_the_whole_device(monkeypatch):
+    """Found in review (GPU paths, by reading; no GPU here): the step's end and the timers' read
+    called torch.cuda.synchronize, which also waits for the NCCL streams, so the ZeRO parameter
+    all-gathers launched at the step's end never overlapped the next forward on GPUs (and their time
+    was in the step but in no timer). Now the compute stream and the timers' own events, and the
+    host's wait is watched (on NCCL it is where a hung collective shows)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from app.runtime.timers import StepTimers
+    from app.train import _sync
+
+    calls, open_ops = [], []
+
+    class Watchdog:
+        @contextlib.contextmanager
+        def blocking(self, op, axis=None):
+            open_ops.append(op)
+            yield
+            open_ops.pop()
+
+    class Event:
+        def __init__(self, **kw):
+            self.t = 0.0
+
+        def record(self, stream=None):
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append(("event", list(open_ops)))
+
+        def elapsed_time(self, end):
+            return 2.0  # ms
+
+    def device_wide(*a):
+        raise AssertionError("torch.cuda.synchronize waits for every stream, NCCL's too")
+
+    stream = SimpleNamespace(synchronize=lambda: calls.append(("stream", list(open_ops))))
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    gpu = torch.device("cuda", 0)
+    _sync(gpu, Watchdog())
+    assert calls == [("stream", ["device sync (the step's kernels and collectives)"])]
+    timers = StepTimers(gpu)
+    with timers.phase("forward"):
+        pass
+    assert timers.pop()["forward_s"] == 0.002 and calls[-1] == ("event", [])

@@ -138,7 +138,9 @@ def step_verdict(
     )
     flags = torch.stack((loss_bad, (~torch.isfinite(squares)).to(torch.float64)))
     grid.all_reduce(flags, GRID_AXES, dist.ReduceOp.MAX)  # every rank, cp's included
-    norm, loss_flag, norm_flag = torch.cat((squares.sqrt().reshape(1), flags)).tolist()
+    # Watched: on NCCL the all-reduces return at once and the host waits here, in the copy.
+    with grid.watchdog.blocking("device sync (the gradient norm's and flags' all-reduces)"):
+        norm, loss_flag, norm_flag = torch.cat((squares.sqrt().reshape(1), flags)).tolist()
     return norm, loss_flag > 0, norm_flag > 0
 
 

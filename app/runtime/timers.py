@@ -152,8 +152,8 @@ class StepTimers:
     def pop(self) -> dict[str, Any]:
         """This step's times (seconds) since the last pop, and reset; call after the step ends."""
         if self.cuda and self._events:
-            torch.cuda.synchronize(self.device)
             for bucket, key, start, end in self._events:
+                end.synchronize()  # its own event, not the device: NCCL work may still be running
                 bucket[key] += start.elapsed_time(end) / 1e3
         subs = [a for a in SUB_AXES if a in self._charged]
         used = [a for a in USED_AXES if a in self._charged]  # cp: an axis of its own, named where used
