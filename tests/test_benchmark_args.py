@@ -185,7 +185,9 @@ def test_the_grid_benchmark_runs_each_grid_once_a_round_alternated_and_reports_m
     def run_grid(spec: str, args: Any) -> dict:
         calls.append(spec)
         step = {"1x1x2": 100.0, "2x1x1": 200.0}[spec] + 10 * len(calls)
-        figures = dict.fromkeys(("tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms", "peak_rss_gib"), 1.0)
+        figures = dict.fromkeys(
+            ("tokens_per_s", "tp_comm_ms", "pp_comm_ms", "dp_comm_ms", "cp_comm_ms", "peak_rss_gib"), 1.0
+        )
         return {"grid": spec, "ranks": 2, "step_ms": step, "step_std_ms": 9.0, "final_loss": 6.5, **figures}
 
     monkeypatch.setattr(grid_bench, "run_grid", run_grid)

@@ -154,26 +154,27 @@ PIPE = (
 )  # fmt: skip
 
 
-def _pipeline_trainer(runtime, grids, virtual: int):
-    """A pp = 2 trainer on the last two ranks (16 micro-batches of one sample), None on the others."""
+def _pipeline_trainer(runtime, grids, run_dir, virtual: int):
+    """A pp = 2 trainer on the last two ranks (16 micro-batches of one sample), None on the others;
+    its run.dir a test's own (the default, runs/gpt_tiny in the repository, may be another's)."""
     grid = grids.grid(1, 2, 1)
     if not grids.trains(2):
         grids.stand_by(grid, virtual)
         return None
-    return grid_trainer(grids, 1, 2, 1, (*PIPE, f"parallel.virtual_stages={virtual}"))
+    return grid_trainer(grids, 1, 2, 1, (*PIPE, f"parallel.virtual_stages={virtual}", f"run.dir={run_dir}"))
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("virtual", [1, 2])
 def test_the_pipeline_holds_a_bounded_number_of_sends_not_every_message_of_the_step(
-    runtime, grids, monkeypatch, virtual
+    runtime, grids, monkeypatch, shared_tmp, virtual
 ):
     """Every send's buffer (a weak reference to the tensor handed to isend) is counted at each
     pass: at most `schedule.held_sends` (1 with 1F1B, 3 interleaved, of 16 and 48 messages) while
     training, at most pp while evaluating. Before, all of them lived to the end of the step."""
     from app.parallel import pipeline as pipeline_module
 
-    trainer = _pipeline_trainer(runtime, grids, virtual)
+    trainer = _pipeline_trainer(runtime, grids, shared_tmp, virtual)
     problems = []
     if trainer is not None:
         pipe, model = trainer.pipeline, trainer.model
@@ -247,7 +248,7 @@ class RecordingWatchdog(NullWatchdog):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_a_receive_is_posted_inside_the_watchdogs_region_named_with_its_own_micro_batch(
-    runtime, grids, monkeypatch, prefetch
+    runtime, grids, monkeypatch, shared_tmp, prefetch
 ):
     """Found in review: irecv was posted outside any watched call (on NCCL the first p2p call
     between two ranks blocks creating their communicator: a hang there had no watchdog line), and
@@ -255,7 +256,7 @@ def test_a_receive_is_posted_inside_the_watchdogs_region_named_with_its_own_micr
     action's micro-batch (the prefetched receive is posted before the action says where it is)."""
     from app.parallel import pipeline as pipeline_module
 
-    trainer = _pipeline_trainer(runtime, grids, 1)
+    trainer = _pipeline_trainer(runtime, grids, shared_tmp, 1)
     problems = []
     if trainer is not None:
         pipe = trainer.pipeline

@@ -421,6 +421,9 @@ def beating_job(world: int, stopped: set[int], never: frozenset[int] = frozenset
         beats = [json.dumps({"seq": 1 if r in stopped else seq[0], "step": 7, "micro": 0, "op": op, "axis": "dp"})
                  for r in live]  # fmt: skip
         store.multi_set([HEARTBEAT_KEY.format(r) for r in live], beats)
+        # A set is not answered: a get on the same connection returns once the server applied it, so
+        # the watchdog's client (another connection) cannot read the older beats of a loaded machine.
+        store.get(HEARTBEAT_KEY.format(live[-1]))
 
     beat_all()
     return store, beat_all
