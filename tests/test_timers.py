@@ -141,3 +141,25 @@ def test_on_gpus_a_step_waits_for_its_own_stream_and_events_not_the_whole_device
     with timers.phase("forward"):
         pass
     assert timers.pop()["forward_s"] == 0.002 and calls[-1] == ("event", [])
+
+
+def test_the_logged_loss_s_host_wait_is_watched(monkeypatch):
+    """The loss's all-reduce on NCCL returns at once and the host waits in float(): watched, as the
+    step's other host waits (a hung peer is named by the watchdog, not left to torch's timeout)."""
+    from types import SimpleNamespace
+
+    from app.parallel.loss import global_loss
+
+    open_ops, seen = [], []
+
+    class Watchdog:
+        @contextlib.contextmanager
+        def blocking(self, op, axis=None):
+            open_ops.append(op)
+            yield
+            open_ops.pop()
+
+    grid = SimpleNamespace(all_reduce=lambda value, axes: None, size=lambda axis: 2, watchdog=Watchdog())
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda self: seen.append(list(open_ops)) or 3.0)
+    assert global_loss(torch.tensor(3.0), grid) == 3.0 / 4
+    assert seen == [["device sync (the loss's all-reduce)"]]

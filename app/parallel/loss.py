@@ -20,4 +20,6 @@ def global_loss(loss_sum: torch.Tensor, grid: ProcessGrid, tp: Optional[Tensor3D
     grid.all_reduce(value, ("pp", "dp", "cp"))
     if isinstance(tp, Tensor3D) and tp.z.size > 1:
         value = tp.z.all_reduce(value) / tp.z.size
-    return float(value) / (grid.size("dp") * grid.size("cp"))
+    with grid.watchdog.blocking("device sync (the loss's all-reduce)"):  # on NCCL the host waits here
+        total = float(value)
+    return total / (grid.size("dp") * grid.size("cp"))
