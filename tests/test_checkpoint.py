@@ -380,6 +380,52 @@ def test_the_rng_states_follow_the_grid_position_when_the_ranks_are_placed_other
     _all_ranks_ok(runtime, problems)
 
 
+@pytest.mark.mpi(min_size=4)
+def test_a_file_with_rng_rows_by_world_rank_resumes_on_its_round_robin_placement(
+    runtime, grids, shared_tmp, monkeypatch
+):
+    """Files written before the rows went by grid position hold them by world rank (no `rng_rows` key):
+    resumed on the round-robin placement that wrote them, each rank takes its own generator back
+    (found in review: read by grid position, ranks 1 and 2 took each other's, and the tp replicas parted)."""
+    import copy
+    import dataclasses
+
+    import app.checkpoint.io as io
+    from app.deck import load_deck, resolve_for_world
+    from app.runtime.grid import ProcessGrid
+    from app.train import Trainer
+
+    sub = grids.runtime(4)
+    cyclic = copy.copy(sub)
+    cyclic.placement = [(r % 2, r // 2) for r in range(4)]
+    cyclic.ranks_per_node_list, cyclic.node_hosts = [2, 2], ["node0", "node1"]
+    cyclic.node, cyclic.nodes, cyclic.local_rank, cyclic.local_size = sub.rank % 2, 2, sub.rank // 2, 2
+    extra = ("model.dropout=0.1", "parallel.tp=2", "parallel.pp=1", "parallel.dp=2")
+
+    def trainer(name: str):
+        deck = load_deck(REPO / "inputs/gpt_tiny.yaml", (*SMALL, *extra, f"run.dir={shared_tmp / name}"))
+        grid = ProcessGrid(cyclic, 2, 1, 2, "tp-dp-pp")
+        return Trainer(resolve_for_world(deck, 4), cyclic, grid), grid
+
+    first, _ = trainer("first")
+    _train(first, 3)
+    generator = torch.get_rng_state().clone()
+    header, snapshot = io._header, io.snapshot  # the writer before `rng_rows`: rows by world rank
+    monkeypatch.setattr(io, "_header", lambda state: {k: v for k, v in header(state).items() if k != "rng_rows"})
+    monkeypatch.setattr(io, "snapshot", lambda state, copy=False: dataclasses.replace(snapshot(state, copy), grid_rank=state.runtime.rank))  # fmt: skip
+    saved = first.save("test")
+    monkeypatch.undo()
+    resumed, grid = trainer("resumed")
+    assert load(resumed, saved.path)["rng_restored"]
+    problems = [] if torch.equal(torch.get_rng_state(), generator) else [f"rank {sub.rank}: another rank's generator"]
+    _train(resumed, 2)
+    weight = dict(resumed.model.named_parameters())["blocks.0.ln1.weight"].detach().clone()
+    for dp, other in sub.comm.allgather((grid.coords["dp"], weight)):
+        if dp == grid.coords["dp"] and not torch.equal(other, weight):
+            problems.append(f"rank {sub.rank}: the tp replicas of dp {dp} hold other LayerNorm weights")
+    _all_ranks_ok(runtime, problems)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_save_s_waits_are_not_charged_to_the_next_step(runtime, grids, shared_tmp):
     """ZeRO-1 with the overlapped parameter all-gather: a step ends with the gathers in flight and a

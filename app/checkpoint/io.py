@@ -291,6 +291,9 @@ def _header(state: TrainingState) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        # The RNG rows are by grid position (files without this key: by world rank; the same where the
+        # ranks are placed in blocks, not under round-robin placements).
+        "rng_rows": "grid",
         "step": state.steps_done,
         "consumed_samples": state.sampler.consumed_samples,
         "sampler": json.dumps(state.sampler.state_dict()),
@@ -1107,6 +1110,9 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
     sum_of = checksum_for(version)  # format version 1: the weak v1 sum, uint32 partials
     sums = np.zeros(len(keys), dtype=np.uint32 if version < 2 else np.uint64)  # MPI SUM wraps as the sum does
     rng_keys = [f"rng/{key}" for key in header["rng"]]
+    # The row of this rank's generator: the saved rank of our coordinates; by world rank in older files
+    # (found in review: read by grid position, a file of a round-robin placement went to other coordinates).
+    rng_row = state.grid.rank if header.get("rng_rows") == "grid" else rt.rank
     if "torch_cpu" not in header["rng"] or not same_streams(json.loads(header["grid"]), grid_signature(state)):
         rng_keys = []  # another grid: its RNG states are not this one's
     posix = deck.checkpoint.io == "posix" and all(in_file[key]["storage"] is not None for key in keys + rng_keys)
@@ -1172,7 +1178,7 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
                 phases.lap("decode")
         rng = {}
         for key in rng_keys:
-            box = [((state.grid.rank, 0), (1, in_file[key]["shape"][1]))]  # the saved rank of our coordinates
+            box = [((rng_row, 0), (1, in_file[key]["shape"][1]))]
             try:
                 row = read_slab(key, box, np.dtype(np.uint8))
             except Exception as err:  # raised below, a bug too (as in `gathered`): the next row's read may be
