@@ -497,14 +497,17 @@ def test_a_rank_in_no_communication_call_is_named_not_a_deadlock():
     dog.at(step=1)
     dog.at(micro=2)
     op = [None]  # rank 1's innermost call: none (computing), then a receive (the deadlock case below)
+    gpu = [False]
     seq = [0]
     read = dog._read_beats
 
     def read_and_beat(ranks):  # rank 1 alive: its counter moves between the two reads
         found = read(ranks)
         seq[0] += 1
-        beat = {"seq": seq[0], "step": 1, "micro": 2, "op": op[0], "axis": None if op[0] is None else "pp"}
+        beat = {"seq": seq[0], "step": 1, "micro": 2, "op": op[0], "axis": None if op[0] is None else "pp",
+                "gpu": gpu[0]}  # fmt: skip
         store.set(HEARTBEAT_KEY.format(1), json.dumps(beat))
+        store.get(HEARTBEAT_KEY.format(1))  # a set is not answered: applied once this get returns
         return found
 
     store.set(HEARTBEAT_KEY.format(1), json.dumps({"seq": 0, "step": 1, "micro": 2, "op": None, "axis": None}))
@@ -519,11 +522,25 @@ def test_a_rank_in_no_communication_call_is_named_not_a_deadlock():
     assert "rank 1 (pid 999999 on node-b) is in no communication call (computing, or stuck in its own work) " \
            "at step 1, micro-batch 2" in line, line  # fmt: skip
     assert "deadlock" not in line, line
+    # On a GPU the host waits for the device outside the watched calls: possibly blocked, not accused.
+    gpu[0] = True
+    found = dog._suspects("pp", wait_heartbeats=True)
+    assert found.startswith("rank 1 (pid 999999 on node-b) is in no watched call (on a GPU: computing, or its host "
+                            "blocked on the device behind a hung collective) at step 1, micro-batch 2"), found  # fmt: skip
+    gpu[0] = False
     # Every rank in a call: the deadlock wording stays.
     op[0] = "wait for irecv from stage 0"
     found = dog._suspects("pp", wait_heartbeats=True)
     assert found == "", found
     assert dog._all_waiting().startswith("every rank is alive and answering; they wait in other calls")
+
+
+def test_without_a_heartbeat_store_the_line_says_no_rank_was_looked_at():
+    """Found reviewing the day's diff: with no store (attach_store failed) the line said 'the 0 ranks
+    looked at (of 2...) are alive and wait in communication calls'."""
+    dog, _, _ = make_watchdog(0.5)
+    assert dog._store is None
+    assert dog._all_waiting().startswith("this rank reads no heartbeats (it could not reach the job's TCPStore)")
 
 
 def test_rank_0_refuses_a_job_its_open_files_limit_cannot_serve():

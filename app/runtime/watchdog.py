@@ -371,7 +371,8 @@ class Watchdog:
             return
         op, axis = self._innermost((None, None))
         self._seq += 1
-        value = {"seq": self._seq, "step": self.step, "micro": self.micro, "op": op, "axis": axis}
+        value = {"seq": self._seq, "step": self.step, "micro": self.micro, "op": op, "axis": axis,
+                 "gpu": _on_gpu()}  # fmt: skip
         # The store's host may be the stuck rank: no heartbeat then, and the check names it.
         with suppress(Exception):
             self._store.set(HEARTBEAT_KEY.format(self.rank), json.dumps(value))
@@ -429,6 +430,11 @@ class Watchdog:
 
     def _all_waiting(self) -> str:
         """The line's end when no rank looked at is silent or out of every call."""
+        if self._store is None:  # `attach_store` failed (and said so): no heartbeat was read
+            return (
+                "this rank reads no heartbeats (it could not reach the job's TCPStore), so the other nodes' ranks "
+                "were not checked (a deadlock, a slow file system, or a stopped rank elsewhere)"
+            )
         if self._looked >= self.world - 1:
             return "every rank is alive and answering; they wait in other calls (a deadlock or a slow file system)"
         return (
@@ -542,11 +548,22 @@ class Watchdog:
             if (a.get("step"), a.get("micro")) != (b.get("step"), b.get("micro")):
                 continue  # it moves on: not what the others wait for
             host, pid = self.procs[r]
-            lines.append(
-                f"rank {r} (pid {pid} on {host}) is in no communication call (computing, or stuck in its own work)"
-                f"{self._where(a.get('step'), a.get('micro'))}"
+            # On a GPU the host waits for the device outside the watched calls (an NCCL wait() returns at
+            # once): such a rank may be blocked behind a hung collective, not the cause (found in review).
+            why = (
+                "in no watched call (on a GPU: computing, or its host blocked on the device behind a hung collective)"
+                if a.get("gpu")
+                else "in no communication call (computing, or stuck in its own work)"
             )
+            lines.append(f"rank {r} (pid {pid} on {host}) is {why}{self._where(a.get('step'), a.get('micro'))}")
         return lines
+
+
+def _on_gpu() -> bool:
+    """Whether this process computes on a GPU (its heartbeat says so: `_idle_lines`' wording)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def address_answers(address: Optional[str], port: int = 9, wait_s: float = 2.0) -> str:
