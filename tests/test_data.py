@@ -396,18 +396,23 @@ def test_corrupt_id_the_sample_misses_is_caught_by_the_batch_check_naming_file_a
     assert "set model.vocab_size >= 5001" in message
 
 
-def test_app_refuses_a_token_file_above_the_vocab_with_status_2_and_no_traceback(tmp_path):
-    # gpt_tiny has model.vocab_size 512; an old-format file (no recorded max) holds id 700.
-    prefix = write_tokens(tmp_path / "corpus", np.arange(4000) % 257, max_token_id=None)
-    patch_token(prefix, 2000, 700)
+def refused_on_two_ranks(prefix: str, tmp_path: Path) -> str:
+    """gpt_tiny on 2 ranks reading token file `prefix`: exit 2, one gridlm line, no traceback; its stderr."""
     out = run_app(
         2, "inputs/gpt_tiny.yaml", "--set", "data.kind=memmap", "--set", f"data.path={prefix}",
         "--set", "train.steps=2", "--set", f"run.dir={tmp_path / 'run'}", timeout=120,
     )  # fmt: skip
     assert out.returncode == 2, out.stdout + out.stderr
-    assert out.stderr.count("gridlm:") == 1 and prefix + ".bin" in out.stderr
-    assert "token id 700 at token 2000" in out.stderr
-    assert "Traceback" not in out.stdout + out.stderr
+    assert out.stderr.count("gridlm:") == 1 and "Traceback" not in out.stdout + out.stderr, out.stderr
+    return out.stderr
+
+
+def test_app_refuses_a_token_file_above_the_vocab_with_status_2_and_no_traceback(tmp_path):
+    # gpt_tiny has model.vocab_size 512; an old-format file (no recorded max) holds id 700.
+    prefix = write_tokens(tmp_path / "corpus", np.arange(4000) % 257, max_token_id=None)
+    patch_token(prefix, 2000, 700)
+    stderr = refused_on_two_ranks(prefix, tmp_path)
+    assert prefix + ".bin" in stderr and "token id 700 at token 2000" in stderr
 
 
 def test_the_document_index_stays_mapped_and_its_order_is_checked_a_chunk_at_a_time(tmp_path):
@@ -508,10 +513,5 @@ def test_a_job_reads_each_token_file_s_whole_index_once_and_refuses_a_decrease_o
 
 def test_app_refuses_an_index_with_a_decrease_only_rank_0_reads_with_status_2_on_every_rank(tmp_path):
     prefix = write_documents(tmp_path / "corpus", DOCUMENTS, swap=10)
-    out = run_app(
-        2, "inputs/gpt_tiny.yaml", "--set", "data.kind=memmap", "--set", f"data.path={prefix}",
-        "--set", "train.steps=2", "--set", f"run.dir={tmp_path / 'run'}", timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert out.stderr.count("gridlm:") == 1 and prefix + ".idx.npy" in out.stderr
-    assert "not a monotone list" in out.stderr and "Traceback" not in out.stdout + out.stderr
+    stderr = refused_on_two_ranks(prefix, tmp_path)
+    assert prefix + ".idx.npy" in stderr and "not a monotone list" in stderr

@@ -92,6 +92,19 @@ def test_a_wait_after_completion_is_inside_the_communication_time():
     assert out["exposed_comm_s"]["dp"] <= out["comm_s"]["dp"] < waited + hidden / 2
 
 
+class RecordingWatchdog:
+    """A watchdog whose `blocking` keeps the open calls' names in `open_ops` (innermost last)."""
+
+    def __init__(self, open_ops: list) -> None:
+        self.open_ops = open_ops
+
+    @contextlib.contextmanager
+    def blocking(self, op, axis=None):
+        self.open_ops.append(op)
+        yield
+        self.open_ops.pop()
+
+
 def test_on_gpus_a_step_waits_for_its_own_stream_and_events_not_the_whole_device(monkeypatch):
     """Found in review (GPU paths, by reading; no GPU here): the step's end and the timers' read
     called torch.cuda.synchronize, which also waits for the NCCL streams, so the ZeRO parameter
@@ -106,13 +119,6 @@ def test_on_gpus_a_step_waits_for_its_own_stream_and_events_not_the_whole_device
     from app.train import _sync
 
     calls, open_ops = [], []
-
-    class Watchdog:
-        @contextlib.contextmanager
-        def blocking(self, op, axis=None):
-            open_ops.append(op)
-            yield
-            open_ops.pop()
 
     class Event:
         def __init__(self, **kw):
@@ -135,7 +141,7 @@ def test_on_gpus_a_step_waits_for_its_own_stream_and_events_not_the_whole_device
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     gpu = torch.device("cuda", 0)
-    _sync(gpu, Watchdog())
+    _sync(gpu, RecordingWatchdog(open_ops))
     assert calls == [("stream", ["device sync (the step's kernels and collectives)"])]
     timers = StepTimers(gpu)
     with timers.phase("forward"):
@@ -152,14 +158,9 @@ def test_the_logged_loss_s_host_wait_is_watched(monkeypatch):
 
     open_ops, seen = [], []
 
-    class Watchdog:
-        @contextlib.contextmanager
-        def blocking(self, op, axis=None):
-            open_ops.append(op)
-            yield
-            open_ops.pop()
-
-    grid = SimpleNamespace(all_reduce=lambda value, axes: None, size=lambda axis: 2, watchdog=Watchdog())
+    grid = SimpleNamespace(
+        all_reduce=lambda value, axes: None, size=lambda axis: 2, watchdog=RecordingWatchdog(open_ops)
+    )
     monkeypatch.setattr(torch.Tensor, "__float__", lambda self: seen.append(list(open_ops)) or 3.0)
     assert global_loss(torch.tensor(3.0), grid) == 3.0 / 4
     assert seen == [["device sync (the loss's all-reduce)"]]
