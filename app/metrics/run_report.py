@@ -282,7 +282,8 @@ class RunReport:
         most = np.array([memory_bytes[key] for key in keys], dtype=np.int64)
         with self.runtime.watchdog.blocking("MPI_Allreduce (memory per rank)"):
             self.runtime.comm.Allreduce(MPI.IN_PLACE, most, op=MPI.MAX)
-        return {key: int(most[keys.index(key)]) for key in memory_bytes}
+        maxima = dict(zip(keys, most.tolist()))
+        return {key: maxima[key] for key in memory_bytes}  # in the rank's own order, as memory_bytes_rank0
 
     def finish(
         self,
