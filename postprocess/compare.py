@@ -230,7 +230,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         scaling.write_csv(out / "compare.csv", rows, COLUMNS)
         files = [out / "compare.csv"]
-        for metric in metrics:
+        unavailable = scaling.figures_unavailable("compare")
+        for metric in metrics if unavailable is None else []:
             files += plot_metric(rows, metric, title, out)
     except OSError as err:  # --out not a writable directory
         print(f"compare: cannot write --out {args.out}: {scaling.out_error(err)}", file=sys.stderr)
@@ -246,6 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         files.append(out / "errors.md")
         print(table)
     print("wrote " + ", ".join(str(p) for p in files))
+    if unavailable:
+        print(f"compare: {unavailable}", file=sys.stderr)
     return 0
 
 

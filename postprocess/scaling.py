@@ -36,6 +36,7 @@ Files written into the output directory:
   summary.json  {study, kind, machine, title, flops_kind, definitions, efficiency_basis,
                  baseline, columns, rows, notes, files}
   weak_efficiency.{png,pdf} (weak) or strong_speedup.{png,pdf} (strong), and pflops.{png,pdf}
+                (matplotlib; without it the rest is written and a warning and note say so)
 """
 
 from __future__ import annotations
@@ -293,7 +294,10 @@ def load_run(run_dir: Path, planned: str = "", since: Optional[float] = None) ->
     summary = run_dir / "summary.json"
     if not summary.is_file():
         return unfinished_run(run_dir, planned, since)
-    if planned != "ok" and (not _newer(summary, since) or (since is None and planned == "failed")):
+    # A point still "pending" (--run-local writes every point so, with no `since`, before the first
+    # runs) has not run in this attempt: a summary.json there is an earlier run's, whatever its time.
+    never_ran = planned in ("pending", "not run")
+    if planned != "ok" and (never_ran or not _newer(summary, since) or (since is None and planned == "failed")):
         return unfinished_run(run_dir, planned, since, stale=True)
     run = finished_run(run_dir, summary)
     if planned == "failed":  # it wrote its summary, then exited with an error
@@ -378,10 +382,24 @@ def collect(paths: list[str]) -> list[Run]:
         elif path.is_file():
             found = manifest_runs(path)
         else:
+            check_not_a_parent(arg, path)
             found = [load_run(path)]
         for run in found:
             runs.setdefault(run.run_dir.resolve(), run)
     return list(runs.values())
+
+
+def check_not_a_parent(arg: str, path: Path) -> None:
+    """A directory without summary.json whose subdirectories hold run or study files (runs/<study>/,
+    jobs/) is a parent of runs, not a run that failed: a ScalingError naming the ones to pass."""
+    if (path / "summary.json").is_file():
+        return
+    below = sorted({p.parent for name in ("summary.json", "manifest.json") for p in path.glob(f"*/{name}")})
+    if below:
+        shown = " ".join(str(p) for p in below[:4]) + (" ..." if len(below) > 4 else "")
+        raise ScalingError(f"{arg} holds no summary.json or manifest.json itself, but {len(below)} of its "
+                           "subdirectories do: pass those instead (run directories, or a study's directory): "
+                           f"{shown}")  # fmt: skip
 
 
 def group_studies(runs: list[Run], kind: Optional[str], need_kind: bool = True) -> list[Study]:
@@ -405,6 +423,14 @@ def group_studies(runs: list[Run], kind: Optional[str], need_kind: bool = True) 
                     "or the point launched here), so it is taken for an earlier attempt's; run the points again, "
                     "or, if those summaries are the runs you mean, pass their run directories instead of the "
                     f"manifest: python -m postprocess.scaling {' '.join(stale)} --out DIR"
+                )
+            absent = [r.run_dir for r in members if not r.run_dir.exists()]
+            if absent and len(absent) == len(members):  # a manifest's relative run_dir, read from elsewhere
+                raise ScalingError(
+                    f"no summaries found: none of the {len(members)} run directories of {label} exists (the "
+                    f"manifest's run_dir, e.g. {absent[0]}, is relative to the directory launch.study ran in, and "
+                    f"not next to the manifest either); run postprocess.scaling from that directory ({Path.cwd()} "
+                    "is not it)"
                 )
             raise ScalingError(f"no summaries found: none of the {len(members)} run(s) of {label} has a summary.json")
         kinds = {r.kind for r in members if r.kind}
@@ -541,9 +567,16 @@ def scaling_rows(runs: list[Run], kind: Optional[str]) -> tuple[list[dict[str, A
 
 
 def problem_notes(runs: list[Run], kind: str) -> list[str]:
-    """Warnings about a strong study whose points do not share one problem."""
+    """Warnings about a strong study whose points do not share one problem, or a weak study of one
+    model whose points do not share the work per GPU."""
     done = [r.summary for r in runs if r.summary]
     notes = []
+    if kind == "weak" and throughput_basis(runs) == "tokens":  # one model: the batch grows with the GPUs
+        per_gpu = sorted({s.tokens_per_step / s.world_size for s in done})
+        if not all(math.isclose(v, per_gpu[0], rel_tol=1e-9) for v in per_gpu):
+            notes.append("warning: weak scaling keeps the work per GPU, but the tokens per step per GPU differ: "
+                         f"{', '.join(f'{v:g}' for v in per_gpu)}; the efficiency compares unlike runs (a study "
+                         "file's scale.global_batch: per_rank grows the batch with the GPUs)")  # fmt: skip
     if kind == "strong":
         shared = (
             ({s.tokens_per_step for s in done}, "tokens per step"),
@@ -749,6 +782,17 @@ def plot_scaling(
         return save(fig, out, "weak_efficiency" if kind == "weak" else "strong_speedup")
 
 
+def figures_unavailable(tool: str) -> Optional[str]:
+    """Why no figure can be drawn, or None: matplotlib is not among setup.py's requirements (only
+    launch/setup.sh installs it), so a plain `pip install .` lacks it; the tables are written anyway."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        return (f"warning: matplotlib is not installed ({err}), so {tool} wrote no figures; pip install matplotlib "
+                "(launch/setup.sh installs it) and run it again")  # fmt: skip
+    return None
+
+
 def flops_label(kind_text: str) -> str:
     return "model FLOPs, Megatron SC21 count" if "Megatron SC21" in kind_text else "model FLOPs"
 
@@ -812,8 +856,13 @@ def report_predicted(predicted: dict[str, Any], title: str, out: Path) -> list[P
     (out / "predicted.md").write_text(f"# {title} (predicted)\n\nModel: {predicted.get('model')}.\n\n{table}\n")
     first = predicted["points"][0]
     baseline = {"gpus": first["gpus"]}
-    files = [out / "predicted.md", *plot_scaling([], kind, baseline, title, out, predicted)]
+    files = [out / "predicted.md"]
+    unavailable = figures_unavailable("scaling")
+    if unavailable is None:
+        files += plot_scaling([], kind, baseline, title, out, predicted)
     print(f"{title} (predicted, no measured points)\n\n{table}\n\nwrote " + ", ".join(str(p) for p in files))
+    if unavailable:
+        print(f"scaling: {unavailable}", file=sys.stderr)
     return files
 
 
@@ -821,6 +870,8 @@ def report(study: Study, title: str, out: Path, predicted: Optional[dict[str, An
     """Compute, print and write the table, summary.json and the figures of one study."""
     rows, baseline = scaling_rows(study.runs, study.kind)
     notes = problem_notes(study.runs, study.kind) + gap_notes(rows) + warmup_notes(study.runs)
+    unavailable = figures_unavailable("scaling")
+    notes += [unavailable] if unavailable else []
     head = {"study": study.name, "kind": study.kind, "machine": next((r.machine for r in study.runs if r.machine), None),
             "title": title, "flops_kind": flops_kind(study.runs),
             "definitions": {k: DEFINITIONS[k] for k in (study.kind, "baseline", "step_time", "spread")},
@@ -833,14 +884,17 @@ def report(study: Study, title: str, out: Path, predicted: Optional[dict[str, An
     if predicted:
         (out / "predicted.md").write_text(f"# {title} (predicted)\n\n{predicted_table(predicted, study.kind)}\n")
         files.append(out / "predicted.md")
-    files += plot_scaling(rows, study.kind, baseline, title, out, predicted)
-    files += plot_pflops(rows, head["flops_kind"], title, out)
+    if unavailable is None:
+        files += plot_scaling(rows, study.kind, baseline, title, out, predicted)
+        files += plot_pflops(rows, head["flops_kind"], title, out)
     summary = {**head, "columns": COLUMNS, "rows": rows, "files": [p.name for p in files]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"{title}\nbaseline: {baseline['note']}\n\n{table}\n")
     for note in notes:
         print(note)
     print("wrote " + ", ".join(str(p) for p in files))
+    if unavailable:
+        print(f"scaling: {unavailable}", file=sys.stderr)
     return files
 
 
