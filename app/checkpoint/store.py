@@ -111,7 +111,16 @@ def resolve_resume(deck: Deck) -> Optional[Path]:
     if want == "none":
         return None
     if want == "auto":
-        return read_latest(checkpoint_dir(deck))
+        directory = checkpoint_dir(deck)
+        latest = read_latest(directory)
+        names = [p.name for _, p in committed(directory)] if latest is None else []
+        if names:  # starting over would train from step 0 and let retention delete them
+            raise CheckpointError(
+                f"run.resume = 'auto': {directory} holds committed checkpoints but no `{LATEST}` pointer (a job "
+                f"ended between a checkpoint's rename and the pointer's write, or it was removed); "
+                + RESUME_PICK.one_of.format(names=names)
+            )
+        return latest
     return named_checkpoint(
         want, f"run.resume = {want!r}", "no such checkpoint file; use auto, none, or an existing .h5"
     )
