@@ -502,11 +502,17 @@ class Trainer:
 
     def close(self) -> None:
         """Wait for a checkpoint write still in flight and release its communicator (every rank, however
-        `run` ended; `train` calls it). Its failure after another error is only logged."""
+        `run` ended; `train` calls it). Its outcome after another error is only logged: its failure,
+        or the checkpoint it committed (where the next job resumes)."""
         if self.writer is not None:
-            error = self.writer.close()
-            if error is not None:
-                self.runtime.log(f"gridlm: checkpoint step {self.writer.step} ({self.writer.reason}): {error}")
+            outcome = self.writer.close()
+            what = f"gridlm: checkpoint step {self.writer.step} ({self.writer.reason})"
+            if isinstance(outcome, BaseException):
+                self.runtime.log(f"{what}: {outcome}")
+            elif outcome is not None:
+                self.runtime.log(
+                    f"{what} -> {outcome.path}: written in the background and committed while the run was ending"
+                )
         self.optimizer.close()  # an nvme offload's scratch file goes; the checkpoints hold the state
 
     def run(self) -> dict[str, Any]:

@@ -158,6 +158,39 @@ def test_a_stop_signal_waits_for_the_write_in_flight_and_latest_loads(runtime, g
     assert load(_trainer(grids, shared_tmp / "fresh"), step_file(directory, 2))["step"] == 2
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_write_committed_while_the_run_ends_on_another_error_is_logged(
+    runtime, grids, shared_tmp, monkeypatch, capsys
+):
+    """Step 3 fails on every rank while step 2's background write is in flight: closing the trainer
+    (as `train` does after any error) waits for it, and the log names the checkpoint it committed,
+    where the next job resumes (it was waited for, then said nothing)."""
+    from app.errors import DataError
+
+    _slow_writes(monkeypatch, 0.5)
+    trainer = _trainer(grids, shared_tmp, ASYNC, "checkpoint.every=2", "train.steps=20")
+    run_step = trainer.step
+
+    def fails_at_3():
+        if trainer.steps_done == 2:
+            raise DataError("planted failure of step 3")
+        return run_step()
+
+    trainer.step = fails_at_3
+    with pytest.raises(DataError, match="planted"):
+        trainer.run()
+    assert trainer.writer.in_flight
+    trainer.close()
+    directory = shared_tmp / "checkpoints"
+    assert read_latest(directory) == step_file(directory, 2)
+    logged = capsys.readouterr().out
+    line = f"checkpoint step 2 (every 2 steps) -> {step_file(directory, 2)}: written in the background and committed"
+    _all_ranks_ok(
+        runtime, [] if runtime.rank != 0 or line in logged else [f"not logged: {line!r} in {logged[-600:]!r}"]
+    )
+
+
 # ---- jobs through mpirun: the real launch (watchdog, signals, thread level) -------------------
 
 

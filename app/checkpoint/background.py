@@ -169,20 +169,20 @@ class BackgroundWriter:
         assert outcome is not None
         return dataclasses.replace(outcome, blocked=blocked)
 
-    def close(self) -> Optional[BaseException]:
+    def close(self) -> Union[Saved, BaseException, None]:
         """Wait for a write still in flight and release the communicator (every rank, once, however
-        training ended). Returns the write's error instead of raising it (an error may be on its
-        way out already)."""
-        error = None
+        training ended). Returns that write's outcome, its `Saved` or its error instead of raising
+        it (an error may be on its way out already); None when none was in flight."""
+        outcome: Union[Saved, BaseException, None] = None
         if self._thread is not None:
             try:
-                self.wait()
+                outcome = self.wait()
             except BaseException as err:  # the caller decides whether it still matters
-                error = err
+                outcome = err
         self.io_runtime.watchdog.stop()
         with suppress(Exception):
             self.io_runtime.comm.Free()
-        return error
+        return outcome
 
 
 def background_writer(runtime: Runtime) -> Optional[BackgroundWriter]:
