@@ -121,6 +121,8 @@ def test_sampling_is_reproducible_by_seed_and_the_same_on_tp2(llama_ckpt):
         (("--prompt", "hi"), "--prompt needs a tokenizer"),
         pytest.param(("--prompt-ids", "1,x"), "expected comma-separated token ids", marks=pytest.mark.full),
         (("--prompt-ids", "1,999"), "id 999 is outside the model's vocabulary 0 .. 127"),
+        # A rotary model has no position limit: its KV cache (5 TB here) is measured against free memory.
+        (("--prompt-ids", "1", "--max-new-tokens", str(10**10)), "the KV cache of 10,000,000,001 positions"),
         pytest.param(("--prompt-ids", "1", "--seed", str(2**64)), "is not a seed", marks=pytest.mark.full),
         pytest.param(
             ("--prompt-ids", "1", "--set", "parallel.tp=2"), "only run.* keys can be set", marks=pytest.mark.full

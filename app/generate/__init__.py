@@ -168,12 +168,20 @@ def resolve_tokenizer(
     """--tokenizer byte|PATH (with --eos TOKEN, its end-of-document token), else the training data's
     (`default_tokenizer`); checked against the model's vocabulary and, unless `any_tokenizer`
     (--any-tokenizer), against the tokenizer the training data names (`training_data.check_tokenizer`)."""
-    from app.data.tokenizer import load_tokenizer
-    from app.generate.training_data import check_tokenizer, training_file
+    from app.data.tokenizer import HFTokenizer, load_tokenizer
+    from app.generate.training_data import check_tokenizer, recorded_eos, training_file
 
     if spec is None and eos is not None:
         raise DataError("--eos names the end-of-document token of a --tokenizer PATH; fix: pass --tokenizer too")
-    tokenizer = load_tokenizer(spec, eos) if spec is not None else default_tokenizer(deck)
+    found = training_file(deck.data)[0] if spec is not None else None
+    # The training data's tokenizer.json given again: its recorded end of document, as the default takes
+    # (prepare's --eos may name a token of no usual name, or one beside a usual name).
+    eos_id = recorded_eos(spec, found) if spec is not None and eos is None else None
+    tokenizer: Optional[AnyTokenizer]
+    if spec is None:
+        tokenizer = default_tokenizer(deck)
+    else:
+        tokenizer = load_tokenizer(spec, eos) if eos_id is None else HFTokenizer(spec, eos_id=eos_id)
     if tokenizer is not None and tokenizer.vocab_size > deck.model.vocab_size:
         raise DataError(
             f"the tokenizer has {tokenizer.vocab_size:,} ids but the model's vocabulary is "
@@ -181,7 +189,7 @@ def resolve_tokenizer(
             "(--tokenizer byte|PATH) or --prompt-ids"
         )
     if tokenizer is not None and spec is not None and not any_tokenizer:
-        check_tokenizer(tokenizer, spec, training_file(deck.data)[0])
+        check_tokenizer(tokenizer, spec, found)
     return tokenizer
 
 
@@ -215,6 +223,31 @@ def check_lengths(deck: Deck, prompt_tokens: int, max_new: int) -> None:
             f"a prompt of {prompt_tokens} tokens and {max_new} new ones need {prompt_tokens + max_new - 1} positions; "
             f"this {deck.model.arch} model learned {seq} (model.seq_len); fix: {fix}"
         )
+
+
+def kv_cache_bytes(deck: Deck, tp: int, batch: int, positions: int) -> int:
+    """Bytes of this rank's KV cache (`generate` allocates it whole for every position up front): keys
+    and values of its kv heads (kv / tp) in every block, fp32 as decoding runs."""
+    m = deck.model
+    return 2 * m.layers * batch * (m.kv // tp) * (m.hidden // m.heads) * positions * 4
+
+
+def check_cache_memory(deck: Deck, tp: int, prompt_tokens: int, max_new: int, free: Optional[int], where: str) -> None:
+    """A KV cache above the memory this rank has `free` (its GPU's, or its share of the node's host
+    memory) is a DataError naming the largest --max-new-tokens that fits, not the allocator's
+    traceback (a rotary model has no position limit: --max-new-tokens 1000000000 asked for 128 GB)."""
+    if free is None:
+        return
+    positions = prompt_tokens + max_new
+    need = kv_cache_bytes(deck, tp, 1, positions)
+    if need <= free:
+        return
+    fits = free // max(1, kv_cache_bytes(deck, tp, 1, 1)) - prompt_tokens
+    fix = f"--max-new-tokens {fits}" if fits >= 1 else "a shorter prompt, or more ranks (tp splits the cache)"
+    raise DataError(
+        f"the KV cache of {positions:,} positions ({prompt_tokens} prompt + {max_new:,} new) needs "
+        f"{need / 2**30:.2f} GiB on each rank, but {where} has {free / 2**30:.2f} GiB free; fix: {fix}"
+    )
 
 
 def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:

@@ -26,6 +26,7 @@ from app.errors import DataError
 from app.runtime.process import exit_now
 
 if TYPE_CHECKING:
+    from app.data.tokenizer import AnyTokenizer
     from app.deck import Deck
     from app.runtime.grid import ProcessGrid
     from app.runtime.mpi import Runtime
@@ -97,23 +98,60 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def prompt_ids(text: str) -> list[int]:
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        # Spaces around an id only: "3 1 4" is a mistake, not the one id 314 (int refuses inner spaces).
+        ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise DataError(f"--prompt-ids {text!r}: expected comma-separated token ids, e.g. 1,2,3") from None
     return ids
 
 
+def prompt_text_ids(text: str, tokenizer: AnyTokenizer) -> list[int]:
+    """--prompt TEXT's ids. An argument that is not UTF-8 (a Latin-1 terminal's) reaches Python with
+    its bytes as lone surrogates, which no tokenizer encodes: a DataError naming the byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])  # surrogateescape keeps byte b as U+DC00 + b
+        what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"the lone surrogate U+{code:04X}"
+        raise DataError(
+            f"--prompt is not UTF-8 text: {what} at character {err.start}; fix: give the prompt in "
+            "UTF-8 (a UTF-8 locale or terminal), or its token ids with --prompt-ids"
+        ) from None
+    return tokenizer.encode(text)
+
+
+def free_memory(runtime: Runtime) -> tuple[Optional[int], str]:
+    """The memory this rank's KV cache can take, after the model: its GPU's free bytes, or its share of
+    the node's available host memory (the node's ranks each allocate one); and where, in words."""
+    from app.runtime.preflight import gpu_memory, host_available
+
+    gpu = gpu_memory(runtime.device)
+    if gpu is not None:
+        return gpu[0], f"its GPU ({runtime.device})"
+    host = host_available()
+    share = None if host is None else host // max(1, runtime.local_size)
+    return share, f"its share of node {runtime.hostname}'s memory ({runtime.local_size} rank(s))"
+
+
 def run_generation(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argparse.Namespace, path: Path) -> None:
     import torch
 
-    from app.generate import Sampling, check_lengths, generate, load_model, resolve_tokenizer, result_line
+    from app.generate import (
+        Sampling,
+        check_cache_memory,
+        check_lengths,
+        generate,
+        load_model,
+        resolve_tokenizer,
+        result_line,
+    )
     from app.generate.training_data import missing_tokenizer
     from app.runtime.mpi import agree
 
     tokenizer = agree(runtime, lambda: resolve_tokenizer(args.tokenizer, deck, args.eos, args.any_tokenizer))
     if args.prompt is not None and tokenizer is None:
         raise DataError(f"--prompt needs a tokenizer and {missing_tokenizer(deck.data)}")
-    ids = tokenizer.encode(args.prompt) if args.prompt is not None else prompt_ids(args.prompt_ids)
+    ids = prompt_text_ids(args.prompt, tokenizer) if args.prompt is not None else prompt_ids(args.prompt_ids)
     vocab = deck.model.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
@@ -122,6 +160,9 @@ def run_generation(deck: Deck, runtime: Runtime, grid: ProcessGrid, args: argpar
     t0 = time.perf_counter()
     model, header = load_model(deck, runtime, grid, path)
     loaded = time.perf_counter() - t0
+    agree(
+        runtime, lambda: check_cache_memory(deck, grid.size("tp"), len(ids), args.max_new_tokens, *free_memory(runtime))
+    )
     sampling = Sampling(args.temperature, args.top_k, args.seed)
     eos = None if args.ignore_eos or tokenizer is None else tokenizer.eos
     prompt = torch.tensor([ids], dtype=torch.int64, device=runtime.device)

@@ -79,6 +79,16 @@ def tokenizer_file(found: TokenFile) -> tuple[Optional[str], list[str]]:
     return None, other
 
 
+def recorded_eos(spec: str, found: Optional[TokenFile]) -> Optional[int]:
+    """The end-of-document id the training data (`found`) recorded, where the tokenizer.json `spec` is
+    the one it names (its sha256): prepare may have been given --eos, which the usual names do not find
+    (a Llama 3 tokenizer with --eos '<|eot_id|>' has <|end_of_text|> too). None otherwise."""
+    if spec == "byte" or found is None or found.meta.get("tokenizer") != "huggingface" or "eos" not in found.meta:
+        return None
+    sha = _sha256(spec)
+    return int(found.meta["eos"]) if sha is not None and sha == found.meta.get("tokenizer_sha256") else None
+
+
 def missing_tokenizer(data: DataConfig) -> str:
     """Why the training data gives no tokenizer, and the fix, in words (for a --prompt without --tokenizer)."""
     found, why = training_file(data)

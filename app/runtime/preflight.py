@@ -11,7 +11,7 @@ the fix (a `LaunchError`, exit 2 on every rank), never a crash hours later.
   optimizer state, activations at the deck's micro-batch and recompute) against the GPU's free
   memory: refused above it, a warning above 90%.
 
-The device queries (`h5py_has_mpi`, `gpu_identity`, `gpu_memory`) are the boundary the tests stub;
+The device queries (`h5py_has_mpi`, `gpu_identity`, `gpu_memory`, `host_available`) are the boundary the tests stub;
 the checks themselves are pure or collective over the job's MPI communicator.
 """
 
@@ -55,6 +55,19 @@ def gpu_memory(device: Any) -> Optional[tuple[int, int]]:
 
     free, total = torch.cuda.mem_get_info(device)
     return int(free), int(total)
+
+
+def host_available() -> Optional[int]:
+    """Bytes of host memory the kernel could give now (MemAvailable: free plus reclaimable cache);
+    None where /proc/meminfo does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def checkpoint_io(deck: Deck, has_mpi: bool) -> None:
