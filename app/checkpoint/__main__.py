@@ -174,16 +174,13 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
 
 def _grid_line(recorded: Any) -> str:
     """The header's grid signature (JSON, as the file has it)."""
+    from app.checkpoint.io import describe_grid  # loaded already: the header was read through it
+
     grid = recorded
     if not isinstance(grid, dict):
         return str(grid)
-    cp = f" cp={grid['cp']}" if "cp" in grid else ""  # absent where 1 (`grid_signature`)
-    ep = f" ep={grid['ep']}" if "ep" in grid else ""
-    tensor = ""
-    if "tensor" in grid:  # 3D tensor parallelism: tp's x y z split
-        tensor = f" tensor={grid['tensor']}" + (f" {grid['tensor_order']}" if "tensor_order" in grid else "")
     return (
-        f"tp={grid.get('tp')}{tensor}{cp} pp={grid.get('pp')} dp={grid.get('dp')}{ep} ({grid.get('order')}) | "
+        f"{describe_grid(grid)} ({grid.get('order')}) | "
         f"virtual stages {grid.get('virtual_stages')} | sequence parallel "
         f"{'on' if grid.get('sequence_parallel') else 'off'} | ZeRO-{grid.get('zero')} | "
         f"world size {grid.get('world_size')}"

@@ -262,12 +262,15 @@ def same_streams(saved: dict[str, Any], now: dict[str, Any]) -> bool:
 
 
 def describe_grid(g: dict[str, Any]) -> str:
-    """A `grid_signature` for the log: "tp=2 tensor=[1, 2, 1] cp=2 pp=2 dp=2 ep=2" (tensor, cp and ep
-    where the checkpoint's grid had them)."""
+    """A `grid_signature` for the log: "tp=2 tensor=[1, 2, 1] yxz cp=2 pp=2 dp=2 ep=2" (tensor, its
+    order, cp and ep where the checkpoint's grid had them; a key a damaged header lacks shows None)."""
+    tensor = (
+        [f"tensor={g['tensor']}" + (f" {g['tensor_order']}" if "tensor_order" in g else "")] if "tensor" in g else []
+    )
     return " ".join(
-        [f"tp={g['tp']}"]
-        + [f"{k}={g[k]}" for k in ("tensor", "cp") if k in g]
-        + [f"pp={g['pp']}", f"dp={g['dp']}"]
+        [f"tp={g.get('tp')}", *tensor]
+        + ([f"cp={g['cp']}"] if "cp" in g else [])
+        + [f"pp={g.get('pp')}", f"dp={g.get('dp')}"]
         + ([f"ep={g['ep']}"] if "ep" in g else [])
     )
 
