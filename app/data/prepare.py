@@ -233,6 +233,19 @@ def check_prefix(prefix: str, option: str = "--out") -> None:
         )
 
 
+def check_not_written(files: list[str], writes: list[str], out_prefix: str) -> None:
+    """DataError if an input file is one that --out writes (found in review: `prepare train.json --field
+    text --out train` replaced the JSONL corpus with the metadata; a second `prepare data --out
+    data/corpus` read the first one's output as documents)."""
+    written = {os.path.realpath(path) for path in writes}
+    for path in files:
+        if os.path.realpath(path) in written:
+            raise DataError(
+                f"input {path} is a file that --out {out_prefix} writes; fix: pass --out a prefix outside the "
+                "inputs (e.g. in another directory), or leave the file out (--include GLOB for a directory)"
+            )
+
+
 def prepare(
     inputs: list[str],
     out_prefix: str,
@@ -259,8 +272,13 @@ def prepare(
     tmps = [f + ".tmp" for f in (*finals, tok_final)]
     part = f"{out_prefix}.bin.part{comm.rank}.tmp"
 
+    # Every file this run writes, tokenizer included when it trains one: none may be an input.
+    writes = [*finals, *tmps[:3]] + ([tok_final, tmps[3]] if train_tokenizer else [])
+    writes += [f"{out_prefix}.bin.part{r}.tmp" for r in range(comm.size)]
+
     def plan() -> list[Source]:
         files = list_files(inputs, include)
+        check_not_written(files, writes, out_prefix)
         os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
         return plan_sources(files, field is not None, CHUNK_BYTES)
 

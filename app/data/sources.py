@@ -68,6 +68,11 @@ def list_files(inputs: list[str], include: str = "*") -> list[str]:
                     "text files, or another --include pattern"
                 )
             files += sorted(found)
+        elif os.path.exists(given):  # a pipe (`<(zcat ...)`), socket or device: no size to plan or share by
+            raise DataError(
+                f"input {given} is not a regular file (a pipe, socket or device); fix: write it to a file first "
+                "and pass that file"
+            )
         else:
             raise DataError(f"input {given} does not exist; {FIX_INPUTS}")
     return files

@@ -68,7 +68,8 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (any model the `tokenizers` library reads: BPE, Unigram,
     WordPiece). `eos` is the id of the end-of-document token: `eos_token` if given, else the first
-    of EOS_NAMES that the file has. Encoding adds no special tokens (no BOS): prepare appends EOS."""
+    of EOS_NAMES that the file has. Encoding adds no special tokens (no BOS): prepare appends EOS; it
+    never truncates or pads, whatever the file says."""
 
     name = "huggingface"
 
@@ -94,6 +95,10 @@ class HFTokenizer:
                 "tokenizer.json of a model (e.g. from its Hugging Face directory) or a tokenizer.json written by "
                 "app.data.prepare"
             ) from None
+        # A document is its whole text (found in review: a file saved with truncation and padding on cut
+        # every document to max_length ids and padded the short ones of a batch with the pad id, silently).
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self.sha256 = hashlib.sha256(raw).hexdigest()
         # The ids a model must embed: one past the largest, not the count of tokens (a vocabulary
         # may skip ids; counted, a file of ids up to 70000 was written as uint16 and wrapped).
