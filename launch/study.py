@@ -295,7 +295,12 @@ def write_jobs(study: Study, points: list[Point], out: Path, args: argparse.Name
         print(f"study: point(s) {', '.join(kept)} unchanged since {out / 'manifest.json'}: their attempts stand "
               "(a summary.json they wrote still counts)")  # fmt: skip
     command = submit.SUBMIT_COMMAND[study.scheduler][0]
-    example = {"sbatch": "--test-only, or --dependency=singleton to run one at a time", "qsub": "-W depend=..."}
+    # singleton waits only for earlier jobs of the same name, and each script has its own (name-label):
+    # --dependency=singleton alone started every point at once.
+    example = {
+        "sbatch": f"--test-only, or --job-name={study.name} --dependency=singleton to run one at a time",
+        "qsub": "-W depend=...",
+    }
     lines = [
         "#!/bin/bash",
         f"# Submits the {len(built)} job script(s) of study {study.name} ({study.kind}, {study.machine_name}) in order.",

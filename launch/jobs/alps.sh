@@ -32,6 +32,12 @@ export NCCL_CROSS_NIC=1                   # rings may leave through another NIC 
 export FI_CXI_DISABLE_HOST_REGISTER=1     # avoids deadlocks between cudaMalloc and CXI registration
 export FI_MR_CACHE_MONITOR=userfaultfd    # libfabric memory-registration cache monitor that is safe with CUDA
 export FI_CXI_DEFAULT_CQ_SIZE=131072      # large completion queues for many-node collectives
+export FI_CXI_DEFAULT_TX_SIZE=32768       # CSCS: set for correctness and performance with NCCL on Alps
+export FI_CXI_RX_MATCH_MODE=software      # CSCS: message matching in software, no hardware-list overflow
+# LL128 corrupts data silently on GH200 over Slingshot: the NIC writes through NVLink-C2C and a 128-byte
+# line's flag can land before its data (NVIDIA/nccl#2001, fix in #2053); NCCL >= 2.27 enables it there.
+# CSCS sets NCCL_PROTO=^LL128 (docs.cscs.ch, NCCL). An explicit NCCL_PROTO is kept.
+export NCCL_PROTO="${NCCL_PROTO:-^LL128}"
 export OMP_NUM_THREADS={{threads}}  # = srun -c: the 72 Grace cores of one superchip
 # torch.distributed's start-up store listens on rank 0's node (this one); the other ranks reach
 # it through its hostname. If that resolves to an address they cannot reach, set another one:

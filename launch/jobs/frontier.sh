@@ -4,6 +4,7 @@
 #SBATCH --time={{time}}
 #SBATCH --output={{output}}
 #SBATCH --signal=B:USR1@{{signal_lead_s}}
+#SBATCH --network=disable_rdzv_get
 {{directives}}
 # gridlm on OLCF Frontier: {{nodes}} node(s) x 8 MI250X GCDs = {{ranks}} ranks, one GCD per rank.
 # Written by launch/submit.py from launch/jobs/frontier.sh (writing it again overwrites this file).
@@ -23,11 +24,16 @@ fi
 # gridlm's MPI traffic is host memory only (tensors go through RCCL); 1 would make MPI_Init fail
 # unless mpi4py is linked with the GTL library.
 export MPICH_GPU_SUPPORT_ENABLED=0
-# RCCL reaches Slingshot through the aws-ofi-rccl plugin: GRIDLM_RCCL_PLUGIN = its lib directory.
+# RCCL reaches Slingshot through the aws-ofi-nccl plugin. OLCF's rccl-net-plugin module (loaded after rocm)
+# provides it with the Slingshot settings OLCF calls critical for RCCL's correctness, among them
+# FI_CXI_RDZV_PROTO=alt_read, which needs the allocation's --network=disable_rdzv_get above
+# (docs.olcf.ornl.gov, PyTorch on Frontier). GRIDLM_RCCL_PLUGIN = the lib directory of your own build instead.
 if [ -n "${GRIDLM_RCCL_PLUGIN:-}" ]; then
   export LD_LIBRARY_PATH="$GRIDLM_RCCL_PLUGIN:${LD_LIBRARY_PATH:-}"
+elif command -v module >/dev/null 2>&1 && module load rccl-net-plugin; then
+  echo "gridlm-job: RCCL network plugin: module rccl-net-plugin"
 else
-  echo "gridlm-job: warning: GRIDLM_RCCL_PLUGIN is unset: without aws-ofi-rccl RCCL uses TCP sockets" >&2
+  echo "gridlm-job: warning: no module rccl-net-plugin and GRIDLM_RCCL_PLUGIN is unset: without the plugin RCCL uses TCP sockets" >&2
 fi
 export NCCL_SOCKET_IFNAME=hsn0            # RCCL bootstrap over the Slingshot NIC, not the management net
 export NCCL_NET_GDR_LEVEL=3               # GPU-direct RDMA between GCDs and NICs (OLCF recommendation)

@@ -53,5 +53,9 @@ gridlm_stripe {{checkpoint_dir}} {{setstripe}}
 gridlm_use_venv
 gridlm_check_python {{launch}}
 
-# all-visible binding: each rank sees the node's 4 GPUs (NCCL P2P over NVLink); local rank picks.
+# all-visible binding: each rank sees the node's 4 GPUs (NCCL P2P over NVLink); local rank picks. GPU
+# indices run opposite to the NUMA domains that -c 32 --cpu-bind=cores hands out (local rank 0 gets cores
+# 0-15, next to GPU 3: `nvidia-smi topo -m`; NERSC's and WarpX's Perlmutter scripts set
+# CUDA_VISIBLE_DEVICES=$((3-SLURM_LOCALID))), so the order is reversed, as on Polaris.
+export GRIDLM_GPU_ORDER=3,2,1,0
 gridlm_launch {{launch}} python -m app {{deck}} {{overrides}}
