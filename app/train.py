@@ -51,7 +51,7 @@ from app.metrics.summary import CheckpointInfo, EvalInfo
 from app.model.fused import Kernels
 from app.model.goldfish import CountedTargets, goldfish_keep
 from app.model.gpt import GPT, Targets, check_attention_kernel
-from app.model.moe import NO_EP, ExpertParallel
+from app.model.moe import NO_EP, ExpertParallel, top1_warning
 from app.names import reduce_precision, torch_dtype
 from app.optim.offload import offload_path
 from app.optim.optimizer import (
@@ -228,6 +228,9 @@ class Trainer:
                 f"{reduce_dtype} accumulator from {compute} inputs (torch.mm out_dtype); the weight gradients are "
                 "added separately (slower; train.grad_reduce_dtype: compute avoids the mixed GEMM)"
             )
+        top1 = top1_warning(deck.model.moe_experts, deck.model.moe_top_k)
+        if top1:
+            runtime.log(top1)
         if isinstance(self.tp, Tensor3D):  # ORS: the deferred weight gradients go where autograd's go
             self.tp.grads.sink = self.dp.accumulate
         if self.dp.shard_params:  # ZeRO-3: the model gathers each unit's parameters through DataParallel

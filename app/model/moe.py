@@ -24,10 +24,10 @@ beside them and adds its output (DeepSeekMoE's shared experts, Dai et al. 2024).
 
 Dispatch. The T k assignments are sorted by expert (stable: token order within an expert); the
 experts run as two batched matmuls over an (E, C, h) buffer, C the most assignments any expert
-got (dropless, the default) or the capacity ceil(capacity_factor T k / E), beyond which an
-expert's later tokens (by position) are dropped: their share of y is 0 and the residual carries
-them. Each token's k outputs are summed in a fixed order, so the result does not depend on the
-grid. Under tensor parallelism the experts are whole on every tp rank: without sequence
+kept: all it got (dropless, the default), or at most the capacity ceil(capacity_factor T k / E),
+beyond which an expert's later tokens (by position) are dropped: their share of y is 0 and the
+residual carries them. Each token's k outputs are summed in a fixed order, so the result does not
+depend on the grid. Under tensor parallelism the experts are whole on every tp rank: without sequence
 parallelism each rank routes all tokens, with it each its own sequence shard (the weights'
 gradients then partial sums over tp, like the norms'; the losses' token sums summed over tp:
 `balance_losses`; dropless only). Under context parallelism each cp rank routes its chunks of
@@ -130,6 +130,20 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor,
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def top1_warning(experts: int, top_k: int) -> Optional[str]:
+    """The log's warning for top-1 routing: `route` renormalises the chosen weights (Mixtral's rule, which
+    the export matches), so a lone expert's weight is exactly 1 and the language-model loss gives the
+    router no gradient (found in review: 7e-7, rounding, against 9.5 at top-2): it learns only from the
+    balancing and z-losses. None otherwise."""
+    if not experts or top_k != 1:
+        return None
+    return (
+        "gridlm: warning: model.moe_top_k = 1: the chosen expert's weight is renormalised to exactly 1 (Mixtral's "
+        "rule), so the language-model loss does not train the router; only model.moe_aux_loss_coef and "
+        "model.moe_z_loss_coef do. Use model.moe_top_k >= 2 for a router trained by the loss"
+    )
 
 
 def balance_losses(
@@ -298,7 +312,9 @@ class MoE(nn.Module):
         shared: Optional[torch.Tensor] = None
         if self.ep.size == 1:
             kept = torch.arange(n * k, device=x.device) if limit is None else torch.nonzero(slot < limit).view(-1)
-            out = self._run_experts(tokens[src[kept]], flat[kept], limit)
+            # As wide as the most rows an expert kept, not the capacity: a capacity no expert reaches
+            # (model.moe_capacity_factor: 1000) padded every expert to it (found in review: 750x dropless).
+            out = self._run_experts(tokens[src[kept]], flat[kept])
         else:  # the kept assignments sorted by expert: the exchange's order
             kept = order if limit is None else order[slot[order] < limit]
             out, shared = self._exchange(tokens[src[kept]], flat[kept], lambda: self._shared(tokens))
