@@ -32,8 +32,13 @@ fi
 export MPICH_GPU_SUPPORT_ENABLED=0
 # NCCL over Slingshot through aws-ofi-nccl: GRIDLM_NCCL_PLUGIN = its lib directory (ALCF keeps
 # builds in /soft/libraries/aws-ofi-nccl/). NCCL_NET makes a missing plugin an error.
+# ALCF's builds of the plugin link ALCF's hwloc, which is not on the default library path: without it
+# the plugin does not load, and NCCL_NET stops the job ("network AWS Libfabric not found").
 if [ -n "${GRIDLM_NCCL_PLUGIN:-}" ]; then
   export LD_LIBRARY_PATH="$GRIDLM_NCCL_PLUGIN:${LD_LIBRARY_PATH:-}"
+  if [ -d /soft/libraries/hwloc/lib ]; then
+    export LD_LIBRARY_PATH="/soft/libraries/hwloc/lib:$LD_LIBRARY_PATH"
+  fi
 fi
 export NCCL_NET="AWS Libfabric"
 export NCCL_NET_GDR_LEVEL=PHB             # GPU-direct RDMA when GPU and NIC share a PCIe host bridge
