@@ -181,7 +181,8 @@ def evaluate(trainer: Evaluated, held_out: HeldOut) -> EvalInfo:
     return EvalInfo(
         step=trainer.steps_done,
         loss=loss,
-        perplexity=math.exp(loss) if loss < 700 else math.inf,
+        # A NaN loss is NaN, not inf (found in review: `nan < 700` is false, and the log said ppl inf).
+        perplexity=math.nan if math.isnan(loss) else math.exp(loss) if loss < 700 else math.inf,
         samples=samples,
         tokens=samples * deck.model.seq_len,
         seconds=time.perf_counter() - t0,

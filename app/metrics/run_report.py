@@ -25,6 +25,7 @@ from app.metrics.report import (
     format_line,
     mean_step_time,
     require_tensorboard,
+    run_dir_write,
     versions,
     write_summary,
 )
@@ -190,11 +191,18 @@ class RunReport:
 
     def open(self, start_step: int, resumed: bool) -> None:
         """Start the step records at `start_step`: metrics.jsonl (and TensorBoard) keep a resumed
-        run's records up to it and drop the rest (steps logged after its checkpoint)."""
+        run's records up to it and drop the rest (steps logged after its checkpoint); a fresh run
+        starts them afresh and removes an earlier run's summary.json."""
         rt, kept = self.runtime, (start_step if resumed else None)
         self.start_step = start_step
         self.records, self.step_times, self.timings = [], [], []
         self.writer = MetricsWriter(self.run_dir, enabled=rt.is_root, resumed_step=kept)
+        if rt.is_root and not resumed:
+            # A fresh run's summary.json is its own or none, as its metrics.jsonl (found in review: an
+            # earlier run's stayed until the end, and a fresh run that failed left it read as its result).
+            summary = self.run_dir / "summary.json"
+            with run_dir_write(summary):
+                summary.unlink(missing_ok=True)
         if self.deck.run.tensorboard:
             on_root(rt, require_tensorboard)
         self.board = TensorBoardWriter(self.run_dir, rt.is_root and self.deck.run.tensorboard, kept)
