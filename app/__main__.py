@@ -136,7 +136,8 @@ def _search(args: argparse.Namespace, deck: Any, world: int, machine: Any) -> in
     result = search.search(deck, world, machine, args.top, args.tensor, args.max_imbalance)
     _emit(search.dump_json(result) if args.json else search.format_text(result, args.deck))
     if not result.best:
-        print("gridlm: search: no configuration of this deck can run on this allocation", file=sys.stderr)
+        why = " (see 'not planned' above)" if result.unplanned_why else ""
+        print(f"gridlm: search: no configuration of this deck can run on this allocation{why}", file=sys.stderr)
         return 2
     return 0
 

@@ -58,7 +58,9 @@ prefetched (OAG) and its gradient plus ORS_IN_FLIGHT in flight (ORS), whichever 
 (`gathered_block_bytes`). A stage holds the
 activations of the forward passes in flight in its
 pipeline schedule (counted from `app.parallel.schedule`: min(pp - stage, m) micro-batches
-for 1F1B); the last stage also holds the logits of one micro-batch in the compute dtype
+for 1F1B), and the output each of those passes sent on (s b h e / t_sp; none from the model's
+last chunk, whose output is the loss), which the pipeline keeps until the pass's backward;
+the last stage also holds the logits of one micro-batch in the compute dtype
 and fp32 (s b V / t x (e + 8)).
 
 Not counted: the CUDA context and NCCL buffers, allocator fragmentation and temporary
@@ -750,14 +752,19 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
         mine = [chunk_layers[stage + c * pp] for c in range(v)]
         first, last = stage == 0, stage == pp - 1
         held = in_flight(pp, stage, micro, v, chunk_layers)
+        # The pipeline keeps each forward's output until its backward (`PipelineSchedule`'s `saved`):
+        # one block input's size per pass in flight, but for the model's last chunk (its loss). Its
+        # own maximum, a bound where interleaving's peaks fall apart (exact for 1F1B).
+        outputs = in_flight(pp, stage, micro, v, [int(c != len(chunk_layers) - 1) for c in range(len(chunk_layers))])
+        kept = outputs * block_input
         head = (logits if last else 0.0) + gathered_block_bytes(
             m, tensor, e, par.overlap_tensor_reduce_scatter, par.overlap_tensor_all_gather
         )
         activations = {
-            "none": held * (per_layer + scores) + head,
-            "selective": held * per_layer + head,
+            "none": held * (per_layer + scores) + kept + head,
+            "selective": held * per_layer + kept + head,
             # Kept block inputs, plus one block's activations while its backward recomputes it.
-            "full": held * block_input + per_layer + scores + head,
+            "full": held * block_input + per_layer + scores + kept + head,
         }
         memory = buffers(sum(mine), first, last)
         stages.append(

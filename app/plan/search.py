@@ -112,6 +112,9 @@ class SearchResult:
     rejected: Counter = field(default_factory=Counter)  # reason -> count
     examples: dict[str, str] = field(default_factory=dict)  # reason -> one full message
     seconds: float = 0.0
+    # Configurations that fit only offloaded, not planned so: the machine file cannot time that offload.
+    unplanned_offload: int = 0
+    unplanned_why: str = ""
 
 
 def _divisors(n: int) -> list[int]:
@@ -265,15 +268,26 @@ def _own(deck: Deck) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def offload_kind(deck: Deck, machine: Machine) -> Optional[str]:
+def _offload_to_try(deck: Deck, machine: Machine) -> Optional[str]:
     """The offload the search tries on a configuration that does not fit (module docstring): host
-    on a GPU machine, nvme on a CPU machine where the deck allows it; None where the machine file
-    cannot predict it."""
+    on a GPU machine, nvme on a CPU machine where the deck allows it."""
     if machine.host_is_device:
-        kind = "nvme" if deck.optim.name != "lamb" and not deck.checkpoint.async_ else None
-    else:
-        kind = "host"
+        return "nvme" if deck.optim.name != "lamb" and not deck.checkpoint.async_ else None
+    return "host"
+
+
+def offload_kind(deck: Deck, machine: Machine) -> Optional[str]:
+    """`_offload_to_try`, or None where the machine file cannot predict it."""
+    kind = _offload_to_try(deck, machine)
     return kind if kind and not machine.missing_for_prediction(deck.train.precision, kind) else None
+
+
+def _untimed_offload(deck: Deck, machine: Machine) -> Optional[tuple[str, list[str]]]:
+    """The offload the search would try (`_offload_to_try`) and the keys the machine file lacks to
+    predict it, where it lacks some (None otherwise)."""
+    kind = _offload_to_try(deck, machine)
+    missing = machine.missing_for_prediction(deck.train.precision, kind) if kind else []
+    return (kind, missing) if kind and missing else None
 
 
 def _offload_keys(deck: Deck, kind: str) -> dict[str, Any]:
@@ -406,11 +420,22 @@ def search(
         return candidate
 
     offload = offload_kind(deck, machine)
+    # The kind the machine would take but cannot time (missing keys): counted and said, not silently dropped.
+    untimed = None if offload else _untimed_offload(deck, machine)
     for sets in _configurations(deck, world, machine, tensor):
         candidate = consider(sets)
         # Offloaded where it does not fit without, and the dry run's figure says it fits with.
         if offload and candidate is not None and _fits_offloaded(candidate, offload):
             consider({**sets, "optim.offload": offload, **_offload_keys(deck, offload)})
+        elif untimed and candidate is not None and _fits_offloaded(candidate, untimed[0]):
+            result.unplanned_offload += 1
+    if untimed and result.unplanned_offload:
+        kind, missing = untimed
+        result.unplanned_why = (
+            f"{result.unplanned_offload:,} configuration(s) that fit only with optim.offload={kind} were not planned: "
+            f"machine {machine.name} lacks {', '.join(missing)} to time an offloaded step "
+            "(docs/PERFORMANCE_MODEL.md); the dry run of one with --set optim.offload=" + kind + " plans its memory"
+        )
     ranked.sort(key=lambda c: c.step)
     # The leaders again with the schedule simulated pass by pass (one more than shown, since the
     # simulation can reorder close ones).
@@ -460,6 +485,8 @@ def format_text(result: SearchResult, deck_path: str) -> str:
             lines.append(f"         the best is {own.step / r.best[0].step:.2f}x faster: {_why(r.best[0], own)}")
     for reason, count in r.rejected.most_common():
         lines.append(f"  rejected {count:,}: {reason}, e.g. {r.examples[reason][:160]}")
+    if r.unplanned_why:
+        lines.append(f"  not planned: {r.unplanned_why}")
     return "\n".join(lines)
 
 
@@ -483,6 +510,7 @@ def to_json(result: SearchResult) -> dict[str, Any]:
         "best": [one(c) for c in result.best],
         "deck": one(result.own),
         "rejected": dict(result.rejected),
+        "not_planned": result.unplanned_why or None,
         "seconds": result.seconds,
     }
 
