@@ -63,16 +63,20 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 def check_config(directory: Path, config: dict[str, Any], m: ModelConfig) -> None:
     """The deck's model must be DIR's: every mismatch named, with the --set keys that fix them."""
-    wrong = []
+    wrong, fixes = [], []
     # The deck's architecture reads config.json when it has this model_type, else the first that has.
     same_type = [a for a in archs.by_model_type(config["model_type"]) if a.name == m.arch]
-    form = (same_type or archs.by_model_type(config["model_type"]))[0].hf
+    target = (same_type or archs.by_model_type(config["model_type"]))[0]
     try:
-        expected = form.expected(config)
+        expected = target.hf.expected(config)
     except ValueError as err:  # a value of the wrong type where the deck's key has a number (rope_theta: null)
         raise _fail(directory, f"{CONFIG}: {err}") from None
+    # A deck of another architecture: its derived values (ffn_hidden, tie_embeddings: null) are that
+    # architecture's defaults and change with model.arch, so the fix sets every compared key.
+    new_arch = next((want for key, _, want in expected if key == "arch"), m.arch)
+    switching = new_arch != m.arch
     for key, hf_key, want in expected:
-        if key == "kv_heads" and not m.spec.grouped_query:
+        if key == "kv_heads" and not target.grouped_query:
             continue
         have = {"ffn_hidden": m.ffn, "kv_heads": m.kv, "moe_ffn_hidden": m.expert_ffn}.get(key, getattr(m, key))
         if key == "tie_embeddings":  # a tied HF model into an untied deck maps; the reverse cannot
@@ -81,16 +85,22 @@ def check_config(directory: Path, config: dict[str, Any], m: ModelConfig) -> Non
             same = math.isclose(have, want, rel_tol=1e-12) if isinstance(want, float) else have == want
         if not same:
             wrong.append((key, hf_key, want, have))
+        if not same or switching:
+            fixes.append((key, want))
+    grouped = archs.get(new_arch).grouped_query if new_arch in archs.names() else True
+    if wrong and switching and not grouped and m.kv_heads not in (None, m.heads):
+        fixes.append(("kv_heads", None))  # the deck refuses kv_heads on an architecture without GQA
     if wrong:
         said = ", ".join(f"{hf_key} = {want!r} (model.{key} is {have!r})" for key, hf_key, want, have in wrong)
         fix = " ".join(
-            f"--set model.{k}={str(want).lower() if isinstance(want, bool) else want}" for k, _, want, _ in wrong
+            f"--set model.{k}={'null' if want is None else str(want).lower() if isinstance(want, bool) else want}"
+            for k, want in fixes
         )
         raise _fail(
             directory, f"the deck's model is not the one in {CONFIG}: {said}; fix: {fix} (or these keys in the "
             "deck's model section)"
         )  # fmt: skip
-    why = form.unsupported(config, m)
+    why = target.hf.unsupported(config, m)
     if why is not None:
         raise _fail(directory, f"{CONFIG} has {why}")
 
