@@ -287,6 +287,24 @@ def test_export_that_cannot_write_its_weights_is_one_line_and_exit_2(fp32_ckpt, 
     assert not (tmp_path / "hf" / "model.safetensors.tmp").exists()
 
 
+def test_an_export_whose_config_cannot_be_written_leaves_the_earlier_export_whole(
+    fp32_ckpt, bf16_untied_ckpt, tmp_path
+):
+    """Found in review: the weights were renamed into place before config.json was written, so a --force
+    export over an earlier one whose config write failed left the new weights beside the old config.json
+    (another model's shapes). Both files are written first, then renamed: the earlier export stays whole."""
+    from app.errors import CheckpointError
+
+    out = tmp_path / "hf"
+    export_hf(fp32_ckpt, out)
+    before = {name: (out / name).read_bytes() for name in ("model.safetensors", "config.json")}
+    (out / "config.json.tmp").mkdir()  # the config's write fails (EISDIR), after the weights' is done
+    with pytest.raises(CheckpointError, match="cannot write to"):
+        export_hf(bf16_untied_ckpt, out, force=True)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert not (out / "model.safetensors.tmp").exists()
+
+
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory):
     # Grouped-query attention (2 key/value heads for 4 query heads), an untied head (llama's default).

@@ -153,23 +153,24 @@ def export_hf(path: Path, directory: Path, *, force: bool = False) -> Exported:
 
 
 def _write(directory: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """Each file written under a temporary name and renamed: never a half-written file under its name."""
+    """Each file written under a temporary name, both before either is renamed: never a half-written
+    file under its name, nor new weights beside an earlier export's config.json after a failed write."""
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
+    tmps = (directory / (WEIGHTS + ".tmp"), directory / (CONFIG + ".tmp"))
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (WEIGHTS + ".tmp")
-        save_file(tensors, str(tmp), metadata=metadata)
+        save_file(tensors, str(tmps[0]), metadata=metadata)
         mask = os.umask(0)
         os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # safetensors creates 0600; the model is meant to be shared like config.json
-        os.replace(tmp, directory / WEIGHTS)
-        tmp = directory / (CONFIG + ".tmp")
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-        os.replace(tmp, directory / CONFIG)
+        os.chmod(tmps[0], 0o666 & ~mask)  # safetensors creates 0600; the model is meant to be shared like config.json
+        tmps[1].write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmps[0], directory / WEIGHTS)
+        os.replace(tmps[1], directory / CONFIG)
     except (OSError, SafetensorError) as err:  # safetensors reports an I/O error (EROFS, ENOSPC) as its own
         with suppress(OSError):
-            (directory / (WEIGHTS + ".tmp")).unlink(missing_ok=True)
+            for tmp in tmps:
+                tmp.unlink(missing_ok=True)
         why = getattr(err, "strerror", None) or str(err).removeprefix("Error while serializing: ")
         raise CheckpointError(f"cannot write to {directory}: {why}; choose a writable DIR with free space") from None
