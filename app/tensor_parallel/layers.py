@@ -103,6 +103,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.param = weight  # `wgrad_into`'s parameter: saved-tensor hooks (recompute, ZeRO-3) unpack another tensor
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -111,7 +112,7 @@ class _Linear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_out.matmul(weight) if need_x else None
-        grad_w = weight_grad(weight, flat_grad, x.reshape(-1, x.shape[-1])) if need_w else None
+        grad_w = weight_grad(ctx.param, flat_grad, x.reshape(-1, x.shape[-1])) if need_w else None
         grad_b = flat_grad.sum(dim=0) if need_b else None
         return grad_x, grad_w, grad_b
 
@@ -138,6 +139,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         # Saves the gathered input under SP (tp x the shard): simpler than Megatron, which
         # saves the shard and all-gathers it again in backward.
         ctx.save_for_backward(total, weight)
+        ctx.param = weight  # `wgrad_into`'s parameter: saved-tensor hooks (recompute, ZeRO-3) unpack another tensor
         ctx.tp, ctx.x_dtype = tp, x.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return F.linear(total, weight, bias)
@@ -162,7 +164,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         if need_w:
             flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
             flat_total = total.reshape(-1, total.shape[-1]).to(grad_out.dtype)
-            grad_w = weight_grad(weight, flat_grad, flat_total)
+            grad_w = weight_grad(ctx.param, flat_grad, flat_total)
         if need_b:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(dim=0).to(ctx.bias_dtype)
         if handle is not None:
