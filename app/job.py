@@ -4,8 +4,11 @@
 (or the loader given: `python -m app.generate` takes the deck a checkpoint carries), starts
 the watchdog, binds the device, sets threads and the malloc threshold, bootstraps
 torch.distributed, builds the `ProcessGrid` and runs `body(deck, runtime, grid)`: training
-(`python -m app`), evaluation (`python -m app.eval`) or generation (`python -m app.generate`). A user mistake (`GridlmError`) is
-printed once by rank 0 and every rank returns its `exit_code`; a lost peer is named and the
+(`python -m app`), evaluation (`python -m app.eval`) or generation (`python -m app.generate`).
+A user mistake (`GridlmError`) raised on every rank is printed once by rank 0 and every rank
+returns its `exit_code`; one that some rank does not raise within `user_error_wait_s` (a
+rank-local error, its peers waiting for this rank in a collective) is printed by the ranks that
+raised it, naming them, and the job aborted with its `exit_code`; a lost peer is named and the
 job aborted (4); any other exception is a bug: its traceback, then MPI_Abort(1), so no rank is
 left waiting in a collective.
 """
@@ -17,7 +20,7 @@ import os
 import sys
 import traceback
 from contextlib import suppress
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from app.deck import Deck
@@ -70,6 +73,10 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
     from app.runtime.watchdog import is_descriptor_exhaustion, start_watchdog
 
     runtime = init_mpi()
+    # The ranks that raise a user error meet here to agree that all of them did (`ended_alike`): a
+    # communicator of its own, so that its barrier never meets a peer's collective on the job's.
+    ending = runtime.comm.Dup() if runtime.world_size > 1 else None
+    timeout_s = RunConfig.comm_timeout_s  # the deck's once it is read
     try:
         unwired = unwired_launch(os.environ, runtime.world_size)
         if unwired is not None:  # every task alone: each prints this and exits 2
@@ -79,7 +86,8 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
             # is caught with the default timeout, later calls with the deck's run.comm_timeout_s.
             start_watchdog(runtime, RunConfig.comm_timeout_s)  # the key's default: the deck is not read yet
             deck = agree(runtime, lambda: load(runtime.world_size))
-            runtime.watchdog.set_timeout(deck.run.comm_timeout_s)
+            timeout_s = deck.run.comm_timeout_s
+            runtime.watchdog.set_timeout(timeout_s)
             agree(runtime, lambda: bind_device(runtime, deck.run.device))
             set_threads(runtime, deck.run.threads)
             set_malloc_mmap_threshold(deck.run.malloc_mmap_threshold_kb)
@@ -102,6 +110,13 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         print(f"gridlm: {err}", file=sys.stderr, flush=True)
         abort(runtime, err.exit_code)
     except GridlmError as err:
+        if not ended_alike(ending, user_error_wait_s(timeout_s)):
+            # Raised here but not (yet) on some peer, which may wait for this rank in a collective:
+            # the message would be lost with rank 0 not printing it, and the peers' watchdog would
+            # call this rank dead after run.comm_timeout_s. This rank says it and ends the job.
+            runtime.watchdog.announce_end(err.exit_code)  # so that no peer then calls this rank dead
+            print(f"gridlm: {err} (rank {runtime.rank} on {runtime.hostname})", file=sys.stderr, flush=True)
+            abort(runtime, err.exit_code)
         # Raised on every rank alike (see `agree`): one message, the same status everywhere.
         if runtime.is_root:
             print(f"gridlm: {err}", file=sys.stderr, flush=True)
@@ -131,3 +146,23 @@ def run_job(load: Callable[[int], Deck], body: Callable[[Deck, Runtime, ProcessG
         traceback.print_exc()
         abort(runtime, 1)
     return 1
+
+
+def user_error_wait_s(comm_timeout_s: float) -> float:
+    """How long a rank that raised a user error waits for its peers to raise it too: ranks that
+    raise one alike (`agree`) arrive within milliseconds of each other; half the watchdog's timeout
+    at most, so that this rank ends the job before a waiting peer's watchdog calls it dead."""
+    return min(comm_timeout_s / 2, 60.0)
+
+
+def ended_alike(ending: Any, wait_s: float) -> bool:
+    """Whether every rank of the `ending` communicator (None: a job of one rank) gets here within
+    `wait_s` seconds, as ranks that all raised a user error do."""
+    from app.runtime.mpi import settle
+
+    if ending is None:
+        return True
+    arrived = settle(ending, timeout=wait_s)
+    if arrived:
+        ending.Free()
+    return arrived

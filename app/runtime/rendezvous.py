@@ -41,7 +41,17 @@ def choose_host(env_value: Optional[str], nodes: int, hostname: str) -> StoreHos
     """Rank 0's choice (pure but for name resolution): the environment's value, else loopback on
     one node, else rank 0's hostname. Raises LaunchError for a value the other ranks cannot use."""
     if env_value is None or not env_value.strip():
-        return StoreHost("127.0.0.1", "loopback") if nodes == 1 else StoreHost(hostname, "hostname")
+        if nodes == 1:
+            return StoreHost("127.0.0.1", "loopback")
+        looped = _loopback_only(hostname)
+        if looped:  # the store would listen there, on loopback only (found in review)
+            raise LaunchError(
+                f"rank 0's hostname {hostname} resolves to {', '.join(looped)} on its node, a loopback address (an "
+                f"/etc/hosts line such as Debian's 127.0.1.1), but the job spans {nodes} nodes: the other nodes cannot "
+                f"reach the TCPStore there; set {ENV} to an address of rank 0's node on the network the nodes share "
+                "(its IP there, e.g. from hostname -I), or map the hostname to that address in /etc/hosts"
+            )
+        return StoreHost(hostname, "hostname")
     value = env_value.strip()
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(value, None, type=socket.SOCK_STREAM)}
@@ -63,6 +73,17 @@ def choose_host(env_value: Optional[str], nodes: int, hostname: str) -> StoreHos
             f"where the TCPStore runs; {FIX}"
         )
     return StoreHost(value, ENV)
+
+
+def _loopback_only(hostname: str) -> list[str]:
+    """The addresses `hostname` resolves to here when all of them are loopback, else [] (also when it
+    does not resolve: opening the store then says so)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return []
+    loopback = all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+    return sorted(addresses) if addresses and loopback else []
 
 
 def _is_local(address: str) -> bool:
