@@ -127,7 +127,9 @@ def hf_expected(config: dict[str, Any]) -> list[tuple[str, str, Any]]:
 def hf_unsupported(config: dict[str, Any], m: Any) -> Optional[str]:
     """What of the HF GPT-2 gridlm's blocks do not compute, or None (`m`: the deck's ModelConfig)."""
     act = config.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+    # The three names of the tanh approximation in transformers (gelu_fast's constant is sqrt(2/pi)
+    # rounded to 1e-10: the same function to fp32 rounding).
+    if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         return f"activation_function {act!r}: gridlm's GPT-2 MLP uses GELU with the tanh approximation (gelu_new)"
     if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx", False):
         return "attention scaled other than by 1/sqrt(head_dim) (scale_attn_weights, scale_attn_by_inverse_layer_idx)"
