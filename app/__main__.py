@@ -33,7 +33,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     )  # fmt: skip
     plan = parser.add_argument_group("dry run (no MPI launch: grid, placement, memory and FLOPs of the deck)")
     plan.add_argument("--dry-run", action="store_true", help="plan the deck and exit: 0 if it can run, 2 if not")
-    plan.add_argument("--world-size", type=int, metavar="N", help="ranks to plan for (default: tp x pp x dp)")
+    plan.add_argument("--world-size", type=int, metavar="N", help="ranks to plan for (default: tp x cp x pp x dp)")
     plan.add_argument("--nodes", type=int, metavar="N", help="nodes to plan for (ranks = N x devices per node)")
     plan.add_argument(
         "--machine", metavar="NAME", help="inputs/machines/NAME.yaml or a path (default: the deck's run.machine)"
@@ -72,6 +72,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     searched = [f"--{k}" for k in ("top", "tensor") if getattr(args, k) is not None]
     if searched and not args.search:
         parser.error(f"{', '.join(searched)} only {'go' if len(searched) > 1 else 'goes'} with --search")
+    if args.all_ranks and (args.search or args.largest):  # their reports list no ranks
+        parser.error(f"--all-ranks goes with a plain --dry-run, not with {'--search' if args.search else '--largest'}")
     if not args.dry_run and given:
         verb = "go" if len(given) > 1 else "goes"
         parser.error(f"{', '.join(given)} only {verb} with --dry-run (or --search, --largest)")
@@ -148,7 +150,7 @@ def _largest(args: argparse.Namespace, deck: Any, world: int, machine: Any, rpn:
     if machine is None:
         print("gridlm: --largest needs a machine: pass --machine NAME (inputs/machines/)", file=sys.stderr)
         return 2
-    shapes = largest_gpt(deck, world, machine, rpn)
+    shapes = largest_gpt(deck, world, machine, rpn, args.max_imbalance)
     if args.json:
         _emit(json.dumps({"machine": machine.name, "world_size": world, "offload": deck.optim.offload,
                           "shapes": [vars(s) for s in shapes]}, indent=2))  # fmt: skip
@@ -166,7 +168,11 @@ def _largest(args: argparse.Namespace, deck: Any, world: int, machine: Any, rpn:
                          f"{best.params / 1e9:.2f}B parameters (widths {widths}; up to {MAX_LAYERS} layers)")  # fmt: skip
         _emit("\n".join(lines))
     if not shapes:
-        print("gridlm: --largest: not one layer of any width fits this allocation", file=sys.stderr)
+        print(
+            f"gridlm: --largest: not one layer of any width plans without problems on this allocation (at "
+            f"--max-imbalance {args.max_imbalance:g}); a --dry-run of the deck names its problems",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

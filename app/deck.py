@@ -28,7 +28,7 @@ import yaml
 
 from app import archs
 from app.archs.spec import Arch
-from app.deck_yaml import MAX_DECK_BYTES, deck_error, parse_yaml, read_deck_file
+from app.deck_yaml import MAX_DECK_BYTES, comment_in, deck_error, parse_yaml, read_deck_file
 from app.errors import DeckError
 from app.names import AXES, CP_KINDS, GRID_AXES, PRECISIONS, RECOMPUTE
 from app.schema import REQUIRED, Key, Problem, check, check_value, type_name
@@ -755,6 +755,15 @@ def apply_override(raw: dict[str, Any], assignment: str) -> str:
         value = parse_yaml(text, (dotted, text), dotted) if text.strip() else None
     except (yaml.YAMLError, ValueError):
         value = text  # not YAML: the plain string (checked like any string)
+    else:
+        comment = comment_in(text)
+        if comment is not None:
+            raise deck_error(
+                dotted, text, f"YAML reads {comment!r} as a comment, which would leave {value!r}: leave the comment out, or "
+                f"quote the value if the # belongs to it (--set '{dotted}=\"{text.strip()}\"')"
+            )  # fmt: skip
+        if text.strip() == "~":  # YAML's null, i.e. the key's default: not a home directory
+            raise deck_error(dotted, text, "YAML reads ~ as null (the default): write null, or give the expanded path")
     section = raw.setdefault(parts[0], {})
     if section is None:
         section = raw[parts[0]] = {}
@@ -1104,7 +1113,15 @@ def resolve_for_world(deck: Deck, world_size: int) -> Deck:
     )
     if par.dp == "auto":
         if world_size % model_ranks:
-            raise DeckError("parallel.tp", par.tp, f"{names} = {model_ranks} must divide the world size {world_size}")
+            # Named by the largest factor (pp in tp 1 x pp 2), with the ranks that would fit.
+            key, value = max((("parallel.tp", par.tp), ("parallel.cp", par.cp), ("parallel.pp", par.pp)),
+                             key=lambda kv: kv[1])  # fmt: skip
+            below, above = world_size // model_ranks * model_ranks, -(-world_size // model_ranks) * model_ranks
+            launch = f"{below} or {above}" if below else f"{above}"
+            raise DeckError(
+                key, value, f"{names} = {sizes} = {model_ranks} (the ranks of one replica) must divide the world size "
+                f"{world_size}: launch {launch} ranks (a multiple of {model_ranks}), or change {names}"
+            )  # fmt: skip
         dp = world_size // model_ranks
     else:
         dp = int(par.dp)

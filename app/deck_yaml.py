@@ -8,6 +8,7 @@ a DeckError naming the file or key, quickly. `app/deck.py` validates the values.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -105,10 +106,34 @@ class _DeckLoader(_c_parsed_loader()):  # type: ignore[misc]
             raise self.refuse(
                 node.start_mark, f"an integer of {len(node.value):,} characters; at most {MAX_INT_DIGITS} are read"
             )
-        return super().construct_yaml_int(node)
+        value = super().construct_yaml_int(node)
+        self.refuse_surprise(node, value)
+        return value
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        value = super().construct_yaml_float(node)
+        self.refuse_surprise(node, value)
+        return value
+
+    def refuse_surprise(self, node: yaml.ScalarNode, value: float) -> None:
+        """YAML 1.1 reads 0123 as octal 83 and 1:40 as base 60, 100: numbers nobody who wrote them
+        meant (`seed: 0123` seeded 83, `micro_batch: 010` ran 8)."""
+        text = node.value.replace("_", "")
+        if ":" in text:
+            kind = "a base-60 number (YAML 1.1)"
+        elif OCTAL.fullmatch(text):
+            kind = "an octal number (YAML 1.1)"
+        else:
+            return
+        raise self.refuse(
+            node.start_mark, f"{node.value} reads as {kind}, {value}: write it in decimal without leading zeros or "
+            "colons, or quote it for a string"
+        )  # fmt: skip
 
 
 _DeckLoader.add_constructor("tag:yaml.org,2002:int", _DeckLoader.construct_yaml_int)
+_DeckLoader.add_constructor("tag:yaml.org,2002:float", _DeckLoader.construct_yaml_float)
+OCTAL = re.compile(r"[-+]?0[0-7]+")
 
 
 def _check_duplicates(root: yaml.Node, where: tuple[str, str], prefix: str) -> None:
@@ -161,6 +186,22 @@ def parse_yaml(text: str, where: tuple[str, str], prefix: str = "") -> Any:
         return loader.construct_document(node)
     finally:
         loader.dispose()
+
+
+def comment_in(text: str) -> Optional[str]:
+    """What YAML reads as a comment in the one-value `text` of a `--set` (None if nothing): `#` at its
+    start or after a space. A deck file's comments are the writer's; in `--set run.dir=runs/a #2` the
+    run would silently go to runs/a (another run's directory, resumed and overwritten)."""
+    loader = _DeckLoader(text, ("--set", text))
+    try:
+        node = loader.get_single_node()
+    except (yaml.YAMLError, DeckError):
+        return None  # parse_yaml says what is wrong
+    finally:
+        loader.dispose()
+    tail = text[node.end_mark.index :] if node is not None else text
+    tail = tail.strip().removeprefix("...").strip()
+    return tail if tail.startswith("#") else None
 
 
 def read_yaml_file(

@@ -227,7 +227,17 @@ def _text(key: Key, value: str, name: str, file: str) -> str:
         _printable(value, name, file)
     if key.path and not value.strip():
         raise Problem(file, name, value, "an empty path; give a path, or leave the key out for the default")
+    if key.path and (value.startswith("~") or UNEXPANDED.search(value)):
+        # Nothing expands them: files went to ./~/run and ./$HOME/ck, and a memmap prefix
+        # under ~ was reported missing, with the advice to prepare the data again.
+        raise Problem(
+            file, name, value, "~ and $VARIABLE are not expanded in a deck: give the expanded path (a shell "
+            "expands an unquoted --set key=$HOME/x; relative paths are from the working directory)"
+        )  # fmt: skip
     return value
+
+
+UNEXPANDED = re.compile(r"\$(\{|[A-Za-z_])")  # $HOME, ${SCRATCH}: a shell variable, not a name
 
 
 def _printable(value: str, name: str, file: str) -> None:

@@ -177,8 +177,17 @@ def test_a_3d_grid_resolves_dp_from_the_world_size():
     deck = load_deck(TINY, ("parallel.tp=2", "parallel.pp=2", "train.global_batch=16"))
     resolved = resolve_for_world(deck, 8)
     assert (resolved.parallel.tp, resolved.parallel.pp, resolved.dp, resolved.num_micro_batches) == (2, 2, 2, 2)
-    with pytest.raises(DeckError, match=r"tp x pp = 4 must divide the world size 6"):
+    with pytest.raises(
+        DeckError,
+        match=r"tp x pp = 2 x 2 = 4 \(the ranks of one replica\) must divide the world size 6: "
+        r"launch 4 or 8 ranks",
+    ) as err:
         resolve_for_world(deck, 6)
+    assert err.value.key == "parallel.tp"  # the largest factor (tp first among equals)
+    # Found in review (2026-12-02): pp's mistake was named parallel.tp = 1, without a fix.
+    with pytest.raises(DeckError, match=r"launch 2 or 4 ranks \(a multiple of 2\), or change tp x pp") as err:
+        resolve_for_world(load_deck(TINY, ("parallel.pp=2",)), 3)
+    assert err.value.key == "parallel.pp"
 
 
 @pytest.mark.parametrize(
@@ -658,7 +667,9 @@ def test_context_parallelism_takes_its_ranks_from_the_world_and_refuses_what_it_
     yet is refused by name, with the way out."""
     deck = load_deck(TINY, ("parallel.cp=2", "parallel.tp=2", "model.seq_len=16"))
     assert resolve_for_world(deck, 8).dp == 2 and resolve_for_world(deck, 8).stage_message[1] == 8
-    with pytest.raises(DeckError, match=r"tp x cp x pp = 4 must divide the world size 6"):
+    with pytest.raises(
+        DeckError, match=r"tp x cp x pp = 2 x 2 x 1 = 4 \(the ranks of one replica\) must divide the world size 6"
+    ):
         resolve_for_world(deck, 6)
     with pytest.raises(DeckError, match=r"tp x cp x pp x dp = 2 x 2 x 1 x 3 = 12 must equal the world size 8"):
         resolve_for_world(load_deck(TINY, ("parallel.cp=2", "parallel.tp=2", "model.seq_len=16", "parallel.dp=3")), 8)
@@ -713,3 +724,41 @@ def test_the_interleaved_schedules_suggested_batch_counts_the_3d_batch_split():
     good = int(re.search(r"e\.g\. global_batch = (\d+)", str(refused.value)).group(1))
     assert good != 8
     resolve_for_world(load_deck(TINY, (*sets, f"train.global_batch={good}")), 4)
+
+
+@pytest.mark.parametrize(
+    "assignment, said",
+    [
+        ("run.dir=runs/sweep #2", "YAML reads '#2' as a comment, which would leave 'runs/sweep'"),
+        ("data.path=/data/c #v2", "YAML reads '#v2' as a comment, which would leave '/data/c'"),
+        ("run.study=#weak", "YAML reads '#weak' as a comment, which would leave None"),
+        ("train.steps=5 # five", "YAML reads '# five' as a comment, which would leave 5"),
+        ("parallel.stage_layers=[2, 2] #x", "YAML reads '#x' as a comment"),
+        ("run.dir=~", "YAML reads ~ as null (the default)"),
+        ("train.seed=0123", "0123 reads as an octal number (YAML 1.1), 83"),
+        ("train.micro_batch=010", "010 reads as an octal number (YAML 1.1), 8"),
+        ("checkpoint.every=1:40", "1:40 reads as a base-60 number (YAML 1.1), 100"),
+        ("optim.lr=1:0.5", "1:0.5 reads as a base-60 number (YAML 1.1), 60.5"),
+        ("run.dir=~/runs/x", "~ and $VARIABLE are not expanded in a deck"),
+        ("checkpoint.dir=$HOME/ck", "~ and $VARIABLE are not expanded in a deck"),
+        ("data.path=${SCRATCH}/corpus", "~ and $VARIABLE are not expanded in a deck"),
+    ],
+)
+def test_set_values_yaml_would_silently_change_are_refused(assignment, said):
+    """Found in review (2026-12-02): `--set 'run.dir=runs/sweep #2'` ran in runs/sweep (YAML's comment),
+    resuming and overwriting another run; `train.seed=0123` seeded 83 (YAML 1.1's octal); `1:40` was 100
+    (base 60); `run.dir=~/x` and `$HOME/ck` went to ./~/x and ./$HOME/ck (nothing expands them)."""
+    with pytest.raises(DeckError, match=re.escape(said)):
+        load_deck(TINY, (assignment,))
+
+
+def test_values_that_only_look_like_those_are_accepted(tmp_path):
+    deck = load_deck(TINY, ("run.dir=runs/#2", 'run.study="#weak"', "train.seed=0", "checkpoint.every=0x10",
+                            "run.init_from=/data/a$1", "train.steps=1_000", "optim.lr=3e-4"))  # fmt: skip
+    assert (deck.run.dir, deck.run.study, deck.train.seed, deck.checkpoint.every) == ("runs/#2", "#weak", 0, 16)
+    assert (deck.run.init_from, deck.train.steps, deck.optim.lr) == ("/data/a$1", 1000, 3e-4)
+    # A deck file: the same refusal, with its line; its comments are its writer's.
+    bad = write(tmp_path, "train:\n  steps: 10  # ten\n  seed: 0123\n")
+    with pytest.raises(DeckError, match=r"line 3: 0123 reads as an octal number"):
+        load_deck(bad)
+    assert load_deck(write(tmp_path, "train:\n  steps: 10  # ten\n")).train.steps == 10

@@ -3,6 +3,7 @@ memory against a real trainer's buffers, placement, the named problems, machine 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -870,6 +871,33 @@ def test_largest_finds_the_most_layers_that_fit_at_each_width_and_offload_makes_
     assert 16 * best["host"] <= 0.8 * 128 * 2**30
     out = dry_run("inputs/gpt_tiny.yaml", "--largest", *ONE_H100, "--set", "optim.offload=host")
     assert out.returncode == 0 and f"{best['host'] / 1e9:.2f}B parameters" in out.stdout.splitlines()[-1]
+
+
+def test_largest_takes_the_max_imbalance_and_search_and_largest_refuse_all_ranks():
+    """Found in review (2026-12-02): --largest planned with the default 1.25 whatever --max-imbalance said
+    (its answer was one the dry run refused at 1.0); at a looser limit its search reached fewer layers
+    than stages (a traceback); --all-ranks with --search or --largest was ignored."""
+    from app.plan.dryrun import largest_gpt
+    from app.plan.machine import load_machine
+
+    machine = load_machine("h100_1gpu")
+    deck = load_deck(REPO / "inputs/gpt_tiny.yaml", ("parallel.pp=4", "parallel.dp=1"))
+    loose, strict = largest_gpt(deck, 4, machine, max_imbalance=100.0), largest_gpt(deck, 4, machine, max_imbalance=1.0)
+    assert loose and all(s.layers >= 4 for s in loose)
+    # At 1.0 no pipeline is balanced (the first stage holds the embedding): the dry run agrees for every shape.
+    for s in strict or loose:
+        model = dataclasses.replace(deck.model, hidden=s.hidden, heads=s.heads, layers=s.layers)
+        assert bool(strict) != bool(
+            make_plan(dataclasses.replace(deck, model=model), 4, machine, max_imbalance=1.0).problems
+        )
+    out = dry_run("inputs/gpt_tiny.yaml", "--largest", "--machine", "h100_1gpu", "--world-size", "4",
+                  "--set", "parallel.pp=4", "--set", "parallel.dp=1", "--max-imbalance", "1")  # fmt: skip
+    assert out.returncode == (0 if strict else 2) and "Traceback" not in out.stderr, out.stderr
+    if not strict:
+        assert "(at --max-imbalance 1); a --dry-run of the deck names its problems" in out.stderr
+    for mode in ("--search", "--largest"):
+        out = dry_run("inputs/gpt_tiny.yaml", mode, "--all-ranks", "--machine", "h100_1gpu", "--world-size", "4")
+        assert out.returncode == 2 and f"--all-ranks goes with a plain --dry-run, not with {mode}" in out.stderr
 
 
 def test_a_3d_grid_without_x_counts_the_same_flops_per_rank_as_1d_tensor_parallelism():

@@ -16,7 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from app.deck import Deck, resolve_for_world
+from app.deck import Deck, resolve_for_world, validate
 from app.errors import GridlmError
 from app.metrics.flops import step_flops
 from app.names import SCHEDULES, schedule_key, strides3d
@@ -214,12 +214,17 @@ class Shape:
 
 
 def largest_gpt(
-    deck: Deck, world_size: int, machine: Optional[Machine], ranks_per_node: Optional[int] = None
+    deck: Deck,
+    world_size: int,
+    machine: Optional[Machine],
+    ranks_per_node: Optional[int] = None,
+    max_imbalance: float = MAX_IMBALANCE,
 ) -> list[Shape]:
     """For each of GPT_WIDTHS, the most layers (up to MAX_LAYERS) with which `deck`'s model at that
     width plans without problems on `world_size` ranks of `machine` (its memory, and the offloaded
     state's host memory or drive: `optim.offload`); widths at which not even one layer fits are
-    left out. Every other key (batch, sequence, grid, ZeRO, recompute, offload) is the deck's."""
+    left out. Every other key (batch, sequence, grid, ZeRO, recompute, offload) is the deck's; a
+    shape fits as the dry run with `max_imbalance` would accept it."""
     from app.plan.estimate import model_params
 
     found = []
@@ -229,7 +234,10 @@ def largest_gpt(
             model = replace(deck.model, hidden=hidden, heads=heads, layers=layers)
             try:
                 trial = replace(deck, model=model)
-                return not make_plan(trial, world_size, machine, ranks_per_node, predict_step=False).problems
+                validate(trial)  # e.g. fewer layers than pipeline stages: a DeckError, not make_plan's ValueError
+                return not make_plan(
+                    trial, world_size, machine, ranks_per_node, max_imbalance, predict_step=False
+                ).problems
             except GridlmError:  # a shape the grid cannot take (heads over tp, layers over pp)
                 return False
 
