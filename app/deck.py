@@ -874,6 +874,11 @@ def _validate(deck: Deck) -> None:
         )  # fmt: skip
     if opt.offload_dir and opt.offload != "nvme":
         raise DeckError("optim.offload_dir", opt.offload_dir, "only used with optim.offload = nvme")
+    if tr.fuse_grad_accumulation and par.tensor is not None:  # asked for, and nothing would be fused
+        raise DeckError(
+            "train.fuse_grad_accumulation", True, "3D tensor parallelism's Linears hand their gradients over after "
+            "their own reduce-scatters: nothing is fused under parallel.tensor; leave the key out (null) or false"
+        )  # fmt: skip
     _validate_data(deck.data)
     _validate_goldfish_eval(deck)
 

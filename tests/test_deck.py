@@ -762,3 +762,13 @@ def test_values_that_only_look_like_those_are_accepted(tmp_path):
     with pytest.raises(DeckError, match=r"line 3: 0123 reads as an octal number"):
         load_deck(bad)
     assert load_deck(write(tmp_path, "train:\n  steps: 10  # ten\n")).train.steps == 10
+
+
+def test_gradient_accumulation_fusion_asked_for_under_3d_tensor_parallelism_is_refused():
+    """Found in review (2026-12-02): accepted and silently not done (no 3D Linear is fusable)."""
+    sets = ("parallel.tensor=[1, 1, 2]", "parallel.tp=2")
+    with pytest.raises(DeckError, match="nothing is fused under parallel.tensor") as err:
+        load_deck(TINY, (*sets, "train.fuse_grad_accumulation=true"))
+    assert err.value.key == "train.fuse_grad_accumulation"
+    for value in ("null", "false"):
+        assert load_deck(TINY, (*sets, f"train.fuse_grad_accumulation={value}")).parallel.tensor == [1, 1, 2]
