@@ -106,3 +106,7 @@ def rank_ranges(ranks: Sequence[int]) -> str:
 # Variables a launcher (mpirun / mpiexec, srun, a PMI or PMIx launcher) gives the ranks it starts:
 # a process without any of them is one rank started by hand (`python -m app`, `python -m app.data.prepare`).
 LAUNCHER_RANK = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+
+# The subset that wires Open MPI itself (its mpirun, or a PMIx server such as srun --mpi=pmix): without
+# them its MPI_Init starts a singleton's runtime daemon, also in a Slurm batch script (SLURM_PROCID=0).
+OPEN_MPI_WIRED = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,61 @@ def test_an_out_of_memory_on_one_rank_ends_every_rank_with_one_line_and_exit_2(t
     assert "Traceback" not in text and "internal error" not in text
     assert not re.search(r"lost its peer|died|dead", text), text[-3000:]
     assert elapsed < 120
+
+
+def _files(root, files: dict[str, str]):
+    """A made-up /proc and /sys under `root`: path -> text."""
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+MEMINFO = {"proc/meminfo": f"MemTotal: {128 * 2**20} kB\nMemFree: 1 kB\nMemAvailable: {64 * 2**20} kB\n"}
+V2_JOB = "sys/fs/cgroup/system.slice/slurmstepd.scope/job_7"
+
+
+@pytest.mark.parametrize(
+    "files, gib",
+    [
+        # cgroup v2 under Slurm: the limit on the job, the process in a task below it; file cache reclaimable
+        ({"proc/self/cgroup": "0::/system.slice/slurmstepd.scope/job_7/step_0/user/task_0\n",
+          f"{V2_JOB}/memory.max": f"{4 * GIB}\n", f"{V2_JOB}/memory.current": f"{3 * GIB}\n",
+          f"{V2_JOB}/memory.stat": f"anon {2 * GIB}\ninactive_file {GIB // 2}\n",
+          f"{V2_JOB}/step_0/user/task_0/memory.max": "max\n",
+          f"{V2_JOB}/step_0/user/task_0/memory.current": f"{GIB}\n"}, 1.5),
+        # cgroup v1 (memory controller's own hierarchy); the step's "no limit" is the largest page count
+        ({"proc/self/cgroup": "4:memory:/slurm/uid_0/job_9/step_0\n3:cpuset:/slurm\n0::/\n",
+          "sys/fs/cgroup/memory/slurm/uid_0/job_9/memory.limit_in_bytes": f"{8 * GIB}\n",
+          "sys/fs/cgroup/memory/slurm/uid_0/job_9/memory.usage_in_bytes": f"{2 * GIB}\n",
+          "sys/fs/cgroup/memory/slurm/uid_0/job_9/step_0/memory.limit_in_bytes": "9223372036854771712\n",
+          "sys/fs/cgroup/memory/slurm/uid_0/job_9/step_0/memory.usage_in_bytes": f"{GIB}\n"}, 6),
+        # a container: the kernel names a path of the host's, the mount is the container's own cgroup
+        ({"proc/self/cgroup": "0::/docker/0123abcd\n", "sys/fs/cgroup/memory.max": f"{2 * GIB}\n",
+          "sys/fs/cgroup/memory.current": f"{GIB}\n"}, 1),
+        # no limit, or files that say nothing usable: MemAvailable
+        ({"proc/self/cgroup": "4:memory:/\n", "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",
+          "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{GIB}\n"}, 64),
+        ({"proc/self/cgroup": "0::/a\n", "sys/fs/cgroup/a/memory.max": "lots\n",
+          "sys/fs/cgroup/a/memory.current": f"{GIB}\n"}, 64),
+        ({"proc/self/cgroup": "0::/a\n", "sys/fs/cgroup/a/memory.max": f"{GIB}\n"}, 64),  # no usage
+        ({}, 64),
+    ],
+    ids=["v2-slurm", "v1-slurm", "container", "v1-unlimited", "odd-limit", "no-usage", "no-cgroup"],
+)  # fmt: skip
+def test_host_memory_is_the_least_of_memavailable_and_the_cgroup_s_room(tmp_path, files, gib):
+    """Found in review: only /proc/meminfo's MemAvailable was read, so a job under a cgroup limit
+    (Slurm's --mem, a container's) was told the node's memory was its own (generation's KV cache
+    check). Made-up /proc and /sys files under a root directory."""
+    root = _files(tmp_path, {**MEMINFO, **files})
+    assert preflight.host_available(root) == int(gib * GIB)
+
+
+def test_host_memory_without_meminfo_is_the_cgroup_s_room_and_else_unknown(tmp_path):
+    cgroup = {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/memory.max": f"{3 * GIB}\n",
+              "sys/fs/cgroup/memory.current": f"{4 * GIB}\n"}  # fmt: skip
+    assert preflight.host_available(_files(tmp_path / "over", cgroup)) == 0  # at its limit: nothing left
+    assert preflight.host_available(tmp_path / "nothing") is None
+    available = [line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable:")]
+    here = preflight.host_available()  # this machine's: never above its MemAvailable (read a moment earlier)
+    assert here is not None and 0 < here <= int(available[0].split()[1]) * 1024 * 1.05

@@ -392,6 +392,11 @@ def launched_comm() -> Any:
     `python -m app.data.prepare` is one process and need not pay for MPI's singleton start-up."""
     if not any(var in os.environ for var in LAUNCHER_RANK):
         return SerialComm()
+    from app.runtime.mpi import singleton_rsh_agent
+
+    # A batch script's one process (SLURM_PROCID=0) is Open MPI's singleton: on a machine without ssh
+    # its MPI_Init aborts unless told not to start the daemon through it (as `python -m app`).
+    singleton_rsh_agent(os.environ)
     from mpi4py import MPI
 
     share_cores(MPI.COMM_WORLD)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from app.errors import GridlmError, LaunchError
-from app.names import LAUNCHER_RANK
+from app.names import OPEN_MPI_WIRED
 from app.runtime.groups import Groups
 from app.runtime.watchdog import FILES_HEADROOM, STORE_FILES_PER_RANK, AnyWatchdog, NullWatchdog, open_files_needed
 
@@ -53,6 +53,7 @@ class Runtime:
     ranks_per_node_list: list[int]
     global_ranks: list[int]
     node_hosts: list[str] = field(default_factory=list)
+    node_cpus: int = 0  # the CPUs the ranks of this rank's node may run on (their affinities' union); 0: unknown
     device: Optional[torch.device] = None  # set by bind_device (torch is imported only then)
     backend: str = "gloo"
     watchdog: AnyWatchdog = field(default_factory=NullWatchdog)  # app.runtime.watchdog; a no-op until started
@@ -84,9 +85,11 @@ def singleton_rsh_agent(environ: MutableMapping[str, str]) -> Optional[str]:
     where it is needed; the value set, or None. Such a process's MPI_Init starts a runtime daemon
     whose rsh launcher aborts it ("Local abort before MPI_INIT completed") when neither ssh nor rsh
     is on PATH, as in a bare GPU container (measured on an H200 image, 2026-11-29). Any program on
-    PATH satisfies the check; none is run for one local process. Launched ranks and a site's own
-    setting are left as they are; other MPIs ignore the variable."""
-    if any(key in environ for key in LAUNCHER_RANK) or "OMPI_MCA_plm_rsh_agent" in environ:
+    PATH satisfies the check; none is run for one local process. Ranks Open MPI's own launcher wired
+    and a site's own setting are left as they are; a Slurm batch script's process (SLURM_PROCID=0) or
+    one with another MPI's PMI_RANK is still a singleton to Open MPI (found in review); other MPIs
+    ignore the variable."""
+    if any(key in environ for key in OPEN_MPI_WIRED) or "OMPI_MCA_plm_rsh_agent" in environ:
         return None
     path = environ.get("PATH", os.defpath)
     if shutil.which("ssh", path=path) or shutil.which("rsh", path=path) or not shutil.which("false", path=path):
@@ -134,6 +137,8 @@ def init_mpi(comm: Any = None) -> Runtime:
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
     # A node is named by the lowest world rank it holds; everyone learns everyone's placement.
     node_first = node_comm.allreduce(rank, op=MPI.MIN)
+    # A bit per CPU: the node's ranks may share a cpuset smaller than the machine (set_threads).
+    node_cpus = bin(node_comm.allreduce(sum(1 << cpu for cpu in usable_cpus()), op=MPI.BOR)).count("1")
     node_comm.Free()
     hostname = socket.gethostname()
     everyone = comm.allgather((node_first, local_rank, hostname))
@@ -158,6 +163,7 @@ def init_mpi(comm: Any = None) -> Runtime:
         ranks_per_node_list=per_node,
         global_ranks=comm.allgather(MPI.COMM_WORLD.Get_rank()),
         node_hosts=node_hosts,
+        node_cpus=node_cpus,
     )
 
 
@@ -179,13 +185,13 @@ def bind_device(runtime: Runtime, want: str = "auto") -> None:
 
     Works both when the launcher gives each rank one GPU (`--gpus-per-task=1`, so a rank
     sees device 0) and when every rank sees all of the node's GPUs (local rank picks one).
+    Collective over `runtime.comm` unless `want` is cpu: the ranks agree on one device type
+    (`devices_agree`), so a node without a visible GPU is named at once on every rank.
     """
     import torch
 
-    has_cuda = torch.cuda.is_available()
-    if want == "cuda" and not has_cuda:
-        raise LaunchError("run.device = cuda but no CUDA device is visible to this rank; use run.device: cpu or auto")
-    if want == "cpu" or not has_cuda:
+    has_cuda = want != "cpu" and devices_agree(runtime, torch.cuda.is_available(), want)
+    if not has_cuda:
         runtime.device, runtime.backend = torch.device("cpu"), "gloo"
         return
     index = device_index(
@@ -194,6 +200,47 @@ def bind_device(runtime: Runtime, want: str = "auto") -> None:
     )  # fmt: skip
     torch.cuda.set_device(index)
     runtime.device, runtime.backend = torch.device("cuda", index), "nccl"
+
+
+def devices_agree(runtime: Runtime, has_cuda: bool, want: str = "auto", most: int = 4) -> bool:
+    """Collective: whether the job's ranks use GPUs, given whether this rank sees one (`has_cuda`)
+    and run.device (`want`: auto or cuda). Some ranks with a GPU and some without would each pick
+    their own backend (nccl, gloo) and wait for each other in init_process_group until the watchdog
+    named them stuck (found in review); that, or cuda with none visible, is a LaunchError on every
+    rank naming the nodes without a GPU (the first `most`, then how many more) and the fix."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from app.names import rank_ranges
+
+    # One allreduce when the ranks agree; the ranks' answers only when they do not.
+    seen = np.array([int(has_cuda), int(not has_cuda)], dtype=np.int32)
+    with runtime.watchdog.blocking("MPI_Allreduce (devices)", axis="world"):
+        runtime.comm.Allreduce(MPI.IN_PLACE, seen, op=MPI.MAX)
+    if not seen[1]:
+        return True
+    if not seen[0] and want != "cuda":
+        return False
+    with runtime.watchdog.blocking("MPI_Allgather (devices)", axis="world"):
+        everyone = runtime.comm.allgather(has_cuda)
+    without: dict[int, list[int]] = {}
+    for rank, gpu in enumerate(everyone):
+        if not gpu:
+            without.setdefault(runtime.placement[rank][0], []).append(rank)
+    where = [
+        f"rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)} on {runtime.node_hosts[node]}"
+        for node, ranks in without.items()
+    ]
+    more = f" and {len(where) - most} more nodes" if len(where) > most else ""
+    blind = ", ".join(where[:most]) + more
+    if not seen[0]:
+        raise LaunchError(f"run.device = cuda but no GPU is visible to {blind}: use run.device: cpu or auto")
+    sighted = sum(everyone)
+    raise LaunchError(
+        f"run.device = {want}: no GPU is visible to {blind}, while {sighted} rank(s) see one; the job cannot mix "
+        "CPU (gloo) and GPU (nccl) ranks: give every rank one GPU on every node (--gpus-per-task=1, or check "
+        "CUDA_VISIBLE_DEVICES and nvidia-smi on those nodes), or set run.device: cpu"
+    )
 
 
 GPU_ORDER_VAR = "GRIDLM_GPU_ORDER"
@@ -236,9 +283,15 @@ def device_index(
     return devices[local_rank]
 
 
+def usable_cpus() -> set[int]:
+    """The logical CPUs this process may run on (its affinity), or all of the machine's where the OS
+    does not say."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity, where the OS tells it)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(usable_cpus())
 
 
 def physical_cores(cpus: Optional[set[int]] = None, sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
@@ -246,7 +299,7 @@ def physical_cores(cpus: Optional[set[int]] = None, sysfs: Path = Path("/sys/dev
     count once (Slurm's -c on Perlmutter gives a rank 2 threads of each of its cores), as sysfs says;
     every CPU counts where sysfs does not."""
     if cpus is None:
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        cpus = usable_cpus()
     try:
         cores = {
             ((sysfs / f"cpu{cpu}/topology/physical_package_id").read_text().strip(),
@@ -258,15 +311,23 @@ def physical_cores(cpus: Optional[set[int]] = None, sysfs: Path = Path("/sys/dev
     return max(1, len(cores))
 
 
+def threads_per_rank(
+    cpus: set[int], node_cpus: int, local_size: int, sysfs: Path = Path("/sys/devices/system/cpu")
+) -> int:
+    """Torch threads for a rank that may run on `cpus`, beside `local_size` ranks of its node that
+    together may run on `node_cpus` CPUs: the physical cores of `cpus` (hardware threads of one core
+    share its floating-point units: threads on both gain nothing and contend), at most the node's
+    CPUs divided among its ranks. Found in review: the cap was the machine's CPUs, so 8 ranks in a
+    cpuset of 8 CPUs on a 128-CPU node took 8 threads each."""
+    return max(1, min(physical_cores(cpus, sysfs), node_cpus // max(1, local_size)))
+
+
 def set_threads(runtime: Runtime, threads: Optional[int]) -> int:
-    """Torch intra-op threads per rank: the deck's value, else the physical cores of the rank's CPU
-    set, at most cores per node / ranks per node."""
+    """Torch intra-op threads per rank: the deck's value, else `threads_per_rank` of the rank's CPU
+    set and its node's (the union of the node's ranks' sets, `Runtime.node_cpus`)."""
     if threads is None:
-        # Hardware threads of one core share its floating-point units: torch threads on both of them
-        # gain nothing and contend.
-        cores = physical_cores()
-        # Under mpirun the affinity mask may already be one core; never oversubscribe a node.
-        threads = max(1, min(cores, (os.cpu_count() or 1) // max(1, runtime.local_size)))
+        node_cpus = runtime.node_cpus or os.cpu_count() or 1  # a Runtime not made by init_mpi: the machine's
+        threads = threads_per_rank(usable_cpus(), node_cpus, runtime.local_size)
     import torch
 
     torch.set_num_threads(threads)
@@ -410,14 +471,17 @@ def init_torch_distributed(
     host, port, source, prefix = chosen
     # Every rank reaches the store before any waits on it; MPI carries the verdict.
     mine = None if runtime.rank == 0 else probe(host, port, connect_s)
-    missing = missing_interfaces(os.environ.get("GLOO_SOCKET_IFNAME", "")) if runtime.backend == "gloo" else []
-    bad = failures(runtime, (runtime.hostname, missing) if missing else None, "MPI_Allreduce (GLOO_SOCKET_IFNAME)")
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    table = interface_table() if runtime.backend == "gloo" else None
+    unusable = gloo_interface_problems(ifname, table) if table is not None else []
+    here = (runtime.hostname, unusable, usable_interfaces(table)) if unusable else None
+    bad = failures(runtime, here, "MPI_Allreduce (GLOO_SOCKET_IFNAME)")
     if bad:
-        rank, (node, names) = bad[0]
+        rank, (node, problems, usable) = bad[0]
         raise LaunchError(
-            f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME')}: no interface {', '.join(names)} on node "
-            f"{node} (rank {rank}; interfaces there: {', '.join(n for _, n in socket.if_nameindex())}): set it to an "
-            "interface every node has (ip -o link), or unset it"
+            f"GLOO_SOCKET_IFNAME={ifname!r}: {'; '.join(problems)} on node {node} (rank {rank}; interfaces up with an "
+            f"address there: {', '.join(usable) or 'none'}): gloo cannot use it: set it to interfaces every node "
+            "has, up with an address (ip -br addr), comma-separated without spaces, or unset it"
         )
     failed = failures(runtime, None if mine is None else (runtime.hostname, mine), "MPI_Allreduce (rendezvous)")
     if failed:
@@ -435,9 +499,88 @@ def init_torch_distributed(
 
 
 def missing_interfaces(value: str) -> list[str]:
-    """The names of a GLOO_SOCKET_IFNAME value (comma-separated) that are no interface of this host."""
+    """The names of a GLOO_SOCKET_IFNAME value (comma-separated, spaces stripped) that are no interface
+    of this host. The job's own check is `gloo_interface_problems`, which takes names as gloo does."""
     have = {name for _, name in socket.if_nameindex()}
     return [name for name in (n.strip() for n in value.split(",")) if name and name not in have]
+
+
+IFF_UP = 0x1  # <net/if.h>
+
+
+def interface_table() -> Optional[dict[str, tuple[bool, bool]]]:
+    """This host's network interfaces as gloo looks them up (getifaddrs): name -> (up, has an IPv4 or
+    IPv6 address); None where that cannot be asked (not Linux, no getifaddrs in the C library)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    class Sockaddr(ctypes.Structure):
+        _fields_ = [("sa_family", ctypes.c_ushort)]  # Linux's layout
+
+    class Ifaddrs(ctypes.Structure):
+        pass
+
+    Ifaddrs._fields_ = [  # the leading fields of struct ifaddrs, all this reads
+        ("ifa_next", ctypes.POINTER(Ifaddrs)),
+        ("ifa_name", ctypes.c_char_p),
+        ("ifa_flags", ctypes.c_uint),
+        ("ifa_addr", ctypes.POINTER(Sockaddr)),
+    ]
+    try:
+        libc = ctypes.CDLL(None)
+        getifaddrs, freeifaddrs = libc.getifaddrs, libc.freeifaddrs
+    except (OSError, AttributeError):
+        return None
+    head = ctypes.POINTER(Ifaddrs)()
+    if getifaddrs(ctypes.byref(head)) != 0:
+        return None
+    table = {name: (False, False) for _, name in socket.if_nameindex()}
+    try:
+        entry = head
+        while entry:
+            ifa = entry.contents
+            name = ifa.ifa_name.decode(errors="replace")
+            up, addressed = table.get(name, (False, False))
+            family = ifa.ifa_addr.contents.sa_family if ifa.ifa_addr else None
+            table[name] = (up or bool(ifa.ifa_flags & IFF_UP), addressed or family in (socket.AF_INET, socket.AF_INET6))
+            entry = ifa.ifa_next
+    finally:
+        freeifaddrs(head)
+    return table
+
+
+def usable_interfaces(table: Mapping[str, tuple[bool, bool]]) -> list[str]:
+    """The interfaces of `table` (`interface_table`) gloo can take: up, with an address."""
+    return sorted(name for name, (up, addressed) in table.items() if up and addressed)
+
+
+def gloo_interface_problems(value: str, table: Mapping[str, tuple[bool, bool]]) -> list[str]:
+    """Why gloo cannot use a GLOO_SOCKET_IFNAME value on a host whose interfaces are `table`
+    (`interface_table`), one phrase per name, or []. As torch and gloo read it (and app/runtime/groups.py,
+    which takes the first name): names split at commas, one trailing comma dropped, each taken as
+    written and needing an IPv4 or IPv6 address on an interface that is up. Found in review: an
+    interface without an address (ifb0, ib0 without IPoIB) or a space after a comma passed the check,
+    and gloo's "Unable to find address" was then read as a lost peer (exit 4)."""
+    if value in ("", ","):  # torch ignores a value of one character; groups.py an empty first name
+        return []
+    names = value.split(",")
+    if len(names) > 1 and names[-1] == "":
+        names.pop()
+    problems = []
+    for name in names:
+        up, addressed = table.get(name, (False, False))
+        if not name:
+            problems.append("an empty name (a leading or doubled comma)")
+        elif name != name.strip():
+            problems.append(f"{name!r} has spaces around it (gloo takes each name as written)")
+        elif name not in table:
+            problems.append(f"no interface {name}")
+        elif not addressed:
+            problems.append(f"{name} has no IPv4 or IPv6 address")
+        elif not up:
+            problems.append(f"{name} is down")
+    return problems
 
 
 def shutdown(runtime: Runtime) -> None:

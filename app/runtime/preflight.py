@@ -18,6 +18,7 @@ the checks themselves are pure or collective over the job's MPI communicator.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from app.errors import LaunchError
@@ -57,17 +58,86 @@ def gpu_memory(device: Any) -> Optional[tuple[int, int]]:
     return int(free), int(total)
 
 
-def host_available() -> Optional[int]:
-    """Bytes of host memory the kernel could give now (MemAvailable: free plus reclaimable cache);
-    None where /proc/meminfo does not say (not Linux)."""
+def host_available(root: Path = Path("/")) -> Optional[int]:
+    """Bytes of host memory this process could be given now: MemAvailable (free plus reclaimable
+    cache), or less where its cgroup leaves less (Slurm's --mem, a container's limit: found in review,
+    the node's memory was taken); None where neither says (not Linux). `root`: where /proc and /sys
+    are (tests give a directory of such files)."""
+    sources = [_mem_available(root / "proc/meminfo"), cgroup_room(root)]
+    known = [bytes_ for bytes_ in sources if bytes_ is not None]
+    return min(known) if known else None
+
+
+def _mem_available(meminfo: Path) -> Optional[int]:
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as the largest page count in bytes (about 2**63)
+CGROUP_FILES = {  # version: (limit, usage, the reclaimable file cache's key in memory.stat)
+    1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    2: ("memory.max", "memory.current", "inactive_file"),
+}
+
+
+def cgroup_room(root: Path = Path("/")) -> Optional[int]:
+    """Bytes this process's memory cgroup can still be charged before its limit: the least over its
+    cgroup and those above it (a limit may sit on a Slurm job above its step's cgroup) of limit -
+    usage + inactive file cache (reclaimed first); None where no level has a limit. v2 (memory.max,
+    "max": none) and v1 (memory.limit_in_bytes, a huge value: none), at their usual mount points; a
+    file missing or odd drops that level."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            version, mount = 2, root / "sys/fs/cgroup"
+        elif "memory" in controllers.split(","):
+            version, mount = 1, root / "sys/fs/cgroup/memory"
+        else:
+            continue
+        leaf = mount / path.strip().lstrip("/")
+        # In a container the mount is often the container's own cgroup, not the path the kernel names.
+        level = leaf if leaf.is_dir() else mount
+        while True:
+            room = _cgroup_level_room(level, version)
+            if room is not None:
+                rooms.append(room)
+            if level == mount or mount not in level.parents:
+                break
+            level = level.parent
+    return min(rooms) if rooms else None
+
+
+def _cgroup_level_room(directory: Path, version: int) -> Optional[int]:
+    limit_file, usage_file, cache_key = CGROUP_FILES[version]
+    try:
+        limit_text = (directory / limit_file).read_text().strip()
+        if limit_text == "max":
+            return None
+        limit, usage = int(limit_text), int((directory / usage_file).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if limit >= NO_LIMIT or limit <= 0 or usage < 0:
+        return None
+    cache = 0
+    try:
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == cache_key:
+                cache = max(0, min(int(value), usage))
+    except (OSError, ValueError):
+        cache = 0
+    return max(0, limit - usage + cache)
 
 
 def checkpoint_io(deck: Deck, has_mpi: bool) -> None:
