@@ -558,8 +558,8 @@ def test_the_framework_op_counts_of_a_mixture_of_experts_block_are_those_of_the_
     def block_ops(**moe) -> tuple[int, int]:
         counts = []
         for layers in (1, 2):
-            cfg = ModelConfig(vocab_size=64, seq_len=16, layers=layers, hidden=32, heads=4, moe_experts=4,
-                              moe_top_k=2, moe_ffn_hidden=32, **moe)  # fmt: skip
+            cfg = ModelConfig(vocab_size=64, seq_len=16, layers=layers, hidden=32, heads=4,
+                              moe_top_k=2, moe_ffn_hidden=32, **{"moe_experts": 4, **moe})  # fmt: skip
             model = GPT(cfg, seed=1)
             model.train()
             tokens, losses = torch.randint(0, 64, (2, 16)), []
@@ -568,7 +568,14 @@ def test_the_framework_op_counts_of_a_mixture_of_experts_block_are_those_of_the_
         return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
 
     forward, backward = block_ops()
-    assert (forward, backward + 2 * 13) == (MOE_OPS["layer_forward"], MOE_OPS["layer_backward"])
+    per_expert = 4 * MOE_OPS["expert_forward"], 4 * MOE_OPS["expert_backward"]
+    assert (forward, backward + 2 * 13) == (
+        MOE_OPS["layer_forward"] + per_expert[0],
+        MOE_OPS["layer_backward"] + per_expert[1],
+    )
+    # Each expert runs its own GEMMs: 8 experts add 4 x (expert_forward, expert_backward).
+    forward8, backward8 = block_ops(moe_experts=8)
+    assert (forward8 - forward, backward8 - backward) == (4 * MOE_OPS["expert_forward"], 4 * MOE_OPS["expert_backward"])
     shared_f, shared_b = block_ops(moe_shared_experts=1)
     assert (shared_f - forward, shared_b - backward + 2 * 4) == (MOE_OPS["shared_forward"], MOE_OPS["shared_backward"])
 

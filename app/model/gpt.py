@@ -129,7 +129,7 @@ def rotary(
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up interleaved in h's last dim (row 2j gate, 2j + 1 up: `fc`'s
     layout). Eagerly two kernels over strided halves; `app.model.fused` compiles it into one."""
-    gate, up = h.view(*h.shape[:-1], -1, 2).unbind(dim=-1)
+    gate, up = h.view(*h.shape[:-1], h.shape[-1] // 2, 2).unbind(dim=-1)  # not -1: an expert may get 0 rows
     return F.silu(gate) * up
 
 

@@ -80,10 +80,12 @@ BACKWARD_BYTES = 2.0
 # app.plan.calibrate) multiplies them; on GPUs the launches hide behind the kernels.
 OPS = {"layer_forward": 32, "layer_backward": 66 + 24, "other_forward": 13, "other_backward": 23}
 # A block whose MLP is a mixture of experts (ep = 1, dropless, no shared experts; 13 parameters):
-# the router, the sort into the experts' buffer and the combine are many small ops. Each shared
-# expert MLP adds 10 forward and 22 + 2 x 4 backward (its 4 parameters' hooks). Expert parallelism's exchanges add a few more
-# (not counted). Counted by tests/test_perf.py like OPS.
-MOE_OPS = {"layer_forward": 123, "layer_backward": 128 + 26, "shared_forward": 10, "shared_backward": 22 + 8}
+# the router, the sort by expert and the combine are many small ops, and each of the rank's
+# experts runs its own GEMMs over its rows (11 ops forward, 26 backward). Each shared expert MLP
+# adds 8 forward and 22 + 2 x 4 backward (its 4 parameters' hooks). Expert parallelism's
+# exchanges add a few more (not counted). Counted by tests/test_perf.py like OPS.
+MOE_OPS = {"layer_forward": 92, "layer_backward": 100 + 26, "expert_forward": 11, "expert_backward": 26,
+           "shared_forward": 8, "shared_backward": 22 + 8}  # fmt: skip
 # Above this many passes (stages x chunks x micro-batches) the pipeline is not simulated pass by
 # pass (about a second of Python); its steady state plus the schedule's bubble is used instead.
 MAX_SIMULATED_PASSES = 200_000
@@ -691,6 +693,10 @@ def _layer_passes(
     tp_bwd = row_bwd + sum(max(0.0, c - w) for c, w in zip(col_bwd, hidden_by))
     ops = MOE_OPS if moe else OPS
     host_f, host_b = ops["layer_forward"] * dev.op_seconds, ops["layer_backward"] * dev.op_seconds
+    if moe:  # each local expert's own GEMMs
+        local = m.moe_experts // par.ep
+        host_f += local * MOE_OPS["expert_forward"] * dev.op_seconds
+        host_b += local * MOE_OPS["expert_backward"] * dev.op_seconds
     if moe and m.moe_shared_experts:
         host_f += MOE_OPS["shared_forward"] * dev.op_seconds
         host_b += MOE_OPS["shared_backward"] * dev.op_seconds
@@ -711,21 +717,15 @@ def _moe_work(deck: Deck) -> tuple[list[tuple[int, int, int, int]], float, float
     experts' and the shared experts'). The experts
     are whole on every tp rank, fed all T tokens (T / tp each under sequence parallelism); each rank's
     T k assignments (at most the capacity's) are what its experts run on average, whatever ep, as
-    E / ep GEMMs (the batched matmul) of as many rows as the busiest expert gets: under uniform
-    random routing an expert's mean mu = T k ep / E rows plus sqrt(2 mu ln(E / ep)) (the expected
-    maximum of E / ep such counts, Gaussian approximation; dropless: the busiest sets the buffer's
-    width), at most ep times the capacity. Dispatch: the kept rows gathered, copied into the
-    experts' buffer and the outputs picked out of it (compute dtype), weighted and summed over k:
-    about 8 T k h e bytes."""
+    E / ep GEMM pairs, each over its expert's rows: mu = T k ep / E of them under uniform routing.
+    Dispatch: the kept rows gathered, sorted by expert and the outputs put back in order (compute
+    dtype), weighted and summed over k: about 8 T k h e bytes."""
     m, par, tr = deck.model, deck.parallel, deck.train
     e, h, fe = BYTES[tr.precision], m.hidden, m.expert_ffn
-    tokens, rows, capacity = routed(deck)
+    tokens, rows, _ = routed(deck)
     shared = m.moe_shared_experts * fe
     local = m.moe_experts // par.ep
-    mean = rows / local  # an expert's rows: the rank's T k spread over E / ep
-    each = max(1, math.ceil(mean + math.sqrt(2 * mean * math.log(local)))) if local > 1 else max(1, math.ceil(mean))
-    if capacity is not None:  # no source sends an expert more than the capacity
-        each = min(each, par.ep * capacity)
+    each = max(1, math.ceil(rows / local))  # an expert's rows: the rank's T k spread over E / ep
     gemms = [(tokens, m.moe_experts, h, 1), (each, m.spec.fc_rows(fe), h, local), (each, h, fe, local)]
     if shared:
         gemms += [(tokens, m.spec.fc_rows(shared), h, 1), (tokens, h, shared, 1)]
