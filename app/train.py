@@ -43,7 +43,7 @@ from app.deck import Deck
 from app.deck_paths import check_paths
 from app.deck_yaml import dump_yaml
 from app.errors import CheckpointError, GridlmError, NonFiniteError, RankFatal
-from app.eval import check_held_out_tokens, eval_dataset, evaluate, held_out_note
+from app.eval import NoOptimizer, check_held_out_tokens, eval_dataset, evaluate, held_out_note
 from app.metrics.profile import StepProfiler
 from app.metrics.report import replace_text, run_dir_write
 from app.metrics.run_report import Built, RunReport
@@ -122,7 +122,8 @@ class Trainer:
 
     def __init__(self, deck: Deck, runtime: Runtime, grid: ProcessGrid, evaluate_only: bool = False) -> None:
         """`evaluate_only` (app.eval): a model to load a checkpoint into and evaluate; run.dir is left
-        alone (no lock, no deck.yaml) and the training data is not opened (it need not be here)."""
+        alone (no lock, no deck.yaml), the training data is not opened (it need not be here), and no
+        optimizer state is built (`NoOptimizer`: no offload store to touch a training's files)."""
         self.deck, self.runtime, self.grid = deck, runtime, grid
         m, tr = deck.model, deck.train
         self.device = runtime.device
@@ -239,13 +240,18 @@ class Trainer:
         self.sp_group = grid.group["tp"] if par.sequence_parallel and grid.size("tp") > 1 else None
         if isinstance(self.tp, Tensor3D) and self.tp.z.size > 1:
             self.sp_group = self.tp.z.group
-        offload_file = (
-            offload_path(Path(deck.offload_directory), runtime.rank, self.run_dir)
-            if deck.optim.offload == "nvme"
-            else None
-        )
-        # The node's ranks share optim.offload_dir (a node-local drive): its free space is checked for them all.
-        self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid, offload_file, runtime.local_size)
+        self.optimizer: ShardedOptimizer | NoOptimizer
+        if evaluate_only:  # the parameters alone: the fp32 masters and the optimizer's state are not built
+            self.dp.offload_master()  # dropped: the load reads the file's masters into the parameters
+            self.optimizer = NoOptimizer()
+        else:
+            offload_file = (
+                offload_path(Path(deck.offload_directory), runtime.rank, self.run_dir)
+                if deck.optim.offload == "nvme"
+                else None
+            )
+            # The node's ranks share optim.offload_dir (a node-local drive): its free space is checked for them all.
+            self.optimizer = ShardedOptimizer(self.dp, deck.optim, grid, offload_file, runtime.local_size)
         self.scaler = (
             LossScaler(tr.loss_scale, tr.loss_scale_window, tr.min_loss_scale) if tr.precision == "fp16" else None
         )

@@ -66,9 +66,12 @@ def test_the_nvme_store_streams_through_its_bounded_buffers(tmp_path):
 
 
 def test_a_truncated_offload_file_is_named(tmp_path):
+    """This rank's fatal error (the job ends on every rank), naming optim.offload_dir and the file."""
+    from app.errors import RankFatal
+
     store = NvmeStore(_masters(), tmp_path / "rank0.bin", buffer_bytes=4096)
     os.truncate(tmp_path / "rank0.bin", 100)
-    with pytest.raises(OSError, match="rank0.bin: short read .* truncated"):
+    with pytest.raises(RankFatal, match=f"optim.offload_dir {tmp_path}: .*rank0.bin failed: short read .* truncated"):
         list(store.stream([0]))
     store.close()
 

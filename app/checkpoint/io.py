@@ -1088,7 +1088,8 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
     catalogue, _, _ = _catalogue(rt, shards)
     # The values of the parameters and of the masters: the masters where the file has them (never
     # a rounded fallback); fp32 checkpoints hold them in /model. A delayed update's checkpoint with
-    # its update unpublished (offload_pending) gives a delayed run its parameters from /model.
+    # its update unpublished (offload_pending) gives a delayed run its parameters from /model; an
+    # evaluation's optimizer (app.eval: `NoOptimizer`) has no delay, so it takes the masters (W_N).
     source = masters_group(header)
     keep_params = bool(header.get("offload_pending", 0)) and bool(state.optimizer.delay)
 

@@ -61,6 +61,26 @@ class Evaluated(Protocol):
     steps_done: int
 
 
+class NoOptimizer:
+    """The optimizer of a model built to evaluate a checkpoint (`Trainer(evaluate_only=True)`, app.eval):
+    no state (no moments, no offload store: an nvme one would take over the file of a training
+    of the same run.dir), so the checkpoint's optimizer groups are not read; no delayed update,
+    so its load takes the masters (W_N) as the parameters, whatever the deck's optim.offload keys."""
+
+    steps = 0
+    delay = 0
+    unpublished = False
+
+    def shard_states(self) -> list:
+        return []
+
+    def restored(self, unpublished: bool = False) -> None:
+        """Nothing derived to set again: the parameters are the masters the load read."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
 # Synthetic data's held-out stream: the training seed plus this (samples are pure functions of
 # (seed, index), so another seed is another set of sequences of the same rule).
 SYNTHETIC_EVAL_SEED_OFFSET = 0x5EED_E7A1

@@ -28,18 +28,8 @@ from typing import Any, Optional
 
 import torch
 
-from app.optim.offload import pin_exactly
+from app.optim.offload import host_views, pin_exactly
 from app.parallel.data import DataParallel
-
-
-def _flat(sizes: list[int], dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    """One host allocation cut into per-bucket views."""
-    whole = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
-    out, at = [], 0
-    for n in sizes:
-        out.append(whole[at : at + n])
-        at += n
-    return out
 
 
 class HostTransfer:
@@ -54,7 +44,7 @@ class HostTransfer:
         sizes = [b.shard_hi - b.shard_lo for b in dp.buckets]
         grad_dtype = dp.reduce_dtype
         param_dtype = dp.param_shard(0).dtype if dp.buckets else torch.float32
-        self.host_grads = [_flat(sizes, grad_dtype, self.cuda) for _ in range(sets)]
+        self.host_grads = [host_views(sizes, grad_dtype, self.cuda) for _ in range(sets)]
         self.filling = 0  # the set this step's backward ships into
         self.shipped = [False] * len(sizes)
         self.waiting: list[tuple[int, Any]] = []  # CPU ranks: (bucket, reduction in flight)
@@ -63,12 +53,10 @@ class HostTransfer:
         self.d2h = torch.cuda.Stream(dp.device) if self.cuda else None
         self.h2d = torch.cuda.Stream(dp.device) if self.cuda else None
         # Two buffers: chunk i's parameters cross from one while chunk i + 1 fills the other.
-        self.param_bufs = (
-            [torch.empty(max_chunk, dtype=param_dtype, pin_memory=True) for _ in range(2)] if self.cuda else []
-        )
+        self.param_bufs = host_views([max_chunk] * 2, param_dtype, True) if self.cuda else []
         self.param_sent: list[Optional[torch.cuda.Event]] = [None, None]
         self.chunks_sent = 0
-        self.staging = _flat(sizes, param_dtype, self.cuda) if staging else []
+        self.staging = host_views(sizes, param_dtype, self.cuda) if staging else []
         self.staged_sent: Optional[torch.cuda.Event] = None
         self.early = 0  # buckets shipped before `final` this step (tests/test_delayed_update.py reads it)
 
