@@ -660,7 +660,7 @@ def test_zero3_memory_is_a_parameter_shard_plus_three_gathered_units(overrides):
         assert s.optimizer["zero3"] == shard * (master + 8 + g)
         largest = max(b.end - b.start for b in layout.buckets)
         assert s.grads(3) == ((ZERO2_IN_FLIGHT + v) * largest + ZERO2_IN_FLIGHT * largest / dp) * g
-        assert s.total(3, "full") == s.weights_for(3) + s.grads(3) + s.optimizer["zero3"] + s.activations["full"]
+        assert s.total(3, "full") == s.weights_for(3) + s.grads(3) + s.optimizer_for(3) + s.activations["full"]
         # The other ZeRO stages keep their whole parameter buffer.
         assert (
             s.weights_for(0)
@@ -782,10 +782,12 @@ def test_host_offload_saves_memory_on_a_gpu_machine_and_costs_it_on_a_cpu_one():
                  for o in ("none", "host", "nvme")}  # fmt: skip
         peak = {o: to_json(p)["stages"][0]["memory_gib"] for o, p in plans.items()}
         need = {o: p.stage_total(p.peak_stage()) for o, p in plans.items()}
-        assert need["host"] - need["none"] == host_offload, name
+        # On the CPU machine the update's two work buffers (`optimizer_scratch`) are the plain run's only.
+        scratch = plans["none"].stages[0].optimizer_scratch["zero0"] if name == "local" else 0
+        assert need["host"] - need["none"] == host_offload - scratch, name
         buffers = estimate.nvme_buffer_bytes(64.0, largest)  # the model is smaller than 64 MB of chunks
         assert buffers < 64e6
-        expect = nvme if nvme is not None else -8 * size + buffers + 4 * size
+        expect = nvme if nvme is not None else -8 * size + buffers + 4 * size - scratch
         assert need["nvme"] - need["none"] == expect, name
         assert peak["nvme"]["nvme_disk"] == round(12 * size / 2**30, 3)
         assert to_json(plans["host"])["memory"]["host_in_total"] == (name == "local")
@@ -1065,7 +1067,9 @@ def test_the_math_attention_kernel_charges_the_scores_it_keeps_unless_selective_
     layers = sum(math.layers)
     scores = 2 * (4 / 2) * 256**2 * (4 + 1 + 4)  # micro-batch 2, 2 heads a tp rank, fp32 with dropout
     assert math.activations["none"] - auto.activations["none"] == pytest.approx(layers * scores)
-    assert math.activations["selective"] == auto.activations["selective"] == auto.activations["none"]
+    # Selective recomputation rebuilds one layer's scores at a time (held during its backward).
+    assert math.activations["selective"] - auto.activations["selective"] == pytest.approx(scores)
+    assert auto.activations["selective"] == auto.activations["none"]
     assert math.activations["full"] - auto.activations["full"] == pytest.approx(scores)
     plan = make_plan(load_deck(REPO / "inputs/megatron/gpt_1.7b.yaml", ("train.recompute=none", "train.micro_batch=4")),
                      32, load_machine("selene"))  # fmt: skip

@@ -14,7 +14,7 @@ import math
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from app.deck import Deck, resolve_for_world, validate
 from app.errors import GridlmError
@@ -44,6 +44,7 @@ USABLE_FRACTION = 0.9  # of device memory; the rest for the CUDA context, NCCL b
 HOST_USABLE_FRACTION = 0.8
 NVME_USABLE_FRACTION = 0.9  # of the node's drive: the file system's own, the logs
 MAX_IMBALANCE = 1.25  # slowest stage's work / mean stage work
+MAX_NODE_SCAN = 1 << 16  # ranks scanned for the node that keeps the most off the device (`_fullest_node`)
 
 
 class PlanError(GridlmError):
@@ -172,7 +173,7 @@ def make_plan(
         plan.node_span["ep"] = _group_span(layout, layout.stride("dp"), par.ep)
     _check_placement(plan)
     _check_memory(plan)
-    _check_offload_capacity(plan)
+    _check_capacity(plan)
     _check_balance(plan, max_imbalance)
     if machine is None or not predict_step:
         plan.unpredicted = "no machine: pass --machine NAME for a predicted step time" if machine is None else ""
@@ -224,30 +225,44 @@ def largest_gpt(
     width plans without problems on `world_size` ranks of `machine` (its memory, and the offloaded
     state's host memory or drive: `optim.offload`); widths at which not even one layer fits are
     left out. Every other key (batch, sequence, grid, ZeRO, recompute, offload) is the deck's; a
-    shape fits as the dry run with `max_imbalance` would accept it."""
+    shape fits as the dry run with `max_imbalance` would accept it (the stages' default split of its
+    layers: a count they split unevenly may be unbalanced below one that is not, so the layers are
+    bisected by memory alone, then the balanced count at or below that bound is taken)."""
     from app.plan.estimate import model_params
 
     found = []
+    chunks = deck.parallel.pp * deck.parallel.virtual_stages
     for hidden, heads in GPT_WIDTHS:
 
-        def fits(layers: int, hidden: int = hidden, heads: int = heads) -> bool:
+        def plan(layers: int, hidden: int = hidden, heads: int = heads) -> Optional[Plan]:
+            """The plan of `layers` at this width with the stages' balance left unchecked (None: a shape
+            the grid cannot take, e.g. heads over tp)."""
             model = replace(deck.model, hidden=hidden, heads=heads, layers=layers)
             try:
                 trial = replace(deck, model=model)
                 validate(trial)  # e.g. fewer layers than pipeline stages: a DeckError, not make_plan's ValueError
-                return not make_plan(
-                    trial, world_size, machine, ranks_per_node, max_imbalance, predict_step=False
-                ).problems
-            except GridlmError:  # a shape the grid cannot take (heads over tp, layers over pp)
-                return False
+                return make_plan(trial, world_size, machine, ranks_per_node, math.inf, predict_step=False)
+            except GridlmError:
+                return None
 
-        lo, hi = 0, MAX_LAYERS + 1  # fits(lo) or lo == 0; not fits(hi)
+        # Memory (the device's, the host's, the drive's) grows with the layers, the balance does not: a
+        # count the stages split unevenly may be refused below one that fits. So the bisection finds the
+        # most layers that fit in memory, and the count below it that is balanced (within one of each
+        # remainder mod the chunks: fewer layers only let the head outweigh a stage more).
+        lo, hi = chunks - 1, MAX_LAYERS + 1  # fewer layers than chunks: no plan, and no bound; not roomy(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        if lo:
-            model = replace(deck.model, hidden=hidden, heads=heads, layers=lo)
-            found.append(Shape(hidden, heads, lo, model_params(model)))
+            p = plan(mid)
+            lo, hi = (mid, hi) if p is not None and not p.problems else (lo, mid)
+
+        def balanced(layers: int) -> bool:
+            p = plan(layers)
+            return p is not None and (len(p.stages) == 1 or p.imbalance() <= max_imbalance)
+
+        layers = next((n for n in range(lo, max(chunks, lo - chunks + 1) - 1, -1) if balanced(n)), 0)
+        if layers:
+            model = replace(deck.model, hidden=hidden, heads=heads, layers=layers)
+            found.append(Shape(hidden, heads, layers, model_params(model)))
     return found
 
 
@@ -361,6 +376,11 @@ def _check_memory(plan: Plan) -> None:
         return " ".join(f"--set {k}" for k in key.split())
 
     fits = [(k, v) for k, v in plan.alternatives.items() if v <= usable]
+    # An offload that frees the device but overfills the host memory or the drive is no fix: said apart.
+    over = {k: _over(plan, k.split("=")[1]) for k, _ in fits if k.startswith("optim.offload=")}
+    blocked = [f"{k} fits the device ({v / GiB:.1f} GiB) but not " + " nor ".join(map(_over_words, over[k]))
+               for k, v in fits if over.get(k)]  # fmt: skip
+    fits = [(k, v) for k, v in fits if not over.get(k)]
     # One switch where one is enough, else the cheapest pair (the lowest ZeRO stage) that fits.
     fixes = [f"{sets(k)} ({v / GiB:.1f} GiB)" for k, v in fits if " " not in k]
     fixes = fixes or [f"{sets(k)} ({v / GiB:.1f} GiB)" for k, v in fits][:1]
@@ -370,50 +390,167 @@ def _check_memory(plan: Plan) -> None:
     plan.problems.append(
         f"does not fit: stage {peak.stage} needs {need / GiB:.1f} GiB per device, {plan.machine.name} has "
         f"{usable / GiB:.1f} GiB usable ({int(USABLE_FRACTION * 100)}% of {plan.machine.memory_per_device_gib:g} "
-        f"GiB); try " + "; or ".join(fixes)
+        f"GiB); try " + "; or ".join(fixes) + "".join(f"; {b}" for b in blocked)
     )
 
 
-def _check_offload_capacity(plan: Plan) -> None:
-    """The offloaded optimizer state of a node's ranks against the node's host memory (host) or
-    drive (nvme), where the machine file gives them: every rank of the node may hold the peak
-    stage's state (the stages' states differ little; the bound is safe)."""
+@dataclass(frozen=True)
+class Store:
+    """Where a node's ranks keep what leaves the device: its host memory or its drive."""
+
+    what: str
+    key: str  # the machine file's capacity key
+    fraction: float  # of the capacity usable
+    unit: float  # bytes of the key's unit
+    label: str
+
+
+HOST = Store("host memory", "host_memory_gib", HOST_USABLE_FRACTION, GiB, "GiB")
+NVME = Store("node-local NVMe", "nvme_gb", NVME_USABLE_FRACTION, 1e9, "GB")
+
+
+@dataclass(frozen=True)
+class Need:
+    """What the ranks of the node that keeps the most in `store` keep there: `stages`, each of its
+    ranks' pipeline stage; `parts`, the node's bytes by what they are."""
+
+    store: Store
+    stages: tuple[int, ...]
+    parts: dict[str, float]
+    capacity: Optional[float]  # the machine file's, in the store's unit (None: not given)
+
+    @property
+    def bytes(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def usable(self) -> float:
+        return math.inf if self.capacity is None else self.capacity * self.store.unit * self.store.fraction
+
+    def amounts(self) -> str:
+        """'8 ranks per node x 74.9 GiB (stage 0) = 599.0 GiB' (ranks of one stage; of several: '8 ranks
+        per node (stages 0-7) = ...'), with the parts where there are two."""
+        unit, label, ranks = self.store.unit, self.store.label, len(self.stages)
+        one = len(set(self.stages)) == 1  # then the parts per rank
+        parts = ", ".join(f"{what} {_amount(n / (ranks if one else 1) / unit)}" for what, n in self.parts.items())
+        parts = f": {parts}" if len(self.parts) > 1 else ""
+        total = f"= {_amount(self.bytes / unit)} {label}"
+        if one:
+            each = f"{_amount(self.bytes / ranks / unit)} {label}"
+            return f"{ranks} ranks per node x {each} (stage {self.stages[0]}{parts}) {total}"
+        return f"{ranks} ranks per node (stages {_span(sorted(set(self.stages)))}{parts}) {total}"
+
+
+def _fullest_node(plan: Plan, need: Callable[[StageEstimate], float]) -> tuple[int, ...]:
+    """The pipeline stage of each rank of the node whose ranks `need` the most in all (each its stage's),
+    from the placement (`GridLayout`: rank r is on stage (r // stride) mod pp)."""
+    assert plan.machine is not None
+    rpn = min(plan.world_size, plan.ranks_per_node or plan.machine.devices_per_node)
+    pp, stride = len(plan.stages), plan.layout.stride("pp")
+    per = [need(s) for s in plan.stages]
+    if pp == 1 or stride % rpn == 0:  # a node's ranks on one stage: the stage that needs the most
+        return (max(range(pp), key=per.__getitem__),) * rpn
+    # Nodes repeat every lcm(rpn, stride x pp) ranks; beyond a bound, every rank counted as the most.
+    period = min(plan.world_size, math.lcm(rpn, stride * pp))
+    if period > MAX_NODE_SCAN:
+        return (max(range(pp), key=per.__getitem__),) * rpn
+    world = plan.world_size
+    nodes = (tuple((r // stride) % pp for r in range(b, min(b + rpn, world))) for b in range(0, period, rpn))
+    return max(nodes, key=lambda stages: sum(per[s] for s in stages))
+
+
+# What a node's ranks keep off the device (`Need.parts`' names).
+OFFLOADED = "the offloaded optimizer state and the gradients' copy"
+STREAMED = "nvme's stream buffers and the gradients' copy"
+STATE_FILE = "the optimizer state file"
+SNAPSHOT = "checkpoint.async's copy"
+SUBJECTS = {OFFLOADED: "the offloaded optimizer state", STREAMED: "the offloaded optimizer's stream buffers",
+            STATE_FILE: "the offloaded optimizer state", SNAPSHOT: "checkpoint.async's host copy of the checkpoint"}  # fmt: skip
+
+
+def _amount(x: float) -> str:
+    """A capacity figure with enough digits to tell it from 0 (a small state's 0.0043 GB)."""
+    return f"{x:,.1f}" if abs(x) >= 10 or x == 0 else f"{x:.3g}"
+
+
+def _needs(plan: Plan, offload: str) -> list[Need]:
+    """What the node's ranks keep in host memory and on the drive under `offload` (the deck's ZeRO
+    stage): the offloaded optimizer's host part (its state, or nvme's stream buffers, and the
+    gradients' copies) and checkpoint.async's copy, in host memory on GPU machines (on CPU machines
+    the device check counts them); nvme's state files on the drive, on any machine."""
+    machine = plan.machine
+    if machine is None:
+        return []
+    zero = plan.deck.optim.zero
+    out = []
+
+    def need(store: Store, parts: Callable[[StageEstimate], dict[str, float]], capacity: Optional[float]) -> None:
+        stages = _fullest_node(plan, lambda s: sum(parts(s).values()))
+        node = {what: sum(parts(plan.stages[s])[what] for s in stages) for what in parts(plan.stages[0])}
+        kept = {what: n for what, n in node.items() if n > 0}
+        if kept:
+            out.append(Need(store, stages, kept, capacity))
+
+    if not plan.host_is_device:
+        state = OFFLOADED if offload == "host" else STREAMED
+        need(HOST, lambda s: {state: s.host(zero, offload), SNAPSHOT: s.snapshot(zero)}, machine.host_memory_gib)
+    if offload == "nvme":
+        need(NVME, lambda s: {STATE_FILE: s.disk(zero, offload)}, machine.nvme_gb)
+    return out
+
+
+def _over_words(n: Need) -> str:
+    """'the host memory: 1 ranks per node x 147.3 GiB (stage 0) = 147.3 GiB of 102.4 usable'."""
+    usable = f"{_amount(n.usable / n.store.unit)} {n.store.label}"
+    return f"the {n.store.what}: {n.amounts()} of {usable} usable ({n.store.key})"
+
+
+def _over(plan: Plan, offload: str) -> list[Need]:
+    """The needs of `_needs` over their store's usable capacity."""
+    return [n for n in _needs(plan, offload) if n.bytes > n.usable]
+
+
+def _check_capacity(plan: Plan) -> None:
+    """What the node's ranks keep in host memory or on the drive against the machine file's
+    capacities (`_needs`); a capacity it does not give is warned about."""
     deck, machine = plan.deck, plan.machine
+    if machine is None:
+        return
     zero, offload = deck.optim.zero, deck.optim.offload
-    if offload == "none" or machine is None or plan.host_is_device:
-        return
-    peak = plan.peak_stage()
-    ranks = min(plan.world_size, plan.ranks_per_node or machine.devices_per_node)
-    if offload == "host":
-        capacity, per_rank, what = machine.host_memory_gib, peak.host(zero, offload), "host memory"
-        key, fraction, unit, label = "host_memory_gib", HOST_USABLE_FRACTION, GiB, "GiB"
-    else:
-        capacity, per_rank, what = machine.nvme_gb, peak.disk(zero, offload), "node-local NVMe"
-        key, fraction, unit, label = "nvme_gb", NVME_USABLE_FRACTION, 1e9, "GB"
-    need = ranks * per_rank
-    if capacity is None:
-        plan.warnings.append(
-            f"machine {machine.name} gives no {key}: the offloaded state ({ranks} ranks x {per_rank / unit:.1f} = "
-            f"{need / unit:.1f} {label} per node) is not checked against its {what}"
+    for n in _needs(plan, offload):
+        store, offloaded, snapshot = n.store, any(what != SNAPSHOT for what in n.parts), SNAPSHOT in n.parts
+        subject = " and ".join(SUBJECTS[what] for what in n.parts)
+        if n.capacity is None:
+            plan.warnings.append(
+                f"machine {machine.name} gives no {store.key}: {subject} ({n.amounts()}) is not checked against "
+                f"its {store.what}"
+            )
+            continue
+        if n.bytes <= n.usable:
+            continue
+        fixes = []
+        if store is HOST and offload == "host" and deck.optim.name != "lamb" and not deck.checkpoint.async_:
+            drive = [d for d in _over(plan, "nvme") if d.store is NVME]
+            fixes.append(
+                "--set optim.offload=nvme ("
+                + (f"on a larger drive: its state files do not fit {_over_words(drive[0])}" if drive
+                   else "the state in a file per rank on node-local disk")
+                + ")"
+            )  # fmt: skip
+        if store is HOST and snapshot:
+            fixes.append("--set checkpoint.async=false (no copy kept while training goes on)")
+        if offloaded and (zero == 0 or deck.replicas == 1):
+            fixes.append("more data-parallel ranks with optim.zero >= 1 (each holds 1/dp of the state)")
+        fixes.append(
+            "more pipeline stages or a larger tp (fewer parameters per rank)"
+            + (", or fewer ranks per node" if len(n.stages) > 1 else "")
         )
-        return
-    usable = capacity * unit * fraction
-    if need <= usable:
-        return
-    fixes = []
-    if offload == "host" and deck.optim.name != "lamb" and not deck.checkpoint.async_:
-        fixes.append("--set optim.offload=nvme (the state in a file per rank on node-local disk)")
-    if zero == 0 or deck.replicas == 1:
-        fixes.append("more data-parallel ranks with optim.zero >= 1 (each holds 1/dp of the state)")
-    fixes.append(
-        "more pipeline stages or a larger tp (fewer parameters per rank)"
-        + (", or fewer ranks per node" if ranks > 1 else "")
-    )
-    plan.problems.append(
-        f"the offloaded optimizer state does not fit the {what}: {ranks} ranks per node x {per_rank / unit:.1f} "
-        f"{label} (stage {peak.stage}) = {need / unit:.1f} {label}, {machine.name} has {usable / unit:.1f} {label} "
-        f"usable ({int(fraction * 100)}% of {capacity:g} {label}, {key}); try " + "; or ".join(fixes)
-    )
+        verb = "do" if len(n.parts) > 1 or STREAMED in n.parts else "does"
+        plan.problems.append(
+            f"{subject} {verb} not fit the {store.what}: {n.amounts()}, {machine.name} has "
+            f"{_amount(n.usable / store.unit)} {store.label} usable ({int(store.fraction * 100)}% of "
+            f"{n.capacity:g} {store.label}, {store.key}); try " + "; or ".join(fixes)
+        )
 
 
 def _check_balance(plan: Plan, max_imbalance: float) -> None:
@@ -561,6 +698,8 @@ def to_json(plan: Plan, all_ranks: bool = False) -> dict[str, Any]:
                     "activations": {k: _gib(v) for k, v in s.activations.items()},
                     "total": _gib(plan.stage_total(s)),
                     "host": _gib(s.host(zero, offload)),
+                    # checkpoint.async's host copy of the rank's checkpoint slices (in `total` on CPU machines).
+                    "checkpoint_copy": _gib(s.snapshot(zero)),
                     "nvme_disk": _gib(s.disk(zero, offload)),
                 },
                 "flops_per_micro_batch": s.flops_per_micro_batch,
@@ -731,6 +870,14 @@ def format_text(plan: Plan, deck_path: str, all_ranks: bool = False) -> str:
                 f"    host       {peak.host(zero, offload) / GiB:.3f} GiB per rank of stream buffers "
                 f"(optim.offload_buffer_mb) and the gradient shard's host copy ({where})"
             )
+    copy = max(plan.stages, key=lambda s: s.snapshot(zero))
+    if copy.snapshot(zero):
+        where = "counted in the totals: host memory is the device's" if plan.host_is_device else "in host memory"
+        lines.append(
+            f"    ckpt copy  {copy.snapshot(zero) / GiB:.2f} GiB per rank on stage {copy.stage}: checkpoint.async's "
+            f"copy of the rank's checkpoint slices (parameters, fp32 masters where apart, two moments), held while "
+            f"training goes on ({where})"
+        )
     # Each switch alone; of the pairs with full recompute only the one that needs the least (--json: all).
     shown = {k: v for k, v in plan.alternatives.items() if " " not in k or k.startswith("optim.zero=3 ")}
     if shown:

@@ -45,8 +45,9 @@ attention output, and the GELU input and output (split over tp). There is no s^2
 torch's scaled_dot_product_attention (flash / memory-efficient kernels) keeps only its
 output and the log-sum-exp, so selective recomputation saves little here — except with
 model.attention_kernel: math (the Megatron-LM decks), which keeps the scores: b (a/t) s^2
-(e + mask + e with dropout) more per layer, which selective recomputation drops (`score_bytes`;
-under context parallelism the all-to-all's kernel keeps b (a/(t cp)) s^2 of them, the ring none). Full
+(e + mask + e with dropout) more per layer, which selective recomputation drops but for the one
+layer whose recomputed core runs its backward (`score_bytes`; under context parallelism the
+all-to-all's kernel keeps b (a/(t cp)) s^2 of them, the ring none). Full
 recomputation keeps only each block's input (s b h e / t_sp) plus one block's working set
 during its backward. Under 3D tensor parallelism (x, y, z) a rank's micro-batch is its own
 (the batch is split over dp x z), the first three terms are split over x (the residual
@@ -62,6 +63,10 @@ for 1F1B), and the output each of those passes sent on (s b h e / t_sp; none fro
 last chunk, whose output is the loss), which the pipeline keeps until the pass's backward;
 the last stage also holds the logits of one micro-batch in the compute dtype
 and fp32 (s b V / t x (e + 8)).
+
+The optimizer's term adds the work buffers the update keeps between steps (`optimizer_scratch_bytes`),
+and with checkpoint.async each rank holds a host copy of its checkpoint slices while the file is
+written (`checkpoint_copy_bytes`): in host memory on GPU machines, in the device's on CPU ones.
 
 Not counted: the CUDA context and NCCL buffers, allocator fragmentation and temporary
 buffers (the dry run keeps 10% of device memory free for them). Start-up adds no peak of
@@ -228,6 +233,8 @@ class LayoutSizes:
     largest_bucket: int
     largest_unit: int  # ZeRO-3 layouts: the most one gather unit's buckets hold (0 for the others)
     largest_shard: int = 0  # a bucket's 1/n shard over the ranks sharing it (dp, or dp/ep for experts)
+    largest_update: int = 0  # the largest bucket part this rank updates (the whole bucket without ZeRO)
+    written: int = 0  # elements a checkpoint has this rank write (`checkpoint_elements`)
 
 
 # Layouts already built, and the sizes read off them, keyed by every input of `stage_layout`
@@ -269,7 +276,7 @@ def stage_sizes(deck: Deck, stage: StageKey, cache: Optional[LayoutCache] = None
         shards = [(b.end - b.start) // layout.sharing(k)[0] for k, b in enumerate(layout.buckets)]
         return LayoutSizes(
             layout.size, layout.shard_elements(), max(b.end - b.start for b in layout.buckets), largest_unit,
-            max(shards),
+            max(shards), max(b.shard_hi - b.shard_lo for b in layout.buckets), checkpoint_elements(layout),
         )  # fmt: skip
 
     return _cached(cache, ("sizes", *_layout_key(deck, stage)), sizes)  # type: ignore[return-value]  # sizes' keys
@@ -351,6 +358,35 @@ def unit_buckets(deck: Deck, first: bool, last: bool) -> dict[str, list[int]]:
     return out
 
 
+def checkpoint_elements(layout: ParamLayout) -> int:
+    """Elements of every checkpointed tensor (a parameter, its master, each moment) that the layout's rank
+    writes (`DataParallel._shard_state`): of each parameter it owns (`ParamLayout.owned`), the part in
+    its dp slice of the bucket (`ParamLayout.dp_slice`). The plan's layouts are tp rank 0's and dp rank
+    0's, the rank that writes the most (the tensors replicated over tp; no padding)."""
+    return sum(
+        hi - lo
+        for k, b in enumerate(layout.buckets)
+        for i in b.params
+        if layout.owned[i]
+        for lo, hi in [layout.local_range(i, layout.dp_slice(k))]
+    )
+
+
+def optimizer_scratch_bytes(deck: Deck, largest: int) -> float:
+    """Device bytes of the work buffers `ShardedOptimizer` keeps from step to step beside its state,
+    each of the `largest` bucket part the rank updates, fp32. The eager update (CPU ranks, and LAMB,
+    whose step is never torch's fused kernel: `ShardedOptimizer.fused`) keeps `Scratch`'s denominator
+    and, where the gradient is not fp32 or is scaled (fp16's loss scale, clipping: a bound, the buffer
+    comes with the first clipped step), its fp32 copy; GPUs' fused AdamW an fp32 copy of a gradient
+    that is not fp32 (`_AdamWCall.build`). Offloaded, the update runs on the host instead."""
+    tr = deck.train
+    fp32_grads = reduce_precision(tr.precision, tr.grad_reduce_dtype) == "fp32"
+    if deck.run.device == "cpu" or deck.optim.name == "lamb":
+        scaled = tr.precision == "fp16" or deck.optim.grad_clip > 0
+        return 4.0 * largest * (1 + int(scaled or not fp32_grads))
+    return 0.0 if fp32_grads else 4.0 * largest
+
+
 def unit_elements(layout: ParamLayout, units: list[str]) -> dict[str, int]:
     """Elements of each gather unit's buckets in a ZeRO-3 layout (padding included): what one
     unit's all-gathers write. `units`: each parameter's unit, in the layout's (buffer) order."""
@@ -380,6 +416,20 @@ def checkpoint_bytes(deck: Deck) -> int:
     tr, opt = deck.train, deck.optim
     masters = 4 if tr.precision != "fp32" or opt.offload_delay else 0
     return model_params(deck.model) * (BYTES[tr.precision] + masters + 2 * 4)
+
+
+def checkpoint_copy_bytes(deck: Deck, written: int) -> float:
+    """Host bytes a rank's checkpoint.async snapshot holds while the file is written and training goes on
+    (`app.checkpoint.io.snapshot(copy=True)`: every slice the rank writes, copied, device tensors and
+    the host's offloaded ones alike): `written` elements (`checkpoint_elements`) of the parameters in
+    the compute dtype, the fp32 masters where they are apart (as `checkpoint_bytes`) and two fp32
+    moments. 0 for a synchronous checkpoint, whose slices are views of the CPU ranks' state (a GPU's
+    tensors pass through host memory during the save only)."""
+    if not deck.checkpoint.async_:
+        return 0.0
+    tr, opt = deck.train, deck.optim
+    masters = 4 if tr.precision != "fp32" or opt.offload_delay else 0
+    return float(written * (BYTES[tr.precision] + masters + 2 * 4))
 
 
 def layer_activation_bytes(
@@ -468,7 +518,8 @@ def score_bytes(
     micro-batch: b (a / heads_split) s^2 of the softmax output (e bytes each) and, with dropout,
     its mask (`mask` bytes) and the dropped probabilities (e): Korthikanti et al. 2022's 5 a s / h
     term at e = 2. The flash / memory-efficient kernels keep none (module docstring); selective
-    recomputation re-runs the attention core and keeps none either. Under context parallelism the
+    recomputation re-runs the attention core in each layer's backward, so one layer's are held at a
+    time. Under context parallelism the
     ring computes its blocks itself (not counted); the all-to-all runs the kernel on heads / cp of
     the heads over the whole sequence."""
     if m.attention_kernel != "math" or (cp > 1 and cp_kind != "all_to_all"):
@@ -564,6 +615,10 @@ class StageEstimate:
     # A mixture of experts: the stacked experts' elements among `params` (E/ep of them under expert
     # parallelism, `parallel.ep`); 0 for a dense model.
     expert_params: int = 0
+    # By ZeRO stage: the optimizer's work buffers on the device (`optimizer_scratch_bytes`; none offloaded),
+    # and checkpoint.async's host copy of the rank's checkpoint slices (`checkpoint_copy_bytes`; 0 without).
+    optimizer_scratch: dict[str, float] = dataclasses.field(default_factory=dict)
+    checkpoint_copy: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def weights_for(self, zero: int) -> float:
         """Parameter bytes: the whole buffer, or ZeRO-3's shard plus the gathered units' bound."""
@@ -588,20 +643,26 @@ class StageEstimate:
         return self.offloaded[f"zero{zero}"] if offload == "nvme" else 0.0
 
     def optimizer_for(self, zero: int, offload: str = "none", host_is_device: bool = False) -> float:
-        """Optimizer bytes in device memory: master + moments (+ gradient shard) on the device, or
-        offloaded only the gradient shard, plus the host part where host memory is the device's
-        (CPU machines)."""
+        """Optimizer bytes in device memory: master + moments (+ gradient shard) and the update's work
+        buffers on the device, or offloaded only the gradient shard, plus the host part where host
+        memory is the device's (CPU machines)."""
         if offload == "none":
-            return self.optimizer[f"zero{zero}"]
+            return self.optimizer[f"zero{zero}"] + self.optimizer_scratch.get(f"zero{zero}", 0.0)
         return self.gradient_shard[f"zero{zero}"] + (self.host(zero, offload) if host_is_device else 0.0)
 
+    def snapshot(self, zero: int) -> float:
+        """Host bytes of checkpoint.async's copy of this rank's checkpoint slices (0 without it)."""
+        return self.checkpoint_copy.get(f"zero{zero}", 0.0)
+
     def total(self, zero: int, recompute: str, offload: str = "none", host_is_device: bool = False) -> float:
-        """Device bytes (`host_is_device`: CPU machines, whose host memory the offload uses too)."""
+        """Device bytes (`host_is_device`: CPU machines, whose host memory the offload and the
+        asynchronous checkpoint's copy use too)."""
         return (
             self.weights_for(zero)
             + self.grads(zero)
             + self.optimizer_for(zero, offload, host_is_device)
             + self.activations[recompute]
+            + (self.snapshot(zero) if host_is_device else 0.0)
         )
 
 
@@ -733,6 +794,11 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
         delay = deck.optim.offload_delay
         host_transfer = {k: n * float(grad_bytes * (1 + delay) + e * delay) for k, n in shards.items()}
         gradient_shard = {k: (n * float(grad_bytes) if dp > 1 and k != "zero0" else 0.0) for k, n in shards.items()}
+        # The layouts each ZeRO stage runs on (ZeRO-3's cut at the gather units), for the largest bucket
+        # part the update works on and the elements a checkpoint writes.
+        runs = {"zero0": whole, "zero1": sharded, "zero2": sharded, "zero3": z3 if dp > 1 else whole}
+        scratch = {k: optimizer_scratch_bytes(deck, n.largest_update) for k, n in runs.items()}
+        snapshot = {k: checkpoint_copy_bytes(deck, n.written) for k, n in runs.items()}
         shapes[(layers, first, last)] = {
             "weights": whole.size * float(e),
             "gradients": whole.size * float(grad_bytes),
@@ -745,6 +811,8 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
             "offload_buffers": stream,
             "gradient_shard": gradient_shard,
             "host_transfer": host_transfer,
+            "optimizer_scratch": scratch,
+            "checkpoint_copy": snapshot,
         }
         return shapes[(layers, first, last)]
 
@@ -762,7 +830,8 @@ def _estimate_stages(deck: Deck, layouts: LayoutCache) -> Stages:
         )
         activations = {
             "none": held * (per_layer + scores) + kept + head,
-            "selective": held * per_layer + kept + head,
+            # The attention core recomputed in a backward keeps its scores (the math kernel's) meanwhile.
+            "selective": held * per_layer + scores + kept + head,
             # Kept block inputs, plus one block's activations while its backward recomputes it.
             "full": held * block_input + per_layer + scores + kept + head,
         }

@@ -18,12 +18,14 @@ pipelines, and the ranking should see it. Not for every configuration either: of
 adds time to a configuration that fits (the copies and the CPU update replace the device's
 update, `app.plan.optimizer_time`), so those twins would never be ranked first, and the search
 would plan twice as many (on Frontier, gpt_640b's 32,768-GCD search plans 120 more, not 14,448).
-One kind is tried, the one that frees device memory on the machine: host on GPU machines; nvme
-on CPU machines, whose host memory is the device's, and only where the deck allows it (not with
-LAMB nor an asynchronous checkpoint, `app.deck.validate`). On a GPU machine nvme frees the same
-device memory as host and only adds the drive's time, and host memory is not checked against a
-capacity, so nvme could never rank above host there. A machine file that lacks the offload's
-constants (`Machine.missing_for_prediction`) gets no offloaded candidates.
+The kind tried is the one that frees device memory on the machine: host on GPU machines; nvme on
+CPU machines, whose host memory is the device's, and only where the deck allows it (not with LAMB
+nor an asynchronous checkpoint, `app.deck.validate`). On a GPU machine nvme frees the same device
+memory as host and only adds the drive's time, so it is tried only where the host-offloaded
+candidate is refused for the node's host memory (`host_memory_gib`) and the machine file gives the
+drive's capacity and rates (`_spill_kind`): its state is then on the drive and only its stream
+buffers and the gradients' copies in host memory. A machine file that lacks the offload's
+constants (`Machine.missing_for_prediction`) gets no offloaded candidates of that kind.
 
 Expert parallelism (`parallel.ep`) is searched for a mixture of experts: every ep that divides
 both dp and `model.moe_experts` (`expert_degrees`), each a configuration of its own (its memory:
@@ -282,6 +284,21 @@ def offload_kind(deck: Deck, machine: Machine) -> Optional[str]:
     return kind if kind and not machine.missing_for_prediction(deck.train.precision, kind) else None
 
 
+def _spill_kind(deck: Deck, machine: Machine, offload: Optional[str]) -> Optional[str]:
+    """nvme, where the search offloads to the host of a GPU machine, the deck allows nvme, and the
+    machine file gives the drive's capacity and can time it: tried on a configuration whose
+    host-offloaded twin overfills the host memory (module docstring)."""
+    if offload != "host" or deck.optim.name == "lamb" or deck.checkpoint.async_ or machine.nvme_gb is None:
+        return None
+    return None if machine.missing_for_prediction(deck.train.precision, "nvme") else "nvme"
+
+
+def _over_host_memory(candidate: Optional[Candidate]) -> bool:
+    """Whether a candidate's only problems are the node's host memory (`dryrun._check_capacity`)."""
+    plan = candidate.plan if candidate is not None else None
+    return plan is not None and bool(plan.problems) and all("not fit the host memory" in p for p in plan.problems)
+
+
 def _untimed_offload(deck: Deck, machine: Machine) -> Optional[tuple[str, list[str]]]:
     """The offload the search would try (`_offload_to_try`) and the keys the machine file lacks to
     predict it, where it lacks some (None otherwise)."""
@@ -357,7 +374,9 @@ def _fits_offloaded(candidate: Candidate, kind: str) -> bool:
 def _reason(message: str) -> str:
     """A short category for counting rejections."""
     for words, label in (("stages unbalanced", "unbalanced stages"),
-                         ("offloaded optimizer state does not fit", "offloaded state does not fit the host or drive"),
+                         ("host copy of the checkpoint does not fit", "checkpoint.async's copy does not fit the host"),
+                         ("not fit the host memory", "offloaded state does not fit the host or drive"),
+                         ("not fit the node-local NVMe", "offloaded state does not fit the host or drive"),
                          ("does not fit", "does not fit in device memory"), ("span", "tp spans nodes"),
                          ("multiple of", "indivisible"),
                          ("must divide", "indivisible"), ("at least", "too few layers for the chunks")):  # fmt: skip
@@ -420,13 +439,16 @@ def search(
         return candidate
 
     offload = offload_kind(deck, machine)
+    spill = _spill_kind(deck, machine, offload)
     # The kind the machine would take but cannot time (missing keys): counted and said, not silently dropped.
     untimed = None if offload else _untimed_offload(deck, machine)
     for sets in _configurations(deck, world, machine, tensor):
         candidate = consider(sets)
         # Offloaded where it does not fit without, and the dry run's figure says it fits with.
         if offload and candidate is not None and _fits_offloaded(candidate, offload):
-            consider({**sets, "optim.offload": offload, **_offload_keys(deck, offload)})
+            offloaded = consider({**sets, "optim.offload": offload, **_offload_keys(deck, offload)})
+            if spill and _over_host_memory(offloaded):  # the state on the drive instead
+                consider({**sets, "optim.offload": spill, **_offload_keys(deck, spill)})
         elif untimed and candidate is not None and _fits_offloaded(candidate, untimed[0]):
             result.unplanned_offload += 1
     if untimed and result.unplanned_offload:
