@@ -235,6 +235,93 @@ def test_a_truncated_or_rewritten_file_is_told_the_tools_fix_not_a_resumes(fp32_
         read_header(truncated, RESUME)
 
 
+def test_inspect_checks_the_datasets_against_the_model_of_the_stored_deck(
+    fp32_ckpt, bf16_untied_ckpt, llama_ckpt, mixtral_ckpt, tmp_path, capsys
+):
+    """Found in review: inspect checksummed the datasets present and compared them with nothing, so a
+    renamed dataset (blocks.1.ln1.weight -> blocks.1.ln1.wehght) passed with exit 0 while a resume
+    refused the file. The datasets a resume reads come from the stored deck's model (as `load` requires
+    them): one missing, one the model has no place for, one of another shape is damage, each named, exit 1."""
+    from app.checkpoint.slabs import dataset_checksum
+
+    # What this gridlm writes matches its deck: masters (bf16), an untied head, llama's names, experts.
+    for path in (fp32_ckpt, bf16_untied_ckpt, llama_ckpt, mixtral_ckpt):
+        assert checkpoint_cli(["inspect", str(path), "--no-verify"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    damaged = tmp_path / "step_0000003.h5"
+    shutil.copy(fp32_ckpt, damaged)
+    short = "optimizer/exp_avg/blocks.0.mlp.fc.bias"
+    with h5py.File(damaged, "r+") as f:
+        f.move("model/blocks.1.ln1.weight", "model/blocks.1.ln1.wehght")
+        values = f[short][:-1]  # one element short, with the right checksum of what is there
+        del f[short]
+        f.create_dataset(short, data=values).attrs.update(dtype="float32", checksum=np.uint64(dataset_checksum(values)))
+    assert checkpoint_cli(["inspect", str(damaged)]) == 1
+    out = capsys.readouterr()
+    rows = table(out.out)
+    assert rows.pop("/model/blocks.1.ln1.weight").startswith("MISSING")
+    assert rows.pop("/model/blocks.1.ln1.wehght").startswith("UNEXPECTED")
+    assert rows.pop("/" + short) == "WRONG SHAPE (the model of its deck has shape (256,))"
+    assert set(rows.values()) == {"ok"}
+    assert out.err.count("\n") == 1 and out.err.startswith(f"gridlm: {damaged}: 3 damaged dataset(s): "), out.err
+    for name in (
+        "/model/blocks.1.ln1.weight (missing)",
+        "/model/blocks.1.ln1.wehght (unexpected)",
+        f"/{short} (wrong shape)",
+    ):
+        assert name in out.err, out.err
+    # A renamed group: 28 missing and 28 unexpected datasets, the first 8 named on the one line.
+    shutil.copy(fp32_ckpt, damaged)
+    with h5py.File(damaged, "r+") as f:
+        f.move("optimizer/exp_avg_sq", "optimizer/exp_avg_sqq")
+    assert checkpoint_cli(["inspect", str(damaged), "--no-verify"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "56 damaged dataset(s)" in err and "and 48 more (listed above)" in err, err
+
+
+def test_inspect_and_export_take_a_latest_pointer_or_a_directory_as_a_resume_does(fp32_ckpt, tmp_path, capsys):
+    """Found in review: inspect of a run's `latest` pointer (or its checkpoint directory) said "not a
+    readable HDF5 file ... corrupt" though run.resume takes both: they are resolved as a resume
+    resolves them (store.named_checkpoint), and the report names the file they resolved to."""
+    directory = fp32_ckpt.parent
+    assert (directory / "latest").read_text().strip() == fp32_ckpt.name
+    for given in (directory / "latest", directory):
+        assert checkpoint_cli(["inspect", str(given), "--no-verify"]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.startswith(f"checkpoint  {fp32_ckpt} (gridlm-checkpoint v2)")
+    assert checkpoint_cli(["export", str(directory / "latest"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert f"exported step 3 of {fp32_ckpt} " in capsys.readouterr().out
+    stale = tmp_path / "checkpoints"
+    stale.mkdir()
+    (stale / "latest").write_text("step_0000009.h5\n")
+    for given in (stale / "latest", stale):
+        assert checkpoint_cli(["inspect", str(given)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "names step_0000009.h5, which does not exist" in err, err
+
+
+def test_inspect_calls_a_dataset_it_cannot_checksum_unreadable_not_a_traceback(fp32_ckpt, monkeypatch, capsys):
+    """Found in review: inspect caught only OSError around a dataset's read and checksum, so values of a
+    width no checksum covers (a float128 dataset: KeyError) ended in a traceback. ValueError, KeyError
+    and TypeError there make that dataset UNREADABLE, named, exit 1."""
+    from app.checkpoint import slabs
+
+    real = slabs.dataset_checksum
+
+    def checksum(values: np.ndarray, version: int = 2) -> int:
+        if values.shape == (32, 64):  # wpe, and its two moments
+            raise KeyError(16)
+        return real(values, version)
+
+    monkeypatch.setattr(slabs, "dataset_checksum", checksum)
+    assert checkpoint_cli(["inspect", str(fp32_ckpt)]) == 1
+    out = capsys.readouterr()
+    rows = table(out.out)
+    unreadable = {name for name, status in rows.items() if status != "ok"}
+    assert unreadable == {"/model/wpe", "/optimizer/exp_avg/wpe", "/optimizer/exp_avg_sq/wpe"}, rows
+    assert {rows[name] for name in unreadable} == {"UNREADABLE (KeyError: 16)"}
+    assert out.err.count("\n") == 1 and "/model/wpe (unreadable)" in out.err, out.err
+
+
 def test_help_answers_without_loading_mpi_torch_or_h5py():
     # --help is read on login nodes: it must not start MPI or load torch (imported lazily).
     code = (

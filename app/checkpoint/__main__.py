@@ -8,9 +8,12 @@ Both are serial tools: one process, plain h5py, no MPI launch (run them on a log
 `inspect` prints the header (step, consumed samples, precision, the grid that wrote the
 file, created, versions) and a tree of the datasets with global shape, logical dtype,
 size and checksum status. Verifying the checksums reads the whole file, one dataset at a
-time; --no-verify reads only the metadata. Exit status: 0 all ok, 1 a checksum mismatch
-or an unreadable dataset (named on stderr), 2 a user mistake (missing file, not a gridlm
-checkpoint, incomplete file), reported as one `gridlm: ...` line without a traceback.
+time; --no-verify reads only the metadata. The datasets are also judged as a resume judges
+them: their metadata, and against the model of the stored deck. FILE may be a `latest` pointer
+or a checkpoint directory (as run.resume). Exit status: 0 all ok, 1 a damaged dataset (a
+checksum mismatch, unreadable values, damaged metadata, missing, unexpected or of another
+shape; named on stderr), 2 a user mistake (missing file, not a gridlm checkpoint, incomplete
+file) or a damaged header, reported as one `gridlm: ...` line without a traceback.
 
 `export` is `app/checkpoint/export.py` (each architecture's name mapping is its entry's, app/archs/).
 """
@@ -45,7 +48,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = _Parser(
         prog="python -m app.checkpoint",
         description="Inspect a gridlm checkpoint or export it to a Hugging Face model (serial: no MPI launch).",
-        epilog="Exit status: 0 ok, 1 checksum mismatch (inspect), 2 user mistake (message on stderr).",
+        epilog="Exit status: 0 ok, 1 a damaged dataset (inspect), 2 user mistake (message on stderr).",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     inspect = commands.add_parser(
@@ -54,10 +57,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         description="Print a checkpoint's header (step, consumed samples, precision, grid that wrote it, created, "
         "versions) and a tree of its datasets with global shape, logical dtype, size (MB = 10^6 bytes) and checksum "
         "status. Verification reads the whole file, one dataset at a time.",
-        epilog="Exit status: 0 all checksums ok, 1 a checksum mismatch or unreadable dataset (named on stderr), "
-        "2 missing file, not a gridlm checkpoint or incomplete.",
+        epilog="Exit status: 0 all ok, 1 a damaged dataset: checksum mismatch, unreadable, damaged metadata, "
+        "missing, unexpected or of another shape than the stored deck's model (named on stderr), 2 missing file, "
+        "not a gridlm checkpoint, incomplete or a damaged header.",
     )
-    inspect.add_argument("file", metavar="FILE", help="checkpoint file, e.g. runs/x/checkpoints/step_0000020.h5")
+    inspect.add_argument(
+        "file",
+        metavar="FILE",
+        help="checkpoint file, e.g. runs/x/checkpoints/step_0000020.h5, or a `latest` or its directory",
+    )
     inspect.add_argument(
         "--no-verify", dest="verify", action="store_false", help="skip the checksums (reads only metadata)"
     )
@@ -79,12 +87,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def checkpoint_file(arg: str) -> Path:
-    """The FILE argument as a path that exists and is a file; CheckpointError naming the fix otherwise."""
-    from app.checkpoint.store import committed
+    """The FILE argument as a checkpoint file: a file, or the one a `latest` pointer (or a directory's)
+    names, as run.resume takes them; CheckpointError naming the fix otherwise."""
+    from app.checkpoint.store import LATEST, TOOL_PICK, committed, named_checkpoint
     from app.errors import CheckpointError
 
     path = Path(arg)
-    if path.is_dir():
+    if path.is_dir() and not os.path.lexists(path / LATEST):
         found = committed(path)
         hint = f", e.g. {found[-1][1]}" if found else ""
         raise CheckpointError(f"{path} is a directory; pass a checkpoint file (step_NNNNNNN.h5){hint}")
@@ -93,6 +102,8 @@ def checkpoint_file(arg: str) -> Path:
             f"{path}: no such file; pass the path of a checkpoint file, e.g. runs/<name>/checkpoints/step_0000020.h5 "
             f"(its `latest` file names the newest)"
         )
+    if path.is_dir() or (path.name == LATEST and path.is_file()):  # the checkpoint the pointer names
+        return named_checkpoint(arg, arg, "no such file", TOOL_PICK)
     return path
 
 
@@ -111,37 +122,71 @@ def _parsed(value: Any) -> Any:
         return value
 
 
-def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
-    """The report `inspect` prints. With `verify`, reads every dataset whole (the whole file)."""
-    import h5py
+# Statuses of a damaged dataset (inspect exits 1): its values, its metadata, or the file against its deck's model.
+DAMAGE = ("MISMATCH", "UNREADABLE", "DAMAGED", "MISSING", "UNEXPECTED", "WRONG SHAPE")
+STATUSES = ("ok", *DAMAGE, "not verified", "no checksum")
 
-    from app.checkpoint.io import model_section, read_header
+
+def _shape(shape: Any) -> str:
+    """A shape as the table shows it: (3,), (64, 32), (2, ?) for a size not known in advance."""
+    shown = ["?" if n is None else str(n) for n in shape]
+    return "(" + ", ".join(shown) + ("," if len(shown) == 1 else "") + ")"
+
+
+def _fits(shape: Optional[tuple], want: tuple) -> bool:
+    """A dataset's shape is the one expected (None in `want`: any size)."""
+    return shape is not None and len(shape) == len(want) and all(w is None or s == w for s, w in zip(shape, want))
+
+
+def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
+    """The report `inspect` prints. With `verify`, reads every dataset whole (the whole file). Besides
+    the checksums, the catalogue is judged as a resume judges it: each dataset's metadata (its type,
+    dtype and checksum attributes: `io.dataset_damage`) and the datasets against the stored deck's
+    model (`io.expected_datasets`): one missing, of another shape, or that the model has no place for."""
+    import h5py
+    import numpy as np
+
+    from app.checkpoint.io import expected_datasets, model_section, read_header
     from app.checkpoint.slabs import V1_NOTE, dataset_checksum
 
-    header = read_header(path)  # CheckpointError for anything but a committed gridlm checkpoint
-    found: list[tuple[str, Any]] = []
-    datasets = []
+    # CheckpointError for anything but a committed gridlm checkpoint; damaged datasets are listed, not refused.
+    header = read_header(path, damaged_ok=True)
+    catalogue = header["datasets"]
+    expected = expected_datasets(header, path)
     version = int(header["format_version"])  # 1: verified with the weak v1 checksum
+    problems = {key: ("DAMAGED", why) for key, why in header["damaged"].items()}
+    for key, want in expected.items():
+        shape = catalogue[key]["shape"] if key in catalogue else None
+        if key not in catalogue:
+            problems[key] = ("MISSING", "the model of its deck has it, a resume reads it")
+        elif key not in problems and not _fits(shape, want):
+            problems[key] = ("WRONG SHAPE", f"the model of its deck has shape {_shape(want)}")
+    for key in catalogue:
+        if key not in expected and key not in problems:
+            problems[key] = ("UNEXPECTED", "not a dataset of the model of its deck")
+    datasets = []
     with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: found.append((name, obj)) if isinstance(obj, h5py.Dataset) else None)
-        for name, dset in sorted(found, key=lambda item: _natural(item[0])):
-            want = dset.attrs.get("checksum")
-            status = "no checksum" if want is None else "not verified"
-            if verify and want is not None:
+        for key in sorted({*catalogue, *expected}, key=_natural):
+            entry = catalogue.get(key)
+            want = None if entry is None else entry["checksum"]
+            status, problem = problems.get(key, ("not verified" if want is not None else "no checksum", None))
+            if verify and want is not None and key not in problems:
                 try:
-                    values = dset[()]
-                    ok = values.size == 0 or dataset_checksum(values, version) == int(want)
+                    values = f[key][()]
+                    ok = values.size == 0 or dataset_checksum(values, version) == want
                     status = "ok" if ok else "MISMATCH"
-                except OSError:
-                    status = "UNREADABLE"
-            logical = dset.attrs.get("dtype", dset.dtype.name)
+                except (OSError, ValueError, KeyError, TypeError) as err:  # damaged data or metadata, named
+                    status, problem = "UNREADABLE", f"{type(err).__name__}: {err}"
+            shape = entry["shape"] if entry is not None and entry["shape"] is not None else expected.get(key, ())
+            stored = None if entry is None else entry["stored"]
+            known = stored is not None and None not in shape
             datasets.append({
-                "name": "/" + name, "shape": list(dset.shape), "dtype": str(logical), "stored": dset.dtype.str,
-                "bytes": int(dset.size * dset.dtype.itemsize), "checksum": None if want is None else int(want),
-                "status": status,
+                "name": "/" + key, "shape": list(shape), "dtype": "" if entry is None else str(entry["dtype"] or ""),
+                "stored": stored, "bytes": math.prod(shape) * np.dtype(stored).itemsize if known else 0,
+                "checksum": want, "status": status, "problem": problem,
             })  # fmt: skip
     statuses = [d["status"] for d in datasets]
-    bad = [d["name"] for d in datasets if d["status"] in ("MISMATCH", "UNREADABLE")]
+    bad = [d["name"] for d in datasets if d["status"] in DAMAGE]
     return {
         "path": str(path),
         "format": header.get("format"),
@@ -153,7 +198,9 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
         "loss_scaler": _parsed(header.get("loss_scaler")),
         "grid": _parsed(header.get("grid")),
         "model": model_section(header, path),
-        "parameters": sum(math.prod(d["shape"]) for d in datasets if d["name"].startswith("/model/")),
+        "parameters": sum(
+            math.prod(d["shape"]) for d in datasets if d["name"].startswith("/model/") and d["status"] != "MISSING"
+        ),
         "sampler": _parsed(header.get("sampler")),
         "created": header.get("created"),
         "versions": _parsed(header.get("versions")),
@@ -161,12 +208,9 @@ def inspect_file(path: Path, verify: bool = True) -> dict[str, Any]:
         "note": V1_NOTE if version < 2 else None,
         "datasets": datasets,
         "total": {
-            "datasets": len(datasets),
+            "datasets": len(datasets) - statuses.count("MISSING"),
             "bytes": sum(d["bytes"] for d in datasets),
-            **{
-                key.replace(" ", "_").lower(): statuses.count(key)
-                for key in ("ok", "MISMATCH", "UNREADABLE", "not verified", "no checksum")
-            },
+            **{key.replace(" ", "_").lower(): statuses.count(key) for key in STATUSES},
         },
         "damaged": bad,
     }
@@ -225,32 +269,30 @@ def format_report(report: dict[str, Any]) -> str:
         if parent != group:
             group = parent
             rows.append((parent + "/", "", "", "", ""))
-        shape = "(" + ", ".join(map(str, d["shape"])) + ("," if len(d["shape"]) == 1 else "") + ")"
-        rows.append(("  " + leaf, shape, d["dtype"], f"{d['bytes'] / 1e6:.3f}", d["status"]))
+        status = d["status"] + (f" ({d['problem']})" if d.get("problem") else "")
+        rows.append(("  " + leaf, _shape(d["shape"]), d["dtype"], f"{d['bytes'] / 1e6:.3f}", status))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         lines.append(
             f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}".rstrip()
         )
     t = report["total"]
-    counts = ", ".join(f"{t[k]} {label}" for k, label in (
-        ("ok", "ok"), ("mismatch", "MISMATCH"), ("unreadable", "UNREADABLE"),
-        ("not_verified", "not verified"), ("no_checksum", "no checksum"),
-    ) if t[k])  # fmt: skip
+    counts = ", ".join(f"{t[key]} {label}" for label in STATUSES if t[key := label.replace(" ", "_").lower()])
     lines.append(f"total: {t['datasets']} datasets, {t['bytes'] / 1e6:.3f} MB | {counts}")
     return "\n".join(lines)
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    report = inspect_file(checkpoint_file(args.file), args.verify)
+    from app.checkpoint.io import OLDER
+
+    path = checkpoint_file(args.file)
+    report = inspect_file(path, args.verify)
     print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
-    bad = report["damaged"]
+    bad = [d for d in report["datasets"] if d["status"] in DAMAGE]
     if bad:
-        print(
-            f"gridlm: {args.file}: checksum mismatch or unreadable data in {len(bad)} dataset(s): {', '.join(bad)}; "
-            f"the file is corrupt: resume from an older checkpoint (run.resume: <file>)",
-            file=sys.stderr,
-        )
+        named = ", ".join(f"{d['name']} ({d['status'].lower()})" for d in bad[:8])
+        named += f" and {len(bad) - 8} more (listed above)" if len(bad) > 8 else ""
+        print(f"gridlm: {path}: {len(bad)} damaged dataset(s): {named}; the file is corrupt: {OLDER}", file=sys.stderr)
         return CORRUPT
     return OK
 
@@ -260,14 +302,15 @@ def _export(args: argparse.Namespace) -> int:
     from app.checkpoint.io import read_header
     from app.checkpoint.slabs import V1_NOTE
 
-    done = export_hf(checkpoint_file(args.file), Path(args.dir), force=args.force)
+    path = checkpoint_file(args.file)
+    done = export_hf(path, Path(args.dir), force=args.force)
     print(
-        f"gridlm: exported step {done.step} of {args.file} (/{done.source}, as fp32) -> {done.directory}: "
+        f"gridlm: exported step {done.step} of {path} (/{done.source}, as fp32) -> {done.directory}: "
         f"config.json, model.safetensors | {done.parameters:,} parameters, {done.bytes / 1e6:.1f} MB"
         + (f" | removed the earlier model's {', '.join(done.removed)}" if done.removed else "")
     )
-    if int(read_header(Path(args.file))["format_version"]) < 2:  # it was verified with the v1 checksum
-        print(f"gridlm: {args.file}: {V1_NOTE}")
+    if int(read_header(path)["format_version"]) < 2:  # it was verified with the v1 checksum
+        print(f"gridlm: {path}: {V1_NOTE}")
     return OK
 
 

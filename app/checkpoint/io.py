@@ -91,7 +91,7 @@ from app.errors import CheckpointError, GridlmError, NonFiniteError
 from app.names import AXES, PRECISIONS
 from app.runtime.grid import ProcessGrid
 from app.runtime.mpi import Runtime, failures, on_root
-from app.shards import GROUPS, MASTER, MODEL, JsonState, ShardState, TensorState
+from app.shards import GROUPS, MASTER, MODEL, MOMENTS, JsonState, ShardState, TensorState
 from app.untrusted import parse_json
 
 T = TypeVar("T")
@@ -228,11 +228,22 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.cpu().numpy()
 
 
+# The stored type of each logical dtype (STORED by name: bf16 as uint16 bit patterns) and of the RNG rows.
+STORED_AS = {logical: np.dtype(stored).str for logical, stored in STORED.values()}
+RNG_STORED = np.dtype(np.uint8).str
+
+
 def decode(values: np.ndarray, logical: str) -> torch.Tensor:
-    """Stored values -> a float32 tensor (bf16 is stored as uint16 bit patterns)."""
+    """Stored values -> a float32 tensor (bf16 is stored as uint16 bit patterns). The bits are
+    reinterpreted as `logical`, never converted as numbers: values of another width than the stored
+    type of `logical` are a ValueError (a uint32 read of float32 bits converted gave 1e9 for 0.001)."""
+    want = STORED_AS.get(logical)
+    if want is None or values.dtype.itemsize != np.dtype(want).itemsize:
+        raise ValueError(f"{values.dtype} values cannot hold {logical!r} elements (stored as {want})")
     if logical == "bfloat16":
         return torch.from_numpy(values.view(np.int16).copy()).view(torch.bfloat16).float()
-    return torch.from_numpy(np.asarray(values, dtype=np.float32))
+    bits = np.ascontiguousarray(values).view(want)
+    return torch.from_numpy(bits.astype(np.float32, copy=logical != "float32"))
 
 
 def grid_signature(state: TrainingState) -> dict[str, Any]:
@@ -789,9 +800,11 @@ TOOL = Advice(OLDER, "give a step_NNNNNNN.h5 file", OLDER, OLDER)
 EVAL = dataclasses.replace(TOOL, exact_model=True)
 
 
-def read_header(path: Path, advice: Advice = TOOL) -> dict[str, Any]:
-    """Root attributes and the dataset catalogue of a committed checkpoint (serial h5py).
-    Raises CheckpointError for anything but a complete gridlm checkpoint, saying what `advice` says."""
+def read_header(path: Path, advice: Advice = TOOL, damaged_ok: bool = False) -> dict[str, Any]:
+    """Root attributes and the dataset catalogue of a committed checkpoint (serial h5py), and under
+    "damaged" each dataset whose metadata is damaged (`dataset_damage`) with why. Raises
+    CheckpointError for anything but a complete gridlm checkpoint, saying what `advice` says, and,
+    unless `damaged_ok` (inspect, which lists them), for a damaged dataset."""
 
     catalogue: dict[str, dict[str, Any]] = {}
     fix = advice.damaged
@@ -832,8 +845,51 @@ def read_header(path: Path, advice: Advice = TOOL) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is not a readable HDF5 file ({err}); it may be truncated or corrupt: {fix}"
         ) from None
-    rng = {key.removeprefix("rng/"): entry["shape"] for key, entry in catalogue.items() if key.startswith("rng/")}
-    return {**attrs, "datasets": catalogue, "rng": rng}
+    damaged = {key: why for key, entry in catalogue.items() if (why := dataset_damage(key, entry, version))}
+    if damaged and not damaged_ok:
+        raise CheckpointError(damage_message(path, damaged, fix))
+    rng = {key.removeprefix("rng/"): entry["shape"] for key, entry in catalogue.items()
+           if key.startswith("rng/") and key not in damaged}  # fmt: skip
+    return {**attrs, "datasets": catalogue, "rng": rng, "damaged": damaged}
+
+
+def dataset_damage(key: str, entry: dict[str, Any], version: int) -> Optional[str]:
+    """Why the metadata of dataset `key` (its `datasets_of` entry) in a gridlm file of format `version`
+    is damaged, None when it is not: it cannot be read; a tensor's `dtype` attribute is missing or
+    not one gridlm writes; the stored HDF5 type is not the one the logical dtype is stored as (a
+    flipped bit in the earliest file format, which checksums no metadata, turned float32 into uint32
+    and the values read were 1e9 where 0.001 was written; the checksum, over the bits, matched); the
+    `checksum` attribute is missing (every dataset has one, but the RNG rows of the first version-1
+    files). A dataset outside gridlm's groups is not judged here (inspect names it against the model)."""
+    if entry["error"] is not None:
+        return f"its metadata cannot be read ({entry['error']})"
+    group = key.rpartition("/")[0]
+    if group == "rng":
+        logical, want = "uint8", RNG_STORED
+    elif group in GROUPS:
+        logical = entry["dtype"]
+        if not entry["declared"] or logical not in STORED_AS:
+            shown = _cut_repr(logical) if entry["declared"] else "missing"
+            return f"its dtype attribute is {shown}, not one of {', '.join(STORED_AS)}"
+        want = STORED_AS[logical]
+    else:
+        return None
+    if entry["stored"] != want or not entry["exact"]:
+        return (f"its HDF5 datatype is {entry['stored']}{'' if entry['exact'] else ' (not the standard one)'}, "
+                f"where {logical} is stored as {want}: the datatype is damaged")  # fmt: skip
+    if entry["checksum"] is None and not (group == "rng" and version == 1):
+        return "it has no checksum attribute (gridlm writes one on every dataset)"
+    return None
+
+
+def damage_message(path: Path, damaged: dict[str, str], fix: str) -> str:
+    """One line naming the first damaged dataset, why, and how many more (`read_header`)."""
+    first, *rest = damaged
+    more = ""
+    if rest:
+        shown = ", ".join("/" + key for key in rest[:3]) + (", ..." if len(rest) > 3 else "")
+        more = f" (and {len(rest)} more: {shown})"
+    return f"{path}: dataset /{first} is damaged: {damaged[first]}{more}; {fix}"
 
 
 MAX_ATTRIBUTE_BYTES = 1 << 20  # a header attribute's stored bytes (the deck's is a few KB)
@@ -844,7 +900,11 @@ def root_attributes(f: Any, path: Path, fix: str = CORRUPT) -> dict[str, Any]:
     MAX_ATTRIBUTE_BYTES where HDF5 knows the size before reading (fixed-size types); one that
     h5py cannot read as a value is a CheckpointError, not a traceback."""
     attrs: dict[str, Any] = {}
-    for name in list(f.attrs.keys())[:256]:  # a header has 17
+    try:
+        names = list(f.attrs.keys())[:256]  # a header has 17
+    except (OSError, TypeError, ValueError, KeyError, RuntimeError) as err:  # a damaged attribute message
+        raise CheckpointError(f"{path}: its header attributes cannot be listed ({err}); {fix}") from None
+    for name in names:
         try:
             try:
                 size = f.attrs.get_id(name).get_storage_size()
@@ -1045,9 +1105,34 @@ def require_dataset(
         raise CheckpointError(f"{path}: dataset /{key} has shape {entry['shape']}, {whose} needs {tuple(shape)}")
 
 
+def expected_datasets(header: dict[str, Any], path: Path) -> dict[str, tuple[Optional[int], ...]]:
+    """Every dataset a checkpoint of its stored deck's model holds (`read_header`'s header), with its
+    global shape: /model, the two moments and the fp32 masters (bf16 and fp16 runs, and files that have
+    them: `masters_group`) of every parameter of the 1-rank model, as a resume on any grid requires
+    them (`require_dataset`), and the RNG rows, one per rank of the grid that wrote it (None: a size
+    not known in advance, a generator state's bytes). torch_cuda is expected where the file has it."""
+    model = model_section(header, path)  # CheckpointError without a usable model section
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
+        params = cfg.spec.stage_params(cfg, range(cfg.layers), True, True)
+    except (KeyError, TypeError, ValueError, ArithmeticError) as err:  # heads: 0 in a damaged older file
+        raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
+    groups = (MODEL, *((MASTER,) if masters_group(header) == MASTER else ()), *MOMENTS)
+    expected: dict[str, tuple[Optional[int], ...]] = {
+        f"{group}/{p.name}": tuple(p.shape) for group in groups for p in params
+    }
+    world = _json_attribute(header, "grid", path).get("world_size")  # a dict: `check_header`
+    rows = world if _count(world) else None
+    for key in ("torch_cpu", *(("torch_cuda",) if "rng/torch_cuda" in header["datasets"] else ())):
+        expected[f"rng/{key}"] = (rows, None)
+    return expected
+
+
 def _verify(path: Path, catalogue: dict[str, Any], keys: list[str], sums: np.ndarray, fix: str) -> None:
     """The checksums summed over the ranks (`sums`, one per dataset of `keys`) against the file's;
-    CheckpointError naming the damaged datasets and `fix`."""
+    CheckpointError naming the damaged datasets and `fix`. A dataset without a checksum is one of the RNG
+    rows of the first version-1 files (`read_header` refuses a missing one anywhere else)."""
     bad = ["/" + key for key, value in zip(keys, sums) if catalogue[key]["checksum"] not in (None, int(value))]
     if bad:
         more = (
@@ -1172,14 +1257,17 @@ def load(state: TrainingState, path: Path, advice: Advice = RESUME) -> dict[str,
                 phases, "H5Dread" if not posix else "data (pread)",
             )  # fmt: skip
             failed = failed or error
-            writer = next((s for s in mine if s.writes), None)
-            if writer is not None:  # verify the share this rank would write (they tile the dataset)
-                s0, s1 = writer.write
-                sums[k] = sum_of(raw[s0 - lo : s1 - lo], _boxes(writer, s0, s1), shape)
-                phases.lap("checksums")
-            if mine:
-                read[(group, name)] = (lo, decode(raw, in_file[key]["dtype"]))
-                phases.lap("decode")
+            try:  # a failure here too waits for the loop's end: the next dataset's gathers need this rank
+                writer = next((s for s in mine if s.writes), None)
+                if writer is not None:  # verify the share this rank would write (they tile the dataset)
+                    s0, s1 = writer.write
+                    sums[k] = sum_of(raw[s0 - lo : s1 - lo], _boxes(writer, s0, s1), shape)
+                    phases.lap("checksums")
+                if mine:
+                    read[(group, name)] = (lo, decode(raw, in_file[key]["dtype"]))
+                    phases.lap("decode")
+            except Exception as err:
+                failed = failed or undecodable(path, key, err, advice.checksums)
         rng = {}
         for key in rng_keys:
             box = [((rng_row, 0), (1, in_file[key]["shape"][1]))]
@@ -1324,6 +1412,17 @@ def gathered(
     return raw, error
 
 
+def undecodable(path: Path, key: str, err: Exception, fix: str) -> Exception:
+    """A dataset whose values this rank read but could not checksum or decode: a CheckpointError naming
+    it for what a damaged file raises there (ValueError, KeyError, TypeError: values of another type
+    than its metadata says), `err` itself, a bug, for anything else. Raised once the reads are done."""
+    if isinstance(err, (ValueError, KeyError, TypeError)):
+        return CheckpointError(
+            f"{path}: dataset /{key} cannot be verified or decoded ({err}): the file is corrupt; {fix}"
+        )
+    return err
+
+
 def h5_reader(f: Any, dxpl: Any) -> Callable[..., np.ndarray]:
     """`read_slab(key, boxes, dtype[, out])` through parallel HDF5 (H5Dread of the boxes of `key` in
     the open file `f`), for a dataset HDF5 must decode."""
@@ -1343,24 +1442,29 @@ def agree_read(rt: Runtime, path: Path, error: Optional[BaseException], op: str,
     error on any rank (a truncated file, EIO) is a CheckpointError naming it on every rank, before any
     rank goes on to a collective call alone; another exception is a bug, raised with its traceback
     on its rank (after the agreement, so that its peers end too) and named as an internal error on
-    the others, without the advice for a damaged file (as `stages.abandon` names a save's bug)."""
-    problem: Optional[tuple[str, bool]] = None  # (what happened, whether it is a bug)
+    the others, without the advice for a damaged file (as `stages.abandon` names a save's bug). A
+    GridlmError (a dataset `undecodable`) names the file and what to do: every rank raises its line."""
+    problem: Optional[tuple[str, str]] = None  # (what happened, "io", "bug" or "said": a GridlmError's own line)
     if error is not None:
-        if isinstance(error, (OSError, GridlmError)):
+        if isinstance(error, GridlmError):  # names the file, what is wrong and what to do
+            problem = (str(error), "said")
+        elif isinstance(error, OSError):
             code = getattr(error, "errno", None)
-            problem = (f"{describe_failure(getattr(error, 'strerror', None) or str(error), code)} ({error})", False)
+            problem = (f"{describe_failure(getattr(error, 'strerror', None) or str(error), code)} ({error})", "io")
         else:
-            problem = (f"{type(error).__name__}: {error}", True)
+            problem = (f"{type(error).__name__}: {error}", "bug")
     failed = failures(rt, problem, op)  # agreed first: no rank goes on to the next collective call alone
-    if problem is not None and problem[1]:
+    if problem is not None and problem[1] == "bug":
         raise error  # type: ignore[misc]
     if failed:
-        rank, (text, bug) = failed[0]
-        if bug:
+        rank, (text, kind) = failed[0]
+        if kind == "bug":
             raise CheckpointError(
                 f"cannot read checkpoint {path}: internal error on rank {rank}: {text} (a bug in gridlm, not a "
                 f"fault of the file: rank {rank} prints its traceback)"
             )
+        if kind == "said":  # the same line on every rank
+            raise CheckpointError(text)
         raise CheckpointError(f"cannot read checkpoint {path} on rank {rank}: {text}; {fix}")
 
 
@@ -1442,9 +1546,12 @@ def read_parameters(path: Path, model: torch.nn.Module, runtime: Runtime, tp_ran
             take = lambda: read_span(read_slab, key, shares, key, meta.numel, boxes_of, dtype)[0]  # noqa: E731,B023
             raw, error = gathered(shares, runtime, key, take, meta.numel, dtype)
             failed = failed or error
-            if dp_rank == 0 and meta.owned_by(tp_rank):  # the copies that count cover each element once
-                sums[k] = sum_of(raw, boxes_of(0, meta.numel), meta.global_shape)
-            values.append(decode(raw, in_file[key]["dtype"]).view(meta.local_shape))
+            try:  # as in `load`: raised after the last all-gather
+                if dp_rank == 0 and meta.owned_by(tp_rank):  # the copies that count cover each element once
+                    sums[k] = sum_of(raw, boxes_of(0, meta.numel), meta.global_shape)
+                values.append(decode(raw, in_file[key]["dtype"]).view(meta.local_shape))
+            except Exception as err:
+                failed = failed or undecodable(path, key, err, TOOL.checksums)
         if failed is not None:
             raise failed
 

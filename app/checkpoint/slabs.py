@@ -104,7 +104,10 @@ def global_boxes(local_shape: Sequence[int], offset: Sequence[int], lo: int, hi:
 
 
 def as_unsigned(values: np.ndarray) -> np.ndarray:
-    """The bit patterns of `values` as unsigned integers of the same width."""
+    """The bit patterns of `values` as unsigned integers of the same width (ValueError for a width
+    no checkpoint stores)."""
+    if values.dtype.itemsize not in UNSIGNED:
+        raise ValueError(f"no checksum for elements of {values.dtype.itemsize} bytes ({values.dtype})")
     return values.view(UNSIGNED[values.dtype.itemsize])
 
 
@@ -300,11 +303,22 @@ def _memory_space(n: int):
 MPIO_HINTS = {"romio_ds_write": "disable", "romio_ds_read": "disable"}
 
 
+# The file format of a new checkpoint (H5Pset_libver_bounds): HDF5 1.10's, whose superblock and
+# object headers carry checksums, so that a flipped bit in a dataset's datatype, shape or layout is an
+# error on open, not other numbers read (the earliest format checksums no metadata). The upper bound is
+# v110, not "latest": every HDF5 >= 1.10 reads the file, whichever HDF5 wrote it. Files of the earliest
+# format (gridlm before this) still read: the bounds apply to what is created.
+LIBVER = ("v110", "v110")
+
+
 def open_mpio(path, mode: str, comm, **kwargs):
-    """h5py.File(path, mode) with the mpio driver on `comm` (collective) and MPIO_HINTS."""
+    """h5py.File(path, mode) with the mpio driver on `comm` (collective) and MPIO_HINTS; a file it
+    creates has the LIBVER format."""
     import h5py
     from mpi4py import MPI
 
+    if mode == "w":
+        kwargs.setdefault("libver", LIBVER)
     info = MPI.Info.Create()
     try:
         for key, value in MPIO_HINTS.items():
@@ -317,9 +331,11 @@ def open_mpio(path, mode: str, comm, **kwargs):
 def open_serial(path, mode: str, **kwargs):
     """h5py.File(path, mode) on this rank alone, with HDF5's file lock best-effort: a parallel file
     system mounted without flock (Lustre's default on some sites) makes a plain open fail with
-    ENOSYS; the MPI-IO driver never locks."""
+    ENOSYS; the MPI-IO driver never locks. A file it creates has the LIBVER format."""
     import h5py
 
+    if mode == "w":
+        kwargs.setdefault("libver", LIBVER)
     version = h5py.version.hdf5_version_tuple
     if version >= (1, 12, 1) or (version[:2] == (1, 10) and version[2] >= 7):
         kwargs.setdefault("locking", "best-effort")
@@ -466,10 +482,14 @@ def storage_of(dset) -> Optional[Storage]:
 
 def datasets_of(fid) -> dict[str, dict]:
     """Every dataset of an open file (its low-level FileID) by path: shape, stored dtype (as
-    `dtype.str`), the `dtype` attribute (the logical dtype; else the stored dtype's name), the
-    `checksum` attribute (None without one) and `storage_of`. Through h5py's low level: a
-    checkpoint's catalogue (hundreds of datasets) in a fraction of what `visititems` takes."""
-    from h5py import h5a, h5d, h5o, h5t
+    `dtype.str`), whether the stored HDF5 type is exactly the standard one of that dtype (`exact`:
+    not, say, a float of 4 bytes with another exponent width, which h5py still calls <f4), the
+    `dtype` attribute (the logical dtype; else the stored dtype's name) and whether there is one
+    (`declared`), the `checksum` attribute (None without one) and `storage_of`. A dataset whose
+    metadata cannot be read has its `error` (else None) and no other facts: one damaged dataset is
+    named, not the whole file refused unnamed. Through h5py's low level: a checkpoint's catalogue
+    (hundreds of datasets) in a fraction of what `visititems` takes."""
+    from h5py import h5a, h5d, h5g, h5o, h5t
 
     found: dict[str, dict] = {}
     # HDF5 addresses count from the superblock: after a user block (h5jam) they are not file offsets.
@@ -482,21 +502,51 @@ def datasets_of(fid) -> dict[str, dict]:
         value = value[()]
         return value.decode() if isinstance(value, bytes) else value
 
-    def visit(name: bytes, info) -> None:
-        if info.type != h5o.TYPE_DATASET:
-            return
+    def facts(name: bytes) -> dict:
         dsid = h5d.open(fid, name)
         dtype = dsid.dtype
         checksum = scalar(dsid, b"checksum") if h5a.exists(dsid, b"checksum") else None
-        found[name.decode()] = {
+        declared = h5a.exists(dsid, b"dtype")
+        return {
             "shape": tuple(int(n) for n in dsid.shape),
             "stored": dtype.str,
-            "dtype": scalar(dsid, b"dtype") if h5a.exists(dsid, b"dtype") else dtype.name,
+            "exact": dsid.get_type() == h5t.py_create(dtype),  # H5Tequal
+            "dtype": scalar(dsid, b"dtype") if declared else dtype.name,
+            "declared": declared,
             "checksum": None if checksum is None else int(checksum),
             "storage": storage_of(dsid) if plain else None,  # where its bytes are (checkpoint.io: posix)
+            "error": None,
         }
 
-    h5o.visit(fid, visit, info=True)
+    errors = (OSError, TypeError, ValueError, KeyError, RuntimeError, OverflowError)
+
+    def damaged(name: bytes, err: Exception) -> None:
+        found[name.decode(errors="replace")] = {
+            "shape": None, "stored": None, "exact": False, "dtype": None, "declared": False, "checksum": None,
+            "storage": None, "error": f"{type(err).__name__}: {err}",
+        }  # fmt: skip
+
+    def walk(prefix: bytes, gid) -> None:
+        """The group's links by name, each object opened on its own (H5Ovisit stops at the first
+        damaged object header without naming it)."""
+        names: list[bytes] = []
+        try:
+            gid.links.iterate(names.append)
+        except errors as err:
+            return damaged(prefix.rstrip(b"/") or b"/", err)
+        for name in names:
+            try:
+                info = h5o.get_info(gid, name)  # reads the object header: checksummed in LIBVER files
+                if info.type == h5o.TYPE_GROUP and info.addr not in seen:  # a damaged link may point back up
+                    seen.add(info.addr)
+                    walk(prefix + name + b"/", h5g.open(gid, name))
+                elif info.type == h5o.TYPE_DATASET:
+                    found[(prefix + name).decode()] = facts(prefix + name)
+            except errors as err:
+                damaged(prefix + name, err)
+
+    seen = {h5o.get_info(fid).addr}
+    walk(b"", fid)
     return found
 
 
