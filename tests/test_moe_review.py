@@ -1,4 +1,4 @@
-"""Review of the mixture of experts (`app/model/moe.py`): the padded expert buffer under a capacity
+"""Review of the mixture of experts (`app/model/moe.py`): what the experts keep under a capacity
 that drops nothing, and expert parallelism's exchange at the edges of routing (every token to one
 expert, so that the other experts, and the rank holding them, receive nothing; top-k = E; a capacity
 that drops), each equal to the layer on one rank. Serial, and under mpirun -n 2."""
@@ -53,8 +53,8 @@ def test_a_capacity_that_drops_nothing_pads_the_experts_no_more_than_dropless():
     """Found in review: on one rank (ep 1) the experts ran over an (E, C, h) buffer of the capacity's
     width C = ceil(F T k / E) even when no expert got that many, so model.moe_capacity_factor: 1000 (a
     valid deck that drops nothing) made the buffer and the experts' activations ~500x the dropless
-    layer's here (on a real model, an out-of-memory crash where dropless fits), and F = 2 twice. The
-    buffer is as wide as the most assignments an expert kept, as under expert parallelism; the output
+    layer's here (on a real model, an out-of-memory crash where dropless fits), and F = 2 twice. Each
+    expert now runs on exactly the rows it kept (no buffer at all since 2026-12-02); the output
     equals dropless's (nothing dropped: the same rows through the same experts, RTOL/ATOL)."""
     x = torch.randn(2, 6, HIDDEN, generator=torch.Generator().manual_seed(1))
     dropless, roomy = _layer(2, None).train(), _layer(2, 1000.0).train()

@@ -240,19 +240,28 @@ class MoE(nn.Module):
             if bias:
                 self.shared.proj.bias = param(ParamMeta((hidden,), init="zeros", decay=False))
 
-    def _mlp(self, x: torch.Tensor, fc: nn.Module, proj: nn.Module, e: Optional[int] = None) -> torch.Tensor:
-        """proj(act(fc x)) with (out, in) weights: expert `e`'s of the stacked (E, out, in) over its rows
-        x (R_e, h), or the shared experts' over x (T, h) (`e` None)."""
-        w1, w2 = (fc.weight, proj.weight) if e is None else (fc.weight[e], proj.weight[e])
+    def _mlp(
+        self,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        b1: Optional[torch.Tensor],
+        w2: torch.Tensor,
+        b2: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """proj(act(fc x)) with (out, in) weights w1, w2 (and biases b1, b2 where the model has them):
+        one expert's over its rows x (R_e, h), or the shared experts' over x (T, h)."""
         h = torch.matmul(x, w1.transpose(-1, -2))
-        if self.bias:
-            h = h + (fc.bias if e is None else fc.bias[e])
+        if b1 is not None:
+            h = h + b1
         out = torch.matmul(self.act(h), w2.transpose(-1, -2))
-        return out + (proj.bias if e is None else proj.bias[e]) if self.bias else out
+        return out + b2 if b2 is not None else out
 
     def _shared(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """The shared experts' output for tokens (T, h); None without shared experts."""
-        return None if self.shared is None else self._mlp(tokens, self.shared.fc, self.shared.proj)
+        if self.shared is None:
+            return None
+        fc, proj = self.shared.fc, self.shared.proj
+        return self._mlp(tokens, fc.weight, getattr(fc, "bias", None), proj.weight, getattr(proj, "bias", None))
 
     def capacity(self, tokens: int) -> Optional[int]:
         """The most assignments an expert takes (None: dropless)."""
@@ -260,17 +269,26 @@ class MoE(nn.Module):
             return None
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.experts))
 
-    def _run_experts(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """The outputs of rows (R, h) through this rank's experts (`expert`: each row's, local index),
-        in the rows' order: the rows grouped by expert, each expert's GEMMs over exactly its rows (as
-        Megatron-LM's SequentialMLP). A batched matmul over an (E_local, busiest, h) buffer, as before,
-        kept E_local x the busiest expert's rows for backward: 1.3-1.9x the routed rows at
-        initialisation, 1.25x more under a capacity, which the planner (routed rows) did not count."""
+    def _run_experts(
+        self, rows: torch.Tensor, expert: torch.Tensor, counts: Optional[list[int]] = None
+    ) -> torch.Tensor:
+        """The outputs of rows (R, h) through this rank's experts (`expert`: each row's, local index;
+        `counts`: the rows of each, where the host has them), in the rows' order: the rows grouped by
+        expert, each expert's GEMMs over exactly its rows (as Megatron-LM's SequentialMLP). A batched
+        matmul over an (E_local, busiest, h) buffer, as before, kept E_local x the busiest expert's
+        rows for backward: 1.3-1.9x the routed rows at initialisation, which the planner (routed
+        rows) did not count."""
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=self.local_experts).tolist()  # the split: one copy to the host
+        if counts is None:  # the split: one copy to the host
+            counts = torch.bincount(expert, minlength=self.local_experts).tolist()
         grouped = rows[order].split(counts)
+        # The experts' matrices by one unbind each: its backward stacks the E gradients into one tensor,
+        # where indexing weight[e] made a zero-filled gradient of the whole stack per expert (E^2 bytes).
+        fc, proj = self.fc, self.proj
+        w1, w2 = fc.weight.unbind(0), proj.weight.unbind(0)
+        b1, b2 = (fc.bias.unbind(0), proj.bias.unbind(0)) if self.bias else ((None,) * len(w1),) * 2
         # Every expert runs, an empty one on zero rows: its weights get a (zero) gradient as before.
-        out = torch.cat([self._mlp(part, self.fc, self.proj, e) for e, part in enumerate(grouped)])
+        out = torch.cat([self._mlp(part, w1[e], b1[e], w2[e], b2[e]) for e, part in enumerate(grouped)])
         return out[torch.argsort(order)]
 
     def _exchange(
@@ -292,7 +310,7 @@ class MoE(nn.Module):
         arrived = finish()  # by source, then expert, then source order
         which = torch.arange(local, device=rows.device).repeat(ep.size)
         expert_of = torch.repeat_interleave(which, received.view(-1))
-        out = self._run_experts(arrived, expert_of)
+        out = self._run_experts(arrived, expert_of, [sum(mine[e::local]) for e in range(local)])
         return all_to_all(out, recv, send, ep.group, ep.timers), side
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,10 @@ BACKWARD_BYTES = 2.0
 OPS = {"layer_forward": 32, "layer_backward": 66 + 24, "other_forward": 13, "other_backward": 23}
 # A block whose MLP is a mixture of experts (ep = 1, dropless, no shared experts; 13 parameters):
 # the router, the sort by expert and the combine are many small ops, and each of the rank's
-# experts runs its own GEMMs over its rows (11 ops forward, 26 backward). Each shared expert MLP
+# experts runs its own GEMMs over its rows (7 ops forward, 18 backward). Each shared expert MLP
 # adds 8 forward and 22 + 2 x 4 backward (its 4 parameters' hooks). Expert parallelism's
 # exchanges add a few more (not counted). Counted by tests/test_perf.py like OPS.
-MOE_OPS = {"layer_forward": 92, "layer_backward": 100 + 26, "expert_forward": 11, "expert_backward": 26,
+MOE_OPS = {"layer_forward": 96, "layer_backward": 108 + 26, "expert_forward": 7, "expert_backward": 18,
            "shared_forward": 8, "shared_backward": 22 + 8}  # fmt: skip
 # Above this many passes (stages x chunks x micro-batches) the pipeline is not simulated pass by
 # pass (about a second of Python); its steady state plus the schedule's bubble is used instead.
