@@ -762,7 +762,8 @@ def apply_override(raw: dict[str, Any], assignment: str) -> str:
                 dotted, text, f"YAML reads {comment!r} as a comment, which would leave {value!r}: leave the comment out, or "
                 f"quote the value if the # belongs to it (--set '{dotted}=\"{text.strip()}\"')"
             )  # fmt: skip
-        if text.strip() == "~":  # YAML's null, i.e. the key's default: not a home directory
+        key = KEYS.get(parts[0], {}).get(parts[1])
+        if text.strip() == "~" and key is not None and key.path:  # YAML's null, the default: not a home directory
             raise deck_error(dotted, text, "YAML reads ~ as null (the default): write null, or give the expanded path")
     section = raw.setdefault(parts[0], {})
     if section is None:

@@ -120,15 +120,11 @@ class _DeckLoader(_c_parsed_loader()):  # type: ignore[misc]
         meant (`seed: 0123` seeded 83, `micro_batch: 010` ran 8)."""
         text = node.value.replace("_", "")
         if ":" in text:
-            kind = "a base-60 number (YAML 1.1)"
-        elif OCTAL.fullmatch(text):
-            kind = "an octal number (YAML 1.1)"
-        else:
-            return
-        raise self.refuse(
-            node.start_mark, f"{node.value} reads as {kind}, {value}: write it in decimal without leading zeros or "
-            "colons, or quote it for a string"
-        )  # fmt: skip
+            fix = f'write the number in decimal, or quote it for a time or a string ("{node.value}")'
+            raise self.refuse(node.start_mark, f"{node.value} reads as a base-60 number (YAML 1.1), {value}: {fix}")
+        if OCTAL.fullmatch(text) and int(text, 10) != value:  # 07 is 7 either way
+            fix = f"write {int(text, 10)} without the leading zero, or quote it for a string"
+            raise self.refuse(node.start_mark, f"{node.value} reads as an octal number (YAML 1.1), {value}: {fix}")
 
 
 _DeckLoader.add_constructor("tag:yaml.org,2002:int", _DeckLoader.construct_yaml_int)

@@ -757,6 +757,9 @@ def test_values_that_only_look_like_those_are_accepted(tmp_path):
                             "run.init_from=/data/a$1", "train.steps=1_000", "optim.lr=3e-4"))  # fmt: skip
     assert (deck.run.dir, deck.run.study, deck.train.seed, deck.checkpoint.every) == ("runs/#2", "#weak", 0, 16)
     assert (deck.run.init_from, deck.train.steps, deck.optim.lr) == ("/data/a$1", 1000, 3e-4)
+    # ~ is null, the default, where the key is not a path; 07 is 7 in octal and decimal alike.
+    deck = load_deck(TINY, ("model.ffn_hidden=~", "train.seed=07"))
+    assert (deck.model.ffn_hidden, deck.train.seed) == (None, 7)
     # A deck file: the same refusal, with its line; its comments are its writer's.
     bad = write(tmp_path, "train:\n  steps: 10  # ten\n  seed: 0123\n")
     with pytest.raises(DeckError, match=r"line 3: 0123 reads as an octal number"):

@@ -897,6 +897,12 @@ def test_largest_takes_the_max_imbalance_and_search_and_largest_refuse_all_ranks
     assert out.returncode == (0 if strict else 2) and "Traceback" not in out.stderr, out.stderr
     if not strict:
         assert "(at --max-imbalance 1); a --dry-run of the deck names its problems" in out.stderr
+    # A deck's own stage split is for its own layer count: each trial takes the default one (found in
+    # the day's diff review: every trial was refused, "not one layer of any width").
+    split = load_deck(
+        REPO / "inputs/gpt_tiny.yaml", ("parallel.pp=4", "parallel.dp=1", "parallel.stage_layers=[1,1,1,1]")
+    )
+    assert largest_gpt(split, 4, machine, max_imbalance=100.0) == loose
     for mode in ("--search", "--largest"):
         out = dry_run("inputs/gpt_tiny.yaml", mode, "--all-ranks", "--machine", "h100_1gpu", "--world-size", "4")
         assert out.returncode == 2 and f"--all-ranks goes with a plain --dry-run, not with {mode}" in out.stderr

@@ -8,7 +8,7 @@ import pytest
 
 from app.names import BYTES
 from app.plan.estimate import estimate_stages, layer_activation_bytes, mask_bytes
-from conftest import grid_trainer, train_steps
+from conftest import REPO, grid_trainer, train_steps
 
 
 def _live_bytes_at_first_backward(trace: str) -> tuple[float, float]:
@@ -397,3 +397,25 @@ def test_the_host_memory_check_sums_the_stages_a_node_holds():
     assert 8 * plan.peak_stage().host(3, "host") <= usable < held  # the case: the peak stage's bound passed it
     (problem,) = plan.problems
     assert f"8 ranks per node (stages 0-3) = {held / GiB:,.1f} GiB, frontier has 409.6 GiB usable" in problem, problem
+
+
+def test_the_search_keeps_3d_candidates_of_a_deck_that_asks_for_gradient_accumulation_fusion():
+    """Found in the day's diff review (2026-12-02): the deck refuses train.fuse_grad_accumulation: true
+    under parallel.tensor (nothing fuses there), so every 3D candidate built from such a deck failed
+    validation and was dropped uncounted (gpt_10b --tensor 3d: 0 configurations). A 3D candidate sets
+    the key back to its default; the 3D ranking is the same as without it."""
+    from app.deck import load_deck
+    from app.plan.machine import load_machine
+    from app.plan.search import search
+
+    machine = load_machine("frontier")
+    found = {}
+    for fuse in ("null", "true"):
+        deck = load_deck(
+            REPO / "inputs/gpt_tiny.yaml", (f"train.fuse_grad_accumulation={fuse}", "train.global_batch=64")
+        )
+        result = search(deck, 8, machine, top=3, tensor="3d")
+        assert result.best, fuse
+        found[fuse] = [(c.sets["parallel.tensor"], c.sets["parallel.pp"], round(c.step, 9)) for c in result.best]
+        assert all(c.sets.get("train.fuse_grad_accumulation", None) is None for c in result.best)
+    assert found["true"] == found["null"]

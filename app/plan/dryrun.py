@@ -224,7 +224,8 @@ def largest_gpt(
     """For each of GPT_WIDTHS, the most layers (up to MAX_LAYERS) with which `deck`'s model at that
     width plans without problems on `world_size` ranks of `machine` (its memory, and the offloaded
     state's host memory or drive: `optim.offload`); widths at which not even one layer fits are
-    left out. Every other key (batch, sequence, grid, ZeRO, recompute, offload) is the deck's; a
+    left out. Every other key (batch, sequence, grid, ZeRO, recompute, offload) is the deck's (its
+    parallel.stage_layers excepted: each trial takes the default split of its layers); a
     shape fits as the dry run with `max_imbalance` would accept it (the stages' default split of its
     layers: a count they split unevenly may be unbalanced below one that is not, so the layers are
     bisected by memory alone, then the balanced count at or below that bound is taken)."""
@@ -239,7 +240,8 @@ def largest_gpt(
             the grid cannot take, e.g. heads over tp)."""
             model = replace(deck.model, hidden=hidden, heads=heads, layers=layers)
             try:
-                trial = replace(deck, model=model)
+                # The default split of the trial's layers: the deck's stage_layers are for its own count.
+                trial = replace(deck, model=model, parallel=replace(deck.parallel, stage_layers=None))
                 validate(trial)  # e.g. fewer layers than pipeline stages: a DeckError, not make_plan's ValueError
                 return make_plan(trial, world_size, machine, ranks_per_node, math.inf, predict_step=False)
             except GridlmError:
