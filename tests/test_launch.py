@@ -156,7 +156,8 @@ def test_default_path_time_and_machine_from_the_deck(tmp_path, monkeypatch, caps
 
 
 def test_overrides_reach_the_app_exactly_as_given(tmp_path, monkeypatch, capsys):
-    tricky = "checkpoint.dir=ck$pt dir/it's"
+    # A shell would expand $1 and split at the space; the deck takes it as written ($NAME is refused there).
+    tricky = "checkpoint.dir=ck$1 dir/it's"
     text = write_script(tmp_path, monkeypatch, capsys, "local", 1, "--set", tricky)
     line = next(x for x in text.splitlines() if x.startswith("gridlm_launch "))
     argv = shlex.split(line)
@@ -174,7 +175,8 @@ def test_a_machine_given_as_a_path_is_passed_on_as_an_absolute_path(tmp_path, mo
 
 @pytest.mark.parametrize(
     "defaults, message",
-    [('{time: 2:00:00, partition: debug}', "defaults.time = 7200: YAML read an unquoted time as a number"),
+    [('{time: 2:00:00, partition: debug}', 'line 19: 2:00:00 reads as a base-60 number (YAML 1.1), 7200: write the '
+      'number in decimal, or quote it for a time or a string ("2:00:00")'),
      ('{time: "2:00", partition: debug}', "defaults.time '2:00': expected HH:MM:SS"),
      ('{time: "00:30:00", partition: true}', "defaults.partition = True: a name is expected")],
 )  # fmt: skip
