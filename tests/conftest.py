@@ -420,6 +420,17 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def fake_cpu_topology(sysfs: Path, sockets: int, cores: int) -> None:
+    """A sysfs of `sockets` x `cores` cores with 2 hardware threads each, as Linux numbers them: cpu c
+    and c + sockets x cores are one core's two threads (`physical_cores` reads it)."""
+    cpus = sockets * cores
+    for cpu in range(2 * cpus):
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{cpu % cpus // cores}\n")
+        (topology / "core_id").write_text(f"{cpu % cores}\n")
+
+
 def grid_trainer(grids: GridPool, tp: int, pp: int, dp: int, overrides: tuple[str, ...]):
     """A `Trainer` of inputs/gpt_tiny.yaml with `overrides` on the pool's tp x pp x dp grid
     (this rank's copy of it when the world holds several)."""

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from app.runtime.grid import AXES, GridLayout, placement_warnings
-from conftest import REPO
+from conftest import REPO, fake_cpu_topology
 
 ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 2, 3), (8, 4, 2), (3, 5, 7)]
@@ -171,11 +171,7 @@ def test_torch_threads_count_a_core_s_hardware_threads_once(tmp_path):
     """Perlmutter's srun -c 32 gives a rank 16 cores x 2 hardware threads: 16 torch threads, not 32."""
     from app.runtime.mpi import physical_cores
 
-    for cpu in range(64):  # 2 sockets x 16 cores x 2 threads; cpu c and c + 32 are one core's threads
-        topology = tmp_path / f"cpu{cpu}" / "topology"
-        topology.mkdir(parents=True)
-        (topology / "physical_package_id").write_text(f"{cpu % 32 // 16}\n")
-        (topology / "core_id").write_text(f"{cpu % 16}\n")
+    fake_cpu_topology(tmp_path, 2, 16)  # cpu c and c + 32 are one core's threads
     rank = set(range(16)) | set(range(32, 48))  # the first socket, both threads of each core
     assert physical_cores(rank, tmp_path) == 16
     assert physical_cores(set(range(32)), tmp_path) == 32  # one thread of every core

@@ -45,14 +45,14 @@ def test_an_address_the_other_ranks_cannot_use_is_refused_with_the_fix(value, no
 def test_a_gloo_interface_this_node_lacks_is_named_and_the_rest_are_not():
     """Found in review (2026-11-30): GLOO_SOCKET_IFNAME naming no interface of a node failed inside
     init_process_group and was reported as a lost peer on another node (exit 4); the ranks now check
-    the names first (`missing_interfaces`) and refuse with the node's interfaces."""
-    import socket
+    the names first (`gloo_interface_problems`, on this host's interfaces) and refuse with the node's
+    interfaces."""
+    from app.runtime.mpi import gloo_interface_problems, interface_table
 
-    from app.runtime.mpi import missing_interfaces
-
-    here = [name for _, name in socket.if_nameindex()]
-    assert missing_interfaces("") == [] and missing_interfaces(here[0]) == []
-    assert missing_interfaces(f"{here[0]}, nosuchif0") == ["nosuchif0"]
+    here = interface_table()
+    assert here is not None
+    assert gloo_interface_problems("", here) == [] and gloo_interface_problems("lo", here) == []
+    assert gloo_interface_problems("lo,nosuchif0", here) == ["no interface nosuchif0"]
 
 
 def test_probe_connects_to_a_listening_port_and_gives_up_on_a_closed_one_in_bounded_time():

@@ -12,7 +12,7 @@ import pytest
 from app.errors import LaunchError
 from app.runtime.mpi import interface_table
 from app.runtime.rendezvous import choose_host
-from conftest import run_mpi
+from conftest import fake_cpu_topology, run_mpi
 
 # A user error raised by one rank only, after start-up, while its peer waits for it in a collective
 # (a file only its node cannot read, a check that depends on the rank's device).
@@ -182,11 +182,7 @@ def test_threads_share_the_cpus_the_node_s_ranks_may_run_on_not_the_machine_s(mo
 def test_threads_per_rank_counts_physical_cores_and_splits_the_node_s_cpus(tmp_path):
     from app.runtime.mpi import threads_per_rank
 
-    for cpu in range(128):  # 2 sockets x 32 cores x 2 threads; cpu c and c + 64 are one core's threads
-        topology = tmp_path / f"cpu{cpu}" / "topology"
-        topology.mkdir(parents=True)
-        (topology / "physical_package_id").write_text(f"{cpu % 64 // 32}\n")
-        (topology / "core_id").write_text(f"{cpu % 32}\n")
+    fake_cpu_topology(tmp_path, 2, 32)  # cpu c and c + 64 are one core's threads
     assert threads_per_rank(set(range(8)), 8, 8, tmp_path) == 1  # 8 ranks in one cpuset of 8 CPUs
     assert threads_per_rank(set(range(8)), 8, 1, tmp_path) == 8  # one rank alone in it
     assert threads_per_rank(set(range(16, 32)), 128, 8, tmp_path) == 16  # bound to 16 cores each

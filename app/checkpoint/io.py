@@ -1010,8 +1010,7 @@ def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
         model = dict(stored_deck(header, path)["model"])
         for key in ("vocab_size", "seq_len", "layers", "hidden", "heads"):
             int(model[key])
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
+        cfg = _model_config(model)
         model.update(arch=cfg.arch, ffn=cfg.ffn, kv=cfg.kv, tie_embeddings=cfg.tie_embeddings,
                      moe_experts=cfg.moe_experts, expert_ffn=cfg.expert_ffn, moe_every=cfg.moe_every,
                      moe_shared_experts=cfg.moe_shared_experts, layernorm_eps=cfg.layernorm_eps,
@@ -1019,6 +1018,13 @@ def model_section(header: dict[str, Any], path: Path) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
         raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None
     return model
+
+
+def _model_config(model: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a stored deck's model section (keys it does not know, e.g. those
+    `model_section` adds, left out)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in model.items() if k in known})
 
 
 def check_model(header: dict[str, Any], deck: Deck, path: Path, advice: Advice = RESUME) -> None:
@@ -1112,9 +1118,8 @@ def expected_datasets(header: dict[str, Any], path: Path) -> dict[str, tuple[Opt
     them (`require_dataset`), and the RNG rows, one per rank of the grid that wrote it (None: a size
     not known in advance, a generator state's bytes). torch_cuda is expected where the file has it."""
     model = model_section(header, path)  # CheckpointError without a usable model section
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
     try:
-        cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
+        cfg = _model_config(model)
         params = cfg.spec.stage_params(cfg, range(cfg.layers), True, True)
     except (KeyError, TypeError, ValueError, ArithmeticError) as err:  # heads: 0 in a damaged older file
         raise CheckpointError(f"{path}: the deck attribute has no usable model section ({err!r})") from None

@@ -26,7 +26,6 @@ views of its tensors; the NVMe store's views read the file, and its `store` writ
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -47,6 +46,7 @@ import torch
 from app.errors import RankFatal
 from app.names import OFFLOAD_ALIGN, OFFLOAD_FP32, OFFLOAD_SLOTS, OFFLOAD_STATE_TENSORS, offload_chunk
 from app.names import offload_padded as _padded
+from app.runtime.preflight import MEMORY_FILESYSTEMS, filesystem_type
 
 # Bytes per element of every state tensor; the state tensors (master, exp_avg, exp_avg_sq); the
 # NVMe stream's buffers (read-ahead, update, write-behind): declared once in app/names.py.
@@ -163,8 +163,6 @@ class HostStore(OffloadStore):
         return max((ts[0].numel() for ts in self.tensors), default=0)
 
 
-# statfs(2)'s f_type of the file systems that keep their files in memory (linux/magic.h).
-MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 # flock's errors where the file system has no locks (as app/runtime/lock.py: NFS without lockd, FUSE).
 NO_LOCKS = frozenset({errno.ENOSYS, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP})
 # The advice of each way the file can fail.
@@ -175,15 +173,9 @@ READ_FIX = "check that drive, point optim.offload_dir at another one, or use opt
 
 def memory_filesystem(directory: Path) -> str:
     """The type of `directory`'s file system when it keeps its files in memory (tmpfs, ramfs), else ""
-    (also where statfs cannot be asked)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux), f_type first
-        if libc.statfs(os.fsencode(directory), buf) != 0:
-            return ""
-    except (OSError, AttributeError):  # no C library to ask, or no statfs in it
-        return ""
-    return MEMORY_FILESYSTEMS.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF, "")
+    (also where Linux does not say)."""
+    kind = filesystem_type(directory)
+    return kind if kind in MEMORY_FILESYSTEMS else ""
 
 
 def _job_rank0() -> bool:

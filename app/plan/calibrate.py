@@ -40,6 +40,7 @@ from app.deck_yaml import dump_yaml, read_yaml_file
 from app.metrics.peaks import peak_tflops
 from app.plan.machine import COLLECTIVE_OPS, ELEMENTWISE_KINDS, NCCL_RING_LATENCY_US, MachineError
 from app.plan.perf import BACKWARD_BYTES, ring_terms
+from app.runtime.preflight import MEMORY_FILESYSTEMS, filesystem_type
 
 if TYPE_CHECKING:
     from app.runtime.mpi import Runtime
@@ -77,7 +78,6 @@ MIN_SECONDS = 0.25  # per timed loop
 # blocks of DISK_BLOCK. A few hundred MB: a second or two on an SSD.
 DISK_BYTES = 256 * 2**20
 DISK_BLOCK = 8 * 2**20
-MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")  # a file there is memory: no disk to measure
 
 
 def _agreed(comm: Any, value: float) -> float:
@@ -558,18 +558,6 @@ def time_disk(path: Path, nbytes: int) -> tuple[float, float]:
         os.close(fd)
         path.unlink(missing_ok=True)
     return write, read
-
-
-def filesystem_type(directory: Path) -> str:
-    """The type of the file system holding `directory` (the longest mount point above it in
-    /proc/mounts), or "" where Linux does not say."""
-    try:
-        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
-    except OSError:
-        return ""
-    target = str(directory.resolve())
-    above = [(point, kind) for point, kind in mounts if target == point or target.startswith(point.rstrip("/") + "/")]
-    return max(above, key=lambda m: len(m[0]), default=("", ""))[1]
 
 
 def _disk(runtime: Runtime, directory: Path) -> dict[str, float]:

@@ -498,13 +498,6 @@ def init_torch_distributed(
     runtime.store_source = source
 
 
-def missing_interfaces(value: str) -> list[str]:
-    """The names of a GLOO_SOCKET_IFNAME value (comma-separated, spaces stripped) that are no interface
-    of this host. The job's own check is `gloo_interface_problems`, which takes names as gloo does."""
-    have = {name for _, name in socket.if_nameindex()}
-    return [name for name in (n.strip() for n in value.split(",")) if name and name not in have]
-
-
 IFF_UP = 0x1  # <net/if.h>
 
 

@@ -140,6 +140,21 @@ def _cgroup_level_room(directory: Path, version: int) -> Optional[int]:
     return max(0, limit - usage + cache)
 
 
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")  # a file there is memory, not a drive
+
+
+def filesystem_type(directory: Path) -> str:
+    """The type of the file system holding `directory` (the longest mount point above it in
+    /proc/mounts), or "" where Linux does not say."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return ""
+    target = str(directory.resolve())
+    above = [(point, kind) for point, kind in mounts if target == point or target.startswith(point.rstrip("/") + "/")]
+    return max(above, key=lambda m: len(m[0]), default=("", ""))[1]
+
+
 def checkpoint_io(deck: Deck, has_mpi: bool) -> None:
     """Refuse checkpoints that this h5py cannot write (no MPI), naming both ways out."""
     ck = deck.checkpoint
